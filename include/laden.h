@@ -1,0 +1,79 @@
+/* laden: run models larger than GPU memory by moving weights between disk,
+ * host RAM and VRAM.  Umbrella header: version, status codes, errors.
+ *
+ * Every function that can fail returns a laden_status: 0 on success, a
+ * negative LADEN_E_* on failure.  On failure the out-parameters are set to
+ * NULL or 0 and laden_last_error() holds a message naming what failed.
+ *
+ * Licensed under the Apache License, Version 2.0. */
+#ifndef LADEN_H
+#define LADEN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LADEN_VERSION_MAJOR 0
+#define LADEN_VERSION_MINOR 1
+#define LADEN_VERSION_PATCH 0
+
+#if defined(LADEN_BUILDING)
+#define LADEN_API __attribute__((visibility("default")))
+#else
+#define LADEN_API
+#endif
+
+/* The one list of statuses.  Names, messages and the enum are generated from
+ * it; the Python binding reads the names at run time.  Values are stable. */
+#define LADEN_STATUS_LIST(X)                                                   \
+    X(OK, 0, "success")                                                        \
+    X(E_INVAL, -1, "invalid argument")                                         \
+    X(E_NOMEM, -2, "out of host memory")                                       \
+    X(E_IO, -3, "I/O error")                                                   \
+    X(E_NOENT, -4, "no such file")                                             \
+    X(E_TRUNCATED, -5, "file is shorter than its header says")                 \
+    X(E_HEADER, -6, "bad checkpoint header length")                            \
+    X(E_JSON, -7, "malformed JSON in checkpoint header")                       \
+    X(E_SCHEMA, -8, "checkpoint header entry has the wrong structure")         \
+    X(E_DTYPE, -9, "unknown tensor dtype")                                     \
+    X(E_SHAPE, -10, "tensor shape does not match its byte range")              \
+    X(E_RANGE, -11, "tensor data ranges out of bounds, overlapping or gapped") \
+    X(E_NAME, -12, "invalid or duplicate tensor name")                         \
+    X(E_LIMIT, -13, "checkpoint header exceeds a limit")                       \
+    X(E_INDEX, -14, "bad sharded checkpoint index")                            \
+    X(E_NOTFOUND, -15, "no such tensor")                                       \
+    X(E_DEVICE, -16, "device driver error")                                    \
+    X(E_NODEVICE, -17, "no such device")                                       \
+    X(E_DEVICE_NOMEM, -18, "out of device memory")                             \
+    X(E_BUDGET, -19, "byte budget exceeded")                                   \
+    X(E_UNSUPPORTED, -20, "operation not supported on this device")           \
+    X(E_STATE, -21, "object is in the wrong state for this call")
+
+typedef enum laden_status {
+#define LADEN__STATUS_ENUM(name, value, msg) LADEN_##name = value,
+    LADEN_STATUS_LIST(LADEN__STATUS_ENUM)
+#undef LADEN__STATUS_ENUM
+} laden_status;
+
+/* "1.2.3".  Static storage; any thread. */
+LADEN_API const char *laden_version(void);
+
+/* The status's name without prefix ("E_INVAL"), or "UNKNOWN".  Static
+ * storage; any thread. */
+LADEN_API const char *laden_status_name(int status);
+
+/* The status's fixed message, or "unknown status".  Static; any thread. */
+LADEN_API const char *laden_status_message(int status);
+
+/* The detail of the last failure on the calling thread: which file, tensor,
+ * field or driver call failed, and why.  Thread-local storage, valid until
+ * the next laden call on this thread; "" if nothing failed yet. */
+LADEN_API const char *laden_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

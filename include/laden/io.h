@@ -1,0 +1,92 @@
+/* io: reads byte ranges of checkpoint files into caller buffers with a pool
+ * of threads.  Large preads, O_DIRECT where the file system allows it (into
+ * the caller's buffer when the alignments agree, through a per-thread bounce
+ * buffer when they do not), buffered reads for unaligned edges.  Short
+ * reads, EINTR and I/O errors are handled and reported, never returned as
+ * data.  Also a zero-copy private mapping for callers that want a view. */
+#ifndef LADEN_IO_H
+#define LADEN_IO_H
+
+#include "../laden.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct laden_io laden_io_t;          /* reader pool, opaque */
+typedef struct laden_io_file laden_io_file_t; /* an open file, opaque */
+typedef struct laden_io_req laden_io_req_t;   /* a submitted read, opaque */
+
+typedef enum laden_io_direct {
+    LADEN_IO_DIRECT_AUTO = 0, /* O_DIRECT where the file system takes it */
+    LADEN_IO_DIRECT_OFF = 1,  /* always buffered (page cache) */
+} laden_io_direct;
+
+typedef struct laden_io_config {
+    uint32_t threads;     /* 0: default (4) */
+    uint64_t chunk_bytes; /* 0: default (16 MiB); rounded to 1 MiB */
+    laden_io_direct direct;
+} laden_io_config;
+
+/* Creates a pool.  cfg may be NULL for defaults.  *out owns the pool;
+ * destroy with laden_io_destroy.  Any thread. */
+LADEN_API laden_status laden_io_create(const laden_io_config *cfg,
+                                       laden_io_t **out);
+
+/* Waits for submitted reads to finish, then stops the threads.  NULL: no-op.
+ * Requests not yet waited for are freed. */
+LADEN_API void laden_io_destroy(laden_io_t *io);
+
+/* Opens a file for reading.  Keeps a buffered and, where supported, an
+ * O_DIRECT descriptor.  Close with laden_io_file_close once no read on it is
+ * in flight. */
+LADEN_API laden_status laden_io_file_open(const char *path,
+                                          laden_io_file_t **out);
+LADEN_API void laden_io_file_close(laden_io_file_t *file);
+LADEN_API uint64_t laden_io_file_size(const laden_io_file_t *file);
+LADEN_API const char *laden_io_file_path(const laden_io_file_t *file);
+/* 1 if reads of this file may use O_DIRECT. */
+LADEN_API int laden_io_file_direct(const laden_io_file_t *file);
+
+/* Queues a read of size bytes at offset into dst.  Does not block on the
+ * read.  *out identifies it for laden_io_wait, which must be called exactly
+ * once.  dst and file must stay valid until then.  Reads past the end of
+ * the file fail (LADEN_E_TRUNCATED), they are not clipped. */
+LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
+                                       uint64_t offset, uint64_t size,
+                                       void *dst, laden_io_req_t **out);
+
+/* Blocks until the request has finished, frees it and returns its status;
+ * on failure laden_last_error() on the calling thread names file, offset and
+ * cause.  Any thread. */
+LADEN_API laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *req);
+
+/* laden_io_submit then laden_io_wait. */
+LADEN_API laden_status laden_io_read(laden_io_t *io, laden_io_file_t *file,
+                                     uint64_t offset, uint64_t size,
+                                     void *dst);
+
+/* Maps the whole file privately: the view is zero-copy and reads come from
+ * the page cache; writes through it (which callers should not make) go to
+ * private copies, never to the file.  *out_size gets the file size.  Unmap
+ * with laden_io_unmap.  A file of zero bytes maps to a non-NULL dummy. */
+LADEN_API laden_status laden_io_map(laden_io_file_t *file, void **out,
+                                    uint64_t *out_size);
+LADEN_API void laden_io_unmap(void *addr, uint64_t size);
+
+/* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
+ * following read measures the drive.  Used by benchmarks and probe. */
+LADEN_API laden_status laden_io_drop_cache(laden_io_file_t *file);
+
+/* Measures this machine's direct read rate: writes a temporary file of
+ * size_bytes in dir, syncs it, drops it from the page cache, reads it back
+ * through a pool and deletes it.  *out_bytes_per_s gets the read rate.
+ * Blocks for the whole measurement. */
+LADEN_API laden_status laden_io_measure_read(const char *dir,
+                                             uint64_t size_bytes,
+                                             double *out_bytes_per_s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

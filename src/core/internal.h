@@ -1,0 +1,41 @@
+/* Private helpers shared by every layer: error reporting and checked
+ * arithmetic.  Not installed. */
+#ifndef LADEN_CORE_INTERNAL_H
+#define LADEN_CORE_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+
+#include "laden.h"
+
+#define LADEN__FMT(a, b) __attribute__((format(printf, a, b)))
+
+/* Records a printf-style detail for laden_last_error() on this thread and
+ * returns status, so callers write `return laden__fail(LADEN_E_X, ...)`. */
+laden_status laden__fail(laden_status status, const char *fmt, ...)
+    LADEN__FMT(2, 3);
+laden_status laden__vfail(laden_status status, const char *fmt, va_list ap);
+
+/* Prefixes the current detail with more context ("reading x: <detail>"). */
+void laden__error_prefix(const char *fmt, ...) LADEN__FMT(1, 2);
+
+/* Clears the detail (successful calls do not clear it; callers that retry
+ * after a failure do). */
+void laden__error_clear(void);
+
+/* Overflow-checked arithmetic; false on overflow. */
+static inline bool laden__add_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return !__builtin_add_overflow(a, b, out);
+}
+static inline bool laden__mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return !__builtin_mul_overflow(a, b, out);
+}
+
+/* Monotonic clock in nanoseconds. */
+uint64_t laden__now_ns(void);
+
+#define LADEN__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+#endif

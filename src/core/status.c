@@ -1,0 +1,91 @@
+/* Status names and messages from the one list; the thread-local detail. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+#define LADEN__ERR_BYTES 1024
+
+static _Thread_local char err_buf[LADEN__ERR_BYTES];
+
+const char *laden_version(void)
+{
+#define STR2(x) #x
+#define STR(x) STR2(x)
+    return STR(LADEN_VERSION_MAJOR) "." STR(LADEN_VERSION_MINOR) "." STR(
+        LADEN_VERSION_PATCH);
+#undef STR
+#undef STR2
+}
+
+const char *laden_status_name(int status)
+{
+    switch (status) {
+#define NAME_CASE(name, value, msg) \
+    case value:                     \
+        return #name;
+        LADEN_STATUS_LIST(NAME_CASE)
+#undef NAME_CASE
+    }
+    return "UNKNOWN";
+}
+
+const char *laden_status_message(int status)
+{
+    switch (status) {
+#define MSG_CASE(name, value, msg) \
+    case value:                    \
+        return msg;
+        LADEN_STATUS_LIST(MSG_CASE)
+#undef MSG_CASE
+    }
+    return "unknown status";
+}
+
+const char *laden_last_error(void) { return err_buf; }
+
+laden_status laden__vfail(laden_status status, const char *fmt, va_list ap)
+{
+    vsnprintf(err_buf, sizeof err_buf, fmt, ap);
+    return status;
+}
+
+laden_status laden__fail(laden_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    laden__vfail(status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void laden__error_prefix(const char *fmt, ...)
+{
+    char prefix[LADEN__ERR_BYTES];
+    char old[LADEN__ERR_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    va_end(ap);
+    memcpy(old, err_buf, sizeof old);
+    size_t n = strlen(prefix);
+    if (n > sizeof err_buf - 3)
+        n = sizeof err_buf - 3;
+    memcpy(err_buf, prefix, n);
+    memcpy(err_buf + n, ": ", 2);
+    size_t rest = sizeof err_buf - n - 3;
+    size_t m = strnlen(old, rest);
+    memcpy(err_buf + n + 2, old, m);
+    err_buf[n + 2 + m] = '\0';
+}
+
+void laden__error_clear(void) { err_buf[0] = '\0'; }
+
+uint64_t laden__now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

@@ -1,0 +1,454 @@
+/* The CUDA device.  libcuda.so.1 is opened at run time; cuGetProcAddress
+ * resolves every entry point for the driver API version we were written
+ * against, so the right _v2 variants come back without naming them.  Work
+ * runs in each device's primary context, shared with PyTorch. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_api.h"
+#include "dev_internal.h"
+
+#define LADEN_CUDA_API_VERSION 12000
+#define MAX_DEVICES 64
+
+static struct {
+#define FIELD(name, args) CUresult (*name) args;
+    LADEN_CUDA_FUNCS(FIELD)
+#undef FIELD
+    CUresult (*cuGetErrorName)(CUresult, const char **);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+} cu;
+
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static int32_t device_count;
+char laden__cuda_error[512];
+
+static struct cuda_dev {
+    atomic_int ready;
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult err;
+    size_t granularity;
+    int vmm;
+} devs[MAX_DEVICES];
+
+static void load(void)
+{
+    const char *off = getenv("LADEN_DISABLE_CUDA");
+    if (off && *off && strcmp(off, "0") != 0) {
+        snprintf(laden__cuda_error, sizeof laden__cuda_error,
+                 "disabled by LADEN_DISABLE_CUDA");
+        return;
+    }
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(laden__cuda_error, sizeof laden__cuda_error,
+                 "cannot load libcuda.so.1 (no NVIDIA driver?): %s",
+                 dlerror());
+        return;
+    }
+    typedef CUresult (*gpa_v2_t)(const char *, void **, int, uint64_t, int *);
+    typedef CUresult (*gpa_t)(const char *, void **, int, uint64_t);
+    gpa_v2_t gpa2 = (gpa_v2_t)(uintptr_t)dlsym(lib, "cuGetProcAddress_v2");
+    gpa_t gpa1 = (gpa_t)(uintptr_t)dlsym(lib, "cuGetProcAddress");
+    if (!gpa2 && !gpa1) {
+        snprintf(laden__cuda_error, sizeof laden__cuda_error,
+                 "libcuda.so.1 has no cuGetProcAddress (driver too old; "
+                 "CUDA 12 or newer is needed)");
+        return;
+    }
+#define RESOLVE_ONE(name, ptr)                                              \
+    do {                                                                    \
+        void *fn = NULL;                                                    \
+        int qs = 0;                                                         \
+        CUresult r = gpa2 ? gpa2(#name, &fn, LADEN_CUDA_API_VERSION, 0, &qs) \
+                          : gpa1(#name, &fn, LADEN_CUDA_API_VERSION, 0);    \
+        if (r != CUDA_SUCCESS || !fn) {                                     \
+            snprintf(laden__cuda_error, sizeof laden__cuda_error,           \
+                     "the CUDA driver lacks %s (error %d)", #name, r);      \
+            return;                                                         \
+        }                                                                   \
+        memcpy(&(ptr), &fn, sizeof fn);                                     \
+    } while (0)
+#define RESOLVE_FIELD(name, args) RESOLVE_ONE(name, cu.name);
+    LADEN_CUDA_FUNCS(RESOLVE_FIELD)
+#undef RESOLVE_FIELD
+    RESOLVE_ONE(cuGetErrorName, cu.cuGetErrorName);
+    RESOLVE_ONE(cuGetErrorString, cu.cuGetErrorString);
+#undef RESOLVE_ONE
+    CUresult r = cu.cuInit(0);
+    int n = 0;
+    if (r == CUDA_SUCCESS)
+        r = cu.cuDeviceGetCount(&n);
+    if (r != CUDA_SUCCESS) {
+        const char *name = "?";
+        cu.cuGetErrorName(r, &name);
+        snprintf(laden__cuda_error, sizeof laden__cuda_error,
+                 "cuInit failed: %s", name);
+        return;
+    }
+    if (n == 0)
+        snprintf(laden__cuda_error, sizeof laden__cuda_error,
+                 "the CUDA driver sees no device");
+    device_count = n > MAX_DEVICES ? MAX_DEVICES : n;
+}
+
+int32_t laden__cuda_load(void)
+{
+    pthread_once(&load_once, load);
+    return device_count;
+}
+
+static laden_status check(CUresult r, int32_t dev, const char *call)
+{
+    if (r == CUDA_SUCCESS)
+        return LADEN_OK;
+    const char *name = "CUDA_ERROR_UNKNOWN", *msg = "";
+    cu.cuGetErrorName(r, &name);
+    cu.cuGetErrorString(r, &msg);
+    laden_status st = r == CUDA_ERROR_OUT_OF_MEMORY   ? LADEN_E_DEVICE_NOMEM
+                      : r == CUDA_ERROR_INVALID_VALUE ? LADEN_E_INVAL
+                                                      : LADEN_E_DEVICE;
+    return laden__fail(st, "cuda:%d: %s failed: %s (%s)", dev, call, name,
+                       msg);
+}
+
+/* Per-device state, set up on first use of the device. */
+static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void init_dev(int32_t index)
+{
+    struct cuda_dev *d = &devs[index];
+    CUresult r = cu.cuDeviceGet(&d->dev, index);
+    if (r == CUDA_SUCCESS)
+        r = cu.cuDevicePrimaryCtxRetain(&d->ctx, d->dev);
+    d->err = r;
+    if (r != CUDA_SUCCESS)
+        return;
+    cu.cuDeviceGetAttribute(
+        &d->vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        d->dev);
+    if (d->vmm) {
+        CUmemAllocationProp prop = {0};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = d->dev;
+        if (cu.cuMemGetAllocationGranularity(&d->granularity, &prop,
+                                             CU_MEM_ALLOC_GRANULARITY_MINIMUM) !=
+                CUDA_SUCCESS ||
+            d->granularity == 0)
+            d->vmm = 0;
+    }
+}
+
+/* Makes the device's primary context current on this thread. */
+static laden_status enter(int32_t dev)
+{
+    struct cuda_dev *d = &devs[dev];
+    if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
+        pthread_mutex_lock(&init_mu);
+        if (!atomic_load_explicit(&d->ready, memory_order_relaxed)) {
+            init_dev(dev);
+            atomic_store_explicit(&d->ready, 1, memory_order_release);
+        }
+        pthread_mutex_unlock(&init_mu);
+    }
+    if (d->err != CUDA_SUCCESS)
+        return check(d->err, dev, "cuDevicePrimaryCtxRetain");
+    CUcontext cur = NULL;
+    cu.cuCtxGetCurrent(&cur);
+    if (cur != d->ctx)
+        return check(cu.cuCtxSetCurrent(d->ctx), dev, "cuCtxSetCurrent");
+    return LADEN_OK;
+}
+
+#define ENTER(dev)                       \
+    do {                                 \
+        laden_status es = enter(dev);    \
+        if (es)                          \
+            return es;                   \
+    } while (0)
+
+static laden_status cuda_info(int32_t dev, laden_dev_info_t *out)
+{
+    ENTER(dev);
+    struct cuda_dev *d = &devs[dev];
+    size_t total = 0;
+    out->device = dev;
+    out->kind = LADEN_DEV_KIND_CUDA;
+    laden_status st = check(cu.cuDeviceGetName(out->name, sizeof out->name,
+                                               d->dev),
+                            dev, "cuDeviceGetName");
+    if (!st)
+        st = check(cu.cuDeviceTotalMem(&total, d->dev), dev,
+                   "cuDeviceTotalMem");
+    if (st)
+        return st;
+    out->total_bytes = total;
+    cu.cuDeviceGetAttribute(&out->cc_major,
+                            CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                            d->dev);
+    cu.cuDeviceGetAttribute(&out->cc_minor,
+                            CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                            d->dev);
+    out->vmm_supported = d->vmm;
+    out->vmm_granularity_bytes = d->granularity;
+    return LADEN_OK;
+}
+
+static laden_status cuda_mem_info(int32_t dev, uint64_t *fr, uint64_t *total)
+{
+    size_t f = 0, t = 0;
+    ENTER(dev);
+    laden_status st = check(cu.cuMemGetInfo(&f, &t), dev, "cuMemGetInfo");
+    *fr = f;
+    *total = t;
+    return st;
+}
+
+static laden_status cuda_stream_create(int32_t dev, void **out)
+{
+    CUstream s = NULL;
+    ENTER(dev);
+    laden_status st = check(cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), dev,
+                            "cuStreamCreate");
+    *out = s;
+    return st;
+}
+
+static laden_status cuda_stream_wrap(int32_t dev, uintptr_t h, void **out)
+{
+    ENTER(dev);
+    *out = (void *)h; /* 0 is the legacy default stream, which is valid */
+    return LADEN_OK;
+}
+
+static void cuda_stream_destroy(int32_t dev, void *s, bool owned)
+{
+    if (!owned || enter(dev) != LADEN_OK)
+        return;
+    cu.cuStreamSynchronize(s);
+    cu.cuStreamDestroy(s);
+}
+
+static laden_status cuda_stream_sync(int32_t dev, void *s)
+{
+    ENTER(dev);
+    return check(cu.cuStreamSynchronize(s), dev, "cuStreamSynchronize");
+}
+
+static laden_status cuda_stream_wait_event(int32_t dev, void *s, void *e)
+{
+    ENTER(dev);
+    return check(cu.cuStreamWaitEvent(s, e, 0), dev, "cuStreamWaitEvent");
+}
+
+static laden_status cuda_event_create(int32_t dev, int timing, void **out)
+{
+    CUevent e = NULL;
+    ENTER(dev);
+    laden_status st = check(
+        cu.cuEventCreate(&e, timing ? CU_EVENT_DEFAULT
+                                    : CU_EVENT_DISABLE_TIMING),
+        dev, "cuEventCreate");
+    *out = e;
+    return st;
+}
+
+static void cuda_event_destroy(int32_t dev, void *e)
+{
+    if (enter(dev) == LADEN_OK)
+        cu.cuEventDestroy(e);
+}
+
+static laden_status cuda_event_record(int32_t dev, void *e, void *s)
+{
+    ENTER(dev);
+    return check(cu.cuEventRecord(e, s), dev, "cuEventRecord");
+}
+
+static laden_status cuda_event_sync(int32_t dev, void *e)
+{
+    ENTER(dev);
+    return check(cu.cuEventSynchronize(e), dev, "cuEventSynchronize");
+}
+
+static laden_status cuda_event_query(int32_t dev, void *e, int *done)
+{
+    ENTER(dev);
+    CUresult r = cu.cuEventQuery(e);
+    if (r == CUDA_ERROR_NOT_READY) {
+        *done = 0;
+        return LADEN_OK;
+    }
+    *done = r == CUDA_SUCCESS;
+    return check(r, dev, "cuEventQuery");
+}
+
+static laden_status cuda_event_elapsed(int32_t dev, void *a, void *b,
+                                       float *ms)
+{
+    ENTER(dev);
+    return check(cu.cuEventElapsedTime(ms, a, b), dev, "cuEventElapsedTime");
+}
+
+static laden_status cuda_copy_h2d(int32_t dev, void *s, laden_devptr_t dst,
+                                  const void *src, uint64_t n)
+{
+    ENTER(dev);
+    return check(cu.cuMemcpyHtoDAsync(dst, src, (size_t)n, s), dev,
+                 "cuMemcpyHtoDAsync");
+}
+
+static laden_status cuda_copy_d2h(int32_t dev, void *s, void *dst,
+                                  laden_devptr_t src, uint64_t n)
+{
+    ENTER(dev);
+    return check(cu.cuMemcpyDtoHAsync(dst, src, (size_t)n, s), dev,
+                 "cuMemcpyDtoHAsync");
+}
+
+static laden_status cuda_copy_d2d(int32_t dev, void *s, laden_devptr_t dst,
+                                  laden_devptr_t src, uint64_t n)
+{
+    ENTER(dev);
+    return check(cu.cuMemcpyDtoDAsync(dst, src, (size_t)n, s), dev,
+                 "cuMemcpyDtoDAsync");
+}
+
+static laden_status cuda_mem_alloc(int32_t dev, uint64_t n,
+                                   laden_devptr_t *out)
+{
+    CUdeviceptr p = 0;
+    ENTER(dev);
+    laden_status st = check(cu.cuMemAlloc(&p, (size_t)n), dev, "cuMemAlloc");
+    if (st)
+        laden__error_prefix("allocating %llu bytes", (unsigned long long)n);
+    *out = p;
+    return st;
+}
+
+static laden_status cuda_mem_free(int32_t dev, laden_devptr_t p)
+{
+    ENTER(dev);
+    return check(cu.cuMemFree(p), dev, "cuMemFree");
+}
+
+static laden_status cuda_host_alloc(int32_t dev, uint64_t n, void **out)
+{
+    void *p = NULL;
+    ENTER(dev);
+    CUresult r = cu.cuMemHostAlloc(&p, (size_t)n, CU_MEMHOSTALLOC_PORTABLE);
+    if (r != CUDA_SUCCESS) {
+        check(r, dev, "cuMemHostAlloc");
+        return laden__fail(LADEN_E_NOMEM,
+                           "cannot pin %llu bytes of host memory: %s",
+                           (unsigned long long)n, laden_last_error());
+    }
+    *out = p;
+    return LADEN_OK;
+}
+
+static laden_status cuda_host_free(int32_t dev, void *p)
+{
+    ENTER(dev);
+    return check(cu.cuMemFreeHost(p), dev, "cuMemFreeHost");
+}
+
+static laden_status cuda_va_reserve(int32_t dev, uint64_t n,
+                                    laden_devptr_t *out)
+{
+    CUdeviceptr p = 0;
+    ENTER(dev);
+    laden_status st = check(
+        cu.cuMemAddressReserve(&p, (size_t)n, devs[dev].granularity, 0, 0),
+        dev, "cuMemAddressReserve");
+    *out = p;
+    return st;
+}
+
+static laden_status cuda_va_release(int32_t dev, laden_devptr_t va, uint64_t n)
+{
+    ENTER(dev);
+    return check(cu.cuMemAddressFree(va, (size_t)n), dev, "cuMemAddressFree");
+}
+
+static laden_status cuda_phys_create(int32_t dev, uint64_t n, laden_phys_t *out)
+{
+    CUmemGenericAllocationHandle h = 0;
+    CUmemAllocationProp prop = {0};
+    ENTER(dev);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = devs[dev].dev;
+    laden_status st = check(cu.cuMemCreate(&h, (size_t)n, &prop, 0), dev,
+                            "cuMemCreate");
+    *out = h;
+    return st;
+}
+
+static laden_status cuda_phys_release(int32_t dev, laden_phys_t p)
+{
+    ENTER(dev);
+    return check(cu.cuMemRelease(p), dev, "cuMemRelease");
+}
+
+static laden_status cuda_map(int32_t dev, laden_devptr_t va, uint64_t n,
+                             laden_phys_t p)
+{
+    ENTER(dev);
+    laden_status st = check(cu.cuMemMap(va, (size_t)n, 0, p, 0), dev,
+                            "cuMemMap");
+    if (st)
+        return st;
+    CUmemAccessDesc desc = {
+        .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = devs[dev].dev},
+        .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    st = check(cu.cuMemSetAccess(va, (size_t)n, &desc, 1), dev,
+               "cuMemSetAccess");
+    if (st)
+        cu.cuMemUnmap(va, (size_t)n);
+    return st;
+}
+
+static laden_status cuda_unmap(int32_t dev, laden_devptr_t va, uint64_t n)
+{
+    ENTER(dev);
+    return check(cu.cuMemUnmap(va, (size_t)n), dev, "cuMemUnmap");
+}
+
+const laden__dev_ops laden__dev_cuda_ops = {
+    .info = cuda_info,
+    .mem_info = cuda_mem_info,
+    .stream_create = cuda_stream_create,
+    .stream_wrap = cuda_stream_wrap,
+    .stream_destroy = cuda_stream_destroy,
+    .stream_sync = cuda_stream_sync,
+    .stream_wait_event = cuda_stream_wait_event,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_sync = cuda_event_sync,
+    .event_query = cuda_event_query,
+    .event_elapsed = cuda_event_elapsed,
+    .copy_h2d = cuda_copy_h2d,
+    .copy_d2h = cuda_copy_d2h,
+    .copy_d2d = cuda_copy_d2d,
+    .mem_alloc = cuda_mem_alloc,
+    .mem_free = cuda_mem_free,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .va_reserve = cuda_va_reserve,
+    .va_release = cuda_va_release,
+    .phys_create = cuda_phys_create,
+    .phys_release = cuda_phys_release,
+    .map = cuda_map,
+    .unmap = cuda_unmap,
+};

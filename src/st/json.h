@@ -1,0 +1,65 @@
+/* A pull parser for the JSON of checkpoint headers and index files.  The
+ * caller drives it with the schema it expects, so nothing is built that the
+ * schema does not keep and every allocation is bounded by the input.
+ * Strict RFC 8259: no comments, no trailing commas, UTF-8 validated. */
+#ifndef LADEN_ST_JSON_H
+#define LADEN_ST_JSON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/internal.h"
+
+/* Depth allowed when skipping a value found where a number was expected. */
+#define LADEN__JSON_NUM_DEPTH 64u
+
+typedef struct laden__json {
+    const unsigned char *begin;
+    const unsigned char *p;
+    const unsigned char *end;
+} laden__json;
+
+void laden__json_init(laden__json *j, const void *buf, size_t len);
+
+/* Byte offset of the cursor, for messages. */
+size_t laden__json_pos(const laden__json *j);
+
+/* Skips white space; true if the next byte is c (not consumed). */
+bool laden__json_peek(laden__json *j, char c);
+
+/* Skips white space and consumes c, or fails with LADEN_E_JSON. */
+laden_status laden__json_expect(laden__json *j, char c);
+
+/* After an element of an object or array: consumes ',' (returns 1, another
+ * element follows) or the closing byte (returns 0); else LADEN_E_JSON. */
+laden_status laden__json_next(laden__json *j, char close, int *more);
+
+/* Parses a string, decoding escapes into dst (cap bytes; a string's decoded
+ * form never exceeds its encoded length minus two, plus a NUL).  *len gets
+ * the decoded length, *has_nul whether it holds U+0000.  LADEN_E_JSON on bad
+ * syntax or invalid UTF-8, LADEN_E_LIMIT if cap is too small. */
+laden_status laden__json_string(laden__json *j, char *dst, size_t cap,
+                                size_t *len, bool *has_nul);
+
+/* Parses a number that must be a non-negative integer fitting 64 bits.
+ * LADEN_E_SCHEMA for another number or value kind, LADEN_E_LIMIT on
+ * overflow, LADEN_E_JSON on bad syntax. */
+laden_status laden__json_uint(laden__json *j, uint64_t *out);
+
+/* Skips one value of any kind, nested at most max_depth deep. */
+laden_status laden__json_skip(laden__json *j, unsigned max_depth);
+
+/* The kind of the next value: one of '{', '[', '"', 'n' (number), 't', 'f',
+ * 'u' (null), or 0 at end/garbage.  Skips white space. */
+char laden__json_kind(laden__json *j);
+
+/* LADEN_E_JSON if no value starts at the cursor (end of input or a byte
+ * that starts no value), LADEN_OK otherwise.  Lets callers tell a syntax
+ * error from a value of the wrong kind. */
+laden_status laden__json_need_value(laden__json *j);
+
+/* True if only white space remains. */
+bool laden__json_at_end(laden__json *j);
+
+#endif

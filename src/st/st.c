@@ -1,0 +1,1119 @@
+/* Safetensors headers: parse, validate, index.  See include/laden/st.h.
+ *
+ * File layout: 8-byte little-endian header length N, N bytes of JSON, then
+ * the data section.  Every tensor's data_offsets are relative to the data
+ * section; together they must tile it exactly (no gaps, no overlap). */
+#define _GNU_SOURCE
+#include "laden/st.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../core/internal.h"
+#include "json.h"
+
+typedef struct entry {
+    const char *name;
+    laden_dtype dtype;
+    uint32_t ndim;
+    size_t dims_at; /* index into st->dims */
+    uint32_t file;
+    uint64_t begin, end; /* relative to the file's data section */
+} entry;
+
+typedef struct stfile {
+    char *path;
+    uint64_t size;
+    uint64_t data_start;
+    char *pool; /* the file's decoded strings */
+} stfile;
+
+struct laden_st {
+    stfile *files;
+    size_t nfiles;
+    entry *t;
+    size_t n, cap;
+    uint64_t *dims;
+    size_t ndims, dims_cap;
+    size_t *by_name; /* indices into t sorted by name */
+    const char **meta; /* key, value, key, value ... */
+    size_t nmeta, meta_cap;
+    uint64_t total_bytes;
+};
+
+static const char *const dtype_names[] = {
+#define NAME(name, bits) #name,
+    LADEN_DTYPE_LIST(NAME)
+#undef NAME
+};
+static const uint32_t dtype_bits[] = {
+#define BITS(name, bits) bits,
+    LADEN_DTYPE_LIST(BITS)
+#undef BITS
+};
+
+const char *laden_dtype_name(laden_dtype d)
+{
+    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_names[d] : NULL;
+}
+
+uint32_t laden_dtype_bits(laden_dtype d)
+{
+    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_bits[d] : 0;
+}
+
+static bool dtype_from_name(const char *s, laden_dtype *out)
+{
+    for (unsigned i = 0; i < LADEN_DTYPE_COUNT; i++)
+        if (strcmp(s, dtype_names[i]) == 0) {
+            *out = (laden_dtype)i;
+            return true;
+        }
+    return false;
+}
+
+/* ---- growth helpers ------------------------------------------------- */
+
+static bool grow(void **arr, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return true;
+    size_t n = *cap ? *cap : 16;
+    while (n < need)
+        n *= 2;
+    void *p = realloc(*arr, n * elem);
+    if (!p)
+        return false;
+    *arr = p;
+    *cap = n;
+    return true;
+}
+
+static laden_status nomem(const char *what)
+{
+    return laden__fail(LADEN_E_NOMEM, "out of memory while %s", what);
+}
+
+/* ---- one file's header ---------------------------------------------- */
+
+typedef struct parse_ctx {
+    laden_st_t *st;
+    uint32_t file;
+    const char *path;
+    char *pool;
+    size_t pool_cap, pool_at;
+    uint64_t data_len;
+    bool keep_meta;
+} parse_ctx;
+
+static laden_status pool_string(parse_ctx *c, laden__json *j, char **out,
+                                size_t *len, bool *has_nul)
+{
+    char *dst = c->pool + c->pool_at;
+    size_t n;
+    laden_status s = laden__json_string(j, dst, c->pool_cap - c->pool_at, &n,
+                                        has_nul);
+    if (s)
+        return s;
+    c->pool_at += n + 1;
+    *out = dst;
+    if (len)
+        *len = n;
+    return LADEN_OK;
+}
+
+static laden_status parse_metadata(parse_ctx *c, laden__json *j)
+{
+    laden_st_t *st = c->st;
+    laden_status s;
+    int more;
+    if ((s = laden__json_need_value(j)))
+        return s;
+    if (laden__json_kind(j) != '{')
+        return laden__fail(LADEN_E_SCHEMA,
+                           "__metadata__ at byte %zu is not an object",
+                           laden__json_pos(j));
+    j->p++;
+    if (laden__json_peek(j, '}')) {
+        j->p++;
+        return LADEN_OK;
+    }
+    do {
+        char *k, *v;
+        if ((s = pool_string(c, j, &k, NULL, NULL)) ||
+            (s = laden__json_expect(j, ':')))
+            return s;
+        if ((s = laden__json_need_value(j)))
+            return s;
+        if (laden__json_kind(j) != '"')
+            return laden__fail(LADEN_E_SCHEMA,
+                               "__metadata__ value of '%.200s' at byte %zu "
+                               "is not a string",
+                               k, laden__json_pos(j));
+        if ((s = pool_string(c, j, &v, NULL, NULL)))
+            return s;
+        if (c->keep_meta) {
+            if (!grow((void **)&st->meta, &st->meta_cap, st->nmeta + 2,
+                      sizeof *st->meta))
+                return nomem("parsing __metadata__");
+            st->meta[st->nmeta++] = k;
+            st->meta[st->nmeta++] = v;
+        }
+        if ((s = laden__json_next(j, '}', &more)))
+            return s;
+    } while (more);
+    return LADEN_OK;
+}
+
+static laden_status parse_shape(parse_ctx *c, laden__json *j, const char *name,
+                                entry *e)
+{
+    laden_st_t *st = c->st;
+    laden_status s;
+    int more;
+    if ((s = laden__json_need_value(j)))
+        return s;
+    if (laden__json_kind(j) != '[')
+        return laden__fail(LADEN_E_SCHEMA,
+                           "shape of tensor '%.200s' is not an array", name);
+    j->p++;
+    e->dims_at = st->ndims;
+    e->ndim = 0;
+    if (laden__json_peek(j, ']')) {
+        j->p++;
+        return LADEN_OK;
+    }
+    do {
+        uint64_t d;
+        if (e->ndim >= LADEN_ST_MAX_RANK)
+            return laden__fail(LADEN_E_LIMIT,
+                               "tensor '%.200s' has more than %u dimensions",
+                               name, LADEN_ST_MAX_RANK);
+        if ((s = laden__json_uint(j, &d))) {
+            laden__error_prefix("shape of tensor '%.200s'", name);
+            return s;
+        }
+        if (!grow((void **)&st->dims, &st->dims_cap, st->ndims + 1,
+                  sizeof *st->dims))
+            return nomem("parsing shapes");
+        st->dims[st->ndims++] = d;
+        e->ndim++;
+        if ((s = laden__json_next(j, ']', &more)))
+            return s;
+    } while (more);
+    return LADEN_OK;
+}
+
+static laden_status parse_offsets(laden__json *j, const char *name, entry *e)
+{
+    laden_status s;
+    uint64_t v[2];
+    int more = 0;
+    if ((s = laden__json_need_value(j)))
+        return s;
+    if (laden__json_kind(j) != '[')
+        return laden__fail(LADEN_E_SCHEMA,
+                           "data_offsets of tensor '%.200s' is not an array",
+                           name);
+    j->p++;
+    for (int i = 0; i < 2; i++) {
+        if (laden__json_peek(j, ']'))
+            return laden__fail(LADEN_E_SCHEMA,
+                               "data_offsets of tensor '%.200s' must hold "
+                               "two integers",
+                               name);
+        if ((s = laden__json_uint(j, &v[i]))) {
+            laden__error_prefix("data_offsets of tensor '%.200s'", name);
+            return s;
+        }
+        if ((s = laden__json_next(j, ']', &more)))
+            return s;
+        if (i == 0 && !more)
+            return laden__fail(LADEN_E_SCHEMA,
+                               "data_offsets of tensor '%.200s' must hold "
+                               "two integers",
+                               name);
+    }
+    if (more)
+        return laden__fail(LADEN_E_SCHEMA,
+                           "data_offsets of tensor '%.200s' must hold two "
+                           "integers, found more",
+                           name);
+    e->begin = v[0];
+    e->end = v[1];
+    return LADEN_OK;
+}
+
+static laden_status check_tensor(parse_ctx *c, entry *e)
+{
+    const char *name = e->name;
+    uint64_t nelem = 1, bits;
+    const uint64_t *dims = c->st->dims + e->dims_at;
+    if (e->begin > e->end)
+        return laden__fail(LADEN_E_RANGE,
+                           "tensor '%.200s': data_offsets [%llu, %llu] end "
+                           "before they begin",
+                           name, (unsigned long long)e->begin,
+                           (unsigned long long)e->end);
+    if (e->end > c->data_len)
+        return laden__fail(LADEN_E_TRUNCATED,
+                           "tensor '%.200s' ends at byte %llu of the data "
+                           "section, but the file holds only %llu bytes of "
+                           "data",
+                           name, (unsigned long long)e->end,
+                           (unsigned long long)c->data_len);
+    for (uint32_t i = 0; i < e->ndim; i++)
+        if (!laden__mul_u64(nelem, dims[i], &nelem))
+            return laden__fail(LADEN_E_SHAPE,
+                               "tensor '%.200s': element count of its shape "
+                               "overflows 64 bits",
+                               name);
+    if (!laden__mul_u64(nelem, laden_dtype_bits(e->dtype), &bits))
+        return laden__fail(LADEN_E_SHAPE,
+                           "tensor '%.200s': byte size of its shape overflows "
+                           "64 bits",
+                           name);
+    if (bits % 8)
+        return laden__fail(LADEN_E_SHAPE,
+                           "tensor '%.200s': %llu elements of %s are not a "
+                           "whole number of bytes",
+                           name, (unsigned long long)nelem,
+                           laden_dtype_name(e->dtype));
+    if (bits / 8 != e->end - e->begin)
+        return laden__fail(LADEN_E_SHAPE,
+                           "tensor '%.200s': shape and dtype %s give %llu "
+                           "bytes, data_offsets give %llu",
+                           name, laden_dtype_name(e->dtype),
+                           (unsigned long long)(bits / 8),
+                           (unsigned long long)(e->end - e->begin));
+    return LADEN_OK;
+}
+
+static laden_status parse_tensor(parse_ctx *c, laden__json *j, char *name)
+{
+    laden_st_t *st = c->st;
+    laden_status s;
+    int more;
+    bool seen_dtype = false, seen_shape = false, seen_off = false;
+    entry e = {.name = name, .file = c->file};
+    if ((s = laden__json_need_value(j)))
+        return s;
+    if (laden__json_kind(j) != '{')
+        return laden__fail(LADEN_E_SCHEMA,
+                           "entry of tensor '%.200s' at byte %zu is not an "
+                           "object",
+                           name, laden__json_pos(j));
+    j->p++;
+    if (laden__json_peek(j, '}')) {
+        j->p++;
+        return laden__fail(LADEN_E_SCHEMA,
+                           "tensor '%.200s' has no dtype, shape or "
+                           "data_offsets",
+                           name);
+    }
+    size_t mark = c->pool_at;
+    do {
+        char *key;
+        if ((s = pool_string(c, j, &key, NULL, NULL)) ||
+            (s = laden__json_expect(j, ':')))
+            return s;
+        c->pool_at = mark; /* field names are not kept */
+        bool *seen = NULL;
+        if (strcmp(key, "dtype") == 0)
+            seen = &seen_dtype;
+        else if (strcmp(key, "shape") == 0)
+            seen = &seen_shape;
+        else if (strcmp(key, "data_offsets") == 0)
+            seen = &seen_off;
+        if (seen && *seen)
+            return laden__fail(LADEN_E_SCHEMA,
+                               "tensor '%.200s' has field '%s' twice", name,
+                               key);
+        if (seen)
+            *seen = true;
+        if (seen == &seen_dtype) {
+            char dt[24];
+            if ((s = laden__json_need_value(j)))
+                return s;
+            if (laden__json_kind(j) != '"')
+                return laden__fail(LADEN_E_SCHEMA,
+                                   "dtype of tensor '%.200s' is not a string",
+                                   name);
+            s = laden__json_string(j, dt, sizeof dt, NULL, NULL);
+            if (s == LADEN_E_LIMIT || (!s && !dtype_from_name(dt, &e.dtype)))
+                return laden__fail(LADEN_E_DTYPE,
+                                   "tensor '%.200s' has unknown dtype '%s'",
+                                   name, s ? "(too long)" : dt);
+            if (s)
+                return s;
+        } else if (seen == &seen_shape) {
+            if ((s = parse_shape(c, j, name, &e)))
+                return s;
+        } else if (seen == &seen_off) {
+            if ((s = parse_offsets(j, name, &e)))
+                return s;
+        } else if ((s = laden__json_skip(j, LADEN_ST_MAX_DEPTH))) {
+            return s;
+        }
+        if ((s = laden__json_next(j, '}', &more)))
+            return s;
+    } while (more);
+    if (!seen_dtype || !seen_shape || !seen_off)
+        return laden__fail(LADEN_E_SCHEMA, "tensor '%.200s' has no %s", name,
+                           !seen_dtype   ? "dtype"
+                           : !seen_shape ? "shape"
+                                         : "data_offsets");
+    if ((s = check_tensor(c, &e)))
+        return s;
+    if (st->n >= LADEN_ST_MAX_TENSORS)
+        return laden__fail(LADEN_E_LIMIT, "more than %u tensors",
+                           LADEN_ST_MAX_TENSORS);
+    if (!grow((void **)&st->t, &st->cap, st->n + 1, sizeof *st->t))
+        return nomem("parsing tensors");
+    st->t[st->n++] = e;
+    return LADEN_OK;
+}
+
+static int cmp_offset(const void *a, const void *b)
+{
+    const entry *x = a, *y = b;
+    if (x->begin != y->begin)
+        return x->begin < y->begin ? -1 : 1;
+    if (x->end != y->end)
+        return x->end < y->end ? -1 : 1;
+    return 0;
+}
+
+/* Sorts the file's tensors by offset and checks they tile the data section. */
+static laden_status check_coverage(parse_ctx *c, size_t first)
+{
+    entry *t = c->st->t + first;
+    size_t n = c->st->n - first;
+    uint64_t at = 0;
+    qsort(t, n, sizeof *t, cmp_offset);
+    for (size_t i = 0; i < n; i++) {
+        if (t[i].begin > at)
+            return laden__fail(LADEN_E_RANGE,
+                               "bytes %llu..%llu of the data section belong "
+                               "to no tensor (gap before '%.200s')",
+                               (unsigned long long)at,
+                               (unsigned long long)t[i].begin, t[i].name);
+        if (t[i].begin < at)
+            return laden__fail(LADEN_E_RANGE,
+                               "tensor '%.200s' [%llu, %llu] overlaps the "
+                               "tensor before it, which ends at %llu",
+                               t[i].name, (unsigned long long)t[i].begin,
+                               (unsigned long long)t[i].end,
+                               (unsigned long long)at);
+        at = t[i].end;
+    }
+    if (at != c->data_len)
+        return laden__fail(LADEN_E_RANGE,
+                           "the last %llu bytes of the data section belong "
+                           "to no tensor",
+                           (unsigned long long)(c->data_len - at));
+    return LADEN_OK;
+}
+
+/* Parses the header JSON of one file (hdr[0..len)), appending its tensors. */
+static laden_status parse_header(parse_ctx *c, const char *hdr, size_t len)
+{
+    laden_status s;
+    int more;
+    bool seen_meta = false;
+    laden__json j;
+    size_t first = c->st->n;
+    laden__json_init(&j, hdr, len);
+    if (len == 0 || hdr[0] != '{')
+        return laden__fail(LADEN_E_JSON,
+                           "header does not start with '{' (byte 8 of the "
+                           "file)");
+    j.p++;
+    if (laden__json_peek(&j, '}')) {
+        j.p++;
+        more = 0;
+    } else {
+        more = 1;
+    }
+    while (more) {
+        char *name;
+        size_t nlen;
+        bool has_nul;
+        if ((s = pool_string(c, &j, &name, &nlen, &has_nul)) ||
+            (s = laden__json_expect(&j, ':')))
+            return s;
+        if (strcmp(name, "__metadata__") == 0 && !has_nul) {
+            if (seen_meta)
+                return laden__fail(LADEN_E_SCHEMA,
+                                   "__metadata__ appears twice");
+            seen_meta = true;
+            s = parse_metadata(c, &j);
+        } else if (has_nul) {
+            return laden__fail(LADEN_E_NAME,
+                               "tensor name '%.200s...' holds a NUL character",
+                               name);
+        } else {
+            s = parse_tensor(c, &j, name);
+        }
+        if (s || (s = laden__json_next(&j, '}', &more)))
+            return s;
+    }
+    if (!laden__json_at_end(&j))
+        return laden__fail(LADEN_E_JSON,
+                           "bytes after the header object at byte %zu",
+                           laden__json_pos(&j));
+    return check_coverage(c, first);
+}
+
+/* Validates the 8-byte length prefix and returns the header length. */
+static laden_status check_prefix(const unsigned char *first8, uint64_t fsize,
+                                 uint64_t *hlen)
+{
+    uint64_t n = 0;
+    *hlen = 0;
+    if (fsize < 8)
+        return laden__fail(LADEN_E_HEADER,
+                           "file is %llu bytes, too short for the 8-byte "
+                           "header length",
+                           (unsigned long long)fsize);
+    for (int i = 7; i >= 0; i--)
+        n = n << 8 | first8[i];
+    if (n > LADEN_ST_MAX_HEADER_BYTES)
+        return laden__fail(LADEN_E_LIMIT,
+                           "header length %llu exceeds the %u-byte limit",
+                           (unsigned long long)n, LADEN_ST_MAX_HEADER_BYTES);
+    if (n < 2)
+        return laden__fail(LADEN_E_HEADER,
+                           "header length %llu is too small for a JSON object",
+                           (unsigned long long)n);
+    if (n > fsize - 8)
+        return laden__fail(LADEN_E_HEADER,
+                           "header length %llu runs past the end of the "
+                           "%llu-byte file",
+                           (unsigned long long)n, (unsigned long long)fsize);
+    *hlen = n;
+    return LADEN_OK;
+}
+
+static laden_status add_file(laden_st_t *st, const char *path, uint64_t size,
+                             uint64_t hlen, uint32_t *index)
+{
+    if (st->nfiles >= LADEN_ST_MAX_SHARDS)
+        return laden__fail(LADEN_E_LIMIT, "more than %u shards",
+                           LADEN_ST_MAX_SHARDS);
+    stfile *f = realloc(st->files, (st->nfiles + 1) * sizeof *f);
+    if (!f)
+        return nomem("opening a checkpoint");
+    st->files = f;
+    f += st->nfiles;
+    memset(f, 0, sizeof *f);
+    f->path = strdup(path);
+    f->pool = malloc(hlen + 1);
+    if (!f->path || !f->pool) {
+        free(f->path);
+        free(f->pool);
+        return nomem("opening a checkpoint");
+    }
+    f->size = size;
+    f->data_start = 8 + hlen;
+    *index = (uint32_t)st->nfiles++;
+    return LADEN_OK;
+}
+
+/* Parses one file given its header bytes (already read). */
+static laden_status parse_file(laden_st_t *st, const char *path,
+                               uint64_t fsize, const char *hdr, uint64_t hlen,
+                               bool keep_meta)
+{
+    uint32_t fi = 0;
+    laden_status s = add_file(st, path, fsize, hlen, &fi);
+    if (s)
+        return s;
+    parse_ctx c = {
+        .st = st,
+        .file = fi,
+        .path = path,
+        .pool = st->files[fi].pool,
+        .pool_cap = hlen + 1,
+        .data_len = fsize - 8 - hlen,
+        .keep_meta = keep_meta,
+    };
+    return parse_header(&c, hdr, hlen);
+}
+
+static int cmp_name(const void *a, const void *b)
+{
+    const entry *const *x = a, *const *y = b;
+    return strcmp((*x)->name, (*y)->name);
+}
+
+/* Builds the name index and rejects duplicates. */
+static laden_status finish(laden_st_t *st)
+{
+    entry **tmp = malloc((st->n ? st->n : 1) * sizeof *tmp);
+    st->by_name = malloc((st->n ? st->n : 1) * sizeof *st->by_name);
+    if (!tmp || !st->by_name) {
+        free(tmp);
+        return nomem("indexing tensor names");
+    }
+    for (size_t i = 0; i < st->n; i++)
+        tmp[i] = &st->t[i];
+    qsort(tmp, st->n, sizeof *tmp, cmp_name);
+    for (size_t i = 0; i < st->n; i++) {
+        if (i && strcmp(tmp[i - 1]->name, tmp[i]->name) == 0) {
+            laden_status s = laden__fail(
+                LADEN_E_NAME, "tensor name '%.200s' appears twice%s",
+                tmp[i]->name,
+                tmp[i - 1]->file != tmp[i]->file ? " (in two shards)" : "");
+            free(tmp);
+            return s;
+        }
+        st->by_name[i] = (size_t)(tmp[i] - st->t);
+    }
+    free(tmp);
+    st->total_bytes = 0;
+    for (size_t i = 0; i < st->n; i++)
+        st->total_bytes += st->t[i].end - st->t[i].begin;
+    return LADEN_OK;
+}
+
+/* ---- public API ------------------------------------------------------- */
+
+void laden_st_close(laden_st_t *st)
+{
+    if (!st)
+        return;
+    for (size_t i = 0; i < st->nfiles; i++) {
+        free(st->files[i].path);
+        free(st->files[i].pool);
+    }
+    free(st->files);
+    free(st->t);
+    free(st->dims);
+    free(st->by_name);
+    free(st->meta);
+    free(st);
+}
+
+laden_status laden_st_open_memory(const void *bytes, size_t size,
+                                  laden_st_t **out)
+{
+    laden_status s;
+    uint64_t hlen;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_st_open_memory: out is NULL");
+    *out = NULL;
+    if (!bytes && size)
+        return laden__fail(LADEN_E_INVAL, "laden_st_open_memory: bytes NULL");
+    if ((s = check_prefix(bytes, size, &hlen)))
+        return s;
+    laden_st_t *st = calloc(1, sizeof *st);
+    if (!st)
+        return nomem("opening a checkpoint");
+    s = parse_file(st, "<memory>", size, (const char *)bytes + 8, hlen, true);
+    if (!s)
+        s = finish(st);
+    if (s) {
+        laden_st_close(st);
+        return s;
+    }
+    *out = st;
+    return LADEN_OK;
+}
+
+/* Reads exactly n bytes at off, or fails naming the file. */
+static laden_status read_exact(int fd, const char *path, void *buf, size_t n,
+                               uint64_t off)
+{
+    size_t done = 0;
+    while (done < n) {
+        ssize_t r = pread(fd, (char *)buf + done, n - done,
+                          (off_t)(off + done));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return laden__fail(LADEN_E_IO, "%s: read failed at byte %llu: %s",
+                               path, (unsigned long long)(off + done),
+                               strerror(errno));
+        if (r == 0)
+            return laden__fail(LADEN_E_TRUNCATED,
+                               "%s: file ended at byte %llu while reading "
+                               "its header",
+                               path, (unsigned long long)(off + done));
+        done += (size_t)r;
+    }
+    return LADEN_OK;
+}
+
+static laden_status open_fd(const char *path, int *fd, uint64_t *size)
+{
+    struct stat sb;
+    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (*fd < 0) {
+        int e = errno;
+        return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
+                           "%s: cannot open: %s", path, strerror(e));
+    }
+    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return laden__fail(LADEN_E_INVAL, "%s: not a regular file", path);
+    }
+    *size = (uint64_t)sb.st_size;
+    return LADEN_OK;
+}
+
+static laden_status open_one(laden_st_t *st, const char *path, bool keep_meta)
+{
+    int fd;
+    uint64_t size, hlen;
+    unsigned char first8[8];
+    laden_status s = open_fd(path, &fd, &size);
+    if (s)
+        return s;
+    if (size < 8)
+        s = check_prefix(first8, size, &hlen);
+    else if (!(s = read_exact(fd, path, first8, 8, 0)))
+        s = check_prefix(first8, size, &hlen);
+    char *hdr = NULL;
+    if (!s) {
+        hdr = malloc(hlen);
+        if (!hdr)
+            s = nomem("reading a header");
+        else
+            s = read_exact(fd, path, hdr, hlen, 8);
+    }
+    close(fd);
+    if (!s)
+        s = parse_file(st, path, size, hdr, hlen, keep_meta);
+    free(hdr);
+    if (s && strncmp(laden_last_error(), path, strlen(path)) != 0)
+        laden__error_prefix("%s", path);
+    return s;
+}
+
+static bool ends_with(const char *s, const char *suffix)
+{
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+typedef struct wm_entry {
+    const char *name;
+    const char *shard;
+} wm_entry;
+
+static int cmp_wm(const void *a, const void *b)
+{
+    return strcmp(((const wm_entry *)a)->name, ((const wm_entry *)b)->name);
+}
+
+static bool safe_shard_name(const char *s)
+{
+    if (!*s || s[0] == '/')
+        return false;
+    for (const char *p = s; *p;) {
+        const char *q = strchr(p, '/');
+        size_t n = q ? (size_t)(q - p) : strlen(p);
+        if (n == 0 || (n == 2 && p[0] == '.' && p[1] == '.'))
+            return false;
+        p += n + (q ? 1 : 0);
+    }
+    return true;
+}
+
+/* Opens a sharded checkpoint from its index. */
+static laden_status open_index(laden_st_t *st, const char *path)
+{
+    int fd;
+    uint64_t size;
+    laden_status s = open_fd(path, &fd, &size);
+    if (s)
+        return s;
+    if (size > LADEN_ST_MAX_HEADER_BYTES) {
+        close(fd);
+        return laden__fail(LADEN_E_LIMIT, "%s: index of %llu bytes exceeds "
+                           "the %u-byte limit", path,
+                           (unsigned long long)size,
+                           LADEN_ST_MAX_HEADER_BYTES);
+    }
+    char *buf = malloc(size + 1), *pool = malloc(size + 1);
+    wm_entry *wm = NULL;
+    const char **shards = NULL;
+    size_t nwm = 0, wm_cap = 0, nshards = 0, shards_cap = 0, pool_at = 0;
+    char *dir = strdup(path), *joined = NULL;
+    if (!buf || !pool || !dir) {
+        s = nomem("reading an index");
+        goto out;
+    }
+    s = read_exact(fd, path, buf, size, 0);
+    close(fd);
+    fd = -1;
+    if (s)
+        goto out;
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        slash[1] = '\0';
+    else
+        dir[0] = '\0';
+
+    laden__json j;
+    int more;
+    bool seen_map = false;
+    laden__json_init(&j, buf, size);
+    if ((s = laden__json_expect(&j, '{')))
+        goto out;
+    more = !laden__json_peek(&j, '}');
+    if (!more)
+        j.p++;
+    while (more) {
+        char *key = pool + pool_at;
+        size_t n;
+        if ((s = laden__json_string(&j, key, size + 1 - pool_at, &n, NULL)) ||
+            (s = laden__json_expect(&j, ':')))
+            goto out;
+        if (strcmp(key, "weight_map") != 0) {
+            if ((s = laden__json_skip(&j, LADEN_ST_MAX_DEPTH)))
+                goto out;
+        } else {
+            int m;
+            if (seen_map) {
+                s = laden__fail(LADEN_E_INDEX, "weight_map appears twice");
+                goto out;
+            }
+            seen_map = true;
+            pool_at += n + 1;
+            if ((s = laden__json_need_value(&j)))
+                goto out;
+            if (laden__json_kind(&j) != '{') {
+                s = laden__fail(LADEN_E_INDEX, "weight_map is not an object");
+                goto out;
+            }
+            j.p++;
+            m = !laden__json_peek(&j, '}');
+            if (!m)
+                j.p++;
+            while (m) {
+                char *name = pool + pool_at, *shard;
+                size_t k;
+                bool nul;
+                if ((s = laden__json_string(&j, name, size + 1 - pool_at, &k,
+                                            &nul)) ||
+                    (s = laden__json_expect(&j, ':')))
+                    goto out;
+                pool_at += k + 1;
+                shard = pool + pool_at;
+                if ((s = laden__json_need_value(&j)))
+                    goto out;
+                if (laden__json_kind(&j) != '"') {
+                    s = laden__fail(LADEN_E_INDEX,
+                                    "weight_map value of '%.200s' is not a "
+                                    "file name",
+                                    name);
+                    goto out;
+                }
+                if ((s = laden__json_string(&j, shard, size + 1 - pool_at, &k,
+                                            &nul)))
+                    goto out;
+                pool_at += k + 1;
+                if (nul || !safe_shard_name(shard)) {
+                    s = laden__fail(LADEN_E_INDEX,
+                                    "weight_map sends '%.200s' to '%.200s', "
+                                    "which is not a relative path inside the "
+                                    "index's directory",
+                                    name, shard);
+                    goto out;
+                }
+                if (!grow((void **)&wm, &wm_cap, nwm + 1, sizeof *wm)) {
+                    s = nomem("reading an index");
+                    goto out;
+                }
+                wm[nwm].name = name;
+                wm[nwm++].shard = shard;
+                size_t si = 0;
+                while (si < nshards && strcmp(shards[si], shard) != 0)
+                    si++;
+                if (si == nshards) {
+                    if (nshards >= LADEN_ST_MAX_SHARDS) {
+                        s = laden__fail(LADEN_E_LIMIT, "more than %u shards",
+                                        LADEN_ST_MAX_SHARDS);
+                        goto out;
+                    }
+                    if (!grow((void **)&shards, &shards_cap, nshards + 1,
+                              sizeof *shards)) {
+                        s = nomem("reading an index");
+                        goto out;
+                    }
+                    shards[nshards++] = shard;
+                }
+                if ((s = laden__json_next(&j, '}', &m)))
+                    goto out;
+            }
+        }
+        if ((s = laden__json_next(&j, '}', &more)))
+            goto out;
+    }
+    if (!laden__json_at_end(&j)) {
+        s = laden__fail(LADEN_E_JSON, "bytes after the index object at "
+                        "byte %zu", laden__json_pos(&j));
+        goto out;
+    }
+    if (!seen_map || nshards == 0) {
+        s = laden__fail(LADEN_E_INDEX, "index has no weight_map entries");
+        goto out;
+    }
+    for (size_t i = 0; i < nshards; i++) {
+        size_t need = strlen(dir) + strlen(shards[i]) + 1;
+        char *p = realloc(joined, need);
+        if (!p) {
+            s = nomem("opening shards");
+            goto out;
+        }
+        joined = p;
+        strcpy(joined, dir);
+        strcat(joined, shards[i]);
+        if ((s = open_one(st, joined, i == 0)))
+            goto out;
+    }
+    if ((s = finish(st)))
+        goto out;
+    qsort(wm, nwm, sizeof *wm, cmp_wm);
+    for (size_t i = 0; i < nwm; i++) {
+        size_t idx;
+        if (i && strcmp(wm[i - 1].name, wm[i].name) == 0) {
+            s = laden__fail(LADEN_E_INDEX,
+                            "weight_map lists '%.200s' twice", wm[i].name);
+            goto out;
+        }
+        if (laden_st_find(st, wm[i].name, &idx) != LADEN_OK) {
+            s = laden__fail(LADEN_E_INDEX,
+                            "weight_map sends '%.200s' to '%.200s', which "
+                            "holds no such tensor",
+                            wm[i].name, wm[i].shard);
+            goto out;
+        }
+        const char *fp = st->files[st->t[idx].file].path;
+        if (!ends_with(fp, wm[i].shard)) {
+            s = laden__fail(LADEN_E_INDEX,
+                            "weight_map sends '%.200s' to '%.200s', but it "
+                            "is in %.200s",
+                            wm[i].name, wm[i].shard, fp);
+            goto out;
+        }
+    }
+out:
+    if (s && strncmp(laden_last_error(), path, strlen(path)) != 0 &&
+        !(joined && strncmp(laden_last_error(), joined, strlen(joined)) == 0))
+        laden__error_prefix("%s", path);
+    if (fd >= 0)
+        close(fd);
+    free(buf);
+    free(pool);
+    free(wm);
+    free(shards);
+    free(dir);
+    free(joined);
+    return s;
+}
+
+/* Picks the checkpoint inside a directory. */
+static laden_status pick_in_dir(const char *dir, char **out)
+{
+    static const char *const preferred[] = {"model.safetensors.index.json",
+                                            "model.safetensors"};
+    DIR *d;
+    struct dirent *de;
+    char *found = NULL;
+    size_t nfound = 0, nindex = 0;
+    bool index_found = false;
+    *out = NULL;
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(preferred); i++) {
+        size_t need = strlen(dir) + strlen(preferred[i]) + 2;
+        char *p = malloc(need);
+        struct stat sb;
+        if (!p)
+            return nomem("opening a directory");
+        snprintf(p, need, "%s/%s", dir, preferred[i]);
+        if (stat(p, &sb) == 0 && S_ISREG(sb.st_mode)) {
+            *out = p;
+            return LADEN_OK;
+        }
+        free(p);
+    }
+    if (!(d = opendir(dir)))
+        return laden__fail(LADEN_E_IO, "%s: cannot list: %s", dir,
+                           strerror(errno));
+    while ((de = readdir(d))) {
+        bool is_index = ends_with(de->d_name, ".safetensors.index.json");
+        if (!is_index && !ends_with(de->d_name, ".safetensors"))
+            continue;
+        if (is_index)
+            nindex++;
+        else
+            nfound++;
+        /* An index wins over its shards; otherwise one file must remain. */
+        if (is_index || (!index_found && !found)) {
+            if (is_index && found && !index_found) {
+                free(found);
+                found = NULL;
+            }
+            if (!found || is_index) {
+                free(found);
+                found = strdup(de->d_name);
+                if (!found) {
+                    closedir(d);
+                    return nomem("opening a directory");
+                }
+            }
+            index_found |= is_index;
+        }
+    }
+    closedir(d);
+    if (nindex > 1 || (nindex == 0 && nfound != 1)) {
+        free(found);
+        return laden__fail(LADEN_E_INVAL,
+                           "%s: holds %zu .safetensors files and %zu "
+                           "indexes; open one file or one index",
+                           dir, nfound, nindex);
+    }
+    size_t need = strlen(dir) + strlen(found) + 2;
+    *out = malloc(need);
+    if (!*out) {
+        free(found);
+        return nomem("opening a directory");
+    }
+    snprintf(*out, need, "%s/%s", dir, found);
+    free(found);
+    return LADEN_OK;
+}
+
+laden_status laden_st_open(const char *path, laden_st_t **out)
+{
+    laden_status s;
+    struct stat sb;
+    char *picked = NULL;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_st_open: out is NULL");
+    *out = NULL;
+    if (!path || !*path)
+        return laden__fail(LADEN_E_INVAL, "laden_st_open: empty path");
+    if (stat(path, &sb) != 0) {
+        int e = errno;
+        return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
+                           "%s: %s", path, strerror(e));
+    }
+    if (S_ISDIR(sb.st_mode)) {
+        if ((s = pick_in_dir(path, &picked)))
+            return s;
+        path = picked;
+    }
+    laden_st_t *st = calloc(1, sizeof *st);
+    if (!st) {
+        free(picked);
+        return nomem("opening a checkpoint");
+    }
+    if (ends_with(path, ".json")) {
+        s = open_index(st, path);
+    } else {
+        s = open_one(st, path, true);
+        if (!s)
+            s = finish(st);
+    }
+    if (s && !strstr(laden_last_error(), path))
+        laden__error_prefix("%s", path);
+    free(picked);
+    if (s) {
+        laden_st_close(st);
+        return s;
+    }
+    *out = st;
+    return LADEN_OK;
+}
+
+size_t laden_st_count(const laden_st_t *st) { return st ? st->n : 0; }
+
+laden_status laden_st_tensor_at(const laden_st_t *st, size_t i,
+                                laden_st_tensor_t *out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_st_tensor_at: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!st || i >= st->n)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_st_tensor_at: index %zu out of range", i);
+    const entry *e = &st->t[i];
+    out->name = e->name;
+    out->dtype = e->dtype;
+    out->ndim = e->ndim;
+    out->shape = st->dims + e->dims_at;
+    out->file_index = e->file;
+    out->offset_bytes = st->files[e->file].data_start + e->begin;
+    out->size_bytes = e->end - e->begin;
+    return LADEN_OK;
+}
+
+laden_status laden_st_find(const laden_st_t *st, const char *name,
+                           size_t *out_index)
+{
+    if (out_index)
+        *out_index = 0;
+    if (!st || !name || !out_index)
+        return laden__fail(LADEN_E_INVAL, "laden_st_find: NULL argument");
+    size_t lo = 0, hi = st->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(st->t[st->by_name[mid]].name, name);
+        if (c == 0) {
+            *out_index = st->by_name[mid];
+            return LADEN_OK;
+        }
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return laden__fail(LADEN_E_NOTFOUND, "no tensor named '%.200s'", name);
+}
+
+size_t laden_st_file_count(const laden_st_t *st) { return st ? st->nfiles : 0; }
+
+const char *laden_st_file_path(const laden_st_t *st, size_t i)
+{
+    return st && i < st->nfiles ? st->files[i].path : NULL;
+}
+
+uint64_t laden_st_file_size(const laden_st_t *st, size_t i)
+{
+    return st && i < st->nfiles ? st->files[i].size : 0;
+}
+
+size_t laden_st_metadata_count(const laden_st_t *st)
+{
+    return st ? st->nmeta / 2 : 0;
+}
+
+laden_status laden_st_metadata_at(const laden_st_t *st, size_t i,
+                                  const char **key, const char **value)
+{
+    if (key)
+        *key = NULL;
+    if (value)
+        *value = NULL;
+    if (!st || !key || !value || i >= st->nmeta / 2)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_st_metadata_at: bad argument");
+    *key = st->meta[2 * i];
+    *value = st->meta[2 * i + 1];
+    return LADEN_OK;
+}
+
+uint64_t laden_st_total_bytes(const laden_st_t *st)
+{
+    return st ? st->total_bytes : 0;
+}

@@ -1,0 +1,140 @@
+/* Runs every registered test in its own process with a timeout.
+ * Usage: laden_tests [-t seconds] [substring ...] */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "test.h"
+
+typedef struct {
+    const char *name;
+    laden_test_fn fn;
+} test_case;
+
+static test_case cases[512];
+static int ncases;
+
+void test_register(const char *name, laden_test_fn fn)
+{
+    if (ncases < (int)(sizeof cases / sizeof cases[0]))
+        cases[ncases++] = (test_case){name, fn};
+}
+
+static char tmpdir[256];
+static void rm_rf(const char *dir);
+static void cleanup_tmpdir(void)
+{
+    if (tmpdir[0])
+        rm_rf(tmpdir);
+}
+
+const char *test_tmpdir(void)
+{
+    if (!tmpdir[0]) {
+        snprintf(tmpdir, sizeof tmpdir, "/tmp/laden-test-XXXXXX");
+        if (!mkdtemp(tmpdir)) {
+            perror("mkdtemp");
+            exit(1);
+        }
+        atexit(cleanup_tmpdir);
+    }
+    return tmpdir;
+}
+
+char *test_path(const char *name)
+{
+    size_t n = strlen(test_tmpdir()) + strlen(name) + 2;
+    char *p = malloc(n);
+    snprintf(p, n, "%s/%s", test_tmpdir(), name);
+    return p;
+}
+
+void test_write_file(const char *path, const void *data, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL);
+    CHECK(len == 0 || fwrite(data, 1, len, f) == len);
+    CHECK(fclose(f) == 0);
+}
+
+void test_write_st(const char *path, const char *header, const void *data,
+                   size_t data_len)
+{
+    FILE *f = fopen(path, "wb");
+    unsigned char len8[8];
+    uint64_t n = strlen(header);
+    for (int i = 0; i < 8; i++)
+        len8[i] = (unsigned char)(n >> (8 * i));
+    CHECK(f != NULL);
+    CHECK(fwrite(len8, 1, 8, f) == 8);
+    CHECK(fwrite(header, 1, n, f) == n);
+    CHECK(data_len == 0 || fwrite(data, 1, data_len, f) == data_len);
+    CHECK(fclose(f) == 0);
+}
+
+static void rm_rf(const char *dir)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+int main(int argc, char **argv)
+{
+    int timeout_s = 120, passed = 0, failed = 0, skipped = 0;
+    int first = 1;
+    if (argc > 2 && strcmp(argv[1], "-t") == 0) {
+        timeout_s = atoi(argv[2]);
+        first = 3;
+    }
+    setvbuf(stdout, NULL, _IONBF, 0);
+    for (int i = 0; i < ncases; i++) {
+        bool want = first >= argc;
+        for (int a = first; a < argc; a++)
+            want |= strstr(cases[i].name, argv[a]) != NULL;
+        if (!want)
+            continue;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        pid_t pid = fork();
+        if (pid < 0) {
+            perror("fork");
+            return 2;
+        }
+        if (pid == 0) {
+            alarm((unsigned)timeout_s);
+            cases[i].fn();
+            exit(0);
+        }
+        int st = 0;
+        waitpid(pid, &st, 0);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
+                    (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
+        if (WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+            printf("ok      %-40s %8.1f ms\n", cases[i].name, ms);
+            passed++;
+        } else if (WIFEXITED(st) && WEXITSTATUS(st) == TEST_SKIP_CODE) {
+            printf("skip    %s\n", cases[i].name);
+            skipped++;
+        } else {
+            if (WIFSIGNALED(st))
+                printf("FAIL    %s (signal %d%s)\n", cases[i].name,
+                       WTERMSIG(st),
+                       WTERMSIG(st) == SIGALRM ? ": timed out" : "");
+            else
+                printf("FAIL    %s (exit %d)\n", cases[i].name,
+                       WEXITSTATUS(st));
+            failed++;
+        }
+    }
+    if (skipped)
+        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    else
+        printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,82 @@
+/* The in-house test runner's interface.  Each TEST runs in its own process
+ * with a timeout; a test fails by exiting non-zero (CHECK does that), is
+ * skipped by SKIP().  The runner's last line is "N passed, N failed". */
+#ifndef LADEN_TEST_H
+#define LADEN_TEST_H
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "laden.h"
+
+typedef void (*laden_test_fn)(void);
+void test_register(const char *name, laden_test_fn fn);
+
+#define TEST(name)                                                    \
+    static void test_##name(void);                                    \
+    __attribute__((constructor)) static void register_##name(void)    \
+    {                                                                 \
+        test_register(#name, test_##name);                            \
+    }                                                                 \
+    static void test_##name(void)
+
+#define TEST_SKIP_CODE 77
+
+#define CHECK(cond)                                                        \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,         \
+                    __LINE__, #cond);                                      \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
+#define CHECK_OK(expr)                                                     \
+    do {                                                                   \
+        int s_ = (expr);                                                   \
+        if (s_ != LADEN_OK) {                                              \
+            fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__,       \
+                    __LINE__, #expr, laden_status_name(s_),                \
+                    laden_last_error());                                   \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
+#define CHECK_STATUS(expr, want)                                           \
+    do {                                                                   \
+        int s_ = (expr);                                                   \
+        if (s_ != (want)) {                                                \
+            fprintf(stderr, "%s:%d: %s returned %s, expected %s (%s)\n",   \
+                    __FILE__, __LINE__, #expr, laden_status_name(s_),      \
+                    laden_status_name(want), laden_last_error());          \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
+#define CHECK_CONTAINS(hay, needle)                                        \
+    do {                                                                   \
+        const char *h_ = (hay);                                            \
+        if (!h_ || !strstr(h_, (needle))) {                                \
+            fprintf(stderr, "%s:%d: '%s' does not contain '%s'\n",         \
+                    __FILE__, __LINE__, h_ ? h_ : "(null)", (needle));     \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
+#define SKIP(why)                                                          \
+    do {                                                                   \
+        fprintf(stderr, "skipped: %s\n", (why));                           \
+        exit(TEST_SKIP_CODE);                                              \
+    } while (0)
+
+/* Helpers shared by the tests (helpers.c). */
+const char *test_tmpdir(void); /* a fresh directory for this process */
+/* Writes a safetensors file: 8-byte length, header text, data. */
+void test_write_st(const char *path, const char *header, const void *data,
+                   size_t data_len);
+void test_write_file(const char *path, const void *data, size_t len);
+char *test_path(const char *name); /* tmpdir/name; leaks, fine in a test */
+
+#endif
