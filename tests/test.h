@@ -77,6 +77,7 @@ const char *test_tmpdir(void); /* a fresh directory for this process */
 void test_write_st(const char *path, const char *header, const void *data,
                    size_t data_len);
 void test_write_file(const char *path, const void *data, size_t len);
-char *test_path(const char *name); /* tmpdir/name; leaks, fine in a test */
+/* tmpdir/name in one of 64 rotating static buffers. */
+char *test_path(const char *name);
 
 #endif

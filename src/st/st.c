@@ -396,7 +396,8 @@ static laden_status check_coverage(parse_ctx *c, size_t first)
     entry *t = c->st->t + first;
     size_t n = c->st->n - first;
     uint64_t at = 0;
-    qsort(t, n, sizeof *t, cmp_offset);
+    if (n)
+        qsort(t, n, sizeof *t, cmp_offset);
     for (size_t i = 0; i < n; i++) {
         if (t[i].begin > at)
             return laden__fail(LADEN_E_RANGE,
@@ -564,7 +565,8 @@ static laden_status finish(laden_st_t *st)
     }
     for (size_t i = 0; i < st->n; i++)
         tmp[i] = &st->t[i];
-    qsort(tmp, st->n, sizeof *tmp, cmp_name);
+    if (st->n)
+        qsort(tmp, st->n, sizeof *tmp, cmp_name);
     for (size_t i = 0; i < st->n; i++) {
         if (i && strcmp(tmp[i - 1]->name, tmp[i]->name) == 0) {
             laden_status s = laden__fail(

@@ -1,0 +1,209 @@
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#include "test.h"
+
+#include "laden/io.h"
+
+/* A file of n bytes whose byte i is a hash of i, so any misplaced byte
+ * shows. */
+static unsigned char pattern(uint64_t i)
+{
+    uint64_t x = i * 0x9e3779b97f4a7c15ull;
+    return (unsigned char)(x >> 56 ^ x >> 13);
+}
+
+static char *make_file(const char *name, uint64_t n)
+{
+    char *p = test_path(name);
+    unsigned char *buf = malloc(n ? n : 1);
+    for (uint64_t i = 0; i < n; i++)
+        buf[i] = pattern(i);
+    test_write_file(p, buf, n);
+    free(buf);
+    return p;
+}
+
+static void check_range(const unsigned char *dst, uint64_t off, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (dst[i] != pattern(off + i)) {
+            fprintf(stderr, "byte %llu of read at %llu is wrong\n",
+                    (unsigned long long)i, (unsigned long long)off);
+            exit(1);
+        }
+}
+
+static void read_cases(laden_io_direct mode, uint64_t chunk)
+{
+    const uint64_t n = (9u << 20) + 12345; /* not a multiple of anything */
+    char *p = make_file("data.bin", n);
+    laden_io_config cfg = {.threads = 3, .chunk_bytes = chunk, .direct = mode};
+    laden_io_t *io;
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK(laden_io_file_size(f) == n);
+    CHECK(strcmp(laden_io_file_path(f), p) == 0);
+    unsigned char *buf;
+    CHECK(posix_memalign((void **)&buf, 4096, n + 8192) == 0);
+    /* Offsets and destinations aligned, misaligned and mismatched. */
+    const struct {
+        uint64_t off, len, dst;
+    } cases[] = {{0, n, 0},           {0, 4096, 0},     {1, 4095, 1},
+                 {4097, 3u << 20, 1}, {4097, 5u << 20, 0}, {12345, 7u << 20, 7},
+                 {n - 10, 10, 3},     {n - 5000, 5000, 0}, {0, 0, 0},
+                 {8192, (4u << 20) + 4096, 0}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memset(buf, 0xee, n + 8192);
+        CHECK_OK(laden_io_read(io, f, cases[i].off, cases[i].len,
+                               buf + cases[i].dst));
+        check_range(buf + cases[i].dst, cases[i].off, cases[i].len);
+        /* Bytes around the destination are untouched. */
+        if (cases[i].dst)
+            CHECK(buf[cases[i].dst - 1] == 0xee);
+        CHECK(buf[cases[i].dst + cases[i].len] == 0xee);
+    }
+    /* Many requests in flight at once. */
+    laden_io_req_t *reqs[16];
+    uint64_t step = n / 16;
+    for (int i = 0; i < 16; i++)
+        CHECK_OK(laden_io_submit(io, f, (uint64_t)i * step, step,
+                                 buf + (uint64_t)i * step, &reqs[i]));
+    for (int i = 0; i < 16; i++)
+        CHECK_OK(laden_io_wait(io, reqs[i]));
+    check_range(buf, 0, 16 * step);
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    free(buf);
+}
+
+TEST(io_reads_direct)
+{
+    read_cases(LADEN_IO_DIRECT_AUTO, 1u << 20);
+}
+
+TEST(io_reads_buffered)
+{
+    read_cases(LADEN_IO_DIRECT_OFF, 2u << 20);
+}
+
+TEST(io_reads_default_chunks)
+{
+    read_cases(LADEN_IO_DIRECT_AUTO, 0);
+}
+
+TEST(io_past_end_and_bad_arguments)
+{
+    char *p = make_file("small.bin", 100);
+    laden_io_t *io;
+    laden_io_file_t *f;
+    char buf[256];
+    CHECK_OK(laden_io_create(NULL, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK_STATUS(laden_io_read(io, f, 50, 51, buf), LADEN_E_TRUNCATED);
+    CHECK_CONTAINS(laden_last_error(), "small.bin");
+    CHECK_STATUS(laden_io_read(io, f, UINT64_MAX, 2, buf), LADEN_E_TRUNCATED);
+    CHECK_STATUS(laden_io_read(io, f, 0, 10, NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_io_read(NULL, f, 0, 10, buf), LADEN_E_INVAL);
+    laden_io_file_t *g = (laden_io_file_t *)1;
+    CHECK_STATUS(laden_io_file_open(test_path("absent"), &g), LADEN_E_NOENT);
+    CHECK(g == NULL);
+    CHECK_STATUS(laden_io_file_open(test_tmpdir(), &g), LADEN_E_INVAL);
+    laden_io_config bad = {.threads = 1000};
+    laden_io_t *io2 = (laden_io_t *)1;
+    CHECK_STATUS(laden_io_create(&bad, &io2), LADEN_E_INVAL);
+    CHECK(io2 == NULL);
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    laden_io_destroy(NULL);
+    laden_io_file_close(NULL);
+}
+
+/* A file truncated after it was opened: the read reports it, never returns
+ * stale or zero bytes as data, and the pool keeps working. */
+TEST(io_file_truncated_while_open)
+{
+    const uint64_t n = 6u << 20;
+    char *p = make_file("shrinks.bin", n);
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK(truncate(p, 3u << 20) == 0);
+    unsigned char *buf = malloc(n);
+    CHECK_STATUS(laden_io_read(io, f, 0, n, buf), LADEN_E_TRUNCATED);
+    CHECK_CONTAINS(laden_last_error(), "truncated");
+    CHECK_CONTAINS(laden_last_error(), "shrinks.bin");
+    CHECK_OK(laden_io_read(io, f, 4096, 1u << 20, buf));
+    check_range(buf, 4096, 1u << 20);
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    free(buf);
+}
+
+/* The error detail of a failed read reaches the thread that waits. */
+static void *wait_elsewhere(void *arg)
+{
+    laden_io_t **io = arg;
+    laden_io_file_t *f;
+    char *p = test_path("other.bin");
+    char buf[64];
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK(truncate(p, 10) == 0);
+    CHECK_STATUS(laden_io_read(*io, f, 0, 64, buf), LADEN_E_TRUNCATED);
+    CHECK_CONTAINS(laden_last_error(), "other.bin");
+    laden_io_file_close(f);
+    return NULL;
+}
+
+TEST(io_error_detail_reaches_waiter)
+{
+    make_file("other.bin", 64);
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(NULL, &io));
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, wait_elsewhere, &io) == 0);
+    pthread_join(t, NULL);
+    laden_io_destroy(io);
+}
+
+TEST(io_map_is_private_and_zero_copy)
+{
+    const uint64_t n = 3u << 20;
+    char *p = make_file("map.bin", n);
+    laden_io_file_t *f;
+    void *m;
+    uint64_t size;
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK_OK(laden_io_map(f, &m, &size));
+    CHECK(size == n);
+    check_range(m, 0, n);
+    ((unsigned char *)m)[5] ^= 0xff; /* private: the file is untouched */
+    laden_io_unmap(m, size);
+    CHECK_OK(laden_io_map(f, &m, &size));
+    check_range(m, 0, n);
+    laden_io_unmap(m, size);
+    laden_io_file_close(f);
+
+    char *e = make_file("empty.bin", 0);
+    CHECK_OK(laden_io_file_open(e, &f));
+    CHECK_OK(laden_io_map(f, &m, &size));
+    CHECK(m != NULL && size == 0);
+    laden_io_unmap(m, size);
+    CHECK_OK(laden_io_drop_cache(f));
+    laden_io_file_close(f);
+}
+
+TEST(io_measure_read)
+{
+    double bps = 0;
+    CHECK_OK(laden_io_measure_read(test_tmpdir(), 32u << 20, &bps));
+    CHECK(bps > 0);
+    CHECK_STATUS(laden_io_measure_read(test_tmpdir(), 1, &bps), LADEN_E_INVAL);
+    CHECK_STATUS(laden_io_measure_read("/nonexistent-dir", 32u << 20, &bps),
+                 LADEN_E_IO);
+}
