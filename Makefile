@@ -1,0 +1,69 @@
+# Thin wrapper over CMake (authoritative for the C build) and pip.
+#   make demo   set up .venv and run laden's main job
+#   make test   set up and run every test (C plain and under ASan+UBSan,
+#               fuzz corpus replay, exported-symbol check, pytest)
+PY     ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: all lib venv install demo test test-c test-asan fuzz-replay \
+        symbols test-py fuzz bench-read clean
+
+all: lib
+
+lib:
+	cmake -S . -B build -DLADEN_WERROR=ON
+	cmake --build build -j$(JOBS)
+
+$(VENV)/.stamp:
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm
+	touch $@
+
+venv: $(VENV)/.stamp
+
+install: venv
+	$(VPY) -m pip install -q --no-build-isolation --no-deps .
+
+demo: install
+	$(VENV)/bin/laden sample build/sample.safetensors --size 64MB
+	$(VENV)/bin/laden inspect build/sample.safetensors --limit 12
+
+test-c: lib
+	./build/laden_tests
+
+test-asan:
+	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build-asan -j$(JOBS)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ./build-asan/laden_tests
+
+fuzz-replay:
+	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay
+	./build-asan/laden_fuzz_replay fuzz/corpus tests/data/bad
+
+symbols: lib
+	tests/check_symbols.sh build/libladen.so
+
+test-py: install
+	cd python/tests && ../../$(VPY) -m pytest -q -p no:cacheprovider .
+
+test: test-c test-asan fuzz-replay symbols test-py
+
+# libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
+FUZZ_SECONDS ?= 60
+fuzz:
+	CC=clang cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st
+	./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
+	  -dict=fuzz/st.dict fuzz/corpus/st
+
+bench-read: install
+	$(VPY) bench/read.py
+
+clean:
+	rm -rf build build-asan build-fuzz

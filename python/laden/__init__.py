@@ -1,0 +1,24 @@
+"""laden: run PyTorch models larger than GPU memory by moving weights
+between disk, host RAM and VRAM at the speed of the hardware.
+
+The engine is the C library libladen; this package attaches it to PyTorch.
+"""
+
+from __future__ import annotations
+
+from ._lib import lib as _clib
+from ._writer import save_file
+from .checkpoint import Checkpoint, Reader, TensorInfo, default_reader, open
+from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
+                     FormatError, InvalidArgumentError, LadenError,
+                     OutOfMemoryError, ReadError, StateError,
+                     TensorNotFoundError)
+
+__version__ = _clib.laden_version().decode()
+
+__all__ = [
+    "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
+    "save_file", "LadenError", "FormatError", "CheckpointNotFoundError",
+    "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
+    "DeviceError", "InvalidArgumentError", "StateError", "__version__",
+]

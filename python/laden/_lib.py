@@ -1,0 +1,148 @@
+"""The binding to libladen, declared in one place.
+
+Every C function the package calls is listed in ``_SIGNATURES`` with its
+argument and return types; nothing else in the package touches ctypes
+declarations.  ctypes releases the GIL during each call, so reads and copies
+run while other Python threads work."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float,
+                    c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p)
+
+from .errors import BY_STATUS, LadenError
+
+status_t = c_int
+p = c_void_p  # opaque handles
+
+
+class StTensor(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("dtype", c_int),
+        ("ndim", c_uint32),
+        ("shape", POINTER(c_uint64)),
+        ("file_index", c_uint32),
+        ("offset_bytes", c_uint64),
+        ("size_bytes", c_uint64),
+    ]
+
+
+class DevInfo(Structure):
+    _fields_ = [
+        ("device", c_int32),
+        ("kind", c_int),
+        ("name", c_char * 128),
+        ("total_bytes", c_uint64),
+        ("cc_major", c_int32),
+        ("cc_minor", c_int32),
+        ("vmm_supported", c_int32),
+        ("vmm_granularity_bytes", c_uint64),
+    ]
+
+
+class IoConfig(Structure):
+    _fields_ = [
+        ("threads", c_uint32),
+        ("chunk_bytes", c_uint64),
+        ("direct", c_int),
+    ]
+
+
+class HostStats(Structure):
+    _fields_ = [(n, c_uint64) for n in (
+        "budget_bytes", "in_use_bytes", "cached_bytes", "peak_bytes",
+        "allocs", "reuses", "pins", "unpins")]
+
+
+P = POINTER
+_SIGNATURES = {
+    # core
+    "laden_version": (c_char_p, []),
+    "laden_status_name": (c_char_p, [c_int]),
+    "laden_status_message": (c_char_p, [c_int]),
+    "laden_last_error": (c_char_p, []),
+    # st
+    "laden_dtype_name": (c_char_p, [c_int]),
+    "laden_dtype_bits": (c_uint32, [c_int]),
+    "laden_st_open": (status_t, [c_char_p, P(p)]),
+    "laden_st_close": (None, [p]),
+    "laden_st_count": (c_size_t, [p]),
+    "laden_st_tensor_at": (status_t, [p, c_size_t, P(StTensor)]),
+    "laden_st_find": (status_t, [p, c_char_p, P(c_size_t)]),
+    "laden_st_file_count": (c_size_t, [p]),
+    "laden_st_file_path": (c_char_p, [p, c_size_t]),
+    "laden_st_file_size": (c_uint64, [p, c_size_t]),
+    "laden_st_metadata_count": (c_size_t, [p]),
+    "laden_st_metadata_at": (status_t, [p, c_size_t, P(c_char_p),
+                                        P(c_char_p)]),
+    "laden_st_total_bytes": (c_uint64, [p]),
+    # io
+    "laden_io_create": (status_t, [P(IoConfig), P(p)]),
+    "laden_io_destroy": (None, [p]),
+    "laden_io_file_open": (status_t, [c_char_p, P(p)]),
+    "laden_io_file_close": (None, [p]),
+    "laden_io_file_size": (c_uint64, [p]),
+    "laden_io_file_direct": (c_int, [p]),
+    "laden_io_read": (status_t, [p, p, c_uint64, c_uint64, c_void_p]),
+    "laden_io_map": (status_t, [p, P(c_void_p), P(c_uint64)]),
+    "laden_io_unmap": (None, [c_void_p, c_uint64]),
+    "laden_io_drop_cache": (status_t, [p]),
+    "laden_io_measure_read": (status_t, [c_char_p, c_uint64, P(c_double)]),
+    # dev
+    "laden_dev_count": (status_t, [P(c_int32)]),
+    "laden_dev_cuda_error": (c_char_p, []),
+    "laden_dev_info": (status_t, [c_int32, P(DevInfo)]),
+    "laden_dev_mem_info": (status_t, [c_int32, P(c_uint64), P(c_uint64)]),
+    "laden_dev_measure_copy": (status_t, [c_int32, c_int, c_uint64, c_uint32,
+                                          P(c_double)]),
+    "laden_dev_event_elapsed_ms": (status_t, [p, p, P(c_float)]),
+    # host
+    "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
+    "laden_host_destroy": (None, [p]),
+    "laden_host_alloc": (status_t, [p, c_uint64, P(c_void_p)]),
+    "laden_host_free": (status_t, [p, c_void_p]),
+    "laden_host_stats": (status_t, [p, P(HostStats)]),
+    "laden_host_measure_memcpy": (status_t, [c_uint64, P(c_double)]),
+}
+
+DEVICE_CPU = -1
+COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2
+
+
+def _load() -> ctypes.CDLL:
+    path = os.environ.get("LADEN_LIBRARY") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "libladen.so")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(
+            f"cannot load libladen from {path}: {e}; install laden with "
+            "'pip install .' or set LADEN_LIBRARY") from None
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+lib = _load()
+
+
+def last_error() -> str:
+    return (lib.laden_last_error() or b"").decode("utf-8", "replace")
+
+
+def error_for(status: int) -> LadenError:
+    """The typed exception for a failed call, with the thread's detail."""
+    name = lib.laden_status_name(status).decode()
+    detail = last_error() or lib.laden_status_message(status).decode()
+    cls = BY_STATUS.get(name, LadenError)
+    return cls(detail, name, status)
+
+
+def check(status: int) -> None:
+    if status != 0:
+        raise error_for(status)

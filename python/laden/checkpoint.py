@@ -1,0 +1,286 @@
+"""Checkpoints: the tensor table from libladen's validated headers, zero-copy
+views over a private mapping, and reads through the C reader pool."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+from . import _lib
+from ._dtypes import torch_dtype
+from ._lib import check, lib
+from .errors import InvalidArgumentError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, as its header declares it."""
+
+    name: str
+    dtype: str            # checkpoint dtype name, e.g. "BF16"
+    shape: Tuple[int, ...]
+    nbytes: int
+    offset: int           # absolute byte offset in its file
+    file_index: int
+    file: str
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype, or None when torch has none (F4, F6)."""
+        return torch_dtype(self.dtype)
+
+
+class Reader:
+    """A pool of reader threads (C).  ``threads`` and ``chunk_bytes`` of 0
+    take the defaults; ``direct=False`` forces buffered reads."""
+
+    def __init__(self, threads: int = 0, chunk_bytes: int = 0,
+                 direct: bool = True):
+        cfg = _lib.IoConfig(threads, chunk_bytes, 0 if direct else 1)
+        h = ctypes.c_void_p()
+        check(lib.laden_io_create(ctypes.byref(cfg), ctypes.byref(h)))
+        self._h = h
+        self._fin = weakref.finalize(self, lib.laden_io_destroy, h)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if not self._fin.alive:
+            raise InvalidArgumentError("the reader is closed", "E_INVAL")
+        return self._h
+
+    def close(self) -> None:
+        self._fin()
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_default_reader: Optional[Reader] = None
+_default_lock = threading.Lock()
+
+
+def default_reader() -> Reader:
+    """The process's shared reader pool, created on first use."""
+    global _default_reader
+    with _default_lock:
+        if _default_reader is None:
+            _default_reader = Reader()
+        return _default_reader
+
+
+class _File:
+    """An open file of the checkpoint (C handle) and, on demand, its private
+    mapping.  Tensor views keep the mapping alive after the checkpoint is
+    closed; the mapping is unmapped when the last one is gone."""
+
+    def __init__(self, path: str):
+        h = ctypes.c_void_p()
+        check(lib.laden_io_file_open(path.encode(), ctypes.byref(h)))
+        self.handle = h
+        self._fin = weakref.finalize(self, lib.laden_io_file_close, h)
+        self.mapping: Optional[_Mapping] = None
+
+    def map(self) -> "_Mapping":
+        if self.mapping is None:
+            self.mapping = _Mapping(self.handle)
+        return self.mapping
+
+    def close(self) -> None:
+        self.mapping = None
+        self._fin()
+
+
+class _Mapping:
+    def __init__(self, file_handle: ctypes.c_void_p):
+        addr, size = ctypes.c_void_p(), ctypes.c_uint64()
+        check(lib.laden_io_map(file_handle, ctypes.byref(addr),
+                               ctypes.byref(size)))
+        self.addr = addr.value or 0
+        self.size = size.value
+        weakref.finalize(self, lib.laden_io_unmap, addr, size)
+
+
+def _to_str(path: PathLike) -> str:
+    return os.fspath(path)
+
+
+class Checkpoint:
+    """An open safetensors checkpoint: a file, a sharded index, or a
+    directory holding one.  Every header is validated when it opens.
+
+    Use as a context manager or call ``close()``; a checkpoint that is
+    dropped is closed by its finalizer."""
+
+    def __init__(self, path: PathLike):
+        self.path = _to_str(path)
+        h = ctypes.c_void_p()
+        check(lib.laden_st_open(self.path.encode(), ctypes.byref(h)))
+        self._h = h
+        self._fin = weakref.finalize(self, lib.laden_st_close, h)
+        n_files = lib.laden_st_file_count(h)
+        self.files: List[str] = [
+            lib.laden_st_file_path(h, i).decode() for i in range(n_files)]
+        self.file_sizes: List[int] = [
+            lib.laden_st_file_size(h, i) for i in range(n_files)]
+        self._tensors: List[TensorInfo] = []
+        t = _lib.StTensor()
+        for i in range(lib.laden_st_count(h)):
+            check(lib.laden_st_tensor_at(h, i, ctypes.byref(t)))
+            self._tensors.append(TensorInfo(
+                name=t.name.decode(),
+                dtype=lib.laden_dtype_name(t.dtype).decode(),
+                shape=tuple(t.shape[d] for d in range(t.ndim)),
+                nbytes=t.size_bytes,
+                offset=t.offset_bytes,
+                file_index=t.file_index,
+                file=self.files[t.file_index]))
+        self._index: Dict[str, int] = {
+            ti.name: i for i, ti in enumerate(self._tensors)}
+        meta = {}
+        k, v = ctypes.c_char_p(), ctypes.c_char_p()
+        for i in range(lib.laden_st_metadata_count(h)):
+            check(lib.laden_st_metadata_at(h, i, ctypes.byref(k),
+                                           ctypes.byref(v)))
+            meta[k.value.decode()] = v.value.decode()
+        self.metadata: Dict[str, str] = meta
+        self.total_bytes: int = lib.laden_st_total_bytes(h)
+        self._files: Dict[int, _File] = {}
+        self._lock = threading.Lock()
+
+    # -- the table ------------------------------------------------------
+    def names(self) -> List[str]:
+        """Tensor names in file order."""
+        return [t.name for t in self._tensors]
+
+    def tensors(self) -> List[TensorInfo]:
+        """Every tensor's info in file order."""
+        return list(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def info(self, name: str) -> TensorInfo:
+        """The tensor's info; TensorNotFoundError if absent."""
+        self._check_open()
+        i = self._index.get(name)
+        if i is None:
+            idx = ctypes.c_size_t()
+            check(lib.laden_st_find(self._h, name.encode(), ctypes.byref(idx)))
+            i = idx.value  # not reached: C agrees the name is absent
+        return self._tensors[i]
+
+    # -- data -------------------------------------------------------------
+    def _file(self, index: int) -> _File:
+        with self._lock:
+            f = self._files.get(index)
+            if f is None:
+                f = self._files[index] = _File(self.files[index])
+            return f
+
+    def tensor(self, name: str):
+        """A zero-copy CPU tensor over the file's private mapping.  Pages are
+        read from the page cache on first touch; writes to the tensor change
+        private copies, never the file.  The view stays valid after
+        ``close()``."""
+        import torch
+
+        ti = self.info(name)
+        dt = ti.torch_dtype
+        if dt is None:
+            raise InvalidArgumentError(
+                f"tensor '{name}' is {ti.dtype}, which this torch has no "
+                f"dtype for; read its raw bytes with read_into(name, "
+                f"torch.empty({ti.nbytes}, dtype=torch.uint8))", "E_INVAL")
+        if ti.nbytes == 0:
+            return torch.empty(ti.shape, dtype=dt)
+        m = self._file(ti.file_index).map()
+        buf = (ctypes.c_uint8 * ti.nbytes).from_address(m.addr + ti.offset)
+        buf._laden_mapping = m  # the view keeps the mapping alive
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        return flat.view(dt).reshape(ti.shape)
+
+    def read_into(self, name: str, out, reader: Optional[Reader] = None):
+        """Reads the tensor's bytes into ``out`` with the C reader pool and
+        returns ``out``.  ``out`` must be a contiguous CPU tensor (pinned or
+        not) of the tensor's dtype and shape, or a uint8 tensor of exactly
+        its byte size.  On error ``out`` may hold partial data; the
+        checkpoint is unchanged."""
+        import torch
+
+        ti = self.info(name)
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(
+                f"read_into('{name}'): out must be a torch.Tensor, not "
+                f"{type(out).__name__}", "E_INVAL")
+        if out.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"read_into('{name}'): out is on {out.device}; it must be a "
+                "CPU tensor", "E_INVAL")
+        if not out.is_contiguous():
+            raise InvalidArgumentError(
+                f"read_into('{name}'): out must be contiguous", "E_INVAL")
+        raw = out.dtype == torch.uint8 and out.dim() == 1 and ti.dtype != "U8"
+        nbytes = out.numel() * out.element_size()
+        if raw:
+            if nbytes != ti.nbytes:
+                raise InvalidArgumentError(
+                    f"read_into('{name}'): out holds {nbytes} bytes, the "
+                    f"tensor {ti.nbytes}", "E_INVAL")
+        elif out.dtype != ti.torch_dtype or tuple(out.shape) != ti.shape:
+            raise InvalidArgumentError(
+                f"read_into('{name}'): out is {out.dtype} {tuple(out.shape)}"
+                f", the tensor is {ti.dtype} {ti.shape}", "E_INVAL")
+        if ti.nbytes:
+            f = self._file(ti.file_index)
+            r = reader or default_reader()
+            check(lib.laden_io_read(r.handle, f.handle, ti.offset, ti.nbytes,
+                                    ctypes.c_void_p(out.data_ptr())))
+        return out
+
+    # -- lifetime ---------------------------------------------------------
+    def _check_open(self) -> None:
+        if not self._fin.alive:
+            raise InvalidArgumentError(
+                f"checkpoint {self.path} is closed", "E_INVAL")
+
+    def close(self) -> None:
+        """Frees the table and closes files.  Tensor views made with
+        ``tensor()`` stay valid."""
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+        self._fin()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Checkpoint({self.path!r}, {len(self)} tensors, "
+                f"{self.total_bytes} bytes in {len(self.files)} file(s))")
+
+
+def open(path: PathLike) -> Checkpoint:  # noqa: A001 - laden.open
+    """Opens a checkpoint (file, sharded index, or directory)."""
+    return Checkpoint(path)

@@ -1,0 +1,225 @@
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import laden
+from conftest import same
+
+
+def write(path, tensors, metadata=None):
+    laden.save_file(tensors, path, metadata)
+    return str(path)
+
+
+def test_table_matches_what_was_written(tmp_path, make_tensors):
+    t = make_tensors()
+    p = write(tmp_path / "m.safetensors", t, {"format": "pt", "k": "v"})
+    with laden.open(p) as ck:
+        assert ck.names() == list(t)
+        assert len(ck) == len(t) and "mask" in ck and "nope" not in ck
+        assert ck.metadata == {"format": "pt", "k": "v"}
+        assert ck.total_bytes == sum(x.numel() * x.element_size()
+                                     for x in t.values())
+        for name, x in t.items():
+            info = ck.info(name)
+            assert info.shape == tuple(x.shape)
+            assert info.torch_dtype == x.dtype
+            assert info.nbytes == x.numel() * x.element_size()
+            assert info.file == p
+
+
+def test_tensor_is_zero_copy_and_correct(tmp_path, make_tensors):
+    t = make_tensors()
+    p = write(tmp_path / "m.safetensors", t)
+    ck = laden.open(p)
+    views = {n: ck.tensor(n) for n in t}
+    for n, x in t.items():
+        assert same(views[n], x), n
+    a = ck.tensor("embed.weight")
+    b = ck.tensor("embed.weight")
+    assert a.data_ptr() == b.data_ptr()  # one mapping, no copies
+    ck.close()
+    # Views outlive the checkpoint; writing to them leaves the file alone.
+    assert same(views["embed.weight"], t["embed.weight"])
+    views["embed.weight"].add_(1.0)
+    with laden.open(p) as ck2:
+        assert same(ck2.tensor("embed.weight"), t["embed.weight"])
+
+
+def test_read_into(tmp_path, make_tensors):
+    t = make_tensors()
+    p = write(tmp_path / "m.safetensors", t)
+    with laden.open(p) as ck:
+        for n, x in t.items():
+            out = torch.full_like(x, 1) if x.numel() else torch.empty_like(x)
+            assert ck.read_into(n, out) is out
+            assert same(out, x), n
+        raw = torch.zeros(ck.info("embed.weight").nbytes, dtype=torch.uint8)
+        ck.read_into("embed.weight", raw)
+        assert same(raw.view(torch.float32).reshape(7, 5), t["embed.weight"])
+        if torch.cuda.is_available():
+            pinned = torch.empty(7, 5).pin_memory()
+            ck.read_into("embed.weight", pinned)
+            assert same(pinned, t["embed.weight"])
+
+
+def test_read_into_rejects_bad_outputs(tmp_path, make_tensors):
+    t = make_tensors()
+    p = write(tmp_path / "m.safetensors", t)
+    with laden.open(p) as ck:
+        bad = [
+            (torch.empty(7, 5, dtype=torch.float64), "float64"),
+            (torch.empty(5, 7), "(5, 7)"),
+            (torch.empty(5, 7).t(), "contiguous"),
+            (torch.empty(3, dtype=torch.uint8), "bytes"),
+            ("not a tensor", "torch.Tensor"),
+        ]
+        for out, word in bad:
+            with pytest.raises(laden.InvalidArgumentError) as e:
+                ck.read_into("embed.weight", out)
+            assert word in str(e.value) and "embed.weight" in str(e.value)
+        with pytest.raises(laden.TensorNotFoundError) as e:
+            ck.read_into("nope", torch.empty(1))
+        assert "nope" in str(e.value)
+        assert isinstance(e.value, KeyError)
+
+
+def test_every_corpus_file_raises_a_typed_error(data_dir):
+    bad = os.path.join(data_dir, "bad")
+    n = 0
+    with open(os.path.join(bad, "EXPECTED")) as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            name, status = line.split()
+            path = os.path.join(bad, name)
+            with pytest.raises(laden.FormatError) as e:
+                laden.open(path)
+            assert e.value.status == status, name
+            assert name in str(e.value)
+            assert isinstance(e.value, ValueError)
+            n += 1
+    assert n >= 20
+
+
+def test_missing_file_and_closed_checkpoint(tmp_path, make_tensors):
+    with pytest.raises(laden.CheckpointNotFoundError) as e:
+        laden.open(tmp_path / "absent.safetensors")
+    assert isinstance(e.value, FileNotFoundError)
+    assert "absent.safetensors" in str(e.value)
+    p = write(tmp_path / "m.safetensors", make_tensors())
+    ck = laden.open(p)
+    ck.close()
+    ck.close()  # twice is fine
+    with pytest.raises(laden.InvalidArgumentError, match="closed"):
+        ck.tensor("mask")
+
+
+def test_sharded_checkpoint(tmp_path, make_tensors):
+    t = make_tensors()
+    names = list(t)
+    half = len(names) // 2
+    write(tmp_path / "m-1.safetensors", {n: t[n] for n in names[:half]})
+    write(tmp_path / "m-2.safetensors", {n: t[n] for n in names[half:]})
+    index = {"metadata": {"total_size": 1},
+             "weight_map": {n: "m-1.safetensors" if i < half
+                            else "m-2.safetensors"
+                            for i, n in enumerate(names)}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    for path in (tmp_path / "model.safetensors.index.json", tmp_path):
+        with laden.open(path) as ck:
+            assert sorted(ck.names()) == sorted(names)
+            assert len(ck.files) == 2
+            for n, x in t.items():
+                assert same(ck.tensor(n), x)
+                out = torch.empty_like(x)
+                assert same(ck.read_into(n, out), x)
+
+
+def test_truncated_while_open_is_an_error_not_garbage(tmp_path):
+    x = torch.randn(1 << 20)
+    p = write(tmp_path / "big.safetensors", {"a": torch.randn(16), "x": x})
+    with laden.open(p) as ck:
+        os.truncate(p, 4096)
+        with pytest.raises(laden.FormatError) as e:
+            ck.read_into("x", torch.empty_like(x))
+        assert e.value.status == "E_TRUNCATED" and "big.safetensors" in str(
+            e.value)
+        ck.read_into("a", torch.empty(16))  # still usable
+
+
+def test_concurrent_reads(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    t = {f"blocks.{i}.w": torch.randn(256, 1024, generator=g)
+         for i in range(16)}
+    p = write(tmp_path / "m.safetensors", t)
+    errors = []
+    with laden.open(p) as ck:
+        def work(names):
+            try:
+                for n in names:
+                    out = torch.empty_like(t[n])
+                    ck.read_into(n, out)
+                    assert torch.equal(out, t[n])
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+        names = list(t)
+        threads = [threading.Thread(target=work, args=(names[i::4],))
+                   for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors
+
+
+def test_no_descriptor_or_mapping_leak(tmp_path, make_tensors):
+    p = write(tmp_path / "m.safetensors", make_tensors())
+
+    def count_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def count_maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if "m.safetensors" in line)
+
+    def cycle():
+        ck = laden.open(p)
+        v = ck.tensor("embed.weight")
+        ck.read_into("mask", torch.empty(5, dtype=torch.bool))
+        del ck  # forgotten, not closed: the finalizer closes it
+        return float(v.sum())
+
+    cycle()
+    fds = count_fds()
+    for _ in range(200):
+        cycle()
+    import gc
+    gc.collect()
+    assert count_fds() <= fds
+    assert count_maps() == 0
+
+
+def test_errors_cover_every_status():
+    from laden import _lib
+    from laden.errors import BY_STATUS
+    code = -1
+    while _lib.lib.laden_status_name(code).decode() != "UNKNOWN":
+        assert _lib.lib.laden_status_name(code).decode() in BY_STATUS
+        code -= 1
+    assert code < -20
+
+
+def test_units():
+    from laden._units import fmt_bytes, parse_size
+    assert parse_size("9GB") == 9 * 10**9
+    assert parse_size("1.5 GiB") == 3 * 2**29
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size(123) == 123
+    for bad in ("9 parsecs", "-1GB", "", True, -5):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert fmt_bytes(9.7e9) == "9.7 GB"
