@@ -223,6 +223,44 @@ class Checkpoint:
         not) of the tensor's dtype and shape, or a uint8 tensor of exactly
         its byte size.  On error ``out`` may hold partial data; the
         checkpoint is unchanged."""
+        self.read_into_many([(name, out)], reader)
+        return out
+
+    def read_into_many(self, items, reader: Optional[Reader] = None) -> None:
+        """Reads several tensors at once: every read is queued on the pool
+        before the first is waited for, so small tensors share the drive's
+        parallelism.  ``items`` is an iterable of (name, out) with ``out`` as
+        for ``read_into``.  All outputs are checked before any read starts;
+        if a read fails, the others are still waited for, then the first
+        error is raised."""
+        items = list(items)
+        plan = [(self._check_out(name, out), out) for name, out in items]
+        r = reader or default_reader()
+        reqs = []
+        first_error = None
+        try:
+            for ti, out in plan:
+                if not ti.nbytes:
+                    continue
+                f = self._file(ti.file_index)
+                req = ctypes.c_void_p()
+                st = lib.laden_io_submit(r.handle, f.handle, ti.offset,
+                                         ti.nbytes,
+                                         ctypes.c_void_p(out.data_ptr()),
+                                         ctypes.byref(req))
+                if st:
+                    first_error = _lib.error_for(st)
+                    break
+                reqs.append(req)
+        finally:
+            for req in reqs:
+                st = lib.laden_io_wait(r.handle, req)
+                if st and first_error is None:
+                    first_error = _lib.error_for(st)
+        if first_error is not None:
+            raise first_error
+
+    def _check_out(self, name: str, out) -> TensorInfo:
         import torch
 
         ti = self.info(name)
@@ -248,12 +286,7 @@ class Checkpoint:
             raise InvalidArgumentError(
                 f"read_into('{name}'): out is {out.dtype} {tuple(out.shape)}"
                 f", the tensor is {ti.dtype} {ti.shape}", "E_INVAL")
-        if ti.nbytes:
-            f = self._file(ti.file_index)
-            r = reader or default_reader()
-            check(lib.laden_io_read(r.handle, f.handle, ti.offset, ti.nbytes,
-                                    ctypes.c_void_p(out.data_ptr())))
-        return out
+        return ti
 
     # -- lifetime ---------------------------------------------------------
     def _check_open(self) -> None:

@@ -223,3 +223,19 @@ def test_units():
         with pytest.raises(ValueError):
             parse_size(bad)
     assert fmt_bytes(9.7e9) == "9.7 GB"
+
+
+def test_read_into_many(tmp_path, make_tensors):
+    t = make_tensors()
+    p = write(tmp_path / "m.safetensors", t)
+    with laden.open(p) as ck:
+        outs = {n: torch.empty_like(x) for n, x in t.items()}
+        ck.read_into_many(outs.items())
+        for n, x in t.items():
+            assert same(outs[n], x), n
+        # A bad output anywhere: nothing is read.
+        fresh = {n: torch.zeros_like(x) for n, x in t.items()}
+        items = list(fresh.items()) + [("embed.weight", torch.empty(1))]
+        with pytest.raises(laden.InvalidArgumentError):
+            ck.read_into_many(items)
+        assert float(fresh["embed.weight"].abs().sum()) == 0.0
