@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything this issue runs on the GPU machine, in one call: build there,
+# C tests (CUDA device included), the same under ASan+UBSan, pytest, laden
+# probe, bench/read.py.  Logs go to $OUT (or bench/out).
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log() { echo "== $*"; }
+{
+  log "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nproc; free -g | head -2; df -h . | tail -1; python3 --version
+  python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'
+} 2>&1 | tee "$OUT/machine.log"
+log "build + C tests"
+( cmake -S . -B build -DLADEN_WERROR=ON >/dev/null && cmake --build build -j16 2>&1 | grep -E "error|warning" ;
+  ./build/laden_tests ) 2>&1 | tee "$OUT/ctest.log" | tail -40
+log "C tests under ASan+UBSan"
+( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
+  cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ ) \
+  2>&1 | tee "$OUT/asan.log" | tail -12
+log "pip install + pytest"
+python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+(cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
+log "laden probe"
+laden probe --dir . 2>&1 | tee "$OUT/probe.log"
+log "bench/read.py"
+python3 bench/read.py --size 4GB --sweep --dir bench/out 2>&1 | tee "$OUT/read.log"
