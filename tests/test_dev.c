@@ -173,7 +173,10 @@ static void vmm(int32_t dev)
     CHECK(memcmp(back, h, 2 * g) == 0);
     CHECK_OK(laden_dev_unmap(dev, va, 2 * g));
     CHECK_STATUS(laden_dev_map(dev, va + 1, g, p0), LADEN_E_INVAL);
-    CHECK_STATUS(laden_dev_va_reserve(dev, g + 1, &va), LADEN_E_INVAL);
+    laden_devptr_t bad = 1;
+    CHECK_STATUS(laden_dev_va_reserve(dev, g + 1, &bad), LADEN_E_INVAL);
+    CHECK(bad == 0);
+    CHECK_STATUS(laden_dev_va_release(dev, va + g, 2 * g), LADEN_E_INVAL);
     CHECK_OK(laden_dev_phys_release(dev, p0));
     CHECK_OK(laden_dev_phys_release(dev, p1));
     CHECK_OK(laden_dev_va_release(dev, va, 4 * g));

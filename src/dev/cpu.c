@@ -369,6 +369,44 @@ static laden_status cpu_host_free(int32_t dev, void *p)
     return LADEN_OK;
 }
 
+/* Reservations, so that releasing or mapping outside one fails as it does
+ * with CUDA instead of silently unmapping whatever lies there. */
+typedef struct reservation {
+    struct reservation *next;
+    uintptr_t va;
+    uint64_t n;
+} reservation;
+
+static pthread_mutex_t res_mu = PTHREAD_MUTEX_INITIALIZER;
+static reservation *reservations;
+
+/* The reservation containing [va, va+n), or NULL.  Call with res_mu held. */
+static reservation **find_reservation(uintptr_t va, uint64_t n, bool exact)
+{
+    for (reservation **r = &reservations; *r; r = &(*r)->next) {
+        if (exact ? (*r)->va == va && (*r)->n == n
+                  : va >= (*r)->va && va - (*r)->va <= (*r)->n &&
+                        n <= (*r)->n - (va - (*r)->va))
+            return r;
+    }
+    return NULL;
+}
+
+static laden_status in_reservation(laden_devptr_t va, uint64_t n,
+                                   const char *call)
+{
+    pthread_mutex_lock(&res_mu);
+    bool ok = find_reservation((uintptr_t)va, n, false) != NULL;
+    pthread_mutex_unlock(&res_mu);
+    if (!ok)
+        return laden__fail(LADEN_E_INVAL,
+                           "%s: [0x%llx, +%llu) is not inside a reserved "
+                           "range",
+                           call, (unsigned long long)va,
+                           (unsigned long long)n);
+    return LADEN_OK;
+}
+
 static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
                                    laden_devptr_t *out)
 {
@@ -388,6 +426,17 @@ static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
     uintptr_t end = (uintptr_t)p + len, used = a + (uintptr_t)n;
     if (end > used)
         munmap((void *)used, end - used);
+    reservation *r = malloc(sizeof *r);
+    if (!r) {
+        munmap((void *)a, (size_t)n);
+        return laden__fail(LADEN_E_NOMEM, "out of memory reserving a range");
+    }
+    r->va = a;
+    r->n = n;
+    pthread_mutex_lock(&res_mu);
+    r->next = reservations;
+    reservations = r;
+    pthread_mutex_unlock(&res_mu);
     *out = (laden_devptr_t)a;
     return LADEN_OK;
 }
@@ -395,8 +444,19 @@ static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
 static laden_status cpu_va_release(int32_t dev, laden_devptr_t va, uint64_t n)
 {
     (void)dev;
-    if (munmap((void *)(uintptr_t)va, (size_t)n) != 0)
-        return laden__fail(LADEN_E_INVAL, "va_release: %s", strerror(errno));
+    pthread_mutex_lock(&res_mu);
+    reservation **r = find_reservation((uintptr_t)va, n, true);
+    reservation *gone = r ? *r : NULL;
+    if (r)
+        *r = gone->next;
+    pthread_mutex_unlock(&res_mu);
+    if (!gone)
+        return laden__fail(LADEN_E_INVAL,
+                           "va_release: [0x%llx, +%llu) is not a reserved "
+                           "range",
+                           (unsigned long long)va, (unsigned long long)n);
+    free(gone);
+    munmap((void *)(uintptr_t)va, (size_t)n);
     return LADEN_OK;
 }
 
@@ -432,6 +492,9 @@ static laden_status cpu_map(int32_t dev, laden_devptr_t va, uint64_t n,
     (void)dev;
     if (p == 0)
         return laden__fail(LADEN_E_INVAL, "map: bad physical handle");
+    laden_status st = in_reservation(va, n, "map");
+    if (st)
+        return st;
     void *r = mmap((void *)(uintptr_t)va, (size_t)n, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_FIXED, (int)(p - 1), 0);
     if (r == MAP_FAILED)
@@ -442,6 +505,9 @@ static laden_status cpu_map(int32_t dev, laden_devptr_t va, uint64_t n,
 static laden_status cpu_unmap(int32_t dev, laden_devptr_t va, uint64_t n)
 {
     (void)dev;
+    laden_status st = in_reservation(va, n, "unmap");
+    if (st)
+        return st;
     void *r = mmap((void *)(uintptr_t)va, (size_t)n, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
                    0);
