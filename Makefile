@@ -28,6 +28,7 @@ install: venv
 	$(VPY) -m pip install -q --no-build-isolation --no-deps .
 
 demo: install
+	mkdir -p build
 	$(VENV)/bin/laden sample build/sample.safetensors --size 64MB
 	$(VENV)/bin/laden inspect build/sample.safetensors --limit 12
 

@@ -18,6 +18,11 @@ def save_file(tensors: Mapping[str, "object"], path, metadata:
               Optional[Dict[str, str]] = None) -> int:
     """Writes ``tensors`` (name → CPU tensor) in order to ``path``; returns
     the file size.  The header is padded to 8 bytes, as safetensors does."""
+    parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(
+            f"cannot write {os.fspath(path)}: directory {parent} does not "
+            "exist")
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -34,12 +39,17 @@ def save_file(tensors: Mapping[str, "object"], path, metadata:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     tmp = os.fspath(path) + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for t, n in flat:
-            base = t.data_ptr()
-            for at in range(0, n, _CHUNK):
-                f.write(ctypes.string_at(base + at, min(_CHUNK, n - at)))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for t, n in flat:
+                base = t.data_ptr()
+                for at in range(0, n, _CHUNK):
+                    f.write(ctypes.string_at(base + at, min(_CHUNK, n - at)))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)  # no half-written file left behind
+        raise
     return 8 + len(text) + offset

@@ -4,7 +4,9 @@ views over a private mapping, and reads through the C reader pool."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -16,6 +18,24 @@ from ._lib import check, lib
 from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+log = logging.getLogger("laden")
+
+# Reads of more bytes than this show a progress bar when stderr is a
+# terminal and tqdm is installed.
+PROGRESS_MIN_BYTES = 1 << 30
+
+
+def _progress_bar(total: int, desc: str, progress: Optional[bool]):
+    if progress is False or (progress is None and (
+            total < PROGRESS_MIN_BYTES or not sys.stderr.isatty())):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+                leave=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,8 @@ class Checkpoint:
         self.total_bytes: int = lib.laden_st_total_bytes(h)
         self._files: Dict[int, _File] = {}
         self._lock = threading.Lock()
+        log.debug("opened %s: %d tensors, %d bytes in %d file(s)", self.path,
+                  len(self._tensors), self.total_bytes, len(self.files))
 
     # -- the table ------------------------------------------------------
     def names(self) -> List[str]:
@@ -226,18 +248,23 @@ class Checkpoint:
         self.read_into_many([(name, out)], reader)
         return out
 
-    def read_into_many(self, items, reader: Optional[Reader] = None) -> None:
+    def read_into_many(self, items, reader: Optional[Reader] = None,
+                       progress: Optional[bool] = None) -> None:
         """Reads several tensors at once: every read is queued on the pool
         before the first is waited for, so small tensors share the drive's
         parallelism.  ``items`` is an iterable of (name, out) with ``out`` as
         for ``read_into``.  All outputs are checked before any read starts;
         if a read fails, the others are still waited for, then the first
-        error is raised."""
+        error is raised.  ``progress``: None shows a bar for reads over
+        1 GiB when stderr is a terminal (needs tqdm), True always, False
+        never."""
         items = list(items)
         plan = [(self._check_out(name, out), out) for name, out in items]
         r = reader or default_reader()
         reqs = []
         first_error = None
+        total = sum(ti.nbytes for ti, _ in plan)
+        bar = _progress_bar(total, os.path.basename(self.path), progress)
         try:
             for ti, out in plan:
                 if not ti.nbytes:
@@ -251,14 +278,20 @@ class Checkpoint:
                 if st:
                     first_error = _lib.error_for(st)
                     break
-                reqs.append(req)
+                reqs.append((req, ti.nbytes))
         finally:
-            for req in reqs:
+            for req, nbytes in reqs:
                 st = lib.laden_io_wait(r.handle, req)
                 if st and first_error is None:
                     first_error = _lib.error_for(st)
+                if bar is not None:
+                    bar.update(nbytes)
+            if bar is not None:
+                bar.close()
         if first_error is not None:
             raise first_error
+        log.debug("read %d tensors, %d bytes from %s", len(reqs), total,
+                  self.path)
 
     def _check_out(self, name: str, out) -> TensorInfo:
         import torch

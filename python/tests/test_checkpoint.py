@@ -239,3 +239,17 @@ def test_read_into_many(tmp_path, make_tensors):
         with pytest.raises(laden.InvalidArgumentError):
             ck.read_into_many(items)
         assert float(fresh["embed.weight"].abs().sum()) == 0.0
+
+
+def test_read_into_many_progress_and_logging(tmp_path, caplog):
+    pytest.importorskip("tqdm")
+    x = torch.randn(1000)
+    p = write(tmp_path / "m.safetensors", {"x": x})
+    import logging
+    with caplog.at_level(logging.DEBUG, logger="laden"):
+        with laden.open(p) as ck:
+            out = torch.empty_like(x)
+            ck.read_into_many([("x", out)], progress=True)
+            assert torch.equal(out, x)
+    assert any("opened" in r.message for r in caplog.records)
+    assert any("read 1 tensors" in r.message for r in caplog.records)

@@ -61,3 +61,10 @@ def test_probe_runs(tmp_path):
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and laden.__version__ in r.stdout
+
+
+def test_sample_into_missing_directory(tmp_path):
+    r = run("sample", str(tmp_path / "nodir" / "s.safetensors"))
+    assert r.returncode == 2
+    assert "nodir" in r.stderr and "does not exist" in r.stderr
+    assert ".tmp" not in r.stderr
