@@ -61,6 +61,11 @@ LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
  * cause.  Any thread. */
 LADEN_API laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *req);
 
+/* *out_done = 1 if the request has finished (laden_io_wait will not
+ * block), 0 otherwise.  Does not block; does not free the request. */
+LADEN_API laden_status laden_io_poll(laden_io_t *io, laden_io_req_t *req,
+                                     int *out_done);
+
 /* laden_io_submit then laden_io_wait. */
 LADEN_API laden_status laden_io_read(laden_io_t *io, laden_io_file_t *file,
                                      uint64_t offset, uint64_t size,

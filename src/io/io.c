@@ -428,6 +428,18 @@ laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *r)
     return s;
 }
 
+laden_status laden_io_poll(laden_io_t *io, laden_io_req_t *r, int *done)
+{
+    if (done)
+        *done = 0;
+    if (!io || !r || !done)
+        return laden__fail(LADEN_E_INVAL, "laden_io_poll: NULL argument");
+    pthread_mutex_lock(&io->mu);
+    *done = r->pending == 0;
+    pthread_mutex_unlock(&io->mu);
+    return LADEN_OK;
+}
+
 laden_status laden_io_read(laden_io_t *io, laden_io_file_t *f, uint64_t offset,
                            uint64_t size, void *dst)
 {

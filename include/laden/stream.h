@@ -1,0 +1,137 @@
+/* stream: run a model whose weights do not fit the device by streaming its
+ * blocks through a fixed ring of device slots.
+ *
+ * A schedule holds blocks, each a list of checkpoint tensors packed into one
+ * contiguous region, and a tier per block:
+ *   LADEN_TIER_GPU   the region lives on the device for good;
+ *   LADEN_TIER_RAM   the region lives in pinned host memory and is copied
+ *                    into a slot, with one copy, when the block runs (on the
+ *                    CPU device the RAM region is used in place);
+ *   LADEN_TIER_DISK  nothing is held; the block's tensors are read from the
+ *                    checkpoint into the slot's pinned staging buffer ahead
+ *                    of use, then copied into the slot.
+ * Streamed blocks (RAM, DISK) are ordered by the order they were added: that
+ * is the schedule.  Block i always runs from slot (i mod nslots), nslots =
+ * lookahead + 1, so its tensors have one address for the whole life of the
+ * schedule and callers point their parameters at it once.
+ *
+ * laden_stream_enter(b) before a block runs makes the compute stream wait
+ * until b's bytes are in its slot (loading them now if no prefetch did:
+ * blocks called out of schedule order are correct, only slower), then
+ * prefetches the next `lookahead` blocks of the schedule, cyclically.
+ * laden_stream_exit(b) after it has been enqueued records that the slot may
+ * be overwritten once the compute stream has passed that point.  Neither
+ * blocks the host in the steady state; neither allocates.
+ *
+ * A schedule is used from one thread at a time. */
+#ifndef LADEN_STREAM_H
+#define LADEN_STREAM_H
+
+#include "../laden.h"
+#include "dev.h"
+#include "io.h"
+#include "st.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum laden_tier {
+    LADEN_TIER_GPU = 0,
+    LADEN_TIER_RAM = 1,
+    LADEN_TIER_DISK = 2,
+} laden_tier;
+
+typedef struct laden_sched laden_sched_t;
+
+typedef struct laden_sched_config {
+    int32_t device;             /* CUDA index or LADEN_DEVICE_CPU */
+    uint32_t lookahead;         /* blocks prefetched ahead; 0: default 2 */
+    uint64_t ram_budget_bytes;  /* pinned bytes (RAM tier + staging); 0: no limit */
+    laden_io_t *io;             /* reader pool to use (borrowed); NULL: own */
+} laden_sched_config;
+
+typedef struct laden_sched_stats {
+    uint64_t gpu_bytes, ram_bytes, disk_bytes; /* tensor bytes per tier */
+    uint64_t slot_bytes;        /* bytes of one slot */
+    uint32_t nslots;
+    uint64_t device_bytes;      /* device memory held: GPU tier + slots */
+    uint64_t pinned_bytes;      /* pinned host memory held */
+    uint64_t enters;            /* laden_stream_enter calls on streamed blocks */
+    uint64_t misses;            /* of those, blocks not prefetched in time */
+    uint64_t h2d_bytes;         /* bytes copied into slots */
+    uint64_t read_bytes;        /* bytes read from disk while streaming */
+    uint64_t load_read_bytes;   /* bytes read from the checkpoint at load */
+} laden_sched_stats_t;
+
+/* Creates an empty schedule for the checkpoint `st`, whose files are opened
+ * now and kept open (disk blocks read from them later).  `st` itself is not
+ * retained.  Destroy with laden_stream_destroy. */
+LADEN_API laden_status laden_stream_create(const laden_sched_config *cfg,
+                                           const laden_st_t *st,
+                                           laden_sched_t **out);
+
+/* Frees everything the schedule holds (device regions, slots, pinned
+ * memory), after waiting for its copies and reads.  NULL: no-op. */
+LADEN_API void laden_stream_destroy(laden_sched_t *sched);
+
+/* Adds a block with the given tier; *out_block is its index (0, 1, ...). */
+LADEN_API laden_status laden_stream_add_block(laden_sched_t *sched,
+                                              laden_tier tier,
+                                              uint32_t *out_block);
+
+/* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
+ * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on
+ * load; disk-tier blocks must keep the checkpoint's dtype).  *out_index is
+ * the tensor's index within the block. */
+LADEN_API laden_status laden_stream_add_tensor(laden_sched_t *sched,
+                                               uint32_t block,
+                                               const laden_st_t *st,
+                                               size_t st_index,
+                                               laden_dtype dtype,
+                                               uint32_t *out_index);
+
+/* Lays the blocks out, allocates every region, slot and staging buffer, and
+ * reads each GPU- and RAM-tier tensor once, into its final tier.  Blocks
+ * until done.  On failure everything allocated is freed again and the
+ * schedule can only be destroyed. */
+LADEN_API laden_status laden_stream_load(laden_sched_t *sched);
+
+/* Where block b's tensor i lives: a device address (CPU device: a host
+ * address), stable for the schedule's life.  Valid after load. */
+LADEN_API laden_status laden_stream_tensor_ptr(laden_sched_t *sched,
+                                               uint32_t block, uint32_t i,
+                                               laden_devptr_t *out);
+
+/* Starts loading the first `lookahead + 1` blocks of the schedule, so the
+ * first forward does not wait for its first block. */
+LADEN_API laden_status laden_stream_prefetch(laden_sched_t *sched);
+
+/* Before block b runs: see the header comment.  compute_stream is the
+ * CUDA stream handle the block's kernels run on (0: the legacy default
+ * stream); ignored on the CPU device, where enter blocks until the bytes
+ * are in place.  Errors from reading (a file truncated or gone) are
+ * returned here, for this block; the schedule stays usable. */
+LADEN_API laden_status laden_stream_enter(laden_sched_t *sched, uint32_t block,
+                                          uintptr_t compute_stream);
+
+/* After block b's work has been enqueued on compute_stream. */
+LADEN_API laden_status laden_stream_exit(laden_sched_t *sched, uint32_t block,
+                                         uintptr_t compute_stream);
+
+/* Waits for every copy and read the schedule has in flight. */
+LADEN_API laden_status laden_stream_synchronize(laden_sched_t *sched);
+
+LADEN_API laden_status laden_stream_stats(laden_sched_t *sched,
+                                          laden_sched_stats_t *out);
+
+/* Converts n elements between F32, F16 and BF16 (round to nearest even).
+ * LADEN_E_UNSUPPORTED for other pairs. */
+LADEN_API laden_status laden_stream_convert(laden_dtype from, const void *src,
+                                            laden_dtype to, void *dst,
+                                            uint64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,810 @@
+/* Block streaming.  See include/laden/stream.h.
+ *
+ * Slots: streamed block at schedule position p always runs from slot
+ * p % nslots.  A slot remembers which block's bytes it holds (or is
+ * receiving); a prefetch for the block already there costs nothing, so
+ * repeated forwards over a model that fits in the slots copy nothing.
+ *
+ * Ordering on CUDA, never a host synchronize in the steady state:
+ *   copy stream:    wait(slot.free) -> H2D into slot -> record(slot.ready)
+ *   compute stream: wait(slot.ready) -> block's kernels -> record(slot.free)
+ * Disk blocks are first read by the reader pool into the slot's pinned
+ * staging buffer; the H2D is enqueued once the reads have finished, which
+ * enter/exit notice by polling (or, for the block about to run, by waiting).
+ * Before a staging buffer is refilled the host waits for the event recorded
+ * after its last H2D, which finished a lookahead ago in the steady state. */
+#define _POSIX_C_SOURCE 200809L
+#include "laden/stream.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "laden/host.h"
+
+#define ALIGN 256u
+#define DEFAULT_LOOKAHEAD 2u
+
+typedef struct tref {
+    uint32_t file;
+    uint64_t off;       /* absolute offset in the file */
+    uint64_t src_bytes;
+    laden_dtype src, dst;
+    uint64_t nelem;
+    uint64_t dst_off;   /* offset in the block's region */
+    uint64_t dst_bytes;
+    const char *name;   /* for messages; copied */
+} tref;
+
+typedef struct blk {
+    laden_tier tier;
+    tref *t;
+    uint32_t nt, cap;
+    uint64_t bytes;
+    int32_t pos;          /* schedule position; -1 if not streamed */
+    laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device */
+    void *ram;            /* RAM tier: pinned region */
+} blk;
+
+typedef struct slot {
+    laden_devptr_t ptr;
+    int64_t block; /* whose bytes are here or arriving; -1: none */
+    bool in_use;
+    bool reads_pending;
+    laden_event_t *ready, *free, *staging_free;
+    void *staging;
+    laden_io_req_t **reqs;
+    uint32_t nreqs;
+    laden_status err;
+    char errmsg[512];
+} slot;
+
+struct laden_sched {
+    laden_sched_config cfg;
+    bool cuda, loaded, broken;
+    laden_io_t *io;
+    bool own_io;
+    laden_io_file_t **files;
+    uint32_t nfiles;
+    blk *b;
+    uint32_t nb, bcap;
+    uint32_t *order; /* position -> block */
+    uint32_t nstreamed;
+    slot *slots;
+    uint32_t nslots;
+    uint64_t slot_bytes;
+    uint32_t max_nt;
+    laden_host_t *host;
+    laden_stream_t *copy;
+    laden_stream_t *compute;
+    uintptr_t compute_handle;
+    laden_sched_stats_t st;
+};
+
+/* ---- dtype conversion --------------------------------------------------- */
+
+static float f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint32_t bits_of_f32(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static uint16_t bf16_of_f32(float f)
+{
+    uint32_t u = bits_of_f32(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float f32_of_f16(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f)
+        return f32_of_bits(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24 */
+        return sign ? -f : f;
+    }
+    return f32_of_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+static uint16_t f16_of_f32(float f)
+{
+    uint32_t u = bits_of_f32(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) /* rounds to >= 65520: infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below 2^-14: subnormal or zero */
+        /* Adding 0.5 aligns the mantissa so the FPU rounds to nearest even
+         * at the half's subnormal step (2^-24). */
+        float v = f32_of_bits(a) + 0.5f;
+        return (uint16_t)(sign | (uint16_t)(bits_of_f32(v) - 0x3f000000u));
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias exponent, round to nearest even */
+    return (uint16_t)(sign | (uint16_t)(a >> 13));
+}
+
+static float load_f(laden_dtype d, const void *p, uint64_t i)
+{
+    switch (d) {
+    case LADEN_DTYPE_F32: {
+        float f;
+        memcpy(&f, (const char *)p + 4 * i, 4);
+        return f;
+    }
+    case LADEN_DTYPE_F16: {
+        uint16_t h;
+        memcpy(&h, (const char *)p + 2 * i, 2);
+        return f32_of_f16(h);
+    }
+    default: {
+        uint16_t h;
+        memcpy(&h, (const char *)p + 2 * i, 2);
+        return f32_of_bits((uint32_t)h << 16);
+    }
+    }
+}
+
+static bool convertible(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F32 || d == LADEN_DTYPE_F16 ||
+           d == LADEN_DTYPE_BF16;
+}
+
+laden_status laden_stream_convert(laden_dtype from, const void *src,
+                                  laden_dtype to, void *dst, uint64_t n)
+{
+    if (!convertible(from) || !convertible(to))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "cannot convert %s to %s (F32, F16 and BF16 only)",
+                           laden_dtype_name(from) ? laden_dtype_name(from)
+                                                  : "?",
+                           laden_dtype_name(to) ? laden_dtype_name(to) : "?");
+    if (n && (!src || !dst))
+        return laden__fail(LADEN_E_INVAL, "laden_stream_convert: NULL buffer");
+    if (from == to) {
+        memcpy(dst, src, n * (laden_dtype_bits(from) / 8));
+        return LADEN_OK;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        float f = load_f(from, src, i);
+        if (to == LADEN_DTYPE_F32) {
+            memcpy((char *)dst + 4 * i, &f, 4);
+        } else {
+            uint16_t h = to == LADEN_DTYPE_F16 ? f16_of_f32(f) : bf16_of_f32(f);
+            memcpy((char *)dst + 2 * i, &h, 2);
+        }
+    }
+    return LADEN_OK;
+}
+
+/* ---- creation ----------------------------------------------------------- */
+
+laden_status laden_stream_create(const laden_sched_config *cfg,
+                                 const laden_st_t *st, laden_sched_t **out)
+{
+    laden_status s;
+    laden_dev_info_t info;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_create: out is NULL");
+    *out = NULL;
+    if (!cfg || !st)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_create: NULL config or checkpoint");
+    if ((s = laden_dev_info(cfg->device, &info)))
+        return s;
+    laden_sched_t *sc = calloc(1, sizeof *sc);
+    if (!sc)
+        return laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
+    sc->cfg = *cfg;
+    if (sc->cfg.lookahead == 0)
+        sc->cfg.lookahead = DEFAULT_LOOKAHEAD;
+    sc->cuda = info.kind == LADEN_DEV_KIND_CUDA;
+    sc->io = cfg->io;
+    if (!sc->io) {
+        if ((s = laden_io_create(NULL, &sc->io)))
+            goto fail;
+        sc->own_io = true;
+    }
+    sc->nfiles = (uint32_t)laden_st_file_count(st);
+    sc->files = calloc(sc->nfiles ? sc->nfiles : 1, sizeof *sc->files);
+    if (!sc->files) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < sc->nfiles; i++)
+        if ((s = laden_io_file_open(laden_st_file_path(st, i), &sc->files[i])))
+            goto fail;
+    if ((s = laden_host_create(cfg->device, cfg->ram_budget_bytes, &sc->host)))
+        goto fail;
+    *out = sc;
+    return LADEN_OK;
+fail:
+    laden_stream_destroy(sc);
+    return s;
+}
+
+laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
+                                    uint32_t *out)
+{
+    if (out)
+        *out = 0;
+    if (!sc || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_add_block: NULL");
+    if (sc->loaded)
+        return laden__fail(LADEN_E_STATE, "blocks cannot be added after load");
+    if (tier != LADEN_TIER_GPU && tier != LADEN_TIER_RAM &&
+        tier != LADEN_TIER_DISK)
+        return laden__fail(LADEN_E_INVAL, "unknown tier %d", (int)tier);
+    if (sc->nb == sc->bcap) {
+        uint32_t n = sc->bcap ? sc->bcap * 2 : 16;
+        blk *b = realloc(sc->b, n * sizeof *b);
+        if (!b)
+            return laden__fail(LADEN_E_NOMEM, "out of memory adding a block");
+        sc->b = b;
+        sc->bcap = n;
+    }
+    memset(&sc->b[sc->nb], 0, sizeof sc->b[0]);
+    sc->b[sc->nb].tier = tier;
+    sc->b[sc->nb].pos = -1;
+    *out = sc->nb++;
+    return LADEN_OK;
+}
+
+laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
+                                     const laden_st_t *st, size_t st_index,
+                                     laden_dtype dtype, uint32_t *out)
+{
+    laden_st_tensor_t t;
+    laden_status s;
+    if (out)
+        *out = 0;
+    if (!sc || !st || !out || block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_add_tensor: bad schedule or block");
+    if (sc->loaded)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if ((s = laden_st_tensor_at(st, st_index, &t)))
+        return s;
+    if (t.file_index >= sc->nfiles)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is from another checkpoint",
+                           t.name);
+    blk *b = &sc->b[block];
+    uint64_t nelem = 1;
+    for (uint32_t d = 0; d < t.ndim; d++)
+        nelem *= t.shape[d]; /* validated by st: cannot overflow */
+    if (dtype != t.dtype) {
+        if (!convertible(t.dtype) || !convertible(dtype))
+            return laden__fail(LADEN_E_UNSUPPORTED,
+                               "tensor '%.200s': cannot store %s as %s (F32, "
+                               "F16 and BF16 convert)",
+                               t.name, laden_dtype_name(t.dtype),
+                               laden_dtype_name(dtype) ? laden_dtype_name(dtype)
+                                                       : "?");
+        if (b->tier == LADEN_TIER_DISK)
+            return laden__fail(LADEN_E_UNSUPPORTED,
+                               "tensor '%.200s' is %s in the checkpoint and "
+                               "cannot be stored as %s on the disk tier, "
+                               "which reads the file as it is; put its block "
+                               "in RAM or keep its dtype",
+                               t.name, laden_dtype_name(t.dtype),
+                               laden_dtype_name(dtype));
+    }
+    if (b->nt == b->cap) {
+        uint32_t n = b->cap ? b->cap * 2 : 8;
+        tref *r = realloc(b->t, n * sizeof *r);
+        if (!r)
+            return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+        b->t = r;
+        b->cap = n;
+    }
+    tref *r = &b->t[b->nt];
+    memset(r, 0, sizeof *r);
+    r->file = t.file_index;
+    r->off = t.offset_bytes;
+    r->src_bytes = t.size_bytes;
+    r->src = t.dtype;
+    r->dst = dtype;
+    r->nelem = nelem;
+    r->dst_bytes = dtype == t.dtype ? t.size_bytes
+                                    : nelem * (laden_dtype_bits(dtype) / 8);
+    r->name = strdup(t.name);
+    if (!r->name)
+        return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+    *out = b->nt++;
+    return LADEN_OK;
+}
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static bool streamed(const laden_sched_t *sc, const blk *b)
+{
+    return b->tier == LADEN_TIER_DISK ||
+           (b->tier == LADEN_TIER_RAM && sc->cuda);
+}
+
+/* Reads block b's tensors into host memory at dst (its packed layout),
+ * converting where the stored dtype differs. */
+static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
+{
+    laden_status s = LADEN_OK, w;
+    laden_io_req_t **reqs = calloc(b->nt ? b->nt : 1, sizeof *reqs);
+    void **tmp = calloc(b->nt ? b->nt : 1, sizeof *tmp);
+    if (!reqs || !tmp) {
+        free(reqs);
+        free(tmp);
+        return laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
+    }
+    uint32_t n = 0;
+    for (; n < b->nt; n++) {
+        tref *r = &b->t[n];
+        char *to = dst + r->dst_off;
+        if (r->src != r->dst) {
+            if (!(tmp[n] = malloc(r->src_bytes ? r->src_bytes : 1))) {
+                s = laden__fail(LADEN_E_NOMEM,
+                                "out of memory converting '%.200s'", r->name);
+                break;
+            }
+            to = tmp[n];
+        }
+        if ((s = laden_io_submit(sc->io, sc->files[r->file], r->off,
+                                 r->src_bytes, to, &reqs[n])))
+            break;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if ((w = laden_io_wait(sc->io, reqs[i])) && !s)
+            s = w;
+        else if (!w)
+            sc->st.load_read_bytes += b->t[i].src_bytes;
+    }
+    for (uint32_t i = 0; i < b->nt && !s; i++)
+        if (tmp[i])
+            s = laden_stream_convert(b->t[i].src, tmp[i], b->t[i].dst,
+                                     dst + b->t[i].dst_off, b->t[i].nelem);
+    for (uint32_t i = 0; i < b->nt; i++)
+        free(tmp[i]);
+    free(tmp);
+    free(reqs);
+    return s;
+}
+
+static void free_all(laden_sched_t *sc)
+{
+    if (sc->copy)
+        laden_dev_stream_synchronize(sc->copy);
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        for (uint32_t k = 0; k < sl->nreqs; k++)
+            laden_io_wait(sc->io, sl->reqs[k]);
+        sl->nreqs = 0;
+        free(sl->reqs);
+        laden_dev_event_destroy(sl->ready);
+        laden_dev_event_destroy(sl->free);
+        laden_dev_event_destroy(sl->staging_free);
+        laden_dev_mem_free(sc->cfg.device, sl->ptr);
+        if (sl->staging)
+            laden_host_free(sc->host, sl->staging);
+    }
+    free(sc->slots);
+    sc->slots = NULL;
+    sc->nslots = 0;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (b->tier == LADEN_TIER_GPU && b->region)
+            laden_dev_mem_free(sc->cfg.device, b->region);
+        if (b->ram)
+            laden_host_free(sc->host, b->ram);
+        b->region = 0;
+        b->ram = NULL;
+    }
+    laden_dev_stream_destroy(sc->compute);
+    sc->compute = NULL;
+    laden_dev_stream_destroy(sc->copy);
+    sc->copy = NULL;
+    free(sc->order);
+    sc->order = NULL;
+    laden_host_trim(sc->host);
+}
+
+void laden_stream_destroy(laden_sched_t *sc)
+{
+    if (!sc)
+        return;
+    free_all(sc);
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        for (uint32_t k = 0; k < sc->b[i].nt; k++)
+            free((char *)sc->b[i].t[k].name);
+        free(sc->b[i].t);
+    }
+    free(sc->b);
+    for (uint32_t i = 0; i < sc->nfiles && sc->files; i++)
+        laden_io_file_close(sc->files[i]);
+    free(sc->files);
+    laden_host_destroy(sc->host);
+    if (sc->own_io)
+        laden_io_destroy(sc->io);
+    free(sc);
+}
+
+/* ---- load ---------------------------------------------------------------- */
+
+laden_status laden_stream_load(laden_sched_t *sc)
+{
+    laden_status s = LADEN_OK;
+    int32_t dev;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_load: NULL schedule");
+    if (sc->loaded || sc->broken)
+        return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
+    dev = sc->cfg.device;
+    /* Layout: tensors packed per block, each aligned for any kernel. */
+    bool any_disk = false;
+    uint64_t max_gpu = 0;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        uint64_t off = 0;
+        for (uint32_t k = 0; k < b->nt; k++) {
+            off = (off + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+            b->t[k].dst_off = off;
+            off += b->t[k].dst_bytes;
+        }
+        b->bytes = off;
+        if (b->nt > sc->max_nt)
+            sc->max_nt = b->nt;
+        if (streamed(sc, b)) {
+            b->pos = (int32_t)sc->nstreamed++;
+            if (b->bytes > sc->slot_bytes)
+                sc->slot_bytes = b->bytes;
+            any_disk |= b->tier == LADEN_TIER_DISK;
+        }
+        if (b->tier == LADEN_TIER_GPU && b->bytes > max_gpu)
+            max_gpu = b->bytes;
+        uint64_t *tier_bytes = b->tier == LADEN_TIER_GPU   ? &sc->st.gpu_bytes
+                               : b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
+                                                           : &sc->st.disk_bytes;
+        *tier_bytes += b->bytes;
+    }
+    sc->order = calloc(sc->nstreamed ? sc->nstreamed : 1, sizeof *sc->order);
+    if (!sc->order) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (sc->b[i].pos >= 0)
+            sc->order[sc->b[i].pos] = i;
+    sc->nslots = sc->nstreamed < sc->cfg.lookahead + 1 ? sc->nstreamed
+                                                       : sc->cfg.lookahead + 1;
+    if (sc->cuda && (s = laden_dev_stream_create(dev, &sc->copy)))
+        goto fail;
+
+    /* Device regions and slots first: they are what is most likely not to
+     * fit, and nothing has been read yet if they do not. */
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (b->tier == LADEN_TIER_GPU && b->bytes &&
+            (s = laden_dev_mem_alloc(dev, b->bytes, &b->region)))
+            goto fail;
+        if (b->tier == LADEN_TIER_GPU)
+            sc->st.device_bytes += b->bytes;
+    }
+    sc->slots = calloc(sc->nslots ? sc->nslots : 1, sizeof *sc->slots);
+    if (!sc->slots) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        sl->block = -1;
+        if (!(sl->reqs = calloc(sc->max_nt ? sc->max_nt : 1, sizeof *sl->reqs))) {
+            s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+            goto fail;
+        }
+        if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
+                                     &sl->ptr)))
+            goto fail;
+        sc->st.device_bytes += sc->slot_bytes;
+        if (sc->cuda && ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
+                         (s = laden_dev_event_create(dev, 0, &sl->free)) ||
+                         (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
+            goto fail;
+        if (sc->cuda && any_disk &&
+            (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
+            goto fail;
+    }
+    /* The RAM tier, read in place; then the GPU tier through one pinned
+     * buffer the size of the largest GPU block. */
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (b->tier != LADEN_TIER_RAM || !b->bytes)
+            continue;
+        if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
+            goto fail;
+        if (!sc->cuda)
+            b->region = (laden_devptr_t)(uintptr_t)b->ram;
+        if ((s = read_block_host(sc, b, b->ram)))
+            goto fail;
+    }
+    void *tmp = NULL;
+    for (uint32_t i = 0; i < sc->nb && !s; i++) {
+        blk *b = &sc->b[i];
+        if (b->tier != LADEN_TIER_GPU || !b->bytes)
+            continue;
+        if (!sc->cuda) {
+            s = read_block_host(sc, b, (char *)(uintptr_t)b->region);
+            continue;
+        }
+        if (!tmp && (s = laden_host_alloc(sc->host, max_gpu, &tmp)))
+            break;
+        if (!(s = read_block_host(sc, b, tmp)) &&
+            !(s = laden_dev_copy_h2d(sc->copy, b->region, tmp, b->bytes)))
+            s = laden_dev_stream_synchronize(sc->copy);
+    }
+    if (tmp)
+        laden_host_free(sc->host, tmp);
+    if (s)
+        goto fail;
+    laden_host_trim(sc->host); /* the GPU tier's buffer is not kept pinned */
+    sc->loaded = true;
+    return LADEN_OK;
+fail:
+    free_all(sc);
+    sc->broken = true;
+    return s;
+}
+
+laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *out)
+{
+    if (out)
+        *out = 0;
+    if (!sc || !out || block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_tensor_ptr: bad block or tensor");
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    blk *b = &sc->b[block];
+    laden_devptr_t base = streamed(sc, b)
+                              ? sc->slots[(uint32_t)b->pos % sc->nslots].ptr
+                              : b->region;
+    *out = base + b->t[i].dst_off;
+    return LADEN_OK;
+}
+
+/* ---- the hot path ---------------------------------------------------------- */
+
+/* Waits for the slot's reads; on success enqueues staging -> slot. */
+static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
+{
+    laden_status s = LADEN_OK, w;
+    for (uint32_t k = 0; k < sl->nreqs; k++)
+        if ((w = laden_io_wait(sc->io, sl->reqs[k])) && !s) {
+            s = w;
+            snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
+        }
+    sl->nreqs = 0;
+    sl->reads_pending = false;
+    if (discard || sl->err)
+        return LADEN_OK; /* a submit failed: the error is reported at enter */
+    if (s) {
+        sl->err = s;
+        return LADEN_OK;
+    }
+    blk *b = &sc->b[sl->block];
+    sc->st.read_bytes += b->bytes;
+    if (!sc->cuda)
+        return LADEN_OK; /* read straight into the slot */
+    if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+        (s = laden_dev_copy_h2d(sc->copy, sl->ptr, sl->staging, b->bytes)) ||
+        (s = laden_dev_event_record(sl->ready, sc->copy)) ||
+        (s = laden_dev_event_record(sl->staging_free, sc->copy)))
+        return s;
+    sc->st.h2d_bytes += b->bytes;
+    return LADEN_OK;
+}
+
+/* Starts putting block bi's bytes into slot sl. */
+static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
+{
+    laden_status s;
+    blk *b = &sc->b[bi];
+    if (sl->reads_pending)
+        finish_reads(sc, sl, true);
+    sl->block = bi;
+    sl->err = LADEN_OK;
+    if (b->tier == LADEN_TIER_RAM) {
+        if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+            (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||
+            (s = laden_dev_event_record(sl->ready, sc->copy))) {
+            sl->block = -1;
+            return s;
+        }
+        sc->st.h2d_bytes += b->bytes;
+        return LADEN_OK;
+    }
+    char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
+    if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free))) {
+        sl->block = -1;
+        return s;
+    }
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
+        s = laden_io_submit(sc->io, sc->files[r->file], r->off, r->src_bytes,
+                            dst + r->dst_off, &sl->reqs[sl->nreqs]);
+        if (s) {
+            sl->err = s;
+            snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
+            break;
+        }
+        sl->nreqs++;
+    }
+    sl->reads_pending = true;
+    return LADEN_OK;
+}
+
+/* Enqueues the copies of disk blocks whose reads have finished. */
+static laden_status poll_reads(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if (!sl->reads_pending)
+            continue;
+        bool all = true;
+        for (uint32_t k = 0; k < sl->nreqs && all; k++) {
+            int done = 0;
+            laden_io_poll(sc->io, sl->reqs[k], &done);
+            all = done != 0;
+        }
+        if (all) {
+            laden_status s = finish_reads(sc, sl, false);
+            if (s)
+                return s;
+        }
+    }
+    return LADEN_OK;
+}
+
+static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
+                                  uint32_t count)
+{
+    for (uint32_t k = 0; k < count && k < sc->nstreamed; k++) {
+        uint32_t p = (pos + k) % sc->nstreamed;
+        uint32_t bi = sc->order[p];
+        slot *sl = &sc->slots[p % sc->nslots];
+        if (sl->in_use || sl->block == (int64_t)bi)
+            continue;
+        laden_status s = issue_load(sc, sl, bi);
+        if (s)
+            return s;
+    }
+    return poll_reads(sc);
+}
+
+laden_status laden_stream_prefetch(laden_sched_t *sc)
+{
+    if (!sc || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    return prefetch_from(sc, 0, sc->nslots);
+}
+
+static laden_status compute_stream(laden_sched_t *sc, uintptr_t handle)
+{
+    if (sc->compute && sc->compute_handle == handle)
+        return LADEN_OK;
+    laden_dev_stream_destroy(sc->compute);
+    sc->compute = NULL;
+    laden_status s = laden_dev_stream_wrap(sc->cfg.device, handle, &sc->compute);
+    if (!s)
+        sc->compute_handle = handle;
+    return s;
+}
+
+static laden_status check_block(laden_sched_t *sc, uint32_t block,
+                                const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    if (block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
+                           block, sc->nb);
+    return LADEN_OK;
+}
+
+laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle)
+{
+    laden_status s = check_block(sc, block, "laden_stream_enter");
+    if (s)
+        return s;
+    blk *b = &sc->b[block];
+    if (!streamed(sc, b))
+        return LADEN_OK;
+    slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
+    if (sl->in_use)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u entered while block %lld, which shares "
+                           "its slot, is still running",
+                           block, (long long)sl->block);
+    sc->st.enters++;
+    if (sl->block != (int64_t)block) {
+        sc->st.misses++;
+        if ((s = issue_load(sc, sl, block)))
+            return s;
+    }
+    if (sl->reads_pending && (s = finish_reads(sc, sl, false)))
+        return s;
+    if (sl->err) {
+        s = sl->err;
+        sl->err = LADEN_OK;
+        sl->block = -1; /* the next enter reads again */
+        return laden__fail(s, "%s", sl->errmsg);
+    }
+    if (sc->cuda && ((s = compute_stream(sc, handle)) ||
+                     (s = laden_dev_stream_wait_event(sc->compute, sl->ready))))
+        return s;
+    sl->in_use = true;
+    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
+}
+
+laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
+                               uintptr_t handle)
+{
+    laden_status s = check_block(sc, block, "laden_stream_exit");
+    if (s)
+        return s;
+    blk *b = &sc->b[block];
+    if (!streamed(sc, b))
+        return LADEN_OK;
+    slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
+    if (!sl->in_use || sl->block != (int64_t)block)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_exit: block %u is not running",
+                           block);
+    sl->in_use = false;
+    if (sc->cuda && ((s = compute_stream(sc, handle)) ||
+                     (s = laden_dev_event_record(sl->free, sc->compute))))
+        return s;
+    return poll_reads(sc);
+}
+
+laden_status laden_stream_synchronize(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_synchronize: NULL");
+    for (uint32_t i = 0; i < sc->nslots; i++)
+        if (sc->slots[i].reads_pending)
+            finish_reads(sc, &sc->slots[i], false);
+    return sc->copy ? laden_dev_stream_synchronize(sc->copy) : LADEN_OK;
+}
+
+laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)
+{
+    laden_host_stats_t hs;
+    if (!sc || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_stats: NULL");
+    *out = sc->st;
+    out->slot_bytes = sc->slot_bytes;
+    out->nslots = sc->nslots;
+    if (laden_host_stats(sc->host, &hs) == LADEN_OK)
+        out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
+    return LADEN_OK;
+}

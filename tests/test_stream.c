@@ -1,0 +1,304 @@
+/* The streaming engine on every device: bytes in the slot are the block's
+ * bytes whatever the call order, prefetch hides the copies in order, errors
+ * from the file come back at enter, and nothing leaks. */
+#define _DEFAULT_SOURCE
+#include <unistd.h>
+
+#include "test.h"
+
+#include "laden/dev.h"
+#include "laden/stream.h"
+
+#define NB 7
+
+/* Block i has tensors "blocks.i.a" (U8, 1000+137*i bytes) and "blocks.i.b"
+ * (U8, 4096*(i+1) bytes); "embed" is outside the blocks.  Byte j of a
+ * tensor t is a hash of (t, j). */
+static unsigned char val(int t, uint64_t j)
+{
+    uint64_t x = (j + 1) * 0x9e3779b97f4a7c15ull ^ (uint64_t)(t + 1) * 77;
+    return (unsigned char)(x >> 29);
+}
+
+static uint64_t sz(int t) /* t = 2*i (a) or 2*i+1 (b); 2*NB: embed */
+{
+    if (t == 2 * NB)
+        return 3000;
+    return t % 2 ? 4096u * (uint64_t)(t / 2 + 1) : 1000u + 137u * (uint64_t)(t / 2);
+}
+
+static char *write_model(void)
+{
+    char hdr[8192] = "{";
+    uint64_t off = 0;
+    for (int t = 0; t <= 2 * NB; t++) {
+        char e[256];
+        char name[64];
+        if (t == 2 * NB)
+            snprintf(name, sizeof name, "embed");
+        else
+            snprintf(name, sizeof name, "blocks.%d.%c", t / 2, t % 2 ? 'b' : 'a');
+        snprintf(e, sizeof e,
+                 "%s\"%s\":{\"dtype\":\"U8\",\"shape\":[%llu],"
+                 "\"data_offsets\":[%llu,%llu]}",
+                 t ? "," : "", name, (unsigned long long)sz(t),
+                 (unsigned long long)off, (unsigned long long)(off + sz(t)));
+        strcat(hdr, e);
+        off += sz(t);
+    }
+    strcat(hdr, "}");
+    unsigned char *data = malloc(off);
+    uint64_t at = 0;
+    for (int t = 0; t <= 2 * NB; t++)
+        for (uint64_t j = 0; j < sz(t); j++)
+            data[at++] = val(t, j);
+    char *p = test_path("model.safetensors");
+    test_write_st(p, hdr, data, off);
+    free(data);
+    return p;
+}
+
+typedef struct {
+    laden_sched_t *sc;
+    laden_st_t *st;
+    int32_t dev;
+    uint32_t block_of[NB + 1]; /* block index of model block i; NB: embed */
+    laden_stream_t *rd;        /* reads back on the compute stream */
+    unsigned char *buf;
+} model;
+
+static void build(model *m, int32_t dev, const laden_tier tiers[NB],
+                  uint64_t ram_budget)
+{
+    memset(m, 0, sizeof *m);
+    m->dev = dev;
+    CHECK_OK(laden_st_open(write_model(), &m->st));
+    laden_sched_config cfg = {.device = dev, .lookahead = 2,
+                              .ram_budget_bytes = ram_budget};
+    CHECK_OK(laden_stream_create(&cfg, m->st, &m->sc));
+    for (int i = 0; i <= NB; i++) {
+        laden_tier tier = i == NB ? LADEN_TIER_GPU : tiers[i];
+        CHECK_OK(laden_stream_add_block(m->sc, tier, &m->block_of[i]));
+        for (int k = 0; k < (i == NB ? 1 : 2); k++) {
+            size_t idx;
+            uint32_t ti;
+            char name[64];
+            if (i == NB)
+                snprintf(name, sizeof name, "embed");
+            else
+                snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
+            CHECK_OK(laden_st_find(m->st, name, &idx));
+            CHECK_OK(laden_stream_add_tensor(m->sc, m->block_of[i], m->st, idx,
+                                             LADEN_DTYPE_U8, &ti));
+            CHECK(ti == (uint32_t)k);
+        }
+    }
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m->rd));
+    m->buf = malloc(1 << 20);
+}
+
+static void destroy(model *m)
+{
+    laden_stream_destroy(m->sc);
+    laden_dev_stream_destroy(m->rd);
+    laden_st_close(m->st);
+    free(m->buf);
+}
+
+/* Runs model block i as a kernel would: enter, read its bytes where the
+ * schedule says they are, check them, exit. */
+static void run_block(model *m, int i)
+{
+    uint32_t b = m->block_of[i];
+    CHECK_OK(laden_stream_enter(m->sc, b, 0));
+    for (int k = 0; k < (i == NB ? 1 : 2); k++) {
+        int t = i == NB ? 2 * NB : 2 * i + k;
+        laden_devptr_t p;
+        CHECK_OK(laden_stream_tensor_ptr(m->sc, b, (uint32_t)k, &p));
+        CHECK(p % 256 == 0);
+        if (m->rd) {
+            CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, sz(t)));
+            CHECK_OK(laden_dev_stream_synchronize(m->rd));
+        } else {
+            memcpy(m->buf, (void *)(uintptr_t)p, sz(t));
+        }
+        for (uint64_t j = 0; j < sz(t); j++)
+            if (m->buf[j] != val(t, j)) {
+                fprintf(stderr, "device %d block %d tensor %d byte %llu wrong\n",
+                        m->dev, i, k, (unsigned long long)j);
+                exit(1);
+            }
+    }
+    CHECK_OK(laden_stream_exit(m->sc, b, 0));
+}
+
+static void on_every_device(void (*fn)(int32_t))
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    fn(LADEN_DEVICE_CPU);
+    for (int32_t d = 0; d < n; d++)
+        fn(d);
+}
+
+static const laden_tier MIXED[NB] = {LADEN_TIER_RAM,  LADEN_TIER_DISK,
+                                     LADEN_TIER_GPU,  LADEN_TIER_DISK,
+                                     LADEN_TIER_RAM,  LADEN_TIER_DISK,
+                                     LADEN_TIER_RAM};
+
+static void orders(int32_t dev)
+{
+    static const laden_tier ALL[3][NB] = {
+        {LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
+         LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM},
+        {LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK,
+         LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK},
+        {0}};
+    for (int variant = 0; variant < 3; variant++) {
+        model m;
+        build(&m, dev, variant == 2 ? MIXED : ALL[variant], 0);
+        CHECK_OK(laden_stream_load(m.sc));
+        CHECK_OK(laden_stream_prefetch(m.sc));
+        laden_sched_stats_t st;
+        /* In order, several passes: every block prefetched in time. */
+        for (int pass = 0; pass < 3; pass++) {
+            run_block(&m, NB);
+            for (int i = 0; i < NB; i++)
+                run_block(&m, i);
+        }
+        CHECK_OK(laden_stream_stats(m.sc, &st));
+        CHECK(st.misses == 0);
+        uint64_t misses_before = st.misses;
+        /* Reversed, repeated, skipping, random: correct, only slower. */
+        for (int i = NB - 1; i >= 0; i--)
+            run_block(&m, i);
+        run_block(&m, 3);
+        run_block(&m, 3);
+        run_block(&m, 0);
+        run_block(&m, 6);
+        unsigned seed = 12345;
+        for (int r = 0; r < 40; r++) {
+            seed = seed * 1103515245u + 12345u;
+            run_block(&m, (int)((seed >> 16) % (NB + 1)));
+        }
+        CHECK_OK(laden_stream_stats(m.sc, &st));
+        if (st.enters) { /* on the CPU device the RAM tier runs in place */
+            CHECK(st.misses > misses_before);
+            CHECK(st.nslots == 3);
+            CHECK(st.slot_bytes >= 4096u * NB);
+        }
+        CHECK_OK(laden_stream_synchronize(m.sc));
+        destroy(&m);
+    }
+}
+
+TEST(stream_any_call_order) { on_every_device(orders); }
+
+static void misuse(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    uint32_t b = m.block_of[1];
+    laden_devptr_t p;
+    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE); /* not loaded */
+    CHECK_STATUS(laden_stream_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
+    CHECK_OK(laden_stream_load(m.sc));
+    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_STATE);
+    uint32_t nb;
+    CHECK_STATUS(laden_stream_add_block(m.sc, LADEN_TIER_RAM, &nb),
+                 LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_enter(m.sc, 999, 0), LADEN_E_INVAL);
+    CHECK_STATUS(laden_stream_exit(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_OK(laden_stream_enter(m.sc, b, 0));
+    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE);
+    /* Block 4 shares block 1's slot (positions 1 and 4 of 3 slots... its
+     * schedule position is 3 when block 2 is on the GPU tier). */
+    CHECK_OK(laden_stream_exit(m.sc, b, 0));
+    destroy(&m);
+}
+
+TEST(stream_misuse_is_an_error) { on_every_device(misuse); }
+
+static void file_trouble(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    CHECK_OK(laden_stream_load(m.sc));
+    run_block(&m, 0);
+    /* The checkpoint is cut short while the model runs: disk blocks fail
+     * at enter with the file's name; RAM and GPU blocks keep working. */
+    CHECK(truncate(test_path("model.safetensors"), 200) == 0);
+    int failures = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < NB; i++) {
+            if (MIXED[i] != LADEN_TIER_DISK) {
+                run_block(&m, i);
+                continue;
+            }
+            int s = laden_stream_enter(m.sc, m.block_of[i], 0);
+            if (s == LADEN_OK) { /* read before the cut */
+                CHECK_OK(laden_stream_exit(m.sc, m.block_of[i], 0));
+                continue;
+            }
+            CHECK(s == LADEN_E_TRUNCATED);
+            CHECK_CONTAINS(laden_last_error(), "model.safetensors");
+            failures++;
+        }
+    CHECK(failures >= 3);
+    run_block(&m, NB);
+    destroy(&m);
+}
+
+TEST(stream_file_truncated_while_running) { on_every_device(file_trouble); }
+
+static void budget(int32_t dev)
+{
+    model m;
+    static const laden_tier RAM[NB] = {LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM};
+    build(&m, dev, RAM, 64u << 10); /* 64 KiB: the RAM tier needs more */
+    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_BUDGET);
+    laden_sched_stats_t st;
+    CHECK_OK(laden_stream_stats(m.sc, &st));
+    CHECK(st.pinned_bytes == 0); /* everything given back */
+    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_STATE);
+    destroy(&m);
+}
+
+TEST(stream_budget_exceeded_frees_everything) { on_every_device(budget); }
+
+TEST(stream_convert)
+{
+    const float in[] = {0.0f, -0.0f, 1.0f, -2.5f, 3.14159265f, 65504.0f,
+                        1e-7f, 6.1e-5f, 70000.0f, 1e30f};
+    /* Expected values from torch's own conversions. */
+    const uint16_t want_bf16[] = {0x0000, 0x8000, 0x3f80, 0xc020, 0x4049,
+                                  0x4780, 0x33d7, 0x3880, 0x4789, 0x714a};
+    const uint16_t want_f16[] = {0x0000, 0x8000, 0x3c00, 0xc100, 0x4248,
+                                 0x7bff, 0x0002, 0x03ff, 0x7c00, 0x7c00};
+    uint16_t out[10];
+    float back[10];
+    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_BF16, out, 10));
+    for (int i = 0; i < 10; i++)
+        if (out[i] != want_bf16[i]) {
+            fprintf(stderr, "bf16[%d] = %04x, want %04x\n", i, out[i],
+                    want_bf16[i]);
+            exit(1);
+        }
+    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_F16, out, 10));
+    for (int i = 0; i < 10; i++)
+        if (out[i] != want_f16[i]) {
+            fprintf(stderr, "f16[%d] = %04x, want %04x\n", i, out[i],
+                    want_f16[i]);
+            exit(1);
+        }
+    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F16, out, LADEN_DTYPE_F32, back, 8));
+    CHECK(back[2] == 1.0f && back[3] == -2.5f && back[5] == 65504.0f);
+    CHECK(back[6] > 1.1e-7f && back[6] < 1.3e-7f); /* subnormal 2 * 2^-24 */
+    CHECK_STATUS(laden_stream_convert(LADEN_DTYPE_I32, in, LADEN_DTYPE_F32,
+                                      back, 1),
+                 LADEN_E_UNSUPPORTED);
+}
