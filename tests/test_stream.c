@@ -184,7 +184,8 @@ static void orders(int32_t dev)
         }
         CHECK_OK(laden_stream_stats(m.sc, &st));
         if (st.enters) { /* on the CPU device the RAM tier runs in place */
-            CHECK(st.misses > misses_before);
+            if (variant < 2) /* more streamed blocks than slots */
+                CHECK(st.misses > misses_before);
             CHECK(st.nslots == 3);
             CHECK(st.slot_bytes >= 4096u * NB);
         }

@@ -215,6 +215,11 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
     sc->cfg = *cfg;
     if (sc->cfg.lookahead == 0)
         sc->cfg.lookahead = DEFAULT_LOOKAHEAD;
+    if (sc->cfg.lookahead > 63) {
+        free(sc);
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most 63",
+                           cfg->lookahead);
+    }
     sc->cuda = info.kind == LADEN_DEV_KIND_CUDA;
     sc->io = cfg->io;
     if (!sc->io) {
@@ -680,13 +685,21 @@ static laden_status poll_reads(laden_sched_t *sc)
     return LADEN_OK;
 }
 
+/* Loads the blocks at positions pos..pos+count-1 (cyclically) into their
+ * slots.  A slot wanted by a nearer block of the window is left to it: at
+ * the wrap of the schedule two blocks of one window can share a slot. */
 static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
                                   uint32_t count)
 {
+    uint64_t claimed = 0;
     for (uint32_t k = 0; k < count && k < sc->nstreamed; k++) {
         uint32_t p = (pos + k) % sc->nstreamed;
         uint32_t bi = sc->order[p];
-        slot *sl = &sc->slots[p % sc->nslots];
+        uint32_t si = p % sc->nslots;
+        slot *sl = &sc->slots[si];
+        if (claimed & (1ull << si))
+            break; /* the rest of the window must wait for this slot */
+        claimed |= 1ull << si;
         if (sl->in_use || sl->block == (int64_t)bi)
             continue;
         laden_status s = issue_load(sc, sl, bi);
@@ -783,7 +796,10 @@ laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
     if (sc->cuda && ((s = compute_stream(sc, handle)) ||
                      (s = laden_dev_event_record(sl->free, sc->compute))))
         return s;
-    return poll_reads(sc);
+    /* The slot just freed may be the one a block ahead needs: when the
+     * schedule's length is not a multiple of nslots, the first blocks of the
+     * next pass share slots with the last of this one. */
+    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
 }
 
 laden_status laden_stream_synchronize(laden_sched_t *sc)
