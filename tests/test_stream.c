@@ -187,7 +187,7 @@ static void orders(int32_t dev)
             if (variant < 2) /* more streamed blocks than slots */
                 CHECK(st.misses > misses_before);
             CHECK(st.nslots == 3);
-            CHECK(st.slot_bytes >= 4096u * NB);
+            CHECK(variant == 2 || st.slot_bytes >= 4096u * NB);
         }
         CHECK_OK(laden_stream_synchronize(m.sc));
         destroy(&m);
