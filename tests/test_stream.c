@@ -159,7 +159,7 @@ static void orders(int32_t dev)
         model m;
         build(&m, dev, variant == 2 ? MIXED : ALL[variant], 0);
         CHECK_OK(laden_stream_load(m.sc));
-        CHECK_OK(laden_stream_prefetch(m.sc));
+        CHECK_OK(laden_stream_start(m.sc, 0));
         laden_sched_stats_t st;
         /* In order, several passes: every block prefetched in time. */
         for (int pass = 0; pass < 3; pass++) {
@@ -206,6 +206,10 @@ static void misuse(int32_t dev)
     CHECK_STATUS(laden_stream_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
     CHECK_OK(laden_stream_load(m.sc));
     CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE); /* not started */
+    CHECK_STATUS(laden_stream_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
+    CHECK_OK(laden_stream_start(m.sc, 0));
+    CHECK_STATUS(laden_stream_start(m.sc, 0), LADEN_E_STATE);
     uint32_t nb;
     CHECK_STATUS(laden_stream_add_block(m.sc, LADEN_TIER_RAM, &nb),
                  LADEN_E_STATE);
@@ -221,11 +225,16 @@ static void misuse(int32_t dev)
 
 TEST(stream_misuse_is_an_error) { on_every_device(misuse); }
 
+static const laden_tier MOSTLY_DISK[NB] = {
+    LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_GPU, LADEN_TIER_DISK,
+    LADEN_TIER_RAM,  LADEN_TIER_DISK, LADEN_TIER_DISK};
+
 static void file_trouble(int32_t dev)
 {
     model m;
-    build(&m, dev, MIXED, 0);
+    build(&m, dev, MOSTLY_DISK, 0);
     CHECK_OK(laden_stream_load(m.sc));
+    CHECK_OK(laden_stream_start(m.sc, 0));
     run_block(&m, 0);
     /* The checkpoint is cut short while the model runs: disk blocks fail
      * at enter with the file's name; RAM and GPU blocks keep working. */
@@ -233,7 +242,7 @@ static void file_trouble(int32_t dev)
     int failures = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < NB; i++) {
-            if (MIXED[i] != LADEN_TIER_DISK) {
+            if (MOSTLY_DISK[i] != LADEN_TIER_DISK) {
                 run_block(&m, i);
                 continue;
             }
@@ -303,3 +312,44 @@ TEST(stream_convert)
                                       back, 1),
                  LADEN_E_UNSUPPORTED);
 }
+
+/* Stop frees the slots and keeps the tiers; start again with another
+ * lookahead; tensors from host memory load like checkpoint tensors. */
+static void restart_and_host(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    unsigned char host[5000];
+    for (int j = 0; j < 5000; j++)
+        host[j] = (unsigned char)(j * 7);
+    uint32_t hb, hi;
+    CHECK_OK(laden_stream_add_block(m.sc, LADEN_TIER_RAM, &hb));
+    CHECK_OK(laden_stream_add_host_tensor(m.sc, hb, host, LADEN_DTYPE_U8, 5000,
+                                          LADEN_DTYPE_U8, &hi));
+    uint32_t db;
+    CHECK_OK(laden_stream_add_block(m.sc, LADEN_TIER_DISK, &db));
+    CHECK_STATUS(laden_stream_add_host_tensor(m.sc, db, host, LADEN_DTYPE_U8,
+                                              5000, LADEN_DTYPE_U8, &hi),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_stream_load(m.sc));
+    void *hp;
+    CHECK_OK(laden_stream_host_ptr(m.sc, hb, 0, &hp));
+    CHECK(hp != NULL && memcmp(hp, host, 5000) == 0);
+    CHECK_OK(laden_stream_host_ptr(m.sc, m.block_of[NB], 0, &hp));
+    CHECK(hp == NULL); /* GPU tier: not in host memory */
+    laden_sched_stats_t st0, st1;
+    CHECK_OK(laden_stream_stats(m.sc, &st0));
+    for (uint32_t la = 1; la <= 4; la++) {
+        CHECK_OK(laden_stream_start(m.sc, la));
+        for (int pass = 0; pass < 2; pass++)
+            for (int i = 0; i <= NB; i++)
+                run_block(&m, i);
+        CHECK_OK(laden_stream_stop(m.sc));
+        CHECK_OK(laden_stream_stop(m.sc)); /* twice: no-op */
+        CHECK_OK(laden_stream_stats(m.sc, &st1));
+        CHECK(st1.device_bytes == st0.device_bytes);
+    }
+    destroy(&m);
+}
+
+TEST(stream_restart_and_host_tensors) { on_every_device(restart_and_host); }

@@ -66,7 +66,8 @@ typedef struct laden_sched_stats {
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
  * now and kept open (disk blocks read from them later).  `st` itself is not
- * retained.  Destroy with laden_stream_destroy. */
+ * retained; it may be NULL when every tensor comes from host memory
+ * (laden_stream_add_host_tensor).  Destroy with laden_stream_destroy. */
 LADEN_API laden_status laden_stream_create(const laden_sched_config *cfg,
                                            const laden_st_t *st,
                                            laden_sched_t **out);
@@ -91,21 +92,52 @@ LADEN_API laden_status laden_stream_add_tensor(laden_sched_t *sched,
                                                laden_dtype dtype,
                                                uint32_t *out_index);
 
-/* Lays the blocks out, allocates every region, slot and staging buffer, and
- * reads each GPU- and RAM-tier tensor once, into its final tier.  Blocks
- * until done.  On failure everything allocated is freed again and the
- * schedule can only be destroyed. */
+/* Adds a tensor whose bytes are in host memory (a model built on the CPU):
+ * n_elems elements of src_dtype at src, stored as dtype (converted as for
+ * checkpoint tensors).  The bytes are copied at load; src must stay valid
+ * until then.  Not allowed on the disk tier. */
+LADEN_API laden_status laden_stream_add_host_tensor(laden_sched_t *sched,
+                                                    uint32_t block,
+                                                    const void *src,
+                                                    laden_dtype src_dtype,
+                                                    uint64_t n_elems,
+                                                    laden_dtype dtype,
+                                                    uint32_t *out_index);
+
+/* Lays the blocks out, allocates the GPU-tier regions on the device and the
+ * RAM tier in pinned memory, and reads each of their tensors once, into its
+ * final tier.  Blocks until done.  On failure everything allocated is freed
+ * again and the schedule can only be destroyed. */
 LADEN_API laden_status laden_stream_load(laden_sched_t *sched);
 
-/* Where block b's tensor i lives: a device address (CPU device: a host
- * address), stable for the schedule's life.  Valid after load. */
+/* Allocates the slots (lookahead + 1 of them, each the size of the largest
+ * streamed block) and the disk tier's pinned staging buffers, and starts
+ * loading the first blocks of the schedule so the first forward does not
+ * wait for them.  lookahead 0 keeps the configured one.  After
+ * laden_stream_stop it may be called again with another lookahead. */
+LADEN_API laden_status laden_stream_start(laden_sched_t *sched,
+                                          uint32_t lookahead);
+
+/* Waits for the slots' copies and reads, then frees slots and staging.  The
+ * GPU and RAM tiers stay.  No-op if not started. */
+LADEN_API laden_status laden_stream_stop(laden_sched_t *sched);
+
+/* Where block b's tensor i runs from: a device address (CPU device: a host
+ * address), stable until laden_stream_stop.  GPU-tier blocks (and RAM-tier
+ * blocks on the CPU device): valid after load; streamed blocks: after
+ * start. */
 LADEN_API laden_status laden_stream_tensor_ptr(laden_sched_t *sched,
                                                uint32_t block, uint32_t i,
                                                laden_devptr_t *out);
 
-/* Starts loading the first `lookahead + 1` blocks of the schedule, so the
- * first forward does not wait for its first block. */
-LADEN_API laden_status laden_stream_prefetch(laden_sched_t *sched);
+/* Where block b's tensor i is kept in host memory (RAM tier), or NULL with
+ * LADEN_OK for other tiers.  Valid after load. */
+LADEN_API laden_status laden_stream_host_ptr(laden_sched_t *sched,
+                                             uint32_t block, uint32_t i,
+                                             void **out);
+
+/* 1 if the block runs from a slot (RAM tier on CUDA, disk tier). */
+LADEN_API int laden_stream_is_streamed(laden_sched_t *sched, uint32_t block);
 
 /* Before block b runs: see the header comment.  compute_stream is the
  * CUDA stream handle the block's kernels run on (0: the legacy default

@@ -35,6 +35,7 @@ typedef struct tref {
     uint64_t dst_off;   /* offset in the block's region */
     uint64_t dst_bytes;
     const char *name;   /* for messages; copied */
+    const void *host;   /* bytes in host memory instead of a file */
 } tref;
 
 typedef struct blk {
@@ -62,7 +63,8 @@ typedef struct slot {
 
 struct laden_sched {
     laden_sched_config cfg;
-    bool cuda, loaded, broken;
+    bool cuda, loaded, broken, started;
+    bool any_disk;
     laden_io_t *io;
     bool own_io;
     laden_io_file_t **files;
@@ -204,9 +206,8 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_stream_create: out is NULL");
     *out = NULL;
-    if (!cfg || !st)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_stream_create: NULL config or checkpoint");
+    if (!cfg)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_create: NULL config");
     if ((s = laden_dev_info(cfg->device, &info)))
         return s;
     laden_sched_t *sc = calloc(1, sizeof *sc);
@@ -227,7 +228,7 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
             goto fail;
         sc->own_io = true;
     }
-    sc->nfiles = (uint32_t)laden_st_file_count(st);
+    sc->nfiles = st ? (uint32_t)laden_st_file_count(st) : 0;
     sc->files = calloc(sc->nfiles ? sc->nfiles : 1, sizeof *sc->files);
     if (!sc->files) {
         s = laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
@@ -243,6 +244,19 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
 fail:
     laden_stream_destroy(sc);
     return s;
+}
+
+static laden_status grow_block(blk *b)
+{
+    if (b->nt < b->cap)
+        return LADEN_OK;
+    uint32_t n = b->cap ? b->cap * 2 : 8;
+    tref *r = realloc(b->t, n * sizeof *r);
+    if (!r)
+        return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+    b->t = r;
+    b->cap = n;
+    return LADEN_OK;
 }
 
 laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
@@ -312,14 +326,8 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
                                t.name, laden_dtype_name(t.dtype),
                                laden_dtype_name(dtype));
     }
-    if (b->nt == b->cap) {
-        uint32_t n = b->cap ? b->cap * 2 : 8;
-        tref *r = realloc(b->t, n * sizeof *r);
-        if (!r)
-            return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
-        b->t = r;
-        b->cap = n;
-    }
+    if ((s = grow_block(b)))
+        return s;
     tref *r = &b->t[b->nt];
     memset(r, 0, sizeof *r);
     r->file = t.file_index;
@@ -331,6 +339,52 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
     r->dst_bytes = dtype == t.dtype ? t.size_bytes
                                     : nelem * (laden_dtype_bits(dtype) / 8);
     r->name = strdup(t.name);
+    if (!r->name)
+        return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+    *out = b->nt++;
+    return LADEN_OK;
+}
+
+laden_status laden_stream_add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                          const void *src, laden_dtype sdt,
+                                          uint64_t n, laden_dtype dtype,
+                                          uint32_t *out)
+{
+    laden_status s;
+    uint64_t bytes;
+    if (out)
+        *out = 0;
+    if (!sc || !out || block >= sc->nb || (!src && n))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_add_host_tensor: bad argument");
+    if (sc->loaded)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    blk *b = &sc->b[block];
+    if (b->tier == LADEN_TIER_DISK)
+        return laden__fail(LADEN_E_INVAL,
+                           "a tensor from host memory cannot be on the disk "
+                           "tier");
+    if (!laden_dtype_bits(sdt) || !laden_dtype_bits(dtype) ||
+        (sdt != dtype && (!convertible(sdt) || !convertible(dtype))))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "cannot store %s as %s (F32, F16 and BF16 convert)",
+                           laden_dtype_name(sdt) ? laden_dtype_name(sdt) : "?",
+                           laden_dtype_name(dtype) ? laden_dtype_name(dtype)
+                                                   : "?");
+    if (!laden__mul_u64(n, laden_dtype_bits(sdt), &bytes) || bytes % 8)
+        return laden__fail(LADEN_E_INVAL, "bad element count %llu",
+                           (unsigned long long)n);
+    if ((s = grow_block(b)))
+        return s;
+    tref *r = &b->t[b->nt];
+    memset(r, 0, sizeof *r);
+    r->host = src;
+    r->src_bytes = bytes / 8;
+    r->src = sdt;
+    r->dst = dtype;
+    r->nelem = n;
+    r->dst_bytes = n * laden_dtype_bits(dtype) / 8;
+    r->name = strdup("<host tensor>");
     if (!r->name)
         return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
     *out = b->nt++;
@@ -361,6 +415,15 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
     for (; n < b->nt; n++) {
         tref *r = &b->t[n];
         char *to = dst + r->dst_off;
+        if (r->host) {
+            if (r->src == r->dst)
+                memcpy(to, r->host, r->src_bytes);
+            else if ((s = laden_stream_convert(r->src, r->host, r->dst, to,
+                                               r->nelem)))
+                break;
+            reqs[n] = NULL;
+            continue;
+        }
         if (r->src != r->dst) {
             if (!(tmp[n] = malloc(r->src_bytes ? r->src_bytes : 1))) {
                 s = laden__fail(LADEN_E_NOMEM,
@@ -374,13 +437,15 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
             break;
     }
     for (uint32_t i = 0; i < n; i++) {
+        if (!reqs[i])
+            continue;
         if ((w = laden_io_wait(sc->io, reqs[i])) && !s)
             s = w;
         else if (!w)
             sc->st.load_read_bytes += b->t[i].src_bytes;
     }
     for (uint32_t i = 0; i < b->nt && !s; i++)
-        if (tmp[i])
+        if (tmp[i] && !b->t[i].host)
             s = laden_stream_convert(b->t[i].src, tmp[i], b->t[i].dst,
                                      dst + b->t[i].dst_off, b->t[i].nelem);
     for (uint32_t i = 0; i < b->nt; i++)
@@ -390,10 +455,13 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
     return s;
 }
 
-static void free_all(laden_sched_t *sc)
+/* Frees the slots and staging, after their copies and reads. */
+static void free_slots(laden_sched_t *sc)
 {
     if (sc->copy)
         laden_dev_stream_synchronize(sc->copy);
+    if (!sc->slots)
+        sc->nslots = 0;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
         for (uint32_t k = 0; k < sl->nreqs; k++)
@@ -410,6 +478,15 @@ static void free_all(laden_sched_t *sc)
     free(sc->slots);
     sc->slots = NULL;
     sc->nslots = 0;
+    laden_dev_stream_destroy(sc->compute);
+    sc->compute = NULL;
+    sc->started = false;
+    laden_host_trim(sc->host);
+}
+
+static void free_all(laden_sched_t *sc)
+{
+    free_slots(sc);
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         if (b->tier == LADEN_TIER_GPU && b->region)
@@ -419,8 +496,6 @@ static void free_all(laden_sched_t *sc)
         b->region = 0;
         b->ram = NULL;
     }
-    laden_dev_stream_destroy(sc->compute);
-    sc->compute = NULL;
     laden_dev_stream_destroy(sc->copy);
     sc->copy = NULL;
     free(sc->order);
@@ -460,7 +535,6 @@ laden_status laden_stream_load(laden_sched_t *sc)
         return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
     dev = sc->cfg.device;
     /* Layout: tensors packed per block, each aligned for any kernel. */
-    bool any_disk = false;
     uint64_t max_gpu = 0;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
@@ -477,7 +551,7 @@ laden_status laden_stream_load(laden_sched_t *sc)
             b->pos = (int32_t)sc->nstreamed++;
             if (b->bytes > sc->slot_bytes)
                 sc->slot_bytes = b->bytes;
-            any_disk |= b->tier == LADEN_TIER_DISK;
+            sc->any_disk |= b->tier == LADEN_TIER_DISK;
         }
         if (b->tier == LADEN_TIER_GPU && b->bytes > max_gpu)
             max_gpu = b->bytes;
@@ -494,13 +568,11 @@ laden_status laden_stream_load(laden_sched_t *sc)
     for (uint32_t i = 0; i < sc->nb; i++)
         if (sc->b[i].pos >= 0)
             sc->order[sc->b[i].pos] = i;
-    sc->nslots = sc->nstreamed < sc->cfg.lookahead + 1 ? sc->nstreamed
-                                                       : sc->cfg.lookahead + 1;
     if (sc->cuda && (s = laden_dev_stream_create(dev, &sc->copy)))
         goto fail;
 
-    /* Device regions and slots first: they are what is most likely not to
-     * fit, and nothing has been read yet if they do not. */
+    /* Device regions first: they are what is most likely not to fit, and
+     * nothing has been read yet if they do not. */
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         if (b->tier == LADEN_TIER_GPU && b->bytes &&
@@ -508,30 +580,6 @@ laden_status laden_stream_load(laden_sched_t *sc)
             goto fail;
         if (b->tier == LADEN_TIER_GPU)
             sc->st.device_bytes += b->bytes;
-    }
-    sc->slots = calloc(sc->nslots ? sc->nslots : 1, sizeof *sc->slots);
-    if (!sc->slots) {
-        s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
-        goto fail;
-    }
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
-        sl->block = -1;
-        if (!(sl->reqs = calloc(sc->max_nt ? sc->max_nt : 1, sizeof *sl->reqs))) {
-            s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
-            goto fail;
-        }
-        if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
-                                     &sl->ptr)))
-            goto fail;
-        sc->st.device_bytes += sc->slot_bytes;
-        if (sc->cuda && ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
-                         (s = laden_dev_event_create(dev, 0, &sl->free)) ||
-                         (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
-            goto fail;
-        if (sc->cuda && any_disk &&
-            (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
-            goto fail;
     }
     /* The RAM tier, read in place; then the GPU tier through one pinned
      * buffer the size of the largest GPU block. */
@@ -585,11 +633,37 @@ laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
     if (!sc->loaded)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     blk *b = &sc->b[block];
+    if (streamed(sc, b) && !sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u is streamed: its slot exists once the "
+                           "schedule is started",
+                           block);
     laden_devptr_t base = streamed(sc, b)
                               ? sc->slots[(uint32_t)b->pos % sc->nslots].ptr
                               : b->region;
     *out = base + b->t[i].dst_off;
     return LADEN_OK;
+}
+
+laden_status laden_stream_host_ptr(laden_sched_t *sc, uint32_t block,
+                                   uint32_t i, void **out)
+{
+    if (out)
+        *out = NULL;
+    if (!sc || !out || block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_host_ptr: bad block or tensor");
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    blk *b = &sc->b[block];
+    if (b->ram)
+        *out = (char *)b->ram + b->t[i].dst_off;
+    return LADEN_OK;
+}
+
+int laden_stream_is_streamed(laden_sched_t *sc, uint32_t block)
+{
+    return sc && block < sc->nb && streamed(sc, &sc->b[block]);
 }
 
 /* ---- the hot path ---------------------------------------------------------- */
@@ -709,11 +783,60 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
     return poll_reads(sc);
 }
 
-laden_status laden_stream_prefetch(laden_sched_t *sc)
+laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
 {
-    if (!sc || !sc->loaded)
+    laden_status s = LADEN_OK;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_start: NULL schedule");
+    if (!sc->loaded)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    if (sc->started)
+        return laden__fail(LADEN_E_STATE, "the schedule is already started");
+    if (lookahead > 63)
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most 63",
+                           lookahead);
+    if (lookahead)
+        sc->cfg.lookahead = lookahead;
+    int32_t dev = sc->cfg.device;
+    sc->nslots = sc->nstreamed < sc->cfg.lookahead + 1 ? sc->nstreamed
+                                                       : sc->cfg.lookahead + 1;
+    sc->slots = calloc(sc->nslots ? sc->nslots : 1, sizeof *sc->slots);
+    if (!sc->slots) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        sl->block = -1;
+        if (!(sl->reqs = calloc(sc->max_nt ? sc->max_nt : 1, sizeof *sl->reqs))) {
+            s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+            goto fail;
+        }
+        if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
+                                     &sl->ptr)))
+            goto fail;
+        if (sc->cuda && ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
+                         (s = laden_dev_event_create(dev, 0, &sl->free)) ||
+                         (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
+            goto fail;
+        if (sc->cuda && sc->any_disk &&
+            (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
+            goto fail;
+    }
+    sc->started = true;
     return prefetch_from(sc, 0, sc->nslots);
+fail:
+    free_slots(sc);
+    return s;
+}
+
+laden_status laden_stream_stop(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_stop: NULL schedule");
+    if (sc->started)
+        free_slots(sc);
+    return LADEN_OK;
 }
 
 static laden_status compute_stream(laden_sched_t *sc, uintptr_t handle)
@@ -751,6 +874,9 @@ laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
     blk *b = &sc->b[block];
     if (!streamed(sc, b))
         return LADEN_OK;
+    if (!sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_enter: the schedule is not started");
     slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
     if (sl->in_use)
         return laden__fail(LADEN_E_STATE,
@@ -787,6 +913,9 @@ laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
     blk *b = &sc->b[block];
     if (!streamed(sc, b))
         return LADEN_OK;
+    if (!sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_exit: the schedule is not started");
     slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
     if (!sl->in_use || sl->block != (int64_t)block)
         return laden__fail(LADEN_E_STATE,
@@ -820,6 +949,7 @@ laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)
     *out = sc->st;
     out->slot_bytes = sc->slot_bytes;
     out->nslots = sc->nslots;
+    out->device_bytes += (uint64_t)sc->nslots * sc->slot_bytes;
     if (laden_host_stats(sc->host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
     return LADEN_OK;
