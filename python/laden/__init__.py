@@ -11,14 +11,17 @@ from ._writer import save_file
 from .checkpoint import Checkpoint, Reader, TensorInfo, default_reader, open
 from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
-                     OutOfMemoryError, ReadError, StateError,
+                     MismatchError, OutOfMemoryError, ReadError, StateError,
                      TensorNotFoundError)
+from .streaming import (LoadReport, OffloadHandle, install_offload,
+                        offload_blocks, release, stream_load)
 
 __version__ = _clib.laden_version().decode()
 
 __all__ = [
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
-    "save_file", "LadenError", "FormatError", "CheckpointNotFoundError",
+    "save_file", "stream_load", "install_offload", "offload_blocks",
+    "release", "LoadReport", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
     "DeviceError", "InvalidArgumentError", "StateError", "__version__",
 ]

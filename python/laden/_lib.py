@@ -51,6 +51,26 @@ class IoConfig(Structure):
     ]
 
 
+class SchedConfig(Structure):
+    _fields_ = [
+        ("device", c_int32),
+        ("lookahead", c_uint32),
+        ("ram_budget_bytes", c_uint64),
+        ("io", c_void_p),
+    ]
+
+
+class SchedStats(Structure):
+    _fields_ = [
+        ("gpu_bytes", c_uint64), ("ram_bytes", c_uint64),
+        ("disk_bytes", c_uint64), ("slot_bytes", c_uint64),
+        ("nslots", c_uint32), ("device_bytes", c_uint64),
+        ("pinned_bytes", c_uint64), ("enters", c_uint64),
+        ("misses", c_uint64), ("h2d_bytes", c_uint64),
+        ("read_bytes", c_uint64), ("load_read_bytes", c_uint64),
+    ]
+
+
 class HostStats(Structure):
     _fields_ = [(n, c_uint64) for n in (
         "budget_bytes", "in_use_bytes", "cached_bytes", "peak_bytes",
@@ -110,6 +130,27 @@ _SIGNATURES = {
     "laden_dev_copy_d2h": (status_t, [p, c_void_p, c_uint64, c_uint64]),
     "laden_dev_mem_alloc": (status_t, [c_int32, c_uint64, P(c_uint64)]),
     "laden_dev_mem_free": (status_t, [c_int32, c_uint64]),
+    # stream
+    "laden_stream_create": (status_t, [P(SchedConfig), p, P(p)]),
+    "laden_stream_destroy": (None, [p]),
+    "laden_stream_add_block": (status_t, [p, c_int, P(c_uint32)]),
+    "laden_stream_add_tensor": (status_t, [p, c_uint32, p, c_size_t, c_int,
+                                           P(c_uint32)]),
+    "laden_stream_add_host_tensor": (status_t, [p, c_uint32, c_void_p, c_int,
+                                                c_uint64, c_int,
+                                                P(c_uint32)]),
+    "laden_stream_load": (status_t, [p]),
+    "laden_stream_start": (status_t, [p, c_uint32]),
+    "laden_stream_stop": (status_t, [p]),
+    "laden_stream_tensor_ptr": (status_t, [p, c_uint32, c_uint32,
+                                           P(c_uint64)]),
+    "laden_stream_host_ptr": (status_t, [p, c_uint32, c_uint32,
+                                         P(c_void_p)]),
+    "laden_stream_is_streamed": (c_int, [p, c_uint32]),
+    "laden_stream_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_stream_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_stream_synchronize": (status_t, [p]),
+    "laden_stream_stats": (status_t, [p, P(SchedStats)]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_host_destroy": (None, [p]),
@@ -120,6 +161,7 @@ _SIGNATURES = {
 }
 
 DEVICE_CPU = -1
+TIER_GPU, TIER_RAM, TIER_DISK = 0, 1, 2
 COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2
 
 

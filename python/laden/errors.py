@@ -58,6 +58,18 @@ class StateError(LadenError, RuntimeError):
     """An object was used in a state that does not allow the call."""
 
 
+class MismatchError(LadenError, ValueError):
+    """The checkpoint's tensors do not match the model's: ``missing`` lists
+    model tensors the checkpoint lacks, ``unexpected`` checkpoint tensors
+    the model lacks, ``mismatched`` tensors whose shape or dtype differ."""
+
+    def __init__(self, message, missing=(), unexpected=(), mismatched=()):
+        super().__init__(message, "E_INVAL")
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
 BY_STATUS = {
     "E_INVAL": InvalidArgumentError,
     "E_NOMEM": OutOfMemoryError,

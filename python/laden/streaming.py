@@ -1,0 +1,808 @@
+"""Block streaming: run a model whose weights do not fit the device.
+
+Python's part is attachment only: it finds the blocks of a module tree,
+matches the model's tensors to the checkpoint's, asks libladen's ``stream``
+layer to load every tensor into its tier, points the parameters at the
+memory laden owns, and wraps each streamed block's forward with one C call
+before and one after.  Deciding, reading, copying and waiting happen in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
+                    Sequence, Tuple, Union)
+
+from . import _lib
+from ._dtypes import checkpoint_dtype, torch_dtype
+from ._lib import check, error_for, lib
+from ._units import fmt_bytes, parse_size
+from .checkpoint import Checkpoint, PathLike
+from .errors import InvalidArgumentError, MismatchError, StateError
+
+log = logging.getLogger("laden")
+
+TIER_NAMES = {_lib.TIER_GPU: "gpu", _lib.TIER_RAM: "ram",
+              _lib.TIER_DISK: "disk"}
+
+_DTYPE_CODE = {}
+for _i in range(64):
+    _n = lib.laden_dtype_name(_i)
+    if _n is None:
+        break
+    _DTYPE_CODE[_n.decode()] = _i
+
+
+# ---- small helpers ---------------------------------------------------------
+
+def _device(device) -> "torch.device":
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise InvalidArgumentError(
+            f"device {device}: laden streams to CUDA devices and the CPU",
+            "E_INVAL")
+    return device
+
+
+def _dev_index(device) -> int:
+    return device.index if device.type == "cuda" else _lib.DEVICE_CPU
+
+
+class _CudaMemory:
+    """Device memory owned by a schedule, as torch sees it.  Holds the
+    schedule's state, so the memory lives while any view of it does."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+            "version": 3}
+        self.owner = owner
+
+
+def _view(ptr: int, nbytes: int, dtype, shape, device, owner):
+    """A tensor over memory laden owns (no copy)."""
+    import torch
+
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            flat = torch.as_tensor(_CudaMemory(ptr, nbytes, owner),
+                                   device=device)
+    else:
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf._laden_owner = owner
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+def _compute_stream(device) -> int:
+    import torch
+
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# ---- model description -----------------------------------------------------
+
+@dataclass
+class _Tensor:
+    """One unique tensor of the model (aliases share it: tied weights)."""
+
+    aliases: List[Tuple[object, str]]  # (module, attribute name)
+    names: List[str]                    # dotted names of the aliases
+    is_param: bool
+    shape: Tuple[int, ...]
+    dtype: "torch.dtype"               # what it is stored and runs as
+    requires_grad: bool = False
+    ckpt_name: Optional[str] = None
+    block: int = -1                    # index into _Stream.blocks; -1: rest
+    c_block: int = 0
+    c_index: int = 0
+    param: Optional[object] = None     # the Parameter laden made
+
+
+@dataclass
+class BlockInfo:
+    name: str
+    module: object = field(repr=False)
+    tier: int
+    nbytes: int = 0
+    c_block: int = 0
+    tensors: List[_Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def tier_name(self) -> str:
+        return TIER_NAMES[self.tier]
+
+
+class LoadReport:
+    """What ``stream_load`` did; ``str(report)`` is a table."""
+
+    def __init__(self, state: "_Stream", seconds: float, read_bytes: int):
+        self.path = state.path
+        self.device = str(state.device)
+        self.blocks = [(b.name, b.nbytes, b.tier_name) for b in state.blocks]
+        self.rest_bytes = state.rest_bytes
+        self.kept = list(state.kept)
+        self.seconds = seconds
+        self.read_bytes = read_bytes
+        self.tier_bytes = {"gpu": state.rest_bytes, "ram": 0, "disk": 0}
+        for _, n, t in self.blocks:
+            self.tier_bytes[t] += n
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.tier_bytes.values())
+
+    def __str__(self) -> str:
+        gpu_word = "device" if self.device != "cpu" else "memory"
+        lines = [f"laden stream_load: {self.path} -> {self.device}",
+                 f"  {'block':<40} {'bytes':>10}  tier"]
+        for name, n, t in self.blocks:
+            lines.append(f"  {name:<40} {fmt_bytes(n):>10}  {t}")
+        lines.append(f"  {'(rest of the model)':<40} "
+                     f"{fmt_bytes(self.rest_bytes):>10}  gpu")
+        lines.append(
+            f"  totals: resident on {gpu_word} "
+            f"{fmt_bytes(self.tier_bytes['gpu'])}, RAM "
+            f"{fmt_bytes(self.tier_bytes['ram'])}, disk "
+            f"{fmt_bytes(self.tier_bytes['disk'])}")
+        rate = self.read_bytes / self.seconds if self.seconds > 0 else 0.0
+        lines.append(f"  read {fmt_bytes(self.read_bytes)} in "
+                     f"{self.seconds:.2f} s ({rate / 1e9:.2f} GB/s)")
+        if self.kept:
+            lines.append(f"  kept as built (not in the checkpoint): "
+                         f"{', '.join(self.kept[:8])}"
+                         + (" ..." if len(self.kept) > 8 else ""))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class _Stream:
+    """laden's state for one model: the C schedule and what is bound."""
+
+    def __init__(self, device, path: Optional[str]):
+        self.device = device
+        self.path = path
+        self.sched = ctypes.c_void_p()
+        self.blocks: List[BlockInfo] = []
+        self.tensors: List[_Tensor] = []
+        self.rest_bytes = 0
+        self.kept: List[str] = []
+        self.ckpt: Optional[Checkpoint] = None
+        self.handle: Optional["OffloadHandle"] = None
+        self._fin = None
+
+    def own(self) -> None:
+        self._fin = weakref.finalize(self, lib.laden_stream_destroy,
+                                     self.sched)
+
+    @property
+    def alive(self) -> bool:
+        return self._fin is not None and self._fin.alive
+
+    def destroy(self) -> None:
+        if self._fin is not None:
+            self._fin()
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+    def stats(self) -> "_lib.SchedStats":
+        st = _lib.SchedStats()
+        check(lib.laden_stream_stats(self.sched, ctypes.byref(st)))
+        return st
+
+    # -- binding parameters to laden memory --------------------------------
+    def _set(self, t: _Tensor, value) -> None:
+        import torch
+
+        if t.is_param:
+            # A new Parameter each time: set_data refuses to move a
+            # parameter between devices or onto meta.
+            t.param = torch.nn.Parameter(
+                value, requires_grad=t.requires_grad and
+                value.dtype.is_floating_point)
+            for mod, attr in t.aliases:
+                mod._parameters[attr] = t.param
+        else:
+            for mod, attr in t.aliases:
+                mod._buffers[attr] = value
+
+    def bind(self, t: _Tensor, where: str) -> None:
+        """Points t at laden memory: 'run' (where the block runs from),
+        'home' (its RAM copy or, on the disk tier, the checkpoint's
+        mapping)."""
+        nbytes = _nbytes(t)
+        if where == "run":
+            ptr = ctypes.c_uint64()
+            check(lib.laden_stream_tensor_ptr(self.sched, t.c_block,
+                                              t.c_index, ctypes.byref(ptr)))
+            value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
+                          self)
+        else:
+            import torch
+
+            hp = ctypes.c_void_p()
+            check(lib.laden_stream_host_ptr(self.sched, t.c_block, t.c_index,
+                                            ctypes.byref(hp)))
+            if hp.value:
+                value = _view(hp.value, nbytes, t.dtype, t.shape,
+                              torch.device("cpu"), self)
+            else:  # disk tier: the file's pages, mapped
+                value = self.ckpt.tensor(t.ckpt_name)
+        self._set(t, value)
+
+
+def _nbytes(t: _Tensor) -> int:
+    import torch
+
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n * torch.empty((), dtype=t.dtype).element_size()
+
+
+# ---- finding blocks ----------------------------------------------------------
+
+def _module_at(model, path: str):
+    mod = model
+    for part in [p for p in path.split(".") if p]:
+        if not hasattr(mod, "_modules") or part not in mod._modules:
+            return None
+        mod = mod._modules[part]
+    return mod
+
+
+def _find_blocks(model, prefixes: Sequence[str]) -> List[Tuple[str, object]]:
+    """Module paths for the given prefixes: a prefix naming a container
+    (ModuleList, Sequential, ModuleDict) stands for each of its children; a
+    prefix naming another module is one block."""
+    import torch.nn as nn
+
+    blocks: List[Tuple[str, object]] = []
+    for prefix in prefixes:
+        path = prefix.rstrip(".")
+        mod = _module_at(model, path)
+        if mod is None:
+            raise InvalidArgumentError(
+                f"offload prefix '{prefix}' names no module of the model",
+                "E_INVAL")
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            for name, child in mod.named_children():
+                blocks.append((f"{path}.{name}." if path else f"{name}.",
+                               child))
+        else:
+            blocks.append((path + "." if path else "", mod))
+    names = [b[0] for b in blocks]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a.startswith(b) or b.startswith(a):
+                raise InvalidArgumentError(
+                    f"blocks '{a}' and '{b}' overlap; give prefixes whose "
+                    "modules do not contain each other", "E_INVAL")
+    return blocks
+
+
+def _matches(name: str, prefixes: Optional[Iterable[str]]) -> bool:
+    return any(name.startswith(p if p.endswith(".") else p + ".")
+               or name == p.rstrip(".") for p in (prefixes or ()))
+
+
+def _collect(model) -> List[_Tensor]:
+    """Unique tensors of the model (parameters and persistent buffers),
+    aliases grouped."""
+    by_id: Dict[int, _Tensor] = {}
+    out: List[_Tensor] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = mod_name + "." if mod_name else ""
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            t = by_id.get(id(p))
+            if t is None:
+                t = _Tensor([], [], True, tuple(p.shape), p.dtype,
+                            p.requires_grad)
+                by_id[id(p)] = t
+                out.append(t)
+            if (mod, attr) not in t.aliases:
+                t.aliases.append((mod, attr))
+                t.names.append(prefix + attr)
+        for attr, b in mod._buffers.items():
+            if b is None or attr in mod._non_persistent_buffers_set:
+                continue
+            t = by_id.get(id(b))
+            if t is None:
+                t = _Tensor([], [], False, tuple(b.shape), b.dtype)
+                by_id[id(b)] = t
+                out.append(t)
+            if (mod, attr) not in t.aliases:
+                t.aliases.append((mod, attr))
+                t.names.append(prefix + attr)
+    return out
+
+
+def _resolve_dtype(x):
+    import torch
+
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "f16": torch.float16,
+             "float16": torch.float16, "half": torch.float16,
+             "fp32": torch.float32, "f32": torch.float32,
+             "float32": torch.float32, "float": torch.float32}
+    if str(x).lower() not in names:
+        raise InvalidArgumentError(
+            f"compute_dtype {x!r}: use a torch dtype or 'bf16', 'fp16', "
+            "'fp32'", "E_INVAL")
+    return names[str(x).lower()]
+
+
+# ---- the public API ------------------------------------------------------------
+
+def stream_load(model, path: PathLike, *, plan=None,
+                offload_prefixes: Optional[Sequence[str]] = None,
+                resident_prefixes: Optional[Sequence[str]] = None,
+                disk_prefixes: Optional[Sequence[str]] = None,
+                compute_dtype=None,
+                key_map: Union[None, Mapping[str, str],
+                               Callable[[str], Optional[str]]] = None,
+                skip_prefixes: Optional[Sequence[str]] = None,
+                device=None, vram_budget=None, ram_budget=None) -> LoadReport:
+    """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
+    or not), each tensor read once, straight into the tier of its block.
+
+    - ``offload_prefixes``: module paths whose blocks are streamed; a path
+      naming a ModuleList/Sequential stands for each of its children
+      (``["blocks."]``).  ``resident_prefixes`` keep some of those blocks
+      on the device; ``disk_prefixes`` leave some in the checkpoint, read
+      when they run.  Everything else is resident on ``device``.
+    - ``vram_budget``: streamed blocks are kept resident, in order, while
+      the device bytes (rest of the model, resident blocks, slots) fit.
+      ``ram_budget``: streamed blocks go to pinned RAM, in order, while they
+      fit; the rest stay on disk.  Sizes as bytes or strings ("9GB").
+    - ``compute_dtype``: floating tensors are stored and run in this dtype
+      (converted on load); by default each tensor takes the model's dtype.
+    - ``key_map``: checkpoint name -> model name (a dict, or a function that
+      returns None to drop a name); ``skip_prefixes``: checkpoint names to
+      ignore.
+    - ``plan``: reserved for the planner (issue 4); must be None for now.
+
+    Names that do not match raise one MismatchError listing the missing and
+    unexpected names, before anything is allocated; a shape or dtype that
+    cannot be loaded raises naming the tensor.  Then call install_offload.
+    """
+    import torch
+
+    if plan is not None:
+        raise InvalidArgumentError(
+            "plan= is not available yet: give offload_prefixes and budgets",
+            "E_INVAL")
+    if getattr(model, "_laden_stream", None) is not None:
+        raise StateError("the model is already loaded by laden; release() it "
+                         "first", "E_STATE")
+    dev = _device(device)
+    if dev.type == "cuda":
+        torch.cuda.init()
+    cdt = _resolve_dtype(compute_dtype)
+    vram = parse_size(vram_budget) if vram_budget is not None else None
+    ram = parse_size(ram_budget) if ram_budget is not None else None
+    t0 = time.perf_counter()
+    ck = Checkpoint(path)
+    try:
+        state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
+                         offload_prefixes or (), resident_prefixes,
+                         disk_prefixes, vram, ram)
+        _load(model, state, ck)
+    except BaseException:
+        ck.close()
+        raise
+    seconds = time.perf_counter() - t0
+    st = state.stats()
+    report = LoadReport(state, seconds, st.load_read_bytes)
+    log.info("%s", report)
+    return report
+
+
+def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
+             offload_prefixes, resident_prefixes, disk_prefixes, vram,
+             ram) -> _Stream:
+    import torch
+
+    found = _find_blocks(model, list(offload_prefixes))  # arguments first
+    tensors = _collect(model)
+    owner: Dict[str, _Tensor] = {}
+    for t in tensors:
+        for n in t.names:
+            owner[n] = t
+    # Checkpoint names -> model names.
+    unexpected: List[str] = []
+    for cname in ck.names():
+        if skip_prefixes and any(cname.startswith(p) for p in skip_prefixes):
+            continue
+        mname = cname
+        if key_map is not None:
+            mname = key_map(cname) if callable(key_map) else key_map.get(
+                cname, cname)
+            if mname is None:
+                continue
+        t = owner.get(mname)
+        if t is None:
+            unexpected.append(cname)
+        elif t.ckpt_name is None:
+            t.ckpt_name = cname
+    missing = []
+    kept = []
+    for t in tensors:
+        if t.ckpt_name is not None:
+            continue
+        cur = getattr(t.aliases[0][0], t.aliases[0][1])
+        if cur.device.type == "meta":
+            missing.append(t.names[0])
+        else:
+            kept.append(t.names[0])
+    if missing or unexpected:
+        msg = [f"{ck.path} does not match the model:"]
+        if missing:
+            msg.append(f"missing from the checkpoint ({len(missing)}): "
+                       + ", ".join(missing[:20])
+                       + (" ..." if len(missing) > 20 else ""))
+        if unexpected:
+            msg.append(f"unexpected in the checkpoint ({len(unexpected)}): "
+                       + ", ".join(unexpected[:20])
+                       + (" ..." if len(unexpected) > 20 else ""))
+        msg.append("(key_map renames checkpoint names, skip_prefixes drops "
+                   "them)")
+        raise MismatchError(" ".join(msg), missing, unexpected)
+    # Shapes and dtypes.
+    for t in tensors:
+        if t.ckpt_name is None:
+            continue
+        info = ck.info(t.ckpt_name)
+        if info.shape != t.shape:
+            raise MismatchError(
+                f"tensor '{t.names[0]}': the checkpoint's '{t.ckpt_name}' has "
+                f"shape {list(info.shape)}, the model {list(t.shape)}",
+                mismatched=[t.names[0]])
+        want = t.dtype
+        if cdt is not None and want.is_floating_point and \
+                info.torch_dtype is not None and \
+                info.torch_dtype.is_floating_point:
+            want = cdt
+        if info.torch_dtype != want:
+            ok = {info.dtype, checkpoint_dtype(want)} <= {"F32", "F16",
+                                                          "BF16"}
+            if not ok:
+                raise MismatchError(
+                    f"tensor '{t.names[0]}': the checkpoint's "
+                    f"'{t.ckpt_name}' is {info.dtype}, the model wants "
+                    f"{want}; laden converts only between F32, F16 and BF16",
+                    mismatched=[t.names[0]])
+        t.dtype = want
+    state = _Stream(dev, ck.path)
+    state.kept = kept
+    state.tensors = [t for t in tensors if t.ckpt_name is not None]
+    # Blocks and their tensors: a tensor belongs to a block when every alias
+    # is inside it; tied tensors that span blocks stay resident.
+    for name, mod in found:
+        tier = _lib.TIER_RAM
+        if _matches(name, resident_prefixes):
+            tier = _lib.TIER_GPU
+        elif _matches(name, disk_prefixes):
+            tier = _lib.TIER_DISK
+        state.blocks.append(BlockInfo(name, mod, tier))
+    for t in state.tensors:
+        homes = set()
+        for n in t.names:
+            bi = next((i for i, b in enumerate(state.blocks)
+                       if n.startswith(b.name)), -1)
+            homes.add(bi)
+        t.block = homes.pop() if len(homes) == 1 else -1
+        nb = _nbytes(t)
+        if t.block >= 0:
+            state.blocks[t.block].tensors.append(t)
+            state.blocks[t.block].nbytes += nb
+        else:
+            state.rest_bytes += nb
+    _assign_tiers(state, vram, ram)
+    for b in state.blocks:
+        if b.tier == _lib.TIER_DISK:
+            for t in b.tensors:
+                if ck.info(t.ckpt_name).torch_dtype != t.dtype:
+                    raise MismatchError(
+                        f"tensor '{t.names[0]}' would be converted to "
+                        f"{t.dtype}, but its block {b.name} is on the disk "
+                        "tier, which is read as stored; give it RAM "
+                        "(ram_budget) or keep the checkpoint's dtype",
+                        mismatched=[t.names[0]])
+    return state
+
+
+def _assign_tiers(state: _Stream, vram: Optional[int],
+                  ram: Optional[int]) -> None:
+    streamed = [b for b in state.blocks if b.tier != _lib.TIER_GPU]
+    if vram is not None and state.device.type == "cuda":
+        used = state.rest_bytes + sum(b.nbytes for b in state.blocks
+                                      if b.tier == _lib.TIER_GPU)
+        for b in list(streamed):
+            rest = [x for x in streamed if x is not b]
+            slots = 3 * max((x.nbytes for x in rest), default=0)
+            if used + b.nbytes + slots <= vram:
+                b.tier = _lib.TIER_GPU
+                used += b.nbytes
+                streamed.remove(b)
+    if ram is not None:
+        used = 0
+        for b in streamed:
+            if b.tier == _lib.TIER_DISK:
+                continue
+            if used + b.nbytes <= ram:
+                used += b.nbytes
+            else:
+                b.tier = _lib.TIER_DISK
+
+
+def _load(model, state: _Stream, ck: Checkpoint) -> None:
+    import torch
+
+    cfg = _lib.SchedConfig(_dev_index(state.device), 0, 0, None)
+    check(lib.laden_stream_create(ctypes.byref(cfg), ck._h,
+                                  ctypes.byref(state.sched)))
+    state.own()
+    try:
+        groups = [(-1, _lib.TIER_GPU, [t for t in state.tensors
+                                       if t.block < 0])]
+        groups += [(i, b.tier, b.tensors) for i, b in enumerate(state.blocks)]
+        cb = ctypes.c_uint32()
+        ci = ctypes.c_uint32()
+        for i, tier, ts in groups:
+            check(lib.laden_stream_add_block(state.sched, tier,
+                                             ctypes.byref(cb)))
+            if i >= 0:
+                state.blocks[i].c_block = cb.value
+            for t in ts:
+                idx = ck._index[t.ckpt_name]
+                check(lib.laden_stream_add_tensor(
+                    state.sched, cb.value, ck._h, idx,
+                    _DTYPE_CODE[checkpoint_dtype(t.dtype)], ctypes.byref(ci)))
+                t.c_block, t.c_index = cb.value, ci.value
+        check(lib.laden_stream_load(state.sched))
+    except BaseException:
+        state.destroy()
+        raise
+    state.ckpt = ck
+    # Point the model at laden's memory: resident tensors where they run,
+    # streamed ones at their home until install_offload.
+    for t in state.tensors:
+        streamed = lib.laden_stream_is_streamed(state.sched, t.c_block)
+        state.bind(t, "home" if streamed else "run")
+    for mod_name, mod in model.named_modules():
+        for attr, b in list(mod._buffers.items()):
+            if b is not None and b.device.type != "meta" and \
+                    b.device != state.device and \
+                    (mod_name + "." + attr).lstrip(".") in state.kept:
+                mod._buffers[attr] = b.to(state.device)
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and p.device.type != "meta" and \
+                    p.device != state.device and \
+                    (mod_name + "." + attr).lstrip(".") in state.kept:
+                p.data = p.data.to(state.device)
+    model._laden_stream = state
+
+
+class OffloadHandle:
+    """Returned by install_offload / offload_blocks.  ``remove()`` restores
+    plain modules; their weights stay where laden keeps them (resident
+    blocks on the device, streamed blocks in RAM or mapped from the
+    checkpoint)."""
+
+    def __init__(self, state: _Stream, lookahead: int):
+        self.state = state
+        self.lookahead = lookahead
+        self._wrapped: List[Tuple[object, object, bool]] = []
+        self.active = False
+
+    def stats(self) -> Dict[str, int]:
+        """Counters of the schedule: enters, misses, bytes copied and
+        read, device and pinned bytes held."""
+        st = self.state.stats()
+        return {f: getattr(st, f) for f, _ in st._fields_}
+
+    def remove(self) -> None:
+        if not self.active:
+            return
+        for mod, prev, had in self._wrapped:
+            if had:
+                mod.forward = prev
+            else:
+                try:
+                    del mod.forward
+                except AttributeError:
+                    pass
+        self._wrapped.clear()
+        st = self.state
+        check(lib.laden_stream_stop(st.sched))
+        for b in st.blocks:
+            if lib.laden_stream_is_streamed(st.sched, b.c_block):
+                for t in b.tensors:
+                    st.bind(t, "home")
+        self.active = False
+        st.handle = None
+
+
+def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle):
+    enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
+    had = "forward" in mod.__dict__
+    orig = mod.forward
+
+    def forward(*args, **kwargs):
+        s = enter(sched, c_block, _compute_stream(device))
+        if s:
+            raise error_for(s)
+        try:
+            out = orig(*args, **kwargs)
+        except BaseException:
+            leave(sched, c_block, _compute_stream(device))
+            raise
+        s = leave(sched, c_block, _compute_stream(device))
+        if s:
+            raise error_for(s)
+        return out
+
+    handle._wrapped.append((mod, mod.__dict__.get("forward"), had))
+    mod.forward = forward
+
+
+def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
+    """Makes the streamed blocks of a model loaded with ``stream_load`` run
+    from device slots: allocates ``lookahead + 1`` slots, points the
+    blocks' parameters at them (for good: a block always runs from the
+    same slot) and wraps each streamed block's forward with one C call
+    before and one after.  Returns a handle; ``handle.remove()`` undoes
+    it."""
+    state = getattr(model, "_laden_stream", None)
+    if state is None or not state.alive:
+        raise StateError("install_offload: the model was not loaded with "
+                         "laden.stream_load", "E_STATE")
+    if device is not None and _device(device) != state.device:
+        raise InvalidArgumentError(
+            f"install_offload: device {device} differs from {state.device}, "
+            "where stream_load put the model", "E_INVAL")
+    if state.handle is not None:
+        raise StateError("install_offload: already installed; remove() the "
+                         "handle first", "E_STATE")
+    if not 1 <= lookahead <= 63:
+        raise InvalidArgumentError(
+            f"lookahead {lookahead}: give 1 to 63", "E_INVAL")
+    return _start(state, lookahead)
+
+
+def _start(state: _Stream, lookahead: int) -> OffloadHandle:
+    check(lib.laden_stream_start(state.sched, lookahead))
+    handle = OffloadHandle(state, lookahead)
+    try:
+        for b in state.blocks:
+            if not lib.laden_stream_is_streamed(state.sched, b.c_block):
+                continue
+            for t in b.tensors:
+                state.bind(t, "run")
+            _wrap_forward(b.module, state.sched, b.c_block, state.device,
+                          handle)
+    except BaseException:
+        handle.active = True
+        handle.remove()
+        raise
+    handle.active = True
+    state.handle = handle
+    return handle
+
+
+def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
+                   lookahead: int = 2) -> OffloadHandle:
+    """The low-level form: streams the given modules, built with real
+    weights on the CPU, from pinned RAM through ``device``.  Their tensors
+    are copied once into laden's pinned RAM tier (converted to
+    ``compute_dtype`` if given); the originals are released from the
+    modules.  The rest of the model is the caller's to place."""
+    import torch
+
+    dev = _device(device)
+    if dev.type == "cuda":
+        torch.cuda.init()
+    cdt = _resolve_dtype(compute_dtype)
+    blocks = list(blocks)
+    if not blocks:
+        raise InvalidArgumentError("offload_blocks: no blocks given",
+                                   "E_INVAL")
+    state = _Stream(dev, None)
+    keep = []  # host tensors must live until load copied them
+    cfg = _lib.SchedConfig(_dev_index(dev), 0, 0, None)
+    check(lib.laden_stream_create(ctypes.byref(cfg), None,
+                                  ctypes.byref(state.sched)))
+    state.own()
+    cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
+    for i, mod in enumerate(blocks):
+        info = BlockInfo(f"block {i} ({type(mod).__name__})", mod,
+                         _lib.TIER_RAM)
+        check(lib.laden_stream_add_block(state.sched, _lib.TIER_RAM,
+                                         ctypes.byref(cb)))
+        info.c_block = cb.value
+        for t in _collect(mod):
+            cur = getattr(t.aliases[0][0], t.aliases[0][1])
+            if cur.device.type != "cpu":
+                state.destroy()
+                raise InvalidArgumentError(
+                    f"offload_blocks: {t.names[0]} of block {i} is on "
+                    f"{cur.device}; build the blocks on the CPU", "E_INVAL")
+            src = cur.detach().contiguous()
+            keep.append(src)
+            if cdt is not None and t.dtype.is_floating_point:
+                t.dtype = cdt
+            try:
+                sdt = _DTYPE_CODE[checkpoint_dtype(src.dtype)]
+                ddt = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
+            except ValueError as e:
+                state.destroy()
+                raise InvalidArgumentError(f"offload_blocks: {e}", "E_INVAL")
+            st = lib.laden_stream_add_host_tensor(
+                state.sched, cb.value, ctypes.c_void_p(src.data_ptr()), sdt,
+                src.numel(), ddt, ctypes.byref(ci))
+            if st:
+                err = error_for(st)
+                state.destroy()
+                raise err
+            t.c_block, t.c_index = cb.value, ci.value
+            info.tensors.append(t)
+            info.nbytes += _nbytes(t)
+            state.tensors.append(t)
+        state.blocks.append(info)
+    try:
+        check(lib.laden_stream_load(state.sched))
+    except BaseException:
+        state.destroy()
+        raise
+    del keep
+    for t in state.tensors:
+        state.bind(t, "home")
+    return _start(state, lookahead)
+
+
+def release(model, handle: Optional[OffloadHandle] = None) -> None:
+    """Removes laden's hooks, frees every byte of RAM and VRAM laden holds
+    for the model, and leaves its laden-loaded parameters and buffers on
+    ``meta``.  The model cannot run afterwards; tensors taken from it
+    before are invalid."""
+    import torch
+
+    state = handle.state if handle is not None else getattr(
+        model, "_laden_stream", None)
+    if state is None:
+        raise StateError("release: laden holds nothing for this model",
+                         "E_STATE")
+    if state.handle is not None:
+        state.handle.remove()
+    for t in state.tensors:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        state._set(t, meta)
+    state.destroy()
+    if getattr(model, "_laden_stream", None) is state:
+        del model._laden_stream
+    if state.device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,269 @@
+"""Block streaming on the CPU device (and on CUDA when present): outputs are
+bit-identical to the model loaded normally, whatever the tiers and the call
+order; errors are clear and leave the model as it was."""
+
+import gc
+import os
+
+import pytest
+import torch
+
+import laden
+from models import PREFIXES, Block, on_meta, reference
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def save(model, path, prefix=""):
+    sd = {prefix + k: v for k, v in model.state_dict().items()}
+    laden.save_file(sd, path)
+    return str(path)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    ref = reference()
+    return ref, save(ref, tmp_path / "tiny.safetensors")
+
+
+def ids(n=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (2, n), generator=g)
+
+
+def expected(ref, device, dtype=None):
+    import copy
+    r = copy.deepcopy(ref).to(device)
+    if dtype is not None:
+        r = r.to(dtype)
+    with torch.no_grad():
+        return r, r(ids().to(device))
+
+
+TIERS = {
+    "ram": dict(),
+    "disk": dict(ram_budget=0),
+    "mixed": dict(ram_budget="40kB"),
+    "prefixes": dict(resident_prefixes=["blocks.1."],
+                     disk_prefixes=["blocks.3.", "stages.1.0."]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiers", list(TIERS))
+def test_bit_identical_in_every_tier(ckpt, device, tiers):
+    ref, path = ckpt
+    _, want = expected(ref, device)
+    m = on_meta()
+    report = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                               device=device, **TIERS[tiers])
+    assert "tiny.safetensors" in str(report)
+    names = {b[2] for b in report.blocks}
+    if tiers == "ram":
+        assert names == {"ram"}
+    if tiers == "disk":
+        assert names == {"disk"}
+    if tiers in ("mixed", "prefixes"):
+        assert len(names) >= 2
+    h = laden.install_offload(m, lookahead=2)
+    with torch.no_grad():
+        for _ in range(3):  # repeated forwards
+            got = m(ids().to(device))
+            assert torch.equal(got, want)
+    st = h.stats()
+    if device == "cuda" or tiers != "ram":
+        assert st["enters"] > 0
+    laden.release(m, h)
+    assert m.blocks[0].up.weight.device.type == "meta"
+    assert not hasattr(m, "_laden_stream")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_call_order(ckpt, device):
+    ref, path = ckpt
+    r, _ = expected(ref, device)
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      ram_budget="30kB")
+    h = laden.install_offload(m, lookahead=1)
+    x = torch.randn(2, 5, 32, device=device)
+    order = [5, 4, 3, 2, 1, 0, 2, 2, 0, 5, 1, 3, 3]
+    with torch.no_grad():
+        for i in order:
+            assert torch.equal(m.blocks[i](x), r.blocks[i](x)), i
+        for s, j in [(1, 2), (0, 0), (1, 0), (1, 2), (0, 1)]:
+            assert torch.equal(m.stages[s][j](x), r.stages[s][j](x))
+    assert h.stats()["misses"] > 0
+    laden.release(m, h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_that_raises(ckpt, device):
+    ref, path = ckpt
+    _, want = expected(ref, device)
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      ram_budget="50kB")
+    h = laden.install_offload(m)
+    m.blocks[2].fail = True
+    with pytest.raises(ValueError, match="told to fail"):
+        m(ids().to(device))
+    m.blocks[2].fail = False
+    with torch.no_grad():
+        assert torch.equal(m(ids().to(device)), want)
+    laden.release(m, h)
+
+
+def test_remove_restores_plain_modules(ckpt):
+    ref, path = ckpt
+    _, want = expected(ref, "cpu")
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      ram_budget="40kB")
+    h = laden.install_offload(m)
+    h.remove()
+    h.remove()  # twice is fine
+    assert "forward" not in m.blocks[0].__dict__
+    with torch.no_grad():  # weights stay: RAM copies and mapped disk blocks
+        assert torch.equal(m(ids()), want)
+    h2 = laden.install_offload(m, lookahead=3)
+    with torch.no_grad():
+        assert torch.equal(m(ids()), want)
+    with pytest.raises(laden.StateError):
+        laden.install_offload(m)
+    laden.release(m, h2)
+
+
+def test_compute_dtype_and_key_map(tmp_path):
+    ref = reference()
+    path = save(ref, tmp_path / "p.safetensors", prefix="model.")
+    _, want = expected(ref, "cpu", torch.bfloat16)
+    m = on_meta()
+    rep = laden.stream_load(
+        m, path, offload_prefixes=PREFIXES, device="cpu",
+        compute_dtype="bf16",
+        key_map=lambda n: n[len("model."):] if n.startswith("model.") else n)
+    assert rep.total_bytes < sum(
+        v.numel() * 4 for v in ref.state_dict().values())
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids()), want)
+    laden.release(m, h)
+
+
+def test_mismatched_names_one_error_before_allocation(tmp_path):
+    ref = reference()
+    sd = ref.state_dict()
+    sd.pop("blocks.2.up.weight")
+    sd["blocks.9.extra"] = torch.ones(3)
+    sd["stray"] = torch.ones(2)
+    path = str(tmp_path / "bad.safetensors")
+    laden.save_file(sd, path)
+    m = on_meta()
+    with pytest.raises(laden.MismatchError) as e:
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+    err = e.value
+    assert err.missing == ["blocks.2.up.weight"]
+    assert sorted(err.unexpected) == ["blocks.9.extra", "stray"]
+    assert "blocks.2.up.weight" in str(err) and "stray" in str(err)
+    assert isinstance(err, ValueError)
+    assert not hasattr(m, "_laden_stream")
+    assert m.blocks[0].up.weight.device.type == "meta"
+    # skip_prefixes drops the strays; the missing one is still missing
+    with pytest.raises(laden.MismatchError) as e:
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          skip_prefixes=["blocks.9.", "stray"])
+    assert e.value.unexpected == []
+
+
+def test_shape_and_dtype_errors_name_the_tensor(tmp_path):
+    ref = reference()
+    sd = dict(ref.state_dict())
+    sd["blocks.1.down.bias"] = torch.zeros(31)
+    p1 = str(tmp_path / "shape.safetensors")
+    laden.save_file(sd, p1)
+    with pytest.raises(laden.MismatchError, match="blocks.1.down.bias"):
+        laden.stream_load(on_meta(), p1, offload_prefixes=PREFIXES,
+                          device="cpu")
+    sd = dict(ref.state_dict())
+    sd["blocks.1.down.bias"] = torch.zeros(32, dtype=torch.int64)
+    p2 = str(tmp_path / "dtype.safetensors")
+    laden.save_file(sd, p2)
+    with pytest.raises(laden.MismatchError, match="blocks.1.down.bias.*I64"):
+        laden.stream_load(on_meta(), p2, offload_prefixes=PREFIXES,
+                          device="cpu")
+    with pytest.raises(laden.InvalidArgumentError, match="nothere"):
+        laden.stream_load(on_meta(), p1, offload_prefixes=["nothere."],
+                          device="cpu")
+    with pytest.raises(laden.InvalidArgumentError, match="overlap"):
+        laden.stream_load(on_meta(), p1, device="cpu",
+                          offload_prefixes=["blocks.", "blocks.1."])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_truncated_while_streaming(tmp_path, device):
+    ref = reference()
+    path = save(ref, tmp_path / "t.safetensors")
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      ram_budget=0)  # every block read from disk
+    h = laden.install_offload(m, lookahead=1)
+    with torch.no_grad():
+        m(ids().to(device))
+    os.truncate(path, 4096)
+    with pytest.raises(laden.FormatError) as e:
+        with torch.no_grad():
+            m(ids().to(device))
+    assert e.value.status == "E_TRUNCATED" and "t.safetensors" in str(e.value)
+    with pytest.raises(laden.FormatError):  # again: the same clear error
+        with torch.no_grad():
+            m(ids().to(device))
+    laden.release(m, h)  # still works
+    assert m.embed.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_blocks_low_level(device):
+    ref = reference()
+    _, want = expected(ref, device)
+    import copy
+    m = copy.deepcopy(ref)
+    m.embed.to(device)
+    m.norm.to(device)
+    h = laden.offload_blocks(list(m.blocks) + list(m.stages[0]) +
+                             list(m.stages[1]), device=device)
+    assert m.blocks[0].up.weight.device.type == device
+    with torch.no_grad():
+        assert torch.equal(m(ids().to(device)), want)
+    laden.release(m, h)
+    assert m.blocks[0].up.weight.device.type == "meta"
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_release_returns_memory_over_50_cycles(tmp_path):
+    ref = reference(d=256, hidden=(1024,) * 6, nested=(2, 2))
+    path = save(ref, tmp_path / "big.safetensors")  # about 14 MB
+    x = torch.randint(0, 97, (1, 4))
+
+    def cycle():
+        m = on_meta(d=256, hidden=(1024,) * 6, nested=(2, 2))
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          ram_budget="6MB")
+        h = laden.install_offload(m)
+        with torch.no_grad():
+            m(x)
+        laden.release(m, h)
+        del m, h
+        gc.collect()
+
+    for _ in range(3):
+        cycle()
+    before = rss()
+    for _ in range(50):
+        cycle()
+    grown = rss() - before
+    assert grown < 8 << 20, f"RSS grew by {grown / 1e6:.1f} MB"
