@@ -205,9 +205,11 @@ def main() -> int:
                          generator=torch.Generator(device=dev).manual_seed(t))
           for t in tokens}
 
+    setup_rss = [base_rss]
+
     def record(name, t, ms, vram, host, extra=None):
         rows.append(dict(config=name, tokens=t, ms=ms, vram=vram,
-                         rss=host, **(extra or {})))
+                         rss=host, rss_before=setup_rss[0], **(extra or {})))
         print(f"  {name:<28} {t:>6} tokens  {ms:9.1f} ms", file=sys.stderr,
               flush=True)
 
@@ -226,8 +228,13 @@ def main() -> int:
     del m
     gc.collect()
 
+    def diff(out, t):
+        return (out.float().cpu() - ref_out[t]).abs().max().item()
+
     # laden, every block streamed from pinned RAM.
     for la in (1, 2):
+        gc.collect()
+        setup_rss[0] = rss()
         m = build_meta(a)
         laden.stream_load(m, path, offload_prefixes=["blocks."], device=dev)
         h = laden.install_offload(m, lookahead=la)
@@ -238,7 +245,7 @@ def main() -> int:
             same = torch.equal(out.float().cpu(), ref_out[t])
             record(f"laden RAM, lookahead {la}", t, ms,
                    st["device_bytes"] + torch_peak(dev), rss(),
-                   dict(equal=same, slots=st["nslots"],
+                   dict(equal=same, diff=diff(out, t), slots=st["nslots"],
                         slot_bytes=st["slot_bytes"]))
         laden.release(m, h)
         del m, h
@@ -246,6 +253,8 @@ def main() -> int:
 
     # laden, every block streamed from the checkpoint.
     if not a.no_disk:
+        gc.collect()
+        setup_rss[0] = rss()
         m = build_meta(a)
         laden.stream_load(m, path, offload_prefixes=["blocks."], device=dev,
                           ram_budget=0)
@@ -257,7 +266,7 @@ def main() -> int:
         record("laden disk, lookahead 2", t, ms,
                st["device_bytes"] + torch_peak(dev), rss(),
                dict(equal=torch.equal(out.float().cpu(), ref_out[t]),
-                    disk_rate=model_bytes / (ms / 1e3)))
+                    diff=diff(out, t), disk_rate=model_bytes / (ms / 1e3)))
         laden.release(m, h)
         del m, h
         gc.collect()
@@ -298,13 +307,16 @@ def main() -> int:
             print(f"accelerate unavailable: {e}", file=sys.stderr)
         for name, setup, toks in peers:
             try:
+                gc.collect()
+                setup_rss[0] = rss()
                 m = setup()
                 for t in toks:
                     peak_reset(dev)
                     ms, out = timed(m, xs[t], 2, max(3, a.repeats // 2))
                     record(name, t, ms, torch_peak(dev), rss(),
                            dict(equal=torch.equal(out.float().cpu(),
-                                                  ref_out[t])))
+                                                  ref_out[t]),
+                                diff=diff(out, t)))
                 del m
             except Exception as e:  # noqa: BLE001
                 print(f"{name} failed: {e}", file=sys.stderr)
@@ -320,25 +332,31 @@ def main() -> int:
           + (f"direct read (dd) {direct / 1e9:.2f} GB/s; " if direct else "")
           + f"process RSS before loading {fmt_bytes(base_rss)}\n")
     hdr = ("config", "tokens", "ms", "ideal ms", "÷ ideal", "peak VRAM",
-           "RSS ÷ model", "(RSS−base) ÷ model", "same output")
+           "RSS ÷ model", "ΔRSS ÷ model", "output vs resident")
     table = [hdr]
     for r in rows:
         t = r["tokens"]
-        ideal = max(resident_ms[t], model_bytes / h2d * 1e3)
+        link = direct if "disk" in r["config"] and direct else h2d
+        ideal = max(resident_ms[t], model_bytes / link * 1e3)
         if r["config"] == "resident":
             ideal = resident_ms[t]
+        same = "-" if "equal" not in r else "identical" if r["equal"] \
+            else f"max diff {r['diff']:.3g}"
         table.append((
             r["config"], str(t), f"{r['ms']:.1f}", f"{ideal:.1f}",
             f"{r['ms'] / ideal:.3f}", fmt_bytes(r["vram"]),
             f"{r['rss'] / model_bytes:.2f}",
-            f"{(r['rss'] - base_rss) / model_bytes:.2f}",
-            {True: "yes", False: "NO"}.get(r.get("equal"), "-")))
+            f"{(r['rss'] - r['rss_before']) / model_bytes:.2f}", same))
     w = [max(len(row[i]) for row in table) for i in range(len(hdr))]
     for j, row in enumerate(table):
         print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
                         for i, c in enumerate(row)))
         if j == 0:
             print("  ".join("-" * x for x in w))
+    print("\nideal = max(resident ms, model bytes / link rate); the link is "
+          "pinned H2D, or the drive's direct read for the disk tier.  "
+          "ΔRSS: resident memory the configuration added (measured before "
+          "its setup).")
     for r in rows:
         if "disk_rate" in r and direct:
             print(f"\ndisk tier: streamed {fmt_bytes(model_bytes)} per forward"
