@@ -318,7 +318,7 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
         path = model_dir  # sharded, or a directory laden can pick from
     Bert = _bert_classes()
     with ckmod.Checkpoint(path) as ck:
-        model_bytes = sum(t.nbytes for t in ck.tensors()
+        model_bytes = sum(_run_bytes(t) for t in ck.tensors()
                           if not t.name.startswith(SKIP))
     layers = cfg["num_hidden_layers"]
     sizes = _layer_sizes(path, layers)
@@ -406,6 +406,13 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
     return same
 
 
+def _run_bytes(t) -> int:
+    """Bytes of a tensor as the demo's float32 model holds it."""
+    if t.dtype in ("F16", "BF16", "F32"):
+        return math.prod(t.shape) * 4
+    return t.nbytes
+
+
 def _layer_sizes(path: str, layers: int) -> List[int]:
     from . import checkpoint as ckmod
 
@@ -415,5 +422,5 @@ def _layer_sizes(path: str, layers: int) -> List[int]:
             if t.name.startswith("encoder.layer."):
                 i = int(t.name.split(".")[2])
                 if i < layers:
-                    sizes[i] += (t.nbytes + 255) // 256 * 256
+                    sizes[i] += (_run_bytes(t) + 255) // 256 * 256
     return sizes
