@@ -865,19 +865,32 @@ static laden_status check_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
-                                uintptr_t handle)
+/* The slot a streamed block runs from; *out NULL for a resident block. */
+static laden_status block_slot(laden_sched_t *sc, uint32_t block,
+                               const char *call, slot **out)
 {
-    laden_status s = check_block(sc, block, "laden_stream_enter");
+    *out = NULL;
+    laden_status s = check_block(sc, block, call);
     if (s)
         return s;
     blk *b = &sc->b[block];
     if (!streamed(sc, b))
         return LADEN_OK;
     if (!sc->started)
-        return laden__fail(LADEN_E_STATE,
-                           "laden_stream_enter: the schedule is not started");
-    slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not started",
+                           call);
+    *out = &sc->slots[(uint32_t)b->pos % sc->nslots];
+    return LADEN_OK;
+}
+
+laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle)
+{
+    slot *sl;
+    laden_status s = block_slot(sc, block, "laden_stream_enter", &sl);
+    if (s || !sl)
+        return s;
+    blk *b = &sc->b[block];
     if (sl->in_use)
         return laden__fail(LADEN_E_STATE,
                            "block %u entered while block %lld, which shares "
@@ -907,16 +920,11 @@ laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
 laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
                                uintptr_t handle)
 {
-    laden_status s = check_block(sc, block, "laden_stream_exit");
-    if (s)
+    slot *sl;
+    laden_status s = block_slot(sc, block, "laden_stream_exit", &sl);
+    if (s || !sl)
         return s;
     blk *b = &sc->b[block];
-    if (!streamed(sc, b))
-        return LADEN_OK;
-    if (!sc->started)
-        return laden__fail(LADEN_E_STATE,
-                           "laden_stream_exit: the schedule is not started");
-    slot *sl = &sc->slots[(uint32_t)b->pos % sc->nslots];
     if (!sl->in_use || sl->block != (int64_t)block)
         return laden__fail(LADEN_E_STATE,
                            "laden_stream_exit: block %u is not running",
