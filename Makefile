@@ -42,8 +42,9 @@ test-asan:
 
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
-	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay
-	./build-asan/laden_fuzz_replay fuzz/corpus tests/data/bad
+	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan
+	./build-asan/laden_fuzz_replay fuzz/corpus/st tests/data/bad
+	./build-asan/laden_fuzz_replay_plan fuzz/corpus/plan
 
 symbols: lib
 	tests/check_symbols.sh build/libladen.so
@@ -58,9 +59,10 @@ FUZZ_SECONDS ?= 60
 fuzz:
 	CC=clang cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
 	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
-	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st
+	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan
 	./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/st.dict fuzz/corpus/st
+	./build-fuzz/laden_fuzz_plan -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/plan
 
 bench-read: install
 	$(VPY) bench/read.py

@@ -91,6 +91,13 @@ LADEN_API laden_status laden_io_measure_read(const char *dir,
                                              uint64_t size_bytes,
                                              double *out_bytes_per_s);
 
+/* Measures the drive under an existing file: drops the file from the page
+ * cache, reads up to max_bytes from its start through a pool, and returns
+ * the rate.  The file is not changed.  Blocks for the read. */
+LADEN_API laden_status laden_io_measure_file(const char *path,
+                                             uint64_t max_bytes,
+                                             double *out_bytes_per_s);
+
 #ifdef __cplusplus
 }
 #endif

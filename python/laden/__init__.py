@@ -13,6 +13,8 @@ from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
                      MismatchError, OutOfMemoryError, ReadError, StateError,
                      TensorNotFoundError)
+from .planning import (Plan, PlanBlock, Tier, measure_activation_vram, plan,
+                       stage)
 from .streaming import (LoadReport, OffloadHandle, install_offload,
                         offload_blocks, release, stream_load)
 
@@ -20,7 +22,8 @@ __version__ = _clib.laden_version().decode()
 
 __all__ = [
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
-    "save_file", "stream_load", "install_offload", "offload_blocks",
+    "save_file", "plan", "Plan", "PlanBlock", "Tier", "stage",
+    "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
     "release", "LoadReport", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
     "DeviceError", "InvalidArgumentError", "StateError", "__version__",

@@ -71,6 +71,39 @@ class SchedStats(Structure):
     ]
 
 
+class PlanInput(Structure):
+    _fields_ = [
+        ("nblocks", c_uint32),
+        ("block_bytes", POINTER(c_uint64)),
+        ("asked", POINTER(c_int32)),
+        ("rest_bytes", c_uint64),
+        ("vram_free_bytes", c_uint64),
+        ("max_vram_bytes", c_uint64),
+        ("reserve_bytes", c_uint64),
+        ("ram_total_bytes", c_uint64),
+        ("ram_free_bytes", c_uint64),
+        ("ram_budget_bytes", c_uint64),
+        ("min_free_ram_bytes", c_uint64),
+        ("resident_blocks", c_int32),
+        ("lookahead", c_uint32),
+        ("disk_staging", c_uint32),
+        ("h2d_bytes_per_s", c_double),
+        ("disk_bytes_per_s", c_double),
+    ]
+
+
+class PlanResult(Structure):
+    _fields_ = [
+        ("vram_avail_bytes", c_uint64), ("ram_avail_bytes", c_uint64),
+        ("min_free_ram_bytes", c_uint64), ("gpu_bytes", c_uint64),
+        ("ram_bytes", c_uint64), ("disk_bytes", c_uint64),
+        ("slot_bytes", c_uint64), ("nslots", c_uint32),
+        ("staging_bytes", c_uint64), ("vram_used_bytes", c_uint64),
+        ("ram_used_bytes", c_uint64), ("predicted_ms", c_double),
+        ("warnings", c_uint32),
+    ]
+
+
 class HostStats(Structure):
     _fields_ = [(n, c_uint64) for n in (
         "budget_bytes", "in_use_bytes", "cached_bytes", "peak_bytes",
@@ -114,6 +147,7 @@ _SIGNATURES = {
     "laden_io_unmap": (None, [c_void_p, c_uint64]),
     "laden_io_drop_cache": (status_t, [p]),
     "laden_io_measure_read": (status_t, [c_char_p, c_uint64, P(c_double)]),
+    "laden_io_measure_file": (status_t, [c_char_p, c_uint64, P(c_double)]),
     # dev
     "laden_dev_count": (status_t, [P(c_int32)]),
     "laden_dev_cuda_error": (c_char_p, []),
@@ -151,6 +185,10 @@ _SIGNATURES = {
     "laden_stream_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_stream_synchronize": (status_t, [p]),
     "laden_stream_stats": (status_t, [p, P(SchedStats)]),
+    # plan
+    "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
+                                      P(PlanResult)]),
+    "laden_plan_why_text": (c_char_p, [c_int32]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_host_destroy": (None, [p]),

@@ -187,6 +187,41 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from . import planning
+    from .checkpoint import Checkpoint
+
+    with Checkpoint(args.path) as ck:
+        tensors = ck.tensors()
+        groups = block_groups([(t.name, t.nbytes) for t in tensors])
+        names, sizes = [], []
+        for prefix, blocks in groups.items():
+            for idx in sorted(blocks):
+                names.append(f"{prefix}{idx}.")
+                # as laden packs them: each tensor aligned to 256 bytes
+                sizes.append(0)
+        index = {n: i for i, n in enumerate(names)}
+        for t in tensors:
+            m = _BLOCK.search(t.name)
+            key = f"{t.name[:m.start(1)]}{m.group(1)}." if m else None
+            if key in index:
+                sizes[index[key]] += (t.nbytes + 255) // 256 * 256
+        rest = sum(t.nbytes for t in tensors) - sum(
+            sum(b.values()) for b in groups.values())
+        p = planning.compute(names, sizes, rest, device=args.device,
+                             path=ck.files[0], max_vram=args.vram,
+                             headroom_vram=args.headroom,
+                             ram_budget=args.ram,
+                             resident_blocks=args.resident_blocks,
+                             lookahead=args.lookahead)
+    p.path = args.path
+    print(p)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(p.to_json())
+    return 0
+
+
 def cmd_demo(args) -> int:
     from . import demo
 
@@ -219,6 +254,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=int, default=None,
                    help="CUDA device index (default: all)")
     p.set_defaults(fn=cmd_probe)
+    p = sub.add_parser("plan", help="print the plan a checkpoint would get "
+                       "on this machine, from the checkpoint alone")
+    p.add_argument("path")
+    p.add_argument("--vram", default=None, help="VRAM budget, e.g. 8GB "
+                   "(default: the free VRAM)")
+    p.add_argument("--ram", default=None, help="RAM budget for the RAM tier "
+                   "(default: free RAM minus a reserve)")
+    p.add_argument("--headroom", default="1.5GB",
+                   help="VRAM kept for activations")
+    p.add_argument("--resident-blocks", type=int, default=None)
+    p.add_argument("--lookahead", type=int, default=2)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, help="also write the plan here")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("demo", help="laden's main job on a real model: a "
                        "BERT encoder streamed under a memory budget, checked "
                        "against the model loaded normally")

@@ -269,26 +269,30 @@ def _module_at(model, path: str):
     return mod
 
 
-def _find_blocks(model, prefixes: Sequence[str]) -> List[Tuple[str, object]]:
+def _find_blocks(model, prefixes: Sequence[str]
+                 ) -> List[Tuple[str, object, str]]:
     """Module paths for the given prefixes: a prefix naming a container
     (ModuleList, Sequential, ModuleDict) stands for each of its children; a
-    prefix naming another module is one block."""
+    prefix naming another module is one block.  Each entry is (block path,
+    module, the prefix it came from)."""
     import torch.nn as nn
 
-    blocks: List[Tuple[str, object]] = []
+    blocks: List[Tuple[str, object, str]] = []
     for prefix in prefixes:
         path = prefix.rstrip(".")
         mod = _module_at(model, path)
         if mod is None:
+            from .planning import find_blocks
             raise InvalidArgumentError(
-                f"offload prefix '{prefix}' names no module of the model",
+                f"block '{prefix}' names no module of the model (its block "
+                f"containers: {', '.join(find_blocks(model)) or 'none'})",
                 "E_INVAL")
         if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             for name, child in mod.named_children():
                 blocks.append((f"{path}.{name}." if path else f"{name}.",
-                               child))
+                               child, prefix))
         else:
-            blocks.append((path + "." if path else "", mod))
+            blocks.append((path + "." if path else "", mod, prefix))
     names = [b[0] for b in blocks]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -385,7 +389,9 @@ def stream_load(model, path: PathLike, *, plan=None,
       ignore.
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
-    - ``plan``: reserved for the planner (issue 4); must be None for now.
+    - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
+      followed exactly: its blocks and tiers replace the prefixes and
+      budgets.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -393,10 +399,19 @@ def stream_load(model, path: PathLike, *, plan=None,
     """
     import torch
 
+    plan_tiers = None
     if plan is not None:
-        raise InvalidArgumentError(
-            "plan= is not available yet: give offload_prefixes and budgets",
-            "E_INVAL")
+        if offload_prefixes or resident_prefixes or disk_prefixes or \
+                vram_budget is not None or ram_budget is not None:
+            raise InvalidArgumentError(
+                "stream_load: give a plan or prefixes and budgets, not both",
+                "E_INVAL")
+        offload_prefixes = [b.name for b in plan.blocks]
+        plan_tiers = {b.name: int(b.tier) for b in plan.blocks}
+        device = device if device is not None else plan.device
+        if compute_dtype is None:
+            compute_dtype = plan.storage_dtype or plan.compute_dtype
+        lookahead = plan.lookahead
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
@@ -411,7 +426,7 @@ def stream_load(model, path: PathLike, *, plan=None,
     try:
         state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
                          offload_prefixes or (), resident_prefixes,
-                         disk_prefixes, vram, ram, lookahead)
+                         disk_prefixes, vram, ram, lookahead, plan_tiers)
         _load(model, state, ck)
     except BaseException:
         ck.close()
@@ -425,7 +440,7 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
              offload_prefixes, resident_prefixes, disk_prefixes, vram,
-             ram, lookahead=2) -> _Stream:
+             ram, lookahead=2, plan_tiers=None) -> _Stream:
     import torch
 
     found = _find_blocks(model, list(offload_prefixes))  # arguments first
@@ -503,9 +518,11 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
     state.tensors = [t for t in tensors if t.ckpt_name is not None]
     # Blocks and their tensors: a tensor belongs to a block when every alias
     # is inside it; tied tensors that span blocks stay resident.
-    for name, mod in found:
+    for name, mod, source in found:
         tier = _lib.TIER_RAM
-        if _matches(name, resident_prefixes):
+        if plan_tiers is not None:
+            tier = int(plan_tiers[source])
+        elif _matches(name, resident_prefixes):
             tier = _lib.TIER_GPU
         elif _matches(name, disk_prefixes):
             tier = _lib.TIER_DISK
@@ -523,7 +540,8 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
             state.blocks[t.block].nbytes += nb
         else:
             state.rest_bytes += nb
-    _assign_tiers(state, vram, ram, lookahead + 1)
+    if plan_tiers is None:
+        _assign_tiers(state, vram, ram, lookahead + 1)
     for b in state.blocks:
         if b.tier == _lib.TIER_DISK:
             for t in b.tensors:

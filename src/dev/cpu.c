@@ -328,15 +328,38 @@ static laden_status cpu_copy_d2d(int32_t dev, void *si, laden_devptr_t dst,
                     (const void *)(uintptr_t)src, n);
 }
 
+/* "Device" and pinned memory of the CPU device come straight from mmap,
+ * with a header page holding the length, so that freeing gives the pages
+ * back to the system at once, as a GPU driver does; malloc would keep
+ * freed blocks in its heap and a release would not lower RSS. */
+#define HDR 4096u
+
 static laden_status cpu_alloc(uint64_t n, void **out, const char *what)
 {
-    void *p = NULL;
-    if (n > SIZE_MAX / 2 || posix_memalign(&p, 4096, (size_t)n) != 0)
-        return laden__fail(LADEN_E_NOMEM,
-                           "cannot allocate %llu bytes of %s on the CPU device",
-                           (unsigned long long)n, what);
-    *out = p;
+    if (n > SIZE_MAX / 2)
+        goto fail;
+    size_t len = (size_t)n + HDR;
+    char *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        goto fail;
+    memcpy(p, &len, sizeof len);
+    *out = p + HDR;
     return LADEN_OK;
+fail:
+    return laden__fail(LADEN_E_NOMEM,
+                       "cannot allocate %llu bytes of %s on the CPU device",
+                       (unsigned long long)n, what);
+}
+
+static void cpu_release(void *ptr)
+{
+    if (!ptr)
+        return;
+    char *p = (char *)ptr - HDR;
+    size_t len;
+    memcpy(&len, p, sizeof len);
+    munmap(p, len);
 }
 
 static laden_status cpu_mem_alloc(int32_t dev, uint64_t n, laden_devptr_t *out)
@@ -352,7 +375,7 @@ static laden_status cpu_mem_alloc(int32_t dev, uint64_t n, laden_devptr_t *out)
 static laden_status cpu_mem_free(int32_t dev, laden_devptr_t p)
 {
     (void)dev;
-    free((void *)(uintptr_t)p);
+    cpu_release((void *)(uintptr_t)p);
     return LADEN_OK;
 }
 
@@ -365,7 +388,7 @@ static laden_status cpu_host_alloc(int32_t dev, uint64_t n, void **out)
 static laden_status cpu_host_free(int32_t dev, void *p)
 {
     (void)dev;
-    free(p);
+    cpu_release(p);
     return LADEN_OK;
 }
 

@@ -544,3 +544,37 @@ out:
     free(buf);
     return s;
 }
+
+laden_status laden_io_measure_file(const char *path, uint64_t max_bytes,
+                                   double *out_bps)
+{
+    if (out_bps)
+        *out_bps = 0;
+    if (!path || !out_bps || max_bytes == 0)
+        return laden__fail(LADEN_E_INVAL, "laden_io_measure_file: bad argument");
+    laden_io_file_t *f = NULL;
+    laden_io_t *io = NULL;
+    char *buf = NULL;
+    laden_status s;
+    if ((s = laden_io_file_open(path, &f)))
+        return s;
+    uint64_t n = f->size < max_bytes ? f->size : max_bytes;
+    n &= ~(uint64_t)(IO_ALIGN - 1);
+    if (n == 0) {
+        laden_io_file_close(f);
+        return laden__fail(LADEN_E_INVAL, "%s: too small to measure", path);
+    }
+    if (posix_memalign((void **)&buf, IO_ALIGN, (size_t)n) != 0) {
+        laden_io_file_close(f);
+        return laden__fail(LADEN_E_NOMEM, "out of memory measuring %s", path);
+    }
+    if (!(s = laden_io_drop_cache(f)) && !(s = laden_io_create(NULL, &io))) {
+        uint64_t t0 = laden__now_ns();
+        if (!(s = laden_io_read(io, f, 0, n, buf)))
+            *out_bps = (double)n / ((double)(laden__now_ns() - t0) * 1e-9);
+    }
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(buf);
+    return s;
+}

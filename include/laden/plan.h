@@ -1,0 +1,92 @@
+/* plan: decide which tier each block lives in.  A pure function: block
+ * sizes, budgets, free-memory readings and bandwidths in; a tier and a
+ * reason per block, the memory used and a predicted transfer time out.
+ * The same inputs give the same plan.  No allocation, no I/O. */
+#ifndef LADEN_PLAN_H
+#define LADEN_PLAN_H
+
+#include "../laden.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tiers as in stream.h: 0 GPU (resident), 1 RAM, 2 DISK; -1 free. */
+#define LADEN_PLAN_FREE (-1)
+
+/* Why a block got its tier. */
+#define LADEN_PLAN_WHY_LIST(X)                                                \
+    X(FITS_VRAM, "resident: fits the VRAM left after the rest, the slots "    \
+                 "and the reserve")                                          \
+    X(ASKED_RESIDENT, "resident: asked for")                                  \
+    X(NO_VRAM_RAM, "RAM: no VRAM left; fits the RAM budget")                  \
+    X(ASKED_RAM, "RAM: asked for")                                            \
+    X(NO_RAM_DISK, "disk: no RAM left")                                       \
+    X(ASKED_DISK, "disk: asked for")
+
+typedef enum laden_plan_why {
+#define LADEN__WHY_ENUM(name, text) LADEN_PLAN_WHY_##name,
+    LADEN_PLAN_WHY_LIST(LADEN__WHY_ENUM)
+#undef LADEN__WHY_ENUM
+    LADEN_PLAN_WHY_COUNT
+} laden_plan_why;
+
+/* Warnings, a bit mask. */
+#define LADEN_PLAN_WARN_DISK 1u       /* some blocks stream from disk */
+#define LADEN_PLAN_WARN_NO_RESERVE 2u /* nothing kept for activations */
+#define LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE 4u /* max_vram > free VRAM */
+
+typedef struct laden_plan_input {
+    uint32_t nblocks;
+    const uint64_t *block_bytes;  /* in schedule order */
+    const int32_t *asked;         /* per block: a tier, or LADEN_PLAN_FREE;
+                                     NULL: all free */
+    uint64_t rest_bytes;          /* outside blocks: always resident */
+    uint64_t vram_free_bytes;     /* reading of free device memory */
+    uint64_t max_vram_bytes;      /* 0: no limit beyond the free memory */
+    uint64_t reserve_bytes;       /* kept free: headroom or activations */
+    uint64_t ram_total_bytes;
+    uint64_t ram_free_bytes;      /* reading of available host memory */
+    uint64_t ram_budget_bytes;    /* 0: use ram_free - min_free_ram */
+    uint64_t min_free_ram_bytes;  /* UINT64_MAX: auto (8 % of RAM, 1..4 GiB) */
+    int32_t resident_blocks;      /* -1: as many as fit; n: the first n free
+                                     blocks */
+    uint32_t lookahead;           /* slots = lookahead + 1 (0: 2) */
+    uint32_t disk_staging;        /* 1: disk blocks need a pinned staging
+                                     buffer per slot (CUDA); 0: they are
+                                     read straight into host slots (CPU) */
+    double h2d_bytes_per_s;       /* 0: no prediction */
+    double disk_bytes_per_s;
+} laden_plan_input;
+
+typedef struct laden_plan_result {
+    uint64_t vram_avail_bytes;  /* min(max_vram, free) - reserve */
+    uint64_t ram_avail_bytes;
+    uint64_t min_free_ram_bytes;
+    uint64_t gpu_bytes;         /* rest + resident blocks */
+    uint64_t ram_bytes;         /* RAM tier */
+    uint64_t disk_bytes;
+    uint64_t slot_bytes;        /* one slot */
+    uint32_t nslots;
+    uint64_t staging_bytes;     /* pinned staging for disk blocks */
+    uint64_t vram_used_bytes;   /* gpu_bytes + slots */
+    uint64_t ram_used_bytes;    /* RAM tier + staging */
+    double predicted_ms;        /* transfer time per forward; 0 if unknown */
+    uint32_t warnings;
+} laden_plan_result;
+
+/* Computes the plan.  tiers[i] and why[i] (nblocks entries each, caller's
+ * arrays) receive block i's tier and reason.  LADEN_E_BUDGET when the
+ * request cannot be met, with a message that says what would fit;
+ * LADEN_E_INVAL for malformed input.  Pure; any thread. */
+LADEN_API laden_status laden_plan_compute(const laden_plan_input *in,
+                                          int32_t *tiers, int32_t *why,
+                                          laden_plan_result *out);
+
+/* The text of a reason, or NULL. */
+LADEN_API const char *laden_plan_why_text(int32_t why);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

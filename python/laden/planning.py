@@ -1,0 +1,433 @@
+"""Plans: which tier each block lives in, decided by libladen's planner (a
+pure C function) from block sizes, budgets, free-memory readings and
+measured bandwidths; explained, editable, and saved as JSON.  Also
+``measure_activation_vram`` and ``stage``."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from . import _lib
+from ._lib import check, lib
+from ._units import fmt_bytes, parse_size
+from .errors import InvalidArgumentError
+
+# Free memory readings are rounded down to this, so that two runs whose
+# free memory differs by a little plan the same; the plan shows them.
+READING_STEP = 256 << 20
+
+
+class Tier(enum.IntEnum):
+    GPU = _lib.TIER_GPU
+    RAM = _lib.TIER_RAM
+    DISK = _lib.TIER_DISK
+
+
+_WARNINGS = {
+    1: "some blocks stream from disk: the drive's speed sets a floor on "
+       "the time per forward",
+    2: "no VRAM is kept for activations (headroom 0): a large input may "
+       "run out of memory",
+    4: "max_vram is above the free VRAM; the free VRAM was used",
+}
+
+
+@dataclass
+class PlanBlock:
+    name: str
+    bytes: int
+    tier: Tier
+    why: str
+
+
+@dataclass
+class Plan:
+    """A tier per block, with the reasons and the numbers they came from.
+    ``str(plan)`` is a table; ``to_json`` / ``from_json`` round-trip it;
+    ``assign`` and ``manual`` edit or write one by hand.  ``stream_load(...,
+    plan=p)`` follows it exactly."""
+
+    blocks: List[PlanBlock]
+    rest_bytes: int = 0
+    device: str = "cpu"
+    lookahead: int = 2
+    compute_dtype: Optional[str] = None
+    storage_dtype: Optional[str] = None
+    path: Optional[str] = None
+    budgets: Dict[str, int] = field(default_factory=dict)
+    readings: Dict[str, int] = field(default_factory=dict)
+    bandwidths: Dict[str, float] = field(default_factory=dict)
+    predicted_ms: float = 0.0
+    warnings: List[str] = field(default_factory=list)
+    manual_prefixes: bool = False
+
+    # -- editing ---------------------------------------------------------------
+    def assign(self, tier: Tier, indices: Iterable[int]) -> "Plan":
+        """Puts the blocks at ``indices`` on ``tier``; returns the plan."""
+        tier = Tier(tier)
+        idx = list(indices)
+        bad = [i for i in idx if not (isinstance(i, int) and
+                                      -len(self.blocks) <= i < len(self.blocks))]
+        if bad:
+            raise InvalidArgumentError(
+                f"Plan.assign: no block {bad[0]}; the plan has "
+                f"{len(self.blocks)} blocks (0..{len(self.blocks) - 1})",
+                "E_INVAL")
+        for i in idx:
+            self.blocks[i].tier = tier
+            self.blocks[i].why = f"{tier.name}: assigned"
+        self.predicted_ms = 0.0  # no longer what the planner predicted
+        return self
+
+    @classmethod
+    def manual(cls, resident: Sequence[str] = (), streamed: Sequence[str] = (),
+               disk: Sequence[str] = (), *, device=None,
+               lookahead: int = 2) -> "Plan":
+        """A plan written by hand: block paths (``"blocks.3."``) resident,
+        streamed from RAM, or streamed from disk.  Paths naming a container
+        stand for each of its children.  Checked against the model by
+        stream_load."""
+        blocks = [PlanBlock(n, 0, t, f"{t.name}: manual")
+                  for names, t in ((resident, Tier.GPU), (streamed, Tier.RAM),
+                                   (disk, Tier.DISK)) for n in names]
+        seen = set()
+        for b in blocks:
+            if b.name in seen:
+                raise InvalidArgumentError(
+                    f"Plan.manual: block '{b.name}' given twice", "E_INVAL")
+            seen.add(b.name)
+        return cls(blocks=blocks, device=str(device) if device else "cpu",
+                   lookahead=lookahead, manual_prefixes=True)
+
+    # -- JSON ------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = asdict(self)
+        for b in d["blocks"]:
+            b["tier"] = Tier(b["tier"]).name
+        return json.dumps({"laden_plan": 1, **d}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise InvalidArgumentError(f"Plan.from_json: not JSON: {e}",
+                                       "E_INVAL") from None
+        if not isinstance(d, dict) or d.pop("laden_plan", None) != 1:
+            raise InvalidArgumentError("Plan.from_json: not a laden plan",
+                                       "E_INVAL")
+        try:
+            blocks = [PlanBlock(b["name"], int(b["bytes"]), Tier[b["tier"]],
+                                b["why"]) for b in d.pop("blocks")]
+            return cls(blocks=blocks, **d)
+        except (KeyError, TypeError) as e:
+            raise InvalidArgumentError(
+                f"Plan.from_json: malformed plan ({e})", "E_INVAL") from None
+
+    # -- printing ----------------------------------------------------------------
+    def totals(self) -> Dict[str, int]:
+        t = {"GPU": self.rest_bytes, "RAM": 0, "DISK": 0}
+        for b in self.blocks:
+            t[b.tier.name] += b.bytes
+        return t
+
+    def __str__(self) -> str:
+        lines = [f"laden plan for {self.path or '(manual)'} on {self.device}"]
+        w = max([len(b.name) for b in self.blocks] + [20])
+        lines.append(f"  {'#':>3}  {'block':<{w}} {'bytes':>9}  tier  why")
+        for i, b in enumerate(self.blocks):
+            lines.append(f"  {i:>3}  {b.name:<{w}} {fmt_bytes(b.bytes):>9}  "
+                         f"{b.tier.name:<4}  {b.why}")
+        lines.append(f"       {'(rest of the model)':<{w}} "
+                     f"{fmt_bytes(self.rest_bytes):>9}  GPU   always resident")
+        t = self.totals()
+        lines.append(f"  totals: GPU {fmt_bytes(t['GPU'])}, RAM "
+                     f"{fmt_bytes(t['RAM'])}, disk {fmt_bytes(t['DISK'])}")
+        if self.readings:
+            r = self.readings
+            lines.append(
+                "  free memory read (rounded down to "
+                f"{READING_STEP >> 20} MiB): VRAM "
+                f"{fmt_bytes(r.get('vram_free', 0))}, RAM "
+                f"{fmt_bytes(r.get('ram_free', 0))} of "
+                f"{fmt_bytes(r.get('ram_total', 0))}")
+        if self.budgets:
+            b = self.budgets
+            lines.append(
+                f"  budgets: VRAM for weights {fmt_bytes(b.get('vram_avail', 0))}"
+                f" (after {fmt_bytes(b.get('reserve', 0))} kept for "
+                f"{'measured activations' if b.get('measured') else 'headroom'}"
+                f"), RAM {fmt_bytes(b.get('ram_avail', 0))} (keeping "
+                f"{fmt_bytes(b.get('min_free_ram', 0))} free); slots "
+                f"{b.get('nslots', 0)} x {fmt_bytes(b.get('slot_bytes', 0))}")
+        if self.bandwidths:
+            bw = self.bandwidths
+            lines.append(
+                f"  measured: host-to-device {bw.get('h2d', 0) / 1e9:.2f} GB/s,"
+                f" disk {bw.get('disk', 0) / 1e9:.2f} GB/s")
+        if self.predicted_ms:
+            lines.append(f"  predicted transfer time per forward: "
+                         f"{self.predicted_ms:.1f} ms (compute runs alongside;"
+                         " the forward takes at least the larger of the two)")
+        for wmsg in self.warnings:
+            lines.append(f"  warning: {wmsg}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+# ---- measuring ------------------------------------------------------------------
+
+_h2d_cache: Dict[int, float] = {}
+_disk_cache: Dict[str, float] = {}
+
+
+def _h2d_rate(device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    if device.index not in _h2d_cache:
+        r = ctypes.c_double()
+        check(lib.laden_dev_measure_copy(device.index, _lib.COPY_H2D_PINNED,
+                                         64 << 20, 5, ctypes.byref(r)))
+        _h2d_cache[device.index] = r.value
+    return _h2d_cache[device.index]
+
+
+def _disk_rate(path: str) -> float:
+    key = os.path.realpath(path)
+    if key not in _disk_cache:
+        r = ctypes.c_double()
+        st = lib.laden_io_measure_file(path.encode(), 256 << 20,
+                                       ctypes.byref(r))
+        _disk_cache[key] = r.value if st == 0 else 0.0
+    return _disk_cache[key]
+
+
+def _readings(device) -> Dict[str, int]:
+    fr, tot = ctypes.c_uint64(), ctypes.c_uint64()
+    out = {}
+    if device.type == "cuda":
+        check(lib.laden_dev_mem_info(device.index, ctypes.byref(fr),
+                                     ctypes.byref(tot)))
+        out["vram_free"] = fr.value // READING_STEP * READING_STEP
+        out["vram_total"] = tot.value
+    check(lib.laden_dev_mem_info(_lib.DEVICE_CPU, ctypes.byref(fr),
+                                 ctypes.byref(tot)))
+    out["ram_free"] = fr.value // READING_STEP * READING_STEP
+    out["ram_total"] = tot.value
+    if device.type == "cpu":  # the "device" is host memory
+        out["vram_free"] = out["ram_free"]
+    return out
+
+
+def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
+            device, path: Optional[str] = None, max_vram=None,
+            headroom_vram="1.5GB", activation_vram=None, min_free_ram="auto",
+            ram_budget=None, resident_blocks: Optional[int] = None,
+            asked: Optional[Sequence[int]] = None, lookahead: int = 2,
+            readings: Optional[Dict[str, int]] = None,
+            bandwidths: Optional[Dict[str, float]] = None) -> Plan:
+    """The planner on explicit sizes: what ``plan`` and ``laden plan`` call.
+    ``readings`` and ``bandwidths`` default to this machine's."""
+    from .streaming import _device
+
+    dev = _device(device)
+    readings = readings if readings is not None else _readings(dev)
+    if bandwidths is None:
+        bandwidths = {"h2d": _h2d_rate(dev),
+                      "disk": _disk_rate(path) if path and os.path.isfile(
+                          path) else 0.0}
+    n = len(sizes)
+    if dev.type == "cpu":
+        # On the CPU the resident part, the RAM tier and the slots are all
+        # host memory: blocks go to RAM while the RAM left after the rest
+        # and the slots allows, the others to disk.
+        from .errors import BudgetError
+        slots = min(lookahead + 1, n) * max(sizes, default=0)
+        if ram_budget:
+            base = parse_size(ram_budget)
+        else:
+            mf = readings.get("ram_total", 0) * 8 // 100
+            mf = min(max(mf, 1 << 30), 4 << 30) if min_free_ram == "auto" \
+                else parse_size(min_free_ram)
+            base = max(0, readings.get("ram_free", 0) - mf)
+        left = base - rest_bytes - slots
+        if left <= 0:
+            raise BudgetError(
+                f"RAM {fmt_bytes(base)} cannot hold the rest of the model "
+                f"({fmt_bytes(rest_bytes)}) and {min(lookahead + 1, n)} "
+                f"slots ({fmt_bytes(slots)})", "E_BUDGET")
+        readings = dict(readings, vram_free=rest_bytes + slots)
+        ram_budget, resident_blocks = left, 0 if resident_blocks is None \
+            else resident_blocks
+        headroom_vram, activation_vram, max_vram = 0, None, None
+    inp = _lib.PlanInput()
+    arr = (ctypes.c_uint64 * max(n, 1))(*sizes)
+    inp.nblocks = n
+    inp.block_bytes = arr
+    if asked is not None:
+        asked_arr = (ctypes.c_int32 * max(n, 1))(*asked)
+        inp.asked = asked_arr
+    inp.rest_bytes = rest_bytes
+    inp.vram_free_bytes = readings.get("vram_free", 0)
+    inp.max_vram_bytes = parse_size(max_vram) if max_vram is not None else 0
+    measured = activation_vram is not None
+    inp.reserve_bytes = parse_size(activation_vram if measured
+                                   else headroom_vram or 0)
+    inp.ram_total_bytes = readings.get("ram_total", 0)
+    inp.ram_free_bytes = readings.get("ram_free", 0)
+    inp.ram_budget_bytes = parse_size(ram_budget) if ram_budget else 0
+    inp.min_free_ram_bytes = (2**64 - 1) if min_free_ram == "auto" else \
+        parse_size(min_free_ram)
+    inp.resident_blocks = -1 if resident_blocks is None else int(
+        resident_blocks)
+    inp.lookahead = lookahead
+    inp.disk_staging = 1 if dev.type == "cuda" else 0
+    inp.h2d_bytes_per_s = bandwidths.get("h2d", 0.0)
+    if dev.type == "cpu":
+        inp.h2d_bytes_per_s = 1e15  # no copy: RAM blocks run in place
+    inp.disk_bytes_per_s = bandwidths.get("disk", 0.0)
+    tiers = (ctypes.c_int32 * max(n, 1))()
+    why = (ctypes.c_int32 * max(n, 1))()
+    res = _lib.PlanResult()
+    check(lib.laden_plan_compute(ctypes.byref(inp), tiers, why,
+                                 ctypes.byref(res)))
+    blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
+                        lib.laden_plan_why_text(why[i]).decode())
+              for i in range(n)]
+    warnings = [msg for bit, msg in _WARNINGS.items() if res.warnings & bit
+                and not (dev.type == "cpu" and bit == 2)]
+    return Plan(
+        blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
+        lookahead=lookahead, path=path,
+        budgets=dict(vram_avail=res.vram_avail_bytes,
+                     reserve=inp.reserve_bytes, measured=int(measured),
+                     ram_avail=res.ram_avail_bytes,
+                     min_free_ram=res.min_free_ram_bytes,
+                     nslots=res.nslots, slot_bytes=res.slot_bytes,
+                     max_vram=inp.max_vram_bytes),
+        readings=dict(readings), bandwidths=dict(bandwidths),
+        predicted_ms=res.predicted_ms, warnings=warnings)
+
+
+def find_blocks(model) -> List[str]:
+    """The block containers of a model: every ModuleList or Sequential with
+    two or more children that is not inside another one found."""
+    import torch.nn as nn
+
+    lists = (nn.ModuleList, nn.Sequential)
+    found: List[str] = []
+    for name, mod in model.named_modules():
+        if not name or any(name.startswith(f + ".") for f in found):
+            continue
+        if isinstance(mod, lists) and len(mod) >= 2 and \
+                not all(isinstance(c, lists) for c in mod.children()):
+            found.append(name)  # a list of lists is not itself the blocks
+    return [f + "." for f in found]
+
+
+def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
+         activation_vram=None, min_free_ram="auto", resident_blocks=None,
+         compute_dtype=None, storage_dtype=None, key_map=None,
+         skip_prefixes=None, device=None, ram_budget=None,
+         offload_prefixes: Optional[Sequence[str]] = None,
+         lookahead: int = 2) -> Plan:
+    """Plans where each block of ``model`` (built on meta or not) lives for
+    the checkpoint at ``path``, on ``device`` (default: CUDA if present).
+    Blocks are the children of the model's top-level ModuleLists unless
+    ``offload_prefixes`` names them.  Sizes accept bytes or strings."""
+    from .checkpoint import Checkpoint
+    from .streaming import _device, _prepare, _resolve_dtype
+
+    if storage_dtype not in (None, "bf16", "bfloat16"):
+        raise InvalidArgumentError(
+            f"storage_dtype {storage_dtype!r}: None (as stored) and 'bf16' "
+            "are available; 'fp8' is not implemented yet", "E_INVAL")
+    dev = _device(device)
+    cdt = _resolve_dtype(storage_dtype or compute_dtype)
+    prefixes = list(offload_prefixes) if offload_prefixes is not None \
+        else find_blocks(model)
+    with Checkpoint(path) as ck:
+        state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
+                         prefixes, None, None, None, None, lookahead)
+        p = compute([b.name for b in state.blocks],
+                    [b.nbytes for b in state.blocks], state.rest_bytes,
+                    device=dev, path=ck.files[0], max_vram=max_vram,
+                    headroom_vram=headroom_vram,
+                    activation_vram=activation_vram,
+                    min_free_ram=min_free_ram, ram_budget=ram_budget,
+                    resident_blocks=resident_blocks, lookahead=lookahead)
+    p.path = os.fspath(path)
+    p.compute_dtype = str(compute_dtype) if compute_dtype else None
+    p.storage_dtype = storage_dtype
+    return p
+
+
+def measure_activation_vram(fn, plan: Optional[Plan] = None) -> int:
+    """Runs ``fn()`` once and returns the peak device memory it used beyond
+    the weights (laden's weights are not in PyTorch's allocator, so this is
+    PyTorch's peak above its level before the call).  0 on the CPU."""
+    import torch
+
+    dev = torch.device(plan.device) if plan is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else
+        torch.device("cpu"))
+    if dev.type != "cuda":
+        fn()
+        return 0
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return max(0, torch.cuda.max_memory_allocated(dev) - base)
+
+
+_remembered: Dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def stage(build_fn, path, *, key: Optional[str] = None, **plan_kwargs):
+    """Builds a model with ``build_fn()``, plans it, loads it, installs
+    offloading, yields ``(model, plan)``, and releases everything when the
+    block ends, also when it raises.  The peak activation memory of the
+    block is remembered under ``key`` (default: the checkpoint path) and
+    used as ``activation_vram`` the next time that key is planned in this
+    process."""
+    import torch
+
+    from .streaming import install_offload, release, stream_load
+
+    key = key or os.path.realpath(os.fspath(path))
+    if "activation_vram" not in plan_kwargs and key in _remembered:
+        plan_kwargs["activation_vram"] = _remembered[key]
+    model = build_fn()
+    p = plan(model, path, **plan_kwargs)
+    handle = None
+    stream_load(model, path, plan=p, key_map=plan_kwargs.get("key_map"),
+                skip_prefixes=plan_kwargs.get("skip_prefixes"))
+    try:
+        handle = install_offload(model, lookahead=p.lookahead)
+        dev = torch.device(p.device)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        yield model, p
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            _remembered[key] = max(
+                0, torch.cuda.max_memory_allocated(dev) - base)
+    finally:
+        release(model, handle)
+
+
+def remembered_activation_vram(key: str) -> Optional[int]:
+    """What ``stage`` measured for ``key`` in this process, if anything."""
+    return _remembered.get(key)
