@@ -68,7 +68,10 @@ def main() -> int:
     laden.stream_load(m, path, device=dev)
     resident_ms, ref = timed(m, x, 2, a.repeats)
     ref = ref.float().cpu()
-    act = laden.measure_activation_vram(lambda: m(x))
+    def forward():
+        with torch.no_grad():
+            m(x)
+    act = laden.measure_activation_vram(forward)
     laden.release(m)
     del m
     gc.collect()
@@ -124,11 +127,11 @@ def main() -> int:
                     ms, out = timed(m, x, 2, a.repeats)
                     res = [getattr(b, "tier", None) for b in getattr(
                         p, "blocks", [])]
+                    res = [getattr(t, "value", t) for t in res]
                     rows.append(dict(
                         cfg="trash-panda", gb=gb, ms=ms,
                         vram=torch.cuda.max_memory_allocated(),
-                        resident=sum(str(t).upper().endswith("GPU")
-                                     for t in res),
+                        resident=sum(str(t).lower() == "gpu" for t in res),
                         streamed=None, predicted=None,
                         diff=(out.float().cpu() - ref).abs().max().item()))
                     h.remove()  # this trash-panda has no release()
