@@ -353,3 +353,72 @@ static void restart_and_host(int32_t dev)
 }
 
 TEST(stream_restart_and_host_tensors) { on_every_device(restart_and_host); }
+
+TEST(stream_fp8_decode_all_codes)
+{
+    uint8_t codes[256];
+    float out[256];
+    for (int i = 0; i < 256; i++)
+        codes[i] = (uint8_t)i;
+    /* Sums of |value| over the finite codes, from torch's own decoding. */
+    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F8_E4M3, codes, LADEN_DTYPE_F32,
+                                  out, 256));
+    double sum = 0;
+    int nans = 0;
+    for (int i = 0; i < 256; i++) {
+        if (out[i] != out[i])
+            nans++;
+        else
+            sum += out[i] < 0 ? -out[i] : out[i];
+    }
+    CHECK(nans == 2 && sum == 10815.75);
+    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F8_E5M2, codes, LADEN_DTYPE_F32,
+                                  out, 256));
+    sum = 0;
+    for (int i = 0; i < 256; i++)
+        if (out[i] == out[i] && out[i] - out[i] == 0)
+            sum += out[i] < 0 ? -out[i] : out[i];
+    CHECK(sum > 720895.99 && sum < 720896.01); /* torch summed in float32 */
+}
+
+/* A float tensor stored as F8_E4M3: e4m3 codes rounded as torch rounds
+ * them, then one float32 scale per row (amax / 448). */
+TEST(stream_fp8_quantize_rows)
+{
+    const float row0[11] = {0.0f, 0.1f, 1.0f, 448.0f, -3.3f, 0.001f,
+                            0.0009765625f, 0.015f, 300.0f, -0.0625f, 17.0f};
+    const uint8_t want0[11] = {0x0, 0x1d, 0x38, 0x7e, 0xc5, 0x1,
+                               0x0, 0x8,  0x79, 0x98, 0x58};
+    float data[22];
+    for (int i = 0; i < 11; i++) {
+        data[i] = row0[i];
+        data[11 + i] = row0[i] * 0.5f; /* second row: scale 0.5 */
+    }
+    char hdr[256];
+    snprintf(hdr, sizeof hdr,
+             "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,11],"
+             "\"data_offsets\":[0,88]}}");
+    char *p = test_path("f.safetensors");
+    test_write_st(p, hdr, data, sizeof data);
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t b, i;
+    CHECK_OK(laden_stream_create(&cfg, st, &sc));
+    CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_stream_add_tensor(sc, b, st, 0, LADEN_DTYPE_F8_E4M3, &i));
+    CHECK_OK(laden_stream_load(sc));
+    void *hp;
+    CHECK_OK(laden_stream_host_ptr(sc, b, i, &hp));
+    const uint8_t *q = hp;
+    float scales[2];
+    memcpy(scales, q + 32, sizeof scales); /* 22 bytes, aligned to 16 */
+    CHECK(scales[0] == 1.0f && scales[1] == 0.5f);
+    for (int k = 0; k < 11; k++) {
+        CHECK(q[k] == want0[k]);
+        CHECK(q[11 + k] == want0[k]); /* same codes after its scale */
+    }
+    laden_stream_destroy(sc);
+    laden_st_close(st);
+}

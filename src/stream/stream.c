@@ -16,6 +16,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "laden/stream.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,7 @@ typedef struct tref {
     uint64_t dst_bytes;
     const char *name;   /* for messages; copied */
     const void *host;   /* bytes in host memory instead of a file */
+    uint64_t rows;      /* quantized to F8_E4M3: rows with one scale each */
 } tref;
 
 typedef struct blk {
@@ -142,9 +144,59 @@ static uint16_t f16_of_f32(float f)
     return (uint16_t)(sign | (uint16_t)(a >> 13));
 }
 
+/* float8 e4m3fn (bias 7, no infinities, 0x7f NaN, max 448) and e5m2
+ * (bias 15, IEEE-like), decoded exactly. */
+static float f32_of_e4m3(uint8_t v)
+{
+    float sign = v & 0x80 ? -1.0f : 1.0f;
+    unsigned e = (v >> 3) & 0xf, m = v & 7;
+    if (e == 15 && m == 7)
+        return NAN;
+    if (e == 0)
+        return sign * ldexpf((float)m, -9);
+    return sign * ldexpf(1.0f + (float)m / 8.0f, (int)e - 7);
+}
+
+static float f32_of_e5m2(uint8_t v)
+{
+    uint16_t h = (uint16_t)(v << 8); /* e5m2 is the top byte of a half */
+    return f32_of_f16(h);
+}
+
+/* Round to nearest even, saturating to +-448 (as a scaled quantization
+ * wants: values are within range by construction). */
+static uint8_t e4m3_of_f32(float x)
+{
+    uint8_t sign = signbit(x) ? 0x80 : 0;
+    float a = fabsf(x);
+    if (isnan(x))
+        return (uint8_t)(sign | 0x7f);
+    if (a >= 448.0f)
+        return (uint8_t)(sign | 0x7e);
+    if (a < 0.015625f) { /* below the smallest normal, 2^-6: step 2^-9 */
+        float q = nearbyintf(a * 512.0f);
+        return (uint8_t)(sign | (uint8_t)q); /* q == 8 is the min normal */
+    }
+    int e;
+    float fr = frexpf(a, &e); /* a = fr * 2^e, fr in [0.5, 1) */
+    float m = nearbyintf((fr * 2.0f - 1.0f) * 8.0f);
+    int exp = e - 1 + 7;
+    if (m >= 8.0f) {
+        m = 0;
+        exp++;
+    }
+    if (exp > 15 || (exp == 15 && m >= 7.0f))
+        return (uint8_t)(sign | 0x7e);
+    return (uint8_t)(sign | (uint8_t)(exp << 3) | (uint8_t)m);
+}
+
 static float load_f(laden_dtype d, const void *p, uint64_t i)
 {
     switch (d) {
+    case LADEN_DTYPE_F8_E4M3:
+        return f32_of_e4m3(((const uint8_t *)p)[i]);
+    case LADEN_DTYPE_F8_E5M2:
+        return f32_of_e5m2(((const uint8_t *)p)[i]);
     case LADEN_DTYPE_F32: {
         float f;
         memcpy(&f, (const char *)p + 4 * i, 4);
@@ -169,12 +221,41 @@ static bool convertible(laden_dtype d)
            d == LADEN_DTYPE_BF16;
 }
 
+/* Sources that decode exactly to float: the three floats and fp8. */
+static bool decodable(laden_dtype d)
+{
+    return convertible(d) || d == LADEN_DTYPE_F8_E4M3 ||
+           d == LADEN_DTYPE_F8_E5M2;
+}
+
+/* Quantizes rows x cols floats to e4m3 with one float32 scale per row
+ * (amax / 448), scales stored after the data at scale_off. */
+static void quantize_rows(laden_dtype from, const void *src, uint64_t rows,
+                          uint64_t cols, uint8_t *dst, float *scales)
+{
+    for (uint64_t r = 0; r < rows; r++) {
+        float amax = 0.0f;
+        for (uint64_t c = 0; c < cols; c++) {
+            float v = fabsf(load_f(from, src, r * cols + c));
+            if (v > amax && !isnan(v))
+                amax = v;
+        }
+        float scale = amax > 0.0f && isfinite(amax) ? amax / 448.0f : 1.0f;
+        float inv = 1.0f / scale;
+        for (uint64_t c = 0; c < cols; c++)
+            dst[r * cols + c] =
+                e4m3_of_f32(load_f(from, src, r * cols + c) * inv);
+        memcpy(&scales[r], &scale, sizeof scale);
+    }
+}
+
 laden_status laden_stream_convert(laden_dtype from, const void *src,
                                   laden_dtype to, void *dst, uint64_t n)
 {
-    if (!convertible(from) || !convertible(to))
+    if (!decodable(from) || !convertible(to))
         return laden__fail(LADEN_E_UNSUPPORTED,
-                           "cannot convert %s to %s (F32, F16 and BF16 only)",
+                           "cannot convert %s to %s (F32, F16, BF16 and fp8 "
+                           "to F32, F16, BF16)",
                            laden_dtype_name(from) ? laden_dtype_name(from)
                                                   : "?",
                            laden_dtype_name(to) ? laden_dtype_name(to) : "?");
@@ -309,8 +390,14 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
     uint64_t nelem = 1;
     for (uint32_t d = 0; d < t.ndim; d++)
         nelem *= t.shape[d]; /* validated by st: cannot overflow */
-    if (dtype != t.dtype) {
-        if (!convertible(t.dtype) || !convertible(dtype))
+    bool quantize = dtype == LADEN_DTYPE_F8_E4M3 && convertible(t.dtype);
+    if (quantize && t.ndim < 1)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': fp8 storage needs at least one "
+                           "dimension (one scale per row)",
+                           t.name);
+    if (dtype != t.dtype && !quantize) {
+        if (!decodable(t.dtype) || !convertible(dtype))
             return laden__fail(LADEN_E_UNSUPPORTED,
                                "tensor '%.200s': cannot store %s as %s (F32, "
                                "F16 and BF16 convert)",
@@ -338,6 +425,11 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
     r->nelem = nelem;
     r->dst_bytes = dtype == t.dtype ? t.size_bytes
                                     : nelem * (laden_dtype_bits(dtype) / 8);
+    if (quantize) {
+        /* e4m3 data, then one float32 scale per row, 16-byte aligned. */
+        r->rows = t.shape[0];
+        r->dst_bytes = ((nelem + 15) & ~(uint64_t)15) + 4 * r->rows;
+    }
     r->name = strdup(t.name);
     if (!r->name)
         return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
@@ -444,10 +536,21 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
         else if (!w)
             sc->st.load_read_bytes += b->t[i].src_bytes;
     }
-    for (uint32_t i = 0; i < b->nt && !s; i++)
-        if (tmp[i] && !b->t[i].host)
-            s = laden_stream_convert(b->t[i].src, tmp[i], b->t[i].dst,
-                                     dst + b->t[i].dst_off, b->t[i].nelem);
+    for (uint32_t i = 0; i < b->nt && !s; i++) {
+        tref *r = &b->t[i];
+        if (!tmp[i] || r->host)
+            continue;
+        if (r->rows) {
+            uint64_t cols = r->rows ? r->nelem / r->rows : 0;
+            quantize_rows(r->src, tmp[i], r->rows, cols,
+                          (uint8_t *)dst + r->dst_off,
+                          (float *)(void *)(dst + r->dst_off +
+                                            ((r->nelem + 15) & ~(uint64_t)15)));
+        } else {
+            s = laden_stream_convert(r->src, tmp[i], r->dst, dst + r->dst_off,
+                                     r->nelem);
+        }
+    }
     for (uint32_t i = 0; i < b->nt; i++)
         free(tmp[i]);
     free(tmp);
