@@ -342,20 +342,23 @@ def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
     ``offload_prefixes`` names them.  Sizes accept bytes or strings."""
-    from .checkpoint import Checkpoint
-    from .streaming import _device, _prepare, _resolve_dtype
+    import torch
 
-    if storage_dtype not in (None, "bf16", "bfloat16"):
-        raise InvalidArgumentError(
-            f"storage_dtype {storage_dtype!r}: None (as stored) and 'bf16' "
-            "are available; 'fp8' is not implemented yet", "E_INVAL")
+    from .checkpoint import Checkpoint
+    from .streaming import (_device, _prepare, _resolve_dtype,
+                            _resolve_storage)
+
+    storage = _resolve_storage(storage_dtype)
     dev = _device(device)
-    cdt = _resolve_dtype(storage_dtype or compute_dtype)
+    cdt = _resolve_dtype(compute_dtype)
+    if storage == "bf16" and cdt is None:
+        cdt = torch.bfloat16
     prefixes = list(offload_prefixes) if offload_prefixes is not None \
         else find_blocks(model)
     with Checkpoint(path) as ck:
         state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
-                         prefixes, None, None, None, None, lookahead)
+                         prefixes, None, None, None, None, lookahead, None,
+                         storage)
         p = compute([b.name for b in state.blocks],
                     [b.nbytes for b in state.blocks], state.rest_bytes,
                     device=dev, path=ck.files[0], max_vram=max_vram,
@@ -364,8 +367,9 @@ def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
                     min_free_ram=min_free_ram, ram_budget=ram_budget,
                     resident_blocks=resident_blocks, lookahead=lookahead)
     p.path = os.fspath(path)
-    p.compute_dtype = str(compute_dtype) if compute_dtype else None
-    p.storage_dtype = storage_dtype
+    p.compute_dtype = str(compute_dtype).replace("torch.", "") \
+        if compute_dtype else None
+    p.storage_dtype = storage
     return p
 
 

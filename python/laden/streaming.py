@@ -114,6 +114,15 @@ class _Tensor:
     c_block: int = 0
     c_index: int = 0
     param: Optional[object] = None     # the Parameter laden made
+    # Compact storage expanded on the device when the block runs:
+    # "q8": quantized by laden to e4m3 with a float32 scale per row;
+    # "ck8": fp8 as in the checkpoint, with its scale tensor (scale_name)
+    # of kind "tensor", "row" or "block" (128 x 128 tiles), or none.
+    store: str = "plain"
+    store_dtype: Optional[str] = None  # checkpoint dtype name stored
+    scale_name: Optional[str] = None
+    scale_kind: Optional[str] = None
+    scale_index: int = -1
 
 
 @dataclass
@@ -208,6 +217,12 @@ class _Stream:
         check(lib.laden_stream_stats(self.sched, ctypes.byref(st)))
         return st
 
+    def _bind_compact_home(self, t: _Tensor) -> None:
+        q, _ = _compact_views(self, t, "home")
+        if q is None:  # disk tier: the checkpoint's own bytes, mapped
+            q = self.ckpt.tensor(t.ckpt_name)
+        self._set(t, q)
+
     # -- binding parameters to laden memory --------------------------------
     def _set(self, t: _Tensor, value) -> None:
         import torch
@@ -229,6 +244,9 @@ class _Stream:
         'home' (its RAM copy or, on the disk tier, the checkpoint's
         mapping)."""
         nbytes = _nbytes(t)
+        if t.store != "plain":
+            self._bind_compact_home(t)
+            return
         if where == "run":
             ptr = ctypes.c_uint64()
             check(lib.laden_stream_tensor_ptr(self.sched, t.c_block,
@@ -249,13 +267,87 @@ class _Stream:
         self._set(t, value)
 
 
-def _nbytes(t: _Tensor) -> int:
-    import torch
-
+def _numel(t: _Tensor) -> int:
     n = 1
     for d in t.shape:
         n *= d
-    return n * torch.empty((), dtype=t.dtype).element_size()
+    return n
+
+
+def _fp8_dtype(name: Optional[str]):
+    import torch
+
+    return torch.float8_e5m2 if name == "F8_E5M2" else torch.float8_e4m3fn
+
+
+def _compact_views(state, t: _Tensor, where: str):
+    """Views of a compact tensor's bytes: the fp8 data and its scale (or
+    None), where the block runs ('run') or in its RAM home ('home')."""
+    import torch
+
+    fetch = lib.laden_stream_tensor_ptr if where == "run" else \
+        lib.laden_stream_host_ptr
+    dev = state.device if where == "run" else torch.device("cpu")
+
+    def ptr(index):
+        out = ctypes.c_uint64() if where == "run" else ctypes.c_void_p()
+        check(fetch(state.sched, t.c_block, index, ctypes.byref(out)))
+        return out.value or 0
+
+    base = ptr(t.c_index)
+    if not base:
+        return None, None
+    n = _numel(t)
+    q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
+                                  "F8_E4M3"), t.shape, dev, state)
+    if t.store == "q8":
+        scale = _view(base + (n + 15) // 16 * 16, 4 * t.shape[0],
+                      torch.float32, (t.shape[0],), dev, state)
+    elif t.scale_name:
+        info = state.ckpt.info(t.scale_name)
+        scale = _view(ptr(t.scale_index), info.nbytes, info.torch_dtype,
+                      info.shape, dev, state)
+    else:
+        scale = None
+    return q, scale
+
+
+def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
+    """out = q x scale in out's dtype, rounded once (the product is formed
+    in float32): the dequantized form laden runs with."""
+    out.copy_(q)
+    if scale is None:
+        return
+    if kind == "row" or kind is None:
+        out.mul_(scale.reshape(-1, 1))
+    elif kind == "tensor":
+        out.mul_(scale.reshape(()))
+    else:
+        r, c = out.shape
+        full = scale.repeat_interleave(128, 0)[:r].repeat_interleave(
+            128, 1)[:, :c]
+        out.mul_(full)
+
+
+def _nbytes(t: _Tensor) -> int:
+    """Bytes as expanded for compute."""
+    import torch
+
+    return _numel(t) * torch.empty((), dtype=t.dtype).element_size()
+
+
+def _stored_bytes(t: _Tensor, ck=None) -> int:
+    """Bytes as laden keeps them (compact for fp8)."""
+    if t.store == "q8":
+        return (_numel(t) + 15) // 16 * 16 + 4 * t.shape[0]
+    if t.store == "ck8":
+        extra = ck.info(t.scale_name).nbytes if (ck and t.scale_name) else 0
+        return _numel(t) + extra
+    return _nbytes(t)
+
+
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+FP8_MIN_ELEMENTS = 1 << 16  # smaller tensors (norms, biases) stay as they are
 
 
 # ---- finding blocks ----------------------------------------------------------
@@ -341,6 +433,43 @@ def _collect(model) -> List[_Tensor]:
     return out
 
 
+def _resolve_storage(x) -> Optional[str]:
+    if x is None:
+        return None
+    v = str(x).lower()
+    if v in ("bf16", "bfloat16", "torch.bfloat16"):
+        return "bf16"
+    if v in ("fp8", "f8", "float8", "float8_e4m3", "float8_e4m3fn"):
+        return "fp8"
+    raise InvalidArgumentError(
+        f"storage_dtype {x!r}: use None (as stored), 'bf16' or 'fp8'",
+        "E_INVAL")
+
+
+def _scale_kind(t: _Tensor, ck) -> Optional[str]:
+    """How an fp8 checkpoint tensor's scale applies: 'tensor', 'row',
+    'block' (128 x 128 tiles) or None (no scale tensor)."""
+    if not t.scale_name:
+        return None
+    shape = ck.info(t.scale_name).shape
+    n = 1
+    for d in shape:
+        n *= d
+    rows = t.shape[0] if t.shape else 1
+    cols = _numel(t) // rows if rows else 0
+    if n == 1:
+        return "tensor"
+    if len(t.shape) == 2 and n == rows and shape[0] == rows:
+        return "row"
+    if len(t.shape) == 2 and len(shape) == 2 and \
+            shape[0] == -(-rows // 128) and shape[1] == -(-cols // 128):
+        return "block"
+    raise MismatchError(
+        f"tensor '{t.names[0]}': its scale '{t.scale_name}' has shape "
+        f"{list(shape)}, which is neither one value, one per row, nor one "
+        f"per 128 x 128 tile of {list(t.shape)}", mismatched=[t.names[0]])
+
+
 def _resolve_dtype(x):
     import torch
 
@@ -369,7 +498,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                                Callable[[str], Optional[str]]] = None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
-                lookahead: int = 2) -> LoadReport:
+                lookahead: int = 2, storage_dtype=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -387,6 +516,14 @@ def stream_load(model, path: PathLike, *, plan=None,
     - ``key_map``: checkpoint name -> model name (a dict, or a function that
       returns None to drop a name); ``skip_prefixes``: checkpoint names to
       ignore.
+    - ``storage_dtype``: None keeps weights as stored (converted to the
+      model's or ``compute_dtype``); ``"bf16"`` casts floating weights to
+      bf16; ``"fp8"`` quantizes the large 2-D weights of the blocks to
+      float8_e4m3 with a scale per row (norms, biases and small tensors
+      unchanged) and expands them on the device when their block runs.
+      Checkpoints already in fp8 (with ``*_scale`` / ``*_scale_inv``
+      tensors per tensor, per row or per 128 x 128 tile, or without) are
+      kept compact and expanded the same way, whatever storage_dtype.
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
     - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
@@ -410,7 +547,9 @@ def stream_load(model, path: PathLike, *, plan=None,
         plan_tiers = {b.name: int(b.tier) for b in plan.blocks}
         device = device if device is not None else plan.device
         if compute_dtype is None:
-            compute_dtype = plan.storage_dtype or plan.compute_dtype
+            compute_dtype = plan.compute_dtype
+        if storage_dtype is None:
+            storage_dtype = plan.storage_dtype
         lookahead = plan.lookahead
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
@@ -418,7 +557,10 @@ def stream_load(model, path: PathLike, *, plan=None,
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.init()
+    storage = _resolve_storage(storage_dtype)
     cdt = _resolve_dtype(compute_dtype)
+    if storage == "bf16" and cdt is None:
+        cdt = torch.bfloat16
     vram = parse_size(vram_budget) if vram_budget is not None else None
     ram = parse_size(ram_budget) if ram_budget is not None else None
     t0 = time.perf_counter()
@@ -426,7 +568,8 @@ def stream_load(model, path: PathLike, *, plan=None,
     try:
         state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
                          offload_prefixes or (), resident_prefixes,
-                         disk_prefixes, vram, ram, lookahead, plan_tiers)
+                         disk_prefixes, vram, ram, lookahead, plan_tiers,
+                         storage)
         _load(model, state, ck)
     except BaseException:
         ck.close()
@@ -440,7 +583,7 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
              offload_prefixes, resident_prefixes, disk_prefixes, vram,
-             ram, lookahead=2, plan_tiers=None) -> _Stream:
+             ram, lookahead=2, plan_tiers=None, storage=None) -> _Stream:
     import torch
 
     found = _find_blocks(model, list(offload_prefixes))  # arguments first
@@ -465,6 +608,19 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
             unexpected.append(cname)
         elif t.ckpt_name is None:
             t.ckpt_name = cname
+    # Scale tensors of fp8 checkpoint tensors are companions, not strays.
+    fp8_names = {"F8_E4M3", "F8_E5M2"}
+    by_ckpt = {t.ckpt_name: t for t in tensors if t.ckpt_name}
+    still = []
+    for cname in unexpected:
+        base = next((cname[:-len(sfx)] for sfx in _SCALE_SUFFIXES
+                     if cname.endswith(sfx)), None)
+        t = by_ckpt.get(base) if base else None
+        if t is not None and ck.info(base).dtype in fp8_names:
+            t.scale_name = cname
+        else:
+            still.append(cname)
+    unexpected = still
     missing = []
     kept = []
     for t in tensors:
@@ -503,7 +659,10 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
                 info.torch_dtype is not None and \
                 info.torch_dtype.is_floating_point:
             want = cdt
-        if info.torch_dtype != want:
+        if info.dtype in fp8_names and want.is_floating_point and \
+                want.itemsize > 1:
+            t.store, t.store_dtype = "ck8", info.dtype
+        elif info.torch_dtype != want:
             ok = {info.dtype, checkpoint_dtype(want)} <= {"F32", "F16",
                                                           "BF16"}
             if not ok:
@@ -534,7 +693,21 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
                        if n.startswith(b.name)), -1)
             homes.add(bi)
         t.block = homes.pop() if len(homes) == 1 else -1
-        nb = _nbytes(t)
+        if t.store == "ck8":
+            t.scale_kind = _scale_kind(t, ck)
+            if t.block < 0:  # no hook runs outside blocks: decode on load
+                if t.scale_name:
+                    raise MismatchError(
+                        f"tensor '{t.names[0]}': fp8 with a scale tensor "
+                        "outside the streamed blocks is not supported; "
+                        "offload the module that holds it",
+                        mismatched=[t.names[0]])
+                t.store = "plain"
+        elif storage == "fp8" and t.block >= 0 and t.is_param and \
+                t.dtype.is_floating_point and len(t.shape) == 2 and \
+                _numel(t) >= FP8_MIN_ELEMENTS:
+            t.store = "q8"
+        nb = _stored_bytes(t, ck)
         if t.block >= 0:
             state.blocks[t.block].tensors.append(t)
             state.blocks[t.block].nbytes += nb
@@ -545,7 +718,10 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
     for b in state.blocks:
         if b.tier == _lib.TIER_DISK:
             for t in b.tensors:
-                if ck.info(t.ckpt_name).torch_dtype != t.dtype:
+                if t.store == "ck8":
+                    continue  # read as stored, expanded on the device
+                if t.store == "q8" or \
+                        ck.info(t.ckpt_name).torch_dtype != t.dtype:
                     raise MismatchError(
                         f"tensor '{t.names[0]}' would be converted to "
                         f"{t.dtype}, but its block {b.name} is on the disk "
@@ -610,10 +786,22 @@ def _load(model, state: _Stream, ck: Checkpoint) -> None:
                 state.blocks[i].c_block = cb.value
             for t in ts:
                 idx = ck._index[t.ckpt_name]
+                code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
+                if t.store == "q8":
+                    code = _DTYPE_CODE["F8_E4M3"]
+                elif t.store == "ck8":
+                    code = _DTYPE_CODE[t.store_dtype]
                 check(lib.laden_stream_add_tensor(
-                    state.sched, cb.value, ck._h, idx,
-                    _DTYPE_CODE[checkpoint_dtype(t.dtype)], ctypes.byref(ci)))
+                    state.sched, cb.value, ck._h, idx, code,
+                    ctypes.byref(ci)))
                 t.c_block, t.c_index = cb.value, ci.value
+                if t.store == "ck8" and t.scale_name:
+                    sinfo = ck.info(t.scale_name)
+                    check(lib.laden_stream_add_tensor(
+                        state.sched, cb.value, ck._h,
+                        ck._index[t.scale_name], _DTYPE_CODE[sinfo.dtype],
+                        ctypes.byref(ci)))
+                    t.scale_index = ci.value
         check(lib.laden_stream_load(state.sched))
     except BaseException:
         state.destroy()
@@ -649,6 +837,7 @@ class OffloadHandle:
         self.lookahead = lookahead
         self._wrapped: List[Tuple[object, object, bool]] = []
         self.active = False
+        self.workspace = 0  # device memory for expanded fp8 tensors
 
     def stats(self) -> Dict[str, int]:
         """Counters of the schedule: enters, misses, bytes copied and
@@ -671,14 +860,22 @@ class OffloadHandle:
         st = self.state
         check(lib.laden_stream_stop(st.sched))
         for b in st.blocks:
-            if lib.laden_stream_is_streamed(st.sched, b.c_block):
-                for t in b.tensors:
+            streamed = lib.laden_stream_is_streamed(st.sched, b.c_block)
+            for t in b.tensors:
+                if streamed or t.store != "plain":
                     st.bind(t, "home")
+        if self.workspace:
+            if st.device.type == "cuda":
+                import torch
+                torch.cuda.synchronize(st.device)
+            lib.laden_dev_mem_free(_dev_index(st.device), self.workspace)
+            self.workspace = 0
         self.active = False
         st.handle = None
 
 
-def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle):
+def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle,
+                  expansions=()):
     enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
     had = "forward" in mod.__dict__
     orig = mod.forward
@@ -688,6 +885,8 @@ def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle):
         if s:
             raise error_for(s)
         try:
+            for out, q, sc, kind in expansions:
+                expand_fp8(out, q, sc, kind)
             out = orig(*args, **kwargs)
         except BaseException:
             leave(sched, c_block, _compute_stream(device))
@@ -729,13 +928,36 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
     check(lib.laden_stream_start(state.sched, lookahead))
     handle = OffloadHandle(state, lookahead)
     try:
+        # One workspace, the size of the largest block's expanded compact
+        # tensors: blocks run one after another on one stream.
+        ws = 0
         for b in state.blocks:
-            if not lib.laden_stream_is_streamed(state.sched, b.c_block):
-                continue
+            need = sum((_nbytes(t) + 255) // 256 * 256 for t in b.tensors
+                       if t.store != "plain")
+            ws = max(ws, need)
+        if ws:
+            p = ctypes.c_uint64()
+            check(lib.laden_dev_mem_alloc(_dev_index(state.device), ws,
+                                          ctypes.byref(p)))
+            handle.workspace = p.value
+        for b in state.blocks:
+            streamed = lib.laden_stream_is_streamed(state.sched, b.c_block)
+            expansions = []
+            off = 0
             for t in b.tensors:
-                state.bind(t, "run")
-            _wrap_forward(b.module, state.sched, b.c_block, state.device,
-                          handle)
+                if t.store == "plain":
+                    if streamed:
+                        state.bind(t, "run")
+                    continue
+                q, sc = _compact_views(state, t, "run")
+                out = _view(handle.workspace + off, _nbytes(t), t.dtype,
+                            t.shape, state.device, (state, handle))
+                off += (_nbytes(t) + 255) // 256 * 256
+                state._set(t, out)
+                expansions.append((out, q, sc, t.scale_kind))
+            if streamed or expansions:
+                _wrap_forward(b.module, state.sched, b.c_block, state.device,
+                              handle, expansions)
     except BaseException:
         handle.active = True
         handle.remove()

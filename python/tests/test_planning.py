@@ -171,7 +171,7 @@ def test_storage_dtype_bf16_within_bounds(tmp_path):
     assert err > 0
     laden.release(m, h)
     with pytest.raises(laden.InvalidArgumentError, match="fp8"):
-        laden.plan(on_meta(), path, device="cpu", storage_dtype="fp8")
+        laden.plan(on_meta(), path, device="cpu", storage_dtype="int4")
 
 
 def test_cli_plan(tmp_path):
