@@ -117,7 +117,8 @@ class _Tensor:
     # Compact storage expanded on the device when the block runs:
     # "q8": quantized by laden to e4m3 with a float32 scale per row;
     # "ck8": fp8 as in the checkpoint, with its scale tensor (scale_name)
-    # of kind "tensor", "row" or "block" (128 x 128 tiles), or none.
+    # of kind "tensor", "row" or "block" (128 x 128 tiles), or none;
+    # "c16": stored in bf16, run in another compute dtype.
     store: str = "plain"
     store_dtype: Optional[str] = None  # checkpoint dtype name stored
     scale_name: Optional[str] = None
@@ -298,6 +299,8 @@ def _compact_views(state, t: _Tensor, where: str):
     if not base:
         return None, None
     n = _numel(t)
+    if t.store == "c16":
+        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, state), None
     q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
                                   "F8_E4M3"), t.shape, dev, state)
     if t.store == "q8":
@@ -343,6 +346,8 @@ def _stored_bytes(t: _Tensor, ck=None) -> int:
     if t.store == "ck8":
         extra = ck.info(t.scale_name).nbytes if (ck and t.scale_name) else 0
         return _numel(t) + extra
+    if t.store == "c16":
+        return 2 * _numel(t)
     return _nbytes(t)
 
 
@@ -560,7 +565,7 @@ def stream_load(model, path: PathLike, *, plan=None,
     storage = _resolve_storage(storage_dtype)
     cdt = _resolve_dtype(compute_dtype)
     if storage == "bf16" and cdt is None:
-        cdt = torch.bfloat16
+        cdt = torch.bfloat16  # cast down and run in bf16
     vram = parse_size(vram_budget) if vram_budget is not None else None
     ram = parse_size(ram_budget) if ram_budget is not None else None
     t0 = time.perf_counter()
@@ -707,6 +712,9 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
                 t.dtype.is_floating_point and len(t.shape) == 2 and \
                 _numel(t) >= FP8_MIN_ELEMENTS:
             t.store = "q8"
+        elif storage == "bf16" and t.block >= 0 and \
+                t.dtype.is_floating_point and t.dtype != torch.bfloat16:
+            t.store = "c16"  # compact in bf16, expanded when it runs
         nb = _stored_bytes(t, ck)
         if t.block >= 0:
             state.blocks[t.block].tensors.append(t)
@@ -720,11 +728,12 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
             for t in b.tensors:
                 if t.store == "ck8":
                     continue  # read as stored, expanded on the device
-                if t.store == "q8" or \
+                if t.store in ("q8", "c16") or \
                         ck.info(t.ckpt_name).torch_dtype != t.dtype:
+                    as_ = {"q8": "fp8", "c16": "bf16"}.get(t.store, t.dtype)
                     raise MismatchError(
                         f"tensor '{t.names[0]}' would be converted to "
-                        f"{t.dtype}, but its block {b.name} is on the disk "
+                        f"{as_}, but its block {b.name} is on the disk "
                         "tier, which is read as stored; give it RAM "
                         "(ram_budget) or keep the checkpoint's dtype",
                         mismatched=[t.names[0]])
@@ -789,6 +798,8 @@ def _load(model, state: _Stream, ck: Checkpoint) -> None:
                 code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
                 if t.store == "q8":
                     code = _DTYPE_CODE["F8_E4M3"]
+                elif t.store == "c16":
+                    code = _DTYPE_CODE["BF16"]
                 elif t.store == "ck8":
                     code = _DTYPE_CODE[t.store_dtype]
                 check(lib.laden_stream_add_tensor(

@@ -190,3 +190,33 @@ def test_cli_plan(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cannot hold" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_storage_bf16_expanded_to_compute_fp32(tmp_path):
+    """Stored in bf16 (half the bytes), run in float32: exactly the model
+    whose block weights were rounded to bf16."""
+    ref, path = save(tmp_path)
+    import copy
+    r = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, t in list(r.state_dict().items()):
+            if name.startswith(("blocks.", "stages.")) and \
+                    t.dtype.is_floating_point:
+                t.copy_(t.to(torch.bfloat16).float())
+        want = r(ids())
+    m = on_meta()
+    rep = laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                            storage_dtype="bf16", compute_dtype="fp32")
+    assert rep.tier_bytes["ram"] + rep.tier_bytes["disk"] < 0.55 * sum(
+        v.numel() * 4 for k, v in ref.state_dict().items()
+        if k.startswith(("blocks.", "stages.")))
+    h = laden.install_offload(m)
+    assert m.blocks[0].up.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(m(ids()), want)
+    laden.release(m, h)
+    # converting cannot happen on the disk tier: a clear error
+    with pytest.raises(laden.MismatchError, match="disk tier"):
+        laden.stream_load(on_meta(), path, offload_prefixes=PREFIXES,
+                          device="cpu", storage_dtype="bf16",
+                          compute_dtype="fp32", ram_budget=0)
