@@ -742,37 +742,44 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
 
 def _assign_tiers(state: _Stream, vram: Optional[int], ram: Optional[int],
                   nslots: int = 3) -> None:
-    from .errors import BudgetError
-
-    streamed = [b for b in state.blocks if b.tier != _lib.TIER_GPU]
-    if vram is not None and state.device.type == "cuda":
-        used = state.rest_bytes + sum(b.nbytes for b in state.blocks
-                                      if b.tier == _lib.TIER_GPU)
-        for b in list(streamed):
-            rest = [x for x in streamed if x is not b]
-            slots = nslots * max((x.nbytes for x in rest), default=0)
-            if used + b.nbytes + slots <= vram:
-                b.tier = _lib.TIER_GPU
-                used += b.nbytes
-                streamed.remove(b)
-        slots = min(nslots, len(streamed)) * max(
-            (x.nbytes for x in streamed), default=0)
-        if used + slots > vram:
-            raise BudgetError(
-                f"vram_budget {fmt_bytes(vram)} is too small: the resident "
-                f"part needs {fmt_bytes(used)} and {nslots} slots for the "
-                f"streamed blocks {fmt_bytes(slots)}; give at least "
-                f"{fmt_bytes(used + slots)} or stream more of the model",
-                "E_BUDGET")
-    if ram is not None:
-        used = 0
-        for b in streamed:
-            if b.tier == _lib.TIER_DISK:
-                continue
-            if used + b.nbytes <= ram:
-                used += b.nbytes
-            else:
-                b.tier = _lib.TIER_DISK
+    """Tiers for the prefix-and-budget form of stream_load, decided by the
+    C planner: blocks named by resident/disk prefixes keep their tier;
+    with a VRAM budget the others are kept resident while the rest, the
+    resident blocks and the slots fit it; streamed blocks go to RAM while
+    ``ram`` (bytes of RAM tier, staging not counted) allows, else disk."""
+    n = len(state.blocks)
+    if n == 0:
+        return
+    big = 1 << 62
+    use_vram = vram is not None and state.device.type == "cuda"
+    inp = _lib.PlanInput()
+    sizes = (ctypes.c_uint64 * n)(*[b.nbytes for b in state.blocks])
+    asked = (ctypes.c_int32 * n)(*[
+        b.tier if b.tier in (_lib.TIER_GPU, _lib.TIER_DISK) else -1
+        for b in state.blocks])
+    inp.nblocks = n
+    inp.block_bytes = sizes
+    inp.asked = asked
+    inp.rest_bytes = state.rest_bytes
+    inp.vram_free_bytes = vram if use_vram else big
+    inp.ram_total_bytes = big
+    inp.ram_free_bytes = big
+    inp.ram_budget_bytes = big if ram is None else max(1, ram)
+    inp.min_free_ram_bytes = 0
+    inp.resident_blocks = -1 if use_vram else 0
+    inp.lookahead = max(1, nslots - 1)
+    inp.disk_staging = 0
+    tiers = (ctypes.c_int32 * n)()
+    why = (ctypes.c_int32 * n)()
+    res = _lib.PlanResult()
+    st = lib.laden_plan_compute(ctypes.byref(inp), tiers, why,
+                                ctypes.byref(res))
+    if st:
+        err = error_for(st)
+        raise type(err)(f"vram_budget {fmt_bytes(vram or 0)}: {err}",
+                        err.status, err.code)
+    for b, t in zip(state.blocks, tiers):
+        b.tier = int(t)
 
 
 def _load(model, state: _Stream, ck: Checkpoint) -> None:

@@ -267,3 +267,36 @@ def test_release_returns_memory_over_50_cycles(tmp_path):
         cycle()
     grown = rss() - before
     assert grown < 8 << 20, f"RSS grew by {grown / 1e6:.1f} MB"
+
+
+def test_prefix_budgets_are_decided_by_the_c_planner():
+    """The prefix form's tiers come from laden_plan_compute (no GPU needed
+    to check the decision: only the device type is read)."""
+    from laden import _lib
+    from laden.errors import BudgetError
+    from laden.streaming import BlockInfo, _assign_tiers, _Stream
+
+    def state(sizes, device="cuda"):
+        st = _Stream(torch.device(device, 0) if device == "cuda"
+                     else torch.device("cpu"), None)
+        st.rest_bytes = 100
+        st.blocks = [BlockInfo(f"b.{i}.", None, _lib.TIER_RAM, n)
+                     for i, n in enumerate(sizes)]
+        return st
+
+    s = state([10] * 8)
+    _assign_tiers(s, vram=100 + 30 + 40, ram=None, nslots=3)
+    tiers = [b.tier for b in s.blocks]
+    # 4 resident (40 bytes) + 3 slots of 10; the 4 streamed are spread
+    assert tiers.count(_lib.TIER_GPU) == 4
+    assert tiers != sorted(tiers)
+    s = state([10] * 8)
+    _assign_tiers(s, vram=None, ram=35, nslots=3)
+    assert [b.tier for b in s.blocks].count(_lib.TIER_RAM) == 3
+    assert [b.tier for b in s.blocks].count(_lib.TIER_DISK) == 5
+    s = state([10] * 8)
+    s.blocks[2].tier = _lib.TIER_DISK  # asked by disk_prefixes
+    _assign_tiers(s, vram=None, ram=0, nslots=3)
+    assert all(b.tier == _lib.TIER_DISK for b in s.blocks)
+    with pytest.raises(BudgetError, match="vram_budget"):
+        _assign_tiers(state([10] * 8), vram=110, ram=None, nslots=3)
