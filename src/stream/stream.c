@@ -725,16 +725,27 @@ fail:
     return s;
 }
 
+/* Checks a (block, tensor) argument of a loaded schedule. */
+static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
+                               bool have_out, const char *call)
+{
+    if (!sc || !have_out || block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL, "%s: bad block or tensor", call);
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    return LADEN_OK;
+}
+
 laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out)
 {
     if (out)
         *out = 0;
-    if (!sc || !out || block >= sc->nb || i >= sc->b[block].nt)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_stream_tensor_ptr: bad block or tensor");
-    if (!sc->loaded)
-        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    laden_status s = tensor_arg(sc, block, i, out != NULL,
+                                "laden_stream_tensor_ptr");
+    if (s)
+        return s;
     blk *b = &sc->b[block];
     if (streamed(sc, b) && !sc->started)
         return laden__fail(LADEN_E_STATE,
@@ -753,11 +764,10 @@ laden_status laden_stream_host_ptr(laden_sched_t *sc, uint32_t block,
 {
     if (out)
         *out = NULL;
-    if (!sc || !out || block >= sc->nb || i >= sc->b[block].nt)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_stream_host_ptr: bad block or tensor");
-    if (!sc->loaded)
-        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    laden_status s = tensor_arg(sc, block, i, out != NULL,
+                                "laden_stream_host_ptr");
+    if (s)
+        return s;
     blk *b = &sc->b[block];
     if (b->ram)
         *out = (char *)b->ram + b->t[i].dst_off;
