@@ -1,0 +1,118 @@
+/* cache: the decisions of a cache of models kept ready between uses.
+ *
+ * Models are registered by key with their size.  For each the cache tracks
+ * the bytes it holds on the device and in pinned host memory, whether it is
+ * in use, how often and how recently it was used.  When a model is
+ * activated and needs device bytes, the cache decides which idle models
+ * give them up: least recently used first, and only as much of the last
+ * one as is needed (a partly resident model keeps the rest).  Pinned host
+ * copies are decided the same way against their own budget.  A model in use
+ * is never asked to give anything up.
+ *
+ * The cache only decides and accounts: the caller moves the bytes (frees a
+ * model's device copy, unpins a host copy) and reports what each model now
+ * holds with laden_cache_set_vram / laden_cache_set_pinned.  Budgets are
+ * never exceeded by what the cache grants.  Not thread-safe: one cache is
+ * used from one thread at a time (the caller's lock). */
+#ifndef LADEN_CACHE_H
+#define LADEN_CACHE_H
+
+#include "../laden.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct laden_cache laden_cache_t;
+
+/* One decision: model `model` should keep `keep_bytes` and give up
+ * `drop_bytes` (of device memory, or of pinned memory for the pin calls). */
+typedef struct laden_cache_evict {
+    uint32_t model;
+    uint64_t drop_bytes;
+    uint64_t keep_bytes;
+} laden_cache_evict_t;
+
+typedef struct laden_cache_info {
+    uint64_t size_bytes;   /* the model's weights */
+    uint64_t vram_bytes;   /* held on the device */
+    uint64_t pinned_bytes; /* held in pinned host memory */
+    uint64_t uses;
+    uint64_t last_use;     /* a counter: larger is more recent; 0 never */
+    int32_t in_use;
+} laden_cache_info_t;
+
+typedef struct laden_cache_stats {
+    uint64_t vram_budget_bytes, pinned_budget_bytes; /* 0: no limit */
+    uint64_t vram_bytes, pinned_bytes;               /* held, all models */
+    uint32_t models, in_use;
+    uint64_t acquires, evictions, evicted_bytes;
+} laden_cache_stats_t;
+
+/* Budgets of 0 mean no limit. */
+LADEN_API laden_status laden_cache_create(uint64_t vram_budget_bytes,
+                                          uint64_t pinned_budget_bytes,
+                                          laden_cache_t **out);
+LADEN_API void laden_cache_destroy(laden_cache_t *cache);
+
+/* Registers a model; *out_model is its id.  LADEN_E_STATE if the key is
+ * registered already.  Keys are copied. */
+LADEN_API laden_status laden_cache_add(laden_cache_t *cache, const char *key,
+                                       uint64_t size_bytes,
+                                       uint32_t *out_model);
+/* Forgets a model, which must hold nothing and not be in use
+ * (LADEN_E_STATE otherwise, naming what it still holds). */
+LADEN_API laden_status laden_cache_remove(laden_cache_t *cache, uint32_t model);
+/* LADEN_E_NOTFOUND if no model has the key. */
+LADEN_API laden_status laden_cache_find(laden_cache_t *cache, const char *key,
+                                        uint32_t *out_model);
+LADEN_API const char *laden_cache_key(laden_cache_t *cache, uint32_t model);
+
+/* Activates `model`, which will hold `want_bytes` on the device (its size
+ * for a whole-model upload, less when it streams).  Decides the evictions
+ * that make room (ev[0..*out_n), at most `cap`), marks the model in use and
+ * counts a use.  LADEN_E_STATE if it is in use already; LADEN_E_BUDGET,
+ * with nothing changed, if even evicting every idle model would not make
+ * room (the message says how much would); LADEN_E_INVAL if `cap` is too
+ * small for the decisions (nothing changed). */
+LADEN_API laden_status laden_cache_acquire(laden_cache_t *cache, uint32_t model,
+                                           uint64_t want_bytes,
+                                           laden_cache_evict_t *ev,
+                                           uint32_t cap, uint32_t *out_n);
+
+/* Ends a use: the model becomes idle and most recently used. */
+LADEN_API laden_status laden_cache_release(laden_cache_t *cache,
+                                           uint32_t model);
+
+/* Frees at least `bytes` of device memory from idle models, least recently
+ * used first; fewer if the idle models hold less.  Decisions as for
+ * acquire. */
+LADEN_API laden_status laden_cache_evict_bytes(laden_cache_t *cache,
+                                               uint64_t bytes,
+                                               laden_cache_evict_t *ev,
+                                               uint32_t cap, uint32_t *out_n);
+
+/* Decides which idle models' pinned copies give way so that `model` can
+ * pin `want_bytes`; LADEN_E_BUDGET if they cannot (the caller then keeps
+ * the model pageable or file-backed). */
+LADEN_API laden_status laden_cache_plan_pin(laden_cache_t *cache,
+                                            uint32_t model, uint64_t want_bytes,
+                                            laden_cache_evict_t *ev,
+                                            uint32_t cap, uint32_t *out_n);
+
+/* What a model holds now, after the caller moved bytes.  LADEN_E_BUDGET if
+ * the total would exceed the budget (nothing changed). */
+LADEN_API laden_status laden_cache_set_vram(laden_cache_t *cache,
+                                            uint32_t model, uint64_t bytes);
+LADEN_API laden_status laden_cache_set_pinned(laden_cache_t *cache,
+                                              uint32_t model, uint64_t bytes);
+
+LADEN_API laden_status laden_cache_info(laden_cache_t *cache, uint32_t model,
+                                        laden_cache_info_t *out);
+LADEN_API laden_status laden_cache_stats(laden_cache_t *cache,
+                                         laden_cache_stats_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,216 @@
+#include "test.h"
+
+#include "laden/cache.h"
+
+/* Applies decisions as a caller would: drop the bytes they name. */
+static void apply(laden_cache_t *c, const laden_cache_evict_t *ev, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        CHECK_OK(laden_cache_set_vram(c, ev[i].model, ev[i].keep_bytes));
+}
+
+static uint64_t vram_of(laden_cache_t *c, uint32_t id)
+{
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, id, &info));
+    return info.vram_bytes;
+}
+
+/* Three models of 4, room for two: used in rotation, the least recently
+ * used idle one gives way each time. */
+TEST(cache_rotation_is_lru)
+{
+    laden_cache_t *c;
+    uint32_t m[3], n;
+    laden_cache_evict_t ev[8];
+    CHECK_OK(laden_cache_create(8, 0, &c));
+    const char *keys[] = {"text-encoder", "unet", "vae"};
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(laden_cache_add(c, keys[i], 4, &m[i]));
+    for (int round = 0; round < 30; round++) {
+        uint32_t id = m[round % 3];
+        CHECK_OK(laden_cache_acquire(c, id, 4, ev, 8, &n));
+        if (round < 2) {
+            CHECK(n == 0);
+        } else {
+            /* The one used two activations ago is the LRU. */
+            CHECK(n == 1 && ev[0].model == m[(round + 1) % 3]);
+            CHECK(ev[0].drop_bytes == 4 && ev[0].keep_bytes == 0);
+        }
+        apply(c, ev, n);
+        CHECK_OK(laden_cache_set_vram(c, id, 4));
+        CHECK_OK(laden_cache_release(c, id));
+        laden_cache_stats_t st;
+        CHECK_OK(laden_cache_stats(c, &st));
+        CHECK(st.vram_bytes <= 8);
+    }
+    /* Re-using a resident model decides nothing. */
+    uint32_t last = m[29 % 3];
+    CHECK_OK(laden_cache_acquire(c, last, 4, ev, 8, &n));
+    CHECK(n == 0);
+    CHECK_OK(laden_cache_release(c, last));
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, last, &info));
+    CHECK(info.uses == 11 && !info.in_use && info.size_bytes == 4);
+    laden_cache_destroy(c);
+}
+
+TEST(cache_partial_eviction_and_in_use)
+{
+    laden_cache_t *c;
+    uint32_t a, b, d, n;
+    laden_cache_evict_t ev[4];
+    CHECK_OK(laden_cache_create(10, 0, &c));
+    CHECK_OK(laden_cache_add(c, "a", 4, &a));
+    CHECK_OK(laden_cache_add(c, "b", 4, &b));
+    CHECK_OK(laden_cache_add(c, "d", 4, &d));
+    CHECK_OK(laden_cache_acquire(c, a, 4, ev, 4, &n));
+    CHECK_OK(laden_cache_set_vram(c, a, 4));
+    CHECK_OK(laden_cache_release(c, a));
+    CHECK_OK(laden_cache_acquire(c, b, 4, ev, 4, &n));
+    CHECK_OK(laden_cache_set_vram(c, b, 4));
+    /* b stays in use; d needs 4 of which 2 are free: a gives up 2. */
+    CHECK_OK(laden_cache_acquire(c, d, 4, ev, 4, &n));
+    CHECK(n == 1 && ev[0].model == a && ev[0].drop_bytes == 2 &&
+          ev[0].keep_bytes == 2);
+    apply(c, ev, n);
+    CHECK_OK(laden_cache_set_vram(c, d, 4));
+    CHECK(vram_of(c, a) == 2);
+    /* Another use of d, bigger: only a is idle (b, d in use)... */
+    CHECK_STATUS(laden_cache_acquire(c, d, 4, ev, 4, &n), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "in use");
+    CHECK_OK(laden_cache_release(c, d));
+    /* ...d now wants 8: a's 2 are not enough while b is in use. */
+    CHECK_STATUS(laden_cache_acquire(c, d, 8, ev, 4, &n), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "'d'");
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, d, &info));
+    CHECK(!info.in_use && info.uses == 1); /* nothing changed */
+    CHECK_STATUS(laden_cache_acquire(c, d, 11, ev, 4, &n), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "whole budget");
+    /* Over the budget by reporting: refused, nothing changed. */
+    CHECK_STATUS(laden_cache_set_vram(c, a, 5), LADEN_E_BUDGET);
+    CHECK(vram_of(c, a) == 2);
+    /* Freeing on demand takes idle models only, LRU first. */
+    CHECK_OK(laden_cache_evict_bytes(c, 100, ev, 4, &n));
+    CHECK(n == 2 && ev[0].model == a && ev[1].model == d);
+    apply(c, ev, n);
+    CHECK(vram_of(c, b) == 4);
+    /* Removal needs an empty, idle model. */
+    CHECK_STATUS(laden_cache_remove(c, b), LADEN_E_STATE);
+    CHECK_OK(laden_cache_release(c, b));
+    CHECK_OK(laden_cache_set_vram(c, b, 0));
+    CHECK_OK(laden_cache_remove(c, b));
+    uint32_t x;
+    CHECK_STATUS(laden_cache_find(c, "b", &x), LADEN_E_NOTFOUND);
+    CHECK_STATUS(laden_cache_release(c, b), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_add(c, "a", 1, &x), LADEN_E_STATE);
+    CHECK_OK(laden_cache_find(c, "d", &x));
+    CHECK(x == d && strcmp(laden_cache_key(c, d), "d") == 0);
+    laden_cache_destroy(c);
+    laden_cache_destroy(NULL);
+}
+
+TEST(cache_pinned_budget_and_small_cap)
+{
+    laden_cache_t *c;
+    uint32_t a, b, n;
+    laden_cache_evict_t ev[1];
+    CHECK_OK(laden_cache_create(0, 6, &c)); /* no VRAM limit */
+    CHECK_OK(laden_cache_add(c, "a", 4, &a));
+    CHECK_OK(laden_cache_add(c, "b", 4, &b));
+    CHECK_OK(laden_cache_plan_pin(c, a, 4, ev, 1, &n));
+    CHECK(n == 0);
+    CHECK_OK(laden_cache_set_pinned(c, a, 4));
+    CHECK_OK(laden_cache_plan_pin(c, b, 4, ev, 1, &n));
+    CHECK(n == 1 && ev[0].model == a && ev[0].drop_bytes == 2);
+    CHECK_OK(laden_cache_acquire(c, a, 1000, ev, 1, &n)); /* no limit */
+    CHECK(n == 0);
+    CHECK_STATUS(laden_cache_plan_pin(c, b, 4, ev, 1, &n), LADEN_E_BUDGET);
+    CHECK_OK(laden_cache_release(c, a));
+    laden_cache_destroy(c);
+    /* Too little room for the decisions: an error, nothing changed. */
+    CHECK_OK(laden_cache_create(4, 0, &c));
+    uint32_t m[3];
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "m%d", i);
+        CHECK_OK(laden_cache_add(c, key, 2, &m[i]));
+    }
+    for (int i = 0; i < 2; i++) {
+        CHECK_OK(laden_cache_acquire(c, m[i], 2, ev, 1, &n));
+        CHECK_OK(laden_cache_set_vram(c, m[i], 2));
+        CHECK_OK(laden_cache_release(c, m[i]));
+    }
+    CHECK_STATUS(laden_cache_acquire(c, m[2], 4, ev, 1, &n), LADEN_E_INVAL);
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, m[2], &info));
+    CHECK(!info.in_use);
+    laden_cache_destroy(c);
+}
+
+/* Random rotations: budgets never exceeded, models in use never touched,
+ * evictions among the least recently used idle models. */
+TEST(cache_random_invariants)
+{
+    uint64_t x = 12345;
+    for (int run = 0; run < 200; run++) {
+        laden_cache_t *c;
+        uint64_t budget = 16 + (x = x * 6364136223846793005ull + 1) % 64;
+        CHECK_OK(laden_cache_create(budget, 0, &c));
+        uint32_t ids[8];
+        uint64_t size[8];
+        int k = 2 + (int)((x >> 33) % 7);
+        for (int i = 0; i < k; i++) {
+            char key[16];
+            snprintf(key, sizeof key, "m%d", i);
+            size[i] = 1 + (x = x * 6364136223846793005ull + 1) % budget;
+            CHECK_OK(laden_cache_add(c, key, size[i], &ids[i]));
+        }
+        bool busy[8] = {0};
+        for (int step = 0; step < 100; step++) {
+            x = x * 6364136223846793005ull + 1;
+            int i = (int)((x >> 33) % (uint64_t)k);
+            laden_cache_evict_t ev[8];
+            uint32_t n;
+            if (busy[i]) {
+                CHECK_OK(laden_cache_release(c, ids[i]));
+                busy[i] = false;
+                continue;
+            }
+            uint64_t want = size[i] - (x >> 40) % (size[i] / 2 + 1);
+            int s = laden_cache_acquire(c, ids[i], want, ev, 8, &n);
+            if (s == LADEN_E_BUDGET)
+                continue;
+            CHECK_OK(s);
+            uint64_t newest_evicted = 0;
+            bool evicted[8] = {0};
+            for (uint32_t e = 0; e < n; e++) {
+                laden_cache_info_t info;
+                CHECK(!busy[ev[e].model]);
+                CHECK_OK(laden_cache_info(c, ev[e].model, &info));
+                CHECK(!info.in_use);
+                if (e + 1 < n)
+                    CHECK(ev[e].keep_bytes == 0); /* only the last partly */
+                if (info.last_use > newest_evicted)
+                    newest_evicted = info.last_use;
+                evicted[ev[e].model] = true;
+            }
+            /* LRU: every idle model left untouched was used more recently
+             * than every model that gave way. */
+            for (int j = 0; n && j < k; j++) {
+                laden_cache_info_t info;
+                CHECK_OK(laden_cache_info(c, ids[j], &info));
+                if (j != i && !busy[j] && !evicted[j] && info.vram_bytes)
+                    CHECK(info.last_use > newest_evicted);
+            }
+            apply(c, ev, n);
+            CHECK_OK(laden_cache_set_vram(c, ids[i], want));
+            busy[i] = true;
+            laden_cache_stats_t st;
+            CHECK_OK(laden_cache_stats(c, &st));
+            CHECK(st.vram_bytes <= budget);
+        }
+        laden_cache_destroy(c);
+    }
+}
