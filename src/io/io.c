@@ -50,6 +50,8 @@ struct laden_io_req {
     laden_status status;
     char err[512];
     job *jobs;
+    size_t jobs_cap;
+    struct laden_io_req *next_free;
 };
 
 typedef struct worker {
@@ -63,6 +65,9 @@ struct laden_io {
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv;
     job *head, *tail;
+    laden_io_req_t *free_reqs; /* finished requests kept for reuse, so a
+                                  steady stream of reads allocates nothing */
+    size_t nfree;
     bool stop;
     uint32_t nthreads;
     uint64_t chunk;
@@ -358,6 +363,12 @@ void laden_io_destroy(laden_io_t *io)
         free(io->workers[i].bounce);
     }
     free(io->workers);
+    while (io->free_reqs) {
+        laden_io_req_t *r = io->free_reqs;
+        io->free_reqs = r->next_free;
+        free(r->jobs);
+        free(r);
+    }
     pthread_cond_destroy(&io->work_cv);
     pthread_cond_destroy(&io->done_cv);
     pthread_mutex_destroy(&io->mu);
@@ -382,10 +393,27 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
                            (unsigned long long)(offset + size),
                            (unsigned long long)f->size);
     size_t n = (size_t)((size + io->chunk - 1) / io->chunk);
-    laden_io_req_t *r = calloc(1, sizeof *r);
-    if (!r || !(r->jobs = calloc(n ? n : 1, sizeof *r->jobs))) {
-        free(r);
-        return laden__fail(LADEN_E_NOMEM, "out of memory queueing a read");
+    laden_io_req_t *r = NULL;
+    pthread_mutex_lock(&io->mu);
+    for (laden_io_req_t **l = &io->free_reqs; *l; l = &(*l)->next_free)
+        if ((*l)->jobs_cap >= n) {
+            r = *l;
+            *l = r->next_free;
+            io->nfree--;
+            break;
+        }
+    pthread_mutex_unlock(&io->mu);
+    if (r) {
+        r->status = LADEN_OK;
+        r->err[0] = '\0';
+        r->next_free = NULL;
+    } else {
+        r = calloc(1, sizeof *r);
+        if (!r || !(r->jobs = calloc(n ? n : 1, sizeof *r->jobs))) {
+            free(r);
+            return laden__fail(LADEN_E_NOMEM, "out of memory queueing a read");
+        }
+        r->jobs_cap = n ? n : 1;
     }
     for (size_t i = 0; i < n; i++) {
         job *jb = &r->jobs[i];
@@ -423,8 +451,18 @@ laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *r)
     laden_status s = r->status;
     if (s)
         laden__fail(s, "%s", r->err);
-    free(r->jobs);
-    free(r);
+    pthread_mutex_lock(&io->mu);
+    if (io->nfree < 256) { /* keep a bounded number for reuse */
+        r->next_free = io->free_reqs;
+        io->free_reqs = r;
+        io->nfree++;
+        r = NULL;
+    }
+    pthread_mutex_unlock(&io->mu);
+    if (r) {
+        free(r->jobs);
+        free(r);
+    }
     return s;
 }
 
