@@ -40,6 +40,13 @@ const char *laden_plan_why_text(int32_t why)
 
 static double gb(uint64_t b) { return (double)b / 1e9; }
 
+/* Of f free blocks of which s stream, whether the j-th streams: the count
+ * floor((j + 1) * s / f) grows at evenly spaced j. */
+static bool spread_streams(uint32_t j, uint32_t s, uint32_t f)
+{
+    return (uint64_t)(j + 1) * s / f > (uint64_t)j * s / f;
+}
+
 /* Slots needed for the blocks with tiers[i] != GPU (or all if tiers NULL),
  * skipping block `skip`. */
 static uint64_t slots_for(const laden_plan_input *in, const int32_t *tiers,
@@ -124,6 +131,9 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
                            gb(need), gb(need + in->reserve_bytes));
     int32_t want = in->resident_blocks;
     int32_t made = 0;
+    uint32_t nfree = 0;
+    for (uint32_t i = 0; i < in->nblocks; i++)
+        nfree += in->asked == NULL || in->asked[i] == LADEN_PLAN_FREE;
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (why[i] != -1)
             continue;
@@ -146,75 +156,41 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
             break; /* keep resident blocks a prefix: later ones stream */
         }
     }
-    if (want >= 0 && made < want) {
-        uint32_t free_n = 0;
-        for (uint32_t i = 0; i < in->nblocks; i++)
-            free_n += in->asked == NULL || in->asked[i] == LADEN_PLAN_FREE;
+    if (want >= 0 && made < want)
         return laden__fail(LADEN_E_BUDGET,
                            "%d resident blocks asked, but the model has %u "
                            "free blocks",
-                           want, free_n);
-    }
-    /* Spread: keep `made` free blocks resident, streamed ones evenly placed
-     * (block j of the free ones streams when floor((j+1)*s/f) grows). */
-    uint32_t nfree = 0;
-    for (uint32_t i = 0; i < in->nblocks; i++)
-        nfree += in->asked == NULL || in->asked[i] == LADEN_PLAN_FREE;
+                           want, nfree);
+    /* Spread: keep `made` free blocks resident with the streamed ones
+     * evenly placed; adopt it only if it fits as the prefix did. */
     uint32_t nstream = nfree - (uint32_t)made;
-    if (made > 0 && nstream > 0 && nfree <= 1u << 20) {
-        uint64_t g2 = gpu;
-        /* Try the spread assignment on a copy of the choices. */
-        uint32_t j = 0;
+    if (made > 0 && nstream > 0) {
+        uint64_t g2 = gpu, mx = 0;
+        uint32_t ns = 0, j = 0;
         for (uint32_t i = 0; i < in->nblocks; i++) {
-            if (in->asked && in->asked[i] != LADEN_PLAN_FREE)
-                continue;
-            uint64_t a = (uint64_t)j * nstream / nfree;
-            uint64_t b = (uint64_t)(j + 1) * nstream / nfree;
-            bool stream_it = b > a;
-            bool was = tiers[i] == 0;
-            if (was && stream_it)
+            bool is_free = !in->asked || in->asked[i] == LADEN_PLAN_FREE;
+            bool streams = is_free ? spread_streams(j++, nstream, nfree)
+                                   : tiers[i] != 0;
+            if (is_free && tiers[i] == 0 && streams)
                 g2 -= in->block_bytes[i];
-            else if (!was && !stream_it)
+            else if (is_free && tiers[i] != 0 && !streams)
                 g2 += in->block_bytes[i];
-            j++;
-        }
-        /* The slots for the spread set, and whether it fits. */
-        uint64_t mx = 0;
-        uint32_t ns = 0;
-        j = 0;
-        for (uint32_t i = 0; i < in->nblocks; i++) {
-            bool streams;
-            if (in->asked && in->asked[i] != LADEN_PLAN_FREE) {
-                streams = tiers[i] != 0;
-            } else {
-                uint64_t a = (uint64_t)j * nstream / nfree;
-                uint64_t b = (uint64_t)(j + 1) * nstream / nfree;
-                streams = b > a;
-                j++;
-            }
             if (streams) {
                 ns++;
                 if (in->block_bytes[i] > mx)
                     mx = in->block_bytes[i];
             }
         }
-        uint64_t sl = (uint64_t)(ns < nslots_max ? ns : nslots_max) * mx;
-        if (g2 + sl <= avail) {
+        if (g2 + (uint64_t)(ns < nslots_max ? ns : nslots_max) * mx <= avail) {
             j = 0;
             for (uint32_t i = 0; i < in->nblocks; i++) {
                 if (in->asked && in->asked[i] != LADEN_PLAN_FREE)
                     continue;
-                uint64_t a = (uint64_t)j * nstream / nfree;
-                uint64_t b = (uint64_t)(j + 1) * nstream / nfree;
-                if (b > a) {
-                    tiers[i] = 1;
-                    why[i] = -1;
-                } else {
-                    tiers[i] = 0;
-                    why[i] = want >= 0 ? LADEN_PLAN_WHY_ASKED_RESIDENT
-                                       : LADEN_PLAN_WHY_FITS_VRAM;
-                }
-                j++;
+                bool streams = spread_streams(j++, nstream, nfree);
+                tiers[i] = streams ? 1 : 0;
+                why[i] = streams        ? -1
+                         : want >= 0    ? LADEN_PLAN_WHY_ASKED_RESIDENT
+                                        : LADEN_PLAN_WHY_FITS_VRAM;
             }
             gpu = g2;
         }
@@ -240,13 +216,12 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
                               ? in->ram_free_bytes - min_free
                               : 0);
     out->ram_avail_bytes = ram;
-    uint64_t streamed = 0, max_streamed = 0, asked_ram = 0;
+    uint64_t max_streamed = 0, asked_ram = 0;
     uint32_t nstreamed = 0;
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (tiers[i] == 0)
             continue;
         nstreamed++;
-        streamed += in->block_bytes[i];
         if (in->block_bytes[i] > max_streamed)
             max_streamed = in->block_bytes[i];
         if (why[i] == LADEN_PLAN_WHY_ASKED_RAM)
@@ -284,22 +259,18 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
     }
     uint64_t disk = 0, ram_tier = 0;
     uint32_t ndisk = 0;
-    uint64_t max_disk = 0;
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (tiers[i] == 1)
             ram_tier += in->block_bytes[i];
         if (tiers[i] == 2) {
             disk += in->block_bytes[i];
             ndisk++;
-            if (in->block_bytes[i] > max_disk)
-                max_disk = in->block_bytes[i];
         }
     }
     out->ram_bytes = ram_tier;
     out->disk_bytes = disk;
     out->staging_bytes = ndisk ? staging : 0;
     out->ram_used_bytes = ram_tier + out->staging_bytes;
-    (void)max_disk;
     if (asked_ram > ram_cap && asked_ram > 0)
         return laden__fail(LADEN_E_BUDGET,
                            "blocks asked for RAM need %.2f GB, but %.2f GB of "
@@ -321,6 +292,5 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
         }
         out->predicted_ms = t * 1e3;
     }
-    (void)streamed;
     return LADEN_OK;
 }
