@@ -194,6 +194,7 @@ class _Stream:
         self.tensors: List[_Tensor] = []
         self.rest_bytes = 0
         self.kept: List[str] = []
+        self.kept_tensors: List[_Tensor] = []  # built, not in the checkpoint
         self.ckpt: Optional[Checkpoint] = None
         self.handle: Optional["OffloadHandle"] = None
         self._fin = None
@@ -635,7 +636,7 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
         if cur.device.type == "meta":
             missing.append(t.names[0])
         else:
-            kept.append(t.names[0])
+            kept.append(t)
     if missing or unexpected:
         msg = [f"{ck.path} does not match the model:"]
         if missing:
@@ -678,7 +679,8 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
                     mismatched=[t.names[0]])
         t.dtype = want
     state = _Stream(dev, ck.path)
-    state.kept = kept
+    state.kept = [t.names[0] for t in kept]
+    state.kept_tensors = kept
     state.tensors = [t for t in tensors if t.ckpt_name is not None]
     # Blocks and their tensors: a tensor belongs to a block when every alias
     # is inside it; tied tensors that span blocks stay resident.
@@ -830,17 +832,18 @@ def _load(model, state: _Stream, ck: Checkpoint) -> None:
     for t in state.tensors:
         streamed = lib.laden_stream_is_streamed(state.sched, t.c_block)
         state.bind(t, "home" if streamed else "run")
-    for mod_name, mod in model.named_modules():
-        for attr, b in list(mod._buffers.items()):
-            if b is not None and b.device.type != "meta" and \
-                    b.device != state.device and \
-                    (mod_name + "." + attr).lstrip(".") in state.kept:
-                mod._buffers[attr] = b.to(state.device)
-        for attr, p in list(mod._parameters.items()):
-            if p is not None and p.device.type != "meta" and \
-                    p.device != state.device and \
-                    (mod_name + "." + attr).lstrip(".") in state.kept:
-                p.data = p.data.to(state.device)
+    # Tensors the model was built with and the checkpoint lacks go to the
+    # device as they are (they are not laden's).
+    for t in state.kept_tensors:
+        mod, attr = t.aliases[0]
+        cur = getattr(mod, attr)
+        if cur.device != state.device:
+            if t.is_param:
+                cur.data = cur.data.to(state.device)
+            else:
+                moved = cur.to(state.device)
+                for m2, a2 in t.aliases:
+                    m2._buffers[a2] = moved
     model._laden_stream = state
 
 

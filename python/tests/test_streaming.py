@@ -300,3 +300,13 @@ def test_prefix_budgets_are_decided_by_the_c_planner():
     assert all(b.tier == _lib.TIER_DISK for b in s.blocks)
     with pytest.raises(BudgetError, match="vram_budget"):
         _assign_tiers(state([10] * 8), vram=110, ram=None, nslots=3)
+
+
+def test_tensors_built_but_not_in_the_checkpoint_are_kept(ckpt):
+    ref, path = ckpt
+    m = on_meta()
+    m.register_buffer("extra", torch.arange(3.0))  # built, not in the file
+    rep = laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+    assert "extra" in rep.kept and "extra" in str(rep)
+    assert torch.equal(m.extra, torch.arange(3.0))
+    laden.release(m)
