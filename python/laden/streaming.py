@@ -124,6 +124,7 @@ class _Tensor:
     scale_name: Optional[str] = None
     scale_kind: Optional[str] = None
     scale_index: int = -1
+    persistent: bool = True            # False: a buffer no checkpoint holds
 
 
 @dataclass
@@ -426,11 +427,12 @@ def _collect(model) -> List[_Tensor]:
                 t.aliases.append((mod, attr))
                 t.names.append(prefix + attr)
         for attr, b in mod._buffers.items():
-            if b is None or attr in mod._non_persistent_buffers_set:
+            if b is None:
                 continue
             t = by_id.get(id(b))
             if t is None:
                 t = _Tensor([], [], False, tuple(b.shape), b.dtype)
+                t.persistent = attr not in mod._non_persistent_buffers_set
                 by_id[id(b)] = t
                 out.append(t)
             if (mod, attr) not in t.aliases:
@@ -628,15 +630,23 @@ def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
             still.append(cname)
     unexpected = still
     missing = []
+    unbuilt = []
     kept = []
     for t in tensors:
         if t.ckpt_name is not None:
             continue
         cur = getattr(t.aliases[0][0], t.aliases[0][1])
-        if cur.device.type == "meta":
+        if cur.device.type != "meta":
+            kept.append(t)
+        elif t.persistent:
             missing.append(t.names[0])
         else:
-            kept.append(t)
+            unbuilt.append(t.names[0])
+    if unbuilt and not (missing or unexpected):
+        raise MismatchError(
+            f"non-persistent buffers are on meta and no checkpoint holds "
+            f"them: {', '.join(unbuilt[:20])}; build them on the CPU (create "
+            "them outside the meta device context)", missing=unbuilt)
     if missing or unexpected:
         msg = [f"{ck.path} does not match the model:"]
         if missing:

@@ -310,3 +310,23 @@ def test_tensors_built_but_not_in_the_checkpoint_are_kept(ckpt):
     assert "extra" in rep.kept and "extra" in str(rep)
     assert torch.equal(m.extra, torch.arange(3.0))
     laden.release(m)
+
+
+def test_non_persistent_buffers(ckpt):
+    """Built on the CPU they are kept and moved with the model; left on
+    meta they are a clear error, since no checkpoint holds them."""
+    ref, path = ckpt
+    _, want = expected(ref, "cpu")
+    m = on_meta()
+    m.blocks[0].register_buffer("cache", torch.zeros(4), persistent=False)
+    rep = laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+    assert "blocks.0.cache" in rep.kept
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids()), want)
+    laden.release(m, h)
+    m = on_meta()
+    with torch.device("meta"):
+        m.blocks[1].register_buffer("rope", torch.zeros(4), persistent=False)
+    with pytest.raises(laden.MismatchError, match="blocks.1.rope"):
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
