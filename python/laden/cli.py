@@ -193,21 +193,15 @@ def cmd_plan(args) -> int:
 
     with Checkpoint(args.path) as ck:
         tensors = ck.tensors()
-        groups = block_groups([(t.name, t.nbytes) for t in tensors])
-        names, sizes = [], []
-        for prefix, blocks in groups.items():
-            for idx in sorted(blocks):
-                names.append(f"{prefix}{idx}.")
-                # as laden packs them: each tensor aligned to 256 bytes
-                sizes.append(0)
-        index = {n: i for i, n in enumerate(names)}
-        for t in tensors:
-            m = _BLOCK.search(t.name)
-            key = f"{t.name[:m.start(1)]}{m.group(1)}." if m else None
-            if key in index:
-                sizes[index[key]] += (t.nbytes + 255) // 256 * 256
-        rest = sum(t.nbytes for t in tensors) - sum(
-            sum(b.values()) for b in groups.values())
+        raw = block_groups([(t.name, t.nbytes) for t in tensors])
+        # as laden packs blocks: each tensor aligned to 256 bytes
+        packed = block_groups([(t.name, (t.nbytes + 255) // 256 * 256)
+                               for t in tensors])
+        names = [f"{prefix}{i}." for prefix, blocks in packed.items()
+                 for i in sorted(blocks)]
+        sizes = [packed[prefix][i] for prefix, blocks in packed.items()
+                 for i in sorted(blocks)]
+        rest = ck.total_bytes - sum(sum(b.values()) for b in raw.values())
         p = planning.compute(names, sizes, rest, device=args.device,
                              path=ck.files[0], max_vram=args.vram,
                              headroom_vram=args.headroom,
