@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import laden  # noqa: E402
 from laden import _lib  # noqa: E402
 from laden._units import fmt_bytes  # noqa: E402
-from stream import build_meta, timed, write_checkpoint  # noqa: E402
+from stream import (build_meta, print_table, timed,  # noqa: E402
+                    write_checkpoint)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -170,12 +171,7 @@ def main() -> int:
             f"{r['ms'] / ideal:.3f}" if ideal else "-",
             f"{r['predicted']:.1f}" if r.get("predicted") else "-",
             fmt_bytes(r["vram"]), f"{r['diff']:.3g}"))
-    w = [max(len(row[i]) for row in table) for i in range(len(hdr))]
-    for j, row in enumerate(table):
-        print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
-                        for i, c in enumerate(row)))
-        if j == 0:
-            print("  ".join("-" * x for x in w))
+    print_table(table)
     return 0
 
 

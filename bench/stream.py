@@ -111,6 +111,16 @@ def drop_cache(path):
     _lib.lib.laden_io_file_close(h)
 
 
+def print_table(rows) -> None:
+    """Rows of strings, the first the header; first column left-aligned."""
+    w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for j, row in enumerate(rows):
+        print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
+                        for i, c in enumerate(row)))
+        if j == 0:
+            print("  ".join("-" * x for x in w))
+
+
 def timed(fn, x, warmup, repeats, before=None):
     """Median milliseconds per forward, timed with CUDA events (the host
     clock on the CPU)."""
@@ -347,12 +357,7 @@ def main() -> int:
             f"{r['ms'] / ideal:.3f}", fmt_bytes(r["vram"]),
             f"{r['rss'] / model_bytes:.2f}",
             f"{(r['rss'] - r['rss_before']) / model_bytes:.2f}", same))
-    w = [max(len(row[i]) for row in table) for i in range(len(hdr))]
-    for j, row in enumerate(table):
-        print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
-                        for i, c in enumerate(row)))
-        if j == 0:
-            print("  ".join("-" * x for x in w))
+    print_table(table)
     print("\nideal = max(resident ms, model bytes / link rate); the link is "
           "pinned H2D, or the drive's direct read for the disk tier.  "
           "ΔRSS: resident memory the configuration added (measured before "

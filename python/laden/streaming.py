@@ -912,17 +912,18 @@ def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle,
     orig = mod.forward
 
     def forward(*args, **kwargs):
-        s = enter(sched, c_block, _compute_stream(device))
+        stream = _compute_stream(device)  # once: enter and exit share it
+        s = enter(sched, c_block, stream)
         if s:
             raise error_for(s)
         try:
-            for out, q, sc, kind in expansions:
-                expand_fp8(out, q, sc, kind)
+            for buf, q, sc, kind in expansions:
+                expand_fp8(buf, q, sc, kind)
             out = orig(*args, **kwargs)
         except BaseException:
-            leave(sched, c_block, _compute_stream(device))
+            leave(sched, c_block, stream)
             raise
-        s = leave(sched, c_block, _compute_stream(device))
+        s = leave(sched, c_block, stream)
         if s:
             raise error_for(s)
         return out
