@@ -330,3 +330,28 @@ def test_non_persistent_buffers(ckpt):
         m.blocks[1].register_buffer("rope", torch.zeros(4), persistent=False)
     with pytest.raises(laden.MismatchError, match="blocks.1.rope"):
         laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+
+
+def test_argument_errors_name_the_problem(ckpt):
+    ref, path = ckpt
+    m = on_meta()
+    with pytest.raises(laden.StateError, match="stream_load"):
+        laden.install_offload(m)
+    with pytest.raises(laden.StateError, match="nothing"):
+        laden.release(m)
+    with pytest.raises(laden.InvalidArgumentError, match="compute_dtype"):
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          compute_dtype="int3")
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+    with pytest.raises(laden.StateError, match="already loaded"):
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
+    with pytest.raises(laden.InvalidArgumentError, match="lookahead"):
+        laden.install_offload(m, lookahead=0)
+    if torch.cuda.is_available():
+        with pytest.raises(laden.InvalidArgumentError, match="differs"):
+            laden.install_offload(m, device="cuda")
+    laden.release(m)
+    with pytest.raises(laden.InvalidArgumentError, match="no blocks"):
+        laden.offload_blocks([], device="cpu")
+    with pytest.raises(laden.InvalidArgumentError, match="on meta"):
+        laden.offload_blocks([on_meta().blocks[0]], device="cpu")
