@@ -13,11 +13,18 @@
  * model's device copy, unpins a host copy) and reports what each model now
  * holds with laden_cache_set_vram / laden_cache_set_pinned.  Budgets are
  * never exceeded by what the cache grants.  Not thread-safe: one cache is
- * used from one thread at a time (the caller's lock). */
+ * used from one thread at a time (the caller's lock).
+ *
+ * The engine (laden_cache_bind and below) carries the decisions out itself
+ * for models bound to a LADEN_SCHED_CACHE schedule: it gives blocks device
+ * copies or takes them away, pins and unpins host copies, starts and stops
+ * the slots of streamed blocks, and keeps the accounting equal to what the
+ * schedules hold. */
 #ifndef LADEN_CACHE_H
 #define LADEN_CACHE_H
 
 #include "../laden.h"
+#include "stream.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -47,6 +54,11 @@ typedef struct laden_cache_stats {
     uint64_t vram_bytes, pinned_bytes;               /* held, all models */
     uint32_t models, in_use;
     uint64_t acquires, evictions, evicted_bytes;
+    /* Engine (bound models): */
+    uint64_t hits;           /* activations that copied nothing */
+    uint64_t upload_bytes;   /* copied to the device by activations */
+    uint64_t pin_bytes;      /* host bytes pinned in place */
+    uint64_t unpin_bytes;    /* host bytes unpinned to make room */
 } laden_cache_stats_t;
 
 /* Budgets of 0 mean no limit. */
@@ -111,6 +123,88 @@ LADEN_API laden_status laden_cache_info(laden_cache_t *cache, uint32_t model,
                                         laden_cache_info_t *out);
 LADEN_API laden_status laden_cache_stats(laden_cache_t *cache,
                                          laden_cache_stats_t *out);
+
+/* ---- the engine ---------------------------------------------------------- */
+
+typedef enum laden_cache_mode {
+    LADEN_CACHE_AUTO = 0,      /* whole model if it fits, else streaming */
+    LADEN_CACHE_RESIDENT = 1,  /* every block on the device */
+    LADEN_CACHE_STREAMING = 2, /* what fits resident, the rest streamed */
+} laden_cache_mode;
+
+/* What one activation did. */
+typedef struct laden_cache_activation {
+    int32_t mode;              /* RESIDENT or STREAMING, as chosen */
+    uint32_t resident_blocks;  /* blocks with a device copy */
+    uint32_t streamed_blocks;  /* blocks streamed through slots */
+    uint32_t evicted_models;   /* idle models that gave up device memory */
+    uint64_t upload_bytes;     /* copied to the device now */
+    uint64_t kept_bytes;       /* already on the device: not copied */
+    uint64_t slot_bytes;       /* device memory of the slots */
+    uint64_t evicted_bytes;    /* device memory taken from idle models */
+    uint64_t pinned_bytes;     /* host bytes of this model pinned now */
+    uint64_t unpinned_bytes;   /* pinned host bytes taken from idle models */
+    int32_t pin_failed;        /* pinning failed: the copy stays pageable */
+} laden_cache_activation_t;
+
+/* Binds `model` to its schedule (a loaded LADEN_SCHED_CACHE schedule,
+ * borrowed until laden_cache_unbind).  Its first `fixed_blocks` blocks are
+ * the parts of the model that run without a block hook: they are on the
+ * device whenever the model is in use.  The model's size becomes the sum of
+ * its blocks. */
+LADEN_API laden_status laden_cache_bind(laden_cache_t *cache, uint32_t model,
+                                        laden_sched_t *sched,
+                                        uint32_t fixed_blocks);
+
+/* Drops whatever the model holds on the device and in pinned memory and
+ * unbinds its schedule (which the caller may then destroy).
+ * LADEN_E_STATE if it is in use. */
+LADEN_API laden_status laden_cache_unbind(laden_cache_t *cache,
+                                          uint32_t model);
+
+/* Activates a bound model for use on compute_stream: decides resident or
+ * streaming (mode), which blocks get device copies (the planner, within
+ * what the budget leaves after the models in use), takes room from idle
+ * models least recently used first (ev[0..*out_n) says which, as
+ * laden_cache_acquire), pins its host copy within the pinned budget
+ * (unpinning idle models' copies first), uploads only the blocks not on the
+ * device yet, starts the slots, and makes compute_stream wait for the
+ * uploads.  Re-activating a model whose blocks are all still there copies
+ * nothing.  If the device refuses memory the budget allowed, idle models
+ * are evicted and the upload is tried once more.  On error the model is
+ * not in use and still consistent (it may hold fewer blocks).  `out` may
+ * be NULL. */
+LADEN_API laden_status laden_cache_activate(laden_cache_t *cache,
+                                            uint32_t model,
+                                            laden_cache_mode mode,
+                                            uint32_t lookahead,
+                                            uintptr_t compute_stream,
+                                            laden_cache_evict_t *ev,
+                                            uint32_t cap, uint32_t *out_n,
+                                            laden_cache_activation_t *out);
+
+/* Ends a use: records the model's work on compute_stream (its device
+ * memory is freed later only after that work) and makes it idle.  Its
+ * blocks stay on the device. */
+LADEN_API laden_status laden_cache_deactivate(laden_cache_t *cache,
+                                              uint32_t model,
+                                              uintptr_t compute_stream);
+
+/* Makes an idle bound model give up at least `vram_bytes` of device memory
+ * (UINT64_MAX: all of it; slots first, then blocks from the last), and
+ * with `unpin` its pinned host copy too.  *out_freed (may be NULL) gets
+ * the device bytes freed.  LADEN_E_STATE if it is in use. */
+LADEN_API laden_status laden_cache_drop(laden_cache_t *cache, uint32_t model,
+                                        uint64_t vram_bytes, int unpin,
+                                        uint64_t *out_freed);
+
+/* Frees at least `bytes` of device memory from idle bound models, least
+ * recently used first (fewer if they hold less); decisions in ev as
+ * laden_cache_evict_bytes. */
+LADEN_API laden_status laden_cache_free_vram(laden_cache_t *cache,
+                                             uint64_t bytes,
+                                             laden_cache_evict_t *ev,
+                                             uint32_t cap, uint32_t *out_n);
 
 #ifdef __cplusplus
 }

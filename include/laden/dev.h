@@ -109,6 +109,14 @@ LADEN_API laden_status laden_dev_host_alloc(int32_t device, uint64_t size_bytes,
                                             void **out);
 LADEN_API laden_status laden_dev_host_free(int32_t device, void *ptr);
 
+/* Pins host memory the caller allocated, in place, so copies from it run
+ * at copy-engine speed (CUDA: cuMemHostRegister, portable; CPU: nothing to
+ * do).  ptr and size_bytes must be multiples of the page size.  Unregister
+ * after the copies from it have finished. */
+LADEN_API laden_status laden_dev_host_register(int32_t device, void *ptr,
+                                               uint64_t size_bytes);
+LADEN_API laden_status laden_dev_host_unregister(int32_t device, void *ptr);
+
 /* Virtual memory: reserve an address range, create physical pages, map them
  * (read-write for this device) and unmap them.  Sizes and addresses are
  * multiples of vmm_granularity_bytes.  CPU: emulated with mmap over memfd

@@ -44,11 +44,23 @@ typedef enum laden_tier {
 
 typedef struct laden_sched laden_sched_t;
 
+/* Schedule flags.
+ *
+ * LADEN_SCHED_CACHE: the schedule of a model kept in a cache between uses.
+ * Every block is on the RAM tier, in pageable host memory of its own that
+ * laden_stream_pin pins in place (and unpins) without a copy.  A block is
+ * streamed through the slots unless laden_stream_set_resident gave it a
+ * device copy of its own, which it keeps until taken away; on the CPU
+ * device too the blocks run from "device" copies, so that every path of
+ * the cache runs in CI. */
+#define LADEN_SCHED_CACHE 1u
+
 typedef struct laden_sched_config {
     int32_t device;             /* CUDA index or LADEN_DEVICE_CPU */
     uint32_t lookahead;         /* blocks prefetched ahead; 0: default 2 */
     uint64_t ram_budget_bytes;  /* pinned bytes (RAM tier + staging); 0: no limit */
     laden_io_t *io;             /* reader pool to use (borrowed); NULL: own */
+    uint32_t flags;             /* LADEN_SCHED_* */
 } laden_sched_config;
 
 typedef struct laden_sched_stats {
@@ -62,6 +74,11 @@ typedef struct laden_sched_stats {
     uint64_t h2d_bytes;         /* bytes copied into slots */
     uint64_t read_bytes;        /* bytes read from disk while streaming */
     uint64_t load_read_bytes;   /* bytes read from the checkpoint at load */
+    /* LADEN_SCHED_CACHE schedules: */
+    uint64_t resident_bytes;    /* blocks with a device copy of their own */
+    uint64_t registered_bytes;  /* host copies pinned in place */
+    uint64_t upload_bytes;      /* copied by laden_stream_set_resident */
+    uint64_t generation;        /* changes whenever a tensor's address does */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -156,6 +173,47 @@ LADEN_API laden_status laden_stream_synchronize(laden_sched_t *sched);
 
 LADEN_API laden_status laden_stream_stats(laden_sched_t *sched,
                                           laden_sched_stats_t *out);
+
+/* ---- LADEN_SCHED_CACHE schedules ----------------------------------------
+ * Residency changes only while the schedule is stopped: slots are laid out
+ * for the blocks that stream. */
+
+/* Gives block b a device copy of its own (resident = 1): allocated now and
+ * filled by an asynchronous copy (see laden_stream_ready), after which the
+ * block no longer streams; or takes it away (0), once the work recorded by
+ * laden_stream_fence has finished, and the block streams again.  No-op if
+ * the block already is so.  LADEN_E_STATE while started or for a schedule
+ * without LADEN_SCHED_CACHE; an allocation failure changes nothing. */
+LADEN_API laden_status laden_stream_set_resident(laden_sched_t *sched,
+                                                 uint32_t block, int resident);
+
+/* 1 if block b has a device copy of its own. */
+LADEN_API int laden_stream_is_resident(laden_sched_t *sched, uint32_t block);
+
+/* Pins block b's host copy in place (1) or unpins it (0), after the copies
+ * from it have finished.  No-op if already so. */
+LADEN_API laden_status laden_stream_pin(laden_sched_t *sched, uint32_t block,
+                                        int pinned);
+
+/* 1 if block b's host copy is pinned. */
+LADEN_API int laden_stream_is_pinned(laden_sched_t *sched, uint32_t block);
+
+/* Number of blocks. */
+LADEN_API uint32_t laden_stream_block_count(laden_sched_t *sched);
+
+/* Bytes of block b (its packed size, after load), 0 for a bad block. */
+LADEN_API uint64_t laden_stream_block_bytes(laden_sched_t *sched,
+                                            uint32_t block);
+
+/* Makes compute_stream wait until every copy laden_stream_set_resident
+ * started has finished (the CPU device: waits for them). */
+LADEN_API laden_status laden_stream_ready(laden_sched_t *sched,
+                                          uintptr_t compute_stream);
+
+/* Records that the model's work so far was enqueued on compute_stream: a
+ * device copy taken away later is freed only after that work. */
+LADEN_API laden_status laden_stream_fence(laden_sched_t *sched,
+                                          uintptr_t compute_stream);
 
 /* Converts n elements between F32, F16 and BF16 (round to nearest even).
  * LADEN_E_UNSUPPORTED for other pairs. */

@@ -8,21 +8,8 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "cache_internal.h"
 
-typedef struct model {
-    char *key; /* NULL once removed */
-    uint64_t size, vram, pinned, uses, last_use;
-    bool in_use;
-} model;
-
-struct laden_cache {
-    model *m;
-    uint32_t n, cap;
-    uint64_t vram_budget, pinned_budget;
-    uint64_t vram, pinned; /* totals */
-    uint64_t clock;
-    laden_cache_stats_t st;
-};
 
 laden_status laden_cache_create(uint64_t vram_budget, uint64_t pinned_budget,
                                 laden_cache_t **out)

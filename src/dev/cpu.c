@@ -392,6 +392,22 @@ static laden_status cpu_host_free(int32_t dev, void *p)
     return LADEN_OK;
 }
 
+/* Host memory of the CPU device is as fast to copy from pinned or not. */
+static laden_status cpu_host_register(int32_t dev, void *p, uint64_t n)
+{
+    (void)dev;
+    (void)p;
+    (void)n;
+    return LADEN_OK;
+}
+
+static laden_status cpu_host_unregister(int32_t dev, void *p)
+{
+    (void)dev;
+    (void)p;
+    return LADEN_OK;
+}
+
 /* Reservations, so that releasing or mapping outside one fails as it does
  * with CUDA instead of silently unmapping whatever lies there. */
 typedef struct reservation {
@@ -560,6 +576,8 @@ const laden__dev_ops laden__dev_cpu_ops = {
     .mem_free = cpu_mem_free,
     .host_alloc = cpu_host_alloc,
     .host_free = cpu_host_free,
+    .host_register = cpu_host_register,
+    .host_unregister = cpu_host_unregister,
     .va_reserve = cpu_va_reserve,
     .va_release = cpu_va_release,
     .phys_create = cpu_phys_create,

@@ -360,6 +360,25 @@ static laden_status cuda_host_free(int32_t dev, void *p)
     return check(cu.cuMemFreeHost(p), dev, "cuMemFreeHost");
 }
 
+static laden_status cuda_host_register(int32_t dev, void *p, uint64_t n)
+{
+    ENTER(dev);
+    CUresult r = cu.cuMemHostRegister(p, (size_t)n, CU_MEMHOSTREGISTER_PORTABLE);
+    if (r != CUDA_SUCCESS) {
+        check(r, dev, "cuMemHostRegister");
+        return laden__fail(LADEN_E_NOMEM,
+                           "cannot pin %llu bytes of host memory in place: %s",
+                           (unsigned long long)n, laden_last_error());
+    }
+    return LADEN_OK;
+}
+
+static laden_status cuda_host_unregister(int32_t dev, void *p)
+{
+    ENTER(dev);
+    return check(cu.cuMemHostUnregister(p), dev, "cuMemHostUnregister");
+}
+
 static laden_status cuda_va_reserve(int32_t dev, uint64_t n,
                                     laden_devptr_t *out)
 {
@@ -445,6 +464,8 @@ const laden__dev_ops laden__dev_cuda_ops = {
     .mem_free = cuda_mem_free,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
     .va_reserve = cuda_va_reserve,
     .va_release = cuda_va_release,
     .phys_create = cuda_phys_create,

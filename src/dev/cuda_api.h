@@ -24,6 +24,7 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 #define CU_EVENT_DEFAULT 0x0
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_MEMHOSTALLOC_PORTABLE 0x1
+#define CU_MEMHOSTREGISTER_PORTABLE 0x1
 
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
@@ -91,6 +92,8 @@ typedef struct CUmemAccessDesc_st {
     X(cuMemFree, (CUdeviceptr p))                                             \
     X(cuMemHostAlloc, (void **p, size_t n, unsigned int flags))               \
     X(cuMemFreeHost, (void *p))                                               \
+    X(cuMemHostRegister, (void *p, size_t n, unsigned int flags))             \
+    X(cuMemHostUnregister, (void *p))                                         \
     X(cuMemGetAllocationGranularity,                                          \
       (size_t * g, const CUmemAllocationProp *prop, int option))              \
     X(cuMemAddressReserve, (CUdeviceptr * p, size_t n, size_t align,          \

@@ -275,6 +275,26 @@ laden_status laden_dev_host_free(int32_t dev, void *p)
     return ops->host_free(dev, p);
 }
 
+laden_status laden_dev_host_register(int32_t dev, void *p, uint64_t n)
+{
+    uint64_t page = 4096;
+    if (!p || n == 0 || (uintptr_t)p % page || n % page)
+        return laden__fail(LADEN_E_INVAL,
+                           "host_register: %p, %llu bytes: give a non-empty "
+                           "page-aligned range",
+                           p, (unsigned long long)n);
+    RESOLVE(dev);
+    return ops->host_register(dev, p, n);
+}
+
+laden_status laden_dev_host_unregister(int32_t dev, void *p)
+{
+    if (!p)
+        return laden__fail(LADEN_E_INVAL, "host_unregister: NULL");
+    RESOLVE(dev);
+    return ops->host_unregister(dev, p);
+}
+
 static laden_status check_gran(int32_t dev, const laden__dev_ops *ops,
                                uint64_t a, uint64_t b, const char *call)
 {

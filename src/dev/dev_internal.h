@@ -30,6 +30,8 @@ typedef struct laden__dev_ops {
     laden_status (*mem_free)(int32_t dev, laden_devptr_t p);
     laden_status (*host_alloc)(int32_t dev, uint64_t n, void **out);
     laden_status (*host_free)(int32_t dev, void *p);
+    laden_status (*host_register)(int32_t dev, void *p, uint64_t n);
+    laden_status (*host_unregister)(int32_t dev, void *p);
     laden_status (*va_reserve)(int32_t dev, uint64_t n, laden_devptr_t *out);
     laden_status (*va_release)(int32_t dev, laden_devptr_t va, uint64_t n);
     laden_status (*phys_create)(int32_t dev, uint64_t n, laden_phys_t *out);

@@ -13,6 +13,7 @@
  * enter/exit notice by polling (or, for the block about to run, by waiting).
  * Before a staging buffer is refilled the host waits for the event recorded
  * after its last H2D, which finished a lookahead ago in the steady state. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
 #include "laden/stream.h"
 
@@ -20,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "../core/internal.h"
 #include "laden/host.h"
@@ -46,8 +48,12 @@ typedef struct blk {
     uint32_t nt, cap;
     uint64_t bytes;
     int32_t pos;          /* schedule position; -1 if not streamed */
-    laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device */
-    void *ram;            /* RAM tier: pinned region */
+    laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
+                              cache schedules: the block's own device copy */
+    void *ram;            /* RAM tier: pinned region (cache: pageable) */
+    uint64_t ram_len;     /* cache schedules: the mapping's length */
+    bool resident;        /* cache schedules: has a device copy of its own */
+    bool pinned;          /* cache schedules: host copy pinned in place */
 } blk;
 
 typedef struct slot {
@@ -83,6 +89,10 @@ struct laden_sched {
     laden_stream_t *copy;
     laden_stream_t *compute;
     uintptr_t compute_handle;
+    bool cache;                 /* LADEN_SCHED_CACHE */
+    laden_event_t *uploaded;    /* cache: after the last upload */
+    laden_event_t *last_use;    /* cache: after the model's last work */
+    bool fenced;
     laden_sched_stats_t st;
 };
 
@@ -303,6 +313,12 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
                            cfg->lookahead);
     }
     sc->cuda = info.kind == LADEN_DEV_KIND_CUDA;
+    sc->cache = (cfg->flags & LADEN_SCHED_CACHE) != 0;
+    if (cfg->flags & ~LADEN_SCHED_CACHE) {
+        free(sc);
+        return laden__fail(LADEN_E_INVAL, "unknown schedule flags 0x%x",
+                           cfg->flags);
+    }
     sc->io = cfg->io;
     if (!sc->io) {
         if ((s = laden_io_create(NULL, &sc->io)))
@@ -352,6 +368,10 @@ laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
     if (tier != LADEN_TIER_GPU && tier != LADEN_TIER_RAM &&
         tier != LADEN_TIER_DISK)
         return laden__fail(LADEN_E_INVAL, "unknown tier %d", (int)tier);
+    if (sc->cache && tier != LADEN_TIER_RAM)
+        return laden__fail(LADEN_E_INVAL,
+                           "a cache schedule keeps every block on the RAM "
+                           "tier (residency is set after load)");
     if (sc->nb == sc->bcap) {
         uint32_t n = sc->bcap ? sc->bcap * 2 : 16;
         blk *b = realloc(sc->b, n * sizeof *b);
@@ -487,8 +507,10 @@ laden_status laden_stream_add_host_tensor(laden_sched_t *sc, uint32_t block,
 
 static bool streamed(const laden_sched_t *sc, const blk *b)
 {
+    if (b->resident)
+        return false;
     return b->tier == LADEN_TIER_DISK ||
-           (b->tier == LADEN_TIER_RAM && sc->cuda);
+           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache));
 }
 
 /* Reads block b's tensors into host memory at dst (its packed layout),
@@ -590,17 +612,29 @@ static void free_slots(laden_sched_t *sc)
 static void free_all(laden_sched_t *sc)
 {
     free_slots(sc);
+    if (sc->fenced)
+        laden_dev_event_synchronize(sc->last_use);
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        if (b->tier == LADEN_TIER_GPU && b->region)
+        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region)
             laden_dev_mem_free(sc->cfg.device, b->region);
-        if (b->ram)
+        if (b->ram && sc->cache) {
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+            munmap(b->ram, b->ram_len);
+        } else if (b->ram) {
             laden_host_free(sc->host, b->ram);
+        }
         b->region = 0;
         b->ram = NULL;
+        b->resident = b->pinned = false;
     }
     laden_dev_stream_destroy(sc->copy);
     sc->copy = NULL;
+    laden_dev_event_destroy(sc->uploaded);
+    laden_dev_event_destroy(sc->last_use);
+    sc->uploaded = sc->last_use = NULL;
+    sc->fenced = false;
     free(sc->order);
     sc->order = NULL;
     laden_host_trim(sc->host);
@@ -663,7 +697,7 @@ laden_status laden_stream_load(laden_sched_t *sc)
                                                            : &sc->st.disk_bytes;
         *tier_bytes += b->bytes;
     }
-    sc->order = calloc(sc->nstreamed ? sc->nstreamed : 1, sizeof *sc->order);
+    sc->order = calloc(sc->nb ? sc->nb : 1, sizeof *sc->order);
     if (!sc->order) {
         s = laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
         goto fail;
@@ -671,7 +705,11 @@ laden_status laden_stream_load(laden_sched_t *sc)
     for (uint32_t i = 0; i < sc->nb; i++)
         if (sc->b[i].pos >= 0)
             sc->order[sc->b[i].pos] = i;
-    if (sc->cuda && (s = laden_dev_stream_create(dev, &sc->copy)))
+    if ((sc->cuda || sc->cache) &&
+        (s = laden_dev_stream_create(dev, &sc->copy)))
+        goto fail;
+    if (sc->cache && ((s = laden_dev_event_create(dev, 0, &sc->uploaded)) ||
+                      (s = laden_dev_event_create(dev, 0, &sc->last_use))))
         goto fail;
 
     /* Device regions first: they are what is most likely not to fit, and
@@ -690,9 +728,22 @@ laden_status laden_stream_load(laden_sched_t *sc)
         blk *b = &sc->b[i];
         if (b->tier != LADEN_TIER_RAM || !b->bytes)
             continue;
-        if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
+        if (sc->cache) {
+            b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
+            void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) {
+                s = laden__fail(LADEN_E_NOMEM,
+                                "cannot allocate %llu bytes of host memory "
+                                "for block %u",
+                                (unsigned long long)b->bytes, i);
+                goto fail;
+            }
+            b->ram = m;
+        } else if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram))) {
             goto fail;
-        if (!sc->cuda)
+        }
+        if (!sc->cuda && !sc->cache)
             b->region = (laden_devptr_t)(uintptr_t)b->ram;
         if ((s = read_block_host(sc, b, b->ram)))
             goto fail;
@@ -928,9 +979,10 @@ laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
         if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
                                      &sl->ptr)))
             goto fail;
-        if (sc->cuda && ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
-                         (s = laden_dev_event_create(dev, 0, &sl->free)) ||
-                         (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
+        if ((sc->cuda || sc->cache) &&
+            ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
+             (s = laden_dev_event_create(dev, 0, &sl->free)) ||
+             (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
             goto fail;
         if (sc->cuda && sc->any_disk &&
             (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
@@ -947,8 +999,14 @@ laden_status laden_stream_stop(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_stream_stop: NULL schedule");
-    if (sc->started)
-        free_slots(sc);
+    if (!sc->started)
+        return LADEN_OK;
+    if (sc->fenced) {
+        laden_status s = laden_dev_event_synchronize(sc->last_use);
+        if (s)
+            return s;
+    }
+    free_slots(sc);
     return LADEN_OK;
 }
 
@@ -1026,6 +1084,9 @@ laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
     if (sc->cuda && ((s = compute_stream(sc, handle)) ||
                      (s = laden_dev_stream_wait_event(sc->compute, sl->ready))))
         return s;
+    if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
+        (s = laden_dev_event_synchronize(sl->ready)))
+        return s; /* the CPU device's copy worker */
     sl->in_use = true;
     return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
 }
@@ -1060,6 +1121,171 @@ laden_status laden_stream_synchronize(laden_sched_t *sc)
         if (sc->slots[i].reads_pending)
             finish_reads(sc, &sc->slots[i], false);
     return sc->copy ? laden_dev_stream_synchronize(sc->copy) : LADEN_OK;
+}
+
+/* ---- cache schedules ------------------------------------------------------ */
+
+/* Positions and slot size after the set of streamed blocks changed. */
+static void relayout(laden_sched_t *sc)
+{
+    sc->nstreamed = 0;
+    sc->slot_bytes = 0;
+    sc->any_disk = false;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        b->pos = -1;
+        if (!streamed(sc, b))
+            continue;
+        b->pos = (int32_t)sc->nstreamed;
+        sc->order[sc->nstreamed++] = i;
+        if (b->bytes > sc->slot_bytes)
+            sc->slot_bytes = b->bytes;
+        sc->any_disk |= b->tier == LADEN_TIER_DISK;
+    }
+    sc->st.generation++;
+}
+
+static laden_status cache_block(laden_sched_t *sc, uint32_t block,
+                                const char *call, blk **out)
+{
+    laden_status s = check_block(sc, block, call);
+    if (s)
+        return s;
+    if (!sc->cache)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: only for schedules created with "
+                           "LADEN_SCHED_CACHE",
+                           call);
+    *out = &sc->b[block];
+    return LADEN_OK;
+}
+
+laden_status laden_stream_set_resident(laden_sched_t *sc, uint32_t block,
+                                       int on)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_stream_set_resident", &b);
+    if (s)
+        return s;
+    if ((on != 0) == b->resident)
+        return LADEN_OK;
+    if (sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_set_resident: stop the schedule "
+                           "first (its slots are laid out for the blocks "
+                           "that stream)");
+    int32_t dev = sc->cfg.device;
+    if (on) {
+        if (b->bytes) {
+            if ((s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
+                b->region = 0;
+                return s;
+            }
+            if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
+                                        b->bytes)) ||
+                (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
+                laden_dev_stream_synchronize(sc->copy);
+                laden_dev_mem_free(dev, b->region);
+                b->region = 0;
+                return s;
+            }
+        }
+        b->resident = true;
+        sc->st.resident_bytes += b->bytes;
+        sc->st.device_bytes += b->bytes;
+        sc->st.upload_bytes += b->bytes;
+        sc->st.h2d_bytes += b->bytes;
+    } else {
+        /* Its last users: the model's work (fence) and the upload. */
+        if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+            (s = laden_dev_event_synchronize(sc->uploaded)))
+            return s;
+        laden_dev_mem_free(dev, b->region);
+        b->region = 0;
+        b->resident = false;
+        sc->st.resident_bytes -= b->bytes;
+        sc->st.device_bytes -= b->bytes;
+    }
+    relayout(sc);
+    return LADEN_OK;
+}
+
+int laden_stream_is_resident(laden_sched_t *sc, uint32_t block)
+{
+    return sc && block < sc->nb && sc->b[block].resident;
+}
+
+laden_status laden_stream_pin(laden_sched_t *sc, uint32_t block, int on)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_stream_pin", &b);
+    if (s)
+        return s;
+    if ((on != 0) == b->pinned || !b->ram)
+        return LADEN_OK;
+    if (on) {
+        s = laden_dev_host_register(sc->cfg.device, b->ram, b->ram_len);
+    } else {
+        /* Copies from it may be in flight (uploads, slots). */
+        if ((s = laden_dev_stream_synchronize(sc->copy)))
+            return s;
+        s = laden_dev_host_unregister(sc->cfg.device, b->ram);
+    }
+    if (s)
+        return s;
+    b->pinned = on != 0;
+    if (on)
+        sc->st.registered_bytes += b->bytes;
+    else
+        sc->st.registered_bytes -= b->bytes;
+    return LADEN_OK;
+}
+
+int laden_stream_is_pinned(laden_sched_t *sc, uint32_t block)
+{
+    return sc && block < sc->nb && sc->b[block].pinned;
+}
+
+uint32_t laden_stream_block_count(laden_sched_t *sc)
+{
+    return sc ? sc->nb : 0;
+}
+
+uint64_t laden_stream_block_bytes(laden_sched_t *sc, uint32_t block)
+{
+    return sc && sc->loaded && block < sc->nb ? sc->b[block].bytes : 0;
+}
+
+laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t handle)
+{
+    laden_status s;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_ready: NULL schedule");
+    if (!sc->cache || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "laden_stream_ready: not a loaded "
+                           "cache schedule");
+    if (!sc->cuda)
+        return laden_dev_event_synchronize(sc->uploaded);
+    if ((s = compute_stream(sc, handle)))
+        return s;
+    return laden_dev_stream_wait_event(sc->compute, sc->uploaded);
+}
+
+laden_status laden_stream_fence(laden_sched_t *sc, uintptr_t handle)
+{
+    laden_status s;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_fence: NULL schedule");
+    if (!sc->cache || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "laden_stream_fence: not a loaded "
+                           "cache schedule");
+    if (!sc->cuda)
+        return LADEN_OK; /* the CPU's work is done when it returns */
+    if ((s = compute_stream(sc, handle)) ||
+        (s = laden_dev_event_record(sc->last_use, sc->compute)))
+        return s;
+    sc->fenced = true;
+    return LADEN_OK;
 }
 
 laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)

@@ -1,0 +1,498 @@
+/* The cache engine: carries the cache's decisions out on the models'
+ * schedules.  See include/laden/cache.h.
+ *
+ * A bound model is a LADEN_SCHED_CACHE schedule: every block has a host
+ * copy, and a block has a device copy of its own or streams through the
+ * slots.  Activation decides the set of blocks with device copies, takes
+ * the room from idle models (slots first, then blocks from the last: the
+ * first blocks of a partly evicted model stay), and uploads only what is
+ * missing.  The accounting of the decisions (cache.c) is set from what the
+ * schedules report after each move, never from what was asked. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "cache_internal.h"
+#include "laden/plan.h"
+
+/* Sets the accounting of model id to what its schedule holds. */
+static void account(laden_cache_t *c, uint32_t id)
+{
+    model *m = &c->m[id];
+    laden_sched_stats_t st;
+    if (!m->sched || laden_stream_stats(m->sched, &st))
+        return;
+    c->vram = c->vram - m->vram + st.device_bytes;
+    m->vram = st.device_bytes;
+    c->pinned = c->pinned - m->pinned + st.registered_bytes;
+    m->pinned = st.registered_bytes;
+}
+
+/* Makes idle model id give up at least `drop` device bytes (slots first,
+ * then blocks from the last) and at least `unpin` pinned host bytes (from
+ * the last block).  *freed: device bytes freed. */
+static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
+                           uint64_t unpin, uint64_t *freed)
+{
+    model *m = &c->m[id];
+    laden_sched_t *sc = m->sched;
+    laden_status s = LADEN_OK;
+    uint64_t before = m->vram, unpinned = 0;
+    *freed = 0;
+    if (!sc)
+        return LADEN_OK;
+    uint32_t nb = laden_stream_block_count(sc);
+    if (drop) {
+        if ((s = laden_stream_stop(sc)))
+            goto out;
+        account(c, id);
+        for (uint32_t i = nb; i-- > 0 && before - m->vram < drop;) {
+            if (!laden_stream_is_resident(sc, i))
+                continue;
+            if ((s = laden_stream_set_resident(sc, i, 0)))
+                goto out;
+            account(c, id);
+        }
+    }
+    for (uint32_t i = nb; i-- > 0 && unpinned < unpin;) {
+        if (!laden_stream_is_pinned(sc, i))
+            continue;
+        if ((s = laden_stream_pin(sc, i, 0)))
+            goto out;
+        unpinned += laden_stream_block_bytes(sc, i);
+        c->st.unpin_bytes += laden_stream_block_bytes(sc, i);
+    }
+out:
+    account(c, id);
+    *freed = before > m->vram ? before - m->vram : 0;
+    if (s)
+        laden__error_prefix("evicting model '%.200s'", m->key);
+    return s;
+}
+
+static laden_status bound(laden_cache_t *c, uint32_t id, model **out,
+                          const char *call)
+{
+    laden_status s;
+    *out = NULL;
+    if (!c)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL cache", call);
+    if (id >= c->n || !c->m[id].key)
+        return laden__fail(LADEN_E_INVAL, "%s: no model %u", call, id);
+    if (!c->m[id].sched)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: model '%.200s' has no schedule bound", call,
+                           c->m[id].key);
+    s = LADEN_OK;
+    *out = &c->m[id];
+    return s;
+}
+
+laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
+                              laden_sched_t *sc, uint32_t fixed)
+{
+    if (!c || !sc || id >= c->n || !c->m[id].key)
+        return laden__fail(LADEN_E_INVAL, "laden_cache_bind: bad argument");
+    model *m = &c->m[id];
+    if (m->sched)
+        return laden__fail(LADEN_E_STATE,
+                           "model '%.200s' is bound to a schedule already",
+                           m->key);
+    uint32_t nb = laden_stream_block_count(sc);
+    if (fixed > nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_cache_bind: %u fixed blocks of %u", fixed,
+                           nb);
+    /* A cache schedule, loaded: the calls below fail otherwise. */
+    laden_status s = laden_stream_fence(sc, 0);
+    if (s) {
+        laden__error_prefix("laden_cache_bind: model '%.200s'", m->key);
+        return s;
+    }
+    uint64_t size = 0;
+    for (uint32_t i = 0; i < nb; i++)
+        size += laden_stream_block_bytes(sc, i);
+    m->sched = sc;
+    m->fixed = fixed;
+    m->size = size;
+    account(c, id);
+    return LADEN_OK;
+}
+
+laden_status laden_cache_unbind(laden_cache_t *c, uint32_t id)
+{
+    model *m;
+    uint64_t freed;
+    laden_status s = bound(c, id, &m, "laden_cache_unbind");
+    if (s)
+        return s;
+    if (m->in_use)
+        return laden__fail(LADEN_E_STATE,
+                           "model '%.200s' is in use and cannot be dropped",
+                           m->key);
+    if ((s = shrink(c, id, UINT64_MAX, UINT64_MAX, &freed)))
+        return s;
+    m->sched = NULL;
+    return LADEN_OK;
+}
+
+laden_status laden_cache_drop(laden_cache_t *c, uint32_t id, uint64_t bytes,
+                              int unpin, uint64_t *out_freed)
+{
+    model *m;
+    uint64_t freed = 0;
+    if (out_freed)
+        *out_freed = 0;
+    laden_status s = bound(c, id, &m, "laden_cache_drop");
+    if (s)
+        return s;
+    if (m->in_use)
+        return laden__fail(LADEN_E_STATE,
+                           "model '%.200s' is in use: it can be evicted once "
+                           "its use has ended",
+                           m->key);
+    s = shrink(c, id, bytes, unpin ? UINT64_MAX : 0, &freed);
+    if (freed) {
+        c->st.evictions++;
+        c->st.evicted_bytes += freed;
+    }
+    if (out_freed)
+        *out_freed = freed;
+    return s;
+}
+
+/* Carries out decisions on device memory; *total: bytes freed. */
+static laden_status apply_vram(laden_cache_t *c, const laden_cache_evict_t *ev,
+                               uint32_t n, uint64_t *total)
+{
+    laden_status s = LADEN_OK;
+    *total = 0;
+    for (uint32_t i = 0; i < n && !s; i++) {
+        uint64_t freed = 0;
+        s = shrink(c, ev[i].model, ev[i].drop_bytes, 0, &freed);
+        *total += freed;
+        if (freed > ev[i].drop_bytes) /* whole blocks: a little more */
+            c->st.evicted_bytes += freed - ev[i].drop_bytes;
+    }
+    return s;
+}
+
+laden_status laden_cache_free_vram(laden_cache_t *c, uint64_t bytes,
+                                   laden_cache_evict_t *ev, uint32_t cap,
+                                   uint32_t *out_n)
+{
+    uint64_t total;
+    laden_status s = laden_cache_evict_bytes(c, bytes, ev, cap, out_n);
+    if (s)
+        return s;
+    for (uint32_t i = 0; i < *out_n; i++)
+        if (!c->m[ev[i].model].sched)
+            return laden__fail(LADEN_E_STATE,
+                               "laden_cache_free_vram: model '%.200s' has "
+                               "no schedule bound",
+                               c->m[ev[i].model].key);
+    return apply_vram(c, ev, *out_n, &total);
+}
+
+/* Evicts every idle model's device copy (the device refused memory that
+ * the budget allowed: something outside the cache holds it). */
+static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
+{
+    uint64_t total = 0, freed;
+    for (uint32_t i = 0; i < c->n; i++) {
+        model *o = &c->m[i];
+        if (i == except || !o->key || o->in_use || !o->sched || !o->vram)
+            continue;
+        if (shrink(c, i, UINT64_MAX, 0, &freed) == LADEN_OK && freed) {
+            c->st.evictions++;
+            c->st.evicted_bytes += freed;
+            total += freed;
+        }
+    }
+    return total;
+}
+
+/* Pins model id's host copy, as much as the pinned budget allows after
+ * unpinning idle models' copies, blocks in order. */
+static void pin_model(laden_cache_t *c, uint32_t id, uint64_t total,
+                      laden_cache_activation_t *act)
+{
+    model *m = &c->m[id];
+    uint32_t nb = laden_stream_block_count(m->sched);
+    uint64_t want = total;
+    if (m->pinned >= total)
+        return;
+    if (c->pinned_budget) {
+        uint64_t others = 0;
+        for (uint32_t i = 0; i < c->n; i++)
+            if (i != id && c->m[i].key && c->m[i].in_use)
+                others += c->m[i].pinned;
+        uint64_t room = c->pinned_budget > others ? c->pinned_budget - others
+                                                  : 0;
+        if (want > room)
+            want = room;
+        /* Idle models give up what this model will pin. */
+        laden_cache_evict_t *ev = malloc((c->n ? c->n : 1) * sizeof *ev);
+        uint32_t n = 0;
+        if (!ev)
+            return;
+        if (laden_cache_plan_pin(c, id, want, ev, c->n, &n) == LADEN_OK) {
+            for (uint32_t k = 0; k < n; k++) {
+                uint64_t before = c->m[ev[k].model].pinned, freed;
+                shrink(c, ev[k].model, 0, ev[k].drop_bytes, &freed);
+                act->unpinned_bytes += before - c->m[ev[k].model].pinned;
+            }
+        }
+        laden__error_clear();
+        free(ev);
+        if (c->pinned_budget > c->pinned - m->pinned)
+            room = c->pinned_budget - (c->pinned - m->pinned);
+        else
+            room = 0;
+        if (want > room)
+            want = room;
+    }
+    uint64_t have = m->pinned;
+    for (uint32_t i = 0; i < nb; i++) {
+        if (laden_stream_is_pinned(m->sched, i))
+            continue;
+        uint64_t b = laden_stream_block_bytes(m->sched, i);
+        if (have + b > want)
+            break;
+        if (laden_stream_pin(m->sched, i, 1)) {
+            act->pin_failed = 1; /* stays pageable: slower, still correct */
+            laden__error_clear();
+            break;
+        }
+        have += b;
+        act->pinned_bytes += b;
+        c->st.pin_bytes += b;
+    }
+    account(c, id);
+}
+
+/* The blocks that get device copies: all (resident) or the planner's
+ * choice within `avail` (streaming).  *want: device bytes then held. */
+static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
+                           uint32_t lookahead, uint64_t avail, bool *res,
+                           uint64_t *want, int32_t *chosen)
+{
+    laden_sched_t *sc = m->sched;
+    uint32_t nb = laden_stream_block_count(sc), nf = nb - m->fixed;
+    uint64_t total = 0, rest = 0;
+    for (uint32_t i = 0; i < nb; i++) {
+        uint64_t b = laden_stream_block_bytes(sc, i);
+        total += b;
+        if (i < m->fixed)
+            rest += b;
+    }
+    bool whole = mode == LADEN_CACHE_RESIDENT || nf == 0 ||
+                 (mode == LADEN_CACHE_AUTO && total <= avail);
+    if (whole) {
+        if (total > avail)
+            return laden__fail(LADEN_E_BUDGET,
+                               "model '%.200s' needs %llu bytes on the device "
+                               "to be resident; the budget leaves %llu after "
+                               "the models in use",
+                               m->key, (unsigned long long)total,
+                               (unsigned long long)avail);
+        for (uint32_t i = 0; i < nb; i++)
+            res[i] = true;
+        *want = total;
+        *chosen = LADEN_CACHE_RESIDENT;
+        return LADEN_OK;
+    }
+    uint64_t *bytes = malloc(nf * sizeof *bytes);
+    int32_t *tiers = malloc(nf * sizeof *tiers);
+    int32_t *why = malloc(nf * sizeof *why);
+    laden_status s = LADEN_OK;
+    if (!bytes || !tiers || !why) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory planning model "
+                        "'%.200s'", m->key);
+        goto out;
+    }
+    for (uint32_t i = 0; i < nf; i++)
+        bytes[i] = laden_stream_block_bytes(sc, m->fixed + i);
+    laden_plan_input in;
+    memset(&in, 0, sizeof in);
+    in.nblocks = nf;
+    in.block_bytes = bytes;
+    in.rest_bytes = rest;
+    in.vram_free_bytes = avail;
+    in.ram_total_bytes = in.ram_free_bytes = in.ram_budget_bytes = total + 1;
+    in.min_free_ram_bytes = 0;
+    in.resident_blocks = mode == LADEN_CACHE_STREAMING ? 0 : -1;
+    in.lookahead = lookahead;
+    laden_plan_result r;
+    if ((s = laden_plan_compute(&in, tiers, why, &r))) {
+        laden__error_prefix("model '%.200s' cannot stream within the device "
+                            "budget left after the models in use",
+                            m->key);
+        goto out;
+    }
+    for (uint32_t i = 0; i < nb; i++)
+        res[i] = i < m->fixed || tiers[i - m->fixed] == LADEN_TIER_GPU;
+    *want = r.vram_used_bytes;
+    *chosen = LADEN_CACHE_STREAMING;
+out:
+    free(bytes);
+    free(tiers);
+    free(why);
+    return s;
+}
+
+/* Gives model id's schedule exactly the device copies in res[] and its
+ * slots.  Uploads only the missing blocks. */
+static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
+                          uint32_t lookahead, laden_cache_activation_t *act)
+{
+    model *m = &c->m[id];
+    laden_sched_t *sc = m->sched;
+    laden_sched_stats_t st;
+    laden_status s;
+    uint32_t nb = laden_stream_block_count(sc), nstream = 0;
+    bool same = true;
+    for (uint32_t i = 0; i < nb; i++) {
+        same &= laden_stream_is_resident(sc, i) == (int)res[i];
+        nstream += !res[i];
+    }
+    if ((s = laden_stream_stats(sc, &st)))
+        return s;
+    bool started = st.nslots > 0;
+    if (same && started == (nstream > 0) &&
+        (!started || st.nslots == (nstream < lookahead + 1 ? nstream
+                                                           : lookahead + 1)))
+        return LADEN_OK; /* everything is where it should be */
+    if ((s = laden_stream_stop(sc)))
+        return s;
+    for (uint32_t i = 0; i < nb; i++) /* free first, then allocate */
+        if (!res[i] && (s = laden_stream_set_resident(sc, i, 0)))
+            return s;
+    for (uint32_t i = 0; i < nb; i++) {
+        if (!res[i] || laden_stream_is_resident(sc, i))
+            continue;
+        if ((s = laden_stream_set_resident(sc, i, 1)))
+            return s;
+        act->upload_bytes += laden_stream_block_bytes(sc, i);
+    }
+    if (nstream && (s = laden_stream_start(sc, lookahead)))
+        return s;
+    return LADEN_OK;
+}
+
+laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
+                                  laden_cache_mode mode, uint32_t lookahead,
+                                  uintptr_t handle, laden_cache_evict_t *ev,
+                                  uint32_t cap, uint32_t *out_n,
+                                  laden_cache_activation_t *out)
+{
+    model *m;
+    laden_cache_activation_t act;
+    memset(&act, 0, sizeof act);
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (out_n)
+        *out_n = 0;
+    laden_status s = bound(c, id, &m, "laden_cache_activate");
+    if (s)
+        return s;
+    if (!out_n || (cap && !ev))
+        return laden__fail(LADEN_E_INVAL, "laden_cache_activate: NULL output");
+    if (mode != LADEN_CACHE_AUTO && mode != LADEN_CACHE_RESIDENT &&
+        mode != LADEN_CACHE_STREAMING)
+        return laden__fail(LADEN_E_INVAL, "unknown cache mode %d", (int)mode);
+    if (lookahead == 0)
+        lookahead = 2;
+    if (lookahead > 63)
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most 63",
+                           lookahead);
+    if (m->in_use)
+        return laden__fail(LADEN_E_STATE,
+                           "model '%.200s' is in use: a model has one "
+                           "runtime, used by one caller at a time",
+                           m->key);
+    uint32_t nb = laden_stream_block_count(m->sched);
+    uint64_t inuse = 0, want = 0;
+    for (uint32_t i = 0; i < c->n; i++)
+        if (i != id && c->m[i].key && c->m[i].in_use)
+            inuse += c->m[i].vram;
+    uint64_t avail = !c->vram_budget           ? UINT64_MAX
+                     : c->vram_budget > inuse ? c->vram_budget - inuse
+                                              : 0;
+    bool *res = calloc(nb ? nb : 1, sizeof *res);
+    if (!res)
+        return laden__fail(LADEN_E_NOMEM, "out of memory activating '%.200s'",
+                           m->key);
+    int32_t chosen = 0;
+    if ((s = choose(c, m, mode, lookahead, avail, res, &want, &chosen)))
+        goto out;
+    if ((s = laden_cache_acquire(c, id, want, ev, cap, out_n)))
+        goto out;
+    act.mode = chosen;
+    act.evicted_models = *out_n;
+    if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes)))
+        goto undo;
+    pin_model(c, id, m->size, &act);
+    for (uint32_t i = 0; i < nb; i++)
+        if (res[i] && laden_stream_is_resident(m->sched, i))
+            act.kept_bytes += laden_stream_block_bytes(m->sched, i);
+    s = place(c, id, res, lookahead, &act);
+    if (s == LADEN_E_DEVICE_NOMEM || s == LADEN_E_NOMEM) {
+        /* The device refused what the budget allows: memory outside the
+         * cache.  Idle models give theirs up, once. */
+        laden__error_clear();
+        uint64_t freed = evict_all_idle(c, id);
+        act.evicted_bytes += freed;
+        account(c, id);
+        s = place(c, id, res, lookahead, &act);
+        if (s)
+            laden__error_prefix("model '%.200s': the device has no room for "
+                                "what the budget allows (%llu bytes freed "
+                                "from idle models)",
+                                m->key, (unsigned long long)freed);
+    }
+    account(c, id);
+    if (s)
+        goto undo;
+    if ((s = laden_stream_ready(m->sched, handle)))
+        goto undo;
+    laden_sched_stats_t st;
+    laden_stream_stats(m->sched, &st);
+    act.slot_bytes = (uint64_t)st.nslots * st.slot_bytes;
+    for (uint32_t i = 0; i < nb; i++) {
+        act.resident_blocks += res[i];
+        act.streamed_blocks += !res[i];
+    }
+    c->st.upload_bytes += act.upload_bytes;
+    if (!act.upload_bytes && !act.evicted_bytes)
+        c->st.hits++;
+    if (out)
+        *out = act;
+    free(res);
+    return LADEN_OK;
+undo:
+    account(c, id);
+    m->in_use = false;
+    if (out)
+        *out = act;
+out:
+    free(res);
+    return s;
+}
+
+laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
+                                    uintptr_t handle)
+{
+    model *m;
+    laden_status s = bound(c, id, &m, "laden_cache_deactivate");
+    if (s)
+        return s;
+    if (!m->in_use)
+        return laden__fail(LADEN_E_STATE, "model '%.200s' is not in use",
+                           m->key);
+    s = laden_stream_fence(m->sched, handle);
+    laden_status r = laden_cache_release(c, id);
+    return s ? s : r;
+}

@@ -1,0 +1,438 @@
+/* The cache engine on every device: models as LADEN_SCHED_CACHE schedules
+ * of host tensors, activated in rotation under device and pinned budgets.
+ * Every activation checks the bytes each block runs from, and that the
+ * accounting equals what the schedules hold. */
+#include "test.h"
+
+#include "laden/cache.h"
+#include "laden/dev.h"
+#include "laden/stream.h"
+
+#define MAXB 16
+
+typedef struct cmodel {
+    laden_sched_t *sc;
+    uint32_t id;
+    uint32_t nb;  /* blocks, the first `fixed` without hooks */
+    uint32_t fixed;
+    uint64_t size[MAXB];
+    int seed;
+    int32_t dev;
+} cmodel;
+
+static unsigned char val(int seed, uint32_t b, uint64_t j)
+{
+    return (unsigned char)(seed * 31 + b * 7 + j * 13 + (j >> 8));
+}
+
+static void build(laden_cache_t *c, cmodel *m, const char *key, int32_t dev,
+                  uint32_t nb, uint32_t fixed, const uint64_t *size, int seed)
+{
+    memset(m, 0, sizeof *m);
+    m->nb = nb;
+    m->fixed = fixed;
+    m->seed = seed;
+    m->dev = dev;
+    laden_sched_config cfg = {dev, 0, 0, NULL, LADEN_SCHED_CACHE};
+    CHECK_OK(laden_stream_create(&cfg, NULL, &m->sc));
+    unsigned char *src[MAXB];
+    for (uint32_t b = 0; b < nb; b++) {
+        uint32_t bi, ti;
+        m->size[b] = size[b];
+        src[b] = malloc(size[b]);
+        CHECK(src[b]);
+        for (uint64_t j = 0; j < size[b]; j++)
+            src[b][j] = val(seed, b, j);
+        CHECK_OK(laden_stream_add_block(m->sc, LADEN_TIER_RAM, &bi));
+        CHECK(bi == b);
+        CHECK_OK(laden_stream_add_host_tensor(m->sc, bi, src[b],
+                                              LADEN_DTYPE_U8, size[b],
+                                              LADEN_DTYPE_U8, &ti));
+    }
+    CHECK_OK(laden_stream_load(m->sc));
+    for (uint32_t b = 0; b < nb; b++)
+        free(src[b]);
+    CHECK_OK(laden_cache_add(c, key, 0, &m->id));
+    CHECK_OK(laden_cache_bind(c, m->id, m->sc, fixed));
+}
+
+static void check_bytes(cmodel *m, uint32_t b, laden_devptr_t p)
+{
+    unsigned char *buf = malloc(m->size[b] ? m->size[b] : 1);
+    CHECK(buf);
+    if (m->dev >= 0) {
+        laden_stream_t *rd;
+        CHECK_OK(laden_dev_stream_create(m->dev, &rd));
+        CHECK_OK(laden_dev_copy_d2h(rd, buf, p, m->size[b]));
+        CHECK_OK(laden_dev_stream_synchronize(rd));
+        laden_dev_stream_destroy(rd);
+    } else {
+        memcpy(buf, (void *)(uintptr_t)p, m->size[b]);
+    }
+    for (uint64_t j = 0; j < m->size[b]; j++)
+        if (buf[j] != val(m->seed, b, j)) {
+            fprintf(stderr, "model %d block %u byte %llu wrong\n", m->seed, b,
+                    (unsigned long long)j);
+            exit(1);
+        }
+    free(buf);
+}
+
+/* A forward as the Python side runs it: fixed blocks are where they run
+ * without any call; the others are entered and exited. */
+static void run(cmodel *m)
+{
+    for (uint32_t b = 0; b < m->nb; b++) {
+        laden_devptr_t p;
+        if (b < m->fixed) {
+            CHECK(laden_stream_is_resident(m->sc, b));
+            CHECK_OK(laden_stream_tensor_ptr(m->sc, b, 0, &p));
+            check_bytes(m, b, p);
+            continue;
+        }
+        CHECK_OK(laden_stream_enter(m->sc, b, 0));
+        CHECK_OK(laden_stream_tensor_ptr(m->sc, b, 0, &p));
+        check_bytes(m, b, p);
+        CHECK_OK(laden_stream_exit(m->sc, b, 0));
+    }
+}
+
+static uint64_t held(cmodel *m)
+{
+    laden_sched_stats_t st;
+    CHECK_OK(laden_stream_stats(m->sc, &st));
+    return st.device_bytes;
+}
+
+/* The accounting equals what the schedules hold, within the budgets. */
+static void check_accounts(laden_cache_t *c, cmodel *ms, int k)
+{
+    laden_cache_stats_t cs;
+    CHECK_OK(laden_cache_stats(c, &cs));
+    uint64_t vram = 0, pinned = 0;
+    for (int i = 0; i < k; i++) {
+        laden_cache_info_t info;
+        laden_sched_stats_t st;
+        CHECK_OK(laden_cache_info(c, ms[i].id, &info));
+        CHECK_OK(laden_stream_stats(ms[i].sc, &st));
+        CHECK(info.vram_bytes == st.device_bytes);
+        CHECK(info.pinned_bytes == st.registered_bytes);
+        vram += st.device_bytes;
+        pinned += st.registered_bytes;
+    }
+    CHECK(cs.vram_bytes == vram && cs.pinned_bytes == pinned);
+    CHECK(!cs.vram_budget_bytes || vram <= cs.vram_budget_bytes);
+    CHECK(!cs.pinned_budget_bytes || pinned <= cs.pinned_budget_bytes);
+}
+
+static void use(laden_cache_t *c, cmodel *m, laden_cache_mode mode,
+                laden_cache_activation_t *act)
+{
+    laden_cache_evict_t ev[8];
+    uint32_t n;
+    CHECK_OK(laden_cache_activate(c, m->id, mode, 2, 0, ev, 8, &n, act));
+    run(m);
+    CHECK_OK(laden_cache_deactivate(c, m->id, 0));
+}
+
+static void destroy_all(laden_cache_t *c, cmodel *ms, int k)
+{
+    for (int i = 0; i < k; i++) {
+        CHECK_OK(laden_cache_unbind(c, ms[i].id));
+        CHECK(held(&ms[i]) == 0);
+        CHECK_OK(laden_cache_remove(c, ms[i].id));
+        laden_stream_destroy(ms[i].sc);
+    }
+    laden_cache_destroy(c);
+}
+
+static void on_every_device(void (*fn)(int32_t))
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    fn(LADEN_DEVICE_CPU);
+    for (int32_t d = 0; d < n; d++)
+        fn(d);
+}
+
+static const uint64_t FOUR[4] = {1000, 1000, 1000, 1000};
+
+/* Three models of 4000 bytes, room for two: in rotation each activation
+ * evicts the least recently used idle model and uploads the whole model;
+ * re-using the model just used copies nothing. */
+static void rotation(int32_t dev)
+{
+    laden_cache_t *c;
+    cmodel m[3];
+    CHECK_OK(laden_cache_create(8000, 0, &c));
+    const char *keys[] = {"text-encoder", "unet", "vae"};
+    for (int i = 0; i < 3; i++)
+        build(c, &m[i], keys[i], dev, 4, 1, FOUR, i + 1);
+    uint64_t uploaded = 0;
+    for (int round = 0; round < 12; round++) {
+        laden_cache_activation_t act;
+        cmodel *x = &m[round % 3];
+        use(c, x, LADEN_CACHE_AUTO, &act);
+        CHECK(act.mode == LADEN_CACHE_RESIDENT);
+        CHECK(act.upload_bytes == 4000 && act.kept_bytes == 0);
+        CHECK(act.evicted_models == (round < 2 ? 0u : 1u));
+        if (round >= 2) /* the model used two activations ago gave way */
+            CHECK(held(&m[(round + 1) % 3]) == 0);
+        CHECK(held(&m[(round + 2) % 3]) == (round ? 4000u : 0u));
+        uploaded += act.upload_bytes;
+        use(c, x, LADEN_CACHE_AUTO, &act); /* again: nothing moves */
+        CHECK(act.upload_bytes == 0 && act.kept_bytes == 4000 &&
+              act.evicted_models == 0);
+        check_accounts(c, m, 3);
+    }
+    laden_cache_stats_t cs;
+    CHECK_OK(laden_cache_stats(c, &cs));
+    CHECK(cs.upload_bytes == uploaded && cs.hits == 12);
+    destroy_all(c, m, 3);
+}
+
+TEST(engine_rotation_lru_and_reuse) { on_every_device(rotation); }
+
+/* A model that gave up part of its blocks keeps the first ones and uploads
+ * only the missing ones on its next use. */
+static void partial(int32_t dev)
+{
+    laden_cache_t *c;
+    cmodel m[2];
+    static const uint64_t SEVEN[7] = {1000, 1000, 1000, 1000,
+                                      1000, 1000, 1000};
+    CHECK_OK(laden_cache_create(10000, 0, &c));
+    build(c, &m[0], "a", dev, 4, 1, FOUR, 11);
+    build(c, &m[1], "b", dev, 7, 1, SEVEN, 12);
+    laden_cache_activation_t act;
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    use(c, &m[1], LADEN_CACHE_AUTO, &act);
+    CHECK(act.evicted_models == 1 && act.evicted_bytes == 1000);
+    CHECK(held(&m[0]) == 3000);
+    CHECK(laden_stream_is_resident(m[0].sc, 0) &&
+          laden_stream_is_resident(m[0].sc, 2) &&
+          !laden_stream_is_resident(m[0].sc, 3));
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    CHECK(act.upload_bytes == 1000 && act.kept_bytes == 3000);
+    CHECK(held(&m[1]) == 6000);
+    check_accounts(c, m, 2);
+    /* free_vram and drop */
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_OK(laden_cache_free_vram(c, 2500, ev, 4, &n));
+    CHECK(n == 1 && ev[0].model == m[1].id && held(&m[1]) == 3000);
+    uint64_t freed;
+    CHECK_OK(laden_cache_drop(c, m[0].id, UINT64_MAX, 1, &freed));
+    CHECK(freed == 4000 && held(&m[0]) == 0);
+    check_accounts(c, m, 2);
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    CHECK(act.upload_bytes == 4000);
+    destroy_all(c, m, 2);
+}
+
+TEST(engine_partial_eviction_uploads_only_missing) { on_every_device(partial); }
+
+/* Too big for the budget: streamed with what fits resident; forced modes. */
+static void streaming(int32_t dev)
+{
+    laden_cache_t *c;
+    cmodel m[2];
+    static const uint64_t NINE[9] = {500,  1000, 1000, 1000, 1000,
+                                     1000, 1000, 1000, 1000};
+    CHECK_OK(laden_cache_create(5000, 0, &c));
+    build(c, &m[0], "big", dev, 9, 1, NINE, 21);
+    build(c, &m[1], "small", dev, 4, 1, FOUR, 22);
+    laden_cache_activation_t act;
+    for (int pass = 0; pass < 3; pass++) {
+        use(c, &m[0], LADEN_CACHE_AUTO, &act);
+        CHECK(act.mode == LADEN_CACHE_STREAMING);
+        CHECK(act.resident_blocks == 2 && act.streamed_blocks == 7);
+        CHECK(act.slot_bytes == 3000);
+        CHECK(held(&m[0]) == 500 + 1000 + 3000);
+        run(&m[0]); /* idle: still runs from where it was */
+        use(c, &m[1], LADEN_CACHE_AUTO, &act);
+        CHECK(act.mode == LADEN_CACHE_RESIDENT);
+        check_accounts(c, m, 2);
+    }
+    /* Forced streaming streams every block; forced resident over the
+     * budget is refused, with the model left idle. */
+    use(c, &m[1], LADEN_CACHE_STREAMING, &act);
+    CHECK(act.mode == LADEN_CACHE_STREAMING && act.resident_blocks == 1);
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_STATUS(laden_cache_activate(c, m[0].id, LADEN_CACHE_RESIDENT, 2, 0,
+                                      ev, 4, &n, &act),
+                 LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "big");
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, m[0].id, &info));
+    CHECK(!info.in_use);
+    check_accounts(c, m, 2);
+    destroy_all(c, m, 2);
+}
+
+TEST(engine_streams_what_does_not_fit) { on_every_device(streaming); }
+
+static void misuse(int32_t dev)
+{
+    laden_cache_t *c;
+    cmodel m[2];
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_OK(laden_cache_create(6000, 0, &c));
+    build(c, &m[0], "a", dev, 4, 1, FOUR, 31);
+    build(c, &m[1], "b", dev, 4, 1, FOUR, 32);
+    CHECK_OK(laden_cache_activate(c, m[0].id, 0, 2, 0, ev, 4, &n, NULL));
+    CHECK_STATUS(laden_cache_activate(c, m[0].id, 0, 2, 0, ev, 4, &n, NULL),
+                 LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "in use");
+    CHECK_STATUS(laden_cache_drop(c, m[0].id, UINT64_MAX, 1, NULL),
+                 LADEN_E_STATE);
+    CHECK_STATUS(laden_cache_unbind(c, m[0].id), LADEN_E_STATE);
+    /* The other model cannot take what the one in use holds. */
+    CHECK_STATUS(laden_cache_activate(c, m[1].id, LADEN_CACHE_RESIDENT, 2, 0,
+                                      ev, 4, &n, NULL),
+                 LADEN_E_BUDGET);
+    CHECK(held(&m[0]) == 4000 && held(&m[1]) == 0);
+    run(&m[0]);
+    CHECK_OK(laden_cache_deactivate(c, m[0].id, 0));
+    CHECK_STATUS(laden_cache_deactivate(c, m[0].id, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_cache_bind(c, m[0].id, m[0].sc, 1), LADEN_E_STATE);
+    CHECK_STATUS(laden_cache_activate(c, m[1].id, 7, 2, 0, ev, 4, &n, NULL),
+                 LADEN_E_INVAL);
+    /* Residency of a started schedule, pinning of a plain one. */
+    CHECK_OK(laden_cache_activate(c, m[1].id, LADEN_CACHE_STREAMING, 1, 0,
+                                  ev, 4, &n, NULL));
+    CHECK_STATUS(laden_stream_set_resident(m[1].sc, 3, 1), LADEN_E_STATE);
+    CHECK_OK(laden_cache_deactivate(c, m[1].id, 0));
+    laden_sched_config plain = {dev, 0, 0, NULL, 0};
+    laden_sched_t *ps;
+    CHECK_OK(laden_stream_create(&plain, NULL, &ps));
+    uint32_t b;
+    CHECK_OK(laden_stream_add_block(ps, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_stream_load(ps));
+    CHECK_STATUS(laden_stream_set_resident(ps, 0, 1), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_pin(ps, 0, 1), LADEN_E_STATE);
+    uint32_t id;
+    CHECK_OK(laden_cache_add(c, "plain", 0, &id));
+    CHECK_STATUS(laden_cache_bind(c, id, ps, 0), LADEN_E_STATE);
+    laden_stream_destroy(ps);
+    laden_sched_t *cs;
+    laden_sched_config cc = {dev, 0, 0, NULL, LADEN_SCHED_CACHE};
+    CHECK_OK(laden_stream_create(&cc, NULL, &cs));
+    CHECK_STATUS(laden_stream_add_block(cs, LADEN_TIER_GPU, &b),
+                 LADEN_E_INVAL);
+    laden_stream_destroy(cs);
+    laden_sched_config bad = {dev, 0, 0, NULL, 0x80};
+    CHECK_STATUS(laden_stream_create(&bad, NULL, &cs), LADEN_E_INVAL);
+    CHECK_OK(laden_cache_remove(c, id));
+    destroy_all(c, m, 2);
+}
+
+TEST(engine_misuse_is_an_error) { on_every_device(misuse); }
+
+/* Pinned copies within their budget: the least recently used idle model
+ * is unpinned first, from its last block. */
+static void pinning(int32_t dev)
+{
+    laden_cache_t *c;
+    cmodel m[3];
+    CHECK_OK(laden_cache_create(0, 6000, &c));
+    for (int i = 0; i < 3; i++) {
+        char key[8];
+        snprintf(key, sizeof key, "p%d", i);
+        build(c, &m[i], key, dev, 4, 1, FOUR, 41 + i);
+    }
+    laden_cache_activation_t act;
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 0);
+    use(c, &m[1], LADEN_CACHE_AUTO, &act);
+    CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 2000);
+    CHECK(laden_stream_is_pinned(m[0].sc, 1) &&
+          !laden_stream_is_pinned(m[0].sc, 2));
+    check_accounts(c, m, 3);
+    /* With one model in use holding 4000, the next pins what is left. */
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_OK(laden_cache_activate(c, m[1].id, 0, 2, 0, ev, 4, &n, &act));
+    CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, &act));
+    CHECK(act.pinned_bytes == 2000); /* m[0] gave up its remaining 2000 */
+    run(&m[2]);
+    check_accounts(c, m, 3);
+    CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
+    CHECK_OK(laden_cache_deactivate(c, m[1].id, 0));
+    destroy_all(c, m, 3);
+}
+
+TEST(engine_pinned_budget) { on_every_device(pinning); }
+
+static uint64_t rnd(uint64_t *x)
+{
+    *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+    return *x >> 33;
+}
+
+/* Random models, budgets and uses: data always right, accounting always
+ * equal to what the schedules hold and within the budgets. */
+static void randomized(int32_t dev)
+{
+    uint64_t x = 777;
+#define RND() rnd(&x)
+    for (int run_i = 0; run_i < 12; run_i++) {
+        laden_cache_t *c;
+        cmodel m[4];
+        uint64_t vb = 3000 + RND() % 9000, pb = RND() % 3 ? 2000 + RND() % 8000
+                                                          : 0;
+        CHECK_OK(laden_cache_create(vb, pb, &c));
+        int k = 2 + (int)(RND() % 3);
+        for (int i = 0; i < k; i++) {
+            uint64_t sz[MAXB];
+            uint32_t nb = 2 + (uint32_t)(RND() % 8);
+            for (uint32_t b = 0; b < nb; b++)
+                sz[b] = 1 + RND() % 900;
+            char key[8];
+            snprintf(key, sizeof key, "r%d", i);
+            build(c, &m[i], key, dev, nb, 1 + (uint32_t)(RND() % 2), sz,
+                  100 + run_i * 10 + i);
+        }
+        bool busy[4] = {0};
+        for (int step = 0; step < 40; step++) {
+            int i = (int)(RND() % (uint64_t)k);
+            laden_cache_evict_t ev[8];
+            uint32_t n;
+            if (busy[i]) {
+                run(&m[i]);
+                CHECK_OK(laden_cache_deactivate(c, m[i].id, 0));
+                busy[i] = false;
+            } else if (RND() % 5 == 0) {
+                uint64_t drop = RND() % 3000;
+                int unpin = (int)(RND() % 2);
+                CHECK_OK(laden_cache_drop(c, m[i].id, drop, unpin, NULL));
+            } else {
+                laden_cache_mode mode = (laden_cache_mode)(RND() % 3);
+                int s = laden_cache_activate(c, m[i].id, mode,
+                                             1 + (uint32_t)(RND() % 3), 0, ev,
+                                             8, &n, NULL);
+                if (s == LADEN_E_BUDGET) {
+                    laden_cache_info_t info;
+                    CHECK_OK(laden_cache_info(c, m[i].id, &info));
+                    CHECK(!info.in_use);
+                } else {
+                    CHECK_OK(s);
+                    for (uint32_t e = 0; e < n; e++)
+                        CHECK(!busy[ev[e].model]);
+                    run(&m[i]);
+                    busy[i] = true;
+                }
+            }
+            check_accounts(c, m, k);
+        }
+        for (int i = 0; i < k; i++)
+            if (busy[i])
+                CHECK_OK(laden_cache_deactivate(c, m[i].id, 0));
+        destroy_all(c, m, k);
+    }
+#undef RND
+}
+
+TEST(engine_random_invariants) { on_every_device(randomized); }
