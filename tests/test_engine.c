@@ -339,7 +339,7 @@ static void pinning(int32_t dev)
     cmodel m[3];
     CHECK_OK(laden_cache_create(0, 6000, &c));
     for (int i = 0; i < 3; i++) {
-        char key[8];
+        char key[16];
         snprintf(key, sizeof key, "p%d", i);
         build(c, &m[i], key, dev, 4, 1, FOUR, 41 + i);
     }
@@ -390,7 +390,7 @@ static void randomized(int32_t dev)
             uint32_t nb = 2 + (uint32_t)(RND() % 8);
             for (uint32_t b = 0; b < nb; b++)
                 sz[b] = 1 + RND() % 900;
-            char key[8];
+            char key[16];
             snprintf(key, sizeof key, "r%d", i);
             build(c, &m[i], key, dev, nb, 1 + (uint32_t)(RND() % 2), sz,
                   100 + run_i * 10 + i);
