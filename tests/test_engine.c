@@ -436,3 +436,34 @@ static void randomized(int32_t dev)
 }
 
 TEST(engine_random_invariants) { on_every_device(randomized); }
+
+/* Host copies within a RAM budget: whole idle models, LRU first. */
+TEST(engine_plan_host)
+{
+    laden_cache_t *c;
+    cmodel m[3];
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_OK(laden_cache_create(0, 0, &c));
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "h%d", i);
+        build(c, &m[i], key, LADEN_DEVICE_CPU, 4, 1, FOUR, 51 + i);
+    }
+    laden_cache_activation_t act;
+    use(c, &m[1], 0, &act);
+    use(c, &m[0], 0, &act);
+    use(c, &m[2], 0, &act);
+    /* 12000 held; 3000 more within 13000: the LRU idle model goes. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 13000, 3000, ev, 4, &n));
+    CHECK(n == 1 && ev[0].model == m[1].id && ev[0].drop_bytes == 4000);
+    CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 3000, ev, 4, &n));
+    CHECK(n == 1 && ev[0].model == m[0].id);
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 20000, 3000, ev, 4, &n));
+    CHECK(n == 0);
+    CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 3000, ev, 4, &n),
+                 LADEN_E_BUDGET);
+    CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
+    destroy_all(c, m, 3);
+}

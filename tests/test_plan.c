@@ -105,7 +105,7 @@ TEST(plan_impossible_budget_says_what_would_fit)
     laden_plan_input in = base(b, 4);
     in.max_vram_bytes = 300; /* rest 50 + 3 slots 300 > 300 - 100 */
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
-    CHECK_CONTAINS(laden_last_error(), "at least 0.00 GB"); /* tiny sizes */
+    CHECK_CONTAINS(laden_last_error(), "at least 450 B"); /* tiny sizes */
     in.max_vram_bytes = 50;
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "kept for activations");

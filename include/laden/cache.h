@@ -206,6 +206,19 @@ LADEN_API laden_status laden_cache_free_vram(laden_cache_t *cache,
                                              laden_cache_evict_t *ev,
                                              uint32_t cap, uint32_t *out_n);
 
+/* Decides which idle bound models give up their host copies (unbound and
+ * rebuilt on their next use) so that `need_bytes` more fit within
+ * `ram_budget_bytes` together with the host copies of the bound models:
+ * least recently used first, whole models.  Model `except` is never chosen.
+ * LADEN_E_BUDGET if even all of them would not make room (nothing
+ * decided); ev[i].drop_bytes is the model's size. */
+LADEN_API laden_status laden_cache_plan_host(laden_cache_t *cache,
+                                             uint32_t except,
+                                             uint64_t ram_budget_bytes,
+                                             uint64_t need_bytes,
+                                             laden_cache_evict_t *ev,
+                                             uint32_t cap, uint32_t *out_n);
+
 #ifdef __cplusplus
 }
 #endif

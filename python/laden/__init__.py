@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from ._lib import lib as _clib
 from ._writer import save_file
+from .cache import (CacheInfo, ModelCache, ModelNotFoundError, ModelOffloader,
+                    ModelSpec)
 from .checkpoint import Checkpoint, Reader, TensorInfo, default_reader, open
 from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
@@ -24,7 +26,8 @@ __all__ = [
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
     "save_file", "plan", "Plan", "PlanBlock", "Tier", "stage",
     "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
-    "release", "LoadReport", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
+    "release", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
+    "CacheInfo", "ModelNotFoundError", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
     "DeviceError", "InvalidArgumentError", "StateError", "__version__",
 ]

@@ -57,6 +57,7 @@ class SchedConfig(Structure):
         ("lookahead", c_uint32),
         ("ram_budget_bytes", c_uint64),
         ("io", c_void_p),
+        ("flags", c_uint32),
     ]
 
 
@@ -68,6 +69,42 @@ class SchedStats(Structure):
         ("pinned_bytes", c_uint64), ("enters", c_uint64),
         ("misses", c_uint64), ("h2d_bytes", c_uint64),
         ("read_bytes", c_uint64), ("load_read_bytes", c_uint64),
+        ("resident_bytes", c_uint64), ("registered_bytes", c_uint64),
+        ("upload_bytes", c_uint64), ("generation", c_uint64),
+    ]
+
+
+class CacheEvict(Structure):
+    _fields_ = [("model", c_uint32), ("drop_bytes", c_uint64),
+                ("keep_bytes", c_uint64)]
+
+
+class CacheInfo(Structure):
+    _fields_ = [("size_bytes", c_uint64), ("vram_bytes", c_uint64),
+                ("pinned_bytes", c_uint64), ("uses", c_uint64),
+                ("last_use", c_uint64), ("in_use", c_int32)]
+
+
+class CacheStats(Structure):
+    _fields_ = [
+        ("vram_budget_bytes", c_uint64), ("pinned_budget_bytes", c_uint64),
+        ("vram_bytes", c_uint64), ("pinned_bytes", c_uint64),
+        ("models", c_uint32), ("in_use", c_uint32),
+        ("acquires", c_uint64), ("evictions", c_uint64),
+        ("evicted_bytes", c_uint64), ("hits", c_uint64),
+        ("upload_bytes", c_uint64), ("pin_bytes", c_uint64),
+        ("unpin_bytes", c_uint64),
+    ]
+
+
+class CacheActivation(Structure):
+    _fields_ = [
+        ("mode", c_int32), ("resident_blocks", c_uint32),
+        ("streamed_blocks", c_uint32), ("evicted_models", c_uint32),
+        ("upload_bytes", c_uint64), ("kept_bytes", c_uint64),
+        ("slot_bytes", c_uint64), ("evicted_bytes", c_uint64),
+        ("pinned_bytes", c_uint64), ("unpinned_bytes", c_uint64),
+        ("pin_failed", c_int32),
     ]
 
 
@@ -185,6 +222,32 @@ _SIGNATURES = {
     "laden_stream_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_stream_synchronize": (status_t, [p]),
     "laden_stream_stats": (status_t, [p, P(SchedStats)]),
+    "laden_stream_is_resident": (c_int, [p, c_uint32]),
+    "laden_stream_is_pinned": (c_int, [p, c_uint32]),
+    "laden_stream_block_count": (c_uint32, [p]),
+    "laden_stream_block_bytes": (c_uint64, [p, c_uint32]),
+    # cache
+    "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
+    "laden_cache_destroy": (None, [p]),
+    "laden_cache_add": (status_t, [p, ctypes.c_char_p, c_uint64,
+                                   P(c_uint32)]),
+    "laden_cache_remove": (status_t, [p, c_uint32]),
+    "laden_cache_bind": (status_t, [p, c_uint32, p, c_uint32]),
+    "laden_cache_unbind": (status_t, [p, c_uint32]),
+    "laden_cache_activate": (status_t, [p, c_uint32, c_int, c_uint32,
+                                        ctypes.c_size_t, P(CacheEvict),
+                                        c_uint32, P(c_uint32),
+                                        P(CacheActivation)]),
+    "laden_cache_deactivate": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_cache_drop": (status_t, [p, c_uint32, c_uint64, c_int,
+                                    P(c_uint64)]),
+    "laden_cache_free_vram": (status_t, [p, c_uint64, P(CacheEvict),
+                                         c_uint32, P(c_uint32)]),
+    "laden_cache_plan_host": (status_t, [p, c_uint32, c_uint64, c_uint64,
+                                         P(CacheEvict), c_uint32,
+                                         P(c_uint32)]),
+    "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
+    "laden_cache_stats": (status_t, [p, P(CacheStats)]),
     # plan
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
@@ -200,6 +263,8 @@ _SIGNATURES = {
 
 DEVICE_CPU = -1
 TIER_GPU, TIER_RAM, TIER_DISK = 0, 1, 2
+SCHED_CACHE = 1
+CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
 COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2
 
 

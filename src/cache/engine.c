@@ -293,11 +293,11 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
     if (whole) {
         if (total > avail)
             return laden__fail(LADEN_E_BUDGET,
-                               "model '%.200s' needs %llu bytes on the device "
-                               "to be resident; the budget leaves %llu after "
-                               "the models in use",
-                               m->key, (unsigned long long)total,
-                               (unsigned long long)avail);
+                               "model '%.200s' needs %s on the device to be "
+                               "resident; the budget leaves %s after the "
+                               "models in use",
+                               m->key, laden__bytes(total).s,
+                               laden__bytes(avail).s);
         for (uint32_t i = 0; i < nb; i++)
             res[i] = true;
         *want = total;
@@ -449,9 +449,9 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         s = place(c, id, res, lookahead, &act);
         if (s)
             laden__error_prefix("model '%.200s': the device has no room for "
-                                "what the budget allows (%llu bytes freed "
-                                "from idle models)",
-                                m->key, (unsigned long long)freed);
+                                "what the budget allows (%s freed from idle "
+                                "models)",
+                                m->key, laden__bytes(freed).s);
     }
     account(c, id);
     if (s)
@@ -495,4 +495,71 @@ laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
     s = laden_stream_fence(m->sched, handle);
     laden_status r = laden_cache_release(c, id);
     return s ? s : r;
+}
+
+typedef struct host_cand {
+    uint64_t last_use;
+    uint32_t id;
+} host_cand;
+
+static int cmp_host(const void *a, const void *b)
+{
+    const host_cand *x = a, *y = b;
+    if (x->last_use != y->last_use)
+        return x->last_use < y->last_use ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
+                                   uint64_t budget, uint64_t need,
+                                   laden_cache_evict_t *ev, uint32_t cap,
+                                   uint32_t *out_n)
+{
+    if (out_n)
+        *out_n = 0;
+    if (!c || !out_n || (cap && !ev))
+        return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host: NULL");
+    host_cand *cs = malloc((c->n ? c->n : 1) * sizeof *cs);
+    if (!cs)
+        return laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
+    uint64_t held = 0, idle = 0;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        model *m = &c->m[i];
+        if (!m->key || !m->sched)
+            continue;
+        held += m->size;
+        if (!m->in_use && i != except) {
+            cs[k++] = (host_cand){m->last_use, i};
+            idle += m->size;
+        }
+    }
+    laden_status s = LADEN_OK;
+    uint64_t over = held + need > budget ? held + need - budget : 0;
+    if (over > idle) {
+        s = laden__fail(LADEN_E_BUDGET,
+                        "%s of host copies do not fit the RAM budget of %s: "
+                        "%s are held, %s of them by idle models",
+                        laden__bytes(need).s, laden__bytes(budget).s,
+                        laden__bytes(held).s, laden__bytes(idle).s);
+        goto out;
+    }
+    qsort(cs, k, sizeof *cs, cmp_host);
+    uint64_t freed = 0;
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < k && freed < over; j++) {
+        if (n == cap) {
+            s = laden__fail(LADEN_E_INVAL, "more than %u evictions are "
+                            "needed", cap);
+            n = 0;
+            goto out;
+        }
+        uint64_t size = c->m[cs[j].id].size;
+        ev[n++] = (laden_cache_evict_t){cs[j].id, size, 0};
+        freed += size;
+    }
+    *out_n = n;
+out:
+    free(cs);
+    return s;
 }

@@ -33,6 +33,13 @@ static inline bool laden__mul_u64(uint64_t a, uint64_t b, uint64_t *out)
     return !__builtin_mul_overflow(a, b, out);
 }
 
+/* Bytes for messages: "512 B", "68.6 kB", "1.50 GB" (decimal units) in
+ * buf, which it returns. */
+typedef struct laden__bytes_text {
+    char s[24];
+} laden__bytes_text;
+laden__bytes_text laden__bytes(uint64_t n);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t laden__now_ns(void);
 

@@ -89,3 +89,23 @@ uint64_t laden__now_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+
+laden__bytes_text laden__bytes(uint64_t n)
+{
+    laden__bytes_text t;
+    static const char *const unit[] = {"kB", "MB", "GB", "TB", "PB", "EB"};
+    if (n < 1000) {
+        snprintf(t.s, sizeof t.s, "%llu B", (unsigned long long)n);
+        return t;
+    }
+    double v = (double)n / 1000.0;
+    int u = 0;
+    while (v >= 1000.0 && u < 5) {
+        v /= 1000.0;
+        u++;
+    }
+    snprintf(t.s, sizeof t.s, v >= 100 ? "%.0f %s" : v >= 10 ? "%.1f %s"
+                                                             : "%.2f %s",
+             v, unit[u]);
+    return t;
+}

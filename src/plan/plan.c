@@ -38,7 +38,7 @@ const char *laden_plan_why_text(int32_t why)
     return why >= 0 && why < LADEN_PLAN_WHY_COUNT ? why_text[why] : NULL;
 }
 
-static double gb(uint64_t b) { return (double)b / 1e9; }
+#define B(x) (laden__bytes(x).s)
 
 /* Of f free blocks of which s stream, whether the j-th streams: the count
  * floor((j + 1) * s / f) grows at evenly spaced j. */
@@ -100,9 +100,9 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
         out->warnings |= LADEN_PLAN_WARN_NO_RESERVE;
     if (cap < in->reserve_bytes)
         return laden__fail(LADEN_E_BUDGET,
-                           "VRAM budget %.2f GB is smaller than the %.2f GB "
+                           "VRAM budget %s is smaller than the %s "
                            "kept for activations",
-                           gb(cap), gb(in->reserve_bytes));
+                           B(cap), B(in->reserve_bytes));
     uint64_t avail = cap - in->reserve_bytes;
     out->vram_avail_bytes = avail;
 
@@ -122,13 +122,13 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
                                     NULL);
     if (need > avail)
         return laden__fail(LADEN_E_BUDGET,
-                           "VRAM available %.2f GB (budget %.2f GB minus "
-                           "%.2f GB kept for activations) is less than the "
-                           "%.2f GB needed by the rest of the model, the "
+                           "VRAM available %s (budget %s minus "
+                           "%s kept for activations) is less than the "
+                           "%s needed by the rest of the model, the "
                            "blocks asked resident and the slots for "
-                           "streaming; at least %.2f GB of budget would fit",
-                           gb(avail), gb(cap), gb(in->reserve_bytes),
-                           gb(need), gb(need + in->reserve_bytes));
+                           "streaming; at least %s of budget would fit",
+                           B(avail), B(cap), B(in->reserve_bytes),
+                           B(need), B(need + in->reserve_bytes));
     int32_t want = in->resident_blocks;
     int32_t made = 0;
     uint32_t nfree = 0;
@@ -150,8 +150,8 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
         } else if (want >= 0) {
             return laden__fail(LADEN_E_BUDGET,
                                "%d resident blocks asked, but only %d fit "
-                               "the %.2f GB of VRAM available",
-                               want, made, gb(avail));
+                               "the %s of VRAM available",
+                               want, made, B(avail));
         } else {
             break; /* keep resident blocks a prefix: later ones stream */
         }
@@ -273,14 +273,14 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
     out->ram_used_bytes = ram_tier + out->staging_bytes;
     if (asked_ram > ram_cap && asked_ram > 0)
         return laden__fail(LADEN_E_BUDGET,
-                           "blocks asked for RAM need %.2f GB, but %.2f GB of "
+                           "blocks asked for RAM need %s, but %s of "
                            "RAM is available for them",
-                           gb(asked_ram), gb(ram_cap));
+                           B(asked_ram), B(ram_cap));
     if (ndisk && out->staging_bytes > ram)
         return laden__fail(LADEN_E_BUDGET,
-                           "streaming from disk needs %.2f GB of pinned "
-                           "staging, but only %.2f GB of RAM is available",
-                           gb(out->staging_bytes), gb(ram));
+                           "streaming from disk needs %s of pinned "
+                           "staging, but only %s of RAM is available",
+                           B(out->staging_bytes), B(ram));
     if (ndisk)
         out->warnings |= LADEN_PLAN_WARN_DISK;
     if (in->h2d_bytes_per_s > 0) {

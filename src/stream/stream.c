@@ -605,6 +605,8 @@ static void free_slots(laden_sched_t *sc)
     sc->nslots = 0;
     laden_dev_stream_destroy(sc->compute);
     sc->compute = NULL;
+    if (sc->started)
+        sc->st.generation++;
     sc->started = false;
     laden_host_trim(sc->host);
 }
@@ -989,6 +991,7 @@ laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
             goto fail;
     }
     sc->started = true;
+    sc->st.generation++; /* the slots' addresses */
     return prefetch_from(sc, 0, sc->nslots);
 fail:
     free_slots(sc);

@@ -1,0 +1,875 @@
+"""Models kept ready between uses: ``ModelCache``, ``ModelSpec`` and
+``ModelOffloader`` (the piper-offload surface).
+
+Python's part is attachment only.  A model is built by its factory, its
+tensors are handed to a C schedule (``LADEN_SCHED_CACHE``) that packs them
+into host memory per block, and its parameters are pointed at that memory.
+Every decision after that -- whole model or streaming, which blocks get a
+device copy, which idle models give way, what is pinned -- is the C cache
+engine's (``include/laden/cache.h``); Python calls it at the start and end
+of each use and re-points the parameters of the models whose addresses
+changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
+    Union
+
+from . import _lib
+from ._dtypes import checkpoint_dtype
+from ._lib import check, error_for, lib
+from ._units import fmt_bytes, parse_size
+from .checkpoint import Checkpoint, PathLike
+from .errors import (InvalidArgumentError, MismatchError, StateError)
+from .streaming import (_DTYPE_CODE, _Tensor, _collect, _compute_stream,
+                        _dev_index, _device, _find_blocks, _nbytes, _view)
+
+log = logging.getLogger("laden")
+
+BLOCK_MODES = {"auto": _lib.CACHE_AUTO, "resident": _lib.CACHE_RESIDENT,
+               "streaming": _lib.CACHE_STREAMING}
+_MODE_NAMES = {_lib.CACHE_RESIDENT: "resident",
+               _lib.CACHE_STREAMING: "streaming"}
+# The parts of a model outside its blocks are packed in pieces of at most
+# this size, so that a model gives up device memory in steps, not whole.
+REST_CHUNK_BYTES = 256 << 20
+HEADROOM_BYTES = 1536 << 20  # kept free for activations by the default budget
+
+
+class ModelNotFoundError(StateError, KeyError):
+    """No model is registered under the key."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model and how to run it.
+
+    ``factory()`` returns a ``torch.nn.Module`` built on the CPU (its
+    storage is taken over by laden) or on ``meta`` with ``checkpoint``
+    naming a safetensors file, index or directory whose tensor names are the
+    model's (read by laden's reader, converted between float32, float16
+    and bfloat16 to the dtypes the model was built with).  ``block_paths``
+    names the block lists (``"transformer_blocks"``) that may be streamed
+    when the model does not fit; ``block_mode`` is ``"auto"`` (whole model
+    on the device when it fits the budget, else streaming), ``"resident"``
+    or ``"streaming"`` (every block streamed, only the parts outside blocks
+    resident).  ``estimated_bytes`` lets the cache make room in RAM before
+    the first build."""
+
+    key: str
+    factory: Callable[[], Any]
+    checkpoint: Optional[PathLike] = field(default=None, kw_only=True)
+    block_paths: Sequence[str] = field(default=(), kw_only=True)
+    block_mode: str = field(default="auto", kw_only=True)
+    estimated_bytes: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        if not isinstance(self.key, str) or not self.key:
+            raise InvalidArgumentError(
+                f"ModelSpec key {self.key!r}: give a non-empty string",
+                "E_INVAL")
+        if not callable(self.factory):
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': factory {self.factory!r} is not "
+                "callable", "E_INVAL")
+        if self.block_mode not in BLOCK_MODES:
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': block_mode {self.block_mode!r}; "
+                f"use one of {', '.join(BLOCK_MODES)}", "E_INVAL")
+        paths = self.block_paths
+        if isinstance(paths, str):
+            paths = (paths,)
+        paths = tuple(paths)
+        if not all(isinstance(p, str) and p for p in paths):
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': block_paths must be module paths "
+                f"(strings), got {self.block_paths!r}", "E_INVAL")
+        object.__setattr__(self, "block_paths", paths)
+        try:
+            est = parse_size(self.estimated_bytes)
+        except ValueError as e:
+            raise InvalidArgumentError(f"ModelSpec '{self.key}': {e}",
+                                       "E_INVAL") from None
+        object.__setattr__(self, "estimated_bytes", est)
+
+
+@dataclass
+class CacheInfo:
+    """Where a cached model's weights are now (bytes)."""
+
+    key: str
+    device: Optional[str]   # where it runs; None before its first use
+    size_bytes: int         # its weights as laden keeps them
+    vram_bytes: int         # on the device (device copies and slots)
+    pinned_bytes: int       # host copy, pinned
+    pageable_bytes: int     # host copy, not pinned
+    disk_bytes: int         # only in the checkpoint (re-read on next use)
+    uses: int
+    last_use: Optional[float]  # time.time() when its last use ended
+    in_use: bool
+    mode: Optional[str]     # "resident" or "streaming" at its last use
+
+
+def _budget(value, what: str) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{what}: {e}", "E_INVAL") from None
+
+
+class _Runtime:
+    """One built model on one device: its C schedule and what is bound."""
+
+    def __init__(self, spec: ModelSpec, device, dc: "_DeviceCache"):
+        self.spec = spec
+        self.device = device
+        self.dc = dc
+        self.model = None
+        self.sched = ctypes.c_void_p()
+        self._fin = None
+        self.tensors: List[_Tensor] = []
+        self.fixed = 0
+        self.gen = -1
+        self.id: Optional[int] = None
+        self.wrapped: List[tuple] = []
+        self.size = 0
+        self.in_use = False
+        self.mode: Optional[int] = None
+        self.uses = 0
+        self.last_use: Optional[float] = None
+
+    # -- building ------------------------------------------------------------
+    def build(self, model=None) -> None:
+        import torch
+
+        spec = self.spec
+        if model is None:
+            model = spec.factory()
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(
+                f"the factory of '{spec.key}' returned "
+                f"{type(model).__name__}, not a torch.nn.Module", "E_INVAL")
+        blocks = _find_blocks(model, spec.block_paths)
+        tensors = _collect(model)
+        owner = {}
+        for bi, (_, mod, _) in enumerate(blocks):
+            for sub in mod.modules():
+                owner.setdefault(id(sub), bi)
+        for t in tensors:
+            got = {owner.get(id(m), -1) for m, _ in t.aliases}
+            t.block = got.pop() if len(got) == 1 else -1  # tied: outside
+        ck = Checkpoint(spec.checkpoint) if spec.checkpoint is not None \
+            else None
+        try:
+            host = self._match(model, tensors, ck)
+            self._load(tensors, blocks, ck, host)
+        finally:
+            if ck is not None:
+                ck.close()
+        self.model = model
+        self.tensors = tensors
+        for t in tensors:
+            self._set(t, self._host_view(t))
+        for bi, (_, mod, _) in enumerate(blocks):
+            self._wrap(mod, self.fixed + bi)
+        st = self.stats()
+        self.size = sum(lib.laden_stream_block_bytes(self.sched, b)
+                        for b in range(lib.laden_stream_block_count(
+                            self.sched)))
+        self.gen = st.generation
+
+    def _match(self, model, tensors, ck) -> Dict[int, object]:
+        """Which tensors come from the checkpoint (t.ckpt_name) and which
+        from host memory (returned: id(t) -> CPU tensor)."""
+        host = {}
+        key = self.spec.key
+        if ck is None:
+            bad = []
+            for t in tensors:
+                cur = getattr(t.aliases[0][0], t.aliases[0][1])
+                if cur.device.type != "cpu":
+                    bad.append(f"{t.names[0]} ({cur.device})")
+                else:
+                    host[id(t)] = cur
+            if bad:
+                raise InvalidArgumentError(
+                    f"model '{key}': tensors not on the CPU: "
+                    f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
+                    "; build the model on the CPU, or on meta with a "
+                    "checkpoint", "E_INVAL")
+            return host
+        names = set(ck.names())
+        used = set()
+        missing, mismatched = [], []
+        for t in tensors:
+            cname = next((n for n in t.names if n in names), None)
+            cur = getattr(t.aliases[0][0], t.aliases[0][1])
+            if cname is None:
+                if cur.device.type == "cpu":
+                    host[id(t)] = cur  # built, not saved: kept as built
+                else:
+                    missing.append(t.names[0])
+                continue
+            info = ck.info(cname)
+            if tuple(info.shape) != tuple(t.shape):
+                mismatched.append(f"{cname}: checkpoint {list(info.shape)}"
+                                  f", model {list(t.shape)}")
+                continue
+            t.ckpt_name = cname
+            used.update(n for n in t.names if n in names)  # tied aliases
+        unexpected = sorted(names - used)
+        if missing or unexpected or mismatched:
+            msg = [f"{ck.path} does not match model '{key}':"]
+            for what, items in (("missing from the checkpoint", missing),
+                                ("unexpected in the checkpoint", unexpected),
+                                ("shapes differ", mismatched)):
+                if items:
+                    msg.append(f"{what} ({len(items)}): "
+                               + ", ".join(items[:20])
+                               + (" ..." if len(items) > 20 else ""))
+            raise MismatchError("\n  ".join(msg), missing=missing,
+                                unexpected=unexpected, mismatched=mismatched)
+        return host
+
+    def _load(self, tensors, blocks, ck, host) -> None:
+        cfg = _lib.SchedConfig(_dev_index(self.device), 0, 0, None,
+                               _lib.SCHED_CACHE)
+        check(lib.laden_stream_create(ctypes.byref(cfg),
+                                      ck._h if ck is not None else None,
+                                      ctypes.byref(self.sched)))
+        self._fin = weakref.finalize(self, lib.laden_stream_destroy,
+                                     self.sched)
+        # The parts outside blocks first, in pieces; then one per block.
+        groups: List[List[_Tensor]] = [[]]
+        size = 0
+        for t in tensors:
+            if t.block >= 0:
+                continue
+            n = _nbytes(t)
+            if groups[-1] and size + n > REST_CHUNK_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += n
+        if not groups[-1]:
+            groups.pop()
+        self.fixed = len(groups)
+        groups += [[t for t in tensors if t.block == bi]
+                   for bi in range(len(blocks))]
+        keep = []  # host sources live until load has copied them
+        cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
+        try:
+            for ts in groups:
+                check(lib.laden_stream_add_block(self.sched, _lib.TIER_RAM,
+                                                 ctypes.byref(cb)))
+                for t in ts:
+                    code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
+                    if t.ckpt_name is not None:
+                        check(lib.laden_stream_add_tensor(
+                            self.sched, cb.value, ck._h,
+                            ck._index[t.ckpt_name], code, ctypes.byref(ci)))
+                    else:
+                        src = host[id(t)].detach().contiguous()
+                        keep.append(src)
+                        check(lib.laden_stream_add_host_tensor(
+                            self.sched, cb.value,
+                            ctypes.c_void_p(src.data_ptr()), code,
+                            src.numel(), code, ctypes.byref(ci)))
+                    t.c_block, t.c_index = cb.value, ci.value
+            check(lib.laden_stream_load(self.sched))
+        except BaseException as e:
+            self._fin()
+            if isinstance(e, ValueError) and "safetensors dtype" in str(e):
+                raise InvalidArgumentError(
+                    f"model '{self.spec.key}': {e}", "E_INVAL") from None
+            raise
+        del keep
+
+    # -- binding -----------------------------------------------------------------
+    def _set(self, t: _Tensor, value) -> None:
+        import torch
+
+        if t.is_param:
+            p = torch.nn.Parameter(value, requires_grad=t.requires_grad
+                                   and value.dtype.is_floating_point)
+            for mod, attr in t.aliases:
+                mod._parameters[attr] = p
+        else:
+            for mod, attr in t.aliases:
+                mod._buffers[attr] = value
+
+    def _host_view(self, t: _Tensor):
+        import torch
+
+        hp = ctypes.c_void_p()
+        check(lib.laden_stream_host_ptr(self.sched, t.c_block, t.c_index,
+                                        ctypes.byref(hp)))
+        return _view(hp.value or 0, _nbytes(t), t.dtype, t.shape,
+                     torch.device("cpu"), self)
+
+    def rebind(self) -> bool:
+        """Points every tensor where it is now: its block's device copy or
+        slot, else its host copy.  Only if an address changed."""
+        st = self.stats()
+        if st.generation == self.gen:
+            return False
+        started = st.nslots > 0
+        ptr = ctypes.c_uint64()
+        for t in self.tensors:
+            on_dev = lib.laden_stream_is_resident(self.sched, t.c_block) or (
+                started and lib.laden_stream_is_streamed(self.sched,
+                                                         t.c_block))
+            if on_dev:
+                check(lib.laden_stream_tensor_ptr(self.sched, t.c_block,
+                                                  t.c_index,
+                                                  ctypes.byref(ptr)))
+                value = _view(ptr.value, _nbytes(t), t.dtype, t.shape,
+                              self.device, self)
+            else:
+                value = self._host_view(t)
+            self._set(t, value)
+        self.gen = st.generation
+        return True
+
+    def _wrap(self, mod, c_block: int) -> None:
+        enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
+        sched, device, rt = self.sched, self.device, self
+        had = "forward" in mod.__dict__
+        orig = mod.forward
+
+        def forward(*args, **kwargs):
+            if not rt.in_use:
+                raise StateError(
+                    f"model '{rt.spec.key}' runs only inside "
+                    "cache.use(...) or between activate() and deactivate()",
+                    "E_STATE")
+            stream = _compute_stream(device)
+            s = enter(sched, c_block, stream)
+            if s:
+                raise error_for(s)
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                leave(sched, c_block, stream)
+                raise
+            s = leave(sched, c_block, stream)
+            if s:
+                raise error_for(s)
+            return out
+
+        self.wrapped.append((mod, mod.__dict__.get("forward"), had))
+        mod.forward = forward
+
+    def stats(self) -> "_lib.SchedStats":
+        st = _lib.SchedStats()
+        check(lib.laden_stream_stats(self.sched, ctypes.byref(st)))
+        return st
+
+    # -- ending ------------------------------------------------------------------
+    def destroy(self, restore: bool) -> None:
+        """Frees the schedule.  The model's tensors become ordinary CPU
+        tensors (restore: copied out of laden's memory) or meta."""
+        import torch
+
+        for mod, prev, had in self.wrapped:
+            if had:
+                mod.forward = prev
+            else:
+                mod.__dict__.pop("forward", None)
+        self.wrapped.clear()
+        for t in self.tensors:
+            if restore:
+                value = self._host_view(t).clone()
+            else:
+                value = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            self._set(t, value)
+        if self._fin is not None:
+            self._fin()
+        self.tensors = []
+        self.model = None
+
+
+class _DeviceCache:
+    """The C cache of one device, and the runtimes bound to it."""
+
+    def __init__(self, device, vram_budget: Optional[int],
+                 pinned_budget: Optional[int]):
+        self.device = device
+        if vram_budget is None:
+            vram_budget = 0
+            if device.type == "cuda":
+                free, total = ctypes.c_uint64(), ctypes.c_uint64()
+                check(lib.laden_dev_mem_info(_dev_index(device),
+                                             ctypes.byref(free),
+                                             ctypes.byref(total)))
+                vram_budget = max(free.value - HEADROOM_BYTES, 1)
+        self.c = ctypes.c_void_p()
+        check(lib.laden_cache_create(vram_budget, pinned_budget or 0,
+                                     ctypes.byref(self.c)))
+        self._fin = weakref.finalize(self, lib.laden_cache_destroy, self.c)
+        self.by_id: Dict[int, _Runtime] = {}
+
+    def stats(self) -> "_lib.CacheStats":
+        st = _lib.CacheStats()
+        check(lib.laden_cache_stats(self.c, ctypes.byref(st)))
+        return st
+
+    def evictions(self, n: int):
+        return (_lib.CacheEvict * max(n, 1))()
+
+
+class ModelCache:
+    """Models kept ready between uses, on the GPU while there is room and
+    in host RAM (pinned within ``pinned_budget``) otherwise.
+
+    ``with cache.use(spec, device=...) as model:`` builds the model on its
+    first use, makes it ready on the device (the whole model when it fits
+    ``vram_budget``, else its blocks streamed) and yields it.  After the
+    ``with`` the model stays on the device until another model needs the
+    room; idle models give way least recently used first, and partly when
+    that is enough.  Using a model still on the device copies nothing.
+
+    Budgets take bytes or strings ("24GB").  ``vram_budget`` counts weights
+    and slots on each device (default: the free memory at the device's
+    first use, less 1.5 GiB for activations).  ``pinned_budget`` counts
+    pinned host copies (default: no limit).  ``ram_budget`` counts all
+    host copies of one device's models; beyond it idle models are dropped,
+    least recently used first, and rebuilt by their factory on their next
+    use (default: no limit).
+
+    One runtime per key, used by one caller at a time.  Buffers changed on
+    the device are not copied back: they keep their values while the model
+    stays on the device and return to the built values once evicted."""
+
+    def __init__(self, *, vram_budget=None, ram_budget=None,
+                 pinned_budget=None):
+        self.vram_budget = _budget(vram_budget, "vram_budget")
+        self.ram_budget = _budget(ram_budget, "ram_budget")
+        self.pinned_budget = _budget(pinned_budget, "pinned_budget")
+        self._specs: Dict[str, ModelSpec] = {}
+        self._rt: Dict[str, _Runtime] = {}
+        self._dev: Dict[Any, _DeviceCache] = {}
+        self._known_size: Dict[str, int] = {}
+        self._uses: Dict[str, int] = {}
+        self._last: Dict[str, float] = {}
+        self._lock = threading.RLock()
+        self.builds = 0
+        self.drops = 0
+
+    # -- registry --------------------------------------------------------------
+    def register(self, spec: ModelSpec) -> ModelSpec:
+        """Registers a spec (``use`` also does) and returns the one the
+        cache keeps.  A key names one model: a later spec with the same key
+        and the same checkpoint, block paths and block mode stands for the
+        model already registered (its factory is not called again); one
+        that differs in those raises StateError."""
+        if not isinstance(spec, ModelSpec):
+            raise InvalidArgumentError(
+                f"register: give a ModelSpec, not {type(spec).__name__}",
+                "E_INVAL")
+        with self._lock:
+            have = self._specs.get(spec.key)
+            if have is None:
+                self._specs[spec.key] = spec
+                return spec
+            same = (have.checkpoint, have.block_paths, have.block_mode) == \
+                (spec.checkpoint, spec.block_paths, spec.block_mode)
+            if not same:
+                raise StateError(
+                    f"model '{spec.key}' is registered with another "
+                    f"checkpoint, block_paths or block_mode ({have}); "
+                    "unregister it first", "E_STATE")
+            return have
+
+    def unregister(self, key: str) -> None:
+        """Forgets a model and frees everything laden holds for it.  Its
+        module's tensors are left on ``meta``."""
+        with self._lock:
+            self._spec(key)
+            self._drop(key, "unregister")
+            del self._specs[key]
+            self._known_size.pop(key, None)
+
+    def keys(self) -> List[str]:
+        return list(self._specs)
+
+    def __contains__(self, key) -> bool:
+        return key in self._specs
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def _spec(self, key: str) -> ModelSpec:
+        spec = self._specs.get(key)
+        if spec is None:
+            raise ModelNotFoundError(
+                f"no model '{key}' in the cache (registered: "
+                f"{', '.join(self._specs) or 'none'})", "E_NOTFOUND")
+        return spec
+
+    # -- use -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def use(self, spec: Union[ModelSpec, str], device=None, *,
+            lookahead: int = 2) -> Iterator[Any]:
+        """Activates the model and yields it; deactivates on exit.  Inputs
+        go on ``device`` (default: the current CUDA device, else the CPU).
+        The model runs on the current stream of that device."""
+        rt = self._activate(spec, device, lookahead)
+        try:
+            yield rt.model
+        finally:
+            self._deactivate(rt)
+
+    def _activate(self, spec, device, lookahead: int,
+                  adopt=None) -> _Runtime:
+        if isinstance(spec, str):
+            spec = self._spec(spec)
+        else:
+            spec = self.register(spec)
+        if not 1 <= lookahead <= 63:
+            raise InvalidArgumentError(
+                f"lookahead {lookahead}: give 1 to 63", "E_INVAL")
+        dev = _device(device)
+        if dev.type == "cuda":
+            import torch
+            torch.cuda.init()
+        with self._lock:
+            rt = self._rt.get(spec.key)
+            if rt is not None and rt.in_use:
+                raise StateError(
+                    f"model '{spec.key}' is in use: a model has one runtime, "
+                    "used by one caller at a time (register a second model "
+                    "under another key for concurrent use)", "E_STATE")
+            if rt is not None and rt.device != dev:
+                log.debug("laden cache: '%s' moves from %s to %s: rebuilt",
+                          spec.key, rt.device, dev)
+                self._drop(spec.key, "device change", restore=adopt is not None)
+                rt = None
+            if rt is None:
+                rt = self._build(spec, dev, adopt)
+            self._run(rt, lookahead)
+            return rt
+
+    def _dc(self, dev) -> _DeviceCache:
+        dc = self._dev.get(dev)
+        if dc is None:
+            dc = _DeviceCache(dev, self.vram_budget, self.pinned_budget)
+            self._dev[dev] = dc
+        return dc
+
+    def _build(self, spec: ModelSpec, dev, adopt) -> _Runtime:
+        dc = self._dc(dev)
+        need = self._known_size.get(spec.key, spec.estimated_bytes)
+        self._make_host_room(dc, None, need)
+        t0 = time.perf_counter()
+        rt = _Runtime(spec, dev, dc)
+        rt.build(adopt)
+        cid = ctypes.c_uint32()
+        try:
+            check(lib.laden_cache_add(dc.c, spec.key.encode(), rt.size,
+                                      ctypes.byref(cid)))
+            s = lib.laden_cache_bind(dc.c, cid.value, rt.sched, rt.fixed)
+            if s:
+                err = error_for(s)
+                lib.laden_cache_remove(dc.c, cid.value)
+                raise err
+        except BaseException:
+            rt.destroy(restore=adopt is not None)
+            raise
+        rt.id = cid.value
+        dc.by_id[rt.id] = rt
+        self._rt[spec.key] = rt
+        self._known_size[spec.key] = rt.size
+        self.builds += 1
+        log.debug("laden cache: built '%s' for %s: %s in %u blocks (%u "
+                  "outside blocks) in %.2f s", spec.key, dev,
+                  fmt_bytes(rt.size), lib.laden_stream_block_count(rt.sched),
+                  rt.fixed, time.perf_counter() - t0)
+        self._make_host_room(dc, rt, 0)
+        return rt
+
+    def _make_host_room(self, dc: _DeviceCache, rt: Optional[_Runtime],
+                        need: int) -> None:
+        if self.ram_budget is None:
+            return
+        ev = dc.evictions(len(dc.by_id))
+        n = ctypes.c_uint32()
+        s = lib.laden_cache_plan_host(
+            dc.c, rt.id if rt is not None else 0xFFFFFFFF, self.ram_budget,
+            need, ev, len(dc.by_id), ctypes.byref(n))
+        if s:
+            log.warning("laden cache: %s", error_for(s))
+            return
+        for i in range(n.value):
+            victim = dc.by_id[ev[i].model]
+            log.debug("laden cache: RAM budget: dropping idle '%s' (%s of "
+                      "host memory); it is rebuilt on its next use",
+                      victim.spec.key, fmt_bytes(ev[i].drop_bytes))
+            self._drop(victim.spec.key, "RAM budget")
+
+    def _run(self, rt: _Runtime, lookahead: int) -> None:
+        dc = rt.dc
+        ev = dc.evictions(len(dc.by_id))
+        n = ctypes.c_uint32()
+        act = _lib.CacheActivation()
+        mode = BLOCK_MODES[rt.spec.block_mode]
+        t0 = time.perf_counter()
+        s = lib.laden_cache_activate(dc.c, rt.id, mode, lookahead,
+                                     _compute_stream(rt.device), ev,
+                                     len(dc.by_id), ctypes.byref(n),
+                                     ctypes.byref(act))
+        # Idle models that gave up memory point at their host copies now,
+        # also when the activation failed half way.
+        for other in list(dc.by_id.values()):
+            if other is not rt:
+                other.rebind()
+        if s:
+            err = error_for(s)
+            rt.rebind()
+            raise err
+        rt.in_use = True
+        try:
+            rt.rebind()
+        except BaseException:
+            self._deactivate(rt)
+            raise
+        rt.mode = act.mode
+        rt.uses += 1
+        if log.isEnabledFor(logging.DEBUG):
+            gone = ", ".join(
+                f"'{dc.by_id[ev[i].model].spec.key}' -{fmt_bytes(ev[i].drop_bytes)}"
+                for i in range(n.value) if ev[i].model in dc.by_id)
+            log.debug(
+                "laden cache: use '%s' on %s: %s, %u blocks resident, %u "
+                "streamed; uploaded %s, kept %s on the device, slots %s; "
+                "evicted %s from %u idle model(s)%s; pinned %s, unpinned %s "
+                "of others%s; %.2f ms", rt.spec.key, rt.device,
+                _MODE_NAMES.get(act.mode, "?"), act.resident_blocks,
+                act.streamed_blocks, fmt_bytes(act.upload_bytes),
+                fmt_bytes(act.kept_bytes), fmt_bytes(act.slot_bytes),
+                fmt_bytes(act.evicted_bytes), act.evicted_models,
+                f" ({gone})" if gone else "", fmt_bytes(act.pinned_bytes),
+                fmt_bytes(act.unpinned_bytes),
+                " (pinning failed: copy stays pageable)"
+                if act.pin_failed else "",
+                (time.perf_counter() - t0) * 1e3)
+
+    def _deactivate(self, rt: _Runtime) -> None:
+        with self._lock:
+            if not rt.in_use:
+                return
+            rt.in_use = False
+            rt.last_use = time.time()
+            check(lib.laden_cache_deactivate(rt.dc.c, rt.id,
+                                             _compute_stream(rt.device)))
+
+    # -- releasing -------------------------------------------------------------
+    def _drop(self, key: str, why: str, restore: bool = False) -> None:
+        rt = self._rt.get(key)
+        if rt is None:
+            return
+        if rt.in_use:
+            raise StateError(f"model '{key}' is in use and cannot be "
+                             f"dropped ({why})", "E_STATE")
+        dc = rt.dc
+        check(lib.laden_cache_unbind(dc.c, rt.id))
+        check(lib.laden_cache_remove(dc.c, rt.id))
+        del dc.by_id[rt.id]
+        del self._rt[key]
+        self._uses[key] = self._uses.get(key, 0) + rt.uses
+        if rt.last_use is not None:
+            self._last[key] = rt.last_use
+        rt.destroy(restore)
+        self.drops += 1
+
+    def evict(self, key: str) -> int:
+        """Frees a model's device memory and unpins its host copy, which
+        stays in RAM.  Returns the device bytes freed.  StateError if in
+        use."""
+        with self._lock:
+            self._spec(key)
+            rt = self._rt.get(key)
+            if rt is None:
+                return 0
+            freed = ctypes.c_uint64()
+            check(lib.laden_cache_drop(rt.dc.c, rt.id, (1 << 64) - 1, 1,
+                                       ctypes.byref(freed)))
+            rt.rebind()
+            log.debug("laden cache: evicted '%s': %s of device memory",
+                      key, fmt_bytes(freed.value))
+            return freed.value
+
+    def evict_bytes(self, nbytes) -> int:
+        """Frees at least ``nbytes`` of device memory (on every device)
+        from idle models, least recently used first; returns what was
+        freed (less if the idle models held less)."""
+        want = _budget(nbytes, "evict_bytes")
+        with self._lock:
+            total = 0
+            for dc in self._dev.values():
+                before = dc.stats().vram_bytes
+                ev = dc.evictions(len(dc.by_id))
+                n = ctypes.c_uint32()
+                check(lib.laden_cache_free_vram(dc.c, want, ev,
+                                                len(dc.by_id),
+                                                ctypes.byref(n)))
+                for rt in dc.by_id.values():
+                    rt.rebind()
+                total += before - dc.stats().vram_bytes
+            return total
+
+    def clear(self) -> None:
+        """Frees every model's device and host memory (they are rebuilt on
+        their next use; specs stay registered).  StateError, with nothing
+        freed, if a model is in use."""
+        with self._lock:
+            busy = [k for k, rt in self._rt.items() if rt.in_use]
+            if busy:
+                raise StateError(
+                    f"clear: models in use: {', '.join(busy)}", "E_STATE")
+            for key in list(self._rt):
+                self._drop(key, "clear")
+
+    # -- reporting -------------------------------------------------------------
+    def info(self, key: str) -> CacheInfo:
+        with self._lock:
+            spec = self._spec(key)
+            rt = self._rt.get(key)
+            if rt is None:
+                size = self._known_size.get(key, spec.estimated_bytes)
+                return CacheInfo(key, None, size, 0, 0, 0,
+                                 size if spec.checkpoint is not None else 0,
+                                 self._uses.get(key, 0), self._last.get(key),
+                                 False, None)
+            ci = _lib.CacheInfo()
+            check(lib.laden_cache_info(rt.dc.c, rt.id, ctypes.byref(ci)))
+            return CacheInfo(
+                key, str(rt.device), rt.size, ci.vram_bytes, ci.pinned_bytes,
+                rt.size - ci.pinned_bytes, 0,
+                self._uses.get(key, 0) + rt.uses,
+                rt.last_use if rt.last_use is not None else
+                self._last.get(key), rt.in_use,
+                _MODE_NAMES.get(rt.mode) if rt.mode is not None else None)
+
+    def stats(self) -> Dict[str, int]:
+        """Totals over every device: bytes held and budgets, activations,
+        hits (activations that copied nothing), bytes uploaded, evictions
+        and evicted bytes, bytes pinned and unpinned, builds and drops."""
+        out = {"models": len(self._specs), "built": len(self._rt),
+               "in_use": 0, "vram_bytes": 0, "pinned_bytes": 0,
+               "host_bytes": sum(rt.size for rt in self._rt.values()),
+               "vram_budget_bytes": 0, "pinned_budget_bytes":
+               self.pinned_budget or 0, "ram_budget_bytes":
+               self.ram_budget or 0, "activations": 0, "hits": 0,
+               "upload_bytes": 0, "evictions": 0, "evicted_bytes": 0,
+               "pin_bytes": 0, "unpin_bytes": 0, "builds": self.builds,
+               "drops": self.drops}
+        with self._lock:
+            for dc in self._dev.values():
+                st = dc.stats()
+                out["in_use"] += st.in_use
+                out["vram_bytes"] += st.vram_bytes
+                out["pinned_bytes"] += st.pinned_bytes
+                out["vram_budget_bytes"] += st.vram_budget_bytes
+                out["activations"] += st.acquires
+                for f in ("hits", "upload_bytes", "evictions",
+                          "evicted_bytes", "pin_bytes", "unpin_bytes"):
+                    out[f] += getattr(st, f)
+        return out
+
+    def __repr__(self) -> str:
+        st = self.stats()
+        return (f"ModelCache({st['models']} models, {st['built']} built, "
+                f"VRAM {fmt_bytes(st['vram_bytes'])}, pinned "
+                f"{fmt_bytes(st['pinned_bytes'])}, host "
+                f"{fmt_bytes(st['host_bytes'])})")
+
+
+class ModelOffloader:
+    """Direct control of one model's lifecycle: ``activate(device)`` puts
+    it on the device (whole, or streamed by blocks when it does not fit
+    ``vram_budget``) and returns it; ``deactivate()`` frees its device
+    memory and keeps its pinned host copy.  ``close()`` gives the module
+    back as an ordinary CPU module (its tensors copied out of laden's
+    memory)."""
+
+    def __init__(self, model, *, block_paths: Sequence[str] = (),
+                 block_mode: str = "auto", vram_budget=None,
+                 pinned_budget=None, key: Optional[str] = None):
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(
+                f"ModelOffloader: give a torch.nn.Module, not "
+                f"{type(model).__name__}", "E_INVAL")
+        self._module = model
+        self.key = key or f"{type(model).__name__}@{id(model):x}"
+        self.spec = ModelSpec(self.key, lambda: self._module,
+                              block_paths=block_paths, block_mode=block_mode)
+        self._cache = ModelCache(vram_budget=vram_budget,
+                                 pinned_budget=pinned_budget)
+        self._cache.register(self.spec)
+        self._rt: Optional[_Runtime] = None
+
+    @classmethod
+    def from_module(cls, model, *, block_paths: Sequence[str] = (),
+                    **kwargs) -> "ModelOffloader":
+        """Takes over a model built on the CPU (its storage is packed into
+        laden's host memory; the module's tensors point there)."""
+        return cls(model, block_paths=block_paths, **kwargs)
+
+    @property
+    def model(self):
+        return self._module
+
+    @property
+    def active(self) -> bool:
+        return self._rt is not None and self._rt.in_use
+
+    def activate(self, device=None, *, lookahead: int = 2):
+        """Makes the model ready on ``device`` and returns it."""
+        if self.active:
+            raise StateError(f"{self.key}: already active", "E_STATE")
+        self._rt = self._cache._activate(self.spec, device, lookahead,
+                                         adopt=self._module)
+        return self._module
+
+    def deactivate(self) -> None:
+        """Ends the use and frees the model's device memory."""
+        if not self.active:
+            raise StateError(f"{self.key}: not active", "E_STATE")
+        self._cache._deactivate(self._rt)
+        self._cache.evict(self.key)
+
+    def info(self) -> CacheInfo:
+        return self._cache.info(self.key)
+
+    def close(self) -> None:
+        """Frees everything laden holds; the module keeps its weights as
+        ordinary CPU tensors."""
+        if self.active:
+            raise StateError(f"{self.key}: deactivate() first", "E_STATE")
+        with self._cache._lock:
+            self._cache._drop(self.key, "close", restore=True)
+        self._rt = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            self.deactivate()
+        self.close()

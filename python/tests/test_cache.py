@@ -1,0 +1,289 @@
+"""ModelCache, ModelSpec and ModelOffloader: three models larger together
+than the budgets, used in rotation, on the CPU device (and CUDA when
+present).  Outputs are compared bit for bit with the models loaded
+normally."""
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+
+import laden
+from laden import ModelCache, ModelOffloader, ModelSpec
+from models import reference, on_meta
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+BLOCKS = ("blocks", "stages.0", "stages.1")
+
+
+def ids(n=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (2, n), generator=g)
+
+
+def expected(seed, device):
+    r = copy.deepcopy(reference(seed)).to(device)
+    with torch.no_grad():
+        return r(ids().to(device))
+
+
+def spec(seed, **kw):
+    kw.setdefault("block_paths", BLOCKS)
+    return ModelSpec(f"model{seed}", lambda: reference(seed), **kw)
+
+
+def size_of(seed):
+    cache = ModelCache()
+    with cache.use(spec(seed), device="cpu"):
+        pass
+    return cache.info(f"model{seed}").size_bytes
+
+
+def run(cache, sp, device):
+    with cache.use(sp, device=device) as m, torch.no_grad():
+        return m(ids().to(device))
+
+
+def held(cache, key):
+    return cache.info(key).vram_bytes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotation_lru_reuse_and_budgets(device):
+    size = size_of(0)
+    budget = 2 * size + size // 2  # two whole models, not three
+    cache = ModelCache(vram_budget=budget, pinned_budget=2 * size)
+    specs = [spec(s) for s in range(3)]
+    refs = [expected(s, device) for s in range(3)]
+    for r in range(9):
+        i = r % 3
+        before = cache.stats()
+        had = held(cache, specs[i].key) if specs[i].key in cache._rt else 0
+        out = run(cache, specs[i], device)
+        assert torch.equal(out, refs[i])
+        st = cache.stats()
+        assert st["vram_bytes"] <= budget
+        assert st["pinned_bytes"] <= 2 * size
+        info = cache.info(specs[i].key)
+        assert info.mode == "resident" and info.vram_bytes == info.size_bytes
+        # Only what was missing moved (the budget leaves a half model
+        # to the least recently used one).
+        assert st["upload_bytes"] - before["upload_bytes"] == size - had
+        assert r < 3 or 0 < had < size
+        if r >= 2:  # the model used two turns ago was the LRU idle one
+            assert held(cache, specs[(i + 1) % 3].key) < size
+            assert held(cache, specs[(i + 2) % 3].key) == size
+        # Re-use of a model still on the device copies nothing.
+        again = run(cache, specs[i], device)
+        assert torch.equal(again, refs[i])
+        assert cache.stats()["upload_bytes"] == st["upload_bytes"]
+    st = cache.stats()
+    assert st["hits"] == 9 and st["builds"] == 3 and st["activations"] == 18
+    info = cache.info("model1")
+    assert info.uses == 6 and not info.in_use and info.last_use is not None
+    assert info.pinned_bytes + info.pageable_bytes == info.size_bytes
+    cache.clear()
+    assert cache.stats()["vram_bytes"] == 0 and cache.stats()["built"] == 0
+    assert torch.equal(run(cache, specs[0], device), refs[0])  # rebuilt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_eviction_and_streaming(device):
+    size = size_of(0)
+    # Room for one whole model and part of another.
+    budget = size + size // 2
+    cache = ModelCache(vram_budget=budget)
+    specs = [spec(s) for s in range(3)]
+    refs = [expected(s, device) for s in range(3)]
+    for r in range(6):
+        i = r % 3
+        assert torch.equal(run(cache, specs[i], device), refs[i])
+        assert cache.stats()["vram_bytes"] <= budget
+    # A partly evicted model keeps its first blocks and uploads the rest.
+    last = specs[1].key  # used two turns ago
+    part = held(cache, last)
+    assert 0 < part < size
+    up = cache.stats()["upload_bytes"]
+    assert torch.equal(run(cache, specs[1], device), refs[1])
+    assert cache.stats()["upload_bytes"] - up == size - part
+    # Too big for the budget: streamed, outputs the same.
+    small = ModelCache(vram_budget=size * 6 // 10)
+    big = spec(2)
+    for _ in range(3):
+        assert torch.equal(run(small, big, device), refs[2])
+        assert small.info("model2").mode == "streaming"
+        assert small.stats()["vram_bytes"] <= size * 6 // 10
+    forced = ModelCache()
+    assert torch.equal(run(forced, spec(2, block_mode="streaming"), device),
+                       refs[2])
+    assert forced.info("model2").mode == "streaming"
+    assert forced.info("model2").vram_bytes < size
+
+
+def test_in_use_errors():
+    cache = ModelCache()
+    sp = spec(0)
+    with cache.use(sp, device="cpu") as m:
+        with pytest.raises(laden.StateError, match="in use"):
+            with cache.use(sp, device="cpu"):
+                pass
+        for call in (cache.clear, lambda: cache.evict("model0"),
+                     lambda: cache.unregister("model0")):
+            with pytest.raises(laden.StateError, match="in use"):
+                call()
+        with torch.no_grad():
+            m(ids())  # still usable
+    with pytest.raises(laden.StateError, match="inside cache.use"):
+        with torch.no_grad():
+            m(ids())
+    cache.unregister("model0")
+    assert "model0" not in cache
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(laden.InvalidArgumentError, match="block_mode"):
+        ModelSpec("k", reference, block_mode="fast")
+    with pytest.raises(laden.InvalidArgumentError, match="not callable"):
+        ModelSpec("k", 3)
+    with pytest.raises(laden.InvalidArgumentError, match="non-empty"):
+        ModelSpec("", reference)
+    cache = ModelCache()
+    with pytest.raises(laden.ModelNotFoundError, match="no model 'nope'"):
+        cache.info("nope")
+    with pytest.raises(KeyError):
+        cache.evict("nope")
+    first = cache.register(spec(0))
+    assert cache.register(spec(0)) is first  # same key, same layout
+    with pytest.raises(laden.StateError, match="block_mode"):
+        cache.register(spec(0, block_mode="streaming"))
+    with pytest.raises(laden.InvalidArgumentError, match="not a torch.nn"):
+        with cache.use(ModelSpec("bad", lambda: 42), device="cpu"):
+            pass
+    with pytest.raises(laden.InvalidArgumentError, match="names no module"):
+        with cache.use(ModelSpec("b2", reference, block_paths=("nope",)),
+                       device="cpu"):
+            pass
+    with pytest.raises(laden.InvalidArgumentError, match="on meta with"):
+        with cache.use(ModelSpec("b3", on_meta), device="cpu"):
+            pass
+    with pytest.raises(laden.InvalidArgumentError, match="vram_budget"):
+        ModelCache(vram_budget="lots")
+    with pytest.raises(laden.BudgetError, match="model0"):
+        with ModelCache(vram_budget=1000).use(spec(0), device="cpu"):
+            pass
+    with pytest.raises(laden.BudgetError, match="model0"):
+        with ModelCache(vram_budget=size_of(0) - 1).use(
+                spec(0, block_mode="resident"), device="cpu"):
+            pass
+    # A failed use leaves the model idle and whole.
+    c2 = ModelCache(vram_budget=size_of(0) - 1)
+    with pytest.raises(laden.BudgetError):
+        with c2.use(spec(0, block_mode="resident"), device="cpu"):
+            pass
+    info = c2.info("model0")
+    assert not info.in_use and info.vram_bytes == 0
+    with c2.use(spec(1), device="cpu") as m, torch.no_grad():
+        assert torch.equal(m(ids()), expected(1, "cpu"))
+
+
+def test_checkpoint_on_meta(tmp_path):
+    ref = reference(3)
+    path = tmp_path / "m.safetensors"
+    laden.save_file(ref.state_dict(), path)
+    cache = ModelCache()
+    sp = ModelSpec("meta", on_meta, checkpoint=path, block_paths=BLOCKS)
+    assert torch.equal(run(cache, sp, "cpu"), expected(3, "cpu"))
+    assert cache.info("meta").disk_bytes == 0
+    cache.clear()
+    assert cache.info("meta").disk_bytes > 0  # re-read on its next use
+    sd = ref.state_dict()
+    sd["extra.weight"] = sd.pop("norm.weight")
+    bad = tmp_path / "bad.safetensors"
+    laden.save_file(sd, bad)
+    with pytest.raises(laden.MismatchError) as e:
+        with cache.use(ModelSpec("bad", on_meta, checkpoint=bad), "cpu"):
+            pass
+    assert e.value.missing == ["norm.weight"]
+    assert e.value.unexpected == ["extra.weight"]
+
+
+def test_ram_budget_drops_idle_models_and_rebuilds():
+    size = size_of(0)
+    cache = ModelCache(ram_budget=2 * size + size // 2)
+    refs = [expected(s, "cpu") for s in range(3)]
+    for r in range(6):
+        assert torch.equal(run(cache, spec(r % 3), "cpu"), refs[r % 3])
+        assert cache.stats()["host_bytes"] <= 2 * size + size // 2
+    assert cache.stats()["builds"] == 6 and cache.stats()["drops"] == 4
+
+
+def test_model_offloader_round_trip():
+    model = reference(4)
+    want = expected(4, "cpu")
+    off = ModelOffloader.from_module(model, block_paths=BLOCKS)
+    for _ in range(3):
+        m = off.activate("cpu")
+        assert m is model and off.active
+        with torch.no_grad():
+            assert torch.equal(m(ids()), want)
+        off.deactivate()
+        assert off.info().vram_bytes == 0
+    with pytest.raises(laden.StateError, match="not active"):
+        off.deactivate()
+    off.close()
+    with torch.no_grad():  # an ordinary CPU module again
+        assert torch.equal(model(ids()), want)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_decisions_are_logged(caplog):
+    size = size_of(0)
+    cache = ModelCache(vram_budget=size + size // 2)
+    with caplog.at_level(logging.DEBUG, logger="laden"):
+        for s in (0, 1, 0):
+            run(cache, spec(s), "cpu")
+    text = caplog.text
+    assert "use 'model1'" in text and "evicted" in text
+    assert "'model0' -" in text  # which model gave way, and how much
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_no_rss_growth_over_100_rotations():
+    import torch.nn as nn
+
+    class Wide(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.blocks = nn.ModuleList(nn.Linear(256, 256)
+                                        for _ in range(8))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return x
+
+    specs = [ModelSpec(f"w{s}", lambda s=s: Wide(s), block_paths=("blocks",))
+             for s in range(3)]
+    size = 8 * (256 * 256 + 256) * 4
+    cache = ModelCache(vram_budget=size + size // 2, pinned_budget=size * 2)
+    x = torch.randn(4, 256)
+    refs = [Wide(s)(x).detach() for s in range(3)]
+
+    def rotate(n):
+        for r in range(n):
+            with cache.use(specs[r % 3], device="cpu") as m, torch.no_grad():
+                assert torch.equal(m(x), refs[r % 3])
+
+    rotate(15)
+    before = rss()
+    rotate(100)
+    grown = rss() - before
+    assert grown < 8 << 20, f"RSS grew by {grown / 1e6:.1f} MB"
