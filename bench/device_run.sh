@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Everything this issue runs on the GPU machine, in one call: build there,
-# C tests (CUDA device included), the same under ASan+UBSan, pytest, laden
-# probe, bench/read.py.  Logs go to $OUT (or bench/out).
+# What runs on the GPU machine, in one call: build there, C tests (CUDA
+# device included), the same under ASan+UBSan, pytest, then the benchmark
+# of the section asked for:
+#   bash bench/device_run.sh [read|cache]   (default: read)
+#   read:  laden probe, bench/read.py
+#   cache: bench/cache.py with piper-offload (wheels from .whl/, carried)
+# Logs go to $OUT (or bench/out).
 set -uo pipefail
+SECTION=${1:-read}
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,12 +23,21 @@ log "build + C tests"
 log "C tests under ASan+UBSan"
 ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
   cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ ) \
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ ) \
   2>&1 | tee "$OUT/asan.log" | tail -12
 log "pip install + pytest"
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
 (cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
-log "laden probe"
-laden probe --dir . 2>&1 | tee "$OUT/probe.log"
-log "bench/read.py"
-python3 bench/read.py --size 4GB --sweep --dir bench/out 2>&1 | tee "$OUT/read.log"
+if [ "$SECTION" = read ]; then
+  log "laden probe"
+  laden probe --dir . 2>&1 | tee "$OUT/probe.log"
+  log "bench/read.py"
+  python3 bench/read.py --size 4GB --sweep --dir bench/out 2>&1 | tee "$OUT/read.log"
+fi
+if [ "$SECTION" = cache ]; then
+  log "piper-offload wheels"
+  python3 -m pip install -q --no-deps --ignore-requires-python --target /tmp/site \
+    .whl/piper_offload-*.whl .whl/piper_kernels-*.whl 2>&1 | tail -2
+  log "bench/cache.py"
+  PYTHONPATH=/tmp/site python3 bench/cache.py 2>&1 | tee "$OUT/cache.log"
+fi

@@ -1,0 +1,274 @@
+"""ModelCache benchmark: three models used in rotation with a VRAM budget
+that holds two, and the same rotation with piper-offload's ModelCache.
+
+Per switch it prints the time until the model is ready on the device (the
+upload waited for), the bytes laden moved, and the time those bytes take
+at the pinned H2D rate measured in the same run (the link): "link" is
+ideal / measured, 1.00 = the copy engine's full speed.  Then the time to
+re-use a model still on the device (enter + exit of ``cache.use``).
+Outputs are checked against each model run plainly on the GPU.  Prints,
+never asserts timings.
+
+    python3 bench/cache.py [--model-gb 4] [--budget-gb 9] [--rounds 3]
+                           [--peers piper]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stream import print_table  # noqa: E402
+
+import laden  # noqa: E402
+from laden import _lib  # noqa: E402
+
+D = 8192
+DEV = "cuda"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, D, bias=False)
+        self.down = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.down(torch.tanh(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, nblocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(nblocks))
+        self.head = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+_BASE = None
+
+
+def factory(seed, nblocks):
+    """A bf16 model on the CPU, filled fast from one random buffer."""
+    def build():
+        global _BASE
+        if _BASE is None:
+            g = torch.Generator().manual_seed(0)
+            _BASE = (torch.randn(D * D, generator=g) * 0.02).to(torch.bfloat16)
+        with torch.device("meta"):
+            net = Net(nblocks)
+        net = net.to_empty(device="cpu").to(torch.bfloat16)
+        with torch.no_grad():
+            for i, p in enumerate(net.parameters()):
+                p.copy_(_BASE.view(D, D).roll(seed * 131 + i, 0))
+        return net.eval().requires_grad_(False)
+    return build
+
+
+def rss_gb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+def h2d_rate():
+    out = ctypes.c_double()
+    _lib.check(_lib.lib.laden_dev_measure_copy(
+        0 if DEV == "cuda" else _lib.DEVICE_CPU, _lib.COPY_H2D_PINNED,
+        1 << 30, 5, ctypes.byref(out)))
+    return out.value
+
+
+def rotation(name, use, upload_bytes, keys, refs, x, rounds, rate, rows):
+    """Uses the models in turn; one row per switch."""
+    for r in range(rounds * len(keys)):
+        k = keys[r % len(keys)]
+        before = upload_bytes()
+        sync()
+        t0 = time.perf_counter()
+        with use(k) as m:
+            sync()
+            ready = time.perf_counter() - t0
+            with torch.no_grad():
+                y = m(x)
+            sync()
+        moved = upload_bytes() - before
+        ok = torch.equal(y, refs[k])
+        ideal = moved / rate if moved else 0.0
+        rows.append([name, f"{r + 1}", k, f"{moved / 1e9:.2f}",
+                     f"{ready * 1e3:.1f}", f"{ideal * 1e3:.1f}",
+                     f"{ideal / ready:.2f}" if moved else "-",
+                     "yes" if ok else "NO"])
+
+
+def reuse_times(use, key, n=200):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with use(key):
+            pass
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return statistics.median(ts), ts[int(0.99 * (len(ts) - 1))]
+
+
+def install_dllist_shim():
+    """piper-offload needs ctypes.util.dllist (Python 3.14); on older
+    Pythons list the loaded shared objects from /proc/self/maps."""
+    import ctypes.util
+
+    if hasattr(ctypes.util, "dllist"):
+        return
+
+    def dllist():
+        seen = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and ".so" in parts[5] and \
+                        parts[5] not in seen:
+                    seen.append(parts[5])
+        return seen
+
+    ctypes.util.dllist = dllist
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-gb", type=float, default=4.0)
+    ap.add_argument("--budget-gb", type=float, default=None,
+                    help="VRAM budget (default: 2.25 models)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peers", default="piper")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda, or cpu for a dry run of the harness")
+    ap.add_argument("--dim", type=int, default=8192)
+    args = ap.parse_args()
+    global DEV, D
+    DEV, D = args.device, args.dim
+    if DEV == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/cache.py needs a CUDA device (or --device cpu)")
+    block_bytes = 2 * D * D * 2
+    nblocks = max(1, round(args.model_gb * 1e9 / block_bytes) - 1)
+    size = (nblocks * 2 + 1) * D * D * 2
+    budget = int((args.budget_gb or 2.25 * size / 1e9) * 1e9)
+    if DEV == "cuda":
+        torch.cuda.init()
+    rate = h2d_rate()
+    keys = ["text-encoder", "unet", "vae"]
+    facts = {k: factory(i, nblocks) for i, k in enumerate(keys)}
+    x = torch.randn(4, D, device=DEV, dtype=torch.bfloat16)
+    refs = {}
+    for k in keys:
+        m = facts[k]().to(DEV)
+        with torch.no_grad():
+            refs[k] = m(x)
+        del m
+    gc.collect()
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "CPU device"
+    print(f"laden {laden.__version__}, torch {torch.__version__}, {name}")
+    print(f"3 models of {size / 1e9:.2f} GB ({nblocks} blocks of "
+          f"{block_bytes / 1e6:.0f} MB + a head), bf16; VRAM budget "
+          f"{budget / 1e9:.2f} GB; pinned H2D {rate / 1e9:.2f} GB/s")
+    rows = []
+
+    # -- laden ----------------------------------------------------------------
+    cache = laden.ModelCache(vram_budget=budget)
+    specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",))
+             for k in keys}
+
+    def lused(k):
+        return cache.use(specs[k], device=DEV)
+
+    t0 = time.perf_counter()
+    for k in keys:  # first uses: build, pack, pin, upload
+        s0 = time.perf_counter()
+        with lused(k):
+            sync()
+        print(f"laden first use of {k}: {time.perf_counter() - s0:.2f} s "
+              f"(build, pack into laden memory, pin in place, upload)")
+    print(f"laden first uses: {time.perf_counter() - t0:.2f} s; RSS "
+          f"{rss_gb():.1f} GB")
+    rotation("laden", lused, lambda: cache.stats()["upload_bytes"], keys,
+             refs, x, args.rounds, rate, rows)
+    med, p99 = reuse_times(lused, keys[(args.rounds * 3 - 1) % 3])
+    st = cache.stats()
+    reuse = [["laden", f"{med * 1e6:.0f}", f"{p99 * 1e6:.0f}"]]
+    print(f"laden stats: {st}")
+    cache.clear()
+    del cache
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+    # -- piper-offload ------------------------------------------------------------
+    if "piper" in args.peers:
+        try:
+            install_dllist_shim()
+            import piper_offload as po
+
+            pc = po.ModelCache()
+            pspecs = {k: po.ModelSpec(key=k, factory=facts[k],
+                                      block_paths=("blocks",),
+                                      block_mode="resident")
+                      for k in keys}
+
+            def pused(k):
+                return pc.use(pspecs[k], device=torch.device(DEV))
+
+            t0 = time.perf_counter()
+            for k in keys:
+                with pused(k):
+                    sync()
+            print(f"piper first uses: {time.perf_counter() - t0:.2f} s")
+            with pused(keys[0]):
+                inside = torch.cuda.memory_allocated() if DEV == "cuda" \
+                    else 0
+            after = torch.cuda.memory_allocated() if DEV == "cuda" else 0
+            print(f"piper: allocated during a use {inside / 1e9:.2f} GB, "
+                  f"after it {after / 1e9:.2f} GB")
+            # piper keeps no model on the GPU between uses: every use
+            # uploads the whole model.
+            moved = {"n": 0}
+
+            def pbytes():
+                return moved["n"]
+
+            def pused_count(k):
+                moved["n"] += size
+                return pused(k)
+
+            rotation(f"piper {po.__version__ if hasattr(po, '__version__') else ''}".strip(),
+                     pused_count, pbytes, keys, refs, x, args.rounds, rate,
+                     rows)
+            med, p99 = reuse_times(pused, keys[-1], n=20)
+            reuse.append(["piper-offload", f"{med * 1e6:.0f}",
+                          f"{p99 * 1e6:.0f}"])
+        except Exception as e:  # record why the peer did not run
+            print(f"piper-offload did not run: {type(e).__name__}: {e}")
+    print()
+    print_table([["cache", "switch", "model", "GB moved", "ready ms",
+                  "ideal ms", "link", "output ok"]] + rows)
+    print()
+    print_table([["cache", "re-use median us", "p99 us"]] + reuse)
+
+
+if __name__ == "__main__":
+    main()
