@@ -129,10 +129,16 @@ def reuse_times(use, key, n=200):
     return statistics.median(ts), ts[int(0.99 * (len(ts) - 1))]
 
 
-def install_dllist_shim():
-    """piper-offload needs ctypes.util.dllist (Python 3.14); on older
-    Pythons list the loaded shared objects from /proc/self/maps."""
+def install_piper_shims():
+    """piper-offload 0.9 asks for Python 3.14 and torch 2.14.  Two shims
+    let it run on older ones: ctypes.util.dllist (3.14) lists the loaded
+    shared objects from /proc/self/maps, and its optional kernel package
+    piper_kernels, whose import fails with a TypeError on an older Triton
+    (piper-offload only catches ImportError), is made to raise
+    ImportError; dense bf16 models do not use it."""
     import ctypes.util
+
+    sys.modules.setdefault("piper_kernels", None)
 
     if hasattr(ctypes.util, "dllist"):
         return
@@ -221,7 +227,7 @@ def main():
     # -- piper-offload ------------------------------------------------------------
     if "piper" in args.peers:
         try:
-            install_dllist_shim()
+            install_piper_shims()
             import piper_offload as po
 
             pc = po.ModelCache()

@@ -176,6 +176,8 @@ static void rotation(int32_t dev)
         CHECK(act.mode == LADEN_CACHE_RESIDENT);
         CHECK(act.upload_bytes == 4000 && act.kept_bytes == 0);
         CHECK(act.evicted_models == (round < 2 ? 0u : 1u));
+        /* The evicted model's regions are the new model's: same sizes. */
+        CHECK(act.reused_bytes == (round < 2 ? 0u : 4000u));
         if (round >= 2) /* the model used two activations ago gave way */
             CHECK(held(&m[(round + 1) % 3]) == 0);
         CHECK(held(&m[(round + 2) % 3]) == (round ? 4000u : 0u));
@@ -305,6 +307,28 @@ static void misuse(int32_t dev)
                                   ev, 4, &n, NULL));
     CHECK_STATUS(laden_stream_set_resident(m[1].sc, 3, 1), LADEN_E_STATE);
     CHECK_OK(laden_cache_deactivate(c, m[1].id, 0));
+    /* Handing a region over: exact sizes only. */
+    laden_devptr_t r;
+    uint64_t rn;
+    CHECK_OK(laden_cache_drop(c, m[1].id, UINT64_MAX, 0, NULL));
+    CHECK(!laden_stream_is_resident(m[0].sc, 3)); /* gave way to m[1] */
+    CHECK_OK(laden_stream_take_resident(m[0].sc, 3, &r, &rn));
+    CHECK(r == 0 && rn == 0); /* not resident: nothing handed over */
+    CHECK_OK(laden_stream_take_resident(m[0].sc, 2, &r, &rn));
+    CHECK(r && rn == 1000 && !laden_stream_is_resident(m[0].sc, 2));
+    CHECK_STATUS(laden_stream_set_resident_at(m[1].sc, 1, r, rn - 1),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_stream_set_resident_at(m[1].sc, 1, r, rn));
+    CHECK_STATUS(laden_stream_set_resident_at(m[1].sc, 1, r, rn),
+                 LADEN_E_STATE);
+    CHECK_OK(laden_stream_ready(m[1].sc, 0));
+    laden_devptr_t p;
+    CHECK_OK(laden_stream_tensor_ptr(m[1].sc, 1, 0, &p));
+    CHECK(p == r);
+    check_bytes(&m[1], 1, p); /* m[1]'s bytes, in m[0]'s old region */
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, m[0].id, &info)); /* before accounting */
+    CHECK_OK(laden_cache_drop(c, m[1].id, UINT64_MAX, 0, NULL));
     laden_sched_config plain = {dev, 0, 0, NULL, 0};
     laden_sched_t *ps;
     CHECK_OK(laden_stream_create(&plain, NULL, &ps));

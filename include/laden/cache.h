@@ -140,6 +140,9 @@ typedef struct laden_cache_activation {
     uint32_t evicted_models;   /* idle models that gave up device memory */
     uint64_t upload_bytes;     /* copied to the device now */
     uint64_t kept_bytes;       /* already on the device: not copied */
+    uint64_t reused_bytes;     /* of upload_bytes, copied into device memory
+                                  handed over from evicted blocks (no free
+                                  and allocation) */
     uint64_t slot_bytes;       /* device memory of the slots */
     uint64_t evicted_bytes;    /* device memory taken from idle models */
     uint64_t pinned_bytes;     /* host bytes of this model pinned now */

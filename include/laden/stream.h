@@ -187,6 +187,25 @@ LADEN_API laden_status laden_stream_stats(laden_sched_t *sched,
 LADEN_API laden_status laden_stream_set_resident(laden_sched_t *sched,
                                                  uint32_t block, int resident);
 
+/* As laden_stream_set_resident(b, 0), but the device region is handed to
+ * the caller (*out_ptr, *out_bytes; 0 if b had none) instead of freed, to
+ * give to a block of the same size (laden_stream_set_resident_at) or free
+ * with laden_dev_mem_free: moving weights between models without a device
+ * free and allocation. */
+LADEN_API laden_status laden_stream_take_resident(laden_sched_t *sched,
+                                                  uint32_t block,
+                                                  laden_devptr_t *out_ptr,
+                                                  uint64_t *out_bytes);
+
+/* As laden_stream_set_resident(b, 1), in a device region of exactly the
+ * block's bytes given by the caller (from laden_stream_take_resident or
+ * laden_dev_mem_alloc on the schedule's device); the schedule owns it from
+ * then on. */
+LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
+                                                    uint32_t block,
+                                                    laden_devptr_t ptr,
+                                                    uint64_t bytes);
+
 /* 1 if block b has a device copy of its own. */
 LADEN_API int laden_stream_is_resident(laden_sched_t *sched, uint32_t block);
 
@@ -197,6 +216,9 @@ LADEN_API laden_status laden_stream_pin(laden_sched_t *sched, uint32_t block,
 
 /* 1 if block b's host copy is pinned. */
 LADEN_API int laden_stream_is_pinned(laden_sched_t *sched, uint32_t block);
+
+/* The device the schedule runs on. */
+LADEN_API int32_t laden_stream_device(laden_sched_t *sched);
 
 /* Number of blocks. */
 LADEN_API uint32_t laden_stream_block_count(laden_sched_t *sched);

@@ -102,7 +102,7 @@ class CacheActivation(Structure):
         ("mode", c_int32), ("resident_blocks", c_uint32),
         ("streamed_blocks", c_uint32), ("evicted_models", c_uint32),
         ("upload_bytes", c_uint64), ("kept_bytes", c_uint64),
-        ("slot_bytes", c_uint64), ("evicted_bytes", c_uint64),
+        ("reused_bytes", c_uint64), ("slot_bytes", c_uint64), ("evicted_bytes", c_uint64),
         ("pinned_bytes", c_uint64), ("unpinned_bytes", c_uint64),
         ("pin_failed", c_int32),
     ]

@@ -654,12 +654,13 @@ class ModelCache:
                 for i in range(n.value) if ev[i].model in dc.by_id)
             log.debug(
                 "laden cache: use '%s' on %s: %s, %u blocks resident, %u "
-                "streamed; uploaded %s, kept %s on the device, slots %s; "
+                "streamed; uploaded %s (%s into regions handed over), kept %s on "
+                "the device, slots %s; "
                 "evicted %s from %u idle model(s)%s; pinned %s, unpinned %s "
                 "of others%s; %.2f ms", rt.spec.key, rt.device,
                 _MODE_NAMES.get(act.mode, "?"), act.resident_blocks,
                 act.streamed_blocks, fmt_bytes(act.upload_bytes),
-                fmt_bytes(act.kept_bytes), fmt_bytes(act.slot_bytes),
+                fmt_bytes(act.reused_bytes), fmt_bytes(act.kept_bytes), fmt_bytes(act.slot_bytes),
                 fmt_bytes(act.evicted_bytes), act.evicted_models,
                 f" ({gone})" if gone else "", fmt_bytes(act.pinned_bytes),
                 fmt_bytes(act.unpinned_bytes),

@@ -13,6 +13,7 @@ typedef struct model {
     bool in_use;
     laden_sched_t *sched; /* bound schedule (borrowed), or NULL */
     uint32_t fixed;       /* its first `fixed` blocks run without hooks */
+    int32_t device;       /* the schedule's */
     uint64_t hits;        /* activations that copied nothing */
 } model;
 

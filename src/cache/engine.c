@@ -17,6 +17,69 @@
 #include "cache_internal.h"
 #include "laden/plan.h"
 
+/* Device regions taken from blocks during one activation, handed to blocks
+ * of the same size that need one (no device free and allocation on the
+ * path of a switch); what is left is freed at its end. */
+typedef struct pool {
+    laden_devptr_t *ptr;
+    uint64_t *bytes;
+    uint32_t n, cap;
+} pool;
+
+static void pool_free(pool *p, int32_t dev)
+{
+    for (uint32_t i = 0; p && i < p->n; i++)
+        laden_dev_mem_free(dev, p->ptr[i]);
+    if (p) {
+        free(p->ptr);
+        free(p->bytes);
+        memset(p, 0, sizeof *p);
+    }
+}
+
+/* Takes block i's device copy into the pool (freed if the pool is full or
+ * NULL). */
+static laden_status pool_take(pool *p, laden_sched_t *sc, uint32_t i)
+{
+    if (!p)
+        return laden_stream_set_resident(sc, i, 0);
+    if (p->n == p->cap) {
+        uint32_t cap = p->cap ? 2 * p->cap : 16;
+        laden_devptr_t *a = realloc(p->ptr, cap * sizeof *a);
+        if (a)
+            p->ptr = a;
+        uint64_t *b = a ? realloc(p->bytes, cap * sizeof *b) : NULL;
+        if (b)
+            p->bytes = b;
+        if (!a || !b)
+            return laden_stream_set_resident(sc, i, 0);
+        p->cap = cap;
+    }
+    laden_devptr_t ptr;
+    uint64_t n;
+    laden_status s = laden_stream_take_resident(sc, i, &ptr, &n);
+    if (s)
+        return s;
+    if (!ptr)
+        return LADEN_OK;
+    p->ptr[p->n] = ptr;
+    p->bytes[p->n++] = n;
+    return LADEN_OK;
+}
+
+/* A pooled region of exactly n bytes, removed from the pool; 0 if none. */
+static laden_devptr_t pool_get(pool *p, uint64_t n)
+{
+    for (uint32_t i = 0; p && i < p->n; i++)
+        if (p->bytes[i] == n) {
+            laden_devptr_t r = p->ptr[i];
+            p->ptr[i] = p->ptr[p->n - 1];
+            p->bytes[i] = p->bytes[--p->n];
+            return r;
+        }
+    return 0;
+}
+
 /* Sets the accounting of model id to what its schedule holds. */
 static void account(laden_cache_t *c, uint32_t id)
 {
@@ -34,7 +97,7 @@ static void account(laden_cache_t *c, uint32_t id)
  * then blocks from the last) and at least `unpin` pinned host bytes (from
  * the last block).  *freed: device bytes freed. */
 static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
-                           uint64_t unpin, uint64_t *freed)
+                           uint64_t unpin, uint64_t *freed, pool *pl)
 {
     model *m = &c->m[id];
     laden_sched_t *sc = m->sched;
@@ -51,7 +114,7 @@ static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
         for (uint32_t i = nb; i-- > 0 && before - m->vram < drop;) {
             if (!laden_stream_is_resident(sc, i))
                 continue;
-            if ((s = laden_stream_set_resident(sc, i, 0)))
+            if ((s = pool_take(pl, sc, i)))
                 goto out;
             account(c, id);
         }
@@ -115,6 +178,7 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
     for (uint32_t i = 0; i < nb; i++)
         size += laden_stream_block_bytes(sc, i);
     m->sched = sc;
+    m->device = laden_stream_device(sc);
     m->fixed = fixed;
     m->size = size;
     account(c, id);
@@ -132,7 +196,7 @@ laden_status laden_cache_unbind(laden_cache_t *c, uint32_t id)
         return laden__fail(LADEN_E_STATE,
                            "model '%.200s' is in use and cannot be dropped",
                            m->key);
-    if ((s = shrink(c, id, UINT64_MAX, UINT64_MAX, &freed)))
+    if ((s = shrink(c, id, UINT64_MAX, UINT64_MAX, &freed, NULL)))
         return s;
     m->sched = NULL;
     return LADEN_OK;
@@ -153,7 +217,7 @@ laden_status laden_cache_drop(laden_cache_t *c, uint32_t id, uint64_t bytes,
                            "model '%.200s' is in use: it can be evicted once "
                            "its use has ended",
                            m->key);
-    s = shrink(c, id, bytes, unpin ? UINT64_MAX : 0, &freed);
+    s = shrink(c, id, bytes, unpin ? UINT64_MAX : 0, &freed, NULL);
     if (freed) {
         c->st.evictions++;
         c->st.evicted_bytes += freed;
@@ -165,13 +229,13 @@ laden_status laden_cache_drop(laden_cache_t *c, uint32_t id, uint64_t bytes,
 
 /* Carries out decisions on device memory; *total: bytes freed. */
 static laden_status apply_vram(laden_cache_t *c, const laden_cache_evict_t *ev,
-                               uint32_t n, uint64_t *total)
+                               uint32_t n, uint64_t *total, pool *pl)
 {
     laden_status s = LADEN_OK;
     *total = 0;
     for (uint32_t i = 0; i < n && !s; i++) {
         uint64_t freed = 0;
-        s = shrink(c, ev[i].model, ev[i].drop_bytes, 0, &freed);
+        s = shrink(c, ev[i].model, ev[i].drop_bytes, 0, &freed, pl);
         *total += freed;
         if (freed > ev[i].drop_bytes) /* whole blocks: a little more */
             c->st.evicted_bytes += freed - ev[i].drop_bytes;
@@ -193,7 +257,7 @@ laden_status laden_cache_free_vram(laden_cache_t *c, uint64_t bytes,
                                "laden_cache_free_vram: model '%.200s' has "
                                "no schedule bound",
                                c->m[ev[i].model].key);
-    return apply_vram(c, ev, *out_n, &total);
+    return apply_vram(c, ev, *out_n, &total, NULL);
 }
 
 /* Evicts every idle model's device copy (the device refused memory that
@@ -205,7 +269,7 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
         model *o = &c->m[i];
         if (i == except || !o->key || o->in_use || !o->sched || !o->vram)
             continue;
-        if (shrink(c, i, UINT64_MAX, 0, &freed) == LADEN_OK && freed) {
+        if (shrink(c, i, UINT64_MAX, 0, &freed, NULL) == LADEN_OK && freed) {
             c->st.evictions++;
             c->st.evicted_bytes += freed;
             total += freed;
@@ -241,7 +305,7 @@ static void pin_model(laden_cache_t *c, uint32_t id, uint64_t total,
         if (laden_cache_plan_pin(c, id, want, ev, c->n, &n) == LADEN_OK) {
             for (uint32_t k = 0; k < n; k++) {
                 uint64_t before = c->m[ev[k].model].pinned, freed;
-                shrink(c, ev[k].model, 0, ev[k].drop_bytes, &freed);
+                shrink(c, ev[k].model, 0, ev[k].drop_bytes, &freed, NULL);
                 act->unpinned_bytes += before - c->m[ev[k].model].pinned;
             }
         }
@@ -346,7 +410,8 @@ out:
 /* Gives model id's schedule exactly the device copies in res[] and its
  * slots.  Uploads only the missing blocks. */
 static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
-                          uint32_t lookahead, laden_cache_activation_t *act)
+                          uint32_t lookahead, laden_cache_activation_t *act,
+                          pool *pl)
 {
     model *m = &c->m[id];
     laden_sched_t *sc = m->sched;
@@ -368,14 +433,49 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
     if ((s = laden_stream_stop(sc)))
         return s;
     for (uint32_t i = 0; i < nb; i++) /* free first, then allocate */
-        if (!res[i] && (s = laden_stream_set_resident(sc, i, 0)))
+        if (!res[i] && (s = pool_take(pl, sc, i)))
             return s;
+    /* Regions no block of this model can use are freed before the
+     * uploads, so the device has them back for the allocations. */
+    if (pl && pl->n) {
+        bool *keep = calloc(pl->n, sizeof *keep);
+        if (keep) {
+            for (uint32_t i = 0; i < nb; i++) {
+                if (!res[i] || laden_stream_is_resident(sc, i))
+                    continue;
+                uint64_t n = laden_stream_block_bytes(sc, i);
+                for (uint32_t k = 0; k < pl->n; k++)
+                    if (!keep[k] && pl->bytes[k] == n) {
+                        keep[k] = true;
+                        break;
+                    }
+            }
+            uint32_t w = 0;
+            for (uint32_t k = 0; k < pl->n; k++) {
+                if (keep[k]) {
+                    pl->ptr[w] = pl->ptr[k];
+                    pl->bytes[w++] = pl->bytes[k];
+                } else {
+                    laden_dev_mem_free(m->device, pl->ptr[k]);
+                }
+            }
+            pl->n = w;
+            free(keep);
+        }
+    }
     for (uint32_t i = 0; i < nb; i++) {
         if (!res[i] || laden_stream_is_resident(sc, i))
             continue;
-        if ((s = laden_stream_set_resident(sc, i, 1)))
+        uint64_t n = laden_stream_block_bytes(sc, i);
+        laden_devptr_t r = pool_get(pl, n);
+        if (r && (s = laden_stream_set_resident_at(sc, i, r, n))) {
+            laden_dev_mem_free(m->device, r);
             return s;
-        act->upload_bytes += laden_stream_block_bytes(sc, i);
+        }
+        if (!r && (s = laden_stream_set_resident(sc, i, 1)))
+            return s;
+        act->upload_bytes += n;
+        act->reused_bytes += r ? n : 0;
     }
     if (nstream && (s = laden_stream_start(sc, lookahead)))
         return s;
@@ -421,6 +521,8 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     uint64_t avail = !c->vram_budget           ? UINT64_MAX
                      : c->vram_budget > inuse ? c->vram_budget - inuse
                                               : 0;
+    pool pl;
+    memset(&pl, 0, sizeof pl);
     bool *res = calloc(nb ? nb : 1, sizeof *res);
     if (!res)
         return laden__fail(LADEN_E_NOMEM, "out of memory activating '%.200s'",
@@ -432,13 +534,14 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         goto out;
     act.mode = chosen;
     act.evicted_models = *out_n;
-    if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes)))
+    if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes, &pl)))
         goto undo;
     pin_model(c, id, m->size, &act);
     for (uint32_t i = 0; i < nb; i++)
         if (res[i] && laden_stream_is_resident(m->sched, i))
             act.kept_bytes += laden_stream_block_bytes(m->sched, i);
-    s = place(c, id, res, lookahead, &act);
+    s = place(c, id, res, lookahead, &act, &pl);
+    pool_free(&pl, m->device);
     if (s == LADEN_E_DEVICE_NOMEM || s == LADEN_E_NOMEM) {
         /* The device refused what the budget allows: memory outside the
          * cache.  Idle models give theirs up, once. */
@@ -446,7 +549,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         uint64_t freed = evict_all_idle(c, id);
         act.evicted_bytes += freed;
         account(c, id);
-        s = place(c, id, res, lookahead, &act);
+        s = place(c, id, res, lookahead, &act, NULL);
         if (s)
             laden__error_prefix("model '%.200s': the device has no room for "
                                 "what the budget allows (%s freed from idle "
@@ -473,6 +576,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     free(res);
     return LADEN_OK;
 undo:
+    pool_free(&pl, m->device);
     account(c, id);
     m->in_use = false;
     if (out)

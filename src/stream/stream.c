@@ -1163,54 +1163,126 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* Gives b a device copy in `given` (0: allocated here) and starts its
+ * upload. */
+static laden_status make_resident(laden_sched_t *sc, blk *b,
+                                  laden_devptr_t given)
+{
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    if (b->bytes) {
+        b->region = given;
+        if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
+            b->region = 0;
+            return s;
+        }
+        if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram, b->bytes)) ||
+            (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
+            laden_dev_stream_synchronize(sc->copy);
+            if (!given)
+                laden_dev_mem_free(dev, b->region);
+            b->region = 0;
+            return s;
+        }
+    }
+    b->resident = true;
+    sc->st.resident_bytes += b->bytes;
+    sc->st.device_bytes += b->bytes;
+    sc->st.upload_bytes += b->bytes;
+    sc->st.h2d_bytes += b->bytes;
+    relayout(sc);
+    return LADEN_OK;
+}
+
+/* Takes b's device copy away once its last users are done: freed, or
+ * handed to the caller in *taken. */
+static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
+{
+    laden_status s;
+    /* Its last users: the model's work (fence) and the upload. */
+    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+        (s = laden_dev_event_synchronize(sc->uploaded)))
+        return s;
+    if (taken)
+        *taken = b->region;
+    else
+        laden_dev_mem_free(sc->cfg.device, b->region);
+    b->region = 0;
+    b->resident = false;
+    sc->st.resident_bytes -= b->bytes;
+    sc->st.device_bytes -= b->bytes;
+    relayout(sc);
+    return LADEN_OK;
+}
+
+static laden_status residency_arg(laden_sched_t *sc, uint32_t block,
+                                  const char *call, blk **b)
+{
+    laden_status s = cache_block(sc, block, call, b);
+    if (s)
+        return s;
+    if (sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: stop the schedule first (its slots are laid "
+                           "out for the blocks that stream)",
+                           call);
+    return LADEN_OK;
+}
+
 laden_status laden_stream_set_resident(laden_sched_t *sc, uint32_t block,
                                        int on)
 {
     blk *b = NULL;
     laden_status s = cache_block(sc, block, "laden_stream_set_resident", &b);
+    if (s || (on != 0) == b->resident)
+        return s;
+    if ((s = residency_arg(sc, block, "laden_stream_set_resident", &b)))
+        return s;
+    return on ? make_resident(sc, b, 0) : unreside(sc, b, NULL);
+}
+
+laden_status laden_stream_take_resident(laden_sched_t *sc, uint32_t block,
+                                        laden_devptr_t *out_ptr,
+                                        uint64_t *out_bytes)
+{
+    blk *b = NULL;
+    if (out_ptr)
+        *out_ptr = 0;
+    if (out_bytes)
+        *out_bytes = 0;
+    if (!out_ptr || !out_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_take_resident: NULL");
+    laden_status s = residency_arg(sc, block, "laden_stream_take_resident",
+                                   &b);
+    if (s || !b->resident)
+        return s;
+    uint64_t n = b->bytes;
+    if ((s = unreside(sc, b, out_ptr)))
+        return s;
+    *out_bytes = n;
+    return LADEN_OK;
+}
+
+laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
+                                          laden_devptr_t ptr, uint64_t bytes)
+{
+    blk *b = NULL;
+    laden_status s = residency_arg(sc, block, "laden_stream_set_resident_at",
+                                   &b);
     if (s)
         return s;
-    if ((on != 0) == b->resident)
-        return LADEN_OK;
-    if (sc->started)
+    if (b->resident)
         return laden__fail(LADEN_E_STATE,
-                           "laden_stream_set_resident: stop the schedule "
-                           "first (its slots are laid out for the blocks "
-                           "that stream)");
-    int32_t dev = sc->cfg.device;
-    if (on) {
-        if (b->bytes) {
-            if ((s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
-                b->region = 0;
-                return s;
-            }
-            if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
-                                        b->bytes)) ||
-                (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
-                laden_dev_stream_synchronize(sc->copy);
-                laden_dev_mem_free(dev, b->region);
-                b->region = 0;
-                return s;
-            }
-        }
-        b->resident = true;
-        sc->st.resident_bytes += b->bytes;
-        sc->st.device_bytes += b->bytes;
-        sc->st.upload_bytes += b->bytes;
-        sc->st.h2d_bytes += b->bytes;
-    } else {
-        /* Its last users: the model's work (fence) and the upload. */
-        if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
-            (s = laden_dev_event_synchronize(sc->uploaded)))
-            return s;
-        laden_dev_mem_free(dev, b->region);
-        b->region = 0;
-        b->resident = false;
-        sc->st.resident_bytes -= b->bytes;
-        sc->st.device_bytes -= b->bytes;
-    }
-    relayout(sc);
-    return LADEN_OK;
+                           "laden_stream_set_resident_at: block %u has a "
+                           "device copy already",
+                           block);
+    if (bytes != b->bytes || (!ptr && bytes))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_set_resident_at: block %u needs a "
+                           "region of exactly %llu bytes, got %llu",
+                           block, (unsigned long long)b->bytes,
+                           (unsigned long long)bytes);
+    return make_resident(sc, b, ptr);
 }
 
 int laden_stream_is_resident(laden_sched_t *sc, uint32_t block)
@@ -1247,6 +1319,11 @@ laden_status laden_stream_pin(laden_sched_t *sc, uint32_t block, int on)
 int laden_stream_is_pinned(laden_sched_t *sc, uint32_t block)
 {
     return sc && block < sc->nb && sc->b[block].pinned;
+}
+
+int32_t laden_stream_device(laden_sched_t *sc)
+{
+    return sc ? sc->cfg.device : LADEN_DEVICE_CPU;
 }
 
 uint32_t laden_stream_block_count(laden_sched_t *sc)
