@@ -130,15 +130,57 @@ def reuse_times(use, key, n=200):
 
 
 def install_piper_shims():
-    """piper-offload 0.9 asks for Python 3.14 and torch 2.14.  Two shims
-    let it run on older ones: ctypes.util.dllist (3.14) lists the loaded
-    shared objects from /proc/self/maps, and its optional kernel package
-    piper_kernels, whose import fails with a TypeError on an older Triton
-    (piper-offload only catches ImportError), is made to raise
-    ImportError; dense bf16 models do not use it."""
+    """piper-offload 0.9 asks for Python 3.14 and torch 2.14.  Three shims
+    let it run on older ones: its modules are compiled with deferred
+    annotations (3.14 defers them; 3.12 would evaluate forward references
+    at import), ctypes.util.dllist (3.14) lists the loaded shared objects
+    from /proc/self/maps, and its optional kernel package piper_kernels,
+    whose import fails with a TypeError on an older Triton (piper-offload
+    only catches ImportError), is made to raise ImportError; dense bf16
+    models do not use it.  Its rolling-compile module imports torch 2.14
+    names at import time; where this torch lacks them they are stubbed
+    (that block mode is not used here)."""
+    import __future__
     import ctypes.util
+    import importlib.abc
+    import importlib.machinery
 
+    class Loader(importlib.machinery.SourceFileLoader):
+        def get_code(self, fullname):
+            path = self.get_filename(fullname)
+            return compile(self.get_data(path), path, "exec",
+                           flags=__future__.annotations.compiler_flag,
+                           dont_inherit=True)
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] != "piper_offload":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and isinstance(
+                    spec.loader, importlib.machinery.SourceFileLoader):
+                spec.loader = Loader(spec.loader.name, spec.loader.path)
+            return spec
+
+    if sys.version_info < (3, 14):
+        sys.meta_path.insert(0, Finder())
     sys.modules.setdefault("piper_kernels", None)
+    import enum
+    import types
+
+    import torch._inductor.custom_graph_pass as cgp
+    for name in ("CustomInferenceAwareGraphPass", "CustomSchedulerPass"):
+        if not hasattr(cgp, name):
+            setattr(cgp, name, type(name, (cgp.CustomGraphPass,), {}))
+    try:
+        import torch._library.effects as eff
+    except ImportError:
+        eff = types.ModuleType("torch._library.effects")
+        sys.modules["torch._library.effects"] = eff
+    if not hasattr(eff, "EffectType"):
+        eff.EffectType = enum.Enum("EffectType", "ORDERED")
+    if not hasattr(torch.library, "_register_effectful_op"):
+        torch.library._register_effectful_op = lambda *a, **k: None
 
     if hasattr(ctypes.util, "dllist"):
         return
