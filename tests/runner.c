@@ -9,6 +9,8 @@
 
 #include "test.h"
 
+#include "laden/dev.h"
+
 typedef struct {
     const char *name;
     laden_test_fn fn;
@@ -29,6 +31,18 @@ static void cleanup_tmpdir(void)
 {
     if (tmpdir[0])
         rm_rf(tmpdir);
+}
+
+void test_on_every_device(void (*fn)(int32_t device))
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    fn(LADEN_DEVICE_CPU);
+    for (int32_t d = 0; d < n; d++)
+        fn(d);
+    if (n == 0)
+        fprintf(stderr, "(no CUDA: %s; ran on the CPU device only)\n",
+                laden_dev_cuda_error());
 }
 
 const char *test_tmpdir(void)

@@ -73,6 +73,9 @@ void test_register(const char *name, laden_test_fn fn);
 
 /* Helpers shared by the tests (helpers.c). */
 const char *test_tmpdir(void); /* a fresh directory for this process */
+/* Runs fn on the CPU device, then on every CUDA device there is (saying so
+ * when there is none). */
+void test_on_every_device(void (*fn)(int32_t device));
 /* Writes a safetensors file: 8-byte length, header text, data. */
 void test_write_st(const char *path, const char *header, const void *data,
                    size_t data_len);

@@ -6,19 +6,6 @@
 
 #include "laden/dev.h"
 
-typedef void (*dev_test)(int32_t dev);
-
-static void on_every_device(dev_test fn)
-{
-    int32_t n = 0;
-    CHECK_OK(laden_dev_count(&n));
-    fn(LADEN_DEVICE_CPU);
-    for (int32_t d = 0; d < n; d++)
-        fn(d);
-    if (n == 0)
-        fprintf(stderr, "(no CUDA: %s; ran on the CPU device only)\n",
-                laden_dev_cuda_error());
-}
 
 static void fill(unsigned char *p, uint64_t n, unsigned seed)
 {
@@ -55,7 +42,7 @@ static void copies(int32_t dev)
     laden_dev_stream_destroy(s);
 }
 
-TEST(dev_copies_round_trip) { on_every_device(copies); }
+TEST(dev_copies_round_trip) { test_on_every_device(copies); }
 
 /* Stream B reads what stream A wrote, ordered only by an event: if the wait
  * were ignored, B would read the buffer before A's large copy finished. */
@@ -100,7 +87,7 @@ static void cross_stream_wait(int32_t dev)
     CHECK_OK(laden_dev_host_free(dev, dst));
 }
 
-TEST(dev_cross_stream_event_wait) { on_every_device(cross_stream_wait); }
+TEST(dev_cross_stream_event_wait) { test_on_every_device(cross_stream_wait); }
 
 static void timing(int32_t dev)
 {
@@ -132,7 +119,7 @@ static void timing(int32_t dev)
                  LADEN_E_INVAL);
 }
 
-TEST(dev_event_timing_and_measure) { on_every_device(timing); }
+TEST(dev_event_timing_and_measure) { test_on_every_device(timing); }
 
 /* Pages mapped into a reserved range hold their data across unmap and
  * remap at another address, as VBARs will rely on. */
@@ -185,7 +172,7 @@ static void vmm(int32_t dev)
     laden_dev_stream_destroy(s);
 }
 
-TEST(dev_virtual_memory) { on_every_device(vmm); }
+TEST(dev_virtual_memory) { test_on_every_device(vmm); }
 
 static void info_and_errors(int32_t dev)
 {
@@ -226,7 +213,7 @@ static void info_and_errors(int32_t dev)
 
 TEST(dev_info_and_errors)
 {
-    on_every_device(info_and_errors);
+    test_on_every_device(info_and_errors);
     laden_dev_info_t info;
     CHECK_STATUS(laden_dev_info(999, &info), LADEN_E_NODEVICE);
     CHECK_CONTAINS(laden_last_error(), "999");
@@ -277,4 +264,4 @@ static void threads(int32_t dev)
         pthread_join(t[i], NULL);
 }
 
-TEST(dev_many_threads) { on_every_device(threads); }
+TEST(dev_many_threads) { test_on_every_device(threads); }

@@ -146,14 +146,6 @@ static void destroy_all(laden_cache_t *c, cmodel *ms, int k)
     laden_cache_destroy(c);
 }
 
-static void on_every_device(void (*fn)(int32_t))
-{
-    int32_t n = 0;
-    CHECK_OK(laden_dev_count(&n));
-    fn(LADEN_DEVICE_CPU);
-    for (int32_t d = 0; d < n; d++)
-        fn(d);
-}
 
 static const uint64_t FOUR[4] = {1000, 1000, 1000, 1000};
 
@@ -193,7 +185,7 @@ static void rotation(int32_t dev)
     destroy_all(c, m, 3);
 }
 
-TEST(engine_rotation_lru_and_reuse) { on_every_device(rotation); }
+TEST(engine_rotation_lru_and_reuse) { test_on_every_device(rotation); }
 
 /* A model that gave up part of its blocks keeps the first ones and uploads
  * only the missing ones on its next use. */
@@ -232,7 +224,7 @@ static void partial(int32_t dev)
     destroy_all(c, m, 2);
 }
 
-TEST(engine_partial_eviction_uploads_only_missing) { on_every_device(partial); }
+TEST(engine_partial_eviction_uploads_only_missing) { test_on_every_device(partial); }
 
 /* Too big for the budget: streamed with what fits resident; forced modes. */
 static void streaming(int32_t dev)
@@ -273,7 +265,7 @@ static void streaming(int32_t dev)
     destroy_all(c, m, 2);
 }
 
-TEST(engine_streams_what_does_not_fit) { on_every_device(streaming); }
+TEST(engine_streams_what_does_not_fit) { test_on_every_device(streaming); }
 
 static void misuse(int32_t dev)
 {
@@ -353,7 +345,7 @@ static void misuse(int32_t dev)
     destroy_all(c, m, 2);
 }
 
-TEST(engine_misuse_is_an_error) { on_every_device(misuse); }
+TEST(engine_misuse_is_an_error) { test_on_every_device(misuse); }
 
 /* Pinned copies within their budget: the least recently used idle model
  * is unpinned first, from its last block. */
@@ -388,7 +380,7 @@ static void pinning(int32_t dev)
     destroy_all(c, m, 3);
 }
 
-TEST(engine_pinned_budget) { on_every_device(pinning); }
+TEST(engine_pinned_budget) { test_on_every_device(pinning); }
 
 static uint64_t rnd(uint64_t *x)
 {
@@ -459,7 +451,7 @@ static void randomized(int32_t dev)
 #undef RND
 }
 
-TEST(engine_random_invariants) { on_every_device(randomized); }
+TEST(engine_random_invariants) { test_on_every_device(randomized); }
 
 /* Host copies within a RAM budget: whole idle models, LRU first. */
 TEST(engine_plan_host)

@@ -133,14 +133,6 @@ static void run_block(model *m, int i)
     CHECK_OK(laden_stream_exit(m->sc, b, 0));
 }
 
-static void on_every_device(void (*fn)(int32_t))
-{
-    int32_t n = 0;
-    CHECK_OK(laden_dev_count(&n));
-    fn(LADEN_DEVICE_CPU);
-    for (int32_t d = 0; d < n; d++)
-        fn(d);
-}
 
 static const laden_tier MIXED[NB] = {LADEN_TIER_RAM,  LADEN_TIER_DISK,
                                      LADEN_TIER_GPU,  LADEN_TIER_DISK,
@@ -194,7 +186,7 @@ static void orders(int32_t dev)
     }
 }
 
-TEST(stream_any_call_order) { on_every_device(orders); }
+TEST(stream_any_call_order) { test_on_every_device(orders); }
 
 static void misuse(int32_t dev)
 {
@@ -223,7 +215,7 @@ static void misuse(int32_t dev)
     destroy(&m);
 }
 
-TEST(stream_misuse_is_an_error) { on_every_device(misuse); }
+TEST(stream_misuse_is_an_error) { test_on_every_device(misuse); }
 
 static const laden_tier MOSTLY_DISK[NB] = {
     LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_GPU, LADEN_TIER_DISK,
@@ -260,7 +252,7 @@ static void file_trouble(int32_t dev)
     destroy(&m);
 }
 
-TEST(stream_file_truncated_while_running) { on_every_device(file_trouble); }
+TEST(stream_file_truncated_while_running) { test_on_every_device(file_trouble); }
 
 static void budget(int32_t dev)
 {
@@ -278,7 +270,7 @@ static void budget(int32_t dev)
     destroy(&m);
 }
 
-TEST(stream_budget_exceeded_frees_everything) { on_every_device(budget); }
+TEST(stream_budget_exceeded_frees_everything) { test_on_every_device(budget); }
 
 TEST(stream_convert)
 {
@@ -352,7 +344,7 @@ static void restart_and_host(int32_t dev)
     destroy(&m);
 }
 
-TEST(stream_restart_and_host_tensors) { on_every_device(restart_and_host); }
+TEST(stream_restart_and_host_tensors) { test_on_every_device(restart_and_host); }
 
 TEST(stream_fp8_decode_all_codes)
 {

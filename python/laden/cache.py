@@ -30,7 +30,8 @@ from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import (InvalidArgumentError, MismatchError, StateError)
 from .streaming import (_DTYPE_CODE, _Tensor, _collect, _compute_stream,
-                        _dev_index, _device, _find_blocks, _nbytes, _view)
+                        _dev_index, _device, _find_blocks, _nbytes, _view,
+                        _wrap_forward)
 
 log = logging.getLogger("laden")
 
@@ -345,33 +346,17 @@ class _Runtime:
         return True
 
     def _wrap(self, mod, c_block: int) -> None:
-        enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
-        sched, device, rt = self.sched, self.device, self
-        had = "forward" in mod.__dict__
-        orig = mod.forward
+        rt = self
 
-        def forward(*args, **kwargs):
+        def guard():
             if not rt.in_use:
                 raise StateError(
                     f"model '{rt.spec.key}' runs only inside "
                     "cache.use(...) or between activate() and deactivate()",
                     "E_STATE")
-            stream = _compute_stream(device)
-            s = enter(sched, c_block, stream)
-            if s:
-                raise error_for(s)
-            try:
-                out = orig(*args, **kwargs)
-            except BaseException:
-                leave(sched, c_block, stream)
-                raise
-            s = leave(sched, c_block, stream)
-            if s:
-                raise error_for(s)
-            return out
 
-        self.wrapped.append((mod, mod.__dict__.get("forward"), had))
-        mod.forward = forward
+        _wrap_forward(mod, self.sched, c_block, self.device, self.wrapped,
+                      guard=guard)
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()

@@ -905,13 +905,18 @@ class OffloadHandle:
         st.handle = None
 
 
-def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle,
-                  expansions=()):
+def _wrap_forward(mod, sched, c_block: int, device, wrapped: list,
+                  expansions=(), guard=None):
+    """Wraps mod.forward with one C call before (enter) and one after
+    (exit); records (module, previous forward, had own) in `wrapped` so it
+    can be undone.  `guard()`, if given, runs first (it may raise)."""
     enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
     had = "forward" in mod.__dict__
     orig = mod.forward
 
     def forward(*args, **kwargs):
+        if guard is not None:
+            guard()
         stream = _compute_stream(device)  # once: enter and exit share it
         s = enter(sched, c_block, stream)
         if s:
@@ -928,7 +933,7 @@ def _wrap_forward(mod, sched, c_block: int, device, handle: OffloadHandle,
             raise error_for(s)
         return out
 
-    handle._wrapped.append((mod, mod.__dict__.get("forward"), had))
+    wrapped.append((mod, mod.__dict__.get("forward"), had))
     mod.forward = forward
 
 
@@ -989,7 +994,7 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
                 expansions.append((out, q, sc, t.scale_kind))
             if streamed or expansions:
                 _wrap_forward(b.module, state.sched, b.c_block, state.device,
-                              handle, expansions)
+                              handle._wrapped, expansions)
     except BaseException:
         handle.active = True
         handle.remove()
