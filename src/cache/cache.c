@@ -113,12 +113,7 @@ const char *laden_cache_key(laden_cache_t *c, uint32_t id)
     return c && id < c->n ? c->m[id].key : NULL;
 }
 
-typedef struct cand {
-    uint64_t last_use;
-    uint32_t id;
-} cand;
-
-static int cmp_cand(const void *a, const void *b)
+int laden__cmp_cand(const void *a, const void *b)
 {
     const cand *x = a, *y = b;
     if (x->last_use != y->last_use)
@@ -161,7 +156,7 @@ static laden_status plan_free(laden_cache_t *c, bool vram, uint32_t except,
                            vram ? "device memory" : "pinned memory",
                            (unsigned long long)idle);
     }
-    qsort(cs, k, sizeof *cs, cmp_cand);
+    qsort(cs, k, sizeof *cs, laden__cmp_cand);
     uint32_t n = 0;
     for (uint32_t j = 0; j < k && *freed < need; j++) {
         model *m = &c->m[cs[j].id];

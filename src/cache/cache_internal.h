@@ -26,4 +26,12 @@ struct laden_cache {
     laden_cache_stats_t st;
 };
 
+/* An idle model that may give way; sorted least recently used first
+ * (ties: lower id) by laden__cmp_cand. */
+typedef struct cand {
+    uint64_t last_use;
+    uint32_t id;
+} cand;
+int laden__cmp_cand(const void *a, const void *b);
+
 #endif

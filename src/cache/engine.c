@@ -601,19 +601,6 @@ laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
     return s ? s : r;
 }
 
-typedef struct host_cand {
-    uint64_t last_use;
-    uint32_t id;
-} host_cand;
-
-static int cmp_host(const void *a, const void *b)
-{
-    const host_cand *x = a, *y = b;
-    if (x->last_use != y->last_use)
-        return x->last_use < y->last_use ? -1 : 1;
-    return x->id < y->id ? -1 : x->id > y->id;
-}
-
 laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
                                    uint64_t budget, uint64_t need,
                                    laden_cache_evict_t *ev, uint32_t cap,
@@ -623,7 +610,7 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
         *out_n = 0;
     if (!c || !out_n || (cap && !ev))
         return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host: NULL");
-    host_cand *cs = malloc((c->n ? c->n : 1) * sizeof *cs);
+    cand *cs = malloc((c->n ? c->n : 1) * sizeof *cs);
     if (!cs)
         return laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
     uint64_t held = 0, idle = 0;
@@ -634,7 +621,7 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
             continue;
         held += m->size;
         if (!m->in_use && i != except) {
-            cs[k++] = (host_cand){m->last_use, i};
+            cs[k++] = (cand){m->last_use, i};
             idle += m->size;
         }
     }
@@ -648,7 +635,7 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
                         laden__bytes(held).s, laden__bytes(idle).s);
         goto out;
     }
-    qsort(cs, k, sizeof *cs, cmp_host);
+    qsort(cs, k, sizeof *cs, laden__cmp_cand);
     uint64_t freed = 0;
     uint32_t n = 0;
     for (uint32_t j = 0; j < k && freed < over; j++) {
