@@ -483,3 +483,45 @@ TEST(engine_plan_host)
     CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
     destroy_all(c, m, 3);
 }
+
+/* Block by block: each host copy usable as soon as it is loaded, so the
+ * caller can release its sources block by block. */
+TEST(engine_load_block_by_block)
+{
+    laden_sched_config cfg = {LADEN_DEVICE_CPU, 0, 0, NULL, LADEN_SCHED_CACHE};
+    laden_sched_t *sc;
+    unsigned char src[3][700];
+    CHECK_OK(laden_stream_create(&cfg, NULL, &sc));
+    for (uint32_t b = 0; b < 3; b++) {
+        uint32_t bi, ti;
+        for (int j = 0; j < 700; j++)
+            src[b][j] = val(7, b, (uint64_t)j);
+        CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &bi));
+        CHECK_OK(laden_stream_add_host_tensor(sc, bi, src[b], LADEN_DTYPE_U8,
+                                              700, LADEN_DTYPE_U8, &ti));
+    }
+    CHECK_STATUS(laden_stream_load_block(sc, 3), LADEN_E_INVAL);
+    CHECK_OK(laden_stream_load_block(sc, 2));
+    memset(src[2], 0, sizeof src[2]); /* the source may go now */
+    void *hp;
+    CHECK_OK(laden_stream_host_ptr(sc, 2, 0, &hp));
+    CHECK(hp && ((unsigned char *)hp)[5] == val(7, 2, 5));
+    CHECK_STATUS(laden_stream_host_ptr(sc, 0, 0, &hp), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_load_block(sc, 2), LADEN_E_STATE);
+    uint32_t extra;
+    CHECK_STATUS(laden_stream_add_block(sc, LADEN_TIER_RAM, &extra),
+                 LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_set_resident(sc, 2, 1), LADEN_E_STATE);
+    CHECK_OK(laden_stream_load_block(sc, 0));
+    CHECK_OK(laden_stream_load(sc)); /* the rest */
+    CHECK_STATUS(laden_stream_load(sc), LADEN_E_STATE);
+    for (uint32_t b = 0; b < 2; b++) {
+        CHECK_OK(laden_stream_host_ptr(sc, b, 0, &hp));
+        CHECK(memcmp(hp, src[b], 700) == 0);
+    }
+    laden_stream_destroy(sc);
+    laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
+    CHECK_OK(laden_stream_create(&plain, NULL, &sc));
+    CHECK_STATUS(laden_stream_load_block(sc, 0), LADEN_E_STATE);
+    laden_stream_destroy(sc);
+}

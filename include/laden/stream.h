@@ -127,6 +127,15 @@ LADEN_API laden_status laden_stream_add_host_tensor(laden_sched_t *sched,
  * again and the schedule can only be destroyed. */
 LADEN_API laden_status laden_stream_load(laden_sched_t *sched);
 
+/* Cache schedules: loads one block's host copy, so that a caller holding
+ * the source tensors can release each block's sources as soon as it is
+ * copied (peak host memory: the model plus one block, not twice the
+ * model).  Blocks may be loaded in any order; once all are, the schedule
+ * is loaded.  On failure the block stays unloaded (the others are kept);
+ * laden_stream_host_ptr works for loaded blocks before the rest. */
+LADEN_API laden_status laden_stream_load_block(laden_sched_t *sched,
+                                               uint32_t block);
+
 /* Allocates the slots (lookahead + 1 of them, each the size of the largest
  * streamed block) and the disk tier's pinned staging buffers, and starts
  * loading the first blocks of the schedule so the first forward does not

@@ -211,6 +211,7 @@ _SIGNATURES = {
                                                 c_uint64, c_int,
                                                 P(c_uint32)]),
     "laden_stream_load": (status_t, [p]),
+    "laden_stream_load_block": (status_t, [p, c_uint32]),
     "laden_stream_start": (status_t, [p, c_uint32]),
     "laden_stream_stop": (status_t, [p]),
     "laden_stream_tensor_ptr": (status_t, [p, c_uint32, c_uint32,

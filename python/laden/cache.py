@@ -182,8 +182,6 @@ class _Runtime:
                 ck.close()
         self.model = model
         self.tensors = tensors
-        for t in tensors:
-            self._set(t, self._host_view(t))
         for bi, (_, mod, _) in enumerate(blocks):
             self._wrap(mod, self.fixed + bi)
         st = self.stats()
@@ -270,12 +268,13 @@ class _Runtime:
         self.fixed = len(groups)
         groups += [[t for t in tensors if t.block == bi]
                    for bi in range(len(blocks))]
-        keep = []  # host sources live until load has copied them
         cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
+        keep: List[list] = []  # per block: host sources, until copied
         try:
             for ts in groups:
                 check(lib.laden_stream_add_block(self.sched, _lib.TIER_RAM,
                                                  ctypes.byref(cb)))
+                keep.append([])
                 for t in ts:
                     code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
                     if t.ckpt_name is not None:
@@ -283,21 +282,34 @@ class _Runtime:
                             self.sched, cb.value, ck._h,
                             ck._index[t.ckpt_name], code, ctypes.byref(ci)))
                     else:
-                        src = host[id(t)].detach().contiguous()
-                        keep.append(src)
+                        src = host.pop(id(t)).detach().contiguous()
+                        keep[-1].append(src)
                         check(lib.laden_stream_add_host_tensor(
                             self.sched, cb.value,
                             ctypes.c_void_p(src.data_ptr()), code,
                             src.numel(), code, ctypes.byref(ci)))
                     t.c_block, t.c_index = cb.value, ci.value
-            check(lib.laden_stream_load(self.sched))
+            # Block by block: each block's tensors are pointed at laden's
+            # copy as soon as it is made, so the factory's storage is freed
+            # as the copy proceeds (host memory peaks at the model plus a
+            # block, not twice the model).
+            for b, ts in enumerate(groups):
+                check(lib.laden_stream_load_block(self.sched, b))
+                for t in ts:
+                    self._set(t, self._host_view(t))
+                keep[b] = None
         except BaseException as e:
+            if any(k is None for k in keep):
+                # Some tensors point at laden's copy already: give them
+                # their bytes back before the schedule goes.
+                for t in tensors:
+                    if t.c_block < len(keep) and keep[t.c_block] is None:
+                        self._set(t, self._host_view(t).clone())
             self._fin()
             if isinstance(e, ValueError) and "safetensors dtype" in str(e):
                 raise InvalidArgumentError(
                     f"model '{self.spec.key}': {e}", "E_INVAL") from None
             raise
-        del keep
 
     # -- binding -----------------------------------------------------------------
     def _set(self, t: _Tensor, value) -> None:

@@ -287,3 +287,44 @@ def test_no_rss_growth_over_100_rotations():
     rotate(100)
     grown = rss() - before
     assert grown < 8 << 20, f"RSS grew by {grown / 1e6:.1f} MB"
+
+
+PEAK_SCRIPT = r"""
+import resource, sys, torch, torch.nn as nn
+import laden
+MB = 1 << 20
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(2048, 2048, bias=False)
+                                    for _ in range(8))   # 16 MiB each
+model = Net()
+for p in model.parameters():
+    p.data.normal_()          # touch every page
+base = peak()
+cache = laden.ModelCache()
+box = [model]
+del model                     # the cache holds the only reference
+spec = laden.ModelSpec("m", box.pop, block_paths=("blocks",),
+                       block_mode="streaming")
+with cache.use(spec, device="cpu", lookahead=1):
+    pass                      # on the CPU device: 2 slots of 16 MiB
+print((peak() - base) / MB)
+"""
+
+
+def test_adopting_a_cpu_model_does_not_double_host_memory(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                         text=True, check=True)
+    grown = float(out.stdout.strip().splitlines()[-1])
+    # The model is 128 MiB, the CPU device's two slots 32 MiB; packing
+    # the model block by block frees each block's original as its copy is
+    # made.  (A copy of the whole model first would add 128 MiB more.)
+    assert grown < 80, f"peak host memory grew by {grown:.0f} MiB"

@@ -52,6 +52,7 @@ typedef struct blk {
                               cache schedules: the block's own device copy */
     void *ram;            /* RAM tier: pinned region (cache: pageable) */
     uint64_t ram_len;     /* cache schedules: the mapping's length */
+    bool filled;          /* cache schedules: host copy loaded */
     bool resident;        /* cache schedules: has a device copy of its own */
     bool pinned;          /* cache schedules: host copy pinned in place */
 } blk;
@@ -90,6 +91,8 @@ struct laden_sched {
     laden_stream_t *compute;
     uintptr_t compute_handle;
     bool cache;                 /* LADEN_SCHED_CACHE */
+    bool laid_out;
+    uint32_t nfilled;           /* cache: blocks whose host copy is loaded */
     laden_event_t *uploaded;    /* cache: after the last upload */
     laden_event_t *last_use;    /* cache: after the model's last work */
     bool fenced;
@@ -363,7 +366,7 @@ laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
         *out = 0;
     if (!sc || !out)
         return laden__fail(LADEN_E_INVAL, "laden_stream_add_block: NULL");
-    if (sc->loaded)
+    if (sc->loaded || sc->laid_out)
         return laden__fail(LADEN_E_STATE, "blocks cannot be added after load");
     if (tier != LADEN_TIER_GPU && tier != LADEN_TIER_RAM &&
         tier != LADEN_TIER_DISK)
@@ -398,7 +401,7 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
     if (!sc || !st || !out || block >= sc->nb)
         return laden__fail(LADEN_E_INVAL,
                            "laden_stream_add_tensor: bad schedule or block");
-    if (sc->loaded)
+    if (sc->loaded || sc->laid_out)
         return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
     if ((s = laden_st_tensor_at(st, st_index, &t)))
         return s;
@@ -469,7 +472,7 @@ laden_status laden_stream_add_host_tensor(laden_sched_t *sc, uint32_t block,
     if (!sc || !out || block >= sc->nb || (!src && n))
         return laden__fail(LADEN_E_INVAL,
                            "laden_stream_add_host_tensor: bad argument");
-    if (sc->loaded)
+    if (sc->loaded || sc->laid_out)
         return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
     blk *b = &sc->b[block];
     if (b->tier == LADEN_TIER_DISK)
@@ -664,17 +667,14 @@ void laden_stream_destroy(laden_sched_t *sc)
 
 /* ---- load ---------------------------------------------------------------- */
 
-laden_status laden_stream_load(laden_sched_t *sc)
+/* Packs each block's tensors (aligned for any kernel), orders the
+ * streamed blocks and creates the copy stream and events.  Once. */
+static laden_status layout(laden_sched_t *sc)
 {
-    laden_status s = LADEN_OK;
-    int32_t dev;
-    if (!sc)
-        return laden__fail(LADEN_E_INVAL, "laden_stream_load: NULL schedule");
-    if (sc->loaded || sc->broken)
-        return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
-    dev = sc->cfg.device;
-    /* Layout: tensors packed per block, each aligned for any kernel. */
-    uint64_t max_gpu = 0;
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    if (sc->laid_out)
+        return LADEN_OK;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         uint64_t off = 0;
@@ -692,27 +692,99 @@ laden_status laden_stream_load(laden_sched_t *sc)
                 sc->slot_bytes = b->bytes;
             sc->any_disk |= b->tier == LADEN_TIER_DISK;
         }
-        if (b->tier == LADEN_TIER_GPU && b->bytes > max_gpu)
-            max_gpu = b->bytes;
         uint64_t *tier_bytes = b->tier == LADEN_TIER_GPU   ? &sc->st.gpu_bytes
                                : b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
                                                            : &sc->st.disk_bytes;
         *tier_bytes += b->bytes;
     }
     sc->order = calloc(sc->nb ? sc->nb : 1, sizeof *sc->order);
-    if (!sc->order) {
-        s = laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
-        goto fail;
-    }
+    if (!sc->order)
+        return laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
     for (uint32_t i = 0; i < sc->nb; i++)
         if (sc->b[i].pos >= 0)
             sc->order[sc->b[i].pos] = i;
     if ((sc->cuda || sc->cache) &&
         (s = laden_dev_stream_create(dev, &sc->copy)))
-        goto fail;
+        return s;
     if (sc->cache && ((s = laden_dev_event_create(dev, 0, &sc->uploaded)) ||
                       (s = laden_dev_event_create(dev, 0, &sc->last_use))))
+        return s;
+    sc->laid_out = true;
+    return LADEN_OK;
+}
+
+/* Cache schedules: block b's host copy, in a mapping of its own. */
+static laden_status fill_block(laden_sched_t *sc, uint32_t i)
+{
+    blk *b = &sc->b[i];
+    laden_status s;
+    if (b->bytes) {
+        b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
+        void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED)
+            return laden__fail(LADEN_E_NOMEM,
+                               "cannot allocate %s of host memory for block %u",
+                               laden__bytes(b->bytes).s, i);
+        b->ram = m;
+        if ((s = read_block_host(sc, b, b->ram))) {
+            munmap(b->ram, b->ram_len);
+            b->ram = NULL;
+            return s;
+        }
+    }
+    b->filled = true;
+    if (++sc->nfilled == sc->nb)
+        sc->loaded = true;
+    return LADEN_OK;
+}
+
+laden_status laden_stream_load_block(laden_sched_t *sc, uint32_t block)
+{
+    laden_status s;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_load_block: NULL");
+    if (!sc->cache)
+        return laden__fail(LADEN_E_STATE, "laden_stream_load_block: only for "
+                           "schedules created with LADEN_SCHED_CACHE");
+    if (sc->broken)
+        return laden__fail(LADEN_E_STATE, "the schedule failed to load");
+    if (block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_load_block: no block "
+                           "%u (%u blocks)", block, sc->nb);
+    if (sc->b[block].filled)
+        return laden__fail(LADEN_E_STATE, "block %u is loaded already",
+                           block);
+    if ((s = layout(sc))) {
+        free_all(sc);
+        sc->broken = true;
+        return s;
+    }
+    return fill_block(sc, block);
+}
+
+laden_status laden_stream_load(laden_sched_t *sc)
+{
+    laden_status s = LADEN_OK;
+    int32_t dev;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_load: NULL schedule");
+    if (sc->loaded || sc->broken)
+        return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
+    dev = sc->cfg.device;
+    if ((s = layout(sc)))
         goto fail;
+    if (sc->cache) {
+        for (uint32_t i = 0; i < sc->nb; i++)
+            if (!sc->b[i].filled && (s = fill_block(sc, i)))
+                goto fail;
+        sc->loaded = true;
+        return LADEN_OK;
+    }
+    uint64_t max_gpu = 0;
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (sc->b[i].tier == LADEN_TIER_GPU && sc->b[i].bytes > max_gpu)
+            max_gpu = sc->b[i].bytes;
 
     /* Device regions first: they are what is most likely not to fit, and
      * nothing has been read yet if they do not. */
@@ -730,22 +802,9 @@ laden_status laden_stream_load(laden_sched_t *sc)
         blk *b = &sc->b[i];
         if (b->tier != LADEN_TIER_RAM || !b->bytes)
             continue;
-        if (sc->cache) {
-            b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
-            void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (m == MAP_FAILED) {
-                s = laden__fail(LADEN_E_NOMEM,
-                                "cannot allocate %llu bytes of host memory "
-                                "for block %u",
-                                (unsigned long long)b->bytes, i);
-                goto fail;
-            }
-            b->ram = m;
-        } else if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram))) {
+        if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
             goto fail;
-        }
-        if (!sc->cuda && !sc->cache)
+        if (!sc->cuda)
             b->region = (laden_devptr_t)(uintptr_t)b->ram;
         if ((s = read_block_host(sc, b, b->ram)))
             goto fail;
@@ -784,7 +843,7 @@ static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
 {
     if (!sc || !have_out || block >= sc->nb || i >= sc->b[block].nt)
         return laden__fail(LADEN_E_INVAL, "%s: bad block or tensor", call);
-    if (!sc->loaded)
+    if (!sc->loaded && !(sc->cache && sc->b[block].filled))
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
                            call);
     return LADEN_OK;
