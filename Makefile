@@ -9,7 +9,7 @@ VPY    := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all lib venv install demo test test-c test-asan fuzz-replay \
+.PHONY: all lib venv install demo test test-c test-asan test-tsan fuzz-replay \
         symbols test-py fuzz bench-read clean
 
 all: lib
@@ -40,6 +40,12 @@ test-asan:
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build-asan/laden_tests
 
+# The tests that run threads together, under ThreadSanitizer.
+test-tsan:
+	cmake -S . -B build-tsan -DLADEN_TSAN=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build-tsan -j$(JOBS) --target laden_tests
+	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_
+
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan
@@ -52,7 +58,7 @@ symbols: lib
 test-py: install
 	cd python/tests && ../../$(VPY) -m pytest -q -p no:cacheprovider .
 
-test: test-c test-asan fuzz-replay symbols test-py
+test: test-c test-asan test-tsan fuzz-replay symbols test-py
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

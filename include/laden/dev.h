@@ -135,6 +135,15 @@ LADEN_API laden_status laden_dev_map(int32_t device, laden_devptr_t va,
 LADEN_API laden_status laden_dev_unmap(int32_t device, laden_devptr_t va,
                                        uint64_t size_bytes);
 
+/* For tests of the failure paths (CPU device only): the n-th virtual
+ * memory allocation call from now on (va_reserve, phys_create, map) fails
+ * as a device out of memory would; 0 turns injection off.  Returns how
+ * many such calls were made since the previous call.  And the number of
+ * reservations and physical handles alive, to check for leaks. */
+LADEN_API uint64_t laden_dev_cpu_fail_vmm_at(uint64_t n);
+LADEN_API void laden_dev_cpu_vmm_live(uint64_t *reservations,
+                                      uint64_t *phys_handles);
+
 typedef enum laden_copy_kind {
     LADEN_COPY_H2D_PINNED = 0,
     LADEN_COPY_H2D_PAGEABLE = 1,

@@ -419,6 +419,42 @@ typedef struct reservation {
 static pthread_mutex_t res_mu = PTHREAD_MUTEX_INITIALIZER;
 static reservation *reservations;
 
+/* Fault injection and leak counts (laden_dev_cpu_fail_vmm_at), under
+ * res_mu. */
+static uint64_t vmm_calls, vmm_fail_at, live_res, live_phys;
+
+uint64_t laden_dev_cpu_fail_vmm_at(uint64_t n)
+{
+    pthread_mutex_lock(&res_mu);
+    uint64_t calls = vmm_calls;
+    vmm_calls = 0;
+    vmm_fail_at = n;
+    pthread_mutex_unlock(&res_mu);
+    return calls;
+}
+
+void laden_dev_cpu_vmm_live(uint64_t *reservations_out, uint64_t *phys_out)
+{
+    pthread_mutex_lock(&res_mu);
+    if (reservations_out)
+        *reservations_out = live_res;
+    if (phys_out)
+        *phys_out = live_phys;
+    pthread_mutex_unlock(&res_mu);
+}
+
+/* Counts an allocation call; fails it if it is the injected one. */
+static laden_status injected(const char *call)
+{
+    pthread_mutex_lock(&res_mu);
+    bool fail = ++vmm_calls == vmm_fail_at;
+    pthread_mutex_unlock(&res_mu);
+    if (fail)
+        return laden__fail(LADEN_E_DEVICE_NOMEM,
+                           "%s: injected failure (CPU device)", call);
+    return LADEN_OK;
+}
+
 /* The reservation containing [va, va+n), or NULL.  Call with res_mu held. */
 static reservation **find_reservation(uintptr_t va, uint64_t n, bool exact)
 {
@@ -450,6 +486,9 @@ static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
                                    laden_devptr_t *out)
 {
     (void)dev;
+    laden_status st = injected("va_reserve");
+    if (st)
+        return st;
     /* Over-reserve to hand out a granularity-aligned range, as CUDA does. */
     size_t len = (size_t)n + CPU_GRANULARITY;
     char *p = mmap(NULL, len, PROT_NONE,
@@ -475,6 +514,7 @@ static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
     pthread_mutex_lock(&res_mu);
     r->next = reservations;
     reservations = r;
+    live_res++;
     pthread_mutex_unlock(&res_mu);
     *out = (laden_devptr_t)a;
     return LADEN_OK;
@@ -486,8 +526,10 @@ static laden_status cpu_va_release(int32_t dev, laden_devptr_t va, uint64_t n)
     pthread_mutex_lock(&res_mu);
     reservation **r = find_reservation((uintptr_t)va, n, true);
     reservation *gone = r ? *r : NULL;
-    if (r)
+    if (r) {
         *r = gone->next;
+        live_res--;
+    }
     pthread_mutex_unlock(&res_mu);
     if (!gone)
         return laden__fail(LADEN_E_INVAL,
@@ -502,6 +544,9 @@ static laden_status cpu_va_release(int32_t dev, laden_devptr_t va, uint64_t n)
 static laden_status cpu_phys_create(int32_t dev, uint64_t n, laden_phys_t *out)
 {
     (void)dev;
+    laden_status st = injected("phys_create");
+    if (st)
+        return st;
     int fd = memfd_create("laden-phys", MFD_CLOEXEC);
     if (fd < 0)
         return laden__fail(LADEN_E_DEVICE_NOMEM, "memfd_create: %s",
@@ -514,6 +559,9 @@ static laden_status cpu_phys_create(int32_t dev, uint64_t n, laden_phys_t *out)
                            (unsigned long long)n, strerror(e));
     }
     *out = (laden_phys_t)fd + 1; /* 0 stays "none" */
+    pthread_mutex_lock(&res_mu);
+    live_phys++;
+    pthread_mutex_unlock(&res_mu);
     return LADEN_OK;
 }
 
@@ -522,6 +570,9 @@ static laden_status cpu_phys_release(int32_t dev, laden_phys_t p)
     (void)dev;
     if (p == 0 || close((int)(p - 1)) != 0)
         return laden__fail(LADEN_E_INVAL, "phys_release: bad handle");
+    pthread_mutex_lock(&res_mu);
+    live_phys--;
+    pthread_mutex_unlock(&res_mu);
     return LADEN_OK;
 }
 
@@ -532,7 +583,7 @@ static laden_status cpu_map(int32_t dev, laden_devptr_t va, uint64_t n,
     if (p == 0)
         return laden__fail(LADEN_E_INVAL, "map: bad physical handle");
     laden_status st = in_reservation(va, n, "map");
-    if (st)
+    if (st || (st = injected("map")))
         return st;
     void *r = mmap((void *)(uintptr_t)va, (size_t)n, PROT_READ | PROT_WRITE,
                    MAP_SHARED | MAP_FIXED, (int)(p - 1), 0);
