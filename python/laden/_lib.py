@@ -74,6 +74,25 @@ class SchedStats(Structure):
     ]
 
 
+class VramInfo(Structure):
+    _fields_ = [
+        ("device", c_int32), ("page_bytes", c_uint64),
+        ("budget_bytes", c_uint64), ("mapped_bytes", c_uint64),
+        ("pinned_bytes", c_uint64), ("charged_bytes", c_uint64),
+        ("vbars", c_uint32), ("faults", c_uint64), ("offloaded", c_uint64),
+        ("fail_fast", c_uint64), ("maps", c_uint64), ("evictions", c_uint64),
+        ("evicted_bytes", c_uint64),
+    ]
+
+
+class VbarInfo(Structure):
+    _fields_ = [
+        ("base", c_uint64), ("size_bytes", c_uint64), ("used_bytes", c_uint64),
+        ("mapped_bytes", c_uint64), ("pinned_bytes", c_uint64),
+        ("watermark", c_uint64), ("floor", c_uint64), ("priority", c_uint64),
+    ]
+
+
 class CacheEvict(Structure):
     _fields_ = [("model", c_uint32), ("drop_bytes", c_uint64),
                 ("keep_bytes", c_uint64)]
@@ -249,6 +268,26 @@ _SIGNATURES = {
                                          P(c_uint32)]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
     "laden_cache_stats": (status_t, [p, P(CacheStats)]),
+    # vram
+    "laden_vram_create": (status_t, [c_int32, c_uint64, c_uint64, P(p)]),
+    "laden_vram_destroy": (None, [p]),
+    "laden_vram_set_budget": (status_t, [p, c_uint64]),
+    "laden_vram_free_memory": (status_t, [p, c_uint64, P(c_uint64)]),
+    "laden_vram_charge": (status_t, [p, c_uint64]),
+    "laden_vram_uncharge": (status_t, [p, c_uint64]),
+    "laden_vram_info": (status_t, [p, P(VramInfo)]),
+    "laden_vbar_create": (status_t, [p, c_uint64, P(p)]),
+    "laden_vbar_destroy": (None, [p]),
+    "laden_vbar_alloc": (status_t, [p, c_uint64, P(c_uint64)]),
+    "laden_vbar_fault": (status_t, [p, c_uint64, c_uint64, P(c_int),
+                                    P(c_uint64)]),
+    "laden_vbar_unpin": (status_t, [p, c_uint64, c_uint64]),
+    "laden_vbar_prioritize": (status_t, [p]),
+    "laden_vbar_deprioritize": (status_t, [p]),
+    "laden_vbar_set_floor": (status_t, [p, c_uint64]),
+    "laden_vbar_info": (status_t, [p, P(VbarInfo)]),
+    "laden_vbar_residency": (status_t, [p, P(ctypes.c_uint8), c_uint32,
+                                        P(c_uint32)]),
     # plan
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
