@@ -5,6 +5,7 @@
 #   bash bench/device_run.sh [read|cache]   (default: read)
 #   read:  laden probe, bench/read.py
 #   cache: bench/cache.py with piper-offload (wheels from .whl/, carried)
+#   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
 SECTION=${1:-read}
@@ -23,7 +24,7 @@ log "build + C tests"
 log "C tests under ASan+UBSan"
 ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
   cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ ) \
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ ) \
   2>&1 | tee "$OUT/asan.log" | tail -12
 log "pip install + pytest"
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
@@ -33,6 +34,12 @@ if [ "$SECTION" = read ]; then
   laden probe --dir . 2>&1 | tee "$OUT/probe.log"
   log "bench/read.py"
   python3 bench/read.py --size 4GB --sweep --dir bench/out 2>&1 | tee "$OUT/read.log"
+fi
+if [ "$SECTION" = vram ]; then
+  log "comfy-aimdo wheel"
+  python3 -m pip install -q --no-deps --upgrade --target /tmp/site .whl/comfy_aimdo-*.whl 2>&1 | grep -v WARNING | tail -2
+  log "bench/vbar.py"
+  PYTHONPATH=/tmp/site python3 bench/vbar.py 2>&1 | tee "$OUT/vbar.log"
 fi
 if [ "$SECTION" = cache ]; then
   log "piper-offload wheels"

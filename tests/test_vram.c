@@ -316,3 +316,65 @@ TEST(vram_threads)
     CHECK(mapped(c) == 0);
     laden_vram_destroy(c);
 }
+
+/* The elastic allocator on the CPU device: allocations take unpinned
+ * weight pages before they fail; freed blocks are reused. */
+TEST(vram_elastic_allocator)
+{
+    laden_vram_t *c = ctx(8);
+    laden_vbar_t *w;
+    CHECK_OK(laden_vbar_create(c, 8 * PG, &w));
+    for (uint32_t i = 0; i < 6; i++)
+        CHECK(fault(w, i, NULL) == 1);
+    CHECK_OK(laden_vbar_unpin(w, 2 * PG, 4 * PG)); /* pages 0, 1 pinned */
+    CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, c));
+    laden_vram_t *other = ctx(1);
+    CHECK_STATUS(laden_elastic_attach(LADEN_DEVICE_CPU, other), LADEN_E_STATE);
+    laden_vram_destroy(other);
+    /* 3 pages: 6 mapped + 3 > 8, so one weight page gives way. */
+    void *a = laden_elastic_malloc((ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(a != NULL);
+    memset(a, 1, 3 * PG); /* it is memory */
+    laden_elastic_stats_t st;
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.evicted_bytes == PG && st.in_use_bytes == 3 * PG);
+    CHECK(mapped(c) == 5 * PG);
+    /* More than the unpinned weights can give: NULL, nothing changed. */
+    void *b = laden_elastic_malloc((ptrdiff_t)(5 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(b == NULL);
+    CHECK(mapped(c) == 5 * PG);
+    /* Freed, then reused for a request of at least half its size. */
+    laden_elastic_free(a, (ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);
+    void *a2 = laden_elastic_malloc((ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(a2 == a);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.reuses == 1 && st.failures == 1 && st.cached_bytes == 0);
+    laden_elastic_free(a2, (ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);
+    /* A request the cache cannot serve takes the cached block back first,
+     * then evicts weights: 5 mapped (2 pinned) + 6 > 8. */
+    void *d = laden_elastic_malloc((ptrdiff_t)(6 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(d != NULL);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.cached_bytes == 0 && mapped(c) == 2 * PG);
+    laden_vram_info_t ci;
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.charged_bytes == 6 * PG);
+    laden_elastic_free(d, (ptrdiff_t)(6 * PG), LADEN_DEVICE_CPU, NULL);
+    /* Weights coming back take the allocator's idle cached blocks before
+     * anything else. */
+    CHECK_OK(laden_vbar_prioritize(w));
+    for (uint32_t i = 2; i < 6; i++)
+        CHECK(fault(w, i, NULL) == 1);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(st.cached_bytes == 0 && ci.charged_bytes == 0);
+    CHECK(ci.mapped_bytes == 6 * PG);
+    CHECK_OK(laden_vbar_unpin(w, 2 * PG, 4 * PG));
+    CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.charged_bytes == 0);
+    CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
+    CHECK(laden_elastic_malloc(-1, LADEN_DEVICE_CPU, NULL) == NULL);
+    CHECK(laden_elastic_malloc(16, 999, NULL) == NULL);
+    laden_vram_destroy(c);
+}

@@ -32,6 +32,8 @@
 #ifndef LADEN_VRAM_H
 #define LADEN_VRAM_H
 
+#include <stddef.h>
+
 #include "../laden.h"
 #include "dev.h"
 
@@ -112,9 +114,19 @@ LADEN_API laden_status laden_vbar_fault(laden_vbar_t *vbar, uint64_t offset,
                                         uint64_t size_bytes, int *out_resident,
                                         uint64_t *out_signature);
 /* Ends the pin of a fault on the same range.  LADEN_E_STATE if a page of
- * it is not pinned. */
+ * it is not pinned.  The work that used the range must have finished, or
+ * be recorded with laden_vbar_unpin_after. */
 LADEN_API laden_status laden_vbar_unpin(laden_vbar_t *vbar, uint64_t offset,
                                         uint64_t size_bytes);
+/* As laden_vbar_unpin, after the work enqueued so far on `stream` (a CUDA
+ * stream handle): a page evicted later is unmapped only once that work
+ * has finished (the evicting thread waits for this VBAR's last recorded
+ * use, not for the whole device).  Use one stream per VBAR, or unpin
+ * after the last of them. */
+LADEN_API laden_status laden_vbar_unpin_after(laden_vbar_t *vbar,
+                                              uint64_t offset,
+                                              uint64_t size_bytes,
+                                              uintptr_t stream);
 LADEN_API laden_status laden_vbar_prioritize(laden_vbar_t *vbar);
 LADEN_API laden_status laden_vbar_deprioritize(laden_vbar_t *vbar);
 /* Evictions never lower the watermark below `offset`: ranges below it keep
@@ -127,6 +139,38 @@ LADEN_API laden_status laden_vbar_info(laden_vbar_t *vbar,
  * 1 mapped, 2 mapped and pinned.  *out_n gets the page count. */
 LADEN_API laden_status laden_vbar_residency(laden_vbar_t *vbar, uint8_t *out,
                                             uint32_t n, uint32_t *out_n);
+
+/* ---- the elastic allocator ------------------------------------------------
+ * Device memory for PyTorch from the budget of a VRAM context, through a
+ * supported seam: torch.cuda.memory.CUDAPluggableAllocator (or a MemPool
+ * built on one) calls laden_elastic_malloc and laden_elastic_free.  An
+ * allocation that would exceed the budget first takes the allocator's
+ * cached blocks back, then evicts unpinned weight pages (lowest priority
+ * first); only if that is not enough does it return NULL, which PyTorch
+ * reports as out of memory.  A freed block is kept for reuse with an
+ * event recorded on the stream that freed it: reused at once on that
+ * stream, by another stream once the event has passed -- no device-wide
+ * synchronize. */
+
+typedef struct laden_elastic_stats {
+    uint64_t allocs, frees, reuses, failures;
+    uint64_t in_use_bytes, cached_bytes, peak_bytes;
+    uint64_t evicted_bytes;  /* weight bytes evicted to make room */
+} laden_elastic_stats_t;
+
+/* Serves `device`'s allocations from ctx's budget (ctx on that device);
+ * NULL detaches (cached blocks are freed; blocks in use stay charged until
+ * freed).  One context per device. */
+LADEN_API laden_status laden_elastic_attach(int32_t device, laden_vram_t *ctx);
+/* The allocator entry points (signatures as PyTorch's pluggable allocator
+ * wants them; stream is a cudaStream_t). */
+LADEN_API void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream);
+LADEN_API void laden_elastic_free(void *ptr, ptrdiff_t size, int device,
+                                  void *stream);
+/* Frees the cached blocks whose last use has finished. */
+LADEN_API laden_status laden_elastic_trim(int32_t device);
+LADEN_API laden_status laden_elastic_stats(int32_t device,
+                                           laden_elastic_stats_t *out);
 
 #ifdef __cplusplus
 }

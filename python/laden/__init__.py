@@ -7,6 +7,7 @@ The engine is the C library libladen; this package attaches it to PyTorch.
 from __future__ import annotations
 
 from ._lib import lib as _clib
+from . import vbar
 from ._writer import save_file
 from .cache import (CacheInfo, ModelCache, ModelNotFoundError, ModelOffloader,
                     ModelSpec)
@@ -27,7 +28,7 @@ __all__ = [
     "save_file", "plan", "Plan", "PlanBlock", "Tier", "stage",
     "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
     "release", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
-    "CacheInfo", "ModelNotFoundError", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
+    "CacheInfo", "ModelNotFoundError", "vbar", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
     "DeviceError", "InvalidArgumentError", "StateError", "__version__",
 ]

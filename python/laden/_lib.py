@@ -93,6 +93,15 @@ class VbarInfo(Structure):
     ]
 
 
+class ElasticStats(Structure):
+    _fields_ = [
+        ("allocs", c_uint64), ("frees", c_uint64), ("reuses", c_uint64),
+        ("failures", c_uint64), ("in_use_bytes", c_uint64),
+        ("cached_bytes", c_uint64), ("peak_bytes", c_uint64),
+        ("evicted_bytes", c_uint64),
+    ]
+
+
 class CacheEvict(Structure):
     _fields_ = [("model", c_uint32), ("drop_bytes", c_uint64),
                 ("keep_bytes", c_uint64)]
@@ -282,12 +291,18 @@ _SIGNATURES = {
     "laden_vbar_fault": (status_t, [p, c_uint64, c_uint64, P(c_int),
                                     P(c_uint64)]),
     "laden_vbar_unpin": (status_t, [p, c_uint64, c_uint64]),
+    "laden_vbar_unpin_after": (status_t, [p, c_uint64, c_uint64,
+                                          ctypes.c_size_t]),
     "laden_vbar_prioritize": (status_t, [p]),
     "laden_vbar_deprioritize": (status_t, [p]),
     "laden_vbar_set_floor": (status_t, [p, c_uint64]),
     "laden_vbar_info": (status_t, [p, P(VbarInfo)]),
     "laden_vbar_residency": (status_t, [p, P(ctypes.c_uint8), c_uint32,
                                         P(c_uint32)]),
+    "laden_elastic_attach": (status_t, [c_int32, p]),
+    "laden_elastic_trim": (status_t, [c_int32]),
+    "laden_elastic_stats": (status_t, [c_int32, P(ElasticStats)]),
+    "laden_dev_cpu_fail_vmm_at": (c_uint64, [c_uint64]),
     # plan
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "vram_internal.h"
 
 typedef struct page {
     uint64_t gen;       /* 0: not mapped */
@@ -31,6 +32,13 @@ struct laden_vbar {
     uint64_t prio;
     uint64_t watermark, floor;
     uint64_t mapped, pinned_pages;
+    /* The work that used its pages, as the last unpin recorded it: pages
+     * are unmapped only after it (a wait for this VBAR's work, not a
+     * device-wide synchronize). */
+    laden_event_t *last_use;
+    laden_stream_t *wrapped;
+    uintptr_t wrapped_handle;
+    bool fenced;
 };
 
 struct laden_vram {
@@ -39,7 +47,22 @@ struct laden_vram {
     uint64_t page, budget, mapped, charged, clock, gen;
     laden_vbar_t *vbars;
     laden_vram_info_t st;
+    /* Memory charged but idle (the elastic allocator's cached blocks),
+     * given back before weights are evicted: returns the bytes freed,
+     * which are uncharged here.  Called with mu held. */
+    uint64_t (*reclaim)(void *arg, uint64_t need);
+    void *reclaim_arg;
 };
+
+void laden__vram_set_reclaim(laden_vram_t *c,
+                             uint64_t (*fn)(void *arg, uint64_t need),
+                             void *arg)
+{
+    pthread_mutex_lock(&c->mu);
+    c->reclaim = fn;
+    c->reclaim_arg = arg;
+    pthread_mutex_unlock(&c->mu);
+}
 
 laden_status laden_vram_create(int32_t device, uint64_t budget,
                                uint64_t page_bytes, laden_vram_t **out)
@@ -76,6 +99,10 @@ static void unmap_page(laden_vbar_t *v, uint32_t i)
 {
     laden_vram_t *c = v->ctx;
     page *p = &v->pages[i];
+    if (v->fenced) {
+        laden_dev_event_synchronize(v->last_use);
+        v->fenced = false;
+    }
     laden_dev_unmap(c->device, v->va + (uint64_t)i * c->page, c->page);
     laden_dev_phys_release(c->device, p->phys);
     p->gen = 0;
@@ -94,6 +121,8 @@ static void destroy_locked(laden_vbar_t *v)
         if (v->pages[i].gen)
             unmap_page(v, i);
     laden_dev_va_release(c->device, v->va, v->size);
+    laden_dev_event_destroy(v->last_use);
+    laden_dev_stream_destroy(v->wrapped);
     for (laden_vbar_t **pp = &c->vbars; *pp; pp = &(*pp)->next)
         if (*pp == v) {
             *pp = v->next;
@@ -190,6 +219,13 @@ static bool make_room(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
     uint64_t used = c->mapped + c->charged;
     if (used + need <= c->budget)
         return true;
+    if (c->reclaim) {
+        uint64_t got = c->reclaim(c->reclaim_arg, used + need - c->budget);
+        c->charged -= got < c->charged ? got : c->charged;
+        used = c->mapped + c->charged;
+        if (used + need <= c->budget)
+            return true;
+    }
     uint64_t over = used + need - c->budget;
     if (need > c->budget || evictable(c, req, above) < over)
         return false;
@@ -452,6 +488,35 @@ out:
 
 laden_status laden_vbar_unpin(laden_vbar_t *v, uint64_t off, uint64_t size)
 {
+    return laden_vbar_unpin_after(v, off, size, 0);
+}
+
+/* Records the VBAR's last use on stream `handle` (CUDA only). */
+static laden_status fence(laden_vbar_t *v, uintptr_t handle)
+{
+    laden_vram_t *c = v->ctx;
+    laden_status s;
+    if (c->device == LADEN_DEVICE_CPU || !handle)
+        return LADEN_OK;
+    if (!v->last_use &&
+        (s = laden_dev_event_create(c->device, 0, &v->last_use)))
+        return s;
+    if (!v->wrapped || v->wrapped_handle != handle) {
+        laden_dev_stream_destroy(v->wrapped);
+        v->wrapped = NULL;
+        if ((s = laden_dev_stream_wrap(c->device, handle, &v->wrapped)))
+            return s;
+        v->wrapped_handle = handle;
+    }
+    if ((s = laden_dev_event_record(v->last_use, v->wrapped)))
+        return s;
+    v->fenced = true;
+    return LADEN_OK;
+}
+
+laden_status laden_vbar_unpin_after(laden_vbar_t *v, uint64_t off,
+                                    uint64_t size, uintptr_t stream)
+{
     laden_status s = range_arg(v, off, size, "laden_vbar_unpin");
     if (s || size == 0)
         return s;
@@ -466,6 +531,8 @@ laden_status laden_vbar_unpin(laden_vbar_t *v, uint64_t off, uint64_t size)
                             "(page %u)",
                             (unsigned long long)off, (unsigned long long)size,
                             i);
+    if (!s)
+        s = fence(v, stream);
     for (uint32_t i = p0; i <= p1 && !s; i++)
         if (--v->pages[i].pins == 0)
             v->pinned_pages--;

@@ -1,0 +1,254 @@
+"""VBARs and the elastic allocator.
+
+1. The C costs (build/laden_bench_vbar): fault + unpin of a resident
+   range, page map and evict costs per page size.
+2. fault + unpin per call from Python, laden and comfy-aimdo.
+3. A workload alternating 2048- and 16384-token forwards through a stack of
+   linear layers whose weights live in a VBAR, with a VRAM budget too
+   small for all weights plus the larger activations:
+     fixed:   weights get budget - reserve (the larger forward's
+              activations), activations come from PyTorch's allocator;
+     elastic: weights and activations share the whole budget
+              (laden.vbar.elastic_pool): the larger forward's activations
+              evict weights, the smaller forward faults them back;
+     aimdo:   comfy-aimdo's ModelVBAR on the same weights (its own
+              allocator is marked experimental by its authors; activations
+              from PyTorch's allocator, as in "fixed").
+   Time per forward (CUDA events), weight bytes evicted, offloaded
+   weights, OOMs.  Outputs are compared with the plain model.
+
+    python3 bench/vbar.py [--layers 16] [--budget-gb 2.5] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stream import print_table  # noqa: E402
+
+from laden import vbar  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+D = 8192
+
+
+def c_costs():
+    exe = os.path.join(ROOT, "build", "laden_bench_vbar")
+    if not os.path.exists(exe):
+        print("(build/laden_bench_vbar not built: cmake --build build)")
+        return
+    print(subprocess.run([exe], capture_output=True, text=True).stdout)
+
+
+def python_costs(rows, n=20000):
+    dev = torch.device("cuda")
+    v = vbar.ModelVBAR(1 << 30, dev, vram=vbar.VRAM(dev))
+    w = v.alloc((1 << 20,), torch.uint8)
+    v.fault(w)
+    v.unpin(w)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        v.fault(w)
+        v.unpin(w)
+    rows.append(["laden ModelVBAR.fault + unpin",
+                 f"{(time.perf_counter() - t0) / n * 1e6:.2f}"])
+    v.close()
+    try:
+        from comfy_aimdo import control
+        from comfy_aimdo.model_vbar import ModelVBAR
+        if not control.init():
+            raise RuntimeError("control.init() returned False")
+        control.init_device(0)
+        av = ModelVBAR(1 << 30, 0)
+        a = av.alloc(1 << 20)
+        av.fault(a[1], a[2])
+        av.unpin(a[1], a[2])
+        t0 = time.perf_counter()
+        for _ in range(n):
+            av.fault(a[1], a[2])
+            av.unpin(a[1], a[2])
+        rows.append(["comfy-aimdo ModelVBAR.fault + unpin",
+                     f"{(time.perf_counter() - t0) / n * 1e6:.2f}"])
+        av.close()
+    except Exception as e:
+        rows.append(["comfy-aimdo", f"did not run: {type(e).__name__}: {e}"])
+
+
+class Weights:
+    """The model: host copies of L weights (pinned), run layer by layer
+    with each weight faulted in (laden or aimdo) or streamed."""
+
+    def __init__(self, layers):
+        g = torch.Generator().manual_seed(0)
+        self.host = [(torch.randn(D, D, generator=g) * (1.0 / D ** 0.5))
+                     .to(torch.bfloat16).pin_memory() for _ in range(layers)]
+
+    def reference(self, x):
+        for h in self.host:
+            x = torch.tanh(x @ h.to(x.device).t())
+        return x
+
+
+def forward_laden(model, v, ws, x, counts):
+    for w, h in zip(ws, model.host):
+        sig = v.fault(w)
+        if sig is None:
+            t = h.to(x.device, non_blocking=True)
+            counts["offloaded"] += 1
+        else:
+            t = v.tensor(w)
+            if sig != w.signature:
+                t.copy_(h, non_blocking=True)
+                w.signature = sig
+                counts["copied"] += 1
+        x = torch.tanh(x @ t.t())
+        if sig is not None:
+            v.unpin(w)
+    return x
+
+
+def forward_aimdo(model, av, allocs, sigs, x, counts):
+    from comfy_aimdo.model_vbar import vbar_signature_compare
+    from comfy_aimdo.torch import aimdo_to_tensor
+    for i, (a, h) in enumerate(zip(allocs, model.host)):
+        sig = av.fault(a[1], a[2])
+        if sig is None:
+            t = h.to(x.device, non_blocking=True)
+            counts["offloaded"] += 1
+        else:
+            t = aimdo_to_tensor(a, x.device).view(torch.bfloat16).view(D, D)
+            if not vbar_signature_compare(sig, sigs[i]):
+                t.copy_(h, non_blocking=True)
+                sigs[i] = sig
+                counts["copied"] += 1
+        x = torch.tanh(x @ t.t())
+        if sig is not None:
+            av.unpin(a[1], a[2])
+    return x
+
+
+def timed(fn):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True)
+    s.record()
+    out = fn()
+    e.record()
+    e.synchronize()
+    return out, s.elapsed_time(e)
+
+
+def workload(args, rows):
+    dev = torch.device("cuda")
+    model = Weights(args.layers)
+    xs = {n: torch.randn(n, D, device=dev, dtype=torch.bfloat16) * 0.5
+          for n in (2048, 16384)}
+    with torch.no_grad():
+        refs = {n: model.reference(x) for n, x in xs.items()}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    wbytes = args.layers * D * D * 2
+    budget = int(args.budget_gb * 2 ** 30)
+    reserve = int(args.reserve_gb * 2 ** 30)
+    print(f"weights {wbytes / 2**30:.2f} GiB in {args.layers} layers; budget "
+          f"{budget / 2**30:.2f} GiB; fixed mode reserves "
+          f"{reserve / 2**30:.2f} GiB for activations")
+    for mode in ("fixed", "elastic", "aimdo"):
+        counts = {"offloaded": 0, "copied": 0}
+        times = {2048: [], 16384: []}
+        ooms = 0
+        ok = True
+        try:
+            if mode == "aimdo":
+                from comfy_aimdo import control
+                from comfy_aimdo.model_vbar import ModelVBAR
+                if not control.init():
+                    raise RuntimeError("control.init() returned False")
+                control.init_device(0)
+                av = ModelVBAR(wbytes + args.layers * 512, 0)
+                allocs = [av.alloc(D * D * 2) for _ in range(args.layers)]
+                sigs = [None] * args.layers
+
+                def run(x):
+                    return forward_aimdo(model, av, allocs, sigs, x, counts)
+                before = 0
+            else:
+                vram = vbar.VRAM(dev, budget=budget - reserve
+                                 if mode == "fixed" else budget)
+                v = vbar.ModelVBAR(wbytes + args.layers * 256, dev, vram=vram)
+                ws = [v.alloc((D, D), torch.bfloat16)
+                      for _ in range(args.layers)]
+                pool = vbar.elastic_pool(vram) if mode == "elastic" else None
+
+                def run(x):
+                    v.prioritize()
+                    if pool is None:
+                        return forward_laden(model, v, ws, x, counts)
+                    with torch.cuda.use_mem_pool(pool):
+                        y = forward_laden(model, v, ws, x, counts)
+                        return y.clone()
+                before = vram.info()["evicted_bytes"]
+            for r in range(args.rounds + 1):
+                for n in (2048, 16384):
+                    try:
+                        with torch.no_grad():
+                            y, ms = timed(lambda: run(xs[n]))
+                        ok &= bool(torch.equal(y, refs[n]))
+                        if r:
+                            times[n].append(ms)
+                        del y
+                    except torch.OutOfMemoryError:
+                        ooms += 1
+            evicted = (vram.info()["evicted_bytes"] - before
+                       if mode != "aimdo" else 0)
+            es = vbar.elastic_stats(dev) if mode == "elastic" else None
+            rows.append([
+                mode,
+                f"{sum(times[2048]) / max(len(times[2048]), 1):.1f}",
+                f"{sum(times[16384]) / max(len(times[16384]), 1):.1f}",
+                f"{evicted / 2**30:.2f}" if mode != "aimdo" else "-",
+                str(counts["offloaded"]), str(counts["copied"]), str(ooms),
+                "yes" if ok else "NO"])
+            if es:
+                print(f"elastic allocator: {es}")
+            if mode != "aimdo":
+                pool = None
+                v.close()
+                vram.close()
+            else:
+                av.close()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:
+            rows.append([mode, f"did not run: {type(e).__name__}: {e}",
+                         "", "", "", "", "", ""])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--budget-gb", type=float, default=2.5)
+    ap.add_argument("--reserve-gb", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    c_costs()
+    if not torch.cuda.is_available():
+        return
+    rows = []
+    python_costs(rows)
+    print_table([["call from Python", "us"]] + rows)
+    print()
+    rows = []
+    workload(args, rows)
+    print_table([["mode", "ms / 2048 tok", "ms / 16384 tok", "evicted GiB",
+                  "offloaded", "copied in", "OOM", "output ok"]] + rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""laden.vbar on the CPU device (and CUDA when present): faults,
+signatures, priorities, the aimdo usage pattern on a small model with a
+budget smaller than its weights, and the elastic allocator on CUDA."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import laden
+from laden import vbar
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+PG = 2 << 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fault_signature_unpin(device):
+    vram = vbar.VRAM(device, budget=4 * PG, page_bytes=PG)
+    v = vbar.ModelVBAR(8 * PG, device, vram=vram)
+    w = v.alloc((PG // 4,), torch.float32)          # one page
+    sig = v.fault(w)
+    assert sig is not None
+    t = v.tensor(w)
+    assert t.device.type == torch.device(device).type
+    t.fill_(3.0)
+    w.signature = sig
+    v.unpin(w)
+    assert v.fault(w) == w.signature                # still what was written
+    assert torch.all(v.tensor(w) == 3.0)
+    v.unpin(w)
+    assert v.loaded_size == PG and v.residency()[0] == 1
+    assert vram.free_memory(PG) == PG and v.loaded_size == 0
+    assert v.fault(w) is None                        # watermark: fail fast
+    v.prioritize()
+    sig2 = v.fault(w)
+    assert sig2 is not None and sig2 != w.signature  # replaced: copy again
+    v.unpin(w)
+    with pytest.raises(laden.StateError, match="not pinned"):
+        v.unpin(w)
+    with pytest.raises(laden.InvalidArgumentError, match="outside"):
+        v.fault((8 * PG, 1))
+    with pytest.raises(laden.BudgetError):
+        v.alloc((9 * PG,), torch.uint8)
+    info = vram.info()
+    assert info["vbars"] == 1 and info["fail_fast"] == 1
+    v.close()
+    vram.close()
+
+
+class Net(nn.Module):
+    def __init__(self, n=6, d=512):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for l in self.layers:
+            x = torch.tanh(l(x))
+        return x
+
+
+def run_with_vbar(model, x, v, weights, device):
+    """The aimdo pattern: fault each layer's weight before it runs, copy
+    it in when its signature changed, stream it when offloaded, unpin
+    after."""
+    offloaded = 0
+    for layer, (w, host) in zip(model.layers, weights):
+        sig = v.fault(w)
+        if sig is None:
+            t = host.to(device)
+            offloaded += 1
+        else:
+            t = v.tensor(w)
+            if sig != w.signature:
+                t.copy_(host)
+                w.signature = sig
+        x = torch.tanh(torch.nn.functional.linear(x, t, layer.bias))
+        if sig is not None:
+            v.unpin(w)
+    return x, offloaded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_larger_than_budget_runs_identical(device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    x = torch.randn(8, 512, device=device)
+    with torch.no_grad():
+        want = model(x)
+        # 6 weights of 1 MiB in pages of 2 MiB; budget 2 pages: a prefix
+        # stays resident, the rest streams; outputs identical.
+        vram = vbar.VRAM(device, budget=2 * PG, page_bytes=PG)
+        v = vbar.ModelVBAR(6 * (1 << 20), device, vram=vram)
+        weights = [(v.alloc(l.weight.shape, l.weight.dtype), l.weight)
+                   for l in model.layers]
+        for it in range(4):
+            got, off = run_with_vbar(model, x, v, weights, device)
+            assert torch.equal(got, want)
+            assert off == 2                         # settled, no thrashing
+        assert vram.info()["mapped_bytes"] <= 2 * PG
+        v.close()
+        vram.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_elastic_pool_weights_give_way_no_oom():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    d = 4096
+    model = Net(n=8, d=d).half().to(dev)            # 8 x 32 MiB weights
+    x = torch.randn(8192, d, device=dev, dtype=torch.half)
+    with torch.no_grad():
+        want = model(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info()
+    # Weights 256 MiB + activations ~3 x 64 MiB do not fit 320 MiB.
+    vram = vbar.VRAM(dev, budget=320 << 20)
+    v = vbar.ModelVBAR(8 * (32 << 20) + 8 * 4096, dev, vram=vram)
+    weights = [(v.alloc(l.weight.shape, l.weight.dtype), l.weight)
+               for l in model.layers]
+    pool = vbar.elastic_pool(vram)
+    with torch.no_grad():
+        for _ in range(3):
+            v.prioritize()
+            with torch.cuda.use_mem_pool(pool):
+                got, _ = run_with_vbar(model, x, v, weights, dev)
+                got = got.clone()
+            assert torch.equal(got, want)
+    st = vbar.elastic_stats(dev)
+    assert st["failures"] == 0 and st["evicted_bytes"] > 0
+    info = vram.info()
+    assert info["mapped_bytes"] + info["charged_bytes"] <= 320 << 20
+    del got, pool
+    v.close()
+    vram.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    vbar.elastic_trim(dev)
+    free1, _ = torch.cuda.mem_get_info()
+    assert abs(free1 - free0) < 64 << 20, (free0, free1)

@@ -1,0 +1,276 @@
+/* The elastic allocator.  See include/laden/vram.h.
+ *
+ * PyTorch's caching allocator sits above it and keeps its own blocks, so
+ * these calls are for whole segments: few, large, and off the hot path.
+ * Plain arrays, one lock per device. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "laden/vram.h"
+#include "vram_internal.h"
+
+#define MAX_DEVICES 64
+#define MAX_CACHED 256
+
+typedef struct cached {
+    laden_devptr_t ptr;
+    uint64_t size;
+    uintptr_t stream;      /* the stream that freed it */
+    laden_event_t *done;   /* recorded there at the free */
+} cached;
+
+typedef struct elastic {
+    pthread_mutex_t mu;
+    laden_vram_t *ctx;
+    cached c[MAX_CACHED];
+    uint32_t n;
+    laden_elastic_stats_t st;
+} elastic;
+
+static elastic dev_state[MAX_DEVICES + 1]; /* [0]: the CPU device */
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void init_locks(void)
+{
+    for (int i = 0; i <= MAX_DEVICES; i++)
+        pthread_mutex_init(&dev_state[i].mu, NULL);
+}
+
+static elastic *state(int device)
+{
+    if (device < LADEN_DEVICE_CPU || device >= MAX_DEVICES)
+        return NULL;
+    pthread_once(&once, init_locks);
+    return &dev_state[device + 1];
+}
+
+/* Frees cached block k (its last use has finished or must be waited
+ * for); uncharged unless the context does it (reclaim). */
+static void drop_cached(elastic *e, int32_t device, uint32_t k, bool wait,
+                        bool uncharge)
+{
+    cached *b = &e->c[k];
+    if (wait && b->done)
+        laden_dev_event_synchronize(b->done);
+    laden_dev_event_destroy(b->done);
+    laden_dev_mem_free(device, b->ptr);
+    if (e->ctx && uncharge)
+        laden_vram_uncharge(e->ctx, b->size);
+    e->st.cached_bytes -= b->size;
+    e->c[k] = e->c[--e->n];
+}
+
+static bool finished(cached *b)
+{
+    int done = 1;
+    if (b->done && laden_dev_event_query(b->done, &done) != LADEN_OK)
+        done = 0;
+    return done != 0;
+}
+
+/* Frees cached blocks until `need` bytes are given back (all: UINT64_MAX);
+ * finished ones first, then waits for the others. */
+static uint64_t trim_as(elastic *e, int32_t device, uint64_t need,
+                        bool uncharge)
+{
+    uint64_t freed = 0;
+    for (int pass = 0; pass < 2 && freed < need; pass++)
+        for (uint32_t k = e->n; k-- > 0 && freed < need;) {
+            if (pass == 0 && !finished(&e->c[k]))
+                continue;
+            freed += e->c[k].size;
+            drop_cached(e, device, k, true, uncharge);
+        }
+    return freed;
+}
+
+static uint64_t trim(elastic *e, int32_t device, uint64_t need)
+{
+    return trim_as(e, device, need, true);
+}
+
+/* The context's reclaim hook: cached blocks before weights.  Skipped if
+ * the allocator is busy (it takes its lock before the context's). */
+static uint64_t reclaim(void *arg, uint64_t need)
+{
+    elastic *e = arg;
+    if (pthread_mutex_trylock(&e->mu) != 0)
+        return 0;
+    int32_t device = (int32_t)(e - dev_state) - 1;
+    uint64_t got = trim_as(e, device, need, false);
+    pthread_mutex_unlock(&e->mu);
+    return got;
+}
+
+laden_status laden_elastic_attach(int32_t device, laden_vram_t *ctx)
+{
+    elastic *e = state(device);
+    if (!e)
+        return laden__fail(LADEN_E_NODEVICE, "elastic: no device %d", device);
+    if (ctx) {
+        laden_vram_info_t info;
+        laden_status s = laden_vram_info(ctx, &info);
+        if (s)
+            return s;
+        if (info.device != device)
+            return laden__fail(LADEN_E_INVAL,
+                               "elastic: the context is for device %d, not "
+                               "%d",
+                               info.device, device);
+    }
+    pthread_mutex_lock(&e->mu);
+    laden_status s = LADEN_OK;
+    if (ctx && e->ctx && e->ctx != ctx)
+        s = laden__fail(LADEN_E_STATE,
+                        "elastic: device %d serves another context; detach "
+                        "it first",
+                        device);
+    else {
+        trim(e, device, UINT64_MAX);
+        if (e->ctx && e->ctx != ctx)
+            laden__vram_set_reclaim(e->ctx, NULL, NULL);
+        e->ctx = ctx;
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (!s && ctx)
+        laden__vram_set_reclaim(ctx, reclaim, e);
+    return s;
+}
+
+void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
+{
+    elastic *e = state(device);
+    if (!e || size < 0)
+        return NULL;
+    uint64_t n = (uint64_t)(size ? size : 1);
+    pthread_mutex_lock(&e->mu);
+    void *out = NULL;
+    /* A cached block: on the stream that freed it at once (stream order),
+     * on another once its event has passed; no more than twice the size. */
+    int best = -1;
+    for (uint32_t k = 0; k < e->n; k++) {
+        cached *b = &e->c[k];
+        if (b->size < n || b->size > 2 * n)
+            continue;
+        if (b->stream != (uintptr_t)stream && !finished(b))
+            continue;
+        if (best < 0 || b->size < e->c[best].size)
+            best = (int)k;
+    }
+    if (best >= 0) {
+        cached b = e->c[best];
+        laden_dev_event_destroy(b.done);
+        e->c[best] = e->c[--e->n];
+        e->st.cached_bytes -= b.size;
+        e->st.in_use_bytes += b.size;
+        e->st.reuses++;
+        e->st.allocs++;
+        out = (void *)(uintptr_t)b.ptr;
+        goto done;
+    }
+    if (e->ctx) {
+        laden_vram_info_t before, after;
+        laden_vram_info(e->ctx, &before);
+        laden_status s = laden_vram_charge(e->ctx, n);
+        if (s == LADEN_E_BUDGET && trim(e, device, n) > 0)
+            s = laden_vram_charge(e->ctx, n);
+        laden_vram_info(e->ctx, &after);
+        e->st.evicted_bytes += after.evicted_bytes - before.evicted_bytes;
+        if (s) {
+            laden__error_clear();
+            e->st.failures++;
+            goto done;
+        }
+    }
+    laden_devptr_t p = 0;
+    laden_status s = laden_dev_mem_alloc(device, n, &p);
+    if (s == LADEN_E_DEVICE_NOMEM) {
+        /* The device is fuller than the budget says: give back cached
+         * blocks and unpinned weights, once. */
+        uint64_t freed = trim(e, device, n);
+        if (e->ctx && freed < n) {
+            uint64_t ev = 0;
+            laden_vram_free_memory(e->ctx, n - freed, &ev);
+            e->st.evicted_bytes += ev;
+        }
+        s = laden_dev_mem_alloc(device, n, &p);
+    }
+    if (s) {
+        laden__error_clear();
+        if (e->ctx)
+            laden_vram_uncharge(e->ctx, n);
+        e->st.failures++;
+        goto done;
+    }
+    e->st.allocs++;
+    e->st.in_use_bytes += n;
+    out = (void *)(uintptr_t)p;
+done:
+    if (e->st.in_use_bytes + e->st.cached_bytes > e->st.peak_bytes)
+        e->st.peak_bytes = e->st.in_use_bytes + e->st.cached_bytes;
+    pthread_mutex_unlock(&e->mu);
+    return out;
+}
+
+void laden_elastic_free(void *ptr, ptrdiff_t size, int device, void *stream)
+{
+    elastic *e = state(device);
+    if (!e || !ptr || size < 0)
+        return;
+    uint64_t n = (uint64_t)(size ? size : 1);
+    pthread_mutex_lock(&e->mu);
+    e->st.frees++;
+    e->st.in_use_bytes -= n < e->st.in_use_bytes ? n : e->st.in_use_bytes;
+    if (e->n == MAX_CACHED)
+        trim(e, device, 1); /* make a place */
+    cached b = {(laden_devptr_t)(uintptr_t)ptr, n, (uintptr_t)stream, NULL};
+    laden_stream_t *ws = NULL;
+    if (device == LADEN_DEVICE_CPU) {
+        /* The CPU's work has finished when it frees: no event. */
+        e->c[e->n++] = b;
+        e->st.cached_bytes += n;
+    } else if (laden_dev_event_create(device, 0, &b.done) ||
+        laden_dev_stream_wrap(device, (uintptr_t)stream, &ws) ||
+        laden_dev_event_record(b.done, ws)) {
+        /* Cannot order it: wait and free now. */
+        laden__error_clear();
+        if (ws)
+            laden_dev_stream_synchronize(ws);
+        laden_dev_event_destroy(b.done);
+        laden_dev_mem_free(device, b.ptr);
+        if (e->ctx)
+            laden_vram_uncharge(e->ctx, n);
+    } else {
+        e->c[e->n++] = b;
+        e->st.cached_bytes += n;
+    }
+    laden_dev_stream_destroy(ws);
+    pthread_mutex_unlock(&e->mu);
+}
+
+laden_status laden_elastic_trim(int32_t device)
+{
+    elastic *e = state(device);
+    if (!e)
+        return laden__fail(LADEN_E_NODEVICE, "elastic: no device %d", device);
+    pthread_mutex_lock(&e->mu);
+    trim(e, device, UINT64_MAX);
+    pthread_mutex_unlock(&e->mu);
+    return LADEN_OK;
+}
+
+laden_status laden_elastic_stats(int32_t device, laden_elastic_stats_t *out)
+{
+    elastic *e = state(device);
+    if (!e || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_elastic_stats: %s",
+                           e ? "NULL" : "no such device");
+    pthread_mutex_lock(&e->mu);
+    *out = e->st;
+    pthread_mutex_unlock(&e->mu);
+    return LADEN_OK;
+}
