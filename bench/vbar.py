@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -61,11 +62,7 @@ def python_costs(rows, n=20000):
                  f"{(time.perf_counter() - t0) / n * 1e6:.2f}"])
     v.close()
     try:
-        from comfy_aimdo import control
-        from comfy_aimdo.model_vbar import ModelVBAR
-        if not control.init():
-            raise RuntimeError("control.init() returned False")
-        control.init_device(0)
+        ModelVBAR = aimdo()
         av = ModelVBAR(1 << 30, 0)
         a = av.alloc(1 << 20)
         av.fault(a[1], a[2])
@@ -79,6 +76,17 @@ def python_costs(rows, n=20000):
         av.close()
     except Exception as e:
         rows.append(["comfy-aimdo", f"did not run: {type(e).__name__}: {e}"])
+
+
+def aimdo():
+    """comfy-aimdo's ModelVBAR, its library initialized first (its
+    model_vbar module binds the library when imported)."""
+    from comfy_aimdo import control
+    if not control.init():
+        raise RuntimeError("comfy_aimdo.control.init() returned False")
+    control.init_device(0)
+    from comfy_aimdo.model_vbar import ModelVBAR
+    return ModelVBAR
 
 
 class Weights:
@@ -159,18 +167,14 @@ def workload(args, rows):
     print(f"weights {wbytes / 2**30:.2f} GiB in {args.layers} layers; budget "
           f"{budget / 2**30:.2f} GiB; fixed mode reserves "
           f"{reserve / 2**30:.2f} GiB for activations")
-    for mode in ("fixed", "elastic", "aimdo"):
+    for mode in args.modes.split(","):
         counts = {"offloaded": 0, "copied": 0}
         times = {2048: [], 16384: []}
         ooms = 0
         ok = True
         try:
             if mode == "aimdo":
-                from comfy_aimdo import control
-                from comfy_aimdo.model_vbar import ModelVBAR
-                if not control.init():
-                    raise RuntimeError("control.init() returned False")
-                control.init_device(0)
+                ModelVBAR = aimdo()
                 av = ModelVBAR(wbytes + args.layers * 512, 0)
                 allocs = [av.alloc(D * D * 2) for _ in range(args.layers)]
                 sigs = [None] * args.layers
@@ -236,18 +240,49 @@ def main():
     ap.add_argument("--budget-gb", type=float, default=2.5)
     ap.add_argument("--reserve-gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--modes", default="fixed,elastic,aimdo")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:  # one part, in its own process; rows as JSON
+        rows = []
+        if args.child == "python":
+            python_costs(rows)
+        else:
+            args.modes = args.child
+            workload(args, rows)
+        print("ROWS " + json.dumps(rows))
+        return
     c_costs()
     if not torch.cuda.is_available():
         return
-    rows = []
-    python_costs(rows)
-    print_table([["call from Python", "us"]] + rows)
+    # Each part in its own process: a peer that breaks the CUDA context
+    # (or patches the driver) cannot take the others with it.
+    def child(part, header):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", part,
+               "--layers", str(args.layers), "--budget-gb",
+               str(args.budget_gb), "--reserve-gb", str(args.reserve_gb),
+               "--rounds", str(args.rounds)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        rows = []
+        for line in p.stdout.splitlines():
+            if line.startswith("ROWS "):
+                rows = json.loads(line[5:])
+            else:
+                print(line)
+        if not rows:
+            tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+            rows = [[part, f"crashed (exit {p.returncode}): {tail[:150]}"]
+                    + [""] * (len(header) - 2)]
+        return rows
+    ph = ["call from Python", "us"]
+    print_table([ph] + child("python", ph))
     print()
+    wh = ["mode", "ms / 2048 tok", "ms / 16384 tok", "evicted GiB",
+          "offloaded", "copied in", "OOM", "output ok"]
     rows = []
-    workload(args, rows)
-    print_table([["mode", "ms / 2048 tok", "ms / 16384 tok", "evicted GiB",
-                  "offloaded", "copied in", "OOM", "output ok"]] + rows)
+    for mode in args.modes.split(","):
+        rows += child(mode, wh)
+    print_table([wh] + rows)
 
 
 if __name__ == "__main__":
