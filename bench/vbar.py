@@ -167,6 +167,14 @@ def workload(args, rows):
     print(f"weights {wbytes / 2**30:.2f} GiB in {args.layers} layers; budget "
           f"{budget / 2**30:.2f} GiB; fixed mode reserves "
           f"{reserve / 2**30:.2f} GiB for activations")
+    # The device itself has only the budget free (plus 256 MiB for the
+    # CUDA context's needs), so a peer without a budget argument sees the
+    # same pressure.
+    free, _ = torch.cuda.mem_get_info()
+    squeeze = free - budget - (256 << 20)
+    blocker = torch.empty(max(squeeze, 0), dtype=torch.uint8, device=dev)
+    print(f"device squeezed to {torch.cuda.mem_get_info()[0] / 2**30:.2f} "
+          "GiB free")
     for mode in args.modes.split(","):
         counts = {"offloaded": 0, "copied": 0}
         times = {2048: [], 16384: []}
@@ -196,7 +204,11 @@ def workload(args, rows):
                         return forward_laden(model, v, ws, x, counts)
                     with torch.cuda.use_mem_pool(pool):
                         y = forward_laden(model, v, ws, x, counts)
-                        return y.clone()
+                    # PyTorch keeps a pool's segments until emptied: hand
+                    # them back so the weights can return (laden keeps
+                    # them cached, charged, until a fault reclaims them).
+                    torch.cuda.empty_cache()
+                    return y
                 before = vram.info()["evicted_bytes"]
             for r in range(args.rounds + 1):
                 for n in (2048, 16384):
@@ -230,8 +242,9 @@ def workload(args, rows):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         except Exception as e:
-            rows.append([mode, f"did not run: {type(e).__name__}: {e}",
-                         "", "", "", "", "", ""])
+            rows.append([mode, f"did not run: {type(e).__name__}: "
+                         f"{str(e)[:120]}", "", "", "", "", "", ""])
+    del blocker
 
 
 def main():

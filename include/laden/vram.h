@@ -119,7 +119,7 @@ LADEN_API laden_status laden_vbar_fault(laden_vbar_t *vbar, uint64_t offset,
 LADEN_API laden_status laden_vbar_unpin(laden_vbar_t *vbar, uint64_t offset,
                                         uint64_t size_bytes);
 /* As laden_vbar_unpin, after the work enqueued so far on `stream` (a CUDA
- * stream handle): a page evicted later is unmapped only once that work
+ * stream handle; 0 is the legacy default stream): a page evicted later is unmapped only once that work
  * has finished (the evicting thread waits for this VBAR's last recorded
  * use, not for the whole device).  Use one stream per VBAR, or unpin
  * after the last of them. */

@@ -486,17 +486,21 @@ out:
     return s;
 }
 
+static laden_status unpin(laden_vbar_t *v, uint64_t off, uint64_t size,
+                          bool after, uintptr_t stream);
+
 laden_status laden_vbar_unpin(laden_vbar_t *v, uint64_t off, uint64_t size)
 {
-    return laden_vbar_unpin_after(v, off, size, 0);
+    return unpin(v, off, size, false, 0);
 }
 
-/* Records the VBAR's last use on stream `handle` (CUDA only). */
+/* Records the VBAR's last use on stream `handle` (0: the legacy default
+ * stream; CUDA only). */
 static laden_status fence(laden_vbar_t *v, uintptr_t handle)
 {
     laden_vram_t *c = v->ctx;
     laden_status s;
-    if (c->device == LADEN_DEVICE_CPU || !handle)
+    if (c->device == LADEN_DEVICE_CPU)
         return LADEN_OK;
     if (!v->last_use &&
         (s = laden_dev_event_create(c->device, 0, &v->last_use)))
@@ -517,6 +521,12 @@ static laden_status fence(laden_vbar_t *v, uintptr_t handle)
 laden_status laden_vbar_unpin_after(laden_vbar_t *v, uint64_t off,
                                     uint64_t size, uintptr_t stream)
 {
+    return unpin(v, off, size, true, stream);
+}
+
+static laden_status unpin(laden_vbar_t *v, uint64_t off, uint64_t size,
+                          bool after, uintptr_t stream)
+{
     laden_status s = range_arg(v, off, size, "laden_vbar_unpin");
     if (s || size == 0)
         return s;
@@ -531,7 +541,7 @@ laden_status laden_vbar_unpin_after(laden_vbar_t *v, uint64_t off,
                             "(page %u)",
                             (unsigned long long)off, (unsigned long long)size,
                             i);
-    if (!s)
+    if (!s && after)
         s = fence(v, stream);
     for (uint32_t i = p0; i <= p1 && !s; i++)
         if (--v->pages[i].pins == 0)
