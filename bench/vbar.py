@@ -153,7 +153,16 @@ def timed(fn):
 
 
 def workload(args, rows):
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", 0)  # explicit: no lazy CUDA init
+    budget = int(args.budget_gb * 2 ** 30)
+    gvram = None
+    if args.modes == "elastic-global":
+        # laden allocates everything PyTorch does in this process: the
+        # inputs and reference outputs (4 x 2048/16384 x 8192 bf16) are
+        # added to the budget so weights and activations get the same.
+        extra = 2 * (2048 + 16384) * D * 2
+        gvram = vbar.VRAM(dev, budget=budget + extra)
+        vbar.install_elastic(gvram)
     model = Weights(args.layers)
     xs = {n: torch.randn(n, D, device=dev, dtype=torch.bfloat16) * 0.5
           for n in (2048, 16384)}
@@ -162,7 +171,6 @@ def workload(args, rows):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     wbytes = args.layers * D * D * 2
-    budget = int(args.budget_gb * 2 ** 30)
     reserve = int(args.reserve_gb * 2 ** 30)
     print(f"weights {wbytes / 2**30:.2f} GiB in {args.layers} layers; budget "
           f"{budget / 2**30:.2f} GiB; fixed mode reserves "
@@ -172,7 +180,8 @@ def workload(args, rows):
     # same pressure.
     free, _ = torch.cuda.mem_get_info()
     squeeze = free - budget - (256 << 20)
-    blocker = torch.empty(max(squeeze, 0), dtype=torch.uint8, device=dev)
+    blocker = None if gvram else torch.empty(max(squeeze, 0),
+                                             dtype=torch.uint8, device=dev)
     print(f"device squeezed to {torch.cuda.mem_get_info()[0] / 2**30:.2f} "
           "GiB free")
     for mode in args.modes.split(","):
@@ -191,8 +200,8 @@ def workload(args, rows):
                     return forward_aimdo(model, av, allocs, sigs, x, counts)
                 before = 0
             else:
-                vram = vbar.VRAM(dev, budget=budget - reserve
-                                 if mode == "fixed" else budget)
+                vram = gvram or vbar.VRAM(dev, budget=budget - reserve
+                                          if mode == "fixed" else budget)
                 v = vbar.ModelVBAR(wbytes + args.layers * 256, dev, vram=vram)
                 ws = [v.alloc((D, D), torch.bfloat16)
                       for _ in range(args.layers)]
@@ -200,6 +209,10 @@ def workload(args, rows):
 
                 def run(x):
                     v.prioritize()
+                    if mode == "elastic-global":
+                        y = forward_laden(model, v, ws, x, counts)
+                        torch.cuda.empty_cache()  # segments back to laden
+                        return y
                     if pool is None:
                         return forward_laden(model, v, ws, x, counts)
                     with torch.cuda.use_mem_pool(pool):
@@ -223,7 +236,8 @@ def workload(args, rows):
                         ooms += 1
             evicted = (vram.info()["evicted_bytes"] - before
                        if mode != "aimdo" else 0)
-            es = vbar.elastic_stats(dev) if mode == "elastic" else None
+            es = vbar.elastic_stats(dev) if mode.startswith("elastic") \
+                else None
             rows.append([
                 mode,
                 f"{sum(times[2048]) / max(len(times[2048]), 1):.1f}",
@@ -236,7 +250,8 @@ def workload(args, rows):
             if mode != "aimdo":
                 pool = None
                 v.close()
-                vram.close()
+                if vram is not gvram:
+                    vram.close()
             else:
                 av.close()
             torch.cuda.synchronize()
@@ -253,7 +268,7 @@ def main():
     ap.add_argument("--budget-gb", type=float, default=2.5)
     ap.add_argument("--reserve-gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--modes", default="fixed,elastic,aimdo")
+    ap.add_argument("--modes", default="fixed,elastic,elastic-global,aimdo")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one part, in its own process; rows as JSON

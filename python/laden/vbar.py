@@ -55,10 +55,10 @@ class VRAM:
     of mapping (default 32 MiB; mapping costs per call)."""
 
     def __init__(self, device=None, budget=None, *, page_bytes=None):
+        # No torch.cuda.init() here: install_elastic must be able to swap
+        # PyTorch's allocator before PyTorch initializes it.  laden works
+        # in the device's primary context, which PyTorch shares.
         self.device = _device(device)
-        if self.device.type == "cuda":
-            import torch
-            torch.cuda.init()
         self._h = ctypes.c_void_p()
         check(lib.laden_vram_create(
             _dev_index(self.device),
@@ -265,6 +265,31 @@ def elastic_pool(vram: VRAM):
     return vram._pool
 
 
+def install_elastic(vram: VRAM) -> None:
+    """Makes laden the allocator of all of PyTorch's device memory in this
+    process (``torch.cuda.memory.change_current_allocator``), within
+    ``vram``'s budget.  Call it before anything is allocated on the device.
+    Unlike a MemPool, whose segments PyTorch keeps until the pool is gone,
+    ``torch.cuda.empty_cache()`` then hands memory back to laden, and
+    weights can return to it."""
+    import torch
+
+    if vram.device.type != "cuda":
+        raise InvalidArgumentError("install_elastic: needs a CUDA device",
+                                   "E_INVAL")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        lib._name, "laden_elastic_malloc", "laden_elastic_free")
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise DeviceError(
+            f"install_elastic: PyTorch has initialized CUDA in this process "
+            f"already ({e}); call it first, or use elastic_pool",
+            "E_STATE") from None
+    check(lib.laden_elastic_attach(_dev_index(vram.device), vram._h))
+    vram._pool = alloc
+
+
 def elastic_stats(device=None) -> Dict[str, int]:
     """Allocations, frees, reuses, failures; bytes in use, cached, peak;
     weight bytes evicted to make room."""
@@ -280,4 +305,4 @@ def elastic_trim(device=None) -> None:
 
 
 __all__ = ["VRAM", "ModelVBAR", "Weight", "default_vram", "free_memory",
-           "elastic_pool", "elastic_stats", "elastic_trim"]
+           "elastic_pool", "install_elastic", "elastic_stats", "elastic_trim"]
