@@ -525,3 +525,100 @@ TEST(engine_load_block_by_block)
     CHECK_STATUS(laden_stream_load_block(sc, 0), LADEN_E_STATE);
     laden_stream_destroy(sc);
 }
+
+/* Cache models whose device copies live in VBARs of one VRAM context:
+ * a model the cache evicted keeps its pages while the budget has room,
+ * and its next use copies nothing; under pressure the VBAR of the least
+ * recently used model gives way; a block the budget has no room for
+ * streams. */
+static void in_vbars(int32_t dev)
+{
+    const uint64_t MB = 1ull << 20;
+    laden_vram_t *vram;
+    if (laden_vram_create(dev, 6 * MB, 2 * MB, &vram) == LADEN_E_UNSUPPORTED)
+        return;
+    laden_cache_t *c;
+    cmodel m[3];
+    const uint64_t TWO[2] = {MB, MB}; /* one 2 MiB page per model */
+    CHECK_OK(laden_cache_create(4 * MB, 0, &c)); /* the cache holds two */
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "v%d", i);
+        build(c, &m[i], key, dev, 2, 1, TWO, 61 + i);
+        CHECK_OK(laden_stream_use_vram(m[i].sc, vram));
+    }
+    laden_cache_activation_t act;
+    for (int i = 0; i < 3; i++) { /* the third evicts (unpins) the first */
+        use(c, &m[i], LADEN_CACHE_AUTO, &act);
+        CHECK(act.upload_bytes == 2 * MB);
+    }
+    CHECK(held(&m[0]) == 0);
+    /* The budget of the VRAM context (3 pages) kept m[0]'s page: using it
+     * again copies nothing. */
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    CHECK(act.upload_bytes == 0 && act.kept_bytes == 2 * MB);
+    check_accounts(c, m, 3);
+    /* Pressure from elsewhere: unpinned pages go, least recently
+     * prioritized VBAR first (m[1]'s), and that model copies again. */
+    uint64_t freed;
+    CHECK_OK(laden_vram_free_memory(vram, 2 * MB, &freed));
+    CHECK(freed == 2 * MB);
+    use(c, &m[1], LADEN_CACHE_AUTO, &act);
+    CHECK(act.upload_bytes == 2 * MB && act.kept_bytes == 0);
+    check_accounts(c, m, 3);
+    /* A budget below one page: a model whose parts outside its blocks
+     * cannot be faulted in cannot run; the error says so. */
+    CHECK_OK(laden_vram_set_budget(vram, MB));
+    CHECK_OK(laden_vram_free_memory(vram, UINT64_MAX, NULL));
+    laden_cache_evict_t ev[4];
+    uint32_t n;
+    CHECK_STATUS(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, &act),
+                 LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "outside its blocks");
+    laden_cache_info_t info;
+    CHECK_OK(laden_cache_info(c, m[2].id, &info));
+    CHECK(!info.in_use);
+    check_accounts(c, m, 3);
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(laden_cache_unbind(c, m[i].id));
+        CHECK_OK(laden_cache_remove(c, m[i].id));
+        laden_stream_destroy(m[i].sc);
+    }
+    laden_cache_destroy(c);
+    laden_vram_info_t vi;
+    CHECK_OK(laden_vram_info(vram, &vi));
+    CHECK(vi.vbars == 0 && vi.mapped_bytes == 0);
+    laden_vram_destroy(vram);
+}
+
+TEST(engine_models_in_vbars) { test_on_every_device(in_vbars); }
+
+/* A block the VRAM budget has no room for streams through a slot. */
+static void offloaded_streams(int32_t dev)
+{
+    const uint64_t MB = 1ull << 20;
+    laden_vram_t *vram;
+    if (laden_vram_create(dev, 2 * MB, 2 * MB, &vram) == LADEN_E_UNSUPPORTED)
+        return;
+    laden_cache_t *c;
+    cmodel m;
+    /* Blocks of 1.5 MiB: the first in page 0, the second across pages 0
+     * and 1, the third in pages 1 and 2. */
+    const uint64_t SIZES[3] = {3 * MB / 2, 3 * MB / 2, 3 * MB / 2};
+    CHECK_OK(laden_cache_create(0, 0, &c));
+    build(c, &m, "big", dev, 3, 1, SIZES, 71);
+    CHECK_OK(laden_stream_use_vram(m.sc, vram));
+    laden_cache_activation_t act;
+    for (int pass = 0; pass < 3; pass++) {
+        use(c, &m, LADEN_CACHE_RESIDENT, &act); /* run() checks the bytes */
+        CHECK(act.offloaded_blocks == 2);
+        CHECK(laden_stream_is_resident(m.sc, 0) &&
+              !laden_stream_is_resident(m.sc, 1));
+    }
+    CHECK_OK(laden_cache_unbind(c, m.id));
+    laden_stream_destroy(m.sc);
+    laden_cache_destroy(c);
+    laden_vram_destroy(vram);
+}
+
+TEST(engine_offloaded_block_streams) { test_on_every_device(offloaded_streams); }

@@ -148,6 +148,9 @@ typedef struct laden_cache_activation {
     uint64_t pinned_bytes;     /* host bytes of this model pinned now */
     uint64_t unpinned_bytes;   /* pinned host bytes taken from idle models */
     int32_t pin_failed;        /* pinning failed: the copy stays pageable */
+    uint32_t offloaded_blocks; /* VBAR schedules: blocks meant resident
+                                  that the VRAM budget had no room for;
+                                  they stream */
 } laden_cache_activation_t;
 
 /* Binds `model` to its schedule (a loaded LADEN_SCHED_CACHE schedule,

@@ -31,6 +31,7 @@
 #include "dev.h"
 #include "io.h"
 #include "st.h"
+#include "vram.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -214,6 +215,19 @@ LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
                                                     uint32_t block,
                                                     laden_devptr_t ptr,
                                                     uint64_t bytes);
+
+/* Keeps the schedule's device copies in a VBAR of `vram` (created now,
+ * owned by the schedule; vram must outlive it) instead of allocations of
+ * their own: laden_stream_set_resident(b, 1) faults b's range in and
+ * copies it only if its pages were replaced since it was last written, or
+ * fails with LADEN_E_BUDGET if the range is offloaded (the caller streams
+ * the block); laden_stream_set_resident(b, 0) unpins it, so its pages stay
+ * until the budget needs them.  NULL: back to allocations.  Only while the
+ * schedule holds no device memory. */
+LADEN_API laden_status laden_stream_use_vram(laden_sched_t *sched,
+                                             laden_vram_t *vram);
+/* The schedule's VBAR, or NULL. */
+LADEN_API laden_vbar_t *laden_stream_vbar(laden_sched_t *sched);
 
 /* 1 if block b has a device copy of its own. */
 LADEN_API int laden_stream_is_resident(laden_sched_t *sched, uint32_t block);

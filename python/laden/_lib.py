@@ -132,7 +132,7 @@ class CacheActivation(Structure):
         ("upload_bytes", c_uint64), ("kept_bytes", c_uint64),
         ("reused_bytes", c_uint64), ("slot_bytes", c_uint64), ("evicted_bytes", c_uint64),
         ("pinned_bytes", c_uint64), ("unpinned_bytes", c_uint64),
-        ("pin_failed", c_int32),
+        ("pin_failed", c_int32), ("offloaded_blocks", c_uint32),
     ]
 
 
@@ -255,6 +255,7 @@ _SIGNATURES = {
     "laden_stream_is_pinned": (c_int, [p, c_uint32]),
     "laden_stream_block_count": (c_uint32, [p]),
     "laden_stream_block_bytes": (c_uint64, [p, c_uint32]),
+    "laden_stream_use_vram": (status_t, [p, p]),
     # cache
     "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
     "laden_cache_destroy": (None, [p]),

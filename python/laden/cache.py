@@ -249,8 +249,10 @@ class _Runtime:
         check(lib.laden_stream_create(ctypes.byref(cfg),
                                       ck._h if ck is not None else None,
                                       ctypes.byref(self.sched)))
-        self._fin = weakref.finalize(self, lib.laden_stream_destroy,
-                                     self.sched)
+        # The finalizer holds the VRAM context (if any) so that it outlives
+        # the VBAR the schedule keeps in it.
+        self._fin = weakref.finalize(self, _destroy_schedule, self.sched,
+                                     self.dc.vram)
         # The parts outside blocks first, in pieces; then one per block.
         groups: List[List[_Tensor]] = [[]]
         size = 0
@@ -298,6 +300,9 @@ class _Runtime:
                 for t in ts:
                     self._set(t, self._host_view(t))
                 keep[b] = None
+            if self.dc.vram is not None:
+                check(lib.laden_stream_use_vram(self.sched,
+                                                self.dc.vram._h))
         except BaseException as e:
             if any(k is None for k in keep):
                 # Some tensors point at laden's copy already: give them
@@ -399,12 +404,19 @@ class _Runtime:
         self.model = None
 
 
+def _destroy_schedule(sched, vram) -> None:
+    lib.laden_stream_destroy(sched)
+
+
 class _DeviceCache:
     """The C cache of one device, and the runtimes bound to it."""
 
     def __init__(self, device, vram_budget: Optional[int],
-                 pinned_budget: Optional[int]):
+                 pinned_budget: Optional[int], vram=None):
         self.device = device
+        self.vram = vram
+        if vram is not None and vram_budget is None:
+            vram_budget = vram.info()["budget_bytes"] or None
         if vram_budget is None:
             vram_budget = 0
             if device.type == "cuda":
@@ -447,13 +459,21 @@ class ModelCache:
     least recently used first, and rebuilt by their factory on their next
     use (default: no limit).
 
+    ``vram`` (a ``laden.vbar.VRAM``) keeps the models' device copies in
+    VBARs of that context: a model the cache evicts is only unpinned, its
+    pages stay until the context's budget needs them (by other models'
+    weights or, with the elastic allocator, by activations), and its next
+    use copies nothing if they are still there; a block the context has no
+    room for streams.
+
     One runtime per key, used by one caller at a time.  Buffers changed on
     the device are not copied back: they keep their values while the model
     stays on the device and return to the built values once evicted."""
 
     def __init__(self, *, vram_budget=None, ram_budget=None,
-                 pinned_budget=None):
+                 pinned_budget=None, vram=None):
         self.vram_budget = _budget(vram_budget, "vram_budget")
+        self.vram = vram
         self.ram_budget = _budget(ram_budget, "ram_budget")
         self.pinned_budget = _budget(pinned_budget, "pinned_budget")
         self._specs: Dict[str, ModelSpec] = {}
@@ -563,7 +583,13 @@ class ModelCache:
     def _dc(self, dev) -> _DeviceCache:
         dc = self._dev.get(dev)
         if dc is None:
-            dc = _DeviceCache(dev, self.vram_budget, self.pinned_budget)
+            vram = self.vram
+            if vram is not None and vram.device != dev:
+                raise InvalidArgumentError(
+                    f"the cache's VRAM context is for {vram.device}, not "
+                    f"{dev}", "E_INVAL")
+            dc = _DeviceCache(dev, self.vram_budget, self.pinned_budget,
+                              vram)
             self._dev[dev] = dc
         return dc
 
@@ -654,7 +680,7 @@ class ModelCache:
                 "streamed; uploaded %s (%s into regions handed over), kept %s on "
                 "the device, slots %s; "
                 "evicted %s from %u idle model(s)%s; pinned %s, unpinned %s "
-                "of others%s; %.2f ms", rt.spec.key, rt.device,
+                "of others%s%s; %.2f ms", rt.spec.key, rt.device,
                 _MODE_NAMES.get(act.mode, "?"), act.resident_blocks,
                 act.streamed_blocks, fmt_bytes(act.upload_bytes),
                 fmt_bytes(act.reused_bytes), fmt_bytes(act.kept_bytes), fmt_bytes(act.slot_bytes),
@@ -663,6 +689,8 @@ class ModelCache:
                 fmt_bytes(act.unpinned_bytes),
                 " (pinning failed: copy stays pageable)"
                 if act.pin_failed else "",
+                f"; {act.offloaded_blocks} block(s) offloaded by the VRAM "
+                "budget, streamed" if act.offloaded_blocks else "",
                 (time.perf_counter() - t0) * 1e3)
 
     def _deactivate(self, rt: _Runtime) -> None:

@@ -328,3 +328,24 @@ def test_adopting_a_cpu_model_does_not_double_host_memory(tmp_path):
     # the model block by block frees each block's original as its copy is
     # made.  (A copy of the whole model first would add 128 MiB more.)
     assert grown < 80, f"peak host memory grew by {grown:.0f} MiB"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_models_in_vbars_come_back_without_copies(device):
+    from laden import vbar
+
+    size = size_of(0)
+    vram = vbar.VRAM(device, budget="64MB", page_bytes=2 << 20)
+    cache = ModelCache(vram_budget=2 * size + size // 2, vram=vram)
+    specs = [spec(s) for s in range(3)]
+    refs = [expected(s, device) for s in range(3)]
+    for r in range(6):
+        i = r % 3
+        up = cache.stats()["upload_bytes"]
+        assert torch.equal(run(cache, specs[i], device), refs[i])
+        if r >= 3:
+            # Evicted by the cache (two whole models fit its budget), but
+            # the VRAM context had room: the pages stayed, nothing copied.
+            assert cache.stats()["upload_bytes"] == up
+    cache.clear()
+    assert vram.info()["vbars"] == 0

@@ -472,10 +472,28 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
             laden_dev_mem_free(m->device, r);
             return s;
         }
-        if (!r && (s = laden_stream_set_resident(sc, i, 1)))
-            return s;
-        act->upload_bytes += n;
+        uint64_t before = st.upload_bytes;
+        if (!r && (s = laden_stream_set_resident(sc, i, 1))) {
+            /* In a VBAR: offloaded.  A block streams instead; the parts
+             * outside blocks cannot. */
+            if (s != LADEN_E_BUDGET || !laden_stream_vbar(sc) ||
+                i < m->fixed) {
+                if (s == LADEN_E_BUDGET)
+                    laden__error_prefix("model '%.200s', outside its "
+                                        "blocks", m->key);
+                return s;
+            }
+            laden__error_clear();
+            nstream++;
+            act->offloaded_blocks++;
+            continue;
+        }
+        laden_stream_stats(sc, &st);
+        uint64_t copied = r ? n : st.upload_bytes - before;
+        act->upload_bytes += copied;
         act->reused_bytes += r ? n : 0;
+        if (!copied) /* in a VBAR, still as it was written: no copy */
+            act->kept_bytes += n;
     }
     if (nstream && (s = laden_stream_start(sc, lookahead)))
         return s;
@@ -534,6 +552,8 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         goto out;
     act.mode = chosen;
     act.evicted_models = *out_n;
+    if (laden_stream_vbar(m->sched)) /* first for its VRAM context too */
+        laden_vbar_prioritize(laden_stream_vbar(m->sched));
     if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes, &pl)))
         goto undo;
     pin_model(c, id, m->size, &act);

@@ -25,6 +25,7 @@
 
 #include "../core/internal.h"
 #include "laden/host.h"
+#include "laden/vram.h"
 
 #define ALIGN 256u
 #define DEFAULT_LOOKAHEAD 2u
@@ -54,6 +55,8 @@ typedef struct blk {
     uint64_t ram_len;     /* cache schedules: the mapping's length */
     bool filled;          /* cache schedules: host copy loaded */
     bool resident;        /* cache schedules: has a device copy of its own */
+    uint64_t voff;        /* cache schedules with a VBAR: its range there */
+    uint64_t sig;         /* signature of the range when last written */
     bool pinned;          /* cache schedules: host copy pinned in place */
 } blk;
 
@@ -96,6 +99,7 @@ struct laden_sched {
     laden_event_t *uploaded;    /* cache: after the last upload */
     laden_event_t *last_use;    /* cache: after the model's last work */
     bool fenced;
+    laden_vbar_t *vbar;         /* cache: device copies live here, or NULL */
     laden_sched_stats_t st;
 };
 
@@ -621,7 +625,8 @@ static void free_all(laden_sched_t *sc)
         laden_dev_event_synchronize(sc->last_use);
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region)
+        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
+            !sc->vbar)
             laden_dev_mem_free(sc->cfg.device, b->region);
         if (b->ram && sc->cache) {
             if (b->pinned)
@@ -634,6 +639,8 @@ static void free_all(laden_sched_t *sc)
         b->ram = NULL;
         b->resident = b->pinned = false;
     }
+    laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
+    sc->vbar = NULL;
     laden_dev_stream_destroy(sc->copy);
     sc->copy = NULL;
     laden_dev_event_destroy(sc->uploaded);
@@ -1224,11 +1231,53 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
 
 /* Gives b a device copy in `given` (0: allocated here) and starts its
  * upload. */
+/* With a VBAR: faults b's range in and copies it only if its pages were
+ * replaced since it was last written; LADEN_E_BUDGET if the range is
+ * offloaded (the caller streams the block). */
+static laden_status make_resident_vbar(laden_sched_t *sc, blk *b)
+{
+    laden_status s;
+    int res;
+    uint64_t sig;
+    if (b->bytes) {
+        if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
+            return s;
+        if (!res)
+            return laden__fail(LADEN_E_BUDGET,
+                               "block of %s is offloaded: the VRAM budget has "
+                               "no room for it (it streams)",
+                               laden__bytes(b->bytes).s);
+        laden_vbar_info_t vi;
+        laden_vbar_info(sc->vbar, &vi);
+        b->region = vi.base + b->voff;
+        if (sig != b->sig) {
+            if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
+                                        b->bytes)) ||
+                (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
+                laden_dev_stream_synchronize(sc->copy);
+                laden_vbar_unpin(sc->vbar, b->voff, b->bytes);
+                b->region = 0;
+                return s;
+            }
+            b->sig = sig;
+            sc->st.upload_bytes += b->bytes;
+            sc->st.h2d_bytes += b->bytes;
+        }
+    }
+    b->resident = true;
+    sc->st.resident_bytes += b->bytes;
+    sc->st.device_bytes += b->bytes;
+    relayout(sc);
+    return LADEN_OK;
+}
+
 static laden_status make_resident(laden_sched_t *sc, blk *b,
                                   laden_devptr_t given)
 {
     laden_status s;
     int32_t dev = sc->cfg.device;
+    if (sc->vbar)
+        return make_resident_vbar(sc, b);
     if (b->bytes) {
         b->region = given;
         if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
@@ -1262,10 +1311,18 @@ static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
     if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
         (s = laden_dev_event_synchronize(sc->uploaded)))
         return s;
-    if (taken)
+    if (sc->vbar) {
+        /* Unpinned, not freed: the pages stay until the budget needs
+         * them, and a later fault with the same signature copies nothing. */
+        if (b->bytes && (s = laden_vbar_unpin(sc->vbar, b->voff, b->bytes)))
+            return s;
+        if (taken)
+            *taken = 0;
+    } else if (taken) {
         *taken = b->region;
-    else
+    } else {
         laden_dev_mem_free(sc->cfg.device, b->region);
+    }
     b->region = 0;
     b->resident = false;
     sc->st.resident_bytes -= b->bytes;
@@ -1330,11 +1387,11 @@ laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
                                    &b);
     if (s)
         return s;
-    if (b->resident)
+    if (b->resident || sc->vbar)
         return laden__fail(LADEN_E_STATE,
-                           "laden_stream_set_resident_at: block %u has a "
-                           "device copy already",
-                           block);
+                           "laden_stream_set_resident_at: block %u %s",
+                           block, sc->vbar ? "lives in a VBAR"
+                                           : "has a device copy already");
     if (bytes != b->bytes || (!ptr && bytes))
         return laden__fail(LADEN_E_INVAL,
                            "laden_stream_set_resident_at: block %u needs a "
@@ -1342,6 +1399,55 @@ laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
                            block, (unsigned long long)b->bytes,
                            (unsigned long long)bytes);
     return make_resident(sc, b, ptr);
+}
+
+laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_use_vram: NULL");
+    if (!sc->cache || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "laden_stream_use_vram: not a "
+                           "loaded cache schedule");
+    if (sc->started || sc->st.resident_bytes)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_use_vram: the schedule holds device "
+                           "memory; give it all back first");
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (sc->b[i].resident)
+            return laden__fail(LADEN_E_STATE,
+                               "laden_stream_use_vram: block %u is resident",
+                               i);
+    laden_vbar_t *v = NULL;
+    if (vram) {
+        laden_vram_info_t vi;
+        laden_status s = laden_vram_info(vram, &vi);
+        if (s)
+            return s;
+        if (vi.device != sc->cfg.device)
+            return laden__fail(LADEN_E_INVAL,
+                               "laden_stream_use_vram: the context is for "
+                               "device %d, the schedule for %d",
+                               vi.device, sc->cfg.device);
+        uint64_t total = 0;
+        for (uint32_t i = 0; i < sc->nb; i++)
+            total += (sc->b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        if ((s = laden_vbar_create(vram, total ? total : 1, &v)))
+            return s;
+        for (uint32_t i = 0; i < sc->nb; i++) {
+            uint64_t off;
+            laden_vbar_alloc(v, sc->b[i].bytes, &off); /* fits: sized so */
+            sc->b[i].voff = off;
+            sc->b[i].sig = 0;
+        }
+    }
+    laden_vbar_destroy(sc->vbar);
+    sc->vbar = v;
+    return LADEN_OK;
+}
+
+laden_vbar_t *laden_stream_vbar(laden_sched_t *sc)
+{
+    return sc ? sc->vbar : NULL;
 }
 
 int laden_stream_is_resident(laden_sched_t *sc, uint32_t block)
