@@ -138,7 +138,6 @@ out:
 static laden_status bound(laden_cache_t *c, uint32_t id, model **out,
                           const char *call)
 {
-    laden_status s;
     *out = NULL;
     if (!c)
         return laden__fail(LADEN_E_INVAL, "%s: NULL cache", call);
@@ -148,9 +147,8 @@ static laden_status bound(laden_cache_t *c, uint32_t id, model **out,
         return laden__fail(LADEN_E_STATE,
                            "%s: model '%.200s' has no schedule bound", call,
                            c->m[id].key);
-    s = LADEN_OK;
     *out = &c->m[id];
-    return s;
+    return LADEN_OK;
 }
 
 laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
