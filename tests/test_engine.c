@@ -393,23 +393,38 @@ static uint64_t rnd(uint64_t *x)
 static void randomized(int32_t dev)
 {
     uint64_t x = 777;
+    int big_uses = 0;
 #define RND() rnd(&x)
     for (int run_i = 0; run_i < 12; run_i++) {
         laden_cache_t *c;
         cmodel m[4];
         uint64_t vb = 3000 + RND() % 9000, pb = RND() % 3 ? 2000 + RND() % 8000
                                                           : 0;
+        bool big = run_i % 2 == 1;
+        if (big) { /* budgets for blocks of megabytes */
+            vb *= 1600;
+            pb *= 1600;
+        }
         CHECK_OK(laden_cache_create(vb, pb, &c));
         int k = 2 + (int)(RND() % 3);
+        /* Every other run keeps the device copies in VBARs of a context
+         * with room for 1 to 3 of the models' pages (blocks of up to 1.4
+         * MiB, pages of 2 MiB): offloaded blocks stream. */
+        laden_vram_t *vram = NULL;
+        if (big)
+            CHECK_OK(laden_vram_create(dev, (2 + RND() % 5) << 20, 2 << 20,
+                                       &vram));
         for (int i = 0; i < k; i++) {
             uint64_t sz[MAXB];
-            uint32_t nb = 2 + (uint32_t)(RND() % 8);
+            uint32_t nb = 2 + (uint32_t)(RND() % (big ? 3 : 8));
             for (uint32_t b = 0; b < nb; b++)
-                sz[b] = 1 + RND() % 900;
+                sz[b] = 1 + RND() % (big ? 1400000 : 900);
             char key[16];
             snprintf(key, sizeof key, "r%d", i);
             build(c, &m[i], key, dev, nb, 1 + (uint32_t)(RND() % 2), sz,
                   100 + run_i * 10 + i);
+            if (vram)
+                CHECK_OK(laden_stream_use_vram(m[i].sc, vram));
         }
         bool busy[4] = {0};
         for (int step = 0; step < 40; step++) {
@@ -439,6 +454,7 @@ static void randomized(int32_t dev)
                         CHECK(!busy[ev[e].model]);
                     run(&m[i]);
                     busy[i] = true;
+                    big_uses += big;
                 }
             }
             check_accounts(c, m, k);
@@ -447,7 +463,9 @@ static void randomized(int32_t dev)
             if (busy[i])
                 CHECK_OK(laden_cache_deactivate(c, m[i].id, 0));
         destroy_all(c, m, k);
+        laden_vram_destroy(vram);
     }
+    CHECK(big_uses > 20); /* the VBAR runs did activate models */
 #undef RND
 }
 
