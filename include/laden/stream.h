@@ -240,6 +240,9 @@ LADEN_API laden_status laden_stream_pin(laden_sched_t *sched, uint32_t block,
 /* 1 if block b's host copy is pinned. */
 LADEN_API int laden_stream_is_pinned(laden_sched_t *sched, uint32_t block);
 
+/* 1 if the schedule is a loaded LADEN_SCHED_CACHE schedule. */
+LADEN_API int laden_stream_is_cache(laden_sched_t *sched);
+
 /* The device the schedule runs on. */
 LADEN_API int32_t laden_stream_device(laden_sched_t *sched);
 

@@ -30,8 +30,8 @@ from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import (InvalidArgumentError, MismatchError, StateError)
 from .streaming import (_DTYPE_CODE, _Tensor, _collect, _compute_stream,
-                        _dev_index, _device, _find_blocks, _nbytes, _view,
-                        _wrap_forward)
+                        _dev_index, _device, _find_blocks, _nbytes,
+                        _set_tensor, _view, _wrap_forward)
 
 log = logging.getLogger("laden")
 
@@ -318,16 +318,7 @@ class _Runtime:
 
     # -- binding -----------------------------------------------------------------
     def _set(self, t: _Tensor, value) -> None:
-        import torch
-
-        if t.is_param:
-            p = torch.nn.Parameter(value, requires_grad=t.requires_grad
-                                   and value.dtype.is_floating_point)
-            for mod, attr in t.aliases:
-                mod._parameters[attr] = p
-        else:
-            for mod, attr in t.aliases:
-                mod._buffers[attr] = value
+        _set_tensor(t, value)
 
     def _host_view(self, t: _Tensor):
         import torch

@@ -241,19 +241,7 @@ class _Stream:
 
     # -- binding parameters to laden memory --------------------------------
     def _set(self, t: _Tensor, value) -> None:
-        import torch
-
-        if t.is_param:
-            # A new Parameter each time: set_data refuses to move a
-            # parameter between devices or onto meta.
-            t.param = torch.nn.Parameter(
-                value, requires_grad=t.requires_grad and
-                value.dtype.is_floating_point)
-            for mod, attr in t.aliases:
-                mod._parameters[attr] = t.param
-        else:
-            for mod, attr in t.aliases:
-                mod._buffers[attr] = value
+        _set_tensor(t, value)
 
     def bind(self, t: _Tensor, where: str) -> None:
         """Points t at laden memory: 'run' (where the block runs from),
@@ -281,6 +269,23 @@ class _Stream:
             else:  # disk tier: the file's pages, mapped
                 value = self.ckpt.tensor(t.ckpt_name)
         self._set(t, value)
+
+
+def _set_tensor(t: _Tensor, value) -> None:
+    """Points every alias of t at `value`."""
+    import torch
+
+    if t.is_param:
+        # A new Parameter each time: set_data refuses to move a parameter
+        # between devices or onto meta.
+        t.param = torch.nn.Parameter(
+            value, requires_grad=t.requires_grad and
+            value.dtype.is_floating_point)
+        for mod, attr in t.aliases:
+            mod._parameters[attr] = t.param
+    else:
+        for mod, attr in t.aliases:
+            mod._buffers[attr] = value
 
 
 def _numel(t: _Tensor) -> int:

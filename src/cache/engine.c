@@ -20,19 +20,22 @@
 /* Device regions taken from blocks during one activation, handed to blocks
  * of the same size that need one (no device free and allocation on the
  * path of a switch); what is left is freed at its end. */
+typedef struct region {
+    laden_devptr_t ptr;
+    uint64_t bytes;
+} region;
+
 typedef struct pool {
-    laden_devptr_t *ptr;
-    uint64_t *bytes;
+    region *r;
     uint32_t n, cap;
 } pool;
 
 static void pool_free(pool *p, int32_t dev)
 {
     for (uint32_t i = 0; p && i < p->n; i++)
-        laden_dev_mem_free(dev, p->ptr[i]);
+        laden_dev_mem_free(dev, p->r[i].ptr);
     if (p) {
-        free(p->ptr);
-        free(p->bytes);
+        free(p->r);
         memset(p, 0, sizeof *p);
     }
 }
@@ -45,37 +48,27 @@ static laden_status pool_take(pool *p, laden_sched_t *sc, uint32_t i)
         return laden_stream_set_resident(sc, i, 0);
     if (p->n == p->cap) {
         uint32_t cap = p->cap ? 2 * p->cap : 16;
-        laden_devptr_t *a = realloc(p->ptr, cap * sizeof *a);
-        if (a)
-            p->ptr = a;
-        uint64_t *b = a ? realloc(p->bytes, cap * sizeof *b) : NULL;
-        if (b)
-            p->bytes = b;
-        if (!a || !b)
+        region *r = realloc(p->r, cap * sizeof *r);
+        if (!r)
             return laden_stream_set_resident(sc, i, 0);
+        p->r = r;
         p->cap = cap;
     }
-    laden_devptr_t ptr;
-    uint64_t n;
-    laden_status s = laden_stream_take_resident(sc, i, &ptr, &n);
-    if (s)
-        return s;
-    if (!ptr)
-        return LADEN_OK;
-    p->ptr[p->n] = ptr;
-    p->bytes[p->n++] = n;
-    return LADEN_OK;
+    region *r = &p->r[p->n];
+    laden_status s = laden_stream_take_resident(sc, i, &r->ptr, &r->bytes);
+    if (!s && r->ptr)
+        p->n++;
+    return s;
 }
 
 /* A pooled region of exactly n bytes, removed from the pool; 0 if none. */
 static laden_devptr_t pool_get(pool *p, uint64_t n)
 {
     for (uint32_t i = 0; p && i < p->n; i++)
-        if (p->bytes[i] == n) {
-            laden_devptr_t r = p->ptr[i];
-            p->ptr[i] = p->ptr[p->n - 1];
-            p->bytes[i] = p->bytes[--p->n];
-            return r;
+        if (p->r[i].bytes == n) {
+            laden_devptr_t ptr = p->r[i].ptr;
+            p->r[i] = p->r[--p->n];
+            return ptr;
         }
     return 0;
 }
@@ -124,8 +117,9 @@ static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
             continue;
         if ((s = laden_stream_pin(sc, i, 0)))
             goto out;
-        unpinned += laden_stream_block_bytes(sc, i);
-        c->st.unpin_bytes += laden_stream_block_bytes(sc, i);
+        uint64_t b = laden_stream_block_bytes(sc, i);
+        unpinned += b;
+        c->st.unpin_bytes += b;
     }
 out:
     account(c, id);
@@ -166,12 +160,11 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
         return laden__fail(LADEN_E_INVAL,
                            "laden_cache_bind: %u fixed blocks of %u", fixed,
                            nb);
-    /* A cache schedule, loaded: the calls below fail otherwise. */
-    laden_status s = laden_stream_fence(sc, 0);
-    if (s) {
-        laden__error_prefix("laden_cache_bind: model '%.200s'", m->key);
-        return s;
-    }
+    if (!laden_stream_is_cache(sc))
+        return laden__fail(LADEN_E_STATE,
+                           "laden_cache_bind: model '%.200s': the schedule "
+                           "must be a loaded LADEN_SCHED_CACHE schedule",
+                           m->key);
     uint64_t size = 0;
     for (uint32_t i = 0; i < nb; i++)
         size += laden_stream_block_bytes(sc, i);
@@ -278,13 +271,13 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
 
 /* Pins model id's host copy, as much as the pinned budget allows after
  * unpinning idle models' copies, blocks in order. */
-static void pin_model(laden_cache_t *c, uint32_t id, uint64_t total,
+static void pin_model(laden_cache_t *c, uint32_t id,
                       laden_cache_activation_t *act)
 {
     model *m = &c->m[id];
     uint32_t nb = laden_stream_block_count(m->sched);
-    uint64_t want = total;
-    if (m->pinned >= total)
+    uint64_t want = m->size;
+    if (m->pinned >= want)
         return;
     if (c->pinned_budget) {
         uint64_t others = 0;
@@ -443,19 +436,17 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
                     continue;
                 uint64_t n = laden_stream_block_bytes(sc, i);
                 for (uint32_t k = 0; k < pl->n; k++)
-                    if (!keep[k] && pl->bytes[k] == n) {
+                    if (!keep[k] && pl->r[k].bytes == n) {
                         keep[k] = true;
                         break;
                     }
             }
             uint32_t w = 0;
             for (uint32_t k = 0; k < pl->n; k++) {
-                if (keep[k]) {
-                    pl->ptr[w] = pl->ptr[k];
-                    pl->bytes[w++] = pl->bytes[k];
-                } else {
-                    laden_dev_mem_free(m->device, pl->ptr[k]);
-                }
+                if (keep[k])
+                    pl->r[w++] = pl->r[k];
+                else
+                    laden_dev_mem_free(m->device, pl->r[k].ptr);
             }
             pl->n = w;
             free(keep);
@@ -554,7 +545,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         laden_vbar_prioritize(laden_stream_vbar(m->sched));
     if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes, &pl)))
         goto undo;
-    pin_model(c, id, m->size, &act);
+    pin_model(c, id, &act);
     for (uint32_t i = 0; i < nb; i++)
         if (res[i] && laden_stream_is_resident(m->sched, i))
             act.kept_bytes += laden_stream_block_bytes(m->sched, i);

@@ -100,6 +100,7 @@ struct laden_sched {
     laden_event_t *last_use;    /* cache: after the model's last work */
     bool fenced;
     laden_vbar_t *vbar;         /* cache: device copies live here, or NULL */
+    laden_devptr_t vbar_base;
     laden_sched_stats_t st;
 };
 
@@ -674,6 +675,8 @@ void laden_stream_destroy(laden_sched_t *sc)
 
 /* ---- load ---------------------------------------------------------------- */
 
+static void relayout(laden_sched_t *sc);
+
 /* Packs each block's tensors (aligned for any kernel), orders the
  * streamed blocks and creates the copy stream and events.  Once. */
 static laden_status layout(laden_sched_t *sc)
@@ -693,12 +696,6 @@ static laden_status layout(laden_sched_t *sc)
         b->bytes = off;
         if (b->nt > sc->max_nt)
             sc->max_nt = b->nt;
-        if (streamed(sc, b)) {
-            b->pos = (int32_t)sc->nstreamed++;
-            if (b->bytes > sc->slot_bytes)
-                sc->slot_bytes = b->bytes;
-            sc->any_disk |= b->tier == LADEN_TIER_DISK;
-        }
         uint64_t *tier_bytes = b->tier == LADEN_TIER_GPU   ? &sc->st.gpu_bytes
                                : b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
                                                            : &sc->st.disk_bytes;
@@ -707,9 +704,7 @@ static laden_status layout(laden_sched_t *sc)
     sc->order = calloc(sc->nb ? sc->nb : 1, sizeof *sc->order);
     if (!sc->order)
         return laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
-    for (uint32_t i = 0; i < sc->nb; i++)
-        if (sc->b[i].pos >= 0)
-            sc->order[sc->b[i].pos] = i;
+    relayout(sc);
     if ((sc->cuda || sc->cache) &&
         (s = laden_dev_stream_create(dev, &sc->copy)))
         return s;
@@ -1229,8 +1224,6 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-/* Gives b a device copy in `given` (0: allocated here) and starts its
- * upload. */
 /* With a VBAR: faults b's range in and copies it only if its pages were
  * replaced since it was last written; LADEN_E_BUDGET if the range is
  * offloaded (the caller streams the block). */
@@ -1247,9 +1240,7 @@ static laden_status make_resident_vbar(laden_sched_t *sc, blk *b)
                                "block of %s is offloaded: the VRAM budget has "
                                "no room for it (it streams)",
                                laden__bytes(b->bytes).s);
-        laden_vbar_info_t vi;
-        laden_vbar_info(sc->vbar, &vi);
-        b->region = vi.base + b->voff;
+        b->region = sc->vbar_base + b->voff;
         if (sig != b->sig) {
             if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
                                         b->bytes)) ||
@@ -1271,6 +1262,8 @@ static laden_status make_resident_vbar(laden_sched_t *sc, blk *b)
     return LADEN_OK;
 }
 
+/* Gives b a device copy in `given` (0: allocated here) and starts its
+ * upload. */
 static laden_status make_resident(laden_sched_t *sc, blk *b,
                                   laden_devptr_t given)
 {
@@ -1442,6 +1435,12 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     }
     laden_vbar_destroy(sc->vbar);
     sc->vbar = v;
+    sc->vbar_base = 0;
+    if (v) {
+        laden_vbar_info_t vi;
+        laden_vbar_info(v, &vi);
+        sc->vbar_base = vi.base;
+    }
     return LADEN_OK;
 }
 
@@ -1484,6 +1483,11 @@ laden_status laden_stream_pin(laden_sched_t *sc, uint32_t block, int on)
 int laden_stream_is_pinned(laden_sched_t *sc, uint32_t block)
 {
     return sc && block < sc->nb && sc->b[block].pinned;
+}
+
+int laden_stream_is_cache(laden_sched_t *sc)
+{
+    return sc && sc->cache && sc->loaded;
 }
 
 int32_t laden_stream_device(laden_sched_t *sc)

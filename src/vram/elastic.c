@@ -28,6 +28,12 @@ typedef struct elastic {
     laden_vram_t *ctx;
     cached c[MAX_CACHED];
     uint32_t n;
+    /* A free is one event record: events are recycled, and the stream of
+     * the last free stays wrapped (PyTorch frees on few streams). */
+    laden_event_t *spare[MAX_CACHED];
+    uint32_t nspare;
+    laden_stream_t *ws;
+    uintptr_t ws_handle;
     laden_elastic_stats_t st;
 } elastic;
 
@@ -48,6 +54,40 @@ static elastic *state(int device)
     return &dev_state[device + 1];
 }
 
+static void retire_event(elastic *e, laden_event_t *ev)
+{
+    if (!ev)
+        return;
+    if (e->nspare < MAX_CACHED)
+        e->spare[e->nspare++] = ev;
+    else
+        laden_dev_event_destroy(ev);
+}
+
+/* Records the point of a free on `handle`: an event, recycled. */
+static laden_status record_free(elastic *e, int32_t device, uintptr_t handle,
+                                laden_event_t **out)
+{
+    laden_status s;
+    *out = NULL;
+    if (!e->ws || e->ws_handle != handle) {
+        laden_dev_stream_destroy(e->ws);
+        e->ws = NULL;
+        if ((s = laden_dev_stream_wrap(device, handle, &e->ws)))
+            return s;
+        e->ws_handle = handle;
+    }
+    laden_event_t *ev = e->nspare ? e->spare[--e->nspare] : NULL;
+    if (!ev && (s = laden_dev_event_create(device, 0, &ev)))
+        return s;
+    if ((s = laden_dev_event_record(ev, e->ws))) {
+        retire_event(e, ev);
+        return s;
+    }
+    *out = ev;
+    return LADEN_OK;
+}
+
 /* Frees cached block k (its last use has finished or must be waited
  * for); uncharged unless the context does it (reclaim). */
 static void drop_cached(elastic *e, int32_t device, uint32_t k, bool wait,
@@ -56,7 +96,7 @@ static void drop_cached(elastic *e, int32_t device, uint32_t k, bool wait,
     cached *b = &e->c[k];
     if (wait && b->done)
         laden_dev_event_synchronize(b->done);
-    laden_dev_event_destroy(b->done);
+    retire_event(e, b->done);
     laden_dev_mem_free(device, b->ptr);
     if (e->ctx && uncharge)
         laden_vram_uncharge(e->ctx, b->size);
@@ -163,7 +203,7 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
     }
     if (best >= 0) {
         cached b = e->c[best];
-        laden_dev_event_destroy(b.done);
+        retire_event(e, b.done);
         e->c[best] = e->c[--e->n];
         e->st.cached_bytes -= b.size;
         e->st.in_use_bytes += b.size;
@@ -228,19 +268,13 @@ void laden_elastic_free(void *ptr, ptrdiff_t size, int device, void *stream)
     if (e->n == MAX_CACHED)
         trim(e, device, 1); /* make a place */
     cached b = {(laden_devptr_t)(uintptr_t)ptr, n, (uintptr_t)stream, NULL};
-    laden_stream_t *ws = NULL;
-    if (device == LADEN_DEVICE_CPU) {
-        /* The CPU's work has finished when it frees: no event. */
-        e->c[e->n++] = b;
-        e->st.cached_bytes += n;
-    } else if (laden_dev_event_create(device, 0, &b.done) ||
-        laden_dev_stream_wrap(device, (uintptr_t)stream, &ws) ||
-        laden_dev_event_record(b.done, ws)) {
+    /* The CPU's work has finished when it frees: no event there. */
+    if (device != LADEN_DEVICE_CPU &&
+        record_free(e, device, (uintptr_t)stream, &b.done)) {
         /* Cannot order it: wait and free now. */
         laden__error_clear();
-        if (ws)
-            laden_dev_stream_synchronize(ws);
-        laden_dev_event_destroy(b.done);
+        if (e->ws)
+            laden_dev_stream_synchronize(e->ws);
         laden_dev_mem_free(device, b.ptr);
         if (e->ctx)
             laden_vram_uncharge(e->ctx, n);
@@ -248,7 +282,6 @@ void laden_elastic_free(void *ptr, ptrdiff_t size, int device, void *stream)
         e->c[e->n++] = b;
         e->st.cached_bytes += n;
     }
-    laden_dev_stream_destroy(ws);
     pthread_mutex_unlock(&e->mu);
 }
 
