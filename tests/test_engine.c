@@ -640,3 +640,42 @@ static void offloaded_streams(int32_t dev)
 }
 
 TEST(engine_offloaded_block_streams) { test_on_every_device(offloaded_streams); }
+
+/* laden_stream_use_vram refuses what it cannot do, naming why. */
+TEST(engine_use_vram_errors)
+{
+    const uint64_t MB = 1ull << 20;
+    laden_vram_t *vram;
+    CHECK_OK(laden_vram_create(LADEN_DEVICE_CPU, 8 * MB, 2 * MB, &vram));
+    laden_cache_t *c;
+    cmodel m;
+    CHECK_OK(laden_cache_create(0, 0, &c));
+    build(c, &m, "u", LADEN_DEVICE_CPU, 2, 1, FOUR, 81);
+    CHECK_STATUS(laden_stream_use_vram(NULL, vram), LADEN_E_INVAL);
+    laden_cache_activation_t act;
+    use(c, &m, LADEN_CACHE_AUTO, &act); /* now it holds device memory */
+    CHECK_STATUS(laden_stream_use_vram(m.sc, vram), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "holds device memory");
+    CHECK_OK(laden_cache_drop(c, m.id, UINT64_MAX, 0, NULL));
+    CHECK_OK(laden_stream_use_vram(m.sc, vram));
+    CHECK(laden_stream_vbar(m.sc) != NULL);
+    /* In a VBAR, device regions are not handed over. */
+    CHECK_STATUS(laden_stream_set_resident_at(m.sc, 1, 4096, 1000),
+                 LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "VBAR");
+    CHECK_OK(laden_stream_use_vram(m.sc, NULL)); /* back to allocations */
+    CHECK(laden_stream_vbar(m.sc) == NULL);
+    laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
+    laden_sched_t *ps;
+    uint32_t b;
+    CHECK_OK(laden_stream_create(&plain, NULL, &ps));
+    CHECK_OK(laden_stream_add_block(ps, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_stream_load(ps));
+    CHECK_STATUS(laden_stream_use_vram(ps, vram), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "cache schedule");
+    laden_stream_destroy(ps);
+    CHECK_OK(laden_cache_unbind(c, m.id));
+    laden_stream_destroy(m.sc);
+    laden_cache_destroy(c);
+    laden_vram_destroy(vram);
+}

@@ -330,6 +330,9 @@ TEST(vram_elastic_allocator)
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, c));
     laden_vram_t *other = ctx(1);
     CHECK_STATUS(laden_elastic_attach(LADEN_DEVICE_CPU, other), LADEN_E_STATE);
+    CHECK_STATUS(laden_elastic_attach(0, other), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "is for device -1");
+    CHECK_STATUS(laden_elastic_attach(999, other), LADEN_E_NODEVICE);
     laden_vram_destroy(other);
     /* 3 pages: 6 mapped + 3 > 8, so one weight page gives way. */
     void *a = laden_elastic_malloc((ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);

@@ -138,3 +138,18 @@ def test_elastic_pool_weights_give_way_no_oom():
     vbar.elastic_trim(dev)
     free1, _ = torch.cuda.mem_get_info()
     assert abs(free1 - free0) < 64 << 20, (free0, free1)
+
+
+def test_bad_inputs_are_named():
+    vram = vbar.VRAM("cpu", page_bytes=PG)
+    with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
+        vbar.elastic_pool(vram)
+    with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
+        vbar.install_elastic(vram)
+    with pytest.raises(laden.InvalidArgumentError, match="budget"):
+        vbar.VRAM("cpu", budget="lots")
+    v = vbar.ModelVBAR(PG, "cpu", vram=vram)
+    with pytest.raises(laden.InvalidArgumentError, match="Weight"):
+        v.fault("w")
+    v.close()
+    vram.close()
