@@ -616,12 +616,16 @@ static void offloaded_streams(int32_t dev)
 {
     const uint64_t MB = 1ull << 20;
     laden_vram_t *vram;
-    if (laden_vram_create(dev, 2 * MB, 2 * MB, &vram) == LADEN_E_UNSUPPORTED)
+    /* Room for two pages and two slots of 1.5 MiB (one more than the
+     * last page). */
+    if (laden_vram_create(dev, 5 * MB, 2 * MB, &vram) == LADEN_E_UNSUPPORTED)
         return;
     laden_cache_t *c;
     cmodel m;
     /* Blocks of 1.5 MiB: the first in page 0, the second across pages 0
-     * and 1, the third in pages 1 and 2. */
+     * and 1, the third in pages 1 and 2.  The second gets its pages, the
+     * third does not; then the slots do not fit, so the second streams
+     * too and its page makes room for them. */
     const uint64_t SIZES[3] = {3 * MB / 2, 3 * MB / 2, 3 * MB / 2};
     CHECK_OK(laden_cache_create(0, 0, &c));
     build(c, &m, "big", dev, 3, 1, SIZES, 71);
@@ -672,7 +676,7 @@ TEST(engine_use_vram_errors)
     CHECK_OK(laden_stream_add_block(ps, LADEN_TIER_RAM, &b));
     CHECK_OK(laden_stream_load(ps));
     CHECK_STATUS(laden_stream_use_vram(ps, vram), LADEN_E_STATE);
-    CHECK_CONTAINS(laden_last_error(), "cache schedule");
+    CHECK_CONTAINS(laden_last_error(), "before load");
     laden_stream_destroy(ps);
     CHECK_OK(laden_cache_unbind(c, m.id));
     laden_stream_destroy(m.sc);

@@ -414,3 +414,184 @@ TEST(stream_fp8_quantize_rows)
     laden_stream_destroy(sc);
     laden_st_close(st);
 }
+
+/* ---- a streaming schedule in a VRAM context ------------------------------ */
+
+#include "laden/vram.h"
+
+#define VMB (1ull << 20)
+/* Host blocks of the VRAM test: "rest" (GPU tier, 1 MiB), four VRAM-tier
+ * blocks of 1.5 MiB, one RAM-tier block of 1 MiB; then the checkpoint's
+ * model block 6 on the disk tier.  Laid out in the VBAR: the rest in page
+ * 0, the VRAM blocks at 1, 2.5, 4 and 5.5 MiB (2 MiB pages). */
+#define NH 6
+static const uint64_t HSIZE[NH] = {VMB, 3 * VMB / 2, 3 * VMB / 2,
+                                   3 * VMB / 2, 3 * VMB / 2, VMB};
+static const laden_tier HTIER[NH] = {LADEN_TIER_GPU,  LADEN_TIER_VRAM,
+                                     LADEN_TIER_VRAM, LADEN_TIER_VRAM,
+                                     LADEN_TIER_VRAM, LADEN_TIER_RAM};
+
+typedef struct {
+    model m;
+    unsigned char *host[NH];
+    uint32_t hb[NH], disk;
+} vmodel;
+
+static void vbuild(vmodel *v, int32_t dev, laden_vram_t *vram)
+{
+    memset(v, 0, sizeof *v);
+    static const laden_tier NONE[NB] = {0};
+    (void)NONE;
+    model *m = &v->m;
+    m->dev = dev;
+    CHECK_OK(laden_st_open(write_model(), &m->st));
+    laden_sched_config cfg = {.device = dev, .lookahead = 2};
+    CHECK_OK(laden_stream_create(&cfg, m->st, &m->sc));
+    if (vram)
+        CHECK_OK(laden_stream_use_vram(m->sc, vram));
+    for (int i = 0; i < NH; i++) {
+        uint32_t ti;
+        v->host[i] = malloc(HSIZE[i]);
+        for (uint64_t j = 0; j < HSIZE[i]; j++)
+            v->host[i][j] = val(100 + i, j);
+        CHECK_OK(laden_stream_add_block(m->sc, HTIER[i], &v->hb[i]));
+        CHECK_OK(laden_stream_add_host_tensor(m->sc, v->hb[i], v->host[i],
+                                              LADEN_DTYPE_U8, HSIZE[i],
+                                              LADEN_DTYPE_U8, &ti));
+    }
+    CHECK_OK(laden_stream_add_block(m->sc, LADEN_TIER_DISK, &v->disk));
+    for (int k = 0; k < 2; k++) {
+        size_t idx;
+        uint32_t ti;
+        CHECK_OK(laden_st_find(m->st, k ? "blocks.6.b" : "blocks.6.a", &idx));
+        CHECK_OK(laden_stream_add_tensor(m->sc, v->disk, m->st, idx,
+                                         LADEN_DTYPE_U8, &ti));
+    }
+    m->block_of[6] = v->disk;
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m->rd));
+    m->buf = malloc(2 * VMB);
+}
+
+static void vrun(vmodel *v)
+{
+    model *m = &v->m;
+    for (int i = 0; i < NH; i++) {
+        laden_devptr_t p;
+        CHECK_OK(laden_stream_enter(m->sc, v->hb[i], 0));
+        CHECK_OK(laden_stream_tensor_ptr(m->sc, v->hb[i], 0, &p));
+        if (m->rd) {
+            CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, HSIZE[i]));
+            CHECK_OK(laden_dev_stream_synchronize(m->rd));
+        } else {
+            memcpy(m->buf, (void *)(uintptr_t)p, HSIZE[i]);
+        }
+        CHECK(memcmp(m->buf, v->host[i], HSIZE[i]) == 0);
+        CHECK_OK(laden_stream_exit(m->sc, v->hb[i], 0));
+    }
+    run_block(m, 6);
+}
+
+static void vdestroy(vmodel *v)
+{
+    destroy(&v->m);
+    for (int i = 0; i < NH; i++)
+        free(v->host[i]);
+}
+
+static void vram_info(laden_vram_t *vram, laden_vram_info_t *vi)
+{
+    CHECK_OK(laden_vram_info(vram, vi));
+}
+
+/* The GPU tier and the VRAM tier take ranges of a VBAR; the slots' room is
+ * charged first; a VRAM-tier block the context has no room for streams
+ * from RAM; start and stop charge and give back the slots; a GPU-tier
+ * block or slots that do not fit fail load with nothing kept. */
+static void in_vram(int32_t dev)
+{
+    laden_vram_t *vram;
+    if (laden_vram_create(dev, 0, 2 * VMB, &vram) == LADEN_E_UNSUPPORTED)
+        return;
+    bool cuda = dev != LADEN_DEVICE_CPU;
+    /* Blocks that may stream: on CUDA the VRAM and RAM tiers and the disk
+     * block (3 slots of 1.5 MiB); on the CPU device only the disk block. */
+    const uint64_t disk_bytes = 2048 + 4096 * 7; /* model block 6, aligned */
+    uint64_t R = cuda ? 3 * (3 * VMB / 2) : disk_bytes;
+    laden_vram_info_t vi;
+    vmodel v;
+
+    /* Room for pages 0-2 and the slots: the last VRAM block (page 3)
+     * streams. */
+    CHECK_OK(laden_vram_set_budget(vram, 6 * VMB + VMB + R));
+    vbuild(&v, dev, vram);
+    CHECK_OK(laden_stream_load(v.m.sc));
+    for (int i = 0; i < 4; i++)
+        CHECK(laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
+    CHECK(laden_stream_block_tier(v.m.sc, v.hb[4]) == LADEN_TIER_RAM);
+    CHECK(laden_stream_block_tier(v.m.sc, v.hb[5]) == LADEN_TIER_RAM);
+    CHECK(laden_stream_is_streamed(v.m.sc, v.hb[4]) == (cuda ? 1 : 0));
+    laden_sched_stats_t st;
+    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    CHECK(st.offloaded_bytes == 3 * VMB / 2);
+    CHECK(st.gpu_bytes == VMB + 3 * (3 * VMB / 2));
+    vram_info(vram, &vi);
+    CHECK(vi.pinned_bytes == 6 * VMB && vi.mapped_bytes == 6 * VMB);
+    CHECK(vi.charged_bytes == R && vi.vbars == 1);
+    CHECK_OK(laden_stream_start(v.m.sc, 2));
+    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    vram_info(vram, &vi);
+    CHECK(vi.charged_bytes == (uint64_t)st.nslots * st.slot_bytes);
+    for (int pass = 0; pass < 2; pass++)
+        vrun(&v);
+    CHECK_OK(laden_stream_stop(v.m.sc));
+    vram_info(vram, &vi);
+    CHECK(vi.charged_bytes == 0);
+    /* Someone else takes the room meanwhile: start says so, changes
+     * nothing, and works once the room is back. */
+    uint64_t rest = 6 * VMB + VMB + R - 6 * VMB;
+    CHECK_OK(laden_vram_charge(vram, rest));
+    CHECK_STATUS(laden_stream_start(v.m.sc, 2), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "slots of");
+    CHECK_OK(laden_vram_uncharge(vram, rest));
+    CHECK_OK(laden_stream_start(v.m.sc, 2));
+    vrun(&v);
+    vdestroy(&v);
+    vram_info(vram, &vi);
+    CHECK(vi.vbars == 0 && vi.mapped_bytes == 0 && vi.charged_bytes == 0);
+
+    /* No room for the GPU tier (less than a page after the slots). */
+    CHECK_OK(laden_vram_set_budget(vram, R + VMB));
+    vbuild(&v, dev, vram);
+    CHECK_STATUS(laden_stream_load(v.m.sc), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "must be on the device");
+    vram_info(vram, &vi);
+    CHECK(vi.vbars == 0 && vi.mapped_bytes == 0 && vi.charged_bytes == 0);
+    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    CHECK(st.pinned_bytes == 0);
+    vdestroy(&v);
+
+    /* No room for the slots. */
+    CHECK_OK(laden_vram_set_budget(vram, R - 1));
+    vbuild(&v, dev, vram);
+    CHECK_STATUS(laden_stream_load(v.m.sc), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "slots of");
+    vram_info(vram, &vi);
+    CHECK(vi.vbars == 0 && vi.charged_bytes == 0);
+    vdestroy(&v);
+
+    /* A context is taken before load only, and on the schedule's device. */
+    vbuild(&v, dev, NULL);
+    CHECK_OK(laden_stream_load(v.m.sc));
+    CHECK_STATUS(laden_stream_use_vram(v.m.sc, vram), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "before load");
+    /* Without a context the VRAM tier is allocated like the GPU tier. */
+    for (int i = 0; i < 5; i++)
+        CHECK(laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
+    CHECK_OK(laden_stream_start(v.m.sc, 2));
+    vrun(&v);
+    vdestroy(&v);
+    laden_vram_destroy(vram);
+}
+
+TEST(stream_in_vram_context) { test_on_every_device(in_vram); }

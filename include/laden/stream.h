@@ -9,7 +9,14 @@
  *                    CPU device the RAM region is used in place);
  *   LADEN_TIER_DISK  nothing is held; the block's tensors are read from the
  *                    checkpoint into the slot's pinned staging buffer ahead
- *                    of use, then copied into the slot.
+ *                    of use, then copied into the slot;
+ *   LADEN_TIER_VRAM  on the device if it has room at load, else on the RAM
+ *                    tier: the device memory comes from the schedule's VRAM
+ *                    context (laden_stream_use_vram), or is allocated, and a
+ *                    block the context has no room for (or whose allocation
+ *                    fails for lack of device memory) streams instead.
+ *                    After load the block reports the tier it got
+ *                    (laden_stream_block_tier).
  * Streamed blocks (RAM, DISK) are ordered by the order they were added: that
  * is the schedule.  Block i always runs from slot (i mod nslots), nslots =
  * lookahead + 1, so its tensors have one address for the whole life of the
@@ -41,6 +48,7 @@ typedef enum laden_tier {
     LADEN_TIER_GPU = 0,
     LADEN_TIER_RAM = 1,
     LADEN_TIER_DISK = 2,
+    LADEN_TIER_VRAM = 3,
 } laden_tier;
 
 typedef struct laden_sched laden_sched_t;
@@ -80,6 +88,7 @@ typedef struct laden_sched_stats {
     uint64_t registered_bytes;  /* host copies pinned in place */
     uint64_t upload_bytes;      /* copied by laden_stream_set_resident */
     uint64_t generation;        /* changes whenever a tensor's address does */
+    uint64_t offloaded_bytes;   /* VRAM-tier blocks that went to RAM at load */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -216,18 +225,36 @@ LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
                                                     laden_devptr_t ptr,
                                                     uint64_t bytes);
 
-/* Keeps the schedule's device copies in a VBAR of `vram` (created now,
- * owned by the schedule; vram must outlive it) instead of allocations of
- * their own: laden_stream_set_resident(b, 1) faults b's range in and
- * copies it only if its pages were replaced since it was last written, or
- * fails with LADEN_E_BUDGET if the range is offloaded (the caller streams
- * the block); laden_stream_set_resident(b, 0) unpins it, so its pages stay
- * until the budget needs them.  NULL: back to allocations.  Only while the
- * schedule holds no device memory. */
+/* Keeps the schedule's device memory in a VBAR of `vram` (created by the
+ * schedule, owned by it; vram must outlive it) and charges the slots to
+ * vram's budget, so that weights, slots, other models and the elastic
+ * allocator share one budget.
+ *
+ * A streaming schedule (no LADEN_SCHED_CACHE) takes its context before
+ * laden_stream_load, which charges room for the slots first (the largest
+ * block that may stream, lookahead + 1 times), then faults the GPU tier in
+ * (LADEN_E_BUDGET if it has no room) and the VRAM tier in order, moving
+ * the blocks that get no room to the RAM tier.  Their pages stay pinned
+ * for the schedule's life (nothing else holds their bytes).  The work that
+ * used them must have finished before laden_stream_destroy.
+ *
+ * A cache schedule takes it once loaded, while it holds no device memory:
+ * laden_stream_set_resident(b, 1) faults b's range in and copies it only
+ * if its pages were replaced since it was last written, or fails with
+ * LADEN_E_BUDGET if the range is offloaded (the caller streams the block);
+ * laden_stream_set_resident(b, 0) unpins it, so its pages stay until the
+ * budget needs them.  NULL: back to allocations.
+ *
+ * laden_stream_start then fails with LADEN_E_BUDGET if the context has no
+ * room for the slots; laden_stream_stop gives their room back. */
 LADEN_API laden_status laden_stream_use_vram(laden_sched_t *sched,
                                              laden_vram_t *vram);
 /* The schedule's VBAR, or NULL. */
 LADEN_API laden_vbar_t *laden_stream_vbar(laden_sched_t *sched);
+
+/* Block b's tier (after load, the one it got: a VRAM-tier block reports
+ * LADEN_TIER_GPU or LADEN_TIER_RAM); -1 for a bad block. */
+LADEN_API int laden_stream_block_tier(laden_sched_t *sched, uint32_t block);
 
 /* 1 if block b has a device copy of its own. */
 LADEN_API int laden_stream_is_resident(laden_sched_t *sched, uint32_t block);

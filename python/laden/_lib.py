@@ -71,6 +71,7 @@ class SchedStats(Structure):
         ("read_bytes", c_uint64), ("load_read_bytes", c_uint64),
         ("resident_bytes", c_uint64), ("registered_bytes", c_uint64),
         ("upload_bytes", c_uint64), ("generation", c_uint64),
+        ("offloaded_bytes", c_uint64),
     ]
 
 
@@ -247,6 +248,7 @@ _SIGNATURES = {
     "laden_stream_host_ptr": (status_t, [p, c_uint32, c_uint32,
                                          P(c_void_p)]),
     "laden_stream_is_streamed": (c_int, [p, c_uint32]),
+    "laden_stream_block_tier": (c_int, [p, c_uint32]),
     "laden_stream_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_stream_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_stream_synchronize": (status_t, [p]),
@@ -318,7 +320,7 @@ _SIGNATURES = {
 }
 
 DEVICE_CPU = -1
-TIER_GPU, TIER_RAM, TIER_DISK = 0, 1, 2
+TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = 0, 1, 2, 3
 SCHED_CACHE = 1
 CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
 COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2

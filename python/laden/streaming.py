@@ -148,6 +148,7 @@ class BlockInfo:
     nbytes: int = 0
     c_block: int = 0
     tensors: List[_Tensor] = field(default_factory=list, repr=False)
+    offloaded: bool = False  # chosen for the device, got no room: streams
 
     @property
     def tier_name(self) -> str:
@@ -168,6 +169,9 @@ class LoadReport:
         self.tier_bytes = {"resident": state.rest_bytes, "ram": 0, "disk": 0}
         for _, n, t in self.blocks:
             self.tier_bytes[t] += n
+        # Blocks chosen for the device that the VRAM context had no room
+        # for: they stream from RAM.
+        self.offloaded = [b.name for b in state.blocks if b.offloaded]
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +189,10 @@ class LoadReport:
             f"{fmt_bytes(self.tier_bytes['resident'])}, RAM "
             f"{fmt_bytes(self.tier_bytes['ram'])}, disk "
             f"{fmt_bytes(self.tier_bytes['disk'])}")
+        if self.offloaded:
+            lines.append(f"  the VRAM context had no room for "
+                         f"{len(self.offloaded)} block(s) chosen for the "
+                         f"device; they stream from RAM")
         rate = self.read_bytes / self.seconds if self.seconds > 0 else 0.0
         lines.append(f"  read {fmt_bytes(self.read_bytes)} in "
                      f"{self.seconds:.2f} s ({rate / 1e9:.2f} GB/s)")
@@ -211,11 +219,15 @@ class _Stream:
         self.kept_tensors: List[_Tensor] = []  # built, not in the checkpoint
         self.ckpt: Optional[Checkpoint] = None
         self.handle: Optional["OffloadHandle"] = None
+        self.vram = None  # a laden.vbar.VRAM the schedule's memory is from
         self._fin = None
 
-    def own(self) -> None:
-        self._fin = weakref.finalize(self, lib.laden_stream_destroy,
-                                     self.sched)
+    def own(self, vram=None) -> None:
+        """Destroys the schedule with this object; `vram` (the context its
+        memory comes from) is kept alive until then."""
+        self.vram = vram
+        self._fin = weakref.finalize(self, _destroy_schedule, self.sched,
+                                     vram)
 
     @property
     def alive(self) -> bool:
@@ -269,6 +281,10 @@ class _Stream:
             else:  # disk tier: the file's pages, mapped
                 value = self.ckpt.tensor(t.ckpt_name)
         self._set(t, value)
+
+
+def _destroy_schedule(sched, vram) -> None:
+    lib.laden_stream_destroy(sched)
 
 
 def _set_tensor(t: _Tensor, value) -> None:
@@ -524,7 +540,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                                Callable[[str], Optional[str]]] = None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
-                lookahead: int = 2, storage_dtype=None) -> LoadReport:
+                lookahead: int = 2, storage_dtype=None,
+                vram=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -555,6 +572,14 @@ def stream_load(model, path: PathLike, *, plan=None,
     - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
       followed exactly: its blocks and tiers replace the prefixes and
       budgets.
+    - ``vram``: a ``laden.vbar.VRAM`` context; the model's device memory
+      then comes from its budget, shared with other models and the elastic
+      allocator: room for the slots is charged first, then the rest of the
+      model is placed (it must fit), then the blocks chosen to stay on the
+      device, in order; a block the context has no room for streams from
+      pinned RAM instead of failing (``report.offloaded``).  Without
+      ``vram_budget`` the blocks are chosen against the context's free
+      room.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -587,7 +612,19 @@ def stream_load(model, path: PathLike, *, plan=None,
     cdt = _resolve_dtype(compute_dtype)
     if storage == "bf16" and cdt is None:
         cdt = torch.bfloat16  # cast down and run in bf16
+    vram_ctx = vram
     vram = parse_size(vram_budget) if vram_budget is not None else None
+    if vram_ctx is not None:
+        if getattr(vram_ctx, "device", None) != dev:
+            raise InvalidArgumentError(
+                f"stream_load: vram is a context for "
+                f"{getattr(vram_ctx, 'device', type(vram_ctx).__name__)}, "
+                f"the model goes to {dev}", "E_INVAL")
+        if vram is None:
+            vi = vram_ctx.info()
+            if vi["budget_bytes"]:
+                vram = max(0, vi["budget_bytes"] - vi["pinned_bytes"] -
+                           vi["charged_bytes"])
     ram = parse_size(ram_budget) if ram_budget is not None else None
     t0 = time.perf_counter()
     ck = Checkpoint(path)
@@ -596,7 +633,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                          offload_prefixes or (), resident_prefixes,
                          disk_prefixes, vram, ram, lookahead, plan_tiers,
                          storage)
-        _load(model, state, ck)
+        _load(model, state, ck, vram_ctx, lookahead)
     except BaseException:
         ck.close()
         raise
@@ -812,17 +849,25 @@ def _assign_tiers(state: _Stream, vram: Optional[int], ram: Optional[int],
         b.tier = int(t)
 
 
-def _load(model, state: _Stream, ck: Checkpoint) -> None:
+def _load(model, state: _Stream, ck: Checkpoint, vram=None,
+          lookahead: int = 2) -> None:
     import torch
 
-    cfg = _lib.SchedConfig(_dev_index(state.device), 0, 0, None)
+    cfg = _lib.SchedConfig(_dev_index(state.device),
+                           max(1, min(63, lookahead)), 0, None)
     check(lib.laden_stream_create(ctypes.byref(cfg), ck._h,
                                   ctypes.byref(state.sched)))
-    state.own()
+    state.own(vram)
     try:
+        if vram is not None:
+            check(lib.laden_stream_use_vram(state.sched, vram._h))
         groups = [(-1, _lib.TIER_GPU, [t for t in state.tensors
                                        if t.block < 0])]
-        groups += [(i, b.tier, b.tensors) for i, b in enumerate(state.blocks)]
+        # In a VRAM context the blocks chosen for the device get it if the
+        # context has room at load, else they stream.
+        groups += [(i, _lib.TIER_VRAM if vram is not None and
+                    b.tier == _lib.TIER_GPU else b.tier, b.tensors)
+                   for i, b in enumerate(state.blocks)]
         cb = ctypes.c_uint32()
         ci = ctypes.c_uint32()
         for i, tier, ts in groups:
@@ -854,6 +899,13 @@ def _load(model, state: _Stream, ck: Checkpoint) -> None:
     except BaseException:
         state.destroy()
         raise
+    for b in state.blocks:
+        got = lib.laden_stream_block_tier(state.sched, b.c_block)
+        if got != b.tier:
+            log.info("block %s (%s): the VRAM context has no room, it "
+                     "streams from RAM", b.name, fmt_bytes(b.nbytes))
+            b.offloaded = True
+            b.tier = got
     state.ckpt = ck
     # Point the model at laden's memory: resident tensors where they run,
     # streamed ones at their home until install_offload.
@@ -1109,6 +1161,10 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     for t in state.tensors:
         meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         state._set(t, meta)
+    if state.vram is not None and state.device.type == "cuda":
+        # Pages of a VBAR are unmapped at destroy: the model's kernels
+        # must be done with them.
+        torch.cuda.synchronize(state.device)
     state.destroy()
     if getattr(model, "_laden_stream", None) is state:
         del model._laden_stream

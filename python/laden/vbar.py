@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 from . import _lib
 from ._lib import check, lib
 from ._units import parse_size
-from .errors import DeviceError, InvalidArgumentError
+from .errors import DeviceError, InvalidArgumentError, StateError
 from .streaming import _compute_stream, _dev_index, _device, _view
 
 _DEFAULT: Dict[object, "VRAM"] = {}
@@ -90,8 +90,17 @@ class VRAM:
         return {f: getattr(st, f) for f, _ in st._fields_}
 
     def close(self) -> None:
-        """Frees every VBAR of the context and detaches the elastic
-        allocator.  Tensors over its memory are invalid afterwards."""
+        """Detaches the elastic allocator and frees the context.  Refused
+        (StateError) while VBARs use it: close the ModelVBARs, release()
+        the models loaded with it and clear the ModelCaches on it first."""
+        if not self._fin.alive:
+            return
+        n = self.info()["vbars"]
+        if n:
+            raise StateError(
+                f"VRAM.close: {n} VBAR(s) still use the context (ModelVBARs, "
+                "models loaded with stream_load(vram=...), ModelCache "
+                "models); close, release or clear them first", "E_STATE")
         if self._pool is not None:
             self._pool = None
             import torch

@@ -355,3 +355,51 @@ def test_argument_errors_name_the_problem(ckpt):
         laden.offload_blocks([], device="cpu")
     with pytest.raises(laden.InvalidArgumentError, match="on meta"):
         laden.offload_blocks([on_meta().blocks[0]], device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stream_load_in_a_vram_context(tmp_path, device):
+    """With a laden.vbar.VRAM context the resident blocks take its pages in
+    order; those it has no room for stream from RAM (named in the report),
+    outputs stay identical, and release gives the context back whole."""
+    from laden import vbar
+
+    kw = dict(d=256, hidden=(1024,) * 6, nested=(1, 1))  # ~2 MiB blocks
+    ref = reference(**kw)
+    path = save(ref, tmp_path / "big.safetensors")
+    r = ref.to(device)
+    with torch.no_grad():
+        want = r(ids().to(device))
+    mb = 1 << 20
+    # Eight 2 MiB pages for the weights; on CUDA room for three slots of
+    # the largest block as well (on the CPU device only the disk tier
+    # streams, and there is none).
+    slots = 3 * (2 * mb + 4 * 4096) if device == "cuda" else 0
+    vram = vbar.VRAM(device, budget=8 * mb + slots, page_bytes=2 * mb)
+    m = on_meta(**kw)
+    report = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                               resident_prefixes=["blocks."], device=device,
+                               vram=vram)
+    names = [b[0] for b in report.blocks if b[0].startswith("blocks.")]
+    assert 0 < len(report.offloaded) < len(names)
+    # The blocks that got no room are the last ones: lower offsets first.
+    assert report.offloaded == names[len(names) - len(report.offloaded):]
+    assert "no room" in str(report)
+    info = vram.info()
+    assert 0 < info["mapped_bytes"] <= 8 * mb
+    with pytest.raises(laden.StateError, match="still use"):
+        vram.close()  # refused while the model's VBAR lives
+    h = laden.install_offload(m, lookahead=2)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(ids().to(device)), want)
+    if device == "cuda":
+        assert vram.info()["charged_bytes"] > 0  # the slots
+    laden.release(m, h)
+    info = vram.info()
+    assert info["vbars"] == 0 and info["mapped_bytes"] == 0
+    assert info["charged_bytes"] == 0
+    vram.close()
+    with pytest.raises(laden.InvalidArgumentError, match="vram"):
+        laden.stream_load(on_meta(**kw), path, offload_prefixes=PREFIXES,
+                          device=device, vram=object())

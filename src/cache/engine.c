@@ -484,9 +484,24 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
         if (!copied) /* in a VBAR, still as it was written: no copy */
             act->kept_bytes += n;
     }
-    if (nstream && (s = laden_stream_start(sc, lookahead)))
-        return s;
-    return LADEN_OK;
+    if (!nstream)
+        return LADEN_OK;
+    /* In a VBAR the slots are charged to the context: if it has no room
+     * for them, the last resident blocks stream too, their pages unpinned
+     * so that the charge can take them. */
+    while ((s = laden_stream_start(sc, lookahead)) == LADEN_E_BUDGET &&
+           laden_stream_vbar(sc)) {
+        uint32_t k = nb;
+        while (k > m->fixed && !laden_stream_is_resident(sc, k - 1))
+            k--;
+        if (k <= m->fixed)
+            break;
+        laden__error_clear();
+        if ((s = laden_stream_set_resident(sc, k - 1, 0)))
+            return s;
+        act->offloaded_blocks++;
+    }
+    return s;
 }
 
 laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,

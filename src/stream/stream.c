@@ -99,8 +99,10 @@ struct laden_sched {
     laden_event_t *uploaded;    /* cache: after the last upload */
     laden_event_t *last_use;    /* cache: after the model's last work */
     bool fenced;
-    laden_vbar_t *vbar;         /* cache: device copies live here, or NULL */
+    laden_vbar_t *vbar;         /* device copies live here, or NULL */
     laden_devptr_t vbar_base;
+    laden_vram_t *vram;         /* the VBAR's context (borrowed) */
+    uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
 };
 
@@ -374,7 +376,7 @@ laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
     if (sc->loaded || sc->laid_out)
         return laden__fail(LADEN_E_STATE, "blocks cannot be added after load");
     if (tier != LADEN_TIER_GPU && tier != LADEN_TIER_RAM &&
-        tier != LADEN_TIER_DISK)
+        tier != LADEN_TIER_DISK && tier != LADEN_TIER_VRAM)
         return laden__fail(LADEN_E_INVAL, "unknown tier %d", (int)tier);
     if (sc->cache && tier != LADEN_TIER_RAM)
         return laden__fail(LADEN_E_INVAL,
@@ -588,6 +590,26 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
     return s;
 }
 
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+static laden_status charge_slots(laden_sched_t *sc, uint64_t want)
+{
+    laden_status s;
+    if (!sc->vram || want == sc->slot_charge)
+        return LADEN_OK;
+    if (want < sc->slot_charge) {
+        laden_vram_uncharge(sc->vram, sc->slot_charge - want);
+        sc->slot_charge = want;
+        return LADEN_OK;
+    }
+    if ((s = laden_vram_charge(sc->vram, want - sc->slot_charge))) {
+        laden__error_prefix("slots of %s", laden__bytes(want).s);
+        return s;
+    }
+    sc->slot_charge = want;
+    return LADEN_OK;
+}
+
 /* Frees the slots and staging, after their copies and reads. */
 static void free_slots(laden_sched_t *sc)
 {
@@ -611,6 +633,7 @@ static void free_slots(laden_sched_t *sc)
     free(sc->slots);
     sc->slots = NULL;
     sc->nslots = 0;
+    charge_slots(sc, 0);
     laden_dev_stream_destroy(sc->compute);
     sc->compute = NULL;
     if (sc->started)
@@ -696,9 +719,9 @@ static laden_status layout(laden_sched_t *sc)
         b->bytes = off;
         if (b->nt > sc->max_nt)
             sc->max_nt = b->nt;
-        uint64_t *tier_bytes = b->tier == LADEN_TIER_GPU   ? &sc->st.gpu_bytes
-                               : b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
-                                                           : &sc->st.disk_bytes;
+        uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM    ? &sc->st.ram_bytes
+                               : b->tier == LADEN_TIER_DISK ? &sc->st.disk_bytes
+                                                            : &sc->st.gpu_bytes;
         *tier_bytes += b->bytes;
     }
     sc->order = calloc(sc->nb ? sc->nb : 1, sizeof *sc->order);
@@ -765,15 +788,132 @@ laden_status laden_stream_load_block(laden_sched_t *sc, uint32_t block)
     return fill_block(sc, block);
 }
 
+/* 1 if block b streams, or may once placed (VRAM tier). */
+static bool may_stream(const laden_sched_t *sc, const blk *b)
+{
+    return b->tier == LADEN_TIER_DISK ||
+           ((b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_VRAM) &&
+            sc->cuda);
+}
+
+/* A VRAM-tier block that got no device memory streams from pinned RAM. */
+static void demote(laden_sched_t *sc, blk *b)
+{
+    b->tier = LADEN_TIER_RAM;
+    b->region = 0;
+    sc->st.gpu_bytes -= b->bytes;
+    sc->st.ram_bytes += b->bytes;
+    sc->st.offloaded_bytes += b->bytes;
+}
+
+/* Gives the GPU and VRAM tiers their device memory: allocations of their
+ * own, or ranges of a VBAR (GPU tier first, then the VRAM tier in order:
+ * the lower offsets are the more important).  In a VRAM context the slots'
+ * room is charged first, for the largest block that may stream, so a
+ * block that does not fit can still stream.  A VRAM-tier block that does
+ * not fit moves to the RAM tier; a GPU-tier block that does not is an
+ * error. */
+static laden_status place_device_blocks(laden_sched_t *sc)
+{
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    bool moved = false;
+    if (!sc->vram) {
+        for (uint32_t i = 0; i < sc->nb; i++) {
+            blk *b = &sc->b[i];
+            if ((b->tier != LADEN_TIER_GPU && b->tier != LADEN_TIER_VRAM) ||
+                !b->bytes)
+                continue;
+            s = laden_dev_mem_alloc(dev, b->bytes, &b->region);
+            if (s == LADEN_E_DEVICE_NOMEM && b->tier == LADEN_TIER_VRAM) {
+                laden__error_clear();
+                demote(sc, b);
+                moved = true;
+                continue;
+            }
+            if (s)
+                return s;
+            b->tier = LADEN_TIER_GPU;
+            sc->st.device_bytes += b->bytes;
+        }
+        for (uint32_t i = 0; i < sc->nb; i++)
+            if (sc->b[i].tier == LADEN_TIER_VRAM)
+                sc->b[i].tier = LADEN_TIER_GPU; /* empty blocks */
+        if (moved)
+            relayout(sc);
+        return LADEN_OK;
+    }
+    uint64_t total = 0, largest = 0;
+    uint32_t nmay = 0;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (b->tier == LADEN_TIER_GPU || b->tier == LADEN_TIER_VRAM)
+            total += (b->bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        if (may_stream(sc, b)) {
+            nmay++;
+            if (b->bytes > largest)
+                largest = b->bytes;
+        }
+    }
+    uint32_t nslots = nmay < sc->cfg.lookahead + 1 ? nmay
+                                                   : sc->cfg.lookahead + 1;
+    if ((s = charge_slots(sc, (uint64_t)nslots * largest)))
+        return s;
+    if (total && (s = laden_vbar_create(sc->vram, total, &sc->vbar)))
+        return s;
+    if (sc->vbar) {
+        laden_vbar_info_t vi;
+        laden_vbar_info(sc->vbar, &vi);
+        sc->vbar_base = vi.base;
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < sc->nb; i++) {
+            blk *b = &sc->b[i];
+            if (b->tier != (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU))
+                continue;
+            if (b->bytes)
+                laden_vbar_alloc(sc->vbar, b->bytes, &b->voff); /* sized so */
+        }
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < sc->nb; i++) {
+            blk *b = &sc->b[i];
+            int res = 1;
+            uint64_t sig;
+            if (b->tier != (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU))
+                continue;
+            if (b->bytes && (s = laden_vbar_fault(sc->vbar, b->voff, b->bytes,
+                                                  &res, &sig)))
+                return s;
+            if (!res && b->tier == LADEN_TIER_GPU)
+                return laden__fail(LADEN_E_BUDGET,
+                                   "block %u (%s) must be on the device, and "
+                                   "the VRAM context has no room for it",
+                                   i, laden__bytes(b->bytes).s);
+            if (!res) {
+                demote(sc, b);
+                moved = true;
+                continue;
+            }
+            /* Pinned for the schedule's life: nothing else holds its
+             * bytes. */
+            b->tier = LADEN_TIER_GPU;
+            b->region = b->bytes ? sc->vbar_base + b->voff : 0;
+            sc->st.device_bytes += b->bytes;
+        }
+    if (moved)
+        relayout(sc);
+    if (!sc->nstreamed)
+        charge_slots(sc, 0);
+    return LADEN_OK;
+}
+
 laden_status laden_stream_load(laden_sched_t *sc)
 {
     laden_status s = LADEN_OK;
-    int32_t dev;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_stream_load: NULL schedule");
     if (sc->loaded || sc->broken)
         return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
-    dev = sc->cfg.device;
     if ((s = layout(sc)))
         goto fail;
     if (sc->cache) {
@@ -783,21 +923,12 @@ laden_status laden_stream_load(laden_sched_t *sc)
         sc->loaded = true;
         return LADEN_OK;
     }
+    if ((s = place_device_blocks(sc)))
+        goto fail;
     uint64_t max_gpu = 0;
     for (uint32_t i = 0; i < sc->nb; i++)
         if (sc->b[i].tier == LADEN_TIER_GPU && sc->b[i].bytes > max_gpu)
             max_gpu = sc->b[i].bytes;
-
-    /* Device regions first: they are what is most likely not to fit, and
-     * nothing has been read yet if they do not. */
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        if (b->tier == LADEN_TIER_GPU && b->bytes &&
-            (s = laden_dev_mem_alloc(dev, b->bytes, &b->region)))
-            goto fail;
-        if (b->tier == LADEN_TIER_GPU)
-            sc->st.device_bytes += b->bytes;
-    }
     /* The RAM tier, read in place; then the GPU tier through one pinned
      * buffer the size of the largest GPU block. */
     for (uint32_t i = 0; i < sc->nb; i++) {
@@ -1032,6 +1163,8 @@ laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
         s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
         goto fail;
     }
+    if ((s = charge_slots(sc, (uint64_t)sc->nslots * sc->slot_bytes)))
+        goto fail;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
         sl->block = -1;
@@ -1394,13 +1527,42 @@ laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
     return make_resident(sc, b, ptr);
 }
 
+static laden_status vram_arg(laden_sched_t *sc, laden_vram_t *vram)
+{
+    laden_vram_info_t vi;
+    laden_status s;
+    if (!vram)
+        return LADEN_OK;
+    if ((s = laden_vram_info(vram, &vi)))
+        return s;
+    if (vi.device != sc->cfg.device)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_use_vram: the context is for "
+                           "device %d, the schedule for %d",
+                           vi.device, sc->cfg.device);
+    return LADEN_OK;
+}
+
 laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
 {
+    laden_status s;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_stream_use_vram: NULL");
-    if (!sc->cache || !sc->loaded)
-        return laden__fail(LADEN_E_STATE, "laden_stream_use_vram: not a "
-                           "loaded cache schedule");
+    if (!sc->cache) {
+        /* Placed at load. */
+        if (sc->loaded || sc->broken || sc->laid_out)
+            return laden__fail(LADEN_E_STATE,
+                               "laden_stream_use_vram: a schedule without "
+                               "LADEN_SCHED_CACHE takes its context before "
+                               "load");
+        if ((s = vram_arg(sc, vram)))
+            return s;
+        sc->vram = vram;
+        return LADEN_OK;
+    }
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "laden_stream_use_vram: a cache "
+                           "schedule takes its context once loaded");
     if (sc->started || sc->st.resident_bytes)
         return laden__fail(LADEN_E_STATE,
                            "laden_stream_use_vram: the schedule holds device "
@@ -1410,17 +1572,10 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
             return laden__fail(LADEN_E_STATE,
                                "laden_stream_use_vram: block %u is resident",
                                i);
+    if ((s = vram_arg(sc, vram)))
+        return s;
     laden_vbar_t *v = NULL;
     if (vram) {
-        laden_vram_info_t vi;
-        laden_status s = laden_vram_info(vram, &vi);
-        if (s)
-            return s;
-        if (vi.device != sc->cfg.device)
-            return laden__fail(LADEN_E_INVAL,
-                               "laden_stream_use_vram: the context is for "
-                               "device %d, the schedule for %d",
-                               vi.device, sc->cfg.device);
         uint64_t total = 0;
         for (uint32_t i = 0; i < sc->nb; i++)
             total += (sc->b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
@@ -1435,6 +1590,7 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     }
     laden_vbar_destroy(sc->vbar);
     sc->vbar = v;
+    sc->vram = vram;
     sc->vbar_base = 0;
     if (v) {
         laden_vbar_info_t vi;
@@ -1447,6 +1603,11 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
 laden_vbar_t *laden_stream_vbar(laden_sched_t *sc)
 {
     return sc ? sc->vbar : NULL;
+}
+
+int laden_stream_block_tier(laden_sched_t *sc, uint32_t block)
+{
+    return sc && block < sc->nb ? (int)sc->b[block].tier : -1;
 }
 
 int laden_stream_is_resident(laden_sched_t *sc, uint32_t block)
