@@ -6,11 +6,14 @@ upload waited for), the bytes laden moved, and the time those bytes take
 at the pinned H2D rate measured in the same run (the link): "link" is
 ideal / measured, 1.00 = the copy engine's full speed.  Then the time to
 re-use a model still on the device (enter + exit of ``cache.use``).
+"laden-vbar" is the same cache with its models' device copies in VBARs of
+a laden.vbar.VRAM context of the same budget (pages mapped on demand;
+an evicted model's pages stay until the context needs them).
 Outputs are checked against each model run plainly on the GPU.  Prints,
 never asserts timings.
 
     python3 bench/cache.py [--model-gb 4] [--budget-gb 9] [--rounds 3]
-                           [--peers piper]
+                           [--peers vbar,piper]
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def main():
     ap.add_argument("--budget-gb", type=float, default=None,
                     help="VRAM budget (default: 2.25 models)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peers", default="piper")
+    ap.add_argument("--peers", default="vbar,piper")
     ap.add_argument("--device", default="cuda",
                     help="cuda, or cpu for a dry run of the harness")
     ap.add_argument("--dim", type=int, default=8192)
@@ -237,34 +240,46 @@ def main():
           f"{budget / 1e9:.2f} GB; pinned H2D {rate / 1e9:.2f} GB/s")
     rows = []
 
-    # -- laden ----------------------------------------------------------------
-    cache = laden.ModelCache(vram_budget=budget)
-    specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",))
-             for k in keys}
+    # -- laden, then laden with the models' device copies in VBARs -----------
+    reuse = []
+    for variant in ["laden"] + (["laden-vbar"] if "vbar" in args.peers
+                                else []):
+        vram = None
+        if variant == "laden-vbar":
+            from laden import vbar
+            vram = vbar.VRAM(DEV, budget=budget)
+        cache = laden.ModelCache(vram_budget=budget, vram=vram)
+        specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",))
+                 for k in keys}
 
-    def lused(k):
-        return cache.use(specs[k], device=DEV)
+        def lused(k, cache=cache, specs=specs):
+            return cache.use(specs[k], device=DEV)
 
-    t0 = time.perf_counter()
-    for k in keys:  # first uses: build, pack, pin, upload
-        s0 = time.perf_counter()
-        with lused(k):
-            sync()
-        print(f"laden first use of {k}: {time.perf_counter() - s0:.2f} s "
-              f"(build, pack into laden memory, pin in place, upload)")
-    print(f"laden first uses: {time.perf_counter() - t0:.2f} s; RSS "
-          f"{rss_gb():.1f} GB")
-    rotation("laden", lused, lambda: cache.stats()["upload_bytes"], keys,
-             refs, x, args.rounds, rate, rows)
-    med, p99 = reuse_times(lused, keys[(args.rounds * 3 - 1) % 3])
-    st = cache.stats()
-    reuse = [["laden", f"{med * 1e6:.0f}", f"{p99 * 1e6:.0f}"]]
-    print(f"laden stats: {st}")
-    cache.clear()
-    del cache
-    gc.collect()
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        for k in keys:  # first uses: build, pack, pin, upload
+            s0 = time.perf_counter()
+            with lused(k):
+                sync()
+            print(f"{variant} first use of {k}: "
+                  f"{time.perf_counter() - s0:.2f} s (build, pack into laden "
+                  f"memory, pin in place, upload)")
+        print(f"{variant} first uses: {time.perf_counter() - t0:.2f} s; RSS "
+              f"{rss_gb():.1f} GB")
+        rotation(variant, lused, lambda c=cache: c.stats()["upload_bytes"],
+                 keys, refs, x, args.rounds, rate, rows)
+        med, p99 = reuse_times(lused, keys[(args.rounds * 3 - 1) % 3])
+        st = cache.stats()
+        reuse.append([variant, f"{med * 1e6:.0f}", f"{p99 * 1e6:.0f}"])
+        print(f"{variant} stats: {st}")
+        if vram is not None:
+            print(f"{variant} VRAM context: {vram.info()}")
+        cache.clear()
+        del cache
+        gc.collect()
+        if vram is not None:
+            vram.close()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
 
     # -- piper-offload ------------------------------------------------------------
     if "piper" in args.peers:

@@ -2,7 +2,9 @@
 # What runs on the GPU machine, in one call: build there, C tests (CUDA
 # device included), the same under ASan+UBSan, pytest, then the benchmark
 # of the section asked for:
-#   bash bench/device_run.sh [read|cache]   (default: read)
+#   bash bench/device_run.sh [read|cache|vram]   (default: read)
+#   SKIP_TESTS=1 skips the C tests, ASan and pytest (the build and the
+#   pip install still run): for a second call in one session.
 #   read:  laden probe, bench/read.py
 #   cache: bench/cache.py with piper-offload (wheels from .whl/, carried)
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
@@ -12,23 +14,31 @@ SECTION=${1:-read}
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-log() { echo "== $*"; }
+T0=$(date +%s)
+log() { echo "== $* (+$(( $(date +%s) - T0 )) s)"; }
 {
   log "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nproc; free -g | head -2; df -h . | tail -1; python3 --version
   python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'
 } 2>&1 | tee "$OUT/machine.log"
-log "build + C tests"
-( cmake -S . -B build -DLADEN_WERROR=ON >/dev/null && cmake --build build -j16 2>&1 | grep -E "error|warning" ;
-  ./build/laden_tests ) 2>&1 | tee "$OUT/ctest.log" | tail -40
-log "C tests under ASan+UBSan"
-( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
-  cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ ) \
-  2>&1 | tee "$OUT/asan.log" | tail -12
-log "pip install + pytest"
-python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
-(cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
+if [ "${SKIP_TESTS:-0}" = 1 ]; then
+  log "build (tests skipped)"
+  cmake -S . -B build -DLADEN_WERROR=ON >/dev/null && cmake --build build -j16 2>&1 | grep -E "error|warning"
+  log "pip install"
+  python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+else
+  log "build + C tests"
+  ( cmake -S . -B build -DLADEN_WERROR=ON >/dev/null && cmake --build build -j16 2>&1 | grep -E "error|warning" ;
+    ./build/laden_tests ) 2>&1 | tee "$OUT/ctest.log" | tail -40
+  log "C tests under ASan+UBSan"
+  ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
+    cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
+    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ ) \
+    2>&1 | tee "$OUT/asan.log" | tail -12
+  log "pip install + pytest"
+  python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+  (cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
+fi
 if [ "$SECTION" = read ]; then
   log "laden probe"
   laden probe --dir . 2>&1 | tee "$OUT/probe.log"
@@ -48,3 +58,4 @@ if [ "$SECTION" = cache ]; then
   log "bench/cache.py"
   PYTHONPATH=/tmp/site python3 bench/cache.py 2>&1 | tee "$OUT/cache.log"
 fi
+log "done"

@@ -3,7 +3,7 @@
 1. The C costs (build/laden_bench_vbar): fault + unpin of a resident
    range, page map and evict costs per page size.
 2. fault + unpin per call from Python, laden and comfy-aimdo.
-3. A workload alternating 2048- and 16384-token forwards through a stack of
+3. A workload of 2048- and 16384-token forwards through a stack of
    linear layers whose weights live in a VBAR, with a VRAM budget too
    small for all weights plus the larger activations:
      fixed:   weights get budget - reserve (the larger forward's
@@ -15,9 +15,13 @@
               allocator is marked experimental by its authors; activations
               from PyTorch's allocator, as in "fixed").
    Time per forward (CUDA events), weight bytes evicted, offloaded
-   weights, OOMs.  Outputs are compared with the plain model.
+   weights, OOMs.  Outputs are compared with the plain model.  Two
+   patterns: "alternate" (2048, 16384, 2048, ...: the worst case for
+   elastic mode, every large forward evicts what the small one needs) and
+   "mostly-small" (three 2048-token forwards per 16384-token one).
 
     python3 bench/vbar.py [--layers 16] [--budget-gb 2.5] [--rounds 4]
+                          [--patterns alternate,mostly-small]
 """
 
 from __future__ import annotations
@@ -227,8 +231,10 @@ def workload(args, rows):
                     torch.cuda.empty_cache()
                     return y
                 before = vram.info()["evicted_bytes"]
+            seq = (2048, 16384) if args.pattern == "alternate" else \
+                (2048, 2048, 2048, 16384)
             for r in range(args.rounds + 1):
-                for n in (2048, 16384):
+                for n in seq:
                     try:
                         with torch.no_grad():
                             y, ms = timed(lambda: run(xs[n]))
@@ -243,7 +249,7 @@ def workload(args, rows):
             es = vbar.elastic_stats(dev) if mode.startswith("elastic") \
                 else None
             rows.append([
-                mode,
+                f"{mode} ({args.pattern})",
                 f"{sum(times[2048]) / max(len(times[2048]), 1):.1f}",
                 f"{sum(times[16384]) / max(len(times[16384]), 1):.1f}",
                 f"{evicted / 2**30:.2f}" if mode != "aimdo" else "-",
@@ -261,7 +267,8 @@ def workload(args, rows):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         except Exception as e:
-            rows.append([mode, f"did not run: {type(e).__name__}: "
+            rows.append([f"{mode} ({args.pattern})",
+                         f"did not run: {type(e).__name__}: "
                          f"{str(e)[:120]}", "", "", "", "", "", ""])
     del blocker
 
@@ -273,6 +280,8 @@ def main():
     ap.add_argument("--reserve-gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--modes", default="fixed,elastic,elastic-global,aimdo")
+    ap.add_argument("--patterns", default="alternate,mostly-small")
+    ap.add_argument("--pattern", default="alternate", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one part, in its own process; rows as JSON
@@ -289,11 +298,11 @@ def main():
         return
     # Each part in its own process: a peer that breaks the CUDA context
     # (or patches the driver) cannot take the others with it.
-    def child(part, header):
+    def child(part, header, pattern="alternate"):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", part,
                "--layers", str(args.layers), "--budget-gb",
                str(args.budget_gb), "--reserve-gb", str(args.reserve_gb),
-               "--rounds", str(args.rounds)]
+               "--rounds", str(args.rounds), "--pattern", pattern]
         p = subprocess.run(cmd, capture_output=True, text=True)
         rows = []
         for line in p.stdout.splitlines():
@@ -303,7 +312,8 @@ def main():
                 print(line)
         if not rows:
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-            rows = [[part, f"crashed (exit {p.returncode}): {tail[:150]}"]
+            rows = [[f"{part} ({pattern})",
+                     f"crashed (exit {p.returncode}): {tail[:150]}"]
                     + [""] * (len(header) - 2)]
         return rows
     ph = ["call from Python", "us"]
@@ -312,8 +322,9 @@ def main():
     wh = ["mode", "ms / 2048 tok", "ms / 16384 tok", "evicted GiB",
           "offloaded", "copied in", "OOM", "output ok"]
     rows = []
-    for mode in args.modes.split(","):
-        rows += child(mode, wh)
+    for pattern in args.patterns.split(","):
+        for mode in args.modes.split(","):
+            rows += child(mode, wh, pattern)
     print_table([wh] + rows)
 
 
