@@ -2,7 +2,8 @@
 # What runs on the GPU machine, in one call: build there, C tests (CUDA
 # device included), the same under ASan+UBSan, pytest, then the benchmark
 # of the section asked for:
-#   bash bench/device_run.sh [read|cache|vram]   (default: read)
+#   bash bench/device_run.sh [read|cache|vram]   (default: read; several
+#   sections separated by commas run in that call, e.g. vram,cache)
 #   SKIP_TESTS=1 skips the C tests, ASan and pytest (the build and the
 #   pip install still run): for a second call in one session.
 #   read:  laden probe, bench/read.py
@@ -15,6 +16,7 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
+want() { case ",$SECTION," in *",$1,"*) return 0;; esac; return 1; }
 log() { echo "== $* (+$(( $(date +%s) - T0 )) s)"; }
 {
   log "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -39,19 +41,19 @@ else
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
   (cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
 fi
-if [ "$SECTION" = read ]; then
+if want read; then
   log "laden probe"
   laden probe --dir . 2>&1 | tee "$OUT/probe.log"
   log "bench/read.py"
   python3 bench/read.py --size 4GB --sweep --dir bench/out 2>&1 | tee "$OUT/read.log"
 fi
-if [ "$SECTION" = vram ]; then
+if want vram; then
   log "comfy-aimdo wheel"
   python3 -m pip install -q --no-deps --upgrade --target /tmp/site .whl/comfy_aimdo-*.whl 2>&1 | grep -v WARNING | tail -2
   log "bench/vbar.py"
   PYTHONPATH=/tmp/site python3 bench/vbar.py 2>&1 | tee "$OUT/vbar.log"
 fi
-if [ "$SECTION" = cache ]; then
+if want cache; then
   log "piper-offload wheels"
   python3 -m pip install -q --no-deps --ignore-requires-python --target /tmp/site \
     .whl/piper_offload-*.whl .whl/piper_kernels-*.whl 2>&1 | tail -2

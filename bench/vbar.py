@@ -9,8 +9,13 @@
      fixed:   weights get budget - reserve (the larger forward's
               activations), activations come from PyTorch's allocator;
      elastic: weights and activations share the whole budget
-              (laden.vbar.elastic_pool): the larger forward's activations
-              evict weights, the smaller forward faults them back;
+              (laden.vbar.elastic around each forward): the larger
+              forward's activations evict weights, the smaller forward
+              faults them back;
+     elastic-pool: the same with one MemPool for the whole run
+              (laden.vbar.elastic_pool): PyTorch keeps its segments;
+     elastic-global: laden allocates all of PyTorch's device memory
+              (laden.vbar.install_elastic);
      aimdo:   comfy-aimdo's ModelVBAR on the same weights (its own
               allocator is marked experimental by its authors; activations
               from PyTorch's allocator, as in "fixed").
@@ -213,7 +218,8 @@ def workload(args, rows):
                 v = vbar.ModelVBAR(wbytes + args.layers * 256, dev, vram=vram)
                 ws = [v.alloc((D, D), torch.bfloat16)
                       for _ in range(args.layers)]
-                pool = vbar.elastic_pool(vram) if mode == "elastic" else None
+                pool = vbar.elastic_pool(vram) if mode == "elastic-pool" \
+                    else None
 
                 def run(x):
                     v.prioritize()
@@ -221,13 +227,17 @@ def workload(args, rows):
                         y = forward_laden(model, v, ws, x, counts)
                         torch.cuda.empty_cache()  # segments back to laden
                         return y
+                    if mode == "elastic":
+                        # A fresh pool per forward, given back at the end:
+                        # the weights can return to its room.
+                        with vbar.elastic(vram):
+                            return forward_laden(model, v, ws, x, counts)
                     if pool is None:
                         return forward_laden(model, v, ws, x, counts)
                     with torch.cuda.use_mem_pool(pool):
                         y = forward_laden(model, v, ws, x, counts)
-                    # PyTorch keeps a pool's segments until emptied: hand
-                    # them back so the weights can return (laden keeps
-                    # them cached, charged, until a fault reclaims them).
+                    # PyTorch keeps a live pool's segments, emptied or
+                    # not: this mode shows what that costs.
                     torch.cuda.empty_cache()
                     return y
                 before = vram.info()["evicted_bytes"]
@@ -279,7 +289,8 @@ def main():
     ap.add_argument("--budget-gb", type=float, default=2.5)
     ap.add_argument("--reserve-gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--modes", default="fixed,elastic,elastic-global,aimdo")
+    ap.add_argument("--modes",
+                    default="fixed,elastic,elastic-pool,elastic-global,aimdo")
     ap.add_argument("--patterns", default="alternate,mostly-small")
     ap.add_argument("--pattern", default="alternate", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

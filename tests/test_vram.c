@@ -376,6 +376,21 @@ TEST(vram_elastic_allocator)
     CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
     CHECK_OK(laden_vram_info(c, &ci));
     CHECK(ci.charged_bytes == 0);
+    /* Over budget with a cached block and unpinned weights both there:
+     * the cached block gives way, not a weight (6 mapped + 2 cached +
+     * 1/2 > 8; the cached block is too large to serve the request). */
+    void *e1 = laden_elastic_malloc((ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(e1 != NULL);
+    laden_elastic_free(e1, (ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    uint64_t evicted = st.evicted_bytes;
+    void *e2 = laden_elastic_malloc((ptrdiff_t)(PG / 2), LADEN_DEVICE_CPU, NULL);
+    CHECK(e2 != NULL);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.cached_bytes == 0 && st.evicted_bytes == evicted);
+    CHECK(mapped(c) == 6 * PG);
+    laden_elastic_free(e2, (ptrdiff_t)(PG / 2), LADEN_DEVICE_CPU, NULL);
+    CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
     CHECK(laden_elastic_malloc(-1, LADEN_DEVICE_CPU, NULL) == NULL);
     CHECK(laden_elastic_malloc(16, 999, NULL) == NULL);

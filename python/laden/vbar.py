@@ -28,6 +28,7 @@ this module wraps them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import weakref
 from dataclasses import dataclass, field
@@ -67,7 +68,8 @@ class VRAM:
             ctypes.byref(self._h)))
         self._fin = weakref.finalize(self, _close_vram, self._h,
                                      _dev_index(self.device))
-        self._pool = None
+        self._pool = None   # elastic_pool's MemPool
+        self._alloc = None  # laden's allocator, once PyTorch was given it
 
     def set_budget(self, budget) -> None:
         check(lib.laden_vram_set_budget(
@@ -101,7 +103,7 @@ class VRAM:
                 f"VRAM.close: {n} VBAR(s) still use the context (ModelVBARs, "
                 "models loaded with stream_load(vram=...), ModelCache "
                 "models); close, release or clear them first", "E_STATE")
-        if self._pool is not None:
+        if self._alloc is not None:
             self._pool = None
             import torch
             torch.cuda.synchronize(self.device)
@@ -250,28 +252,72 @@ class ModelVBAR:
         self._fin()
 
 
+def _check_pool_api(what: str):
+    import torch
+
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(
+            torch.cuda, "use_mem_pool"):
+        raise DeviceError(
+            f"{what} needs torch.cuda.MemPool (torch 2.6+); this is "
+            f"torch {torch.__version__}", "E_UNSUPPORTED")
+
+
+def _pluggable(vram: VRAM, what: str):
+    """laden's allocator for PyTorch, serving ``vram``'s device (made and
+    attached once per context)."""
+    import torch
+
+    if vram.device.type != "cuda":
+        raise InvalidArgumentError(f"{what}: needs a CUDA device", "E_INVAL")
+    _check_pool_api(what)
+    if vram._alloc is None:
+        check(lib.laden_elastic_attach(_dev_index(vram.device), vram._h))
+        vram._alloc = torch.cuda.memory.CUDAPluggableAllocator(
+            lib._name, "laden_elastic_malloc", "laden_elastic_free")
+    return vram._alloc
+
+
 def elastic_pool(vram: VRAM):
     """A ``torch.cuda.MemPool`` whose memory comes from laden within
     ``vram``'s budget: use it with ``torch.cuda.use_mem_pool(pool)``.
     When an allocation would exceed the budget, unpinned weights are
-    evicted first; only then does PyTorch see an out-of-memory error."""
+    evicted first; only then does PyTorch see an out-of-memory error.
+    PyTorch keeps a live pool's segments: memory goes back to the weights
+    only once the pool is gone.  ``elastic(vram)`` gives it back after
+    every block of work."""
     import torch
 
-    if vram.device.type != "cuda":
-        raise InvalidArgumentError("elastic_pool: needs a CUDA device",
-                                   "E_INVAL")
-    if not hasattr(torch.cuda, "MemPool") or not hasattr(
-            torch.cuda, "use_mem_pool"):
-        raise DeviceError(
-            f"elastic_pool needs torch.cuda.MemPool (torch 2.6+); this is "
-            f"torch {torch.__version__}", "E_UNSUPPORTED")
-    if vram._pool is not None:
-        return vram._pool
-    check(lib.laden_elastic_attach(_dev_index(vram.device), vram._h))
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(
-        lib._name, "laden_elastic_malloc", "laden_elastic_free")
-    vram._pool = torch.cuda.MemPool(alloc.allocator())
+    alloc = _pluggable(vram, "elastic_pool")
+    if vram._pool is None:
+        vram._pool = torch.cuda.MemPool(alloc.allocator())
     return vram._pool
+
+
+@contextlib.contextmanager
+def elastic(vram: VRAM):
+    """Inside the block PyTorch's device allocations come from laden within
+    ``vram``'s budget (unpinned weights give way before PyTorch sees an
+    out-of-memory error); at its end the memory goes back to the budget,
+    so weights can return to it.  Each use is a fresh ``MemPool``,
+    released on exit and emptied with ``torch.cuda.empty_cache()`` (a
+    device synchronize), because PyTorch keeps a live pool's segments.
+    Tensors that outlive the block keep their memory until freed; laden
+    keeps freed segments cached, charged to the budget, until a weight
+    needs the room or another allocation reuses them.
+
+        with laden.vbar.elastic(vram):
+            y = model(x)
+    """
+    import torch
+
+    alloc = _pluggable(vram, "elastic")
+    pool = torch.cuda.MemPool(alloc.allocator())
+    try:
+        with torch.cuda.use_mem_pool(pool):
+            yield
+    finally:
+        del pool  # released: its free segments go back at empty_cache
+        torch.cuda.empty_cache()
 
 
 def install_elastic(vram: VRAM) -> None:
@@ -286,6 +332,9 @@ def install_elastic(vram: VRAM) -> None:
     if vram.device.type != "cuda":
         raise InvalidArgumentError("install_elastic: needs a CUDA device",
                                    "E_INVAL")
+    if vram._alloc is not None:
+        raise StateError("install_elastic: the context serves a MemPool "
+                         "already (elastic_pool / elastic)", "E_STATE")
     alloc = torch.cuda.memory.CUDAPluggableAllocator(
         lib._name, "laden_elastic_malloc", "laden_elastic_free")
     try:
@@ -296,7 +345,7 @@ def install_elastic(vram: VRAM) -> None:
             f"already ({e}); call it first, or use elastic_pool",
             "E_STATE") from None
     check(lib.laden_elastic_attach(_dev_index(vram.device), vram._h))
-    vram._pool = alloc
+    vram._alloc = alloc
 
 
 def elastic_stats(device=None) -> Dict[str, int]:

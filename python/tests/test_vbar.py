@@ -140,10 +140,56 @@ def test_elastic_pool_weights_give_way_no_oom():
     assert abs(free1 - free0) < 64 << 20, (free0, free1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_elastic_scope_gives_memory_back_to_the_weights():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    d = 4096
+    model = Net(n=8, d=d).half().to(dev)            # 8 x 32 MiB weights
+    big = torch.randn(8192, d, device=dev, dtype=torch.half)
+    small = torch.randn(64, d, device=dev, dtype=torch.half)
+    with torch.no_grad():
+        want_big, want_small = model(big), model(small)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info()
+    vram = vbar.VRAM(dev, budget=320 << 20)
+    v = vbar.ModelVBAR(8 * (32 << 20) + 8 * 4096, dev, vram=vram)
+    weights = [(v.alloc(l.weight.shape, l.weight.dtype), l.weight)
+               for l in model.layers]
+    with torch.no_grad():
+        for _ in range(3):
+            v.prioritize()
+            with vbar.elastic(vram):                # activations evict
+                got, _ = run_with_vbar(model, big, v, weights, dev)
+                assert torch.equal(got, want_big)
+                del got
+            # The scope's memory went back: the small forward runs with
+            # every weight resident again.
+            v.prioritize()
+            with vbar.elastic(vram):
+                got, offloaded = run_with_vbar(model, small, v, weights, dev)
+                assert torch.equal(got, want_small) and offloaded == 0
+                del got
+    st = vbar.elastic_stats(dev)
+    assert st["failures"] == 0 and st["evicted_bytes"] > 0
+    assert v.loaded_size == 8 * (32 << 20)
+    v.close()
+    vram.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    vbar.elastic_trim(dev)
+    free1, _ = torch.cuda.mem_get_info()
+    assert abs(free1 - free0) < 64 << 20, (free0, free1)
+
+
 def test_bad_inputs_are_named():
     vram = vbar.VRAM("cpu", page_bytes=PG)
     with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
         vbar.elastic_pool(vram)
+    with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
+        with vbar.elastic(vram):
+            pass
     with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
         vbar.install_elastic(vram)
     with pytest.raises(laden.InvalidArgumentError, match="budget"):

@@ -215,6 +215,12 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
     if (e->ctx) {
         laden_vram_info_t before, after;
         laden_vram_info(e->ctx, &before);
+        /* Over budget: the cached blocks give way before any weight (the
+         * context's reclaim hook cannot take them while this lock is
+         * held). */
+        uint64_t used = before.mapped_bytes + before.charged_bytes;
+        if (before.budget_bytes && used + n > before.budget_bytes)
+            trim(e, device, used + n - before.budget_bytes);
         laden_status s = laden_vram_charge(e->ctx, n);
         if (s == LADEN_E_BUDGET && trim(e, device, n) > 0)
             s = laden_vram_charge(e->ctx, n);
