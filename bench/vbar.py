@@ -277,6 +277,11 @@ def workload(args, rows):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         except Exception as e:
+            import traceback
+            traceback.print_exc()
+            if mode.startswith("elastic"):
+                print(f"elastic allocator: {vbar.elastic_stats(dev)}",
+                      file=sys.stderr)
             rows.append([f"{mode} ({args.pattern})",
                          f"did not run: {type(e).__name__}: "
                          f"{str(e)[:120]}", "", "", "", "", "", ""])

@@ -352,7 +352,12 @@ TEST(vram_elastic_allocator)
     CHECK(a2 == a);
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
     CHECK(st.reuses == 1 && st.failures == 1 && st.cached_bytes == 0);
-    laden_elastic_free(a2, (ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK(st.in_use_bytes == 3 * PG);
+    /* PyTorch frees with the size it asked for: the block is still 3
+     * pages, charged and cached as such (no charge leaks). */
+    laden_elastic_free(a2, (ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.cached_bytes == 3 * PG && st.in_use_bytes == 0);
     /* A request the cache cannot serve takes the cached block back first,
      * then evicts weights: 5 mapped (2 pinned) + 6 > 8. */
     void *d = laden_elastic_malloc((ptrdiff_t)(6 * PG), LADEN_DEVICE_CPU, NULL);
@@ -394,5 +399,43 @@ TEST(vram_elastic_allocator)
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
     CHECK(laden_elastic_malloc(-1, LADEN_DEVICE_CPU, NULL) == NULL);
     CHECK(laden_elastic_malloc(16, 999, NULL) == NULL);
+    laden_vram_destroy(c);
+}
+
+/* Many blocks handed out and freed in a scrambled order, some freed with
+ * a smaller size than they have: the allocator's table of live blocks
+ * keeps every size, so what is charged comes back to zero. */
+TEST(vram_elastic_many_blocks)
+{
+    laden_vram_t *c = ctx(64);
+    CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, c));
+    enum { N = 2000 };
+    static void *p[N];
+    static uint64_t asked[N];
+    for (int i = 0; i < N; i++) {
+        asked[i] = 256u * (uint64_t)(1 + i % 7);
+        p[i] = laden_elastic_malloc((ptrdiff_t)asked[i], LADEN_DEVICE_CPU,
+                                    NULL);
+        CHECK(p[i] != NULL);
+        if (i % 3 == 0) { /* freed at once: the next may reuse it */
+            laden_elastic_free(p[i], (ptrdiff_t)asked[i], LADEN_DEVICE_CPU,
+                               NULL);
+            p[i] = NULL;
+        }
+    }
+    for (int k = 0; k < N; k++) {
+        int i = (int)(((uint64_t)k * 7919u) % N); /* a permutation */
+        if (p[i])
+            laden_elastic_free(p[i], (ptrdiff_t)asked[i], LADEN_DEVICE_CPU,
+                               NULL);
+    }
+    laden_elastic_stats_t st;
+    CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
+    CHECK(st.in_use_bytes == 0);
+    CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
+    laden_vram_info_t ci;
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.charged_bytes == 0);
+    CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
     laden_vram_destroy(c);
 }

@@ -23,11 +23,20 @@ typedef struct cached {
     laden_event_t *done;   /* recorded there at the free */
 } cached;
 
+/* A block handed out: PyTorch frees with the size it asked for, which is
+ * less than the block's when a larger cached block served it. */
+typedef struct live {
+    laden_devptr_t ptr; /* 0: empty */
+    uint64_t size;
+} live;
+
 typedef struct elastic {
     pthread_mutex_t mu;
     laden_vram_t *ctx;
     cached c[MAX_CACHED];
     uint32_t n;
+    live *lv;       /* open addressing, linear probing; a power of two */
+    uint32_t lcap, ln;
     /* A free is one event record: events are recycled, and the stream of
      * the last free stays wrapped (PyTorch frees on few streams). */
     laden_event_t *spare[MAX_CACHED];
@@ -146,6 +155,76 @@ static uint64_t reclaim(void *arg, uint64_t need)
     return got;
 }
 
+/* ---- blocks handed out ---------------------------------------------------- */
+
+static uint32_t live_home(const elastic *e, laden_devptr_t p)
+{
+    return (uint32_t)(((p >> 8) * 0x9e3779b97f4a7c15ull) >> 32) & (e->lcap - 1);
+}
+
+static bool live_grow(elastic *e)
+{
+    uint32_t cap = e->lcap ? e->lcap * 2 : 256;
+    live *old = e->lv;
+    uint32_t ocap = e->lcap;
+    live *nv = calloc(cap, sizeof *nv);
+    if (!nv)
+        return false;
+    e->lv = nv;
+    e->lcap = cap;
+    for (uint32_t i = 0; i < ocap; i++) {
+        if (!old[i].ptr)
+            continue;
+        uint32_t k = live_home(e, old[i].ptr);
+        while (e->lv[k].ptr)
+            k = (k + 1) & (cap - 1);
+        e->lv[k] = old[i];
+    }
+    free(old);
+    return true;
+}
+
+static bool live_put(elastic *e, laden_devptr_t p, uint64_t size)
+{
+    if ((e->ln + 1) * 2 > e->lcap && !live_grow(e))
+        return false;
+    uint32_t k = live_home(e, p);
+    while (e->lv[k].ptr)
+        k = (k + 1) & (e->lcap - 1);
+    e->lv[k].ptr = p;
+    e->lv[k].size = size;
+    e->ln++;
+    return true;
+}
+
+/* Removes p; its size, or 0 if it was not handed out here. */
+static uint64_t live_take(elastic *e, laden_devptr_t p)
+{
+    if (!e->lcap)
+        return 0;
+    uint32_t mask = e->lcap - 1, k = live_home(e, p);
+    while (e->lv[k].ptr && e->lv[k].ptr != p)
+        k = (k + 1) & mask;
+    if (!e->lv[k].ptr)
+        return 0;
+    uint64_t size = e->lv[k].size;
+    /* Backward-shift deletion: no tombstones. */
+    uint32_t hole = k;
+    for (uint32_t j = (k + 1) & mask; e->lv[j].ptr; j = (j + 1) & mask) {
+        uint32_t h = live_home(e, e->lv[j].ptr);
+        /* Move j into the hole unless its home lies cyclically in
+         * (hole, j]. */
+        bool stays = hole <= j ? (h > hole && h <= j) : (h > hole || h <= j);
+        if (!stays) {
+            e->lv[hole] = e->lv[j];
+            hole = j;
+        }
+    }
+    e->lv[hole].ptr = 0;
+    e->ln--;
+    return size;
+}
+
 laden_status laden_elastic_attach(int32_t device, laden_vram_t *ctx)
 {
     elastic *e = state(device);
@@ -201,7 +280,7 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
         if (best < 0 || b->size < e->c[best].size)
             best = (int)k;
     }
-    if (best >= 0) {
+    if (best >= 0 && live_put(e, e->c[best].ptr, e->c[best].size)) {
         cached b = e->c[best];
         retire_event(e, b.done);
         e->c[best] = e->c[--e->n];
@@ -252,6 +331,13 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
         e->st.failures++;
         goto done;
     }
+    if (!live_put(e, p, n)) {
+        laden_dev_mem_free(device, p);
+        if (e->ctx)
+            laden_vram_uncharge(e->ctx, n);
+        e->st.failures++;
+        goto done;
+    }
     e->st.allocs++;
     e->st.in_use_bytes += n;
     out = (void *)(uintptr_t)p;
@@ -269,6 +355,9 @@ void laden_elastic_free(void *ptr, ptrdiff_t size, int device, void *stream)
         return;
     uint64_t n = (uint64_t)(size ? size : 1);
     pthread_mutex_lock(&e->mu);
+    uint64_t real = live_take(e, (laden_devptr_t)(uintptr_t)ptr);
+    if (real)
+        n = real; /* what was charged, and what the block can serve */
     e->st.frees++;
     e->st.in_use_bytes -= n < e->st.in_use_bytes ? n : e->st.in_use_bytes;
     if (e->n == MAX_CACHED)
