@@ -595,3 +595,53 @@ static void in_vram(int32_t dev)
 }
 
 TEST(stream_in_vram_context) { test_on_every_device(in_vram); }
+
+/* One load in a VRAM context with every VMM allocation call failing in
+ * turn: load either succeeds (the blocks whose pages could not be mapped
+ * stream, the bytes are right everywhere) or fails with nothing kept; no
+ * reservation or physical page outlives the schedule. */
+static uint64_t injected_load(laden_vram_t *vram)
+{
+    vmodel v;
+    vbuild(&v, LADEN_DEVICE_CPU, vram);
+    laden_status s = laden_stream_load(v.m.sc);
+    laden_vram_info_t vi;
+    if (s == LADEN_OK) {
+        laden_sched_stats_t st;
+        CHECK_OK(laden_stream_stats(v.m.sc, &st));
+        uint64_t moved = 0;
+        for (int i = 1; i < 5; i++)
+            if (laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_RAM)
+                moved += HSIZE[i];
+        CHECK(st.offloaded_bytes == moved);
+        CHECK_OK(laden_stream_start(v.m.sc, 2));
+        vrun(&v);
+    } else {
+        /* Only the GPU tier (or the reservation) failing is an error. */
+        CHECK(s == LADEN_E_BUDGET || s == LADEN_E_DEVICE_NOMEM);
+        vram_info(vram, &vi);
+        CHECK(vi.vbars == 0 && vi.charged_bytes == 0);
+    }
+    vdestroy(&v);
+    vram_info(vram, &vi);
+    CHECK(vi.vbars == 0 && vi.mapped_bytes == 0 && vi.charged_bytes == 0);
+    return laden_dev_cpu_fail_vmm_at(0);
+}
+
+TEST(stream_in_vram_every_failure_injected)
+{
+    laden_vram_t *vram;
+    CHECK_OK(laden_vram_create(LADEN_DEVICE_CPU, 0, 2 * VMB, &vram));
+    uint64_t res0, phys0, res1, phys1;
+    laden_dev_cpu_vmm_live(&res0, &phys0);
+    laden_dev_cpu_fail_vmm_at(0);
+    uint64_t calls = injected_load(vram); /* a clean run */
+    CHECK(calls >= 5);                    /* a reservation, 4 pages */
+    for (uint64_t n = 1; n <= calls; n++) {
+        laden_dev_cpu_fail_vmm_at(n);
+        CHECK(injected_load(vram) >= n); /* it failed there */
+        laden_dev_cpu_vmm_live(&res1, &phys1);
+        CHECK(res1 == res0 && phys1 == phys0);
+    }
+    laden_vram_destroy(vram);
+}
