@@ -645,3 +645,70 @@ TEST(stream_in_vram_every_failure_injected)
     }
     laden_vram_destroy(vram);
 }
+
+/* A cache schedule of three 2 MiB blocks from host memory. */
+static laden_sched_t *cache_sched(unsigned char *host[3], int seed)
+{
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    laden_sched_t *sc;
+    CHECK_OK(laden_stream_create(&cfg, NULL, &sc));
+    for (int i = 0; i < 3; i++) {
+        uint32_t b, t;
+        host[i] = malloc(2 * VMB);
+        for (uint64_t j = 0; j < 2 * VMB; j++)
+            host[i][j] = val(200 + seed * 3 + i, j);
+        CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &b));
+        CHECK_OK(laden_stream_add_host_tensor(sc, b, host[i], LADEN_DTYPE_U8,
+                                              2 * VMB, LADEN_DTYPE_U8, &t));
+    }
+    CHECK_OK(laden_stream_load(sc));
+    return sc;
+}
+
+/* Reserving room for a cache schedule's uploads evicts another VBAR's
+ * unpinned pages in one batch; the faults that follow only map. */
+TEST(stream_reserve_vram_batches_evictions)
+{
+    laden_vram_t *vram;
+    CHECK_OK(laden_vram_create(LADEN_DEVICE_CPU, 8 * VMB, 2 * VMB, &vram));
+    unsigned char *ha[3], *hb[3];
+    laden_sched_t *a = cache_sched(ha, 0), *b = cache_sched(hb, 1);
+    CHECK_OK(laden_stream_use_vram(a, vram));
+    CHECK_OK(laden_stream_use_vram(b, vram));
+    for (uint32_t i = 0; i < 3; i++)
+        CHECK_OK(laden_stream_set_resident(a, i, 1));
+    CHECK_OK(laden_stream_ready(a, 0));
+    for (uint32_t i = 0; i < 3; i++)
+        CHECK_OK(laden_stream_set_resident(a, i, 0)); /* unpinned, mapped */
+    laden_vram_info_t vi;
+    vram_info(vram, &vi);
+    CHECK(vi.mapped_bytes == 6 * VMB && vi.evictions == 0);
+    const uint8_t all[3] = {1, 1, 1};
+    CHECK_STATUS(laden_stream_reserve_vram(b, all, 2), LADEN_E_INVAL);
+    CHECK_OK(laden_vbar_prioritize(laden_stream_vbar(b)));
+    CHECK_OK(laden_stream_reserve_vram(b, all, 3));
+    vram_info(vram, &vi);
+    CHECK(vi.evictions == 2 && vi.mapped_bytes == 2 * VMB);
+    for (uint32_t i = 0; i < 3; i++)
+        CHECK_OK(laden_stream_set_resident(b, i, 1));
+    CHECK_OK(laden_stream_ready(b, 0));
+    vram_info(vram, &vi);
+    CHECK(vi.evictions == 2 && vi.mapped_bytes == 8 * VMB);
+    for (uint32_t i = 0; i < 3; i++) {
+        laden_devptr_t p;
+        CHECK_OK(laden_stream_tensor_ptr(b, i, 0, &p));
+        CHECK(memcmp((void *)(uintptr_t)p, hb[i], 2 * VMB) == 0);
+    }
+    /* Room there already: nothing evicted. */
+    CHECK_OK(laden_stream_reserve_vram(b, all, 3));
+    vram_info(vram, &vi);
+    CHECK(vi.evictions == 2);
+    laden_stream_destroy(a);
+    laden_stream_destroy(b);
+    for (int i = 0; i < 3; i++) {
+        free(ha[i]);
+        free(hb[i]);
+    }
+    laden_vram_destroy(vram);
+}

@@ -249,6 +249,15 @@ LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
  * room for the slots; laden_stream_stop gives their room back. */
 LADEN_API laden_status laden_stream_use_vram(laden_sched_t *sched,
                                              laden_vram_t *vram);
+/* Cache schedules in a VBAR: makes room in the VRAM context, in one
+ * batch, for the pages that the blocks flagged in want[0..n) (n = the
+ * block count) lack, so that laden_stream_set_resident only maps and
+ * copies.  Evicts other VBARs' unpinned pages, lowest priority first (as
+ * faults would, one at a time between the uploads).  No-op without a VBAR
+ * or a budget, or if the room is there. */
+LADEN_API laden_status laden_stream_reserve_vram(laden_sched_t *sched,
+                                                 const uint8_t *want,
+                                                 uint32_t n);
 /* The schedule's VBAR, or NULL. */
 LADEN_API laden_vbar_t *laden_stream_vbar(laden_sched_t *sched);
 

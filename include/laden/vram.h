@@ -83,7 +83,8 @@ LADEN_API void laden_vram_destroy(laden_vram_t *ctx);
 LADEN_API laden_status laden_vram_set_budget(laden_vram_t *ctx,
                                              uint64_t budget_bytes);
 /* Evicts unpinned pages, lowest priority first, until at least `bytes`
- * are free (or none are left); *out_freed (may be NULL) gets what was. */
+ * have been freed (or none are left); *out_freed (may be NULL) gets what
+ * was. */
 LADEN_API laden_status laden_vram_free_memory(laden_vram_t *ctx,
                                               uint64_t bytes,
                                               uint64_t *out_freed);

@@ -77,7 +77,8 @@ class VRAM:
 
     def free_memory(self, nbytes) -> int:
         """Evicts unpinned weight pages, lowest priority first, until
-        ``nbytes`` are free; returns the bytes freed."""
+        ``nbytes`` have been freed (or none are left); returns the bytes
+        freed."""
         freed = ctypes.c_uint64()
         check(lib.laden_vram_free_memory(self._h, _size(nbytes, "nbytes"),
                                          ctypes.byref(freed)))
@@ -324,9 +325,13 @@ def install_elastic(vram: VRAM) -> None:
     """Makes laden the allocator of all of PyTorch's device memory in this
     process (``torch.cuda.memory.change_current_allocator``), within
     ``vram``'s budget.  Call it before anything is allocated on the device.
-    Unlike a MemPool, whose segments PyTorch keeps until the pool is gone,
-    ``torch.cuda.empty_cache()`` then hands memory back to laden, and
-    weights can return to it."""
+    PyTorch's pluggable allocator caches nothing itself: every free goes to
+    laden at once, which keeps it cached for reuse and gives it to weights
+    that fault back.  Caveat: when even evicting every unpinned weight
+    cannot make room, PyTorch's pluggable allocator does not raise
+    ``torch.OutOfMemoryError`` -- the tensor comes back without data and
+    its first use raises a RuntimeError ("data is not allocated yet").
+    ``elastic(vram)`` reports an out-of-memory error as usual."""
     import torch
 
     if vram.device.type != "cuda":

@@ -183,6 +183,21 @@ def test_elastic_scope_gives_memory_back_to_the_weights():
     assert abs(free1 - free0) < 64 << 20, (free0, free1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_elastic_over_budget_is_an_out_of_memory_error():
+    dev = torch.device("cuda")
+    vram = vbar.VRAM(dev, budget=64 << 20)
+    with pytest.raises(torch.OutOfMemoryError):
+        with vbar.elastic(vram):
+            torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    with vbar.elastic(vram):  # usable afterwards
+        x = torch.ones(1 << 20, device=dev)
+        assert float(x.sum()) == float(1 << 20)
+        del x
+    assert vbar.elastic_stats(dev)["failures"] >= 1
+    vram.close()
+
+
 def test_bad_inputs_are_named():
     vram = vbar.VRAM("cpu", page_bytes=PG)
     with pytest.raises(laden.InvalidArgumentError, match="CUDA"):

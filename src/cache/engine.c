@@ -452,6 +452,19 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
             free(keep);
         }
     }
+    if (laden_stream_vbar(sc)) {
+        /* Evictions in one batch before the uploads start, not one page
+         * at a time between them. */
+        uint8_t *want = malloc(nb ? nb : 1);
+        if (!want)
+            return laden__fail(LADEN_E_NOMEM, "out of memory");
+        for (uint32_t i = 0; i < nb; i++)
+            want[i] = res[i] ? 1 : 0;
+        s = laden_stream_reserve_vram(sc, want, nb);
+        free(want);
+        if (s)
+            return s;
+    }
     for (uint32_t i = 0; i < nb; i++) {
         if (!res[i] || laden_stream_is_resident(sc, i))
             continue;

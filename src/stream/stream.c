@@ -1600,6 +1600,59 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     return LADEN_OK;
 }
 
+laden_status laden_stream_reserve_vram(laden_sched_t *sc,
+                                       const uint8_t *want, uint32_t n)
+{
+    laden_status s;
+    if (!sc || (!want && n))
+        return laden__fail(LADEN_E_INVAL, "laden_stream_reserve_vram: NULL");
+    if (!sc->cache || !sc->vbar)
+        return LADEN_OK; /* nothing is faulted: nothing to prepare */
+    if (n != sc->nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_stream_reserve_vram: %u flags for %u "
+                           "blocks",
+                           n, sc->nb);
+    laden_vbar_info_t vi;
+    laden_vram_info_t ci;
+    if ((s = laden_vbar_info(sc->vbar, &vi)) ||
+        (s = laden_vram_info(sc->vram, &ci)))
+        return s;
+    if (!ci.budget_bytes)
+        return LADEN_OK;
+    uint64_t page = ci.page_bytes;
+    uint32_t np = (uint32_t)((vi.size_bytes + page - 1) / page), got = 0;
+    uint8_t *state = malloc(np ? np : 1);
+    if (!state)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    if ((s = laden_vbar_residency(sc->vbar, state, np, &got))) {
+        free(state);
+        return s;
+    }
+    /* The pages the wanted blocks lack, each counted once (the blocks'
+     * ranges ascend). */
+    uint64_t need = 0;
+    int64_t last = -1;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (!want[i] || b->resident || !b->bytes)
+            continue;
+        int64_t p0 = (int64_t)(b->voff / page);
+        int64_t p1 = (int64_t)((b->voff + b->bytes - 1) / page);
+        for (int64_t p = p0 > last ? p0 : last + 1; p <= p1 && p < got; p++)
+            if (!state[p])
+                need += page;
+        if (p1 > last)
+            last = p1;
+    }
+    free(state);
+    uint64_t used = ci.mapped_bytes + ci.charged_bytes;
+    if (used + need <= ci.budget_bytes)
+        return LADEN_OK;
+    return laden_vram_free_memory(sc->vram, used + need - ci.budget_bytes,
+                                  NULL);
+}
+
 laden_vbar_t *laden_stream_vbar(laden_sched_t *sc)
 {
     return sc ? sc->vbar : NULL;
