@@ -7,7 +7,8 @@
 #   SKIP_TESTS=1 skips the C tests, ASan and pytest (the build and the
 #   pip install still run): for a second call in one session.
 #   read:  laden probe, bench/read.py
-#   cache: bench/cache.py with piper-offload (wheels from .whl/, carried)
+#   cache: bench/cache.py with piper-offload (wheels from .whl/, carried);
+#          CACHE_ARGS are passed to it (e.g. "--peers vbar")
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
@@ -58,6 +59,6 @@ if want cache; then
   python3 -m pip install -q --no-deps --ignore-requires-python --target /tmp/site \
     .whl/piper_offload-*.whl .whl/piper_kernels-*.whl 2>&1 | tail -2
   log "bench/cache.py"
-  PYTHONPATH=/tmp/site python3 bench/cache.py 2>&1 | tee "$OUT/cache.log"
+  PYTHONPATH=/tmp/site python3 bench/cache.py ${CACHE_ARGS:-} 2>&1 | tee "$OUT/cache.log"
 fi
 log "done"
