@@ -208,6 +208,8 @@ def main():
                     help="VRAM budget (default: 2.25 models)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--peers", default="vbar,piper")
+    ap.add_argument("--page-mb", type=int, default=32,
+                    help="VBAR page size of the laden-vbar variant")
     ap.add_argument("--device", default="cuda",
                     help="cuda, or cpu for a dry run of the harness")
     ap.add_argument("--dim", type=int, default=8192)
@@ -247,7 +249,8 @@ def main():
         vram = None
         if variant == "laden-vbar":
             from laden import vbar
-            vram = vbar.VRAM(DEV, budget=budget)
+            vram = vbar.VRAM(DEV, budget=budget,
+                             page_bytes=int(args.page_mb) << 20)
         cache = laden.ModelCache(vram_budget=budget, vram=vram)
         specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",))
                  for k in keys}

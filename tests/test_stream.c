@@ -690,11 +690,16 @@ TEST(stream_reserve_vram_batches_evictions)
     CHECK_OK(laden_stream_reserve_vram(b, all, 3));
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2 && vi.mapped_bytes == 2 * VMB);
+    CHECK(vi.spare_bytes == 4 * VMB); /* kept for b's faults */
+    laden_dev_cpu_fail_vmm_at(0);     /* counts the VMM calls from here */
     for (uint32_t i = 0; i < 3; i++)
         CHECK_OK(laden_stream_set_resident(b, i, 1));
     CHECK_OK(laden_stream_ready(b, 0));
+    /* Three maps, one new physical page: the spares were mapped again. */
+    CHECK(laden_dev_cpu_fail_vmm_at(0) == 4);
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2 && vi.mapped_bytes == 8 * VMB);
+    CHECK(vi.spare_bytes == 0);
     for (uint32_t i = 0; i < 3; i++) {
         laden_devptr_t p;
         CHECK_OK(laden_stream_tensor_ptr(b, i, 0, &p));

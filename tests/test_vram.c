@@ -439,3 +439,51 @@ TEST(vram_elastic_many_blocks)
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
     laden_vram_destroy(c);
 }
+
+/* laden_vram_make_room keeps evicted physical pages as spares for the
+ * faults to come; a charge or free_memory takes the spares back before
+ * any weight; nothing outlives the context. */
+TEST(vram_spare_pages)
+{
+    uint64_t res0, phys0, res1, phys1;
+    laden_dev_cpu_vmm_live(&res0, &phys0);
+    laden_vram_t *c = ctx(4);
+    laden_vbar_t *a;
+    CHECK_OK(laden_vbar_create(c, 4 * PG, &a));
+    for (uint32_t i = 0; i < 4; i++)
+        CHECK(fault(a, i, NULL) == 1);
+    CHECK_OK(laden_vbar_unpin(a, 0, 4 * PG));
+    CHECK_OK(laden_vram_make_room(c, 2 * PG));
+    laden_vram_info_t ci;
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.mapped_bytes == 2 * PG && ci.spare_bytes == 2 * PG);
+    CHECK(ci.evictions == 2);
+    /* Room there already: nothing more. */
+    CHECK_OK(laden_vram_make_room(c, 2 * PG));
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.evictions == 2);
+    /* A charge takes a spare back, not a weight. */
+    CHECK_OK(laden_vram_charge(c, PG));
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.mapped_bytes == 2 * PG && ci.spare_bytes == PG);
+    CHECK(ci.charged_bytes == PG && ci.evictions == 2);
+    CHECK_OK(laden_vram_uncharge(c, PG));
+    /* A fault maps the spare (no new physical page). */
+    laden_dev_cpu_fail_vmm_at(0);
+    CHECK_OK(laden_vbar_prioritize(a));
+    CHECK(fault(a, 2, NULL) == 1);
+    CHECK(laden_dev_cpu_fail_vmm_at(0) == 1); /* one map, no create */
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(ci.mapped_bytes == 3 * PG && ci.spare_bytes == 0);
+    CHECK_OK(laden_vbar_unpin(a, 2 * PG, PG));
+    /* free_memory gives spares back first. */
+    CHECK_OK(laden_vram_make_room(c, 2 * PG));
+    uint64_t freed;
+    CHECK_OK(laden_vram_free_memory(c, PG, &freed));
+    CHECK_OK(laden_vram_info(c, &ci));
+    CHECK(freed == PG && ci.spare_bytes == 0);
+    CHECK_STATUS(laden_vram_make_room(NULL, 1), LADEN_E_INVAL);
+    laden_vram_destroy(c);
+    laden_dev_cpu_vmm_live(&res1, &phys1);
+    CHECK(res1 == res0 && phys1 == phys0);
+}

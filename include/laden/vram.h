@@ -59,6 +59,7 @@ typedef struct laden_vram_info {
     uint64_t fail_fast;         /* of those, above a watermark */
     uint64_t maps, evictions;   /* pages mapped, pages evicted */
     uint64_t evicted_bytes;
+    uint64_t spare_bytes;       /* evicted pages kept for coming faults */
 } laden_vram_info_t;
 
 typedef struct laden_vbar_info {
@@ -88,6 +89,14 @@ LADEN_API laden_status laden_vram_set_budget(laden_vram_t *ctx,
 LADEN_API laden_status laden_vram_free_memory(laden_vram_t *ctx,
                                               uint64_t bytes,
                                               uint64_t *out_freed);
+/* Makes room for `bytes` of pages about to be faulted in, in one batch:
+ * evicts unpinned pages as faults would (lowest priority first) but keeps
+ * their physical pages as spares for those faults, which then map them
+ * instead of allocating (a new device allocation is cleared by the driver
+ * first).  Spares count as used; anything else that needs memory (charges,
+ * laden_vram_free_memory) takes them back first.  Best effort: evicts
+ * nothing if the room cannot be made. */
+LADEN_API laden_status laden_vram_make_room(laden_vram_t *ctx, uint64_t bytes);
 /* Counts `bytes` of other device memory (activations) against the budget,
  * evicting unpinned weight pages first if it would be exceeded.
  * LADEN_E_BUDGET, with nothing evicted or charged, if even evicting every

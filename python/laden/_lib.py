@@ -82,7 +82,7 @@ class VramInfo(Structure):
         ("pinned_bytes", c_uint64), ("charged_bytes", c_uint64),
         ("vbars", c_uint32), ("faults", c_uint64), ("offloaded", c_uint64),
         ("fail_fast", c_uint64), ("maps", c_uint64), ("evictions", c_uint64),
-        ("evicted_bytes", c_uint64),
+        ("evicted_bytes", c_uint64), ("spare_bytes", c_uint64),
     ]
 
 

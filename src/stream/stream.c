@@ -1646,11 +1646,7 @@ laden_status laden_stream_reserve_vram(laden_sched_t *sc,
             last = p1;
     }
     free(state);
-    uint64_t used = ci.mapped_bytes + ci.charged_bytes;
-    if (used + need <= ci.budget_bytes)
-        return LADEN_OK;
-    return laden_vram_free_memory(sc->vram, used + need - ci.budget_bytes,
-                                  NULL);
+    return need ? laden_vram_make_room(sc->vram, need) : LADEN_OK;
 }
 
 laden_vbar_t *laden_stream_vbar(laden_sched_t *sc)

@@ -297,7 +297,8 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
         /* Over budget: the cached blocks give way before any weight (the
          * context's reclaim hook cannot take them while this lock is
          * held). */
-        uint64_t used = before.mapped_bytes + before.charged_bytes;
+        uint64_t used = before.mapped_bytes + before.charged_bytes +
+                        before.spare_bytes;
         if (before.budget_bytes && used + n > before.budget_bytes)
             trim(e, device, used + n - before.budget_bytes);
         laden_status s = laden_vram_charge(e->ctx, n);

@@ -52,6 +52,12 @@ struct laden_vram {
      * which are uncharged here.  Called with mu held. */
     uint64_t (*reclaim)(void *arg, uint64_t need);
     void *reclaim_arg;
+    /* Spare physical pages: evicted to make room for faults, kept for
+     * them (mapping a page the process already owns costs no new device
+     * allocation, which the driver must clear first).  Counted as used;
+     * given back first when memory is wanted for anything else. */
+    laden_phys_t *spare;
+    uint32_t nspare, spare_cap;
 };
 
 void laden__vram_set_reclaim(laden_vram_t *c,
@@ -95,7 +101,35 @@ laden_status laden_vram_create(int32_t device, uint64_t budget,
     return LADEN_OK;
 }
 
-static void unmap_page(laden_vbar_t *v, uint32_t i)
+static bool keep_spare(laden_vram_t *c, laden_phys_t ph)
+{
+    if (c->nspare == c->spare_cap) {
+        uint32_t n = c->spare_cap ? c->spare_cap * 2 : 16;
+        laden_phys_t *sp = realloc(c->spare, n * sizeof *sp);
+        if (!sp)
+            return false;
+        c->spare = sp;
+        c->spare_cap = n;
+    }
+    c->spare[c->nspare++] = ph;
+    return true;
+}
+
+/* Gives spare pages back to the device until `bytes` are (or none are
+ * left); returns the bytes given back. */
+static uint64_t drop_spares(laden_vram_t *c, uint64_t bytes)
+{
+    uint64_t n = 0;
+    while (n < bytes && c->nspare) {
+        laden_dev_phys_release(c->device, c->spare[--c->nspare]);
+        n += c->page;
+    }
+    return n;
+}
+
+/* Unmaps page i; its physical page is kept as a spare (keep) or given
+ * back. */
+static void unmap_page(laden_vbar_t *v, uint32_t i, bool keep)
 {
     laden_vram_t *c = v->ctx;
     page *p = &v->pages[i];
@@ -104,7 +138,8 @@ static void unmap_page(laden_vbar_t *v, uint32_t i)
         v->fenced = false;
     }
     laden_dev_unmap(c->device, v->va + (uint64_t)i * c->page, c->page);
-    laden_dev_phys_release(c->device, p->phys);
+    if (!keep || !keep_spare(c, p->phys))
+        laden_dev_phys_release(c->device, p->phys);
     p->gen = 0;
     p->phys = 0;
     if (p->pins)
@@ -119,7 +154,7 @@ static void destroy_locked(laden_vbar_t *v)
     laden_vram_t *c = v->ctx;
     for (uint32_t i = 0; i < v->npages; i++)
         if (v->pages[i].gen)
-            unmap_page(v, i);
+            unmap_page(v, i, false);
     laden_dev_va_release(c->device, v->va, v->size);
     laden_dev_event_destroy(v->last_use);
     laden_dev_stream_destroy(v->wrapped);
@@ -140,6 +175,8 @@ void laden_vram_destroy(laden_vram_t *c)
     pthread_mutex_lock(&c->mu);
     while (c->vbars)
         destroy_locked(c->vbars);
+    drop_spares(c, UINT64_MAX);
+    free(c->spare);
     pthread_mutex_unlock(&c->mu);
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -176,7 +213,8 @@ static uint64_t evictable(laden_vram_t *c, laden_vbar_t *req, uint32_t above)
 /* Evicts one page, the least important evictable for the requester:
  * of the lowest-priority VBAR with one (the requester's own pages above
  * the range last), its highest.  False if there is none. */
-static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above)
+static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
+                      bool keep)
 {
     laden_vbar_t *best = NULL;
     uint32_t best_i = 0;
@@ -198,7 +236,7 @@ static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above)
     }
     if (!best)
         return false;
-    unmap_page(best, best_i);
+    unmap_page(best, best_i, keep);
     uint64_t wm = (uint64_t)best_i * c->page;
     if (wm < best->floor)
         wm = best->floor;
@@ -210,27 +248,38 @@ static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above)
 }
 
 /* Makes `need` bytes fit the budget, if the evictable pages allow;
- * evicts nothing otherwise. */
+ * evicts nothing otherwise.  For pages (faults) spare pages count as room
+ * and evicted pages become spares; for anything else spares are given
+ * back first and evicted pages given back. */
 static bool make_room(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
-                      uint64_t need)
+                      uint64_t need, bool pages)
 {
     if (!c->budget)
         return true;
-    uint64_t used = c->mapped + c->charged;
-    if (used + need <= c->budget)
+    uint64_t spare = (uint64_t)c->nspare * c->page;
+    uint64_t used = c->mapped + c->charged + spare;
+    uint64_t room = (used < c->budget ? c->budget - used : 0) +
+                    (pages ? spare : 0);
+    if (need <= room)
         return true;
-    if (c->reclaim) {
-        uint64_t got = c->reclaim(c->reclaim_arg, used + need - c->budget);
-        c->charged -= got < c->charged ? got : c->charged;
-        used = c->mapped + c->charged;
-        if (used + need <= c->budget)
+    if (!pages && spare) {
+        room += drop_spares(c, need - room);
+        if (need <= room)
             return true;
     }
-    uint64_t over = used + need - c->budget;
+    if (c->reclaim) {
+        uint64_t got = c->reclaim(c->reclaim_arg, need - room);
+        got = got < c->charged ? got : c->charged;
+        c->charged -= got;
+        room += got;
+        if (need <= room)
+            return true;
+    }
+    uint64_t over = need - room;
     if (need > c->budget || evictable(c, req, above) < over)
         return false;
     uint64_t freed = 0;
-    while (freed < over && evict_one(c, req, above))
+    while (freed < over && evict_one(c, req, above, pages))
         freed += c->page;
     return freed >= over;
 }
@@ -243,12 +292,22 @@ laden_status laden_vram_free_memory(laden_vram_t *c, uint64_t bytes,
     if (!c)
         return laden__fail(LADEN_E_INVAL, "laden_vram_free_memory: NULL");
     pthread_mutex_lock(&c->mu);
-    uint64_t freed = 0;
-    while (freed < bytes && evict_one(c, NULL, 0))
+    uint64_t freed = drop_spares(c, bytes);
+    while (freed < bytes && evict_one(c, NULL, 0, false))
         freed += c->page;
     pthread_mutex_unlock(&c->mu);
     if (out_freed)
         *out_freed = freed;
+    return LADEN_OK;
+}
+
+laden_status laden_vram_make_room(laden_vram_t *c, uint64_t bytes)
+{
+    if (!c)
+        return laden__fail(LADEN_E_INVAL, "laden_vram_make_room: NULL");
+    pthread_mutex_lock(&c->mu);
+    make_room(c, NULL, 0, bytes, true); /* best effort: faults decide */
+    pthread_mutex_unlock(&c->mu);
     return LADEN_OK;
 }
 
@@ -258,7 +317,7 @@ laden_status laden_vram_charge(laden_vram_t *c, uint64_t bytes)
         return laden__fail(LADEN_E_INVAL, "laden_vram_charge: NULL");
     pthread_mutex_lock(&c->mu);
     laden_status s = LADEN_OK;
-    if (!make_room(c, NULL, 0, bytes))
+    if (!make_room(c, NULL, 0, bytes, false))
         s = laden__fail(LADEN_E_BUDGET,
                         "%s more do not fit the VRAM budget of %s: %s of "
                         "weights are mapped (%s of them pinned by running "
@@ -300,6 +359,7 @@ laden_status laden_vram_info(laden_vram_t *c, laden_vram_info_t *out)
     out->budget_bytes = c->budget;
     out->mapped_bytes = c->mapped;
     out->charged_bytes = c->charged;
+    out->spare_bytes = (uint64_t)c->nspare * c->page;
     out->pinned_bytes = 0;
     for (laden_vbar_t *v = c->vbars; v; v = v->next)
         out->pinned_bytes += v->pinned_pages * c->page;
@@ -403,10 +463,19 @@ static laden_status map_page(laden_vbar_t *v, uint32_t i, bool *oom)
 {
     laden_vram_t *c = v->ctx;
     laden_phys_t ph = 0;
-    laden_status s = laden_dev_phys_create(c->device, c->page, &ph);
+    bool spare = c->nspare > 0;
+    laden_status s = LADEN_OK;
+    if (spare)
+        ph = c->spare[--c->nspare];
+    else
+        s = laden_dev_phys_create(c->device, c->page, &ph);
     if (!s && (s = laden_dev_map(c->device, v->va + (uint64_t)i * c->page,
-                                 c->page, ph)))
-        laden_dev_phys_release(c->device, ph);
+                                 c->page, ph))) {
+        if (spare)
+            c->nspare++; /* still there */
+        else
+            laden_dev_phys_release(c->device, ph);
+    }
     *oom = s == LADEN_E_DEVICE_NOMEM;
     if (s)
         return s;
@@ -446,7 +515,7 @@ laden_status laden_vbar_fault(laden_vbar_t *v, uint64_t off, uint64_t size,
         c->st.fail_fast++;
         goto offloaded;
     }
-    if (missing && !make_room(c, v, p1, (uint64_t)missing * c->page)) {
+    if (missing && !make_room(c, v, p1, (uint64_t)missing * c->page, true)) {
         c->st.offloaded++;
         goto offloaded;
     }
@@ -455,7 +524,7 @@ laden_status laden_vbar_fault(laden_vbar_t *v, uint64_t off, uint64_t size,
             continue;
         bool oom;
         s = map_page(v, i, &oom);
-        if (s && oom && evict_one(c, v, p1)) { /* the device is fuller */
+        if (s && oom && evict_one(c, v, p1, true)) { /* the device is fuller */
             laden__error_clear();              /* than the budget says */
             s = map_page(v, i, &oom);
         }
