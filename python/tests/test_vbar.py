@@ -101,86 +101,82 @@ def test_model_larger_than_budget_runs_identical(device):
         vram.close()
 
 
+class ElasticCase:
+    """8 x 32 MiB fp16 weights in a VBAR of a 320 MiB context: weights
+    (256 MiB) and an 8192-token forward's activations (~3 x 64 MiB) do not
+    fit together.  close() checks that the device's free memory is back
+    to where it was."""
+
+    def __init__(self):
+        self.dev = torch.device("cuda")
+        torch.manual_seed(0)
+        d = 4096
+        self.model = Net(n=8, d=d).half().to(self.dev)
+        self.big = torch.randn(8192, d, device=self.dev, dtype=torch.half)
+        self.small = torch.randn(64, d, device=self.dev, dtype=torch.half)
+        with torch.no_grad():
+            self.want_big = self.model(self.big)
+            self.want_small = self.model(self.small)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.free0, _ = torch.cuda.mem_get_info()
+        self.vram = vbar.VRAM(self.dev, budget=320 << 20)
+        self.v = vbar.ModelVBAR(8 * (32 << 20) + 8 * 4096, self.dev,
+                                vram=self.vram)
+        self.weights = [(self.v.alloc(l.weight.shape, l.weight.dtype),
+                         l.weight) for l in self.model.layers]
+
+    def run(self, x):
+        return run_with_vbar(self.model, x, self.v, self.weights, self.dev)
+
+    def close(self):
+        st = vbar.elastic_stats(self.dev)
+        assert st["failures"] == 0 and st["evicted_bytes"] > 0
+        self.v.close()
+        self.vram.close()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        vbar.elastic_trim(self.dev)
+        free1, _ = torch.cuda.mem_get_info()
+        assert abs(free1 - self.free0) < 64 << 20, (self.free0, free1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_elastic_pool_weights_give_way_no_oom():
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    d = 4096
-    model = Net(n=8, d=d).half().to(dev)            # 8 x 32 MiB weights
-    x = torch.randn(8192, d, device=dev, dtype=torch.half)
-    with torch.no_grad():
-        want = model(x)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free0, _ = torch.cuda.mem_get_info()
-    # Weights 256 MiB + activations ~3 x 64 MiB do not fit 320 MiB.
-    vram = vbar.VRAM(dev, budget=320 << 20)
-    v = vbar.ModelVBAR(8 * (32 << 20) + 8 * 4096, dev, vram=vram)
-    weights = [(v.alloc(l.weight.shape, l.weight.dtype), l.weight)
-               for l in model.layers]
-    pool = vbar.elastic_pool(vram)
+    case = ElasticCase()
+    pool = vbar.elastic_pool(case.vram)
     with torch.no_grad():
         for _ in range(3):
-            v.prioritize()
+            case.v.prioritize()
             with torch.cuda.use_mem_pool(pool):
-                got, _ = run_with_vbar(model, x, v, weights, dev)
+                got, _ = case.run(case.big)
                 got = got.clone()
-            assert torch.equal(got, want)
-    st = vbar.elastic_stats(dev)
-    assert st["failures"] == 0 and st["evicted_bytes"] > 0
-    info = vram.info()
+            assert torch.equal(got, case.want_big)
+    info = case.vram.info()
     assert info["mapped_bytes"] + info["charged_bytes"] <= 320 << 20
     del got, pool
-    v.close()
-    vram.close()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    vbar.elastic_trim(dev)
-    free1, _ = torch.cuda.mem_get_info()
-    assert abs(free1 - free0) < 64 << 20, (free0, free1)
+    case.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_elastic_scope_gives_memory_back_to_the_weights():
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    d = 4096
-    model = Net(n=8, d=d).half().to(dev)            # 8 x 32 MiB weights
-    big = torch.randn(8192, d, device=dev, dtype=torch.half)
-    small = torch.randn(64, d, device=dev, dtype=torch.half)
-    with torch.no_grad():
-        want_big, want_small = model(big), model(small)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free0, _ = torch.cuda.mem_get_info()
-    vram = vbar.VRAM(dev, budget=320 << 20)
-    v = vbar.ModelVBAR(8 * (32 << 20) + 8 * 4096, dev, vram=vram)
-    weights = [(v.alloc(l.weight.shape, l.weight.dtype), l.weight)
-               for l in model.layers]
+    case = ElasticCase()
     with torch.no_grad():
         for _ in range(3):
-            v.prioritize()
-            with vbar.elastic(vram):                # activations evict
-                got, _ = run_with_vbar(model, big, v, weights, dev)
-                assert torch.equal(got, want_big)
+            case.v.prioritize()
+            with vbar.elastic(case.vram):           # activations evict
+                got, _ = case.run(case.big)
+                assert torch.equal(got, case.want_big)
                 del got
             # The scope's memory went back: the small forward runs with
             # every weight resident again.
-            v.prioritize()
-            with vbar.elastic(vram):
-                got, offloaded = run_with_vbar(model, small, v, weights, dev)
-                assert torch.equal(got, want_small) and offloaded == 0
+            case.v.prioritize()
+            with vbar.elastic(case.vram):
+                got, offloaded = case.run(case.small)
+                assert torch.equal(got, case.want_small) and offloaded == 0
                 del got
-    st = vbar.elastic_stats(dev)
-    assert st["failures"] == 0 and st["evicted_bytes"] > 0
-    assert v.loaded_size == 8 * (32 << 20)
-    v.close()
-    vram.close()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    vbar.elastic_trim(dev)
-    free1, _ = torch.cuda.mem_get_info()
-    assert abs(free1 - free0) < 64 << 20, (free0, free1)
+    assert case.v.loaded_size == 8 * (32 << 20)
+    case.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
