@@ -291,21 +291,21 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
         out = (void *)(uintptr_t)b.ptr;
         goto done;
     }
-    if (e->ctx) {
+    laden_vram_t *ctx = e->ctx;
+    if (ctx) {
+        /* Charged without this lock held, so that the context's reclaim
+         * hook can take the cached blocks back before it evicts any
+         * weight (it only trylocks this lock). */
         laden_vram_info_t before, after;
-        laden_vram_info(e->ctx, &before);
-        /* Over budget: the cached blocks give way before any weight (the
-         * context's reclaim hook cannot take them while this lock is
-         * held). */
-        uint64_t used = before.mapped_bytes + before.charged_bytes +
-                        before.spare_bytes;
-        if (before.budget_bytes && used + n > before.budget_bytes)
-            trim(e, device, used + n - before.budget_bytes);
-        laden_status s = laden_vram_charge(e->ctx, n);
-        if (s == LADEN_E_BUDGET && trim(e, device, n) > 0)
-            s = laden_vram_charge(e->ctx, n);
-        laden_vram_info(e->ctx, &after);
+        pthread_mutex_unlock(&e->mu);
+        laden_vram_info(ctx, &before);
+        laden_status s = laden_vram_charge(ctx, n);
+        laden_vram_info(ctx, &after);
+        pthread_mutex_lock(&e->mu);
         e->st.evicted_bytes += after.evicted_bytes - before.evicted_bytes;
+        /* The hook found the lock taken by another thread: trim here. */
+        if (s == LADEN_E_BUDGET && trim(e, device, n) > 0)
+            s = laden_vram_charge(ctx, n);
         if (s) {
             laden__error_clear();
             e->st.failures++;
@@ -318,24 +318,19 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
         /* The device is fuller than the budget says: give back cached
          * blocks and unpinned weights, once. */
         uint64_t freed = trim(e, device, n);
-        if (e->ctx && freed < n) {
+        if (ctx && freed < n) {
             uint64_t ev = 0;
-            laden_vram_free_memory(e->ctx, n - freed, &ev);
+            laden_vram_free_memory(ctx, n - freed, &ev);
             e->st.evicted_bytes += ev;
         }
         s = laden_dev_mem_alloc(device, n, &p);
     }
-    if (s) {
+    if (s || !live_put(e, p, n)) {
+        if (!s)
+            laden_dev_mem_free(device, p);
         laden__error_clear();
-        if (e->ctx)
-            laden_vram_uncharge(e->ctx, n);
-        e->st.failures++;
-        goto done;
-    }
-    if (!live_put(e, p, n)) {
-        laden_dev_mem_free(device, p);
-        if (e->ctx)
-            laden_vram_uncharge(e->ctx, n);
+        if (ctx)
+            laden_vram_uncharge(ctx, n);
         e->st.failures++;
         goto done;
     }
