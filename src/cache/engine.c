@@ -331,7 +331,7 @@ static void pin_model(laden_cache_t *c, uint32_t id,
 /* The blocks that get device copies: all (resident) or the planner's
  * choice within `avail` (streaming).  *want: device bytes then held. */
 static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
-                           uint32_t lookahead, uint64_t avail, bool *res,
+                           uint32_t lookahead, uint64_t avail, uint8_t *res,
                            uint64_t *want, int32_t *chosen)
 {
     laden_sched_t *sc = m->sched;
@@ -353,8 +353,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
                                "models in use",
                                m->key, laden__bytes(total).s,
                                laden__bytes(avail).s);
-        for (uint32_t i = 0; i < nb; i++)
-            res[i] = true;
+        memset(res, 1, nb);
         *want = total;
         *chosen = LADEN_CACHE_RESIDENT;
         return LADEN_OK;
@@ -400,7 +399,7 @@ out:
 
 /* Gives model id's schedule exactly the device copies in res[] and its
  * slots.  Uploads only the missing blocks. */
-static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
+static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
                           uint32_t lookahead, laden_cache_activation_t *act,
                           pool *pl)
 {
@@ -452,19 +451,10 @@ static laden_status place(laden_cache_t *c, uint32_t id, const bool *res,
             free(keep);
         }
     }
-    if (laden_stream_vbar(sc)) {
-        /* Evictions in one batch before the uploads start, not one page
-         * at a time between them. */
-        uint8_t *want = malloc(nb ? nb : 1);
-        if (!want)
-            return laden__fail(LADEN_E_NOMEM, "out of memory");
-        for (uint32_t i = 0; i < nb; i++)
-            want[i] = res[i] ? 1 : 0;
-        s = laden_stream_reserve_vram(sc, want, nb);
-        free(want);
-        if (s)
-            return s;
-    }
+    /* In a VBAR: evictions in one batch before the uploads start, not
+     * one page at a time between them (no-op otherwise). */
+    if ((s = laden_stream_reserve_vram(sc, res, nb)))
+        return s;
     for (uint32_t i = 0; i < nb; i++) {
         if (!res[i] || laden_stream_is_resident(sc, i))
             continue;
@@ -558,7 +548,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
                                               : 0;
     pool pl;
     memset(&pl, 0, sizeof pl);
-    bool *res = calloc(nb ? nb : 1, sizeof *res);
+    uint8_t *res = calloc(nb ? nb : 1, sizeof *res);
     if (!res)
         return laden__fail(LADEN_E_NOMEM, "out of memory activating '%.200s'",
                            m->key);
