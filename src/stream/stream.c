@@ -806,100 +806,93 @@ static void demote(laden_sched_t *sc, blk *b)
     sc->st.offloaded_bytes += b->bytes;
 }
 
-/* Gives the GPU and VRAM tiers their device memory: allocations of their
- * own, or ranges of a VBAR (GPU tier first, then the VRAM tier in order:
- * the lower offsets are the more important).  In a VRAM context the slots'
- * room is charged first, for the largest block that may stream, so a
- * block that does not fit can still stream.  A VRAM-tier block that does
- * not fit moves to the RAM tier; a GPU-tier block that does not is an
- * error. */
+/* A VBAR of `total` bytes in vram, and its base address. */
+static laden_status new_vbar(laden_vram_t *vram, uint64_t total,
+                             laden_vbar_t **out, laden_devptr_t *base)
+{
+    laden_vbar_info_t vi;
+    laden_status s = laden_vbar_create(vram, total ? total : 1, out);
+    if (s)
+        return s;
+    laden_vbar_info(*out, &vi);
+    *base = vi.base;
+    return LADEN_OK;
+}
+
+/* Gives GPU- or VRAM-tier block i its device memory: the next range of
+ * the VBAR, or an allocation of its own.  A VRAM-tier block that gets
+ * none moves to the RAM tier (*moved); a GPU-tier block that gets none is
+ * an error.  In a VBAR the pages stay pinned for the schedule's life:
+ * nothing else holds the block's bytes. */
+static laden_status place_block(laden_sched_t *sc, uint32_t i, bool *moved)
+{
+    blk *b = &sc->b[i];
+    laden_status s = LADEN_OK;
+    int res = 1;
+    if (b->bytes && sc->vbar) {
+        uint64_t sig;
+        laden_vbar_alloc(sc->vbar, b->bytes, &b->voff); /* sized so */
+        if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
+            return s;
+        b->region = res ? sc->vbar_base + b->voff : 0;
+    } else if (b->bytes) {
+        s = laden_dev_mem_alloc(sc->cfg.device, b->bytes, &b->region);
+        res = s == LADEN_OK;
+        if (s && s != LADEN_E_DEVICE_NOMEM)
+            return s;
+    }
+    if (!res) {
+        if (b->tier == LADEN_TIER_GPU)
+            return sc->vbar ? laden__fail(LADEN_E_BUDGET,
+                                          "block %u (%s) must be on the "
+                                          "device, and the VRAM context has "
+                                          "no room for it",
+                                          i, laden__bytes(b->bytes).s)
+                            : s;
+        laden__error_clear();
+        demote(sc, b);
+        *moved = true;
+        return LADEN_OK;
+    }
+    b->tier = LADEN_TIER_GPU;
+    sc->st.device_bytes += b->bytes;
+    return LADEN_OK;
+}
+
+/* Gives the GPU tier, then the VRAM tier in order, their device memory
+ * (place_block): the lower offsets of a VBAR are the more important.  In
+ * a VRAM context the slots' room is charged first, for the largest block
+ * that may stream, so that a block that does not fit can still stream. */
 static laden_status place_device_blocks(laden_sched_t *sc)
 {
     laden_status s;
-    int32_t dev = sc->cfg.device;
     bool moved = false;
-    if (!sc->vram) {
+    if (sc->vram) {
+        uint64_t total = 0, largest = 0;
+        uint32_t nmay = 0;
         for (uint32_t i = 0; i < sc->nb; i++) {
             blk *b = &sc->b[i];
-            if ((b->tier != LADEN_TIER_GPU && b->tier != LADEN_TIER_VRAM) ||
-                !b->bytes)
-                continue;
-            s = laden_dev_mem_alloc(dev, b->bytes, &b->region);
-            if (s == LADEN_E_DEVICE_NOMEM && b->tier == LADEN_TIER_VRAM) {
-                laden__error_clear();
-                demote(sc, b);
-                moved = true;
-                continue;
+            if (b->tier == LADEN_TIER_GPU || b->tier == LADEN_TIER_VRAM)
+                total += (b->bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+            if (may_stream(sc, b)) {
+                nmay++;
+                if (b->bytes > largest)
+                    largest = b->bytes;
             }
-            if (s)
-                return s;
-            b->tier = LADEN_TIER_GPU;
-            sc->st.device_bytes += b->bytes;
         }
+        uint32_t nslots = nmay < sc->cfg.lookahead + 1
+                              ? nmay
+                              : sc->cfg.lookahead + 1;
+        if ((s = charge_slots(sc, (uint64_t)nslots * largest)) ||
+            (total && (s = new_vbar(sc->vram, total, &sc->vbar,
+                                    &sc->vbar_base))))
+            return s;
+    }
+    for (int pass = 0; pass < 2; pass++)
         for (uint32_t i = 0; i < sc->nb; i++)
-            if (sc->b[i].tier == LADEN_TIER_VRAM)
-                sc->b[i].tier = LADEN_TIER_GPU; /* empty blocks */
-        if (moved)
-            relayout(sc);
-        return LADEN_OK;
-    }
-    uint64_t total = 0, largest = 0;
-    uint32_t nmay = 0;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        if (b->tier == LADEN_TIER_GPU || b->tier == LADEN_TIER_VRAM)
-            total += (b->bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
-        if (may_stream(sc, b)) {
-            nmay++;
-            if (b->bytes > largest)
-                largest = b->bytes;
-        }
-    }
-    uint32_t nslots = nmay < sc->cfg.lookahead + 1 ? nmay
-                                                   : sc->cfg.lookahead + 1;
-    if ((s = charge_slots(sc, (uint64_t)nslots * largest)))
-        return s;
-    if (total && (s = laden_vbar_create(sc->vram, total, &sc->vbar)))
-        return s;
-    if (sc->vbar) {
-        laden_vbar_info_t vi;
-        laden_vbar_info(sc->vbar, &vi);
-        sc->vbar_base = vi.base;
-    }
-    for (int pass = 0; pass < 2; pass++)
-        for (uint32_t i = 0; i < sc->nb; i++) {
-            blk *b = &sc->b[i];
-            if (b->tier != (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU))
-                continue;
-            if (b->bytes)
-                laden_vbar_alloc(sc->vbar, b->bytes, &b->voff); /* sized so */
-        }
-    for (int pass = 0; pass < 2; pass++)
-        for (uint32_t i = 0; i < sc->nb; i++) {
-            blk *b = &sc->b[i];
-            int res = 1;
-            uint64_t sig;
-            if (b->tier != (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU))
-                continue;
-            if (b->bytes && (s = laden_vbar_fault(sc->vbar, b->voff, b->bytes,
-                                                  &res, &sig)))
+            if (sc->b[i].tier == (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU) &&
+                (s = place_block(sc, i, &moved)))
                 return s;
-            if (!res && b->tier == LADEN_TIER_GPU)
-                return laden__fail(LADEN_E_BUDGET,
-                                   "block %u (%s) must be on the device, and "
-                                   "the VRAM context has no room for it",
-                                   i, laden__bytes(b->bytes).s);
-            if (!res) {
-                demote(sc, b);
-                moved = true;
-                continue;
-            }
-            /* Pinned for the schedule's life: nothing else holds its
-             * bytes. */
-            b->tier = LADEN_TIER_GPU;
-            b->region = b->bytes ? sc->vbar_base + b->voff : 0;
-            sc->st.device_bytes += b->bytes;
-        }
     if (moved)
         relayout(sc);
     if (!sc->nstreamed)
@@ -1357,15 +1350,19 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-/* With a VBAR: faults b's range in and copies it only if its pages were
- * replaced since it was last written; LADEN_E_BUDGET if the range is
- * offloaded (the caller streams the block). */
-static laden_status make_resident_vbar(laden_sched_t *sc, blk *b)
+/* Gives b a device copy and starts its upload.  In a VBAR: faults b's
+ * range in and copies only if its pages were replaced since it was last
+ * written, or LADEN_E_BUDGET if the range is offloaded (the caller
+ * streams the block).  Otherwise in `given` (0: allocated here). */
+static laden_status make_resident(laden_sched_t *sc, blk *b,
+                                  laden_devptr_t given)
 {
     laden_status s;
-    int res;
-    uint64_t sig;
-    if (b->bytes) {
+    int32_t dev = sc->cfg.device;
+    bool copy = b->bytes != 0;
+    uint64_t sig = 0;
+    if (b->bytes && sc->vbar) {
+        int res;
         if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
             return s;
         if (!res)
@@ -1374,56 +1371,33 @@ static laden_status make_resident_vbar(laden_sched_t *sc, blk *b)
                                "no room for it (it streams)",
                                laden__bytes(b->bytes).s);
         b->region = sc->vbar_base + b->voff;
-        if (sig != b->sig) {
-            if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
-                                        b->bytes)) ||
-                (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
-                laden_dev_stream_synchronize(sc->copy);
-                laden_vbar_unpin(sc->vbar, b->voff, b->bytes);
-                b->region = 0;
-                return s;
-            }
-            b->sig = sig;
-            sc->st.upload_bytes += b->bytes;
-            sc->st.h2d_bytes += b->bytes;
-        }
-    }
-    b->resident = true;
-    sc->st.resident_bytes += b->bytes;
-    sc->st.device_bytes += b->bytes;
-    relayout(sc);
-    return LADEN_OK;
-}
-
-/* Gives b a device copy in `given` (0: allocated here) and starts its
- * upload. */
-static laden_status make_resident(laden_sched_t *sc, blk *b,
-                                  laden_devptr_t given)
-{
-    laden_status s;
-    int32_t dev = sc->cfg.device;
-    if (sc->vbar)
-        return make_resident_vbar(sc, b);
-    if (b->bytes) {
+        copy = sig != b->sig;
+    } else if (b->bytes) {
         b->region = given;
         if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
             b->region = 0;
             return s;
         }
-        if ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram, b->bytes)) ||
-            (s = laden_dev_event_record(sc->uploaded, sc->copy))) {
-            laden_dev_stream_synchronize(sc->copy);
-            if (!given)
-                laden_dev_mem_free(dev, b->region);
-            b->region = 0;
-            return s;
-        }
+    }
+    if (copy && ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
+                                         b->bytes)) ||
+                 (s = laden_dev_event_record(sc->uploaded, sc->copy)))) {
+        laden_dev_stream_synchronize(sc->copy);
+        if (sc->vbar)
+            laden_vbar_unpin(sc->vbar, b->voff, b->bytes);
+        else if (!given)
+            laden_dev_mem_free(dev, b->region);
+        b->region = 0;
+        return s;
+    }
+    if (copy) {
+        b->sig = sig;
+        sc->st.upload_bytes += b->bytes;
+        sc->st.h2d_bytes += b->bytes;
     }
     b->resident = true;
     sc->st.resident_bytes += b->bytes;
     sc->st.device_bytes += b->bytes;
-    sc->st.upload_bytes += b->bytes;
-    sc->st.h2d_bytes += b->bytes;
     relayout(sc);
     return LADEN_OK;
 }
@@ -1575,28 +1549,22 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     if ((s = vram_arg(sc, vram)))
         return s;
     laden_vbar_t *v = NULL;
+    laden_devptr_t base = 0;
     if (vram) {
         uint64_t total = 0;
         for (uint32_t i = 0; i < sc->nb; i++)
             total += (sc->b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
-        if ((s = laden_vbar_create(vram, total ? total : 1, &v)))
+        if ((s = new_vbar(vram, total, &v, &base)))
             return s;
         for (uint32_t i = 0; i < sc->nb; i++) {
-            uint64_t off;
-            laden_vbar_alloc(v, sc->b[i].bytes, &off); /* fits: sized so */
-            sc->b[i].voff = off;
+            laden_vbar_alloc(v, sc->b[i].bytes, &sc->b[i].voff); /* sized so */
             sc->b[i].sig = 0;
         }
     }
     laden_vbar_destroy(sc->vbar);
     sc->vbar = v;
     sc->vram = vram;
-    sc->vbar_base = 0;
-    if (v) {
-        laden_vbar_info_t vi;
-        laden_vbar_info(v, &vi);
-        sc->vbar_base = vi.base;
-    }
+    sc->vbar_base = base;
     return LADEN_OK;
 }
 
@@ -1715,14 +1683,22 @@ uint64_t laden_stream_block_bytes(laden_sched_t *sc, uint32_t block)
     return sc && sc->loaded && block < sc->nb ? sc->b[block].bytes : 0;
 }
 
+/* LADEN_OK for a loaded cache schedule, else the error naming `call`. */
+static laden_status loaded_cache(laden_sched_t *sc, const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (!sc->cache || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "%s: not a loaded cache schedule",
+                           call);
+    return LADEN_OK;
+}
+
 laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t handle)
 {
-    laden_status s;
-    if (!sc)
-        return laden__fail(LADEN_E_INVAL, "laden_stream_ready: NULL schedule");
-    if (!sc->cache || !sc->loaded)
-        return laden__fail(LADEN_E_STATE, "laden_stream_ready: not a loaded "
-                           "cache schedule");
+    laden_status s = loaded_cache(sc, "laden_stream_ready");
+    if (s)
+        return s;
     if (!sc->cuda)
         return laden_dev_event_synchronize(sc->uploaded);
     if ((s = compute_stream(sc, handle)))
@@ -1732,12 +1708,9 @@ laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t handle)
 
 laden_status laden_stream_fence(laden_sched_t *sc, uintptr_t handle)
 {
-    laden_status s;
-    if (!sc)
-        return laden__fail(LADEN_E_INVAL, "laden_stream_fence: NULL schedule");
-    if (!sc->cache || !sc->loaded)
-        return laden__fail(LADEN_E_STATE, "laden_stream_fence: not a loaded "
-                           "cache schedule");
+    laden_status s = loaded_cache(sc, "laden_stream_fence");
+    if (s)
+        return s;
     if (!sc->cuda)
         return LADEN_OK; /* the CPU's work is done when it returns */
     if ((s = compute_stream(sc, handle)) ||
