@@ -205,6 +205,15 @@ static laden_status room(laden_cache_t *c, bool vram, uint32_t id,
     return s;
 }
 
+static void count_evictions(laden_cache_t *c, const laden_cache_evict_t *ev,
+                            uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        c->st.evictions++;
+        c->st.evicted_bytes += ev[i].drop_bytes;
+    }
+}
+
 laden_status laden_cache_acquire(laden_cache_t *c, uint32_t id, uint64_t want,
                                  laden_cache_evict_t *ev, uint32_t cap,
                                  uint32_t *out_n)
@@ -228,10 +237,7 @@ laden_status laden_cache_acquire(laden_cache_t *c, uint32_t id, uint64_t want,
     m->uses++;
     m->last_use = ++c->clock;
     c->st.acquires++;
-    for (uint32_t i = 0; i < *out_n; i++) {
-        c->st.evictions++;
-        c->st.evicted_bytes += ev[i].drop_bytes;
-    }
+    count_evictions(c, ev, *out_n);
     return LADEN_OK;
 }
 
@@ -261,10 +267,7 @@ laden_status laden_cache_evict_bytes(laden_cache_t *c, uint64_t bytes,
     laden_status s = plan_free(c, true, UINT32_MAX, bytes, false, ev, cap,
                                out_n, &freed);
     if (!s)
-        for (uint32_t i = 0; i < *out_n; i++) {
-            c->st.evictions++;
-            c->st.evicted_bytes += ev[i].drop_bytes;
-        }
+        count_evictions(c, ev, *out_n);
     return s;
 }
 

@@ -194,15 +194,25 @@ laden_status laden_vram_set_budget(laden_vram_t *c, uint64_t budget)
 
 /* ---- eviction ------------------------------------------------------------ */
 
-/* Evictable bytes for a requester (NULL: anyone's pages; else pages of
- * VBARs of lower priority, and the requester's own above page `above`). */
+/* Whether a requester (NULL: anyone) may evict pages of v, and from
+ * which page up: VBARs of lower priority whole, its own above `above`. */
+static bool evicts_in(const laden_vbar_t *v, const laden_vbar_t *req,
+                      uint32_t above, uint32_t *from)
+{
+    if (req && v != req && v->prio >= req->prio)
+        return false;
+    *from = v == req ? above + 1 : 0;
+    return true;
+}
+
+/* Evictable bytes for a requester. */
 static uint64_t evictable(laden_vram_t *c, laden_vbar_t *req, uint32_t above)
 {
     uint64_t n = 0;
+    uint32_t from;
     for (laden_vbar_t *v = c->vbars; v; v = v->next) {
-        if (req && v != req && v->prio >= req->prio)
+        if (!evicts_in(v, req, above, &from))
             continue;
-        uint32_t from = v == req ? above + 1 : 0;
         for (uint32_t i = from; i < v->npages; i++)
             if (v->pages[i].gen && !v->pages[i].pins)
                 n += c->page;
@@ -219,13 +229,11 @@ static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
     laden_vbar_t *best = NULL;
     uint32_t best_i = 0;
     uint64_t best_rank = 0;
+    uint32_t from;
     for (laden_vbar_t *v = c->vbars; v; v = v->next) {
-        if (req && v != req && v->prio >= req->prio)
-            continue;
         uint64_t rank = v == req ? UINT64_MAX : v->prio;
-        if (best && rank >= best_rank)
+        if (!evicts_in(v, req, above, &from) || (best && rank >= best_rank))
             continue;
-        uint32_t from = v == req ? above + 1 : 0;
         for (uint32_t i = v->npages; i-- > from;)
             if (v->pages[i].gen && !v->pages[i].pins) {
                 best = v;
