@@ -686,6 +686,15 @@ TEST(stream_reserve_vram_batches_evictions)
     CHECK(vi.mapped_bytes == 6 * VMB && vi.evictions == 0);
     const uint8_t all[3] = {1, 1, 1};
     CHECK_STATUS(laden_stream_reserve_vram(b, all, 2), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "2 flags for 3 blocks");
+    /* A cache schedule takes its context once loaded. */
+    laden_sched_config ccfg = {.device = LADEN_DEVICE_CPU,
+                               .flags = LADEN_SCHED_CACHE};
+    laden_sched_t *unloaded;
+    CHECK_OK(laden_stream_create(&ccfg, NULL, &unloaded));
+    CHECK_STATUS(laden_stream_use_vram(unloaded, vram), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "once loaded");
+    laden_stream_destroy(unloaded);
     CHECK_OK(laden_vbar_prioritize(laden_stream_vbar(b)));
     CHECK_OK(laden_stream_reserve_vram(b, all, 3));
     vram_info(vram, &vi);

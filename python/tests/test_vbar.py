@@ -194,6 +194,15 @@ def test_elastic_over_budget_is_an_out_of_memory_error():
     vram.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_install_elastic_refuses_a_context_serving_a_pool():
+    vram = vbar.VRAM(torch.device("cuda"), budget=64 << 20)
+    vbar.elastic_pool(vram)
+    with pytest.raises(laden.StateError, match="MemPool"):
+        vbar.install_elastic(vram)  # refused before PyTorch is touched
+    vram.close()
+
+
 def test_bad_inputs_are_named():
     vram = vbar.VRAM("cpu", page_bytes=PG)
     with pytest.raises(laden.InvalidArgumentError, match="CUDA"):
