@@ -38,8 +38,12 @@ LADEN_API laden_status laden_io_create(const laden_io_config *cfg,
 LADEN_API void laden_io_destroy(laden_io_t *io);
 
 /* Opens a file for reading.  Keeps a buffered and, where supported, an
- * O_DIRECT descriptor.  Close with laden_io_file_close once no read on it is
- * in flight. */
+ * O_DIRECT descriptor.  What is not a regular file (a FIFO, a directory, a
+ * device) is refused with LADEN_E_INVAL without blocking.  Its size and
+ * modification time are recorded: a read that finishes after the file was
+ * rewritten in place fails with LADEN_E_CHANGED (a file replaced by a
+ * rename goes on serving the original bytes).  Close with
+ * laden_io_file_close once no read on it is in flight. */
 LADEN_API laden_status laden_io_file_open(const char *path,
                                           laden_io_file_t **out);
 LADEN_API void laden_io_file_close(laden_io_file_t *file);
@@ -51,7 +55,8 @@ LADEN_API int laden_io_file_direct(const laden_io_file_t *file);
 /* Queues a read of size bytes at offset into dst.  Does not block on the
  * read.  *out identifies it for laden_io_wait, which must be called exactly
  * once.  dst and file must stay valid until then.  Reads past the end of
- * the file fail (LADEN_E_TRUNCATED), they are not clipped. */
+ * the file fail (LADEN_E_TRUNCATED), they are not clipped; reads of a file
+ * that changed since it was opened fail (LADEN_E_CHANGED). */
 LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
                                        uint64_t offset, uint64_t size,
                                        void *dst, laden_io_req_t **out);
@@ -73,7 +78,10 @@ LADEN_API laden_status laden_io_read(laden_io_t *io, laden_io_file_t *file,
 
 /* Maps the whole file privately: the view is zero-copy and reads come from
  * the page cache; writes through it (which callers should not make) go to
- * private copies, never to the file.  *out_size gets the file size.  Unmap
+ * private copies, never to the file.  A page of the mapping that was not
+ * yet read raises SIGBUS if the file is truncated below it: hand such
+ * views only to code that can tolerate that (laden's Python package reads
+ * instead).  *out_size gets the file size.  Unmap
  * with laden_io_unmap.  A file of zero bytes maps to a non-NULL dummy. */
 LADEN_API laden_status laden_io_map(laden_io_file_t *file, void **out,
                                     uint64_t *out_size);

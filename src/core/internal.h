@@ -40,6 +40,10 @@ typedef struct laden__bytes_text {
 } laden__bytes_text;
 laden__bytes_text laden__bytes(uint64_t n);
 
+/* A number for the calling thread, never 0, never reused in the process:
+ * the owner of an object that one thread at a time may use. */
+uint64_t laden__thread_id(void);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t laden__now_ns(void);
 

@@ -1,5 +1,6 @@
 /* Status names and messages from the one list; the thread-local detail. */
 #define _POSIX_C_SOURCE 200809L
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -82,6 +83,15 @@ void laden__error_prefix(const char *fmt, ...)
 }
 
 void laden__error_clear(void) { err_buf[0] = '\0'; }
+
+uint64_t laden__thread_id(void)
+{
+    static _Atomic uint64_t next = 1;
+    static _Thread_local uint64_t id;
+    if (!id)
+        id = atomic_fetch_add(&next, 1);
+    return id;
+}
 
 uint64_t laden__now_ns(void)
 {

@@ -34,6 +34,7 @@ struct laden_io_file {
     int dfd; /* O_DIRECT, or -1 */
     atomic_int direct_ok;
     uint64_t size;
+    struct timespec mtime; /* size and mtime at open: see unchanged() */
     char *path;
 };
 
@@ -77,9 +78,26 @@ struct laden_io {
 
 /* ---- files ------------------------------------------------------------ */
 
+/* Opens path for reading without blocking on what is not a regular file
+ * (a FIFO would block in open until a writer came); *sb is its stat. */
+static int open_regular(const char *path, int flags, struct stat *sb)
+{
+    int fd = open(path, flags | O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, sb) != 0 || !S_ISREG(sb->st_mode) ||
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
+        int e = S_ISREG(sb->st_mode) ? errno : EINVAL;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
 laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
 {
-    struct stat sb;
+    struct stat sb, dsb;
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_io_file_open: out is NULL");
     *out = NULL;
@@ -90,22 +108,25 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         free(f);
         return laden__fail(LADEN_E_NOMEM, "out of memory opening %s", path);
     }
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    f->fd = open_regular(path, 0, &sb);
     if (f->fd < 0) {
         int e = errno;
         free(f->path);
         free(f);
+        if (e == EINVAL)
+            return laden__fail(LADEN_E_INVAL, "%s: not a regular file", path);
         return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
                            "%s: cannot open: %s", path, strerror(e));
     }
-    if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(f->fd);
-        free(f->path);
-        free(f);
-        return laden__fail(LADEN_E_INVAL, "%s: not a regular file", path);
-    }
     f->size = (uint64_t)sb.st_size;
-    f->dfd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+    f->mtime = sb.st_mtim;
+    /* The direct descriptor must be the same file: the path may have been
+     * replaced between the two opens. */
+    f->dfd = open_regular(path, O_DIRECT, &dsb);
+    if (f->dfd >= 0 && (dsb.st_dev != sb.st_dev || dsb.st_ino != sb.st_ino)) {
+        close(f->dfd);
+        f->dfd = -1;
+    }
     atomic_init(&f->direct_ok, f->dfd >= 0);
     *out = f;
     return LADEN_OK;
@@ -144,6 +165,33 @@ laden_status laden_io_drop_cache(laden_io_file_t *f)
 }
 
 /* ---- reading one chunk ------------------------------------------------- */
+
+/* LADEN_E_CHANGED if the file's size or modification time differ from
+ * when it was opened: it was rewritten in place (a file replaced by a
+ * rename keeps serving the original bytes through the open descriptor).
+ * Checked after every chunk, so bytes read from a file that changed are
+ * never returned as its data: a writer updates the time before it changes
+ * the bytes. */
+static laden_status unchanged(laden_io_file_t *f)
+{
+    struct stat sb;
+    if (fstat(f->fd, &sb) != 0)
+        return laden__fail(LADEN_E_IO, "%s: fstat: %s", f->path,
+                           strerror(errno));
+    if ((uint64_t)sb.st_size == f->size &&
+        sb.st_mtim.tv_sec == f->mtime.tv_sec &&
+        sb.st_mtim.tv_nsec == f->mtime.tv_nsec)
+        return LADEN_OK;
+    uint64_t now = (uint64_t)sb.st_size;
+    return laden__fail(LADEN_E_CHANGED,
+                       "%s: the file changed while in use (%s: %s when "
+                       "opened, %s now); load it again",
+                       f->path,
+                       now < f->size   ? "truncated"
+                       : now > f->size ? "grown"
+                                       : "rewritten",
+                       laden__bytes(f->size).s, laden__bytes(now).s);
+}
 
 static laden_status ended_early(laden_io_file_t *f, uint64_t at, uint64_t off,
                                 uint64_t len)
@@ -272,8 +320,9 @@ static void *worker_main(void *arg)
         bool skip = req->status != LADEN_OK; /* an earlier chunk failed */
         pthread_mutex_unlock(&io->mu);
         laden_status s = LADEN_OK;
-        if (!skip)
-            s = read_chunk(w, jb->file, jb->off, jb->len, jb->dst);
+        if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
+                                      jb->dst)))
+            s = unchanged(jb->file);
         pthread_mutex_lock(&io->mu);
         if (s && req->status == LADEN_OK) {
             req->status = s;
