@@ -1,7 +1,10 @@
 /* The streaming engine on every device: bytes in the slot are the block's
  * bytes whatever the call order, prefetch hides the copies in order, errors
  * from the file come back at enter, and nothing leaks. */
-#define _DEFAULT_SOURCE
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "test.h"
@@ -243,7 +246,9 @@ static void file_trouble(int32_t dev)
                 CHECK_OK(laden_stream_exit(m.sc, m.block_of[i], 0));
                 continue;
             }
-            CHECK(s == LADEN_E_TRUNCATED);
+            /* Cut short below the read, or bytes read from a file that
+             * is no longer the one opened. */
+            CHECK(s == LADEN_E_TRUNCATED || s == LADEN_E_CHANGED);
             CHECK_CONTAINS(laden_last_error(), "model.safetensors");
             failures++;
         }
@@ -253,6 +258,242 @@ static void file_trouble(int32_t dev)
 }
 
 TEST(stream_file_truncated_while_running) { test_on_every_device(file_trouble); }
+
+/* Rewritten in place with another model's bytes (same size) while the
+ * model runs: disk blocks refuse the new bytes, naming the file. */
+static void file_rewritten(int32_t dev)
+{
+    model m;
+    build(&m, dev, MOSTLY_DISK, 0);
+    CHECK_OK(laden_stream_load(m.sc));
+    CHECK_OK(laden_stream_start(m.sc, 0));
+    for (int i = 0; i <= NB; i++)
+        run_block(&m, i);
+    char *p = test_path("model.safetensors");
+    FILE *f = fopen(p, "r+b");
+    CHECK(f != NULL);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    unsigned char *junk = malloc((size_t)n);
+    fseek(f, 0, SEEK_SET);
+    CHECK(fread(junk, 1, (size_t)n, f) == (size_t)n);
+    for (long j = 0; j < n; j++)
+        junk[j] ^= 0x3c;
+    fseek(f, 0, SEEK_SET);
+    CHECK(fwrite(junk, 1, (size_t)n, f) == (size_t)n);
+    CHECK(fclose(f) == 0);
+    free(junk);
+    /* The clock may not have ticked since the file was written. */
+    struct timespec t[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
+    struct stat sb;
+    CHECK(stat(p, &sb) == 0);
+    t[1].tv_sec = sb.st_mtim.tv_sec + 1;
+    t[1].tv_nsec = 0;
+    CHECK(utimensat(AT_FDCWD, p, t, 0) == 0);
+    int refused = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < NB; i++) {
+            if (MOSTLY_DISK[i] != LADEN_TIER_DISK) {
+                run_block(&m, i); /* in memory: unaffected */
+                continue;
+            }
+            int s = laden_stream_enter(m.sc, m.block_of[i], 0);
+            if (s == LADEN_OK) { /* prefetched before the rewrite */
+                CHECK_OK(laden_stream_exit(m.sc, m.block_of[i], 0));
+                continue;
+            }
+            CHECK_STATUS(s, LADEN_E_CHANGED);
+            CHECK_CONTAINS(laden_last_error(), "model.safetensors");
+            refused++;
+        }
+    CHECK(refused >= 4);
+    destroy(&m);
+}
+
+TEST(stream_file_rewritten_while_running)
+{
+    test_on_every_device(file_rewritten);
+}
+
+/* ---- one thread at a time ------------------------------------------------ */
+
+typedef struct {
+    model *m;
+    int want;          /* the status the calls must return */
+    int entered_block; /* a block the other thread entered, or -1 */
+} other_args;
+
+static void *other_thread(void *arg)
+{
+    other_args *a = arg;
+    model *m = a->m;
+    laden_sched_stats_t st;
+    laden_devptr_t p;
+    uint32_t b = m->block_of[4];
+    int s = laden_stream_enter(m->sc, b, 0);
+    CHECK_STATUS(s, a->want);
+    if (s == LADEN_OK) {
+        CHECK_OK(laden_stream_exit(m->sc, b, 0));
+    } else {
+        CHECK_CONTAINS(laden_last_error(), a->want == LADEN_E_STATE
+                                               ? "laden_stream_enter"
+                                               : "");
+    }
+    CHECK_STATUS(laden_stream_stats(m->sc, &st), a->want);
+    CHECK_STATUS(laden_stream_tensor_ptr(m->sc, m->block_of[NB], 0, &p),
+                 a->want);
+    CHECK_STATUS(laden_stream_begin(m->sc), a->want);
+    if (a->want == LADEN_OK)
+        CHECK_OK(laden_stream_end(m->sc));
+    if (a->entered_block >= 0) {
+        /* Not this thread's block to exit, nor its pass to end. */
+        CHECK_STATUS(laden_stream_exit(m->sc, m->block_of[a->entered_block],
+                                       0),
+                     LADEN_E_STATE);
+        CHECK_STATUS(laden_stream_end(m->sc), LADEN_E_STATE);
+        CHECK_STATUS(laden_stream_close(m->sc), LADEN_E_STATE);
+        CHECK_CONTAINS(laden_last_error(), "another thread");
+    }
+    return NULL;
+}
+
+static void on_other_thread(model *m, int want, int entered_block)
+{
+    other_args a = {m, want, entered_block};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, other_thread, &a) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+}
+
+static void guard_rules(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    CHECK_OK(laden_stream_load(m.sc));
+    CHECK_OK(laden_stream_start(m.sc, 0));
+    /* Inside a block: every call of another thread is refused at once. */
+    uint32_t b = m.block_of[1];
+    CHECK_OK(laden_stream_enter(m.sc, b, 0));
+    on_other_thread(&m, LADEN_E_STATE, 1);
+    CHECK_OK(laden_stream_exit(m.sc, b, 0));
+    /* Between blocks another thread may use it. */
+    on_other_thread(&m, LADEN_OK, -1);
+    /* A pass holds it from begin to end, blocks nest inside. */
+    CHECK_OK(laden_stream_begin(m.sc));
+    run_block(&m, 0);
+    on_other_thread(&m, LADEN_E_STATE, -1);
+    CHECK_OK(laden_stream_begin(m.sc)); /* nests */
+    CHECK_OK(laden_stream_end(m.sc));
+    on_other_thread(&m, LADEN_E_STATE, -1);
+    CHECK_STATUS(laden_stream_close(m.sc), LADEN_E_STATE); /* own pass */
+    CHECK_OK(laden_stream_end(m.sc));
+    CHECK_STATUS(laden_stream_end(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_exit(m.sc, b, 0), LADEN_E_STATE);
+    on_other_thread(&m, LADEN_OK, -1);
+    /* A failed enter holds nothing. */
+    CHECK_STATUS(laden_stream_enter(m.sc, 999, 0), LADEN_E_INVAL);
+    on_other_thread(&m, LADEN_OK, -1);
+    /* Closed: everything is refused, from any thread; the memory stays
+     * until destroy. */
+    CHECK(!laden_stream_is_closed(m.sc));
+    CHECK_OK(laden_stream_close(m.sc));
+    CHECK(laden_stream_is_closed(m.sc));
+    CHECK_OK(laden_stream_close(m.sc));
+    laden_sched_stats_t st;
+    CHECK_STATUS(laden_stream_stats(m.sc, &st), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "closed");
+    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_begin(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_stream_stop(m.sc), LADEN_E_STATE);
+    on_other_thread(&m, LADEN_E_STATE, -1);
+    CHECK_STATUS(laden_stream_close(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_stream_begin(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_stream_end(NULL), LADEN_E_INVAL);
+    destroy(&m);
+}
+
+TEST(stream_guard_rules) { test_on_every_device(guard_rules); }
+
+/* Threads racing over one schedule, as two Python threads calling one
+ * model: every call either works, with the right bytes in the slot, or is
+ * refused with LADEN_E_STATE; nothing crashes, hangs or reads twice. */
+typedef struct {
+    model *m;
+    laden_stream_t *rd;
+    unsigned char *buf;
+    int ok, refused;
+} racer;
+
+static void *race(void *arg)
+{
+    racer *r = arg;
+    model *m = r->m;
+    for (int pass = 0; pass < 60; pass++) {
+        int s = laden_stream_begin(m->sc);
+        bool pass_held = s == LADEN_OK;
+        if (s)
+            CHECK_STATUS(s, LADEN_E_STATE);
+        for (int i = 0; i <= NB; i++) {
+            uint32_t b = m->block_of[i];
+            s = laden_stream_enter(m->sc, b, 0);
+            if (s) {
+                CHECK_STATUS(s, LADEN_E_STATE);
+                r->refused++;
+                continue;
+            }
+            for (int k = 0; k < (i == NB ? 1 : 2); k++) {
+                int t = i == NB ? 2 * NB : 2 * i + k;
+                laden_devptr_t p;
+                CHECK_OK(laden_stream_tensor_ptr(m->sc, b, (uint32_t)k, &p));
+                if (r->rd) {
+                    CHECK_OK(laden_dev_copy_d2h(r->rd, r->buf, p, sz(t)));
+                    CHECK_OK(laden_dev_stream_synchronize(r->rd));
+                } else {
+                    memcpy(r->buf, (void *)(uintptr_t)p, sz(t));
+                }
+                for (uint64_t j = 0; j < sz(t); j++)
+                    CHECK(r->buf[j] == val(t, j));
+            }
+            CHECK_OK(laden_stream_exit(m->sc, b, 0));
+            r->ok++;
+        }
+        if (pass_held)
+            CHECK_OK(laden_stream_end(m->sc));
+    }
+    return NULL;
+}
+
+static void guard_race(int32_t dev)
+{
+    static const laden_tier DISKY[NB] = {
+        LADEN_TIER_DISK, LADEN_TIER_RAM,  LADEN_TIER_DISK, LADEN_TIER_DISK,
+        LADEN_TIER_GPU,  LADEN_TIER_DISK, LADEN_TIER_RAM};
+    model m;
+    build(&m, dev, DISKY, 0);
+    CHECK_OK(laden_stream_load(m.sc));
+    CHECK_OK(laden_stream_start(m.sc, 0));
+    racer r[3];
+    pthread_t t[3];
+    for (int i = 0; i < 3; i++) {
+        r[i] = (racer){&m, NULL, malloc(1 << 20), 0, 0};
+        if (dev != LADEN_DEVICE_CPU)
+            CHECK_OK(laden_dev_stream_create(dev, &r[i].rd));
+        CHECK(pthread_create(&t[i], NULL, race, &r[i]) == 0);
+    }
+    int ok = 0;
+    for (int i = 0; i < 3; i++) {
+        CHECK(pthread_join(t[i], NULL) == 0);
+        ok += r[i].ok;
+        laden_dev_stream_destroy(r[i].rd);
+        free(r[i].buf);
+    }
+    CHECK(ok >= 60 * (NB + 1)); /* a pass that held the schedule ran whole */
+    /* Nothing is left held. */
+    CHECK_OK(laden_stream_close(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_guard_threads_race) { test_on_every_device(guard_race); }
 
 static void budget(int32_t dev)
 {

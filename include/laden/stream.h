@@ -30,7 +30,13 @@
  * be overwritten once the compute stream has passed that point.  Neither
  * blocks the host in the steady state; neither allocates.
  *
- * A schedule is used from one thread at a time. */
+ * One thread at a time, enforced: every call holds the schedule while it
+ * runs, laden_stream_enter holds it until laden_stream_exit, and
+ * laden_stream_begin until laden_stream_end (a whole forward).  A call from
+ * another thread meanwhile fails at once with LADEN_E_STATE, never waits
+ * and never races.  Holds by the holding thread nest.  The int-returning
+ * queries (laden_stream_is_streamed, ..._block_count) read without holding:
+ * call them from the thread that uses the schedule. */
 #ifndef LADEN_STREAM_H
 #define LADEN_STREAM_H
 
@@ -100,8 +106,33 @@ LADEN_API laden_status laden_stream_create(const laden_sched_config *cfg,
                                            laden_sched_t **out);
 
 /* Frees everything the schedule holds (device regions, slots, pinned
- * memory), after waiting for its copies and reads.  NULL: no-op. */
+ * memory), after waiting for its copies and reads and, on CUDA, for the
+ * work enqueued on the compute stream it last saw.  NULL: no-op.  No other
+ * thread may be calling into the schedule (closing it first makes any such
+ * call fail instead of racing). */
 LADEN_API void laden_stream_destroy(laden_sched_t *sched);
+
+/* Refuses every later call on the schedule with LADEN_E_STATE ("closed"),
+ * from any thread, while its memory stays valid until
+ * laden_stream_destroy: for callers whose views of the memory may outlive
+ * the model (laden's Python package destroys the schedule when the last
+ * tensor over it is gone).  LADEN_E_STATE, changing nothing, if a thread
+ * holds the schedule now (inside laden_stream_enter/exit or begin/end, or
+ * in a call); the caller may retry.  Closing twice is a no-op. */
+LADEN_API laden_status laden_stream_close(laden_sched_t *sched);
+
+/* 1 once laden_stream_close succeeded. */
+LADEN_API int laden_stream_is_closed(laden_sched_t *sched);
+
+/* Holds the schedule for the calling thread until laden_stream_end: the
+ * calls of one pass over the model (a forward) are then refused to other
+ * threads from its first block to its last, and laden_stream_close waits
+ * for nothing, it is refused.  Nests.  LADEN_E_STATE if another thread
+ * holds it or it is closed. */
+LADEN_API laden_status laden_stream_begin(laden_sched_t *sched);
+
+/* Ends a pass begun on this thread (LADEN_E_STATE if none). */
+LADEN_API laden_status laden_stream_end(laden_sched_t *sched);
 
 /* Adds a block with the given tier; *out_block is its index (0, 1, ...). */
 LADEN_API laden_status laden_stream_add_block(laden_sched_t *sched,
@@ -183,7 +214,9 @@ LADEN_API int laden_stream_is_streamed(laden_sched_t *sched, uint32_t block);
 LADEN_API laden_status laden_stream_enter(laden_sched_t *sched, uint32_t block,
                                           uintptr_t compute_stream);
 
-/* After block b's work has been enqueued on compute_stream. */
+/* After block b's work has been enqueued on compute_stream.  Must be
+ * called on the thread that entered it; it ends the hold of that enter
+ * even when it fails. */
 LADEN_API laden_status laden_stream_exit(laden_sched_t *sched, uint32_t block,
                                          uintptr_t compute_stream);
 

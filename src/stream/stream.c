@@ -18,6 +18,7 @@
 #include "laden/stream.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,7 +105,15 @@ struct laden_sched {
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
     uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
+    /* One thread at a time (see hold): the holding thread's id, 0 when
+     * free, CLOSED once closed.  The counts are the holder's own. */
+    _Atomic uint64_t holder;
+    uint32_t depth;             /* holds of the holder, all kinds */
+    uint32_t entered;           /* of those, blocks entered not yet exited */
+    uint32_t begun;             /* of those, passes begun not yet ended */
 };
+
+#define CLOSED UINT64_MAX
 
 /* ---- dtype conversion --------------------------------------------------- */
 
@@ -366,8 +375,8 @@ static laden_status grow_block(blk *b)
     return LADEN_OK;
 }
 
-laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
-                                    uint32_t *out)
+static laden_status add_block(laden_sched_t *sc, laden_tier tier,
+                              uint32_t *out)
 {
     if (out)
         *out = 0;
@@ -397,9 +406,9 @@ laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
     return LADEN_OK;
 }
 
-laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
-                                     const laden_st_t *st, size_t st_index,
-                                     laden_dtype dtype, uint32_t *out)
+static laden_status add_tensor(laden_sched_t *sc, uint32_t block,
+                               const laden_st_t *st, size_t st_index,
+                               laden_dtype dtype, uint32_t *out)
 {
     laden_st_tensor_t t;
     laden_status s;
@@ -467,10 +476,10 @@ laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_add_host_tensor(laden_sched_t *sc, uint32_t block,
-                                          const void *src, laden_dtype sdt,
-                                          uint64_t n, laden_dtype dtype,
-                                          uint32_t *out)
+static laden_status add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                    const void *src, laden_dtype sdt,
+                                    uint64_t n, laden_dtype dtype,
+                                    uint32_t *out)
 {
     laden_status s;
     uint64_t bytes;
@@ -680,6 +689,11 @@ void laden_stream_destroy(laden_sched_t *sc)
 {
     if (!sc)
         return;
+    /* Kernels of the model may still read its weights and slots (the
+     * caller dropped it right after enqueueing a forward); VBAR pages are
+     * unmapped without the implicit wait of a device free. */
+    if (sc->cuda && sc->compute)
+        laden_dev_stream_synchronize(sc->compute);
     free_all(sc);
     for (uint32_t i = 0; i < sc->nb; i++) {
         for (uint32_t k = 0; k < sc->b[i].nt; k++)
@@ -764,7 +778,7 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
     return LADEN_OK;
 }
 
-laden_status laden_stream_load_block(laden_sched_t *sc, uint32_t block)
+static laden_status load_block(laden_sched_t *sc, uint32_t block)
 {
     laden_status s;
     if (!sc)
@@ -900,7 +914,7 @@ static laden_status place_device_blocks(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-laden_status laden_stream_load(laden_sched_t *sc)
+static laden_status load(laden_sched_t *sc)
 {
     laden_status s = LADEN_OK;
     if (!sc)
@@ -975,8 +989,8 @@ static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
     return LADEN_OK;
 }
 
-laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
-                                     uint32_t i, laden_devptr_t *out)
+static laden_status tensor_ptr(laden_sched_t *sc, uint32_t block,
+                               uint32_t i, laden_devptr_t *out)
 {
     if (out)
         *out = 0;
@@ -997,8 +1011,8 @@ laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_host_ptr(laden_sched_t *sc, uint32_t block,
-                                   uint32_t i, void **out)
+static laden_status host_ptr(laden_sched_t *sc, uint32_t block,
+                             uint32_t i, void **out)
 {
     if (out)
         *out = NULL;
@@ -1134,7 +1148,7 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
     return poll_reads(sc);
 }
 
-laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
+static laden_status start(laden_sched_t *sc, uint32_t lookahead)
 {
     laden_status s = LADEN_OK;
     if (!sc)
@@ -1185,7 +1199,7 @@ fail:
     return s;
 }
 
-laden_status laden_stream_stop(laden_sched_t *sc)
+static laden_status stop(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_stream_stop: NULL schedule");
@@ -1244,8 +1258,8 @@ static laden_status block_slot(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
-                                uintptr_t handle)
+static laden_status enter(laden_sched_t *sc, uint32_t block,
+                          uintptr_t handle)
 {
     slot *sl;
     laden_status s = block_slot(sc, block, "laden_stream_enter", &sl);
@@ -1281,8 +1295,8 @@ laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
     return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
 }
 
-laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
-                               uintptr_t handle)
+static laden_status leave(laden_sched_t *sc, uint32_t block,
+                          uintptr_t handle)
 {
     slot *sl;
     laden_status s = block_slot(sc, block, "laden_stream_exit", &sl);
@@ -1303,7 +1317,7 @@ laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
     return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
 }
 
-laden_status laden_stream_synchronize(laden_sched_t *sc)
+static laden_status synchronize(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_stream_synchronize: NULL");
@@ -1445,8 +1459,8 @@ static laden_status residency_arg(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_set_resident(laden_sched_t *sc, uint32_t block,
-                                       int on)
+static laden_status set_resident(laden_sched_t *sc, uint32_t block,
+                                 int on)
 {
     blk *b = NULL;
     laden_status s = cache_block(sc, block, "laden_stream_set_resident", &b);
@@ -1457,9 +1471,9 @@ laden_status laden_stream_set_resident(laden_sched_t *sc, uint32_t block,
     return on ? make_resident(sc, b, 0) : unreside(sc, b, NULL);
 }
 
-laden_status laden_stream_take_resident(laden_sched_t *sc, uint32_t block,
-                                        laden_devptr_t *out_ptr,
-                                        uint64_t *out_bytes)
+static laden_status take_resident(laden_sched_t *sc, uint32_t block,
+                                  laden_devptr_t *out_ptr,
+                                  uint64_t *out_bytes)
 {
     blk *b = NULL;
     if (out_ptr)
@@ -1479,8 +1493,8 @@ laden_status laden_stream_take_resident(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
-                                          laden_devptr_t ptr, uint64_t bytes)
+static laden_status set_resident_at(laden_sched_t *sc, uint32_t block,
+                                    laden_devptr_t ptr, uint64_t bytes)
 {
     blk *b = NULL;
     laden_status s = residency_arg(sc, block, "laden_stream_set_resident_at",
@@ -1517,7 +1531,7 @@ static laden_status vram_arg(laden_sched_t *sc, laden_vram_t *vram)
     return LADEN_OK;
 }
 
-laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
+static laden_status use_vram(laden_sched_t *sc, laden_vram_t *vram)
 {
     laden_status s;
     if (!sc)
@@ -1568,8 +1582,8 @@ laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     return LADEN_OK;
 }
 
-laden_status laden_stream_reserve_vram(laden_sched_t *sc,
-                                       const uint8_t *want, uint32_t n)
+static laden_status reserve_vram(laden_sched_t *sc,
+                                 const uint8_t *want, uint32_t n)
 {
     laden_status s;
     if (!sc || (!want && n))
@@ -1632,7 +1646,7 @@ int laden_stream_is_resident(laden_sched_t *sc, uint32_t block)
     return sc && block < sc->nb && sc->b[block].resident;
 }
 
-laden_status laden_stream_pin(laden_sched_t *sc, uint32_t block, int on)
+static laden_status pin(laden_sched_t *sc, uint32_t block, int on)
 {
     blk *b = NULL;
     laden_status s = cache_block(sc, block, "laden_stream_pin", &b);
@@ -1694,7 +1708,7 @@ static laden_status loaded_cache(laden_sched_t *sc, const char *call)
     return LADEN_OK;
 }
 
-laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t handle)
+static laden_status ready(laden_sched_t *sc, uintptr_t handle)
 {
     laden_status s = loaded_cache(sc, "laden_stream_ready");
     if (s)
@@ -1706,7 +1720,7 @@ laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t handle)
     return laden_dev_stream_wait_event(sc->compute, sc->uploaded);
 }
 
-laden_status laden_stream_fence(laden_sched_t *sc, uintptr_t handle)
+static laden_status fence(laden_sched_t *sc, uintptr_t handle)
 {
     laden_status s = loaded_cache(sc, "laden_stream_fence");
     if (s)
@@ -1720,7 +1734,7 @@ laden_status laden_stream_fence(laden_sched_t *sc, uintptr_t handle)
     return LADEN_OK;
 }
 
-laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)
+static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
 {
     laden_host_stats_t hs;
     if (!sc || !out)
@@ -1732,4 +1746,261 @@ laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)
     if (laden_host_stats(sc->host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
     return LADEN_OK;
+}
+
+/* ---- the public calls: one thread at a time ------------------------------
+ *
+ * Every call holds the schedule for its duration, laden_stream_enter holds
+ * it until laden_stream_exit and laden_stream_begin until laden_stream_end.
+ * A call from another thread meanwhile is refused at once with
+ * LADEN_E_STATE: two threads interleaving one schedule's slots, reads and
+ * events corrupt both (the slots' request lists overflowed, reads were
+ * waited for twice).  Holds of the holding thread nest.  After
+ * laden_stream_close every call is refused. */
+
+static laden_status hold(laden_sched_t *sc, const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    uint64_t me = laden__thread_id(), cur = 0;
+    if (atomic_compare_exchange_strong(&sc->holder, &cur, me)) {
+        sc->depth = 1;
+        return LADEN_OK;
+    }
+    if (cur == me) {
+        sc->depth++;
+        return LADEN_OK;
+    }
+    if (cur == CLOSED)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: the schedule is closed (its model was "
+                           "released)",
+                           call);
+    return laden__fail(LADEN_E_STATE,
+                       "%s: the schedule is in use by another thread (a "
+                       "schedule is used by one thread at a time)",
+                       call);
+}
+
+static void unhold(laden_sched_t *sc)
+{
+    if (--sc->depth == 0)
+        atomic_store(&sc->holder, 0);
+}
+
+static bool holds(laden_sched_t *sc)
+{
+    return atomic_load(&sc->holder) == laden__thread_id();
+}
+
+/* Runs `expr` holding the schedule. */
+#define HELD(call, expr)                                                   \
+    do {                                                                   \
+        laden_status held_ = hold(sc, call);                               \
+        if (held_)                                                         \
+            return held_;                                                  \
+        held_ = (expr);                                                    \
+        unhold(sc);                                                        \
+        return held_;                                                      \
+    } while (0)
+
+laden_status laden_stream_begin(laden_sched_t *sc)
+{
+    laden_status s = hold(sc, "laden_stream_begin");
+    if (!s)
+        sc->begun++;
+    return s;
+}
+
+laden_status laden_stream_end(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_end: NULL schedule");
+    if (!holds(sc) || !sc->begun)
+        return laden__fail(LADEN_E_STATE, "laden_stream_end: no pass was "
+                           "begun on this thread");
+    sc->begun--;
+    unhold(sc);
+    return LADEN_OK;
+}
+
+laden_status laden_stream_close(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_close: NULL schedule");
+    uint64_t cur = 0;
+    if (atomic_compare_exchange_strong(&sc->holder, &cur, CLOSED) ||
+        cur == CLOSED)
+        return LADEN_OK;
+    return laden__fail(LADEN_E_STATE,
+                       cur == laden__thread_id()
+                           ? "laden_stream_close: this thread is inside a "
+                             "pass or a block of the schedule"
+                           : "laden_stream_close: the schedule is in use by "
+                             "another thread");
+}
+
+int laden_stream_is_closed(laden_sched_t *sc)
+{
+    return sc && atomic_load(&sc->holder) == CLOSED;
+}
+
+laden_status laden_stream_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t compute_stream)
+{
+    laden_status s = hold(sc, "laden_stream_enter");
+    if (s)
+        return s;
+    if ((s = enter(sc, block, compute_stream))) {
+        unhold(sc);
+        return s;
+    }
+    sc->entered++;
+    return LADEN_OK;
+}
+
+laden_status laden_stream_exit(laden_sched_t *sc, uint32_t block,
+                               uintptr_t compute_stream)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_stream_exit: NULL schedule");
+    if (!holds(sc) || !sc->entered)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_stream_exit: block %u was not entered on "
+                           "this thread",
+                           block);
+    laden_status s = leave(sc, block, compute_stream);
+    sc->entered--;
+    unhold(sc);
+    return s;
+}
+
+laden_status laden_stream_add_block(laden_sched_t *sc, laden_tier tier,
+                                    uint32_t *out_block)
+{
+    if (out_block)
+        *out_block = 0;
+    HELD("laden_stream_add_block", add_block(sc, tier, out_block));
+}
+
+laden_status laden_stream_add_tensor(laden_sched_t *sc, uint32_t block,
+                                     const laden_st_t *st, size_t st_index,
+                                     laden_dtype dtype, uint32_t *out_index)
+{
+    if (out_index)
+        *out_index = 0;
+    HELD("laden_stream_add_tensor",
+         add_tensor(sc, block, st, st_index, dtype, out_index));
+}
+
+laden_status laden_stream_add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                          const void *src,
+                                          laden_dtype src_dtype,
+                                          uint64_t n_elems, laden_dtype dtype,
+                                          uint32_t *out_index)
+{
+    if (out_index)
+        *out_index = 0;
+    HELD("laden_stream_add_host_tensor",
+         add_host_tensor(sc, block, src, src_dtype, n_elems, dtype,
+                         out_index));
+}
+
+laden_status laden_stream_load(laden_sched_t *sc)
+{
+    HELD("laden_stream_load", load(sc));
+}
+
+laden_status laden_stream_load_block(laden_sched_t *sc, uint32_t block)
+{
+    HELD("laden_stream_load_block", load_block(sc, block));
+}
+
+laden_status laden_stream_start(laden_sched_t *sc, uint32_t lookahead)
+{
+    HELD("laden_stream_start", start(sc, lookahead));
+}
+
+laden_status laden_stream_stop(laden_sched_t *sc)
+{
+    HELD("laden_stream_stop", stop(sc));
+}
+
+laden_status laden_stream_tensor_ptr(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *out)
+{
+    if (out)
+        *out = 0;
+    HELD("laden_stream_tensor_ptr", tensor_ptr(sc, block, i, out));
+}
+
+laden_status laden_stream_host_ptr(laden_sched_t *sc, uint32_t block,
+                                   uint32_t i, void **out)
+{
+    if (out)
+        *out = NULL;
+    HELD("laden_stream_host_ptr", host_ptr(sc, block, i, out));
+}
+
+laden_status laden_stream_synchronize(laden_sched_t *sc)
+{
+    HELD("laden_stream_synchronize", synchronize(sc));
+}
+
+laden_status laden_stream_stats(laden_sched_t *sc, laden_sched_stats_t *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    HELD("laden_stream_stats", stats(sc, out));
+}
+
+laden_status laden_stream_set_resident(laden_sched_t *sc, uint32_t block,
+                                       int resident)
+{
+    HELD("laden_stream_set_resident", set_resident(sc, block, resident));
+}
+
+laden_status laden_stream_take_resident(laden_sched_t *sc, uint32_t block,
+                                        laden_devptr_t *out_ptr,
+                                        uint64_t *out_bytes)
+{
+    if (out_ptr)
+        *out_ptr = 0;
+    if (out_bytes)
+        *out_bytes = 0;
+    HELD("laden_stream_take_resident",
+         take_resident(sc, block, out_ptr, out_bytes));
+}
+
+laden_status laden_stream_set_resident_at(laden_sched_t *sc, uint32_t block,
+                                          laden_devptr_t ptr, uint64_t bytes)
+{
+    HELD("laden_stream_set_resident_at",
+         set_resident_at(sc, block, ptr, bytes));
+}
+
+laden_status laden_stream_use_vram(laden_sched_t *sc, laden_vram_t *vram)
+{
+    HELD("laden_stream_use_vram", use_vram(sc, vram));
+}
+
+laden_status laden_stream_reserve_vram(laden_sched_t *sc, const uint8_t *want,
+                                       uint32_t n)
+{
+    HELD("laden_stream_reserve_vram", reserve_vram(sc, want, n));
+}
+
+laden_status laden_stream_pin(laden_sched_t *sc, uint32_t block, int pinned)
+{
+    HELD("laden_stream_pin", pin(sc, block, pinned));
+}
+
+laden_status laden_stream_ready(laden_sched_t *sc, uintptr_t compute_stream)
+{
+    HELD("laden_stream_ready", ready(sc, compute_stream));
+}
+
+laden_status laden_stream_fence(laden_sched_t *sc, uintptr_t compute_stream)
+{
+    HELD("laden_stream_fence", fence(sc, compute_stream));
 }
