@@ -1,16 +1,23 @@
 # Thin wrapper over CMake (authoritative for the C build) and pip.
 #   make demo   set up .venv and run laden's main job (ARGS="DIR --budget 60MB"
 #               for your own BERT directory or budget)
-#   make test   set up and run every test (C plain and under ASan+UBSan,
-#               fuzz corpus replay, exported-symbol check, pytest)
+#   make test   set up and run every test (C plain and under ASan+UBSan with
+#               gcc and with clang, ThreadSanitizer, fuzz corpus replay,
+#               exported-symbol check, pytest); installs clang if absent
 PY     ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+CLANG  ?= clang
+# Sanitizers stop at the first error, with a stack (UBSan would go on).
+SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+           UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# apt-get as root (CI, this machine) or through sudo.
+APT    := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
 .PHONY: all lib venv install demo test test-c test-asan test-tsan fuzz-replay \
-        symbols test-py fuzz bench-read clean
+        need-clang test-clang symbols test-py fuzz bench-read clean
 
 all: lib
 
@@ -44,13 +51,43 @@ test-asan:
 test-tsan:
 	cmake -S . -B build-tsan -DLADEN_TSAN=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j$(JOBS) --target laden_tests
-	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_
+	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ \
+	  stream_guard
 
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
-	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan
+	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan \
+	  laden_fuzz_replay_index
 	./build-asan/laden_fuzz_replay fuzz/corpus/st tests/data/bad
 	./build-asan/laden_fuzz_replay_plan fuzz/corpus/plan
+	./build-asan/laden_fuzz_replay_index fuzz/corpus/index
+
+# clang with its sanitizer and libFuzzer runtimes; installed when absent
+# (Debian bookworm has clang 14; the runtimes are in libclang-rt-N-dev).
+need-clang:
+	@command -v $(CLANG) >/dev/null 2>&1 || { \
+	  echo "$(CLANG) not found: installing clang"; \
+	  $(APT) update -qq && $(APT) install -y -qq clang; }
+	@p=$${TMPDIR:-/tmp}/laden-clang-probe-$$$$; \
+	printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n)\n{ return 0; }\n' \
+	  > $$p.c; \
+	probe() { $(CLANG) -fsanitize=fuzzer,address,undefined $$p.c -o $$p "$$@"; }; \
+	probe 2>/dev/null || { \
+	  v=$$($(CLANG) -dumpversion | cut -d. -f1); \
+	  echo "$(CLANG) lacks its sanitizer runtime: installing libclang-rt-$$v-dev"; \
+	  $(APT) update -qq && $(APT) install -y -qq libclang-rt-$$v-dev && probe; }; \
+	s=$$?; rm -f $$p $$p.c; exit $$s
+
+# The C tests and the fuzz replays built by clang under ASan+UBSan: clang's
+# UBSan finds what gcc's does not (a zero offset applied to NULL).
+test-clang: need-clang
+	CC=$(CLANG) cmake -S . -B build-clang -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build-clang -j$(JOBS) --target laden_tests laden_fuzz_replay \
+	  laden_fuzz_replay_plan laden_fuzz_replay_index
+	$(SAN_ENV) ./build-clang/laden_tests
+	$(SAN_ENV) ./build-clang/laden_fuzz_replay fuzz/corpus/st tests/data/bad
+	$(SAN_ENV) ./build-clang/laden_fuzz_replay_plan fuzz/corpus/plan
+	$(SAN_ENV) ./build-clang/laden_fuzz_replay_index fuzz/corpus/index
 
 symbols: lib
 	tests/check_symbols.sh build/libladen.so
@@ -58,20 +95,23 @@ symbols: lib
 test-py: install
 	cd python/tests && ../../$(VPY) -m pytest -q -p no:cacheprovider .
 
-test: test-c test-asan test-tsan fuzz-replay symbols test-py
+test: test-c test-asan test-tsan fuzz-replay test-clang symbols test-py
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60
-fuzz:
-	CC=clang cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
+fuzz: need-clang
+	CC=$(CLANG) cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
 	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
-	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan
-	./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
+	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan \
+	  laden_fuzz_index
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/st.dict fuzz/corpus/st
-	./build-fuzz/laden_fuzz_plan -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/plan
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_plan -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/plan
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_index -max_total_time=$(FUZZ_SECONDS) \
+	  -dict=fuzz/index.dict fuzz/corpus/index
 
 bench-read: install
 	$(VPY) bench/read.py
 
 clean:
-	rm -rf build build-asan build-fuzz
+	rm -rf build build-asan build-tsan build-clang build-fuzz

@@ -1,8 +1,11 @@
+#define _DEFAULT_SOURCE /* alarm */
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "test.h"
 
 #include "laden/st.h"
+#include "st/json.h"
 
 static laden_st_t *open_ok(const char *path)
 {
@@ -350,4 +353,249 @@ TEST(st_many_tensors)
     laden_st_close(st);
     free(hdr);
     free(data);
+}
+
+/* The 10-byte file 02000000000000007b7d (header "{}", no data) is a valid,
+ * empty checkpoint.  It once did pointer arithmetic on the NULL tensor
+ * table (clang's UBSan: "applying zero offset to null pointer"). */
+TEST(st_empty_header_is_valid)
+{
+    static const unsigned char bytes[10] = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+    char *p = test_path("ten.safetensors");
+    test_write_file(p, bytes, sizeof bytes);
+    laden_st_t *sts[2] = {open_ok(p), NULL};
+    CHECK_OK(laden_st_open_memory(bytes, sizeof bytes, &sts[1]));
+    for (int k = 0; k < 2; k++) {
+        laden_st_t *st = sts[k];
+        laden_st_tensor_t t;
+        size_t idx;
+        const char *key, *val;
+        CHECK(laden_st_count(st) == 0 && laden_st_total_bytes(st) == 0);
+        CHECK(laden_st_file_count(st) == 1 && laden_st_file_size(st, 0) == 10);
+        CHECK(laden_st_metadata_count(st) == 0);
+        CHECK_STATUS(laden_st_tensor_at(st, 0, &t), LADEN_E_INVAL);
+        CHECK_STATUS(laden_st_find(st, "a", &idx), LADEN_E_NOTFOUND);
+        CHECK_STATUS(laden_st_metadata_at(st, 0, &key, &val), LADEN_E_INVAL);
+        laden_st_close(st);
+    }
+    /* The same header followed by data: the bytes belong to no tensor. */
+    static const unsigned char tail[12] = {2, 0, 0, 0, 0, 0, 0, 0,
+                                           '{', '}', 0, 0};
+    laden_st_t *st = NULL;
+    CHECK_STATUS(laden_st_open_memory(tail, sizeof tail, &st), LADEN_E_RANGE);
+    CHECK(st == NULL);
+    CHECK_CONTAINS(laden_last_error(), "belong to no tensor");
+}
+
+/* Only rank-0 tensors: the dimension table stays NULL, which the shape
+ * check and laden_st_tensor_at once offset by zero (clang's UBSan).  A
+ * scalar's shape is a valid pointer to no dimensions. */
+TEST(st_scalars_only)
+{
+    const char *hdr =
+        "{\"s\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]},"
+        "\"t\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[4,5]}}";
+    char *p = test_path("scalars.safetensors");
+    test_write_st(p, hdr, "abcde", 5);
+    laden_st_t *st = open_ok(p);
+    CHECK(laden_st_count(st) == 2 && laden_st_total_bytes(st) == 5);
+    for (size_t i = 0; i < 2; i++) {
+        laden_st_tensor_t t;
+        CHECK_OK(laden_st_tensor_at(st, i, &t));
+        CHECK(t.ndim == 0 && t.shape != NULL);
+        CHECK(t.size_bytes == (i ? 1u : 4u));
+    }
+    laden_st_close(st);
+    /* A scalar whose data_offsets disagree with its dtype. */
+    test_write_st(p,
+                  "{\"s\":{\"dtype\":\"F32\",\"shape\":[],"
+                  "\"data_offsets\":[0,8]}}",
+                  "abcdefgh", 8);
+    CHECK_STATUS(laden_st_open(p, &st), LADEN_E_SHAPE);
+    CHECK_CONTAINS(laden_last_error(), "'s'");
+}
+
+/* A FIFO, a directory or another non-regular file where a checkpoint, an
+ * index or a shard should be is refused at once: open() on a FIFO blocks
+ * until a writer comes, so it must never be opened blocking.  The alarm
+ * turns a hang into a failure well before the runner's timeout. */
+TEST(st_refuses_non_regular_files)
+{
+    laden_st_t *st = (laden_st_t *)1;
+    alarm(20);
+    CHECK(mkfifo(test_path("fifo.safetensors"), 0600) == 0);
+    CHECK_STATUS(laden_st_open(test_path("fifo.safetensors"), &st),
+                 LADEN_E_INVAL);
+    CHECK(st == NULL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    CHECK_CONTAINS(laden_last_error(), "fifo.safetensors");
+
+    /* The index itself a FIFO. */
+    CHECK(mkfifo(test_path("f.safetensors.index.json"), 0600) == 0);
+    CHECK_STATUS(laden_st_open(test_path("f.safetensors.index.json"), &st),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    CHECK_CONTAINS(laden_last_error(), "f.safetensors.index.json");
+
+    /* A FIFO as a shard, after a good shard. */
+    write_shard("good.safetensors", "a", 4, 1);
+    write_index("fifo.index.json",
+                "\"a\": \"good.safetensors\", \"b\": \"fifo.safetensors\"");
+    CHECK_STATUS(laden_st_open(test_path("fifo.index.json"), &st),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    CHECK_CONTAINS(laden_last_error(), "fifo.safetensors");
+
+    /* A directory as a shard. */
+    CHECK(mkdir(test_path("dir.safetensors"), 0700) == 0);
+    write_index("dir.index.json", "\"a\": \"dir.safetensors\"");
+    CHECK_STATUS(laden_st_open(test_path("dir.index.json"), &st),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    CHECK_CONTAINS(laden_last_error(), "dir.safetensors");
+
+    /* A directory whose only checkpoint is a FIFO, named as the preferred
+     * file or otherwise. */
+    char *d = test_path("d1");
+    char p[512];
+    CHECK(mkdir(d, 0700) == 0);
+    snprintf(p, sizeof p, "%s/model.safetensors", d);
+    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_STATUS(laden_st_open(d, &st), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    d = test_path("d2");
+    CHECK(mkdir(d, 0700) == 0);
+    snprintf(p, sizeof p, "%s/x.safetensors.index.json", d);
+    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_STATUS(laden_st_open(d, &st), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "x.safetensors.index.json");
+
+    /* /dev/null is a character device. */
+    CHECK_STATUS(laden_st_open("/dev/null", &st), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "not a regular file");
+    CHECK(st == NULL);
+}
+
+/* The weight map is matched to shards by number, not by the end of the
+ * path: 'y' sent to b.safetensors but stored in ab.safetensors is wrong. */
+TEST(st_index_shard_names_that_end_alike)
+{
+    laden_st_t *st;
+    write_shard("b.safetensors", "x", 4, 1);
+    write_shard("ab.safetensors", "y", 4, 2);
+    write_index("suffix.index.json",
+                "\"x\": \"b.safetensors\", \"y\": \"b.safetensors\", "
+                "\"z\": \"ab.safetensors\"");
+    CHECK_STATUS(laden_st_open(test_path("suffix.index.json"), &st),
+                 LADEN_E_INDEX);
+    CHECK_CONTAINS(laden_last_error(), "ab.safetensors");
+    write_index("suffix_ok.index.json",
+                "\"x\": \"b.safetensors\", \"y\": \"ab.safetensors\"");
+    st = open_ok(test_path("suffix_ok.index.json"));
+    CHECK(laden_st_count(st) == 2);
+    laden_st_close(st);
+}
+
+/* The index parser from memory (the fuzz target's entry point). */
+TEST(st_index_parse_from_memory)
+{
+    laden__st_index ix;
+    const char *ok = "{\"metadata\":{\"total_size\":[1,{\"x\":null}]},"
+                     "\"weight_map\":{\"c\":\"s2\",\"a\":\"d/s1\","
+                     "\"b\":\"s2\",\"d\":\"s3\"}}";
+    CHECK_OK(laden__st_index_parse(ok, strlen(ok), &ix));
+    CHECK(ix.nmap == 4 && ix.nshards == 3);
+    CHECK(strcmp(ix.shards[0], "s2") == 0 && strcmp(ix.shards[1], "d/s1") == 0 &&
+          strcmp(ix.shards[2], "s3") == 0);
+    static const char *const names[] = {"a", "b", "c", "d"};
+    static const uint32_t shard[] = {1, 0, 0, 2};
+    for (size_t i = 0; i < 4; i++)
+        CHECK(strcmp(ix.map[i].name, names[i]) == 0 &&
+              ix.map[i].shard_index == shard[i] &&
+              strcmp(ix.map[i].shard, ix.shards[shard[i]]) == 0);
+    laden__st_index_free(&ix);
+    laden__st_index_free(&ix); /* zeroed: harmless */
+    laden__st_index_free(NULL);
+
+    static const struct {
+        const char *json;
+        laden_status want;
+    } bad[] = {
+        {"", LADEN_E_JSON},
+        {"{}", LADEN_E_INDEX},
+        {"{\"weight_map\":{}}", LADEN_E_INDEX},
+        {"{\"weight_map\":[]}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":1}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"s\"},\"weight_map\":{}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"s\",\"a\":\"t\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\\u0000b\":\"s\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"s\\u0000\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"x/../s\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"x//s\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"s/\"}}", LADEN_E_INDEX},
+        /* Not the key weight_map, so there is none. */
+        {"{\"weight_map\\u0000\":{\"a\":\"s\"}}", LADEN_E_INDEX},
+        {"{\"weight_map\":{\"a\":\"s\"}} x", LADEN_E_JSON},
+        {"{\"weight_map\":{\"a\":\"s\",}}", LADEN_E_JSON},
+        {"{\"weight_map\":{\"a\":\"s\"}", LADEN_E_JSON},
+        {"{\"m\":1e999999999999999999999,\"weight_map\":{\"a\":\"s\"}}",
+         LADEN_OK},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        laden_status s =
+            laden__st_index_parse(bad[i].json, strlen(bad[i].json), &ix);
+        if (s != bad[i].want) {
+            fprintf(stderr, "%s: got %s (%s), expected %s\n", bad[i].json,
+                    laden_status_name(s), laden_last_error(),
+                    laden_status_name(bad[i].want));
+            exit(1);
+        }
+        CHECK(s == LADEN_OK || (ix.map == NULL && ix.nmap == 0 &&
+                                ix.pool == NULL && ix.shards == NULL));
+        laden__st_index_free(&ix);
+    }
+    CHECK_STATUS(laden__st_index_parse(NULL, 0, &ix), LADEN_E_JSON);
+    CHECK_STATUS(laden__st_index_parse(NULL, 3, &ix), LADEN_E_INVAL);
+    CHECK_STATUS(laden__st_index_parse(ok, strlen(ok), NULL), LADEN_E_INVAL);
+}
+
+/* Many entries over the most shards allowed parse in n log n (a linear
+ * search per entry took minutes); one shard more is refused. */
+TEST(st_index_many_shards)
+{
+    size_t nshards = LADEN_ST_MAX_SHARDS, n = 4 * nshards;
+    size_t cap = 32 * n + 64, at = 0;
+    char *buf = malloc(cap);
+    laden__st_index ix;
+    alarm(60);
+    CHECK(buf != NULL);
+    for (int extra = 0; extra < 2; extra++) {
+        size_t ns = nshards + (size_t)extra;
+        at = (size_t)snprintf(buf, cap, "{\"weight_map\":{");
+        for (size_t i = 0; i < n + (size_t)extra; i++)
+            at += (size_t)snprintf(buf + at, cap - at, "%s\"t%zu\":\"%zx\"",
+                                   i ? "," : "", i,
+                                   i < ns ? i : (i * 7919) % ns);
+        at += (size_t)snprintf(buf + at, cap - at, "}}");
+        CHECK(at < cap);
+        laden_status s = laden__st_index_parse(buf, at, &ix);
+        if (extra) {
+            CHECK(s == LADEN_E_LIMIT);
+            CHECK_CONTAINS(laden_last_error(), "shards");
+            continue;
+        }
+        CHECK_OK(s);
+        CHECK(ix.nmap == n && ix.nshards == nshards);
+        for (size_t k = 0; k < 3; k++) {
+            char want[32];
+            snprintf(want, sizeof want, "%zx", k);
+            CHECK(strcmp(ix.shards[k], want) == 0);
+        }
+        for (size_t i = 0; i < ix.nmap; i++)
+            CHECK(strcmp(ix.shards[ix.map[i].shard_index], ix.map[i].shard) ==
+                  0);
+        laden__st_index_free(&ix);
+    }
+    free(buf);
 }

@@ -4,8 +4,13 @@
 
 void laden__json_init(laden__json *j, const void *buf, size_t len)
 {
-    j->begin = buf;
-    j->p = buf;
+    /* An empty input may come as NULL; the cursor then points at a static
+     * byte, since NULL + 0 (and NULL - NULL) is undefined behaviour. */
+    static const unsigned char empty[1];
+    if (!buf)
+        len = 0;
+    j->begin = buf ? buf : empty;
+    j->p = j->begin;
     j->end = j->begin + len;
 }
 

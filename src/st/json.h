@@ -20,6 +20,7 @@ typedef struct laden__json {
     const unsigned char *end;
 } laden__json;
 
+/* buf may be NULL when len is 0. */
 void laden__json_init(laden__json *j, const void *buf, size_t len);
 
 /* Byte offset of the cursor, for messages. */
@@ -61,5 +62,36 @@ laden_status laden__json_need_value(laden__json *j);
 
 /* True if only white space remains. */
 bool laden__json_at_end(laden__json *j);
+
+/* ---- the index of a sharded checkpoint (st.c) ---------------------- */
+
+typedef struct laden__st_index_entry {
+    const char *name;     /* tensor name, no NUL inside */
+    const char *shard;    /* file name relative to the index's directory */
+    uint32_t shard_index; /* into laden__st_index.shards */
+} laden__st_index_entry;
+
+typedef struct laden__st_index {
+    char *pool;                 /* every string below points in here */
+    laden__st_index_entry *map; /* sorted by name, names distinct */
+    size_t nmap;                /* at least 1 */
+    const char **shards;        /* distinct shards, in first-use order */
+    size_t nshards;             /* 1..LADEN_ST_MAX_SHARDS */
+} laden__st_index;
+
+/* Parses the JSON of a *.safetensors.index.json (json[0..len), NULL when
+ * len is 0) from memory: its "weight_map" of tensor name to shard file;
+ * other keys are skipped.  Opens no file.  Fails with LADEN_E_JSON (syntax),
+ * LADEN_E_INDEX (no or two weight_maps, a value that is not a string, a
+ * name listed twice or holding a NUL, a shard name that is absolute, empty,
+ * holds "..", an empty path component or a NUL), LADEN_E_LIMIT (input over
+ * LADEN_ST_MAX_HEADER_BYTES, too many shards, nesting).  On success *out
+ * owns its memory (laden__st_index_free); on failure it is zeroed.  Any
+ * thread. */
+laden_status laden__st_index_parse(const void *json, size_t len,
+                                   laden__st_index *out);
+
+/* Frees what laden__st_index_parse gave and zeroes *ix; NULL is a no-op. */
+void laden__st_index_free(laden__st_index *ix);
 
 #endif

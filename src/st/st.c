@@ -254,7 +254,6 @@ static laden_status check_tensor(parse_ctx *c, entry *e)
 {
     const char *name = e->name;
     uint64_t nelem = 1, bits;
-    const uint64_t *dims = c->st->dims + e->dims_at;
     if (e->begin > e->end)
         return laden__fail(LADEN_E_RANGE,
                            "tensor '%.200s': data_offsets [%llu, %llu] end "
@@ -268,8 +267,10 @@ static laden_status check_tensor(parse_ctx *c, entry *e)
                            "data",
                            name, (unsigned long long)e->end,
                            (unsigned long long)c->data_len);
+    /* Indexed, not st->dims + dims_at: dims is NULL while every shape so
+     * far has been [], and NULL + 0 is undefined. */
     for (uint32_t i = 0; i < e->ndim; i++)
-        if (!laden__mul_u64(nelem, dims[i], &nelem))
+        if (!laden__mul_u64(nelem, c->st->dims[e->dims_at + i], &nelem))
             return laden__fail(LADEN_E_SHAPE,
                                "tensor '%.200s': element count of its shape "
                                "overflows 64 bits",
@@ -393,11 +394,17 @@ static int cmp_offset(const void *a, const void *b)
 /* Sorts the file's tensors by offset and checks they tile the data section. */
 static laden_status check_coverage(parse_ctx *c, size_t first)
 {
-    entry *t = c->st->t + first;
     size_t n = c->st->n - first;
     uint64_t at = 0;
-    if (n)
-        qsort(t, n, sizeof *t, cmp_offset);
+    if (n == 0) /* st->t may be NULL: no pointer into it */
+        return at == c->data_len
+                   ? LADEN_OK
+                   : laden__fail(LADEN_E_RANGE,
+                                 "the %llu bytes of the data section belong "
+                                 "to no tensor (the header lists none)",
+                                 (unsigned long long)c->data_len);
+    entry *t = &c->st->t[first];
+    qsort(t, n, sizeof *t, cmp_offset);
     for (size_t i = 0; i < n; i++) {
         if (t[i].begin > at)
             return laden__fail(LADEN_E_RANGE,
@@ -653,19 +660,52 @@ static laden_status read_exact(int fd, const char *path, void *buf, size_t n,
     return LADEN_OK;
 }
 
+static const char *file_kind(mode_t m)
+{
+    return S_ISDIR(m)    ? "a directory"
+           : S_ISFIFO(m) ? "a FIFO"
+           : S_ISSOCK(m) ? "a socket"
+           : S_ISCHR(m)  ? "a character device"
+           : S_ISBLK(m)  ? "a block device"
+                         : "not a file";
+}
+
+/* Opens a regular file for reading.  O_NONBLOCK because open() itself
+ * blocks on a FIFO until a writer comes (forever, for a stray FIFO named
+ * like a checkpoint or a shard); O_NOCTTY so a terminal never becomes ours.
+ * Anything but a regular file is refused once open, and the descriptor is
+ * made blocking again for the reads. */
 static laden_status open_fd(const char *path, int *fd, uint64_t *size)
 {
     struct stat sb;
-    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    int flags;
+    *size = 0;
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (*fd < 0) {
         int e = errno;
         return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
                            "%s: cannot open: %s", path, strerror(e));
     }
-    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    if (fstat(*fd, &sb) != 0) {
+        int e = errno;
         close(*fd);
         *fd = -1;
-        return laden__fail(LADEN_E_INVAL, "%s: not a regular file", path);
+        return laden__fail(LADEN_E_IO, "%s: cannot stat: %s", path,
+                           strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return laden__fail(LADEN_E_INVAL, "%s: not a regular file (%s)", path,
+                           file_kind(sb.st_mode));
+    }
+    if ((flags = fcntl(*fd, F_GETFL)) < 0 ||
+        fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        int e = errno;
+        close(*fd);
+        *fd = -1;
+        return laden__fail(LADEN_E_IO, "%s: cannot clear O_NONBLOCK: %s", path,
+                           strerror(e));
     }
     *size = (uint64_t)sb.st_size;
     return LADEN_OK;
@@ -706,81 +746,144 @@ static bool ends_with(const char *s, const char *suffix)
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-typedef struct wm_entry {
-    const char *name;
-    const char *shard;
-} wm_entry;
-
-static int cmp_wm(const void *a, const void *b)
+static int cmp_map_name(const void *a, const void *b)
 {
-    return strcmp(((const wm_entry *)a)->name, ((const wm_entry *)b)->name);
+    return strcmp(((const laden__st_index_entry *)a)->name,
+                  ((const laden__st_index_entry *)b)->name);
 }
 
+/* A relative path of non-empty components, none "..", and not ending in
+ * '/' (the name of a directory). */
 static bool safe_shard_name(const char *s)
 {
-    if (!*s || s[0] == '/')
-        return false;
-    for (const char *p = s; *p;) {
+    for (const char *p = s;;) {
         const char *q = strchr(p, '/');
         size_t n = q ? (size_t)(q - p) : strlen(p);
         if (n == 0 || (n == 2 && p[0] == '.' && p[1] == '.'))
             return false;
-        p += n + (q ? 1 : 0);
+        if (!q)
+            return true;
+        p = q + 1;
     }
-    return true;
 }
 
-/* Opens a sharded checkpoint from its index. */
-static laden_status open_index(laden_st_t *st, const char *path)
+/* A weight_map entry's shard and its position in the map: the distinct
+ * shards are found in first-use order by sorting, since a linear search per
+ * entry is quadratic (millions of entries times 65536 shards). */
+typedef struct shard_use {
+    const char *shard;
+    size_t seq;
+    uint32_t group; /* the shard's number in name order */
+} shard_use;
+
+static int cmp_use_shard(const void *a, const void *b)
 {
-    int fd;
-    uint64_t size;
-    laden_status s = open_fd(path, &fd, &size);
-    if (s)
-        return s;
-    if (size > LADEN_ST_MAX_HEADER_BYTES) {
-        close(fd);
-        return laden__fail(LADEN_E_LIMIT, "%s: index of %llu bytes exceeds "
-                           "the %u-byte limit", path,
-                           (unsigned long long)size,
-                           LADEN_ST_MAX_HEADER_BYTES);
+    const shard_use *x = a, *y = b;
+    int c = strcmp(x->shard, y->shard);
+    return c ? c : x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+static int cmp_use_seq(const void *a, const void *b)
+{
+    const shard_use *x = a, *y = b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+void laden__st_index_free(laden__st_index *ix)
+{
+    if (!ix)
+        return;
+    free(ix->pool);
+    free(ix->map);
+    free(ix->shards);
+    memset(ix, 0, sizeof *ix);
+}
+
+/* Lists the distinct shards of ix->map in first-use order and numbers
+ * each entry's shard accordingly. */
+static laden_status index_shards(laden__st_index *ix)
+{
+    size_t n = ix->nmap, ngroups = 0;
+    shard_use *use = malloc(n * sizeof *use);
+    uint32_t *rank = NULL;
+    laden_status s = LADEN_OK;
+    if (!use)
+        return nomem("reading an index");
+    for (size_t i = 0; i < n; i++)
+        use[i] = (shard_use){ix->map[i].shard, i, 0};
+    qsort(use, n, sizeof *use, cmp_use_shard);
+    /* Groups of one shard; the first of each (its first use) is moved to
+     * the front, and every entry notes its group for now. */
+    for (size_t i = 0; i < n; i++) {
+        if (i == 0 || strcmp(use[i].shard, use[ngroups - 1].shard) != 0) {
+            if (ngroups == LADEN_ST_MAX_SHARDS) {
+                s = laden__fail(LADEN_E_LIMIT, "more than %u shards",
+                                LADEN_ST_MAX_SHARDS);
+                goto out;
+            }
+            use[ngroups] = use[i];
+            use[ngroups].group = (uint32_t)ngroups;
+            ngroups++;
+        }
+        ix->map[use[i].seq].shard_index = (uint32_t)(ngroups - 1);
     }
-    char *buf = malloc(size + 1), *pool = malloc(size + 1);
-    wm_entry *wm = NULL;
-    const char **shards = NULL;
-    size_t nwm = 0, wm_cap = 0, nshards = 0, shards_cap = 0, pool_at = 0;
-    char *dir = strdup(path), *joined = NULL;
-    if (!buf || !pool || !dir) {
+    qsort(use, ngroups, sizeof *use, cmp_use_seq);
+    ix->shards = malloc(ngroups * sizeof *ix->shards);
+    rank = malloc(ngroups * sizeof *rank);
+    if (!ix->shards || !rank) {
         s = nomem("reading an index");
         goto out;
     }
-    s = read_exact(fd, path, buf, size, 0);
-    close(fd);
-    fd = -1;
-    if (s)
-        goto out;
-    char *slash = strrchr(dir, '/');
-    if (slash)
-        slash[1] = '\0';
-    else
-        dir[0] = '\0';
+    for (size_t r = 0; r < ngroups; r++) {
+        ix->shards[r] = use[r].shard;
+        rank[use[r].group] = (uint32_t)r;
+    }
+    ix->nshards = ngroups;
+    for (size_t i = 0; i < n; i++)
+        ix->map[i].shard_index = rank[ix->map[i].shard_index];
+out:
+    free(use);
+    free(rank);
+    return s;
+}
 
+laden_status laden__st_index_parse(const void *json, size_t len,
+                                   laden__st_index *out)
+{
+    laden_status s = LADEN_OK;
+    laden__st_index ix = {0};
+    size_t cap = 0, pool_at = 0;
+    bool seen_map = false;
     laden__json j;
     int more;
-    bool seen_map = false;
-    laden__json_init(&j, buf, size);
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden__st_index_parse: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!json && len)
+        return laden__fail(LADEN_E_INVAL, "laden__st_index_parse: json NULL");
+    if (len > LADEN_ST_MAX_HEADER_BYTES)
+        return laden__fail(LADEN_E_LIMIT,
+                           "index of %zu bytes exceeds the %u-byte limit", len,
+                           LADEN_ST_MAX_HEADER_BYTES);
+    /* Decoded strings never outgrow their encoding: len + 1 holds them
+     * all, NULs included. */
+    if (!(ix.pool = malloc(len + 1)))
+        return nomem("reading an index");
+    laden__json_init(&j, json, len);
     if ((s = laden__json_expect(&j, '{')))
         goto out;
     more = !laden__json_peek(&j, '}');
     if (!more)
         j.p++;
     while (more) {
-        char *key = pool + pool_at;
+        char *key = ix.pool + pool_at;
         size_t n;
-        if ((s = laden__json_string(&j, key, size + 1 - pool_at, &n, NULL)) ||
+        if ((s = laden__json_string(&j, key, len + 1 - pool_at, &n, NULL)) ||
             (s = laden__json_expect(&j, ':')))
             goto out;
-        if (strcmp(key, "weight_map") != 0) {
+        /* By length too: "weight_map\u0000x" is some other key. */
+        if (n != sizeof "weight_map" - 1 || strcmp(key, "weight_map") != 0) {
+            /* Not kept: the next string reuses the space. */
             if ((s = laden__json_skip(&j, LADEN_ST_MAX_DEPTH)))
                 goto out;
         } else {
@@ -790,7 +893,6 @@ static laden_status open_index(laden_st_t *st, const char *path)
                 goto out;
             }
             seen_map = true;
-            pool_at += n + 1;
             if ((s = laden__json_need_value(&j)))
                 goto out;
             if (laden__json_kind(&j) != '{') {
@@ -802,15 +904,22 @@ static laden_status open_index(laden_st_t *st, const char *path)
             if (!m)
                 j.p++;
             while (m) {
-                char *name = pool + pool_at, *shard;
+                char *name = ix.pool + pool_at, *shard;
                 size_t k;
                 bool nul;
-                if ((s = laden__json_string(&j, name, size + 1 - pool_at, &k,
+                if ((s = laden__json_string(&j, name, len + 1 - pool_at, &k,
                                             &nul)) ||
                     (s = laden__json_expect(&j, ':')))
                     goto out;
+                if (nul) {
+                    s = laden__fail(LADEN_E_INDEX,
+                                    "weight_map name '%.200s...' holds a NUL "
+                                    "character",
+                                    name);
+                    goto out;
+                }
                 pool_at += k + 1;
-                shard = pool + pool_at;
+                shard = ix.pool + pool_at;
                 if ((s = laden__json_need_value(&j)))
                     goto out;
                 if (laden__json_kind(&j) != '"') {
@@ -820,7 +929,7 @@ static laden_status open_index(laden_st_t *st, const char *path)
                                     name);
                     goto out;
                 }
-                if ((s = laden__json_string(&j, shard, size + 1 - pool_at, &k,
+                if ((s = laden__json_string(&j, shard, len + 1 - pool_at, &k,
                                             &nul)))
                     goto out;
                 pool_at += k + 1;
@@ -832,28 +941,12 @@ static laden_status open_index(laden_st_t *st, const char *path)
                                     name, shard);
                     goto out;
                 }
-                if (!grow((void **)&wm, &wm_cap, nwm + 1, sizeof *wm)) {
+                if (!grow((void **)&ix.map, &cap, ix.nmap + 1,
+                          sizeof *ix.map)) {
                     s = nomem("reading an index");
                     goto out;
                 }
-                wm[nwm].name = name;
-                wm[nwm++].shard = shard;
-                size_t si = 0;
-                while (si < nshards && strcmp(shards[si], shard) != 0)
-                    si++;
-                if (si == nshards) {
-                    if (nshards >= LADEN_ST_MAX_SHARDS) {
-                        s = laden__fail(LADEN_E_LIMIT, "more than %u shards",
-                                        LADEN_ST_MAX_SHARDS);
-                        goto out;
-                    }
-                    if (!grow((void **)&shards, &shards_cap, nshards + 1,
-                              sizeof *shards)) {
-                        s = nomem("reading an index");
-                        goto out;
-                    }
-                    shards[nshards++] = shard;
-                }
+                ix.map[ix.nmap++] = (laden__st_index_entry){name, shard, 0};
                 if ((s = laden__json_next(&j, '}', &m)))
                     goto out;
             }
@@ -866,12 +959,68 @@ static laden_status open_index(laden_st_t *st, const char *path)
                         "byte %zu", laden__json_pos(&j));
         goto out;
     }
-    if (!seen_map || nshards == 0) {
+    if (!seen_map || ix.nmap == 0) {
         s = laden__fail(LADEN_E_INDEX, "index has no weight_map entries");
         goto out;
     }
-    for (size_t i = 0; i < nshards; i++) {
-        size_t need = strlen(dir) + strlen(shards[i]) + 1;
+    if ((s = index_shards(&ix)))
+        goto out;
+    qsort(ix.map, ix.nmap, sizeof *ix.map, cmp_map_name);
+    for (size_t i = 1; i < ix.nmap; i++)
+        if (strcmp(ix.map[i - 1].name, ix.map[i].name) == 0) {
+            s = laden__fail(LADEN_E_INDEX, "weight_map lists '%.200s' twice",
+                            ix.map[i].name);
+            goto out;
+        }
+out:
+    if (s) {
+        laden__st_index_free(&ix);
+        return s;
+    }
+    *out = ix;
+    return LADEN_OK;
+}
+
+/* Opens a sharded checkpoint from its index. */
+static laden_status open_index(laden_st_t *st, const char *path)
+{
+    int fd;
+    uint64_t size;
+    laden__st_index ix = {0};
+    char *buf = NULL, *dir = NULL, *joined = NULL;
+    laden_status s = open_fd(path, &fd, &size);
+    if (s)
+        return s;
+    if (size > LADEN_ST_MAX_HEADER_BYTES) {
+        close(fd);
+        return laden__fail(LADEN_E_LIMIT, "%s: index of %llu bytes exceeds "
+                           "the %u-byte limit", path,
+                           (unsigned long long)size,
+                           LADEN_ST_MAX_HEADER_BYTES);
+    }
+    buf = malloc(size ? size : 1);
+    dir = strdup(path);
+    if (!buf || !dir) {
+        close(fd);
+        s = nomem("reading an index");
+        goto out;
+    }
+    s = read_exact(fd, path, buf, size, 0);
+    close(fd);
+    if (!s)
+        s = laden__st_index_parse(buf, size, &ix);
+    free(buf); /* ix holds the decoded strings */
+    buf = NULL;
+    if (s)
+        goto out;
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        slash[1] = '\0';
+    else
+        dir[0] = '\0';
+    /* Shard i becomes file i: open_one adds one file per call. */
+    for (size_t i = 0; i < ix.nshards; i++) {
+        size_t need = strlen(dir) + strlen(ix.shards[i]) + 1;
         char *p = realloc(joined, need);
         if (!p) {
             s = nomem("opening shards");
@@ -879,33 +1028,28 @@ static laden_status open_index(laden_st_t *st, const char *path)
         }
         joined = p;
         strcpy(joined, dir);
-        strcat(joined, shards[i]);
+        strcat(joined, ix.shards[i]);
         if ((s = open_one(st, joined, i == 0)))
             goto out;
     }
     if ((s = finish(st)))
         goto out;
-    qsort(wm, nwm, sizeof *wm, cmp_wm);
-    for (size_t i = 0; i < nwm; i++) {
+    for (size_t i = 0; i < ix.nmap; i++) {
+        const laden__st_index_entry *w = &ix.map[i];
         size_t idx;
-        if (i && strcmp(wm[i - 1].name, wm[i].name) == 0) {
-            s = laden__fail(LADEN_E_INDEX,
-                            "weight_map lists '%.200s' twice", wm[i].name);
-            goto out;
-        }
-        if (laden_st_find(st, wm[i].name, &idx) != LADEN_OK) {
+        if (laden_st_find(st, w->name, &idx) != LADEN_OK) {
             s = laden__fail(LADEN_E_INDEX,
                             "weight_map sends '%.200s' to '%.200s', which "
                             "holds no such tensor",
-                            wm[i].name, wm[i].shard);
+                            w->name, w->shard);
             goto out;
         }
-        const char *fp = st->files[st->t[idx].file].path;
-        if (!ends_with(fp, wm[i].shard)) {
+        if (st->t[idx].file != w->shard_index) {
             s = laden__fail(LADEN_E_INDEX,
                             "weight_map sends '%.200s' to '%.200s', but it "
                             "is in %.200s",
-                            wm[i].name, wm[i].shard, fp);
+                            w->name, w->shard,
+                            st->files[st->t[idx].file].path);
             goto out;
         }
     }
@@ -913,12 +1057,8 @@ out:
     if (s && strncmp(laden_last_error(), path, strlen(path)) != 0 &&
         !(joined && strncmp(laden_last_error(), joined, strlen(joined)) == 0))
         laden__error_prefix("%s", path);
-    if (fd >= 0)
-        close(fd);
+    laden__st_index_free(&ix);
     free(buf);
-    free(pool);
-    free(wm);
-    free(shards);
     free(dir);
     free(joined);
     return s;
@@ -1053,7 +1193,10 @@ laden_status laden_st_tensor_at(const laden_st_t *st, size_t i,
     out->name = e->name;
     out->dtype = e->dtype;
     out->ndim = e->ndim;
-    out->shape = st->dims + e->dims_at;
+    /* A rank-0 tensor gets a valid pointer to no dimensions: st->dims may
+     * be NULL (every shape []), and NULL + 0 is undefined. */
+    static const uint64_t no_dims[1];
+    out->shape = e->ndim ? &st->dims[e->dims_at] : no_dims;
     out->file_index = e->file;
     out->offset_bytes = st->files[e->file].data_start + e->begin;
     out->size_bytes = e->end - e->begin;

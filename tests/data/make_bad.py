@@ -109,6 +109,11 @@ CASES = [
     ("shape_not_array", "E_SCHEMA",
      st('{"a": {"dtype": "F32", "shape": 1, "data_offsets": [0, 4]}}',
         b"\0" * 4)),
+    # Found by clang's UBSan (a zero offset added to a NULL table):
+    ("empty_header_with_data", "E_RANGE", st("{}", b"\0\0")),
+    ("scalar_size_mismatch", "E_SHAPE",
+     st('{"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 8]}}',
+        b"\0" * 8)),
 ]
 
 
