@@ -18,7 +18,6 @@ import ctypes
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
@@ -29,9 +28,9 @@ from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import (InvalidArgumentError, MismatchError, StateError)
-from .streaming import (_DTYPE_CODE, _Tensor, _collect, _compute_stream,
-                        _dev_index, _device, _find_blocks, _nbytes,
-                        _set_tensor, _view, _wrap_forward)
+from .streaming import (_DTYPE_CODE, _Owned, _Tensor, _collect,
+                        _compute_stream, _dev_index, _device, _find_blocks,
+                        _meta, _nbytes, _set_tensor, _view, _wrap_forward)
 
 log = logging.getLogger("laden")
 
@@ -139,8 +138,13 @@ class _Runtime:
         self.device = device
         self.dc = dc
         self.model = None
-        self.sched = ctypes.c_void_p()
-        self._fin = None
+        # The schedule: destroyed when the last tensor over its memory and
+        # this runtime let go of it; `binding` is its (cache, id) in the C
+        # cache while bound, for the destructor to unbind it first.
+        self.owner: Optional[_Owned] = None
+        self.binding: list = [None]
+        self.block_names: Dict[int, str] = {}
+        self.gone: Dict[int, str] = {}  # storage address -> streamed block
         self.tensors: List[_Tensor] = []
         self.fixed = 0
         self.gen = -1
@@ -182,7 +186,8 @@ class _Runtime:
                 ck.close()
         self.model = model
         self.tensors = tensors
-        for bi, (_, mod, _) in enumerate(blocks):
+        for bi, (name, mod, _) in enumerate(blocks):
+            self.block_names[self.fixed + bi] = name
             self._wrap(mod, self.fixed + bi)
         st = self.stats()
         self.size = sum(lib.laden_stream_block_bytes(self.sched, b)
@@ -243,16 +248,23 @@ class _Runtime:
                                 unexpected=unexpected, mismatched=mismatched)
         return host
 
+    @property
+    def sched(self) -> ctypes.c_void_p:
+        if self.owner is None:
+            raise StateError(f"model '{self.spec.key}' was dropped from the "
+                             "cache", "E_STATE")
+        return self.owner.h
+
     def _load(self, tensors, blocks, ck, host) -> None:
         cfg = _lib.SchedConfig(_dev_index(self.device), 0, 0, None,
                                _lib.SCHED_CACHE)
+        h = ctypes.c_void_p()
         check(lib.laden_stream_create(ctypes.byref(cfg),
                                       ck._h if ck is not None else None,
-                                      ctypes.byref(self.sched)))
-        # The finalizer holds the VRAM context (if any) so that it outlives
-        # the VBAR the schedule keeps in it.
-        self._fin = weakref.finalize(self, _destroy_schedule, self.sched,
-                                     self.dc.vram)
+                                      ctypes.byref(h)))
+        # The VRAM context (if any) outlives the VBAR the schedule keeps
+        # in it.
+        self.owner = _Owned(h, _destroy_schedule, self.binding, self.dc.vram)
         # The parts outside blocks first, in pieces; then one per block.
         groups: List[List[_Tensor]] = [[]]
         size = 0
@@ -310,24 +322,25 @@ class _Runtime:
                 for t in tensors:
                     if t.c_block < len(keep) and keep[t.c_block] is None:
                         self._set(t, self._host_view(t).clone())
-            self._fin()
+            self.owner = None
             if isinstance(e, ValueError) and "safetensors dtype" in str(e):
                 raise InvalidArgumentError(
                     f"model '{self.spec.key}': {e}", "E_INVAL") from None
             raise
 
     # -- binding -----------------------------------------------------------------
-    def _set(self, t: _Tensor, value) -> None:
-        _set_tensor(t, value)
+    def _set(self, t: _Tensor, value, streamed_in=None) -> None:
+        _set_tensor(t, value, streamed_in)
 
     def _host_view(self, t: _Tensor):
         import torch
 
+        o = self.owner
         hp = ctypes.c_void_p()
         check(lib.laden_stream_host_ptr(self.sched, t.c_block, t.c_index,
                                         ctypes.byref(hp)))
         return _view(hp.value or 0, _nbytes(t), t.dtype, t.shape,
-                     torch.device("cpu"), self)
+                     torch.device("cpu"), o)
 
     def rebind(self) -> bool:
         """Points every tensor where it is now: its block's device copy or
@@ -337,19 +350,24 @@ class _Runtime:
             return False
         started = st.nslots > 0
         ptr = ctypes.c_uint64()
+        o = self.owner
+        self.gone.clear()
         for t in self.tensors:
-            on_dev = lib.laden_stream_is_resident(self.sched, t.c_block) or (
-                started and lib.laden_stream_is_streamed(self.sched,
-                                                         t.c_block))
-            if on_dev:
-                check(lib.laden_stream_tensor_ptr(self.sched, t.c_block,
-                                                  t.c_index,
+            streamed = started and lib.laden_stream_is_streamed(o.h,
+                                                                t.c_block)
+            if streamed or lib.laden_stream_is_resident(o.h, t.c_block):
+                check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
                                                   ctypes.byref(ptr)))
                 value = _view(ptr.value, _nbytes(t), t.dtype, t.shape,
-                              self.device, self)
+                              self.device, o)
             else:
                 value = self._host_view(t)
-            self._set(t, value)
+            block = None
+            if streamed:
+                block = self.block_names.get(
+                    t.c_block, f"part {t.c_block} of the rest")
+                self.gone[value.untyped_storage().data_ptr()] = block
+            self._set(t, value, block)
         self.gen = st.generation
         return True
 
@@ -363,8 +381,8 @@ class _Runtime:
                     "cache.use(...) or between activate() and deactivate()",
                     "E_STATE")
 
-        _wrap_forward(mod, self.sched, c_block, self.device, self.wrapped,
-                      guard=guard)
+        _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
+                      guard=guard, gone=self.gone)
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
@@ -383,19 +401,28 @@ class _Runtime:
             else:
                 mod.__dict__.pop("forward", None)
         self.wrapped.clear()
+        self.gone.clear()
         for t in self.tensors:
-            if restore:
-                value = self._host_view(t).clone()
-            else:
-                value = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            self._set(t, value)
-        if self._fin is not None:
-            self._fin()
+            self._set(t, self._host_view(t).clone() if restore else _meta(t))
+        if self.device.type == "cuda":
+            # Its kernels must be done with the memory before it goes (a
+            # VBAR's pages are unmapped without the wait of a free).
+            torch.cuda.synchronize(self.device)
+        self.owner = None  # freed now unless tensors taken from it live on
         self.tensors = []
         self.model = None
 
 
-def _destroy_schedule(sched, vram) -> None:
+def _destroy_schedule(sched, binding, vram) -> None:
+    """A cache schedule's destructor: unbinds it from its C cache first
+    (when the model was dropped with the cache, not by it), so the cache
+    never holds a freed schedule."""
+    if binding[0] is not None:
+        cache, cid = binding[0]
+        binding[0] = None
+        lib.laden_cache_deactivate(cache.h, cid, 0)  # if still in use
+        lib.laden_cache_unbind(cache.h, cid)
+        lib.laden_cache_remove(cache.h, cid)
     lib.laden_stream_destroy(sched)
 
 
@@ -416,10 +443,12 @@ class _DeviceCache:
                                              ctypes.byref(free),
                                              ctypes.byref(total)))
                 vram_budget = max(free.value - HEADROOM_BYTES, 1)
-        self.c = ctypes.c_void_p()
+        c = ctypes.c_void_p()
         check(lib.laden_cache_create(vram_budget, pinned_budget or 0,
-                                     ctypes.byref(self.c)))
-        self._fin = weakref.finalize(self, lib.laden_cache_destroy, self.c)
+                                     ctypes.byref(c)))
+        # Its models' schedules hold it until they are destroyed.
+        self.owner = _Owned(c, lib.laden_cache_destroy)
+        self.c = c
         self.by_id: Dict[int, _Runtime] = {}
 
     def stats(self) -> "_lib.CacheStats":
@@ -459,7 +488,17 @@ class ModelCache:
 
     One runtime per key, used by one caller at a time.  Buffers changed on
     the device are not copied back: they keep their values while the model
-    stays on the device and return to the built values once evicted."""
+    stays on the device and return to the built values once evicted.
+
+    Threads: the cache's methods may be called from several threads (they
+    take its lock), and different models run in different threads at
+    once.  One model is used by one thread at a time, as every streamed
+    model is: while a thread runs one of its blocks, a call of that model
+    from another thread raises StateError at once (two threads in one
+    model's slots would corrupt each other).  A cache dropped without
+    ``clear()`` frees its models' memory, files and threads when the
+    garbage collector takes it; tensors taken from a model keep its memory
+    valid while they live."""
 
     def __init__(self, *, vram_budget=None, ram_budget=None,
                  pinned_budget=None, vram=None):
@@ -474,6 +513,7 @@ class ModelCache:
         self._uses: Dict[str, int] = {}
         self._last: Dict[str, float] = {}
         self._lock = threading.RLock()
+        self._failed: set = set()  # keys whose last build raised
         self.builds = 0
         self.drops = 0
 
@@ -567,7 +607,12 @@ class ModelCache:
                 self._drop(spec.key, "device change", restore=adopt is not None)
                 rt = None
             if rt is None:
-                rt = self._build(spec, dev, adopt)
+                try:
+                    rt = self._build(spec, dev, adopt)
+                except BaseException:
+                    self._failed.add(spec.key)
+                    raise
+                self._failed.discard(spec.key)
             self._run(rt, lookahead)
             return rt
 
@@ -604,6 +649,7 @@ class ModelCache:
             rt.destroy(restore=adopt is not None)
             raise
         rt.id = cid.value
+        rt.binding[0] = (dc.owner, rt.id)
         dc.by_id[rt.id] = rt
         self._rt[spec.key] = rt
         self._known_size[spec.key] = rt.size
@@ -704,6 +750,7 @@ class ModelCache:
         dc = rt.dc
         check(lib.laden_cache_unbind(dc.c, rt.id))
         check(lib.laden_cache_remove(dc.c, rt.id))
+        rt.binding[0] = None
         del dc.by_id[rt.id]
         del self._rt[key]
         self._uses[key] = self._uses.get(key, 0) + rt.uses
@@ -750,8 +797,9 @@ class ModelCache:
 
     def clear(self) -> None:
         """Frees every model's device and host memory (they are rebuilt on
-        their next use; specs stay registered).  StateError, with nothing
-        freed, if a model is in use."""
+        their next use; specs stay registered, except those whose build
+        failed: they are forgotten).  StateError, with nothing freed, if a
+        model is in use."""
         with self._lock:
             busy = [k for k, rt in self._rt.items() if rt.in_use]
             if busy:
@@ -759,6 +807,10 @@ class ModelCache:
                     f"clear: models in use: {', '.join(busy)}", "E_STATE")
             for key in list(self._rt):
                 self._drop(key, "clear")
+            for key in self._failed:
+                self._specs.pop(key, None)
+                self._known_size.pop(key, None)
+            self._failed.clear()
 
     # -- reporting -------------------------------------------------------------
     def info(self, key: str) -> CacheInfo:

@@ -1,5 +1,5 @@
-"""Checkpoints: the tensor table from libladen's validated headers, zero-copy
-views over a private mapping, and reads through the C reader pool."""
+"""Checkpoints: the tensor table from libladen's validated headers, and
+reads through the C reader pool."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 from . import _lib
 from ._dtypes import torch_dtype
 from ._lib import check, lib
-from .errors import InvalidArgumentError
+from .errors import FormatError, InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -98,35 +98,16 @@ def default_reader() -> Reader:
 
 
 class _File:
-    """An open file of the checkpoint (C handle) and, on demand, its private
-    mapping.  Tensor views keep the mapping alive after the checkpoint is
-    closed; the mapping is unmapped when the last one is gone."""
+    """An open file of the checkpoint (C handle)."""
 
     def __init__(self, path: str):
         h = ctypes.c_void_p()
         check(lib.laden_io_file_open(path.encode(), ctypes.byref(h)))
         self.handle = h
         self._fin = weakref.finalize(self, lib.laden_io_file_close, h)
-        self.mapping: Optional[_Mapping] = None
-
-    def map(self) -> "_Mapping":
-        if self.mapping is None:
-            self.mapping = _Mapping(self.handle)
-        return self.mapping
 
     def close(self) -> None:
-        self.mapping = None
         self._fin()
-
-
-class _Mapping:
-    def __init__(self, file_handle: ctypes.c_void_p):
-        addr, size = ctypes.c_void_p(), ctypes.c_uint64()
-        check(lib.laden_io_map(file_handle, ctypes.byref(addr),
-                               ctypes.byref(size)))
-        self.addr = addr.value or 0
-        self.size = size.value
-        weakref.finalize(self, lib.laden_io_unmap, addr, size)
 
 
 def _to_str(path: PathLike) -> str:
@@ -211,14 +192,23 @@ class Checkpoint:
         with self._lock:
             f = self._files.get(index)
             if f is None:
-                f = self._files[index] = _File(self.files[index])
+                f = _File(self.files[index])
+                if lib.laden_io_file_size(f.handle) != \
+                        self.file_sizes[index]:
+                    f.close()
+                    raise FormatError(
+                        f"{self.files[index]}: the file changed since its "
+                        "header was read (its size differs); open it "
+                        "again", "E_CHANGED")
+                self._files[index] = f
             return f
 
     def tensor(self, name: str):
-        """A zero-copy CPU tensor over the file's private mapping.  Pages are
-        read from the page cache on first touch; writes to the tensor change
-        private copies, never the file.  The view stays valid after
-        ``close()``."""
+        """The tensor as a new CPU tensor, read with the reader pool.  It
+        is the caller's: it stays valid after ``close()`` and whatever
+        happens to the file (a view of the file's pages would raise SIGBUS
+        once the file is truncated).  Reading a file that changed since
+        this checkpoint first read from it raises FormatError."""
         import torch
 
         ti = self.info(name)
@@ -228,16 +218,10 @@ class Checkpoint:
                 f"tensor '{name}' is {ti.dtype}, which this torch has no "
                 f"dtype for; read its raw bytes with read_into(name, "
                 f"torch.empty({ti.nbytes}, dtype=torch.uint8))", "E_INVAL")
-        if ti.nbytes == 0:
-            return torch.empty(ti.shape, dtype=dt)
-        m = self._file(ti.file_index).map()
-        buf = (ctypes.c_uint8 * ti.nbytes).from_address(m.addr + ti.offset)
-        buf._laden_mapping = m  # the view keeps the mapping alive
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-        return flat.view(dt).reshape(ti.shape)
+        out = torch.empty(ti.shape, dtype=dt)
+        if ti.nbytes:
+            self.read_into(name, out)
+        return out
 
     def read_into(self, name: str, out, reader: Optional[Reader] = None):
         """Reads the tensor's bytes into ``out`` with the C reader pool and
@@ -328,7 +312,7 @@ class Checkpoint:
                 f"checkpoint {self.path} is closed", "E_INVAL")
 
     def close(self) -> None:
-        """Frees the table and closes files.  Tensor views made with
+        """Frees the table and closes files.  Tensors made with
         ``tensor()`` stay valid."""
         with self._lock:
             for f in self._files.values():

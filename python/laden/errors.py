@@ -23,7 +23,8 @@ class LadenError(Exception):
 
 
 class FormatError(LadenError, ValueError):
-    """The checkpoint or its index is malformed."""
+    """The checkpoint or its index is malformed, or changed on disk while
+    laden used it (status ``E_CHANGED``)."""
 
 
 class CheckpointNotFoundError(LadenError, FileNotFoundError):
@@ -92,4 +93,5 @@ BY_STATUS = {
     "E_BUDGET": BudgetError,
     "E_UNSUPPORTED": DeviceError,
     "E_STATE": StateError,
+    "E_CHANGED": FormatError,
 }

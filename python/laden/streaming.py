@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -205,13 +206,33 @@ class LoadReport:
     __repr__ = __str__
 
 
+class _Owned:
+    """One C object (a schedule, a cache, device memory) and its
+    destructor.  Every tensor over its memory holds this object, and this
+    object holds nothing that holds a module: dropping a model then frees
+    its memory by reference counting, and tensors taken from it keep the
+    memory valid for as long as they live (no cycle through a C++ storage,
+    which Python's collector cannot see, keeps a model alive for good).
+    ``keep`` are objects that must outlive the C object (a VRAM context)."""
+
+    __slots__ = ("h", "_fin", "__weakref__")
+
+    def __init__(self, h, destroy, *keep):
+        self.h = h
+        self._fin = weakref.finalize(self, destroy, h, *keep)
+
+
+def _destroy_schedule(sched, *keep) -> None:
+    lib.laden_stream_destroy(sched)
+
+
 class _Stream:
     """laden's state for one model: the C schedule and what is bound."""
 
     def __init__(self, device, path: Optional[str]):
         self.device = device
         self.path = path
-        self.sched = ctypes.c_void_p()
+        self.owner: Optional[_Owned] = None  # the schedule, until release
         self.blocks: List[BlockInfo] = []
         self.tensors: List[_Tensor] = []
         self.rest_bytes = 0
@@ -220,88 +241,188 @@ class _Stream:
         self.ckpt: Optional[Checkpoint] = None
         self.handle: Optional["OffloadHandle"] = None
         self.vram = None  # a laden.vbar.VRAM the schedule's memory is from
-        self._fin = None
+        self.name = "the model"
+        self.hooks: list = []    # hook handles on the model and its blocks
+        self.gone: Dict[int, str] = {}  # storage address -> streamed block
+        self.passes = threading.local()  # this thread's laden_stream_begin
 
-    def own(self, vram=None) -> None:
-        """Destroys the schedule with this object; `vram` (the context its
-        memory comes from) is kept alive until then."""
+    def create(self, st_handle, lookahead: int, vram=None) -> None:
+        """Creates the C schedule, destroyed when the last tensor over its
+        memory (or this state) lets go of it; `vram` (the context its
+        memory comes from) outlives it."""
+        cfg = _lib.SchedConfig(_dev_index(self.device),
+                               max(1, min(63, lookahead)), 0, None)
+        h = ctypes.c_void_p()
+        check(lib.laden_stream_create(ctypes.byref(cfg), st_handle,
+                                      ctypes.byref(h)))
         self.vram = vram
-        self._fin = weakref.finalize(self, _destroy_schedule, self.sched,
-                                     vram)
+        self.owner = _Owned(h, _destroy_schedule, vram)
 
     @property
     def alive(self) -> bool:
-        return self._fin is not None and self._fin.alive
+        return self.owner is not None
+
+    @property
+    def sched(self) -> ctypes.c_void_p:
+        return self.live("laden").h
+
+    def live(self, what: str) -> _Owned:
+        """The schedule's owner, or StateError once the model was
+        released.  Callers keep the returned object in a local while they
+        call into C, so that the schedule outlives the call."""
+        o = self.owner
+        if o is None:
+            raise StateError(
+                f"{what}: {self.name} was released (laden.release); load it "
+                "again with laden.stream_load", "E_STATE")
+        return o
 
     def destroy(self) -> None:
-        if self._fin is not None:
-            self._fin()
+        """Drops this state's hold on the schedule (freed now unless
+        tensors taken from the model still use its memory) and closes the
+        checkpoint."""
+        self.owner = None
         if self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
 
-    def stats(self) -> "_lib.SchedStats":
+    def stats(self, what: str = "stats") -> "_lib.SchedStats":
+        o = self.live(what)
         st = _lib.SchedStats()
-        check(lib.laden_stream_stats(self.sched, ctypes.byref(st)))
+        check(lib.laden_stream_stats(o.h, ctypes.byref(st)))
         return st
 
-    def _bind_compact_home(self, t: _Tensor) -> None:
-        q, _ = _compact_views(self, t, "home")
-        if q is None:  # disk tier: the checkpoint's own bytes, mapped
-            q = self.ckpt.tensor(t.ckpt_name)
-        self._set(t, q)
-
     # -- binding parameters to laden memory --------------------------------
-    def _set(self, t: _Tensor, value) -> None:
-        _set_tensor(t, value)
+    def _set(self, t: _Tensor, value, streamed_in: Optional[str] = None
+             ) -> None:
+        _set_tensor(t, value, streamed_in)
 
     def bind(self, t: _Tensor, where: str) -> None:
-        """Points t at laden memory: 'run' (where the block runs from),
-        'home' (its RAM copy or, on the disk tier, the checkpoint's
-        mapping)."""
+        """Points t at laden memory: 'run' (where the block runs from) or
+        'home' (its RAM copy).  Disk-tier tensors have no home: they are
+        on meta outside install_offload (a view of the checkpoint's pages
+        would raise SIGBUS once the file is truncated)."""
+        import torch
+
+        o = self.live("bind")
         nbytes = _nbytes(t)
         if t.store != "plain":
-            self._bind_compact_home(t)
+            q, _ = _compact_views(self, t, "home")
+            self._set(t, q if q is not None else _meta(t, q))
             return
         if where == "run":
             ptr = ctypes.c_uint64()
-            check(lib.laden_stream_tensor_ptr(self.sched, t.c_block,
-                                              t.c_index, ctypes.byref(ptr)))
+            check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
+                                              ctypes.byref(ptr)))
             value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
-                          self)
-        else:
-            import torch
-
-            hp = ctypes.c_void_p()
-            check(lib.laden_stream_host_ptr(self.sched, t.c_block, t.c_index,
-                                            ctypes.byref(hp)))
-            if hp.value:
-                value = _view(hp.value, nbytes, t.dtype, t.shape,
-                              torch.device("cpu"), self)
-            else:  # disk tier: the file's pages, mapped
-                value = self.ckpt.tensor(t.ckpt_name)
+                          o)
+            streamed = lib.laden_stream_is_streamed(o.h, t.c_block)
+            block = self.blocks[t.block].name if t.block >= 0 else ""
+            if streamed:
+                self.gone[value.untyped_storage().data_ptr()] = block
+            self._set(t, value, block if streamed else None)
+            return
+        hp = ctypes.c_void_p()
+        check(lib.laden_stream_host_ptr(o.h, t.c_block, t.c_index,
+                                        ctypes.byref(hp)))
+        value = _view(hp.value, nbytes, t.dtype, t.shape,
+                      torch.device("cpu"), o) if hp.value else _meta(t)
         self._set(t, value)
 
 
-def _destroy_schedule(sched, vram) -> None:
-    lib.laden_stream_destroy(sched)
+def _meta(t: _Tensor, like=None):
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype if like is None else
+                       like.dtype, device="meta")
 
 
-def _set_tensor(t: _Tensor, value) -> None:
-    """Points every alias of t at `value`."""
+def _swap(old, new) -> bool:
+    """Gives the tensor object `old` the contents of `new`, so that every
+    reference to `old` (held by the user, an optimizer, tied modules)
+    follows laden's memory as it moves, and nothing keeps pointing at
+    memory laden gave back.  False where torch refuses (weakrefs)."""
+    import torch
+
+    try:
+        torch.utils.swap_tensors(old, new)
+        return True
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+
+
+def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
+                ) -> None:
+    """Points every alias of t at `value`.  The tensor object laden made
+    for t keeps its identity (its contents are swapped); `streamed_in`
+    names the block whose slot or workspace `value` is in: a gradient for
+    it would be wrong, so computing one raises."""
     import torch
 
     if t.is_param:
-        # A new Parameter each time: set_data refuses to move a parameter
-        # between devices or onto meta.
-        t.param = torch.nn.Parameter(
+        new = torch.nn.Parameter(
             value, requires_grad=t.requires_grad and
             value.dtype.is_floating_point)
+        if streamed_in is not None and new.requires_grad:
+            new.register_hook(_refuse_grad(t.names[0], streamed_in))
+        if t.param is not None and t.param.__class__ is new.__class__ and \
+                _swap(t.param, new):
+            new = t.param
+        t.param = new
         for mod, attr in t.aliases:
-            mod._parameters[attr] = t.param
+            mod._parameters[attr] = new
     else:
+        # A fresh alias to swap, not `value`: callers keep using theirs.
+        if t.param is not None and _swap(t.param, value.detach()):
+            value = t.param
+        t.param = value
         for mod, attr in t.aliases:
             mod._buffers[attr] = value
+
+
+class _Gone:
+    """A tensor saved for backward that lived in streamed memory."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: str):
+        self.block = block
+
+
+def _training_error(what: str) -> StateError:
+    return StateError(
+        f"backward through {what}: laden streamed its weights through "
+        "device memory that later blocks have overwritten, so its gradient "
+        "would be wrong; training through streamed blocks is not supported "
+        "yet: run the forward under torch.no_grad() or "
+        "torch.inference_mode(), or keep the blocks that need gradients "
+        "resident (resident_prefixes)", "E_STATE")
+
+
+def _refuse_grad(name: str, block: str):
+    def hook(grad):
+        raise _training_error(f"parameter '{name}' of streamed block "
+                              f"'{block}'")
+    return hook
+
+
+def _saved_hooks(gone: Dict[int, str]):
+    """saved_tensors_hooks that let a streamed block's forward save what
+    backward needs, except tensors in streamed memory: those become a
+    marker whose unpacking raises."""
+    def pack(x):
+        try:
+            block = gone.get(x.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return x
+        return x if block is None else _Gone(block)
+
+    def unpack(x):
+        if isinstance(x, _Gone):
+            raise _training_error(f"streamed block '{x.block}'")
+        return x
+
+    return pack, unpack
 
 
 def _numel(t: _Tensor) -> int:
@@ -325,10 +446,11 @@ def _compact_views(state, t: _Tensor, where: str):
     fetch = lib.laden_stream_tensor_ptr if where == "run" else \
         lib.laden_stream_host_ptr
     dev = state.device if where == "run" else torch.device("cpu")
+    o = state.live("bind")
 
     def ptr(index):
         out = ctypes.c_uint64() if where == "run" else ctypes.c_void_p()
-        check(fetch(state.sched, t.c_block, index, ctypes.byref(out)))
+        check(fetch(o.h, t.c_block, index, ctypes.byref(out)))
         return out.value or 0
 
     base = ptr(t.c_index)
@@ -336,16 +458,16 @@ def _compact_views(state, t: _Tensor, where: str):
         return None, None
     n = _numel(t)
     if t.store == "c16":
-        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, state), None
+        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o), None
     q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
-                                  "F8_E4M3"), t.shape, dev, state)
+                                  "F8_E4M3"), t.shape, dev, o)
     if t.store == "q8":
         scale = _view(base + (n + 15) // 16 * 16, 4 * t.shape[0],
-                      torch.float32, (t.shape[0],), dev, state)
+                      torch.float32, (t.shape[0],), dev, o)
     elif t.scale_name:
         info = state.ckpt.info(t.scale_name)
         scale = _view(ptr(t.scale_index), info.nbytes, info.torch_dtype,
-                      info.shape, dev, state)
+                      info.shape, dev, o)
     else:
         scale = None
     return q, scale
@@ -851,16 +973,11 @@ def _assign_tiers(state: _Stream, vram: Optional[int], ram: Optional[int],
 
 def _load(model, state: _Stream, ck: Checkpoint, vram=None,
           lookahead: int = 2) -> None:
-    import torch
-
-    cfg = _lib.SchedConfig(_dev_index(state.device),
-                           max(1, min(63, lookahead)), 0, None)
-    check(lib.laden_stream_create(ctypes.byref(cfg), ck._h,
-                                  ctypes.byref(state.sched)))
-    state.own(vram)
+    state.create(ck._h, lookahead, vram)
+    o = state.owner
     try:
         if vram is not None:
-            check(lib.laden_stream_use_vram(state.sched, vram._h))
+            check(lib.laden_stream_use_vram(o.h, vram._h))
         groups = [(-1, _lib.TIER_GPU, [t for t in state.tensors
                                        if t.block < 0])]
         # In a VRAM context the blocks chosen for the device get it if the
@@ -871,8 +988,7 @@ def _load(model, state: _Stream, ck: Checkpoint, vram=None,
         cb = ctypes.c_uint32()
         ci = ctypes.c_uint32()
         for i, tier, ts in groups:
-            check(lib.laden_stream_add_block(state.sched, tier,
-                                             ctypes.byref(cb)))
+            check(lib.laden_stream_add_block(o.h, tier, ctypes.byref(cb)))
             if i >= 0:
                 state.blocks[i].c_block = cb.value
             for t in ts:
@@ -885,22 +1001,20 @@ def _load(model, state: _Stream, ck: Checkpoint, vram=None,
                 elif t.store == "ck8":
                     code = _DTYPE_CODE[t.store_dtype]
                 check(lib.laden_stream_add_tensor(
-                    state.sched, cb.value, ck._h, idx, code,
-                    ctypes.byref(ci)))
+                    o.h, cb.value, ck._h, idx, code, ctypes.byref(ci)))
                 t.c_block, t.c_index = cb.value, ci.value
                 if t.store == "ck8" and t.scale_name:
                     sinfo = ck.info(t.scale_name)
                     check(lib.laden_stream_add_tensor(
-                        state.sched, cb.value, ck._h,
-                        ck._index[t.scale_name], _DTYPE_CODE[sinfo.dtype],
-                        ctypes.byref(ci)))
+                        o.h, cb.value, ck._h, ck._index[t.scale_name],
+                        _DTYPE_CODE[sinfo.dtype], ctypes.byref(ci)))
                     t.scale_index = ci.value
-        check(lib.laden_stream_load(state.sched))
+        check(lib.laden_stream_load(o.h))
     except BaseException:
         state.destroy()
         raise
     for b in state.blocks:
-        got = lib.laden_stream_block_tier(state.sched, b.c_block)
+        got = lib.laden_stream_block_tier(o.h, b.c_block)
         if got != b.tier:
             log.info("block %s (%s): the VRAM context has no room, it "
                      "streams from RAM", b.name, fmt_bytes(b.nbytes))
@@ -910,7 +1024,7 @@ def _load(model, state: _Stream, ck: Checkpoint, vram=None,
     # Point the model at laden's memory: resident tensors where they run,
     # streamed ones at their home until install_offload.
     for t in state.tensors:
-        streamed = lib.laden_stream_is_streamed(state.sched, t.c_block)
+        streamed = lib.laden_stream_is_streamed(o.h, t.c_block)
         state.bind(t, "home" if streamed else "run")
     # Tensors the model was built with and the checkpoint lacks go to the
     # device as they are (they are not laden's).
@@ -924,81 +1038,184 @@ def _load(model, state: _Stream, ck: Checkpoint, vram=None,
                 moved = cur.to(state.device)
                 for m2, a2 in t.aliases:
                     m2._buffers[a2] = moved
+    _attach(model, state)
     model._laden_stream = state
+
+
+# ---- hooks on the model ------------------------------------------------------
+
+def _attach(model, state: _Stream) -> None:
+    """Hooks on the loaded model.  A forward of the model holds the schedule
+    from its first block to its last (laden_stream_begin/end), so that a
+    second thread's forward, or release() from another thread, is refused
+    at once instead of interleaving with it.  Disk-tier blocks refuse to run
+    outside install_offload: they have no copy in memory."""
+    _unmark_released(model)
+    state.name = f"model {type(model).__name__}"
+    state.hooks.append(model.register_forward_pre_hook(_begin_pass(state)))
+    state.hooks.append(model.register_forward_hook(_end_pass(state),
+                                                   always_call=True))
+    for b in state.blocks:
+        if b.tier == _lib.TIER_DISK:
+            state.hooks.append(b.module.register_forward_pre_hook(
+                _needs_offload(state, b.name)))
+
+
+def _begin_pass(state: _Stream):
+    def pre(mod, args):
+        tl = state.passes
+        if getattr(tl, "n", 0):
+            # A forward of this thread that an interrupt (not an
+            # Exception) ended without its end hook, or the model calling
+            # itself: the pass is held already.
+            return
+        o = state.live("forward")
+        s = lib.laden_stream_begin(o.h)
+        if s:
+            err = error_for(s)
+            raise type(err)(f"{state.name}: {err}", err.status, err.code)
+        tl.n = 1
+    return pre
+
+
+def _end_pass(state: _Stream):
+    def post(mod, args, out):
+        tl = state.passes
+        o = state.owner
+        if getattr(tl, "n", 0) and o is not None:
+            tl.n = 0
+            lib.laden_stream_end(o.h)
+    return post
+
+
+def _needs_offload(state: _Stream, block: str):
+    def pre(mod, args):
+        if state.handle is None:
+            raise StateError(
+                f"block '{block}' of {state.name} is on the disk tier: its "
+                "weights are read from the checkpoint while it runs under "
+                "laden.install_offload, which is not installed", "E_STATE")
+    return pre
+
+
+def _mark_released(model, state: _Stream) -> None:
+    """After release the model and its blocks refuse to run: their weights
+    are on meta, where some torch ops would return a result instead of
+    failing."""
+    def refuse(mod, args):
+        raise StateError(
+            f"{state.name} was released (laden.release): its weights are "
+            "gone; load it again with laden.stream_load", "E_STATE")
+
+    mods = [model] if hasattr(model, "register_forward_pre_hook") else []
+    mods += [b.module for b in state.blocks if b.module is not None]
+    handles = [m.register_forward_pre_hook(refuse) for m in mods]
+    if mods and mods[0] is model:
+        model._laden_released = handles
+
+
+def _unmark_released(model) -> None:
+    for h in model.__dict__.pop("_laden_released", ()):
+        h.remove()
 
 
 class OffloadHandle:
     """Returned by install_offload / offload_blocks.  ``remove()`` restores
     plain modules; their weights stay where laden keeps them (resident
-    blocks on the device, streamed blocks in RAM or mapped from the
-    checkpoint)."""
+    blocks on the device, streamed blocks in RAM; disk-tier blocks have no
+    copy in memory and refuse to run until install_offload again)."""
 
     def __init__(self, state: _Stream, lookahead: int):
         self.state = state
         self.lookahead = lookahead
         self._wrapped: List[Tuple[object, object, bool]] = []
         self.active = False
-        self.workspace = 0  # device memory for expanded fp8 tensors
+        self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
 
     def stats(self) -> Dict[str, int]:
         """Counters of the schedule: enters, misses, bytes copied and
-        read, device and pinned bytes held."""
-        st = self.state.stats()
+        read, device and pinned bytes held.  StateError after release."""
+        st = self.state.stats("OffloadHandle.stats")
         return {f: getattr(st, f) for f, _ in st._fields_}
 
     def remove(self) -> None:
+        """Frees the slots and unwraps the blocks.  StateError after
+        release, or while another thread runs the model (nothing changes
+        then)."""
+        st = self.state
+        o = st.live("OffloadHandle.remove")
         if not self.active:
             return
+        check(lib.laden_stream_stop(o.h))
+        self._unwrap()
+        st.gone.clear()
+        for b in st.blocks:
+            streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
+            for t in b.tensors:
+                if streamed or t.store != "plain":
+                    st.bind(t, "home")
+        self._drop_workspace()
+
+    def _unwrap(self) -> None:
         for mod, prev, had in self._wrapped:
             if had:
                 mod.forward = prev
             else:
-                try:
-                    del mod.forward
-                except AttributeError:
-                    pass
+                mod.__dict__.pop("forward", None)
         self._wrapped.clear()
-        st = self.state
-        check(lib.laden_stream_stop(st.sched))
-        for b in st.blocks:
-            streamed = lib.laden_stream_is_streamed(st.sched, b.c_block)
-            for t in b.tensors:
-                if streamed or t.store != "plain":
-                    st.bind(t, "home")
-        if self.workspace:
-            if st.device.type == "cuda":
-                import torch
-                torch.cuda.synchronize(st.device)
-            lib.laden_dev_mem_free(_dev_index(st.device), self.workspace)
-            self.workspace = 0
         self.active = False
-        st.handle = None
+        if self.state.handle is self:
+            self.state.handle = None
+
+    def _drop_workspace(self) -> None:
+        ws, self.workspace = self.workspace, None
+        if ws is not None and self.state.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.state.device)
+        del ws  # freed now unless a tensor taken from the model holds it
 
 
-def _wrap_forward(mod, sched, c_block: int, device, wrapped: list,
-                  expansions=(), guard=None):
+def _free_device_memory(ptr: int, device: int) -> None:
+    lib.laden_dev_mem_free(device, ptr)
+
+
+def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
+                  expansions=(), guard=None, gone=None):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
-    can be undone.  `guard()`, if given, runs first (it may raise)."""
+    can be undone.  `guard()`, if given, runs first (it may raise).  With
+    `gone` (storage address -> block, for memory that later blocks
+    overwrite), what the forward saves for backward from that memory
+    raises when backward unpacks it, instead of giving a wrong gradient."""
+    import torch
+
     enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
     had = "forward" in mod.__dict__
     orig = mod.forward
+    grad_on = torch.is_grad_enabled
+    hooks = _saved_hooks(gone) if gone is not None else None
+    saved = torch.autograd.graph.saved_tensors_hooks
 
     def forward(*args, **kwargs):
         if guard is not None:
             guard()
         stream = _compute_stream(device)  # once: enter and exit share it
-        s = enter(sched, c_block, stream)
+        s = enter(owner.h, c_block, stream)
         if s:
             raise error_for(s)
         try:
             for buf, q, sc, kind in expansions:
                 expand_fp8(buf, q, sc, kind)
-            out = orig(*args, **kwargs)
+            if hooks is not None and grad_on():
+                with saved(*hooks):
+                    out = orig(*args, **kwargs)
+            else:
+                out = orig(*args, **kwargs)
         except BaseException:
-            leave(sched, c_block, stream)
+            leave(owner.h, c_block, stream)
             raise
-        s = leave(sched, c_block, stream)
+        s = leave(owner.h, c_block, stream)
         if s:
             raise error_for(s)
         return out
@@ -1015,9 +1232,13 @@ def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
     before and one after.  Returns a handle; ``handle.remove()`` undoes
     it."""
     state = getattr(model, "_laden_stream", None)
-    if state is None or not state.alive:
-        raise StateError("install_offload: the model was not loaded with "
-                         "laden.stream_load", "E_STATE")
+    if state is None:
+        why = ("was released (laden.release); load it again with "
+               "laden.stream_load" if "_laden_released" in
+               getattr(model, "__dict__", {}) else
+               "was not loaded with laden.stream_load")
+        raise StateError(f"install_offload: the model {why}", "E_STATE")
+    state.live("install_offload")
     if device is not None and _device(device) != state.device:
         raise InvalidArgumentError(
             f"install_offload: device {device} differs from {state.device}, "
@@ -1032,8 +1253,11 @@ def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
 
 
 def _start(state: _Stream, lookahead: int) -> OffloadHandle:
-    check(lib.laden_stream_start(state.sched, lookahead))
+    o = state.live("install_offload")
+    check(lib.laden_stream_start(o.h, lookahead))
     handle = OffloadHandle(state, lookahead)
+    state.handle = handle
+    handle.active = True
     try:
         # One workspace, the size of the largest block's expanded compact
         # tensors: blocks run one after another on one stream.
@@ -1044,11 +1268,11 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
             ws = max(ws, need)
         if ws:
             p = ctypes.c_uint64()
-            check(lib.laden_dev_mem_alloc(_dev_index(state.device), ws,
-                                          ctypes.byref(p)))
-            handle.workspace = p.value
+            dev = _dev_index(state.device)
+            check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
+            handle.workspace = _Owned(p.value, _free_device_memory, dev)
         for b in state.blocks:
-            streamed = lib.laden_stream_is_streamed(state.sched, b.c_block)
+            streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
             expansions = []
             off = 0
             for t in b.tensors:
@@ -1057,20 +1281,20 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
                         state.bind(t, "run")
                     continue
                 q, sc = _compact_views(state, t, "run")
-                out = _view(handle.workspace + off, _nbytes(t), t.dtype,
-                            t.shape, state.device, (state, handle))
+                ws_owner = handle.workspace
+                out = _view(ws_owner.h + off, _nbytes(t), t.dtype, t.shape,
+                            state.device, ws_owner)
                 off += (_nbytes(t) + 255) // 256 * 256
-                state._set(t, out)
+                # The workspace is the next block's too.
+                state.gone[out.untyped_storage().data_ptr()] = b.name
+                state._set(t, out, b.name)
                 expansions.append((out, q, sc, t.scale_kind))
             if streamed or expansions:
-                _wrap_forward(b.module, state.sched, b.c_block, state.device,
-                              handle._wrapped, expansions)
+                _wrap_forward(b.module, o, b.c_block, state.device,
+                              handle._wrapped, expansions, gone=state.gone)
     except BaseException:
-        handle.active = True
         handle.remove()
         raise
-    handle.active = True
-    state.handle = handle
     return handle
 
 
@@ -1092,16 +1316,15 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
         raise InvalidArgumentError("offload_blocks: no blocks given",
                                    "E_INVAL")
     state = _Stream(dev, None)
+    state.name = f"the {len(blocks)} offloaded blocks"
     keep = []  # host tensors must live until load copied them
-    cfg = _lib.SchedConfig(_dev_index(dev), 0, 0, None)
-    check(lib.laden_stream_create(ctypes.byref(cfg), None,
-                                  ctypes.byref(state.sched)))
-    state.own()
+    state.create(None, lookahead)
+    o = state.owner
     cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
     for i, mod in enumerate(blocks):
         info = BlockInfo(f"block {i} ({type(mod).__name__})", mod,
                          _lib.TIER_RAM)
-        check(lib.laden_stream_add_block(state.sched, _lib.TIER_RAM,
+        check(lib.laden_stream_add_block(o.h, _lib.TIER_RAM,
                                          ctypes.byref(cb)))
         info.c_block = cb.value
         for t in _collect(mod):
@@ -1122,7 +1345,7 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
                 state.destroy()
                 raise InvalidArgumentError(f"offload_blocks: {e}", "E_INVAL")
             st = lib.laden_stream_add_host_tensor(
-                state.sched, cb.value, ctypes.c_void_p(src.data_ptr()), sdt,
+                o.h, cb.value, ctypes.c_void_p(src.data_ptr()), sdt,
                 src.numel(), ddt, ctypes.byref(ci))
             if st:
                 err = error_for(st)
@@ -1134,7 +1357,7 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
             state.tensors.append(t)
         state.blocks.append(info)
     try:
-        check(lib.laden_stream_load(state.sched))
+        check(lib.laden_stream_load(o.h))
     except BaseException:
         state.destroy()
         raise
@@ -1147,8 +1370,13 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
 def release(model, handle: Optional[OffloadHandle] = None) -> None:
     """Removes laden's hooks, frees every byte of RAM and VRAM laden holds
     for the model, and leaves its laden-loaded parameters and buffers on
-    ``meta``.  The model cannot run afterwards; tensors taken from it
-    before are invalid."""
+    ``meta`` (the tensor objects themselves: a parameter taken from the
+    model before is on meta too).  Afterwards a forward of the model or of
+    its blocks raises StateError, and so do the handle's methods.
+
+    StateError, changing nothing, while another thread runs the model.
+    Memory that tensors derived from the model's (views, slices) still use
+    is freed when they are, with a warning here."""
     import torch
 
     state = handle.state if handle is not None else getattr(
@@ -1156,17 +1384,43 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     if state is None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
-    if state.handle is not None:
-        state.handle.remove()
+    o = state.live("release")
+    tl = state.passes
+    if getattr(tl, "n", 0):  # this thread's own pass, left by an interrupt
+        tl.n = 0
+        lib.laden_stream_end(o.h)
+    s = lib.laden_stream_close(o.h)
+    if s:
+        err = error_for(s)
+        raise StateError(f"release: {state.name}: {err}", err.status,
+                         err.code)
+    # Closed: no thread gets into the schedule any more, and from now on
+    # the model and its blocks refuse to run (before their hooks go, so
+    # that no forward of another thread runs half on meta weights).
+    _mark_released(model, state)
+    for hk in state.hooks:
+        hk.remove()
+    state.hooks.clear()
+    h = state.handle
+    if h is not None:
+        h._unwrap()
+    state.gone.clear()
     for t in state.tensors:
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        state._set(t, meta)
-    if state.vram is not None and state.device.type == "cuda":
-        # Pages of a VBAR are unmapped at destroy: the model's kernels
-        # must be done with them.
+        state._set(t, _meta(t))
+    if state.device.type == "cuda":
+        # The model's kernels must be done with its memory before it goes
+        # (a VBAR's pages are unmapped without the wait of a device free).
         torch.cuda.synchronize(state.device)
+    if h is not None:
+        h._drop_workspace()
+    left = weakref.ref(o)
+    del o
     state.destroy()
     if getattr(model, "_laden_stream", None) is state:
         del model._laden_stream
+    if left() is not None:
+        log.warning("laden.release: tensors taken from %s still use "
+                    "laden's memory; it is freed when they are gone",
+                    state.name)
     if state.device.type == "cuda":
         torch.cuda.empty_cache()

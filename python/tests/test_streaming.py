@@ -118,13 +118,12 @@ def test_remove_restores_plain_modules(ckpt):
     ref, path = ckpt
     _, want = expected(ref, "cpu")
     m = on_meta()
-    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
-                      ram_budget="40kB")
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu")
     h = laden.install_offload(m)
     h.remove()
     h.remove()  # twice is fine
     assert "forward" not in m.blocks[0].__dict__
-    with torch.no_grad():  # weights stay: RAM copies and mapped disk blocks
+    with torch.no_grad():  # weights stay: their RAM copies
         assert torch.equal(m(ids()), want)
     h2 = laden.install_offload(m, lookahead=3)
     with torch.no_grad():
@@ -132,6 +131,33 @@ def test_remove_restores_plain_modules(ckpt):
     with pytest.raises(laden.StateError):
         laden.install_offload(m)
     laden.release(m, h2)
+
+
+def test_disk_blocks_have_no_copy_outside_install_offload(ckpt):
+    """Disk-tier weights are on meta outside install_offload (a view of the
+    checkpoint's pages would be a SIGBUS once the file is truncated), and
+    their blocks refuse to run instead of computing with meta tensors."""
+    ref, path = ckpt
+    _, want = expected(ref, "cpu")
+    m = on_meta()
+    report = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                               device="cpu", ram_budget="40kB")
+    disk = [name for name, _, tier in report.blocks if tier == "disk"]
+    assert disk
+    blk = laden.streaming._module_at(m, disk[0].rstrip("."))
+    assert blk.up.weight.device.type == "meta"
+    with pytest.raises(laden.StateError, match=f"'{disk[0]}'.*disk tier"):
+        with torch.no_grad():
+            m(ids())
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids()), want)
+    h.remove()
+    assert blk.up.weight.device.type == "meta"
+    with pytest.raises(laden.StateError, match="install_offload"):
+        with torch.no_grad():
+            m(ids())
+    laden.release(m)
 
 
 def test_compute_dtype_and_key_map(tmp_path):
