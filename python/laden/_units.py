@@ -22,12 +22,18 @@ def parse_size(value: Union[int, float, str]) -> int:
         if value < 0:
             raise ValueError(f"size {value!r} is negative")
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
+    m = re.fullmatch(r"\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*",
+                     str(value))
+    if not m or m.group(3).lower() not in _UNITS:
         raise ValueError(
             f"size {value!r} is not understood; write bytes or a number "
             "with a unit such as '9GB', '500MB' or '4GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if m.group(1):
+        raise ValueError(f"size {value!r} is negative")
+    n = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+    if n >= 2**64:  # no byte count in libladen can hold it
+        raise ValueError(f"size {value!r} is too large")
+    return n
 
 
 def fmt_bytes(n: float) -> str:

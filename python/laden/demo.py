@@ -14,6 +14,7 @@ import ctypes
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 import unicodedata
@@ -143,15 +144,32 @@ def _bert_classes():
     return Bert
 
 
-def load_config(model_dir: str) -> Dict:
-    path = os.path.join(model_dir, "config.json")
+def _read_text(path: str) -> str:
+    """A regular file's text.  Opened without blocking and checked before
+    reading, so that a FIFO (or a device) in its place is an error, not a
+    wait for a writer."""
     try:
-        with open(path) as f:
-            c = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise FileNotFoundError(f"{path}: {e.strerror}") from None
+    with os.fdopen(fd, encoding="utf-8") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        try:
+            return f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text: {e.reason}") from None
+
+
+def load_config(model_dir: str) -> Dict:
+    path = os.path.join(model_dir, "config.json")
+    text = _read_text(path)
+    try:
+        c = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{path}: not JSON: {e}") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{path}: not a BERT config (not a JSON object)")
     need = ("hidden_size", "num_attention_heads", "num_hidden_layers",
             "intermediate_size", "vocab_size", "max_position_embeddings",
             "type_vocab_size")
@@ -172,15 +190,19 @@ def load_config(model_dir: str) -> Dict:
 class WordPiece:
     def __init__(self, model_dir: str, lower: bool = True):
         path = os.path.join(model_dir, "vocab.txt")
-        try:
-            with open(path, encoding="utf-8") as f:
-                self.vocab = {w.rstrip("\n"): i for i, w in enumerate(f)}
-        except OSError as e:
-            raise FileNotFoundError(f"{path}: {e.strerror}") from None
+        words = _read_text(path).split("\n")
+        if words[-1] == "":
+            words.pop()  # the newline that ends the last line
+        self.vocab = {w: i for i, w in enumerate(words)}
         cfg = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(cfg):
-            with open(cfg) as f:
-                lower = json.load(f).get("do_lower_case", lower)
+            text = _read_text(cfg)
+            try:
+                tc = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{cfg}: not JSON: {e}") from None
+            if isinstance(tc, dict):
+                lower = tc.get("do_lower_case", lower)
         self.lower = lower
         for tok in ("[CLS]", "[SEP]", "[UNK]", "[PAD]"):
             if tok not in self.vocab:
@@ -308,7 +330,13 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
 
     from . import checkpoint as ckmod
     from . import streaming
+    from .planning import device_problem
 
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats}: give 1 or more")
+    problem = device_problem(device)
+    if problem:
+        raise ValueError(f"device {device}: {problem}")
     model_dir = model_dir or default_model_dir()
     cfg = load_config(model_dir)
     tok = WordPiece(model_dir)

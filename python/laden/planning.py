@@ -37,6 +37,11 @@ _WARNINGS = {
     4: "max_vram is above the free VRAM; the free VRAM was used",
 }
 
+# Reasons as the CPU device reads them: there the planner's "VRAM" is the
+# host memory the rest of the model and the slots take, so "no VRAM left"
+# says nothing true.  Keys: LADEN_PLAN_WHY_* in include/laden/plan.h.
+_CPU_WHY = {2: "RAM: fits the RAM budget"}  # NO_VRAM_RAM
+
 
 @dataclass
 class PlanBlock:
@@ -137,28 +142,54 @@ class Plan:
             t[b.tier.name] += b.bytes
         return t
 
+    def _on_cpu(self) -> bool:
+        return str(self.device).split(":")[0] == "cpu"
+
     def __str__(self) -> str:
+        cpu = self._on_cpu()
+        # On the CPU the "device" is host memory: the GPU tier is what stays
+        # resident there, and nothing is copied host to device.
+        label = {Tier.GPU: "resident" if cpu else "GPU", Tier.RAM: "RAM",
+                 Tier.DISK: "DISK"}
+        lw = max(len(v) for v in label.values())
         lines = [f"laden plan for {self.path or '(manual)'} on {self.device}"]
         w = max([len(b.name) for b in self.blocks] + [20])
-        lines.append(f"  {'#':>3}  {'block':<{w}} {'bytes':>9}  tier  why")
+        lines.append(f"  {'#':>3}  {'block':<{w}} {'bytes':>9}  "
+                     f"{'tier':<{lw}}  why")
         for i, b in enumerate(self.blocks):
             lines.append(f"  {i:>3}  {b.name:<{w}} {fmt_bytes(b.bytes):>9}  "
-                         f"{b.tier.name:<4}  {b.why}")
+                         f"{label[b.tier]:<{lw}}  {b.why}")
         lines.append(f"       {'(rest of the model)':<{w}} "
-                     f"{fmt_bytes(self.rest_bytes):>9}  GPU   always resident")
+                     f"{fmt_bytes(self.rest_bytes):>9}  "
+                     f"{label[Tier.GPU]:<{lw}}  always "
+                     + ("in host memory" if cpu else "resident"))
         t = self.totals()
-        lines.append(f"  totals: GPU {fmt_bytes(t['GPU'])}, RAM "
+        lines.append(f"  totals: {label[Tier.GPU]} {fmt_bytes(t['GPU'])}, RAM "
                      f"{fmt_bytes(t['RAM'])}, disk {fmt_bytes(t['DISK'])}")
-        if self.readings:
-            r = self.readings
+        r = self.readings
+        if r:
+            seen = []
+            if not cpu and "vram_free" in r:
+                seen.append(f"VRAM {fmt_bytes(r['vram_free'])}")
+            if "ram_free" in r:
+                seen.append(f"RAM {fmt_bytes(r['ram_free'])} of "
+                            f"{fmt_bytes(r.get('ram_total', 0))}")
+            if seen:
+                lines.append("  free memory read (rounded down to "
+                             f"{READING_STEP >> 20} MiB): " + ", ".join(seen))
+        b = self.budgets
+        if b and cpu:
+            whence = (f"the free RAM, keeping {fmt_bytes(b['min_free_ram'])} "
+                      "free" if b.get("min_free_ram") else "the RAM budget "
+                      "given")
+            host = (f"host memory {fmt_bytes(b['host_bytes'])} (from "
+                    f"{whence}) holds the rest of the model, "
+                    if "host_bytes" in b else "")
             lines.append(
-                "  free memory read (rounded down to "
-                f"{READING_STEP >> 20} MiB): VRAM "
-                f"{fmt_bytes(r.get('vram_free', 0))}, RAM "
-                f"{fmt_bytes(r.get('ram_free', 0))} of "
-                f"{fmt_bytes(r.get('ram_total', 0))}")
-        if self.budgets:
-            b = self.budgets
+                f"  budgets: {host}slots {b.get('nslots', 0)} x "
+                f"{fmt_bytes(b.get('slot_bytes', 0))} and a RAM tier of "
+                f"{fmt_bytes(b.get('ram_avail', 0))}")
+        elif b:
             lines.append(
                 f"  budgets: VRAM for weights {fmt_bytes(b.get('vram_avail', 0))}"
                 f" (after {fmt_bytes(b.get('reserve', 0))} kept for "
@@ -166,12 +197,32 @@ class Plan:
                 f"), RAM {fmt_bytes(b.get('ram_avail', 0))} (keeping "
                 f"{fmt_bytes(b.get('min_free_ram', 0))} free); slots "
                 f"{b.get('nslots', 0)} x {fmt_bytes(b.get('slot_bytes', 0))}")
-        if self.bandwidths:
-            bw = self.bandwidths
-            lines.append(
-                f"  measured: host-to-device {bw.get('h2d', 0) / 1e9:.2f} GB/s,"
-                f" disk {bw.get('disk', 0) / 1e9:.2f} GB/s")
-        if self.predicted_ms:
+        # Only numbers that were measured are shown as measurements.
+        bw = self.bandwidths
+        rates = [] if cpu else [("host-to-device", bw.get("h2d", 0.0))]
+        rates.append(("disk read", bw.get("disk", 0.0)))
+        got = [f"{what} {v / 1e9:.2f} GB/s" for what, v in rates if v > 0]
+        lacking = [what for what, v in rates if not v > 0]
+        text = "  measured: " + (", ".join(got) if got else "nothing")
+        if lacking:
+            text += f" (not measured: {', '.join(lacking)})"
+        if cpu:
+            text += "; on the CPU blocks in RAM run in place, nothing is " \
+                    "copied host to device"
+        lines.append(text)
+        if cpu:
+            if not t["DISK"]:
+                lines.append("  predicted: nothing is read per forward "
+                             "(no block is on disk)")
+            elif bw.get("disk", 0.0) > 0 and self.predicted_ms:
+                lines.append(f"  predicted disk read time per forward: "
+                             f"{self.predicted_ms:.1f} ms (compute runs "
+                             "alongside; the forward takes at least the "
+                             "larger of the two)")
+            else:
+                lines.append("  predicted: no time, the disk read rate was "
+                             "not measured")
+        elif self.predicted_ms:
             lines.append(f"  predicted transfer time per forward: "
                          f"{self.predicted_ms:.1f} ms (compute runs alongside;"
                          " the forward takes at least the larger of the two)")
@@ -221,9 +272,51 @@ def _readings(device) -> Dict[str, int]:
                                  ctypes.byref(tot)))
     out["ram_free"] = fr.value // READING_STEP * READING_STEP
     out["ram_total"] = tot.value
-    if device.type == "cpu":  # the "device" is host memory
-        out["vram_free"] = out["ram_free"]
     return out
+
+
+def no_cuda_reason() -> Optional[str]:
+    """Why laden cannot use a CUDA device here, or None when it can: the
+    driver's answer when libladen found no device, else PyTorch's."""
+    import torch
+
+    n = ctypes.c_int32()
+    check(lib.laden_dev_count(ctypes.byref(n)))
+    if n.value == 0:
+        why = (lib.laden_dev_cuda_error() or b"").decode(errors="replace")
+        return why or "the CUDA driver reports no device"
+    if torch.version.cuda is None:
+        return f"PyTorch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device"
+    return None
+
+
+def device_problem(device) -> Optional[str]:
+    """Why ``device`` (a string, an index or a torch.device) cannot be
+    used by laden on this machine, as a sentence; None when it can."""
+    import torch
+
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device; give cpu, cuda or cuda:N"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return (f"laden runs on CUDA devices and the CPU, not on "
+                f"{dev.type}; give cpu, cuda or cuda:N")
+    why = no_cuda_reason()
+    if why:
+        return f"no CUDA device: {why}"
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        return (f"no such device; this machine has {n} CUDA device"
+                f"{'s' if n != 1 else ''} (cuda:0"
+                f"{f'..cuda:{n - 1}' if n > 1 else ''})")
+    return None
 
 
 def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
@@ -244,12 +337,15 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
                       "disk": _disk_rate(path) if path and os.path.isfile(
                           path) else 0.0}
     n = len(sizes)
-    if dev.type == "cpu":
+    cpu = dev.type == "cpu"
+    c_readings = readings
+    if cpu:
         # On the CPU the resident part, the RAM tier and the slots are all
         # host memory: blocks go to RAM while the RAM left after the rest
         # and the slots allows, the others to disk.
         from .errors import BudgetError
         slots = min(lookahead + 1, n) * max(sizes, default=0)
+        mf = 0
         if ram_budget:
             base = parse_size(ram_budget)
         else:
@@ -263,7 +359,13 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
                 f"RAM {fmt_bytes(base)} cannot hold the rest of the model "
                 f"({fmt_bytes(rest_bytes)}) and {min(lookahead + 1, n)} "
                 f"slots ({fmt_bytes(slots)})", "E_BUDGET")
-        readings = dict(readings, vram_free=rest_bytes + slots)
+        # The planner's "VRAM" is the host memory the rest and the slots
+        # take; the plan keeps only what was read (no VRAM on the CPU),
+        # and no host-to-device rate (nothing is copied).
+        c_readings = dict(readings, vram_free=rest_bytes + slots)
+        readings = {k: v for k, v in readings.items()
+                    if not k.startswith("vram")}
+        bandwidths = {k: v for k, v in bandwidths.items() if k != "h2d"}
         ram_budget, resident_blocks = left, 0 if resident_blocks is None \
             else resident_blocks
         headroom_vram, activation_vram, max_vram = 0, None, None
@@ -275,13 +377,13 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
         asked_arr = (ctypes.c_int32 * max(n, 1))(*asked)
         inp.asked = asked_arr
     inp.rest_bytes = rest_bytes
-    inp.vram_free_bytes = readings.get("vram_free", 0)
+    inp.vram_free_bytes = c_readings.get("vram_free", 0)
     inp.max_vram_bytes = parse_size(max_vram) if max_vram is not None else 0
     measured = activation_vram is not None
     inp.reserve_bytes = parse_size(activation_vram if measured
                                    else headroom_vram or 0)
-    inp.ram_total_bytes = readings.get("ram_total", 0)
-    inp.ram_free_bytes = readings.get("ram_free", 0)
+    inp.ram_total_bytes = c_readings.get("ram_total", 0)
+    inp.ram_free_bytes = c_readings.get("ram_free", 0)
     inp.ram_budget_bytes = parse_size(ram_budget) if ram_budget else 0
     inp.min_free_ram_bytes = (2**64 - 1) if min_free_ram == "auto" else \
         parse_size(min_free_ram)
@@ -299,19 +401,25 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
     check(lib.laden_plan_compute(ctypes.byref(inp), tiers, why,
                                  ctypes.byref(res)))
     blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
-                        lib.laden_plan_why_text(why[i]).decode())
+                        _CPU_WHY.get(why[i]) if cpu and why[i] in _CPU_WHY
+                        else lib.laden_plan_why_text(why[i]).decode())
               for i in range(n)]
     warnings = [msg for bit, msg in _WARNINGS.items() if res.warnings & bit
-                and not (dev.type == "cpu" and bit == 2)]
+                and not (cpu and bit == 2)]
+    if cpu:
+        budgets = dict(host_bytes=base, min_free_ram=mf,
+                       ram_avail=res.ram_avail_bytes, nslots=res.nslots,
+                       slot_bytes=res.slot_bytes)
+    else:
+        budgets = dict(vram_avail=res.vram_avail_bytes,
+                       reserve=inp.reserve_bytes, measured=int(measured),
+                       ram_avail=res.ram_avail_bytes,
+                       min_free_ram=res.min_free_ram_bytes,
+                       nslots=res.nslots, slot_bytes=res.slot_bytes,
+                       max_vram=inp.max_vram_bytes)
     return Plan(
         blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
-        lookahead=lookahead, path=path,
-        budgets=dict(vram_avail=res.vram_avail_bytes,
-                     reserve=inp.reserve_bytes, measured=int(measured),
-                     ram_avail=res.ram_avail_bytes,
-                     min_free_ram=res.min_free_ram_bytes,
-                     nslots=res.nslots, slot_bytes=res.slot_bytes,
-                     max_vram=inp.max_vram_bytes),
+        lookahead=lookahead, path=path, budgets=budgets,
         readings=dict(readings), bandwidths=dict(bandwidths),
         predicted_ms=res.predicted_ms, warnings=warnings)
 

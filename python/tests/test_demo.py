@@ -76,3 +76,29 @@ def test_all_minilm_default():
     lines = []
     assert demo.run(device="cpu", repeats=1, out=lines.append), \
         "\n".join(lines)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    d = tiny_bert(tmp_path)
+    with pytest.raises(ValueError, match="repeats 0"):
+        demo.run(d, device="cpu", repeats=0, out=lambda s: None)
+    with pytest.raises(ValueError, match="mps"):
+        demo.run(d, device="mps", out=lambda s: None)
+    with pytest.raises(ValueError, match="not a device"):
+        demo.run(d, device="foo", out=lambda s: None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            demo.run(d, device="cuda", out=lambda s: None)
+
+
+@pytest.mark.parametrize("name", ["config.json", "vocab.txt"])
+def test_a_fifo_in_the_model_directory_is_refused(tmp_path, name):
+    """Opened without blocking: an error, not a wait for a writer."""
+    d = tiny_bert(tmp_path)
+    os.unlink(os.path.join(d, name))
+    os.mkfifo(os.path.join(d, name))
+    r = subprocess.run([sys.executable, "-m", "laden", "demo", d, "--device",
+                        "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert name in r.stderr and "not a regular file" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -214,3 +214,40 @@ def test_storage_bf16_expanded_to_compute_fp32(tmp_path):
         laden.stream_load(on_meta(), path, offload_prefixes=PREFIXES,
                           device="cpu", storage_dtype="bf16",
                           compute_dtype="fp32", ram_budget=0)
+
+
+def test_cpu_plan_shows_only_what_applies_and_was_measured():
+    """On the CPU the "device" is host memory: no GPU tier, no VRAM
+    reading, no host-to-device rate (nothing is copied)."""
+    names, sizes = fixed()
+    p = planning.compute(names, sizes, 512 << 20, device="cpu",
+                         readings=READINGS, bandwidths=BW, ram_budget="6GB")
+    text = str(p)
+    for word in ("GPU", "VRAM", "50.00 GB/s", "0.00 GB/s"):
+        assert word not in text, (word, text)
+    assert "always in host memory" in text and "disk read 2.00 GB/s" in text
+    assert "predicted disk read time per forward" in text
+    assert not any(k.startswith("vram") for k in p.readings)
+    assert "h2d" not in p.bandwidths and "vram_avail" not in p.budgets
+    assert p.budgets["host_bytes"] == 6 * 10**9
+    assert "from the RAM budget given" in text
+    # The disk rate unknown: no time is predicted, nothing shown as measured.
+    q = planning.compute(names, sizes, 512 << 20, device="cpu",
+                         readings=READINGS, bandwidths=dict(h2d=0, disk=0),
+                         ram_budget="6GB")
+    text = str(q)
+    assert "GB/s" not in text and "not measured: disk read" in text
+    assert "predicted disk read time" not in text
+    assert "the disk read rate was not measured" in text
+
+
+def test_gpu_plan_does_not_show_unmeasured_rates():
+    p = laden.Plan(blocks=[planning.PlanBlock("blocks.0.", 1 << 20,
+                                              laden.Tier.RAM, "RAM")],
+                   device="cuda:0", bandwidths=dict(h2d=0.0, disk=1.5e9),
+                   readings=dict(vram_free=1 << 30, ram_free=2 << 30,
+                                 ram_total=4 << 30))
+    text = str(p)
+    assert "0.00 GB/s" not in text and "disk read 1.50 GB/s" in text
+    assert "not measured: host-to-device" in text
+    assert "VRAM 1.07 GB" in text and "GPU" in text
