@@ -2,14 +2,16 @@
 # What runs on the GPU machine, in one call: build there, C tests (CUDA
 # device included), the same under ASan+UBSan, pytest, then the benchmark
 # of the section asked for:
-#   bash bench/device_run.sh [read|cache|vram]   (default: read; several
-#   sections separated by commas run in that call, e.g. vram,cache)
+#   bash bench/device_run.sh [read|cache|vram|stream|tests]   (default:
+#   read; several sections separated by commas run in that call, e.g.
+#   vram,cache; "tests" runs only the build and the tests)
 #   SKIP_TESTS=1 skips the C tests, ASan and pytest (the build and the
 #   pip install still run): for a second call in one session.
 #   read:  laden probe, bench/read.py
 #   cache: bench/cache.py with piper-offload (wheels from .whl/, carried);
 #          CACHE_ARGS are passed to it (e.g. "--peers vbar")
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
+#   stream: bench/stream.py without peers (STREAM_ARGS are passed to it)
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
 SECTION=${1:-read}
@@ -36,7 +38,7 @@ else
   log "C tests under ASan+UBSan"
   ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
     cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ ) \
+    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ ) \
     2>&1 | tee "$OUT/asan.log" | tail -12
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
@@ -60,5 +62,9 @@ if want cache; then
     .whl/piper_offload-*.whl .whl/piper_kernels-*.whl 2>&1 | tail -2
   log "bench/cache.py"
   PYTHONPATH=/tmp/site python3 bench/cache.py ${CACHE_ARGS:-} 2>&1 | tee "$OUT/cache.log"
+fi
+if want stream; then
+  log "bench/stream.py"
+  python3 bench/stream.py --no-peers --json "$OUT/stream.json" ${STREAM_ARGS:-} 2>&1 | tee "$OUT/stream.log"
 fi
 log "done"
