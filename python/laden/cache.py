@@ -145,6 +145,9 @@ class _Runtime:
         self.binding: list = [None]
         self.block_names: Dict[int, str] = {}
         self.gone: Dict[int, str] = {}  # storage address -> streamed block
+        # id(tensor) -> its storage's use count when bound on the device:
+        # more means a tensor derived from it (a view, state_dict()) lives.
+        self.dev_refs: Dict[int, int] = {}
         self.tensors: List[_Tensor] = []
         self.fixed = 0
         self.gen = -1
@@ -352,10 +355,12 @@ class _Runtime:
         ptr = ctypes.c_uint64()
         o = self.owner
         self.gone.clear()
+        self.dev_refs.clear()
         for t in self.tensors:
             streamed = started and lib.laden_stream_is_streamed(o.h,
                                                                 t.c_block)
-            if streamed or lib.laden_stream_is_resident(o.h, t.c_block):
+            on_dev = streamed or lib.laden_stream_is_resident(o.h, t.c_block)
+            if on_dev:
                 check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
                                                   ctypes.byref(ptr)))
                 value = _view(ptr.value, _nbytes(t), t.dtype, t.shape,
@@ -368,8 +373,23 @@ class _Runtime:
                     t.c_block, f"part {t.c_block} of the rest")
                 self.gone[value.untyped_storage().data_ptr()] = block
             self._set(t, value, block)
+            del value  # counted otherwise
+            if on_dev and _USE_COUNT:
+                self.dev_refs[id(t)] = _storage_refs(t.param)
         self.gen = st.generation
         return True
+
+    def derived(self) -> Optional[str]:
+        """The name of a tensor of this model on the device whose memory a
+        tensor derived from it (a view, ``.detach()``, a ``state_dict()``
+        entry) still uses, or None.  Such memory must not be freed."""
+        if not self.dev_refs:
+            return None
+        for t in self.tensors:
+            base = self.dev_refs.get(id(t))
+            if base is not None and _storage_refs(t.param) > base:
+                return t.names[0]
+        return None
 
     def _wrap(self, mod, c_block: int) -> None:
         rt = self
@@ -411,6 +431,21 @@ class _Runtime:
         self.owner = None  # freed now unless tensors taken from it live on
         self.tensors = []
         self.model = None
+
+
+# How many tensors share a storage.  torch has it in every build we know of
+# since 2.1; without it the check for derived tensors is skipped.
+def _find_use_count():
+    import torch
+
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
+_USE_COUNT = None
+
+
+def _storage_refs(t) -> int:
+    return _USE_COUNT(t.untyped_storage()._cdata)
 
 
 def _destroy_schedule(sched, binding, vram) -> None:
@@ -498,7 +533,11 @@ class ModelCache:
     model's slots would corrupt each other).  A cache dropped without
     ``clear()`` frees its models' memory, files and threads when the
     garbage collector takes it; tensors taken from a model keep its memory
-    valid while they live."""
+    valid while they live; where the cache would have to free device
+    memory that such a tensor still uses (an eviction, ``clear()``), it
+    raises StateError naming the model instead.  In a VRAM context
+    (``vram=``) an idle model's pages go whenever the context needs room:
+    there, tensors derived from a model are valid only inside its use."""
 
     def __init__(self, *, vram_budget=None, ram_budget=None,
                  pinned_budget=None, vram=None):
@@ -512,8 +551,12 @@ class ModelCache:
         self._known_size: Dict[str, int] = {}
         self._uses: Dict[str, int] = {}
         self._last: Dict[str, float] = {}
+        global _USE_COUNT
+        if _USE_COUNT is None:
+            _USE_COUNT = _find_use_count() or False
         self._lock = threading.RLock()
-        self._failed: set = set()  # keys whose last build raised
+        self._failed: set = set()  # keys whose build raised, never built
+        self._built: set = set()   # keys built at least once
         self.builds = 0
         self.drops = 0
 
@@ -610,9 +653,11 @@ class ModelCache:
                 try:
                     rt = self._build(spec, dev, adopt)
                 except BaseException:
-                    self._failed.add(spec.key)
+                    if spec.key not in self._built:
+                        self._failed.add(spec.key)
                     raise
                 self._failed.discard(spec.key)
+                self._built.add(spec.key)
             self._run(rt, lookahead)
             return rt
 
@@ -680,8 +725,47 @@ class ModelCache:
                       victim.spec.key, fmt_bytes(ev[i].drop_bytes))
             self._drop(victim.spec.key, "RAM budget")
 
+    def _refuse_derived(self, rts, what: str) -> None:
+        """StateError, before anything changes, if one of the idle models
+        `rts` has device memory that tensors derived from its weights still
+        use: the cache may have to free it."""
+        for other in rts:
+            if other.in_use:
+                continue
+            name = other.derived()
+            if name is not None:
+                raise StateError(
+                    f"{what}: model '{other.spec.key}' cannot give up its "
+                    f"device memory: tensors derived from its weights (from "
+                    f"'{name}': a view, .detach() or a state_dict() entry) "
+                    "are alive outside cache.use() and would point at freed "
+                    "memory; drop them, or .clone() them inside "
+                    "cache.use()", "E_STATE")
+
+    def _may_evict(self, rt: _Runtime) -> bool:
+        """Whether activating rt may take device memory from idle models
+        (and rt's own layout may change): it is not whole on the device
+        and the budget's free room is less than what it lacks."""
+        dc = rt.dc
+        if dc.vram is not None:
+            # VBAR pages of idle models go whenever the context needs
+            # room (documented); nothing here decides it.
+            return False
+        ci = _lib.CacheInfo()
+        check(lib.laden_cache_info(dc.c, rt.id, ctypes.byref(ci)))
+        lacks = max(0, rt.size - ci.vram_bytes)
+        if not lacks:
+            return False
+        st = dc.stats()
+        return bool(st.vram_budget_bytes) and \
+            st.vram_budget_bytes - min(st.vram_bytes,
+                                       st.vram_budget_bytes) < lacks
+
     def _run(self, rt: _Runtime, lookahead: int) -> None:
         dc = rt.dc
+        if _USE_COUNT and self._may_evict(rt):
+            self._refuse_derived(dc.by_id.values(),
+                                 f"use '{rt.spec.key}'")
         ev = dc.evictions(len(dc.by_id))
         n = ctypes.c_uint32()
         act = _lib.CacheActivation()
@@ -691,20 +775,23 @@ class ModelCache:
                                      _compute_stream(rt.device), ev,
                                      len(dc.by_id), ctypes.byref(n),
                                      ctypes.byref(act))
-        # Idle models that gave up memory point at their host copies now,
-        # also when the activation failed half way.
-        for other in list(dc.by_id.values()):
-            if other is not rt:
-                other.rebind()
-        if s:
-            err = error_for(s)
-            rt.rebind()
-            raise err
-        rt.in_use = True
         try:
+            # Idle models that gave up memory point at their host copies
+            # now, also when the activation failed half way.  Models in use
+            # gave up nothing (and may be running in another thread).
+            for other in list(dc.by_id.values()):
+                if other is not rt and not other.in_use:
+                    other.rebind()
+            if s:
+                err = error_for(s)
+                rt.rebind()
+                raise err
+            rt.in_use = True
             rt.rebind()
         except BaseException:
-            self._deactivate(rt)
+            if not s:  # activated in C: undone, or the key stays in use
+                rt.in_use = True
+                self._deactivate(rt)
             raise
         rt.mode = act.mode
         rt.uses += 1
@@ -734,10 +821,12 @@ class ModelCache:
         with self._lock:
             if not rt.in_use:
                 return
-            rt.in_use = False
             rt.last_use = time.time()
-            check(lib.laden_cache_deactivate(rt.dc.c, rt.id,
-                                             _compute_stream(rt.device)))
+            try:  # C ends the use even when the fence fails
+                check(lib.laden_cache_deactivate(rt.dc.c, rt.id,
+                                                 _compute_stream(rt.device)))
+            finally:
+                rt.in_use = False
 
     # -- releasing -------------------------------------------------------------
     def _drop(self, key: str, why: str, restore: bool = False) -> None:
@@ -747,6 +836,8 @@ class ModelCache:
         if rt.in_use:
             raise StateError(f"model '{key}' is in use and cannot be "
                              f"dropped ({why})", "E_STATE")
+        if _USE_COUNT:
+            self._refuse_derived([rt], why)
         dc = rt.dc
         check(lib.laden_cache_unbind(dc.c, rt.id))
         check(lib.laden_cache_remove(dc.c, rt.id))
@@ -768,6 +859,8 @@ class ModelCache:
             rt = self._rt.get(key)
             if rt is None:
                 return 0
+            if _USE_COUNT:
+                self._refuse_derived([rt], f"evict('{key}')")
             freed = ctypes.c_uint64()
             check(lib.laden_cache_drop(rt.dc.c, rt.id, (1 << 64) - 1, 1,
                                        ctypes.byref(freed)))
@@ -783,6 +876,8 @@ class ModelCache:
         want = _budget(nbytes, "evict_bytes")
         with self._lock:
             total = 0
+            if _USE_COUNT:
+                self._refuse_derived(self._rt.values(), "evict_bytes")
             for dc in self._dev.values():
                 before = dc.stats().vram_bytes
                 ev = dc.evictions(len(dc.by_id))
@@ -791,7 +886,8 @@ class ModelCache:
                                                 len(dc.by_id),
                                                 ctypes.byref(n)))
                 for rt in dc.by_id.values():
-                    rt.rebind()
+                    if not rt.in_use:
+                        rt.rebind()
                 total += before - dc.stats().vram_bytes
             return total
 
@@ -805,6 +901,8 @@ class ModelCache:
             if busy:
                 raise StateError(
                     f"clear: models in use: {', '.join(busy)}", "E_STATE")
+            if _USE_COUNT:
+                self._refuse_derived(self._rt.values(), "clear")
             for key in list(self._rt):
                 self._drop(key, "clear")
             for key in self._failed:

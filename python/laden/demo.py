@@ -379,7 +379,7 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
     # 1. The model loaded normally: every weight resident.
     ref = Bert(cfg).eval()
     with ckmod.Checkpoint(path) as ck:
-        ref.load_state_dict({n: ck.tensor(n).clone() for n in ck.names()
+        ref.load_state_dict({n: ck.tensor(n) for n in ck.names()
                              if not n.startswith(SKIP)})
     ref.to(dev)
     t_res, want = _median_ms(lambda: embed(ref, ids, att), dev, repeats)

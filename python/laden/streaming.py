@@ -10,6 +10,7 @@ before and one after.  Deciding, reading, copying and waiting happen in C.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -61,7 +62,8 @@ def _dev_index(device) -> int:
 
 class _CudaMemory:
     """Device memory owned by a schedule, as torch sees it.  Holds the
-    schedule's state, so the memory lives while any view of it does."""
+    memory's owner (an _Owned), so the memory lives while any view of it
+    does."""
 
     def __init__(self, ptr: int, nbytes: int, owner):
         self.__cuda_array_interface__ = {
@@ -70,16 +72,18 @@ class _CudaMemory:
         self.owner = owner
 
 
-def _view(ptr: int, nbytes: int, dtype, shape, device, owner):
-    """A tensor over memory laden owns (no copy)."""
+def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
+    """A tensor over memory laden owns (no copy).  With `track` (a list), a
+    weakref is appended that dies when the last tensor sharing this view's
+    storage (the view, and anything derived from it) is gone."""
     import torch
 
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=device)
     if device.type == "cuda":
+        buf = _CudaMemory(ptr, nbytes, owner)
         with torch.cuda.device(device):
-            flat = torch.as_tensor(_CudaMemory(ptr, nbytes, owner),
-                                   device=device)
+            flat = torch.as_tensor(buf, device=device)
     else:
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         buf._laden_owner = owner
@@ -87,6 +91,8 @@ def _view(ptr: int, nbytes: int, dtype, shape, device, owner):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if track is not None:
+        track.append(weakref.ref(buf))
     return flat.view(dtype).view(shape)
 
 
@@ -244,7 +250,10 @@ class _Stream:
         self.name = "the model"
         self.hooks: list = []    # hook handles on the model and its blocks
         self.gone: Dict[int, str] = {}  # storage address -> streamed block
-        self.passes = threading.local()  # this thread's laden_stream_begin
+        self.passes = threading.local()  # this thread's pass depth
+        self.root = None  # (model, its previous forward, had its own)
+        self.slot_views: list = []  # weakrefs to what views of slots hold
+        self.kept_lookahead: Optional[int] = None  # slots remove() kept
 
     def create(self, st_handle, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
@@ -314,9 +323,9 @@ class _Stream:
             ptr = ctypes.c_uint64()
             check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
                                               ctypes.byref(ptr)))
-            value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
-                          o)
             streamed = lib.laden_stream_is_streamed(o.h, t.c_block)
+            value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
+                          o, self.slot_views if streamed else None)
             block = self.blocks[t.block].name if t.block >= 0 else ""
             if streamed:
                 self.gone[value.untyped_storage().data_ptr()] = block
@@ -360,9 +369,11 @@ def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
     import torch
 
     if t.is_param:
+        # The user may have frozen or unfrozen it since it was loaded.
+        rg = t.param.requires_grad if t.param is not None else \
+            t.requires_grad
         new = torch.nn.Parameter(
-            value, requires_grad=t.requires_grad and
-            value.dtype.is_floating_point)
+            value, requires_grad=rg and value.dtype.is_floating_point)
         if streamed_in is not None and new.requires_grad:
             new.register_hook(_refuse_grad(t.names[0], streamed_in))
         if t.param is not None and t.param.__class__ is new.__class__ and \
@@ -447,6 +458,7 @@ def _compact_views(state, t: _Tensor, where: str):
         lib.laden_stream_host_ptr
     dev = state.device if where == "run" else torch.device("cpu")
     o = state.live("bind")
+    track = state.slot_views if where == "run" else None
 
     def ptr(index):
         out = ctypes.c_uint64() if where == "run" else ctypes.c_void_p()
@@ -458,16 +470,16 @@ def _compact_views(state, t: _Tensor, where: str):
         return None, None
     n = _numel(t)
     if t.store == "c16":
-        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o), None
+        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o, track), None
     q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
-                                  "F8_E4M3"), t.shape, dev, o)
+                                  "F8_E4M3"), t.shape, dev, o, track)
     if t.store == "q8":
         scale = _view(base + (n + 15) // 16 * 16, 4 * t.shape[0],
-                      torch.float32, (t.shape[0],), dev, o)
+                      torch.float32, (t.shape[0],), dev, o, track)
     elif t.scale_name:
         info = state.ckpt.info(t.scale_name)
         scale = _view(ptr(t.scale_index), info.nbytes, info.torch_dtype,
-                      info.shape, dev, o)
+                      info.shape, dev, o, track)
     else:
         scale = None
     return q, scale
@@ -1052,40 +1064,52 @@ def _attach(model, state: _Stream) -> None:
     outside install_offload: they have no copy in memory."""
     _unmark_released(model)
     state.name = f"model {type(model).__name__}"
-    state.hooks.append(model.register_forward_pre_hook(_begin_pass(state)))
-    state.hooks.append(model.register_forward_hook(_end_pass(state),
-                                                   always_call=True))
+    _wrap_root(model, state)
     for b in state.blocks:
         if b.tier == _lib.TIER_DISK:
             state.hooks.append(b.module.register_forward_pre_hook(
                 _needs_offload(state, b.name)))
 
 
-def _begin_pass(state: _Stream):
-    def pre(mod, args):
+def _wrap_root(model, state: _Stream) -> None:
+    """Wraps the model's forward in one pass (a wrapper, not hooks: hooks
+    after a forward do not run when it ends with KeyboardInterrupt or
+    SystemExit, which would leave the schedule held for good)."""
+    had = "forward" in model.__dict__
+    orig = model.forward
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
         tl = state.passes
-        if getattr(tl, "n", 0):
-            # A forward of this thread that an interrupt (not an
-            # Exception) ended without its end hook, or the model calling
-            # itself: the pass is held already.
-            return
-        o = state.live("forward")
-        s = lib.laden_stream_begin(o.h)
-        if s:
-            err = error_for(s)
-            raise type(err)(f"{state.name}: {err}", err.status, err.code)
-        tl.n = 1
-    return pre
+        depth = getattr(tl, "n", 0)
+        o = None
+        if not depth:
+            o = state.live("forward")
+            s = lib.laden_stream_begin(o.h)
+            if s:
+                err = error_for(s)
+                raise type(err)(f"{state.name}: {err}", err.status, err.code)
+        tl.n = depth + 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            tl.n = depth
+            if o is not None:
+                lib.laden_stream_end(o.h)
+
+    state.root = (model, model.__dict__.get("forward"), had)
+    model.forward = forward
 
 
-def _end_pass(state: _Stream):
-    def post(mod, args, out):
-        tl = state.passes
-        o = state.owner
-        if getattr(tl, "n", 0) and o is not None:
-            tl.n = 0
-            lib.laden_stream_end(o.h)
-    return post
+def _unwrap_root(state: _Stream) -> None:
+    if state.root is None:
+        return
+    model, prev, had = state.root
+    state.root = None
+    if had:
+        model.forward = prev
+    else:
+        model.__dict__.pop("forward", None)
 
 
 def _needs_offload(state: _Stream, block: str):
@@ -1139,22 +1163,30 @@ class OffloadHandle:
         return {f: getattr(st, f) for f, _ in st._fields_}
 
     def remove(self) -> None:
-        """Frees the slots and unwraps the blocks.  StateError after
-        release, or while another thread runs the model (nothing changes
-        then)."""
+        """Unwraps the blocks, points their weights at their RAM copies and
+        frees the slots.  StateError after release, or while another
+        thread runs the model (nothing changes then).  While tensors
+        derived from streamed weights (views, ``state_dict()`` entries)
+        are alive, the slots under them stay allocated (a warning says so);
+        they are freed by a later remove() or release()."""
         st = self.state
         o = st.live("OffloadHandle.remove")
         if not self.active:
             return
-        check(lib.laden_stream_stop(o.h))
-        self._unwrap()
-        st.gone.clear()
-        for b in st.blocks:
-            streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
-            for t in b.tensors:
-                if streamed or t.store != "plain":
-                    st.bind(t, "home")
-        self._drop_workspace()
+        with _pass(st, o, "OffloadHandle.remove"):
+            st.gone.clear()
+            # Weights first, while the blocks are still wrapped: another
+            # thread calling a block meanwhile is refused, not run on
+            # half-moved weights.
+            for b in st.blocks:
+                streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
+                for t in b.tensors:
+                    if streamed or t.store != "plain":
+                        st.bind(t, "home")
+            self._unwrap()
+            self._drop_workspace()
+            if not _free_slots(st, o):
+                st.kept_lookahead = self.lookahead
 
     def _unwrap(self) -> None:
         for mod, prev, had in self._wrapped:
@@ -1178,6 +1210,43 @@ class OffloadHandle:
 
 def _free_device_memory(ptr: int, device: int) -> None:
     lib.laden_dev_mem_free(device, ptr)
+
+
+class _pass:
+    """Holds the schedule for this thread (laden_stream_begin/end) around
+    work that rebinds a model, so that no other thread runs it meanwhile;
+    StateError at once if another thread holds it."""
+
+    def __init__(self, state: "_Stream", owner: _Owned, what: str):
+        self.state, self.owner, self.what = state, owner, what
+
+    def __enter__(self):
+        s = lib.laden_stream_begin(self.owner.h)
+        if s:
+            err = error_for(s)
+            raise type(err)(f"{self.what}: {self.state.name}: {err}",
+                            err.status, err.code)
+        return self
+
+    def __exit__(self, *exc):
+        lib.laden_stream_end(self.owner.h)
+
+
+def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
+    """Stops the schedule (frees its slots) unless a tensor still uses a
+    slot: one derived from a streamed weight (a view, a state_dict entry)
+    would point at freed memory.  True if stopped."""
+    state.slot_views = [r for r in state.slot_views if r() is not None]
+    if state.slot_views:
+        if quiet:
+            return False
+        log.warning("laden: %d tensor(s) derived from the streamed weights "
+                    "of %s are alive; its slots stay allocated until they "
+                    "are gone (freed by a later remove() or release())",
+                    len(state.slot_views), state.name)
+        return False
+    check(lib.laden_stream_stop(o.h))
+    return True
 
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
@@ -1254,48 +1323,73 @@ def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
 
 def _start(state: _Stream, lookahead: int) -> OffloadHandle:
     o = state.live("install_offload")
-    check(lib.laden_stream_start(o.h, lookahead))
-    handle = OffloadHandle(state, lookahead)
-    state.handle = handle
-    handle.active = True
-    try:
-        # One workspace, the size of the largest block's expanded compact
-        # tensors: blocks run one after another on one stream.
-        ws = 0
-        for b in state.blocks:
-            need = sum((_nbytes(t) + 255) // 256 * 256 for t in b.tensors
-                       if t.store != "plain")
-            ws = max(ws, need)
-        if ws:
-            p = ctypes.c_uint64()
-            dev = _dev_index(state.device)
-            check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
-            handle.workspace = _Owned(p.value, _free_device_memory, dev)
-        for b in state.blocks:
-            streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
-            expansions = []
-            off = 0
-            for t in b.tensors:
-                if t.store == "plain":
-                    if streamed:
-                        state.bind(t, "run")
-                    continue
-                q, sc = _compact_views(state, t, "run")
-                ws_owner = handle.workspace
-                out = _view(ws_owner.h + off, _nbytes(t), t.dtype, t.shape,
-                            state.device, ws_owner)
-                off += (_nbytes(t) + 255) // 256 * 256
-                # The workspace is the next block's too.
-                state.gone[out.untyped_storage().data_ptr()] = b.name
-                state._set(t, out, b.name)
-                expansions.append((out, q, sc, t.scale_kind))
-            if streamed or expansions:
-                _wrap_forward(b.module, o, b.c_block, state.device,
-                              handle._wrapped, expansions, gone=state.gone)
-    except BaseException:
-        handle.remove()
-        raise
+    with _pass(state, o, "install_offload"):
+        kept = state.kept_lookahead
+        if kept is not None and _free_slots(state, o, quiet=True):
+            kept = None
+        if kept is None:
+            check(lib.laden_stream_start(o.h, lookahead))
+        elif kept != lookahead:
+            # Slots kept by remove() for tensors still alive are reused
+            # as they are laid out.
+            raise StateError(
+                f"install_offload: tensors derived from the streamed "
+                f"weights of {state.name} still use its slots, laid out for "
+                f"lookahead={kept}; drop them or install with that "
+                "lookahead", "E_STATE")
+        state.kept_lookahead = None
+        handle = OffloadHandle(state, lookahead)
+        state.handle = handle
+        handle.active = True
+        try:
+            _bind_slots(state, o, handle)
+        except BaseException:
+            try:
+                handle.remove()
+            finally:
+                handle._unwrap()
+            raise
     return handle
+
+
+def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
+    """Wraps the blocks that stream or expand compact tensors, then points
+    their tensors where they run (wrapped first: another thread calling a
+    block meanwhile is refused, not run on half-bound weights)."""
+    # One workspace, the size of the largest block's expanded compact
+    # tensors: blocks run one after another on one stream.
+    ws = 0
+    for b in state.blocks:
+        need = sum((_nbytes(t) + 255) // 256 * 256 for t in b.tensors
+                   if t.store != "plain")
+        ws = max(ws, need)
+    if ws:
+        p = ctypes.c_uint64()
+        dev = _dev_index(state.device)
+        check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
+        handle.workspace = _Owned(p.value, _free_device_memory, dev)
+    for b in state.blocks:
+        streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
+        compact = any(t.store != "plain" for t in b.tensors)
+        expansions: list = []
+        if streamed or compact:
+            _wrap_forward(b.module, o, b.c_block, state.device,
+                          handle._wrapped, expansions, gone=state.gone)
+        off = 0
+        for t in b.tensors:
+            if t.store == "plain":
+                if streamed:
+                    state.bind(t, "run")
+                continue
+            q, sc = _compact_views(state, t, "run")
+            ws_owner = handle.workspace
+            out = _view(ws_owner.h + off, _nbytes(t), t.dtype, t.shape,
+                        state.device, ws_owner)
+            off += (_nbytes(t) + 255) // 256 * 256
+            # The workspace is the next block's too.
+            state.gone[out.untyped_storage().data_ptr()] = b.name
+            state._set(t, out, b.name)
+            expansions.append((out, q, sc, t.scale_kind))
 
 
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
@@ -1385,10 +1479,6 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
     o = state.live("release")
-    tl = state.passes
-    if getattr(tl, "n", 0):  # this thread's own pass, left by an interrupt
-        tl.n = 0
-        lib.laden_stream_end(o.h)
     s = lib.laden_stream_close(o.h)
     if s:
         err = error_for(s)
@@ -1398,6 +1488,7 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     # the model and its blocks refuse to run (before their hooks go, so
     # that no forward of another thread runs half on meta weights).
     _mark_released(model, state)
+    _unwrap_root(state)
     for hk in state.hooks:
         hk.remove()
     state.hooks.clear()

@@ -78,16 +78,30 @@ struct laden_io {
 
 /* ---- files ------------------------------------------------------------ */
 
-/* Opens path for reading without blocking on what is not a regular file
- * (a FIFO would block in open until a writer came); *sb is its stat. */
+/* Opens path for reading without blocking on what is not a regular file:
+ * refused by a stat before any open, and again after an open with
+ * O_NONBLOCK (the path may have changed in between; a FIFO would block in
+ * open until a writer came).  *sb is its stat; -1 with errno set, EISDIR
+ * standing for "not a regular file". */
 static int open_regular(const char *path, int flags, struct stat *sb)
 {
-    int fd = open(path, flags | O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (stat(path, sb) != 0)
+        return -1;
+    if (!S_ISREG(sb->st_mode)) {
+        errno = EISDIR;
+        return -1;
+    }
+    int fd = open(path, flags | O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0)
         return -1;
-    if (fstat(fd, sb) != 0 || !S_ISREG(sb->st_mode) ||
-        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
-        int e = S_ISREG(sb->st_mode) ? errno : EINVAL;
+    int e = 0;
+    if (fstat(fd, sb) != 0)
+        e = errno;
+    else if (!S_ISREG(sb->st_mode))
+        e = EISDIR;
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
+        e = errno;
+    if (e) {
         close(fd);
         errno = e;
         return -1;
@@ -113,7 +127,7 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         int e = errno;
         free(f->path);
         free(f);
-        if (e == EINVAL)
+        if (e == EISDIR)
             return laden__fail(LADEN_E_INVAL, "%s: not a regular file", path);
         return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
                            "%s: cannot open: %s", path, strerror(e));
