@@ -315,6 +315,26 @@ TEST(stream_file_rewritten_while_running)
     test_on_every_device(file_rewritten);
 }
 
+/* Replaced between reading the header and creating the schedule: the
+ * offsets of the header read would point anywhere in the new file. */
+TEST(stream_file_replaced_before_create)
+{
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(write_model(), &st));
+    char *p = test_path("model.safetensors");
+    char *q = test_path("other.safetensors");
+    test_write_st(q, "{\"x\":{\"dtype\":\"U8\",\"shape\":[3],"
+                     "\"data_offsets\":[0,3]}}",
+                  "abc", 3);
+    CHECK(rename(q, p) == 0);
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc = (laden_sched_t *)1;
+    CHECK_STATUS(laden_stream_create(&cfg, st, &sc), LADEN_E_CHANGED);
+    CHECK(sc == NULL);
+    CHECK_CONTAINS(laden_last_error(), "model.safetensors");
+    laden_st_close(st);
+}
+
 /* ---- one thread at a time ------------------------------------------------ */
 
 typedef struct {

@@ -98,7 +98,8 @@ typedef struct laden_sched_stats {
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
- * now and kept open (disk blocks read from them later).  `st` itself is not
+ * now and kept open (disk blocks read from them later; LADEN_E_CHANGED if
+ * one's size differs from when `st` read its header).  `st` itself is not
  * retained; it may be NULL when every tensor comes from host memory
  * (laden_stream_add_host_tensor).  Destroy with laden_stream_destroy. */
 LADEN_API laden_status laden_stream_create(const laden_sched_config *cfg,

@@ -248,7 +248,7 @@ class _Stream:
         self.handle: Optional["OffloadHandle"] = None
         self.vram = None  # a laden.vbar.VRAM the schedule's memory is from
         self.name = "the model"
-        self.hooks: list = []    # hook handles on the model and its blocks
+        self.hooks: list = []    # hook handles on disk-tier blocks
         self.gone: Dict[int, str] = {}  # storage address -> streamed block
         self.passes = threading.local()  # this thread's pass depth
         self.root = None  # (model, its previous forward, had its own)
@@ -270,10 +270,6 @@ class _Stream:
     @property
     def alive(self) -> bool:
         return self.owner is not None
-
-    @property
-    def sched(self) -> ctypes.c_void_p:
-        return self.live("laden").h
 
     def live(self, what: str) -> _Owned:
         """The schedule's owner, or StateError once the model was
@@ -317,7 +313,7 @@ class _Stream:
         nbytes = _nbytes(t)
         if t.store != "plain":
             q, _ = _compact_views(self, t, "home")
-            self._set(t, q if q is not None else _meta(t, q))
+            self._set(t, q if q is not None else _meta(t))
             return
         if where == "run":
             ptr = ctypes.c_uint64()
@@ -339,11 +335,10 @@ class _Stream:
         self._set(t, value)
 
 
-def _meta(t: _Tensor, like=None):
+def _meta(t: _Tensor):
     import torch
 
-    return torch.empty(t.shape, dtype=t.dtype if like is None else
-                       like.dtype, device="meta")
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def _swap(old, new) -> bool:

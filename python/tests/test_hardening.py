@@ -496,6 +496,31 @@ def test_backward_through_streamed_blocks_raises(ckpt, device, tiers):
     laden.release(m, h)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_of_a_streamed_parameter_raises(tmp_path, device):
+    """A gradient for a weight that lives in a slot: computed from saved
+    activations alone (nothing streamed is saved when the block's input
+    needs no gradient), it would be right, but it would land on a slot
+    that the next blocks overwrite, and an optimizer would step the slot."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    path = save(ref, tmp_path / "lin.safetensors")
+    with torch.device("meta"):
+        m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    laden.stream_load(m, path, offload_prefixes=[""], device=device,
+                      ram_budget=0)
+    h = laden.install_offload(m)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    m[3].weight.requires_grad_(True)  # the last block, input needs none
+    x = torch.randn(2, 16, device=device)
+    with pytest.raises(laden.StateError, match="parameter '3.weight'"):
+        m(x).sum().backward()
+    laden.release(m, h)
+
+
 def test_backward_where_nothing_streams_is_right(ckpt):
     """On the CPU device the RAM tier runs in place: gradients are those of
     the model loaded normally, no error."""
