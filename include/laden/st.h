@@ -7,6 +7,7 @@
 #define LADEN_ST_H
 
 #include "../laden.h"
+#include "io.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -104,6 +105,13 @@ LADEN_API size_t laden_st_file_count(const laden_st_t *st);
 /* Path as opened (shards: joined to the index's directory), and size. */
 LADEN_API const char *laden_st_file_path(const laden_st_t *st, size_t i);
 LADEN_API uint64_t laden_st_file_size(const laden_st_t *st, size_t i);
+
+/* Opens file i for reading (laden_io_file_open) and checks it is the file
+ * whose header was read: LADEN_E_CHANGED, nothing open, if its size
+ * differs (it was replaced or rewritten since; the header's offsets would
+ * point anywhere in it).  Close with laden_io_file_close. */
+LADEN_API laden_status laden_st_file_open(const laden_st_t *st, size_t i,
+                                          laden_io_file_t **out);
 
 /* __metadata__ of the (first) file: string pairs in header order. */
 LADEN_API size_t laden_st_metadata_count(const laden_st_t *st);

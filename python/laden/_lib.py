@@ -194,6 +194,7 @@ _SIGNATURES = {
     "laden_st_file_count": (c_size_t, [p]),
     "laden_st_file_path": (c_char_p, [p, c_size_t]),
     "laden_st_file_size": (c_uint64, [p, c_size_t]),
+    "laden_st_file_open": (status_t, [p, c_size_t, P(p)]),
     "laden_st_metadata_count": (c_size_t, [p]),
     "laden_st_metadata_at": (status_t, [p, c_size_t, P(c_char_p),
                                         P(c_char_p)]),

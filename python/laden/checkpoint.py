@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 from . import _lib
 from ._dtypes import torch_dtype
 from ._lib import check, lib
-from .errors import FormatError, InvalidArgumentError
+from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -100,9 +100,9 @@ def default_reader() -> Reader:
 class _File:
     """An open file of the checkpoint (C handle)."""
 
-    def __init__(self, path: str):
+    def __init__(self, st_handle, index: int):
         h = ctypes.c_void_p()
-        check(lib.laden_io_file_open(path.encode(), ctypes.byref(h)))
+        check(lib.laden_st_file_open(st_handle, index, ctypes.byref(h)))
         self.handle = h
         self._fin = weakref.finalize(self, lib.laden_io_file_close, h)
 
@@ -192,15 +192,7 @@ class Checkpoint:
         with self._lock:
             f = self._files.get(index)
             if f is None:
-                f = _File(self.files[index])
-                if lib.laden_io_file_size(f.handle) != \
-                        self.file_sizes[index]:
-                    f.close()
-                    raise FormatError(
-                        f"{self.files[index]}: the file changed since its "
-                        "header was read (its size differs); open it "
-                        "again", "E_CHANGED")
-                self._files[index] = f
+                f = self._files[index] = _File(self._h, index)
             return f
 
     def tensor(self, name: str):

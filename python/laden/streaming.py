@@ -267,10 +267,6 @@ class _Stream:
         self.vram = vram
         self.owner = _Owned(h, _destroy_schedule, vram)
 
-    @property
-    def alive(self) -> bool:
-        return self.owner is not None
-
     def live(self, what: str) -> _Owned:
         """The schedule's owner, or StateError once the model was
         released.  Callers keep the returned object in a local while they

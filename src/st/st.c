@@ -1258,6 +1258,32 @@ laden_status laden_st_metadata_at(const laden_st_t *st, size_t i,
     return LADEN_OK;
 }
 
+laden_status laden_st_file_open(const laden_st_t *st, size_t i,
+                                laden_io_file_t **out)
+{
+    laden_status s;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_st_file_open: out is NULL");
+    *out = NULL;
+    if (!st || i >= laden_st_file_count(st))
+        return laden__fail(LADEN_E_INVAL, "laden_st_file_open: no file %zu",
+                           i);
+    const char *path = laden_st_file_path(st, i);
+    laden_io_file_t *f;
+    if ((s = laden_io_file_open(path, &f)))
+        return s;
+    uint64_t then = laden_st_file_size(st, i), now = laden_io_file_size(f);
+    if (now != then) {
+        laden_io_file_close(f);
+        return laden__fail(LADEN_E_CHANGED,
+                           "%s: the file changed since its header was read "
+                           "(%s then, %s now); open it again",
+                           path, laden__bytes(then).s, laden__bytes(now).s);
+    }
+    *out = f;
+    return LADEN_OK;
+}
+
 uint64_t laden_st_total_bytes(const laden_st_t *st)
 {
     return st ? st->total_bytes : 0;

@@ -350,21 +350,9 @@ laden_status laden_stream_create(const laden_sched_config *cfg,
         s = laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
         goto fail;
     }
-    for (uint32_t i = 0; i < sc->nfiles; i++) {
-        const char *path = laden_st_file_path(st, i);
-        if ((s = laden_io_file_open(path, &sc->files[i])))
+    for (uint32_t i = 0; i < sc->nfiles; i++)
+        if ((s = laden_st_file_open(st, i, &sc->files[i])))
             goto fail;
-        /* Opened again by path: the file whose header was read may have
-         * been replaced since (tensor offsets would then point anywhere). */
-        if (laden_io_file_size(sc->files[i]) != laden_st_file_size(st, i)) {
-            s = laden__fail(LADEN_E_CHANGED,
-                            "%s: the file changed since its header was read "
-                            "(%s then, %s now); open it again",
-                            path, laden__bytes(laden_st_file_size(st, i)).s,
-                            laden__bytes(laden_io_file_size(sc->files[i])).s);
-            goto fail;
-        }
-    }
     if ((s = laden_host_create(cfg->device, cfg->ram_budget_bytes, &sc->host)))
         goto fail;
     *out = sc;
