@@ -40,7 +40,7 @@ int main(int argc, char **argv)
     laden_vbar_t *v;
     if (laden_vram_create(dev, 0, 0, &c) || laden_vbar_create(c, 1ull << 30, &v))
         return fail("create");
-    laden_stream_t *s = NULL;
+    laden_dev_stream_t *s = NULL;
     uintptr_t handle = 0;
     if (dev >= 0) {
         if (laden_dev_stream_create(dev, &s))

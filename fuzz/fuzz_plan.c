@@ -1,6 +1,15 @@
 /* libFuzzer target: the planner on arbitrary inputs.  Either it fails with
- * a status, or every invariant holds: budgets kept, asked tiers kept, sums
- * consistent, the same answer twice. */
+ * a status, or every invariant holds: budgets kept, asked tiers kept,
+ * NO_DISK blocks off disk, sums consistent, the same answer twice.
+ *
+ * Input bytes, big-endian, read in this order (a short input reads zeros,
+ * so a corpus file written before a field was added still means what it
+ * meant): nblocks; per block size (4), shift (1), asked (1); the fields
+ * of laden_plan_input; then a mode byte: bit 0 the host device (its VRAM
+ * fields and disk_staging cleared unless bit 1), bit 2 per-block flags
+ * follow (one byte each: 0xff is kept to test unknown bits, else bit 0),
+ * bit 3 a lookahead byte follows (up to 71: past LADEN_LOOKAHEAD_MAX). */
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -41,6 +50,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     in.ram_total_bytes = take(&data, &size, 6);
     in.ram_free_bytes = take(&data, &size, 6);
     in.ram_budget_bytes = take(&data, &size, 6);
+    if (!in.ram_budget_bytes) /* the corpus's 0 meant "auto" */
+        in.ram_budget_bytes = LADEN_PLAN_AUTO;
     in.min_free_ram_bytes = take(&data, &size, 1) & 1 ? UINT64_MAX
                                                       : take(&data, &size, 5);
     in.resident_blocks = (int32_t)(take(&data, &size, 1) % (MAXB + 1)) - 1;
@@ -48,6 +59,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     in.disk_staging = (uint32_t)take(&data, &size, 1) & 1;
     in.h2d_bytes_per_s = (double)take(&data, &size, 4);
     in.disk_bytes_per_s = (double)take(&data, &size, 4);
+    unsigned mode = (unsigned)take(&data, &size, 1);
+    if (mode & 1) {
+        in.host_device = 1;
+        if (!(mode & 2))
+            in.vram_free_bytes = in.max_vram_bytes = in.reserve_bytes =
+                in.disk_staging = 0;
+    }
+    uint8_t flags[MAXB];
+    if (mode & 4) {
+        for (uint32_t i = 0; i < in.nblocks; i++) {
+            uint8_t f = (uint8_t)take(&data, &size, 1);
+            flags[i] = f == 0xff ? f : f & LADEN_PLAN_BLOCK_NO_DISK;
+        }
+        in.block_flags = flags;
+    }
+    if (mode & 8)
+        in.lookahead = (uint32_t)take(&data, &size, 1) % 72;
     fuzz_plan_check(&in);
     return 0;
 }
@@ -67,7 +95,11 @@ int fuzz_plan_check(const laden_plan_input *pin)
         __builtin_trap();
     if (s1 != LADEN_OK)
         return 0;
+    if (in.lookahead > LADEN_LOOKAHEAD_MAX)
+        __builtin_trap();
     if (r1.ram_used_bytes > r1.ram_avail_bytes && r1.ram_bytes)
+        __builtin_trap();
+    if (r1.ram_used_bytes > r1.ram_limit_bytes)
         __builtin_trap();
     if (memcmp(&r1, &r2, sizeof r1) || memcmp(t1, t2, in.nblocks * 4) ||
         memcmp(w1, w2, in.nblocks * 4))
@@ -76,17 +108,43 @@ int fuzz_plan_check(const laden_plan_input *pin)
         __builtin_trap();
     if (r1.disk_bytes && r1.staging_bytes > r1.ram_avail_bytes)
         __builtin_trap();
-    uint64_t gpu = in.rest_bytes, ram = 0, disk = 0;
+    uint64_t gpu = in.rest_bytes, ram = 0, disk = 0, mx = 0;
     for (uint32_t i = 0; i < in.nblocks; i++) {
-        if (t1[i] < 0 || t1[i] > 2 || !laden_plan_why_text(w1[i]))
+        if (t1[i] < LADEN_TIER_GPU || t1[i] > LADEN_TIER_DISK ||
+            !laden_plan_why_text(w1[i]))
             __builtin_trap();
         if (in.asked && in.asked[i] != LADEN_PLAN_FREE &&
             in.asked[i] != t1[i])
             __builtin_trap();
-        uint64_t *sum = t1[i] == 0 ? &gpu : t1[i] == 1 ? &ram : &disk;
+        if (in.block_flags && (in.block_flags[i] & LADEN_PLAN_BLOCK_NO_DISK) &&
+            t1[i] == LADEN_TIER_DISK)
+            __builtin_trap();
+        uint64_t *sum = t1[i] == LADEN_TIER_GPU   ? &gpu
+                        : t1[i] == LADEN_TIER_RAM ? &ram
+                                                  : &disk;
         *sum += bytes[i];
+        mx = bytes[i] > mx ? bytes[i] : mx;
     }
     if (gpu != r1.gpu_bytes || ram != r1.ram_bytes || disk != r1.disk_bytes)
         __builtin_trap();
+    if (in.host_device) {
+        /* Everything is host memory: rest, resident and slots from the
+         * free RAM; the RAM tier from the budget, or without one from
+         * what they leave of the free RAM. */
+        uint64_t slots = (uint64_t)r1.nslots * r1.slot_bytes, used;
+        uint64_t free_left = in.ram_free_bytes > r1.min_free_ram_bytes
+                                 ? in.ram_free_bytes - r1.min_free_ram_bytes
+                                 : 0;
+        bool budget = in.ram_budget_bytes != LADEN_PLAN_AUTO;
+        if (r1.vram_avail_bytes || r1.vram_used_bytes || r1.staging_bytes ||
+            r1.nslots != laden_slot_count(in.nblocks, in.lookahead) ||
+            r1.slot_bytes != mx ||
+            __builtin_add_overflow(gpu, slots, &used) || used > free_left ||
+            (!budget && (used + ram > r1.ram_limit_bytes ||
+                         r1.ram_avail_bytes != r1.ram_limit_bytes - used)) ||
+            (budget && (ram > r1.ram_limit_bytes ||
+                        r1.ram_avail_bytes != r1.ram_limit_bytes)))
+            __builtin_trap();
+    }
     return 1;
 }

@@ -59,6 +59,31 @@ typedef enum laden_status {
 #undef LADEN__STATUS_ENUM
 } laden_status;
 
+/* Where a block of weights lives (a schedule's tiers, the planner's
+ * answer).  Values are stable: the Python binding mirrors them. */
+typedef enum laden_tier {
+    LADEN_TIER_AUTO = -1, /* not decided yet: laden_sched_plan decides */
+    LADEN_TIER_GPU = 0,   /* on the device for good (resident) */
+    LADEN_TIER_RAM = 1,   /* pinned host memory, copied into a slot to run */
+    LADEN_TIER_DISK = 2,  /* only in the checkpoint, read when it runs */
+    LADEN_TIER_VRAM = 3,  /* on the device if its VRAM context has room at
+                             load, else on the RAM tier */
+} laden_tier;
+
+/* Blocks prefetched ahead of the one running, by default and at most.  A
+ * prefetch window marks the slots it claims in a 64-bit mask, one bit per
+ * slot; with lookahead + 1 slots the limit is 63. */
+#define LADEN_LOOKAHEAD_DEFAULT 2u
+#define LADEN_LOOKAHEAD_MAX 63u
+
+/* Slots a schedule with `nstreamed` streamed blocks uses: one per block
+ * prefetched plus the one running, never more than there are blocks. */
+static inline uint32_t laden_slot_count(uint32_t nstreamed, uint32_t lookahead)
+{
+    uint32_t k = (lookahead ? lookahead : LADEN_LOOKAHEAD_DEFAULT) + 1;
+    return nstreamed < k ? nstreamed : k;
+}
+
 /* "1.2.3".  Static storage; any thread. */
 LADEN_API const char *laden_version(void);
 

@@ -55,6 +55,18 @@ void test_register(const char *name, laden_test_fn fn);
         }                                                                  \
     } while (0)
 
+/* a == b for integers, printing both values (and their expressions) when
+ * they differ. */
+#define CHECK_EQ(a, b)                                                     \
+    do {                                                                   \
+        long long a_ = (long long)(a), b_ = (long long)(b);                \
+        if (a_ != b_) {                                                    \
+            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%lld vs "   \
+                    "%lld)\n", __FILE__, __LINE__, #a, #b, a_, b_);        \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
 #define CHECK_CONTAINS(hay, needle)                                        \
     do {                                                                   \
         const char *h_ = (hay);                                            \

@@ -16,7 +16,7 @@ static void fill(unsigned char *p, uint64_t n, unsigned seed)
 static void copies(int32_t dev)
 {
     static const uint64_t sizes[] = {1, 4095, 1u << 20, (16u << 20) + 3};
-    laden_stream_t *s;
+    laden_dev_stream_t *s;
     CHECK_OK(laden_dev_stream_create(dev, &s));
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         uint64_t n = sizes[i];
@@ -49,7 +49,7 @@ TEST(dev_copies_round_trip) { test_on_every_device(copies); }
 static void cross_stream_wait(int32_t dev)
 {
     const uint64_t n = 64u << 20;
-    laden_stream_t *a, *b;
+    laden_dev_stream_t *a, *b;
     laden_event_t *ev, *never;
     laden_devptr_t d;
     unsigned char *src, *dst;
@@ -91,7 +91,7 @@ TEST(dev_cross_stream_event_wait) { test_on_every_device(cross_stream_wait); }
 
 static void timing(int32_t dev)
 {
-    laden_stream_t *s;
+    laden_dev_stream_t *s;
     laden_event_t *e0, *e1;
     float ms = -1;
     CHECK_OK(laden_dev_stream_create(dev, &s));
@@ -141,7 +141,7 @@ static void vmm(int32_t dev)
     CHECK_OK(laden_dev_phys_create(dev, 2 * g, &p1));
     CHECK_OK(laden_dev_map(dev, va, g, p0));
     CHECK_OK(laden_dev_map(dev, va + 2 * g, 2 * g, p1));
-    laden_stream_t *s;
+    laden_dev_stream_t *s;
     CHECK_OK(laden_dev_stream_create(dev, &s));
     unsigned char *h, *back;
     CHECK_OK(laden_dev_host_alloc(dev, 2 * g, (void **)&h));
@@ -184,7 +184,7 @@ static void info_and_errors(int32_t dev)
           (dev == LADEN_DEVICE_CPU ? LADEN_DEV_KIND_CPU : LADEN_DEV_KIND_CUDA));
     CHECK_OK(laden_dev_mem_info(dev, &fr, &total));
     CHECK(total > 0 && fr <= total);
-    laden_stream_t *s = (laden_stream_t *)1;
+    laden_dev_stream_t *s = (laden_dev_stream_t *)1;
     if (dev == LADEN_DEVICE_CPU) {
         CHECK_STATUS(laden_dev_stream_wrap(dev, 0, &s), LADEN_E_UNSUPPORTED);
         CHECK(s == NULL);
@@ -233,7 +233,7 @@ static void *worker(void *p)
 {
     worker_arg *w = p;
     const uint64_t n = 1u << 20;
-    laden_stream_t *s;
+    laden_dev_stream_t *s;
     laden_devptr_t d;
     unsigned char *a = malloc(n), *b = malloc(n);
     CHECK_OK(laden_dev_stream_create(w->dev, &s));

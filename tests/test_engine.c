@@ -34,7 +34,7 @@ static void build(laden_cache_t *c, cmodel *m, const char *key, int32_t dev,
     m->seed = seed;
     m->dev = dev;
     laden_sched_config cfg = {dev, 0, 0, NULL, LADEN_SCHED_CACHE};
-    CHECK_OK(laden_stream_create(&cfg, NULL, &m->sc));
+    CHECK_OK(laden_sched_create(&cfg, NULL, &m->sc));
     unsigned char *src[MAXB];
     for (uint32_t b = 0; b < nb; b++) {
         uint32_t bi, ti;
@@ -43,13 +43,13 @@ static void build(laden_cache_t *c, cmodel *m, const char *key, int32_t dev,
         CHECK(src[b]);
         for (uint64_t j = 0; j < size[b]; j++)
             src[b][j] = val(seed, b, j);
-        CHECK_OK(laden_stream_add_block(m->sc, LADEN_TIER_RAM, &bi));
+        CHECK_OK(laden_sched_add_block(m->sc, LADEN_TIER_RAM, &bi));
         CHECK(bi == b);
-        CHECK_OK(laden_stream_add_host_tensor(m->sc, bi, src[b],
-                                              LADEN_DTYPE_U8, size[b],
-                                              LADEN_DTYPE_U8, &ti));
+        CHECK_OK(laden_sched_add_host_tensor(m->sc, bi, src[b],
+                                             LADEN_DTYPE_U8, size[b],
+                                             LADEN_DTYPE_U8, &ti));
     }
-    CHECK_OK(laden_stream_load(m->sc));
+    CHECK_OK(laden_sched_load(m->sc));
     for (uint32_t b = 0; b < nb; b++)
         free(src[b]);
     CHECK_OK(laden_cache_add(c, key, 0, &m->id));
@@ -61,7 +61,7 @@ static void check_bytes(cmodel *m, uint32_t b, laden_devptr_t p)
     unsigned char *buf = malloc(m->size[b] ? m->size[b] : 1);
     CHECK(buf);
     if (m->dev >= 0) {
-        laden_stream_t *rd;
+        laden_dev_stream_t *rd;
         CHECK_OK(laden_dev_stream_create(m->dev, &rd));
         CHECK_OK(laden_dev_copy_d2h(rd, buf, p, m->size[b]));
         CHECK_OK(laden_dev_stream_synchronize(rd));
@@ -85,22 +85,22 @@ static void run(cmodel *m)
     for (uint32_t b = 0; b < m->nb; b++) {
         laden_devptr_t p;
         if (b < m->fixed) {
-            CHECK(laden_stream_is_resident(m->sc, b));
-            CHECK_OK(laden_stream_tensor_ptr(m->sc, b, 0, &p));
+            CHECK(laden_sched_is_resident(m->sc, b));
+            CHECK_OK(laden_sched_tensor_ptr(m->sc, b, 0, &p));
             check_bytes(m, b, p);
             continue;
         }
-        CHECK_OK(laden_stream_enter(m->sc, b, 0));
-        CHECK_OK(laden_stream_tensor_ptr(m->sc, b, 0, &p));
+        CHECK_OK(laden_sched_enter(m->sc, b, 0));
+        CHECK_OK(laden_sched_tensor_ptr(m->sc, b, 0, &p));
         check_bytes(m, b, p);
-        CHECK_OK(laden_stream_exit(m->sc, b, 0));
+        CHECK_OK(laden_sched_exit(m->sc, b, 0));
     }
 }
 
 static uint64_t held(cmodel *m)
 {
     laden_sched_stats_t st;
-    CHECK_OK(laden_stream_stats(m->sc, &st));
+    CHECK_OK(laden_sched_stats(m->sc, &st));
     return st.device_bytes;
 }
 
@@ -114,7 +114,7 @@ static void check_accounts(laden_cache_t *c, cmodel *ms, int k)
         laden_cache_info_t info;
         laden_sched_stats_t st;
         CHECK_OK(laden_cache_info(c, ms[i].id, &info));
-        CHECK_OK(laden_stream_stats(ms[i].sc, &st));
+        CHECK_OK(laden_sched_stats(ms[i].sc, &st));
         CHECK(info.vram_bytes == st.device_bytes);
         CHECK(info.pinned_bytes == st.registered_bytes);
         vram += st.device_bytes;
@@ -141,7 +141,7 @@ static void destroy_all(laden_cache_t *c, cmodel *ms, int k)
         CHECK_OK(laden_cache_unbind(c, ms[i].id));
         CHECK(held(&ms[i]) == 0);
         CHECK_OK(laden_cache_remove(c, ms[i].id));
-        laden_stream_destroy(ms[i].sc);
+        laden_sched_destroy(ms[i].sc);
     }
     laden_cache_destroy(c);
 }
@@ -203,9 +203,9 @@ static void partial(int32_t dev)
     use(c, &m[1], LADEN_CACHE_AUTO, &act);
     CHECK(act.evicted_models == 1 && act.evicted_bytes == 1000);
     CHECK(held(&m[0]) == 3000);
-    CHECK(laden_stream_is_resident(m[0].sc, 0) &&
-          laden_stream_is_resident(m[0].sc, 2) &&
-          !laden_stream_is_resident(m[0].sc, 3));
+    CHECK(laden_sched_is_resident(m[0].sc, 0) &&
+          laden_sched_is_resident(m[0].sc, 2) &&
+          !laden_sched_is_resident(m[0].sc, 3));
     use(c, &m[0], LADEN_CACHE_AUTO, &act);
     CHECK(act.upload_bytes == 1000 && act.kept_bytes == 3000);
     CHECK(held(&m[1]) == 6000);
@@ -297,25 +297,25 @@ static void misuse(int32_t dev)
     /* Residency of a started schedule, pinning of a plain one. */
     CHECK_OK(laden_cache_activate(c, m[1].id, LADEN_CACHE_STREAMING, 1, 0,
                                   ev, 4, &n, NULL));
-    CHECK_STATUS(laden_stream_set_resident(m[1].sc, 3, 1), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_set_resident(m[1].sc, 3, 1), LADEN_E_STATE);
     CHECK_OK(laden_cache_deactivate(c, m[1].id, 0));
     /* Handing a region over: exact sizes only. */
     laden_devptr_t r;
     uint64_t rn;
     CHECK_OK(laden_cache_drop(c, m[1].id, UINT64_MAX, 0, NULL));
-    CHECK(!laden_stream_is_resident(m[0].sc, 3)); /* gave way to m[1] */
-    CHECK_OK(laden_stream_take_resident(m[0].sc, 3, &r, &rn));
+    CHECK(!laden_sched_is_resident(m[0].sc, 3)); /* gave way to m[1] */
+    CHECK_OK(laden_sched_take_resident(m[0].sc, 3, &r, &rn));
     CHECK(r == 0 && rn == 0); /* not resident: nothing handed over */
-    CHECK_OK(laden_stream_take_resident(m[0].sc, 2, &r, &rn));
-    CHECK(r && rn == 1000 && !laden_stream_is_resident(m[0].sc, 2));
-    CHECK_STATUS(laden_stream_set_resident_at(m[1].sc, 1, r, rn - 1),
+    CHECK_OK(laden_sched_take_resident(m[0].sc, 2, &r, &rn));
+    CHECK(r && rn == 1000 && !laden_sched_is_resident(m[0].sc, 2));
+    CHECK_STATUS(laden_sched_set_resident_at(m[1].sc, 1, r, rn - 1),
                  LADEN_E_INVAL);
-    CHECK_OK(laden_stream_set_resident_at(m[1].sc, 1, r, rn));
-    CHECK_STATUS(laden_stream_set_resident_at(m[1].sc, 1, r, rn),
+    CHECK_OK(laden_sched_set_resident_at(m[1].sc, 1, r, rn));
+    CHECK_STATUS(laden_sched_set_resident_at(m[1].sc, 1, r, rn),
                  LADEN_E_STATE);
-    CHECK_OK(laden_stream_ready(m[1].sc, 0));
+    CHECK_OK(laden_sched_ready(m[1].sc, 0));
     laden_devptr_t p;
-    CHECK_OK(laden_stream_tensor_ptr(m[1].sc, 1, 0, &p));
+    CHECK_OK(laden_sched_tensor_ptr(m[1].sc, 1, 0, &p));
     CHECK(p == r);
     check_bytes(&m[1], 1, p); /* m[1]'s bytes, in m[0]'s old region */
     laden_cache_info_t info;
@@ -323,24 +323,24 @@ static void misuse(int32_t dev)
     CHECK_OK(laden_cache_drop(c, m[1].id, UINT64_MAX, 0, NULL));
     laden_sched_config plain = {dev, 0, 0, NULL, 0};
     laden_sched_t *ps;
-    CHECK_OK(laden_stream_create(&plain, NULL, &ps));
+    CHECK_OK(laden_sched_create(&plain, NULL, &ps));
     uint32_t b;
-    CHECK_OK(laden_stream_add_block(ps, LADEN_TIER_RAM, &b));
-    CHECK_OK(laden_stream_load(ps));
-    CHECK_STATUS(laden_stream_set_resident(ps, 0, 1), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_pin(ps, 0, 1), LADEN_E_STATE);
+    CHECK_OK(laden_sched_add_block(ps, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_sched_load(ps));
+    CHECK_STATUS(laden_sched_set_resident(ps, 0, 1), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_pin(ps, 0, 1), LADEN_E_STATE);
     uint32_t id;
     CHECK_OK(laden_cache_add(c, "plain", 0, &id));
     CHECK_STATUS(laden_cache_bind(c, id, ps, 0), LADEN_E_STATE);
-    laden_stream_destroy(ps);
+    laden_sched_destroy(ps);
     laden_sched_t *cs;
     laden_sched_config cc = {dev, 0, 0, NULL, LADEN_SCHED_CACHE};
-    CHECK_OK(laden_stream_create(&cc, NULL, &cs));
-    CHECK_STATUS(laden_stream_add_block(cs, LADEN_TIER_GPU, &b),
+    CHECK_OK(laden_sched_create(&cc, NULL, &cs));
+    CHECK_STATUS(laden_sched_add_block(cs, LADEN_TIER_GPU, &b),
                  LADEN_E_INVAL);
-    laden_stream_destroy(cs);
+    laden_sched_destroy(cs);
     laden_sched_config bad = {dev, 0, 0, NULL, 0x80};
-    CHECK_STATUS(laden_stream_create(&bad, NULL, &cs), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_create(&bad, NULL, &cs), LADEN_E_INVAL);
     CHECK_OK(laden_cache_remove(c, id));
     destroy_all(c, m, 2);
 }
@@ -364,8 +364,8 @@ static void pinning(int32_t dev)
     CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 0);
     use(c, &m[1], LADEN_CACHE_AUTO, &act);
     CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 2000);
-    CHECK(laden_stream_is_pinned(m[0].sc, 1) &&
-          !laden_stream_is_pinned(m[0].sc, 2));
+    CHECK(laden_sched_is_pinned(m[0].sc, 1) &&
+          !laden_sched_is_pinned(m[0].sc, 2));
     check_accounts(c, m, 3);
     /* With one model in use holding 4000, the next pins what is left. */
     laden_cache_evict_t ev[4];
@@ -424,7 +424,7 @@ static void randomized(int32_t dev)
             build(c, &m[i], key, dev, nb, 1 + (uint32_t)(RND() % 2), sz,
                   100 + run_i * 10 + i);
             if (vram)
-                CHECK_OK(laden_stream_use_vram(m[i].sc, vram));
+                CHECK_OK(laden_sched_use_vram(m[i].sc, vram));
         }
         bool busy[4] = {0};
         for (int step = 0; step < 40; step++) {
@@ -509,39 +509,39 @@ TEST(engine_load_block_by_block)
     laden_sched_config cfg = {LADEN_DEVICE_CPU, 0, 0, NULL, LADEN_SCHED_CACHE};
     laden_sched_t *sc;
     unsigned char src[3][700];
-    CHECK_OK(laden_stream_create(&cfg, NULL, &sc));
+    CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
     for (uint32_t b = 0; b < 3; b++) {
         uint32_t bi, ti;
         for (int j = 0; j < 700; j++)
             src[b][j] = val(7, b, (uint64_t)j);
-        CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &bi));
-        CHECK_OK(laden_stream_add_host_tensor(sc, bi, src[b], LADEN_DTYPE_U8,
-                                              700, LADEN_DTYPE_U8, &ti));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &bi));
+        CHECK_OK(laden_sched_add_host_tensor(sc, bi, src[b], LADEN_DTYPE_U8,
+                                             700, LADEN_DTYPE_U8, &ti));
     }
-    CHECK_STATUS(laden_stream_load_block(sc, 3), LADEN_E_INVAL);
-    CHECK_OK(laden_stream_load_block(sc, 2));
+    CHECK_STATUS(laden_sched_load_block(sc, 3), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_load_block(sc, 2));
     memset(src[2], 0, sizeof src[2]); /* the source may go now */
     void *hp;
-    CHECK_OK(laden_stream_host_ptr(sc, 2, 0, &hp));
+    CHECK_OK(laden_sched_host_ptr(sc, 2, 0, &hp));
     CHECK(hp && ((unsigned char *)hp)[5] == val(7, 2, 5));
-    CHECK_STATUS(laden_stream_host_ptr(sc, 0, 0, &hp), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_load_block(sc, 2), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_host_ptr(sc, 0, 0, &hp), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_load_block(sc, 2), LADEN_E_STATE);
     uint32_t extra;
-    CHECK_STATUS(laden_stream_add_block(sc, LADEN_TIER_RAM, &extra),
+    CHECK_STATUS(laden_sched_add_block(sc, LADEN_TIER_RAM, &extra),
                  LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_set_resident(sc, 2, 1), LADEN_E_STATE);
-    CHECK_OK(laden_stream_load_block(sc, 0));
-    CHECK_OK(laden_stream_load(sc)); /* the rest */
-    CHECK_STATUS(laden_stream_load(sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_set_resident(sc, 2, 1), LADEN_E_STATE);
+    CHECK_OK(laden_sched_load_block(sc, 0));
+    CHECK_OK(laden_sched_load(sc)); /* the rest */
+    CHECK_STATUS(laden_sched_load(sc), LADEN_E_STATE);
     for (uint32_t b = 0; b < 2; b++) {
-        CHECK_OK(laden_stream_host_ptr(sc, b, 0, &hp));
+        CHECK_OK(laden_sched_host_ptr(sc, b, 0, &hp));
         CHECK(memcmp(hp, src[b], 700) == 0);
     }
-    laden_stream_destroy(sc);
+    laden_sched_destroy(sc);
     laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
-    CHECK_OK(laden_stream_create(&plain, NULL, &sc));
-    CHECK_STATUS(laden_stream_load_block(sc, 0), LADEN_E_STATE);
-    laden_stream_destroy(sc);
+    CHECK_OK(laden_sched_create(&plain, NULL, &sc));
+    CHECK_STATUS(laden_sched_load_block(sc, 0), LADEN_E_STATE);
+    laden_sched_destroy(sc);
 }
 
 /* Cache models whose device copies live in VBARs of one VRAM context:
@@ -563,7 +563,7 @@ static void in_vbars(int32_t dev)
         char key[16];
         snprintf(key, sizeof key, "v%d", i);
         build(c, &m[i], key, dev, 2, 1, TWO, 61 + i);
-        CHECK_OK(laden_stream_use_vram(m[i].sc, vram));
+        CHECK_OK(laden_sched_use_vram(m[i].sc, vram));
     }
     laden_cache_activation_t act;
     for (int i = 0; i < 3; i++) { /* the third evicts (unpins) the first */
@@ -600,7 +600,7 @@ static void in_vbars(int32_t dev)
     for (int i = 0; i < 3; i++) {
         CHECK_OK(laden_cache_unbind(c, m[i].id));
         CHECK_OK(laden_cache_remove(c, m[i].id));
-        laden_stream_destroy(m[i].sc);
+        laden_sched_destroy(m[i].sc);
     }
     laden_cache_destroy(c);
     laden_vram_info_t vi;
@@ -629,23 +629,23 @@ static void offloaded_streams(int32_t dev)
     const uint64_t SIZES[3] = {3 * MB / 2, 3 * MB / 2, 3 * MB / 2};
     CHECK_OK(laden_cache_create(0, 0, &c));
     build(c, &m, "big", dev, 3, 1, SIZES, 71);
-    CHECK_OK(laden_stream_use_vram(m.sc, vram));
+    CHECK_OK(laden_sched_use_vram(m.sc, vram));
     laden_cache_activation_t act;
     for (int pass = 0; pass < 3; pass++) {
         use(c, &m, LADEN_CACHE_RESIDENT, &act); /* run() checks the bytes */
         CHECK(act.offloaded_blocks == 2);
-        CHECK(laden_stream_is_resident(m.sc, 0) &&
-              !laden_stream_is_resident(m.sc, 1));
+        CHECK(laden_sched_is_resident(m.sc, 0) &&
+              !laden_sched_is_resident(m.sc, 1));
     }
     CHECK_OK(laden_cache_unbind(c, m.id));
-    laden_stream_destroy(m.sc);
+    laden_sched_destroy(m.sc);
     laden_cache_destroy(c);
     laden_vram_destroy(vram);
 }
 
 TEST(engine_offloaded_block_streams) { test_on_every_device(offloaded_streams); }
 
-/* laden_stream_use_vram refuses what it cannot do, naming why. */
+/* laden_sched_use_vram refuses what it cannot do, naming why. */
 TEST(engine_use_vram_errors)
 {
     const uint64_t MB = 1ull << 20;
@@ -655,31 +655,31 @@ TEST(engine_use_vram_errors)
     cmodel m;
     CHECK_OK(laden_cache_create(0, 0, &c));
     build(c, &m, "u", LADEN_DEVICE_CPU, 2, 1, FOUR, 81);
-    CHECK_STATUS(laden_stream_use_vram(NULL, vram), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_use_vram(NULL, vram), LADEN_E_INVAL);
     laden_cache_activation_t act;
     use(c, &m, LADEN_CACHE_AUTO, &act); /* now it holds device memory */
-    CHECK_STATUS(laden_stream_use_vram(m.sc, vram), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_use_vram(m.sc, vram), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "holds device memory");
     CHECK_OK(laden_cache_drop(c, m.id, UINT64_MAX, 0, NULL));
-    CHECK_OK(laden_stream_use_vram(m.sc, vram));
-    CHECK(laden_stream_vbar(m.sc) != NULL);
+    CHECK_OK(laden_sched_use_vram(m.sc, vram));
+    CHECK(laden_sched_vbar(m.sc) != NULL);
     /* In a VBAR, device regions are not handed over. */
-    CHECK_STATUS(laden_stream_set_resident_at(m.sc, 1, 4096, 1000),
+    CHECK_STATUS(laden_sched_set_resident_at(m.sc, 1, 4096, 1000),
                  LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "VBAR");
-    CHECK_OK(laden_stream_use_vram(m.sc, NULL)); /* back to allocations */
-    CHECK(laden_stream_vbar(m.sc) == NULL);
+    CHECK_OK(laden_sched_use_vram(m.sc, NULL)); /* back to allocations */
+    CHECK(laden_sched_vbar(m.sc) == NULL);
     laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
     laden_sched_t *ps;
     uint32_t b;
-    CHECK_OK(laden_stream_create(&plain, NULL, &ps));
-    CHECK_OK(laden_stream_add_block(ps, LADEN_TIER_RAM, &b));
-    CHECK_OK(laden_stream_load(ps));
-    CHECK_STATUS(laden_stream_use_vram(ps, vram), LADEN_E_STATE);
+    CHECK_OK(laden_sched_create(&plain, NULL, &ps));
+    CHECK_OK(laden_sched_add_block(ps, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_sched_load(ps));
+    CHECK_STATUS(laden_sched_use_vram(ps, vram), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "before load");
-    laden_stream_destroy(ps);
+    laden_sched_destroy(ps);
     CHECK_OK(laden_cache_unbind(c, m.id));
-    laden_stream_destroy(m.sc);
+    laden_sched_destroy(m.sc);
     laden_cache_destroy(c);
     laden_vram_destroy(vram);
 }

@@ -114,7 +114,7 @@ TEST(plan_impossible_budget_says_what_would_fit)
     CHECK(r.warnings & LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE);
     CHECK(r.vram_avail_bytes == 900);
     /* min_free_ram auto: 8 % of RAM clamped to 1..4 GiB. */
-    in.ram_budget_bytes = 0;
+    in.ram_budget_bytes = LADEN_PLAN_AUTO;
     in.min_free_ram_bytes = UINT64_MAX;
     in.ram_total_bytes = 16ull << 30;
     in.ram_free_bytes = 10ull << 30;
@@ -156,11 +156,11 @@ TEST(plan_invariants_random_models)
         in.asked = rnd(&x) % 2 ? asked : NULL;
         in.rest_bytes = unit * (rnd(&x) % 4);
         in.vram_free_bytes = unit * (8 + rnd(&x) % 256);
-        in.max_vram_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 256) : 0;
+        in.max_vram_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 256) : LADEN_PLAN_AUTO;
         in.reserve_bytes = unit * (rnd(&x) % 4);
         in.ram_total_bytes = unit * 512;
         in.ram_free_bytes = unit * (rnd(&x) % 512);
-        in.ram_budget_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 256) : 0;
+        in.ram_budget_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 256) : LADEN_PLAN_AUTO;
         in.min_free_ram_bytes = rnd(&x) % 2 ? UINT64_MAX : unit;
         in.resident_blocks = (int32_t)(rnd(&x) % 12) - 4;
         if (in.resident_blocks < -1)
@@ -190,4 +190,367 @@ TEST(plan_invariants_random_bytes)
         }
         LLVMFuzzerTestOneInput(buf, n);
     }
+}
+
+/* A CPU-device request: 10 blocks of 100 B, rest 50, 900 B of free RAM
+ * (none kept) and no RAM budget, 3 slots of 100: 550 left for the RAM
+ * tier. */
+static laden_plan_input host_base(uint64_t *bytes, uint32_t n)
+{
+    laden_plan_input in = base(bytes, n);
+    in.host_device = 1;
+    in.vram_free_bytes = in.reserve_bytes = 0;
+    in.disk_staging = 0;
+    in.ram_budget_bytes = LADEN_PLAN_AUTO;
+    in.ram_free_bytes = 900;
+    in.min_free_ram_bytes = 0;
+    return in;
+}
+
+TEST(plan_no_disk_blocks_get_ram_first)
+{
+    uint64_t b[10];
+    int32_t t[10], w[10];
+    uint8_t f[10] = {0};
+    laden_plan_result r;
+    laden_plan_input in = base(b, 10);
+    in.block_flags = f;
+    in.ram_budget_bytes = 450; /* 300 of staging: RAM for one block */
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(t[1], LADEN_TIER_RAM); /* no flag set: as without flags */
+    CHECK_EQ(t[9], LADEN_TIER_DISK);
+    /* Block 9 cannot stream from disk: it takes the RAM before block 1,
+     * which can. */
+    f[9] = LADEN_PLAN_BLOCK_NO_DISK;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(t[9], LADEN_TIER_RAM);
+    CHECK_EQ(w[9], LADEN_PLAN_WHY_NO_VRAM_RAM);
+    CHECK_EQ(t[1], LADEN_TIER_DISK);
+    CHECK_EQ(r.ram_bytes, 100);
+    CHECK_EQ(r.ram_used_bytes, 400);
+    CHECK_EQ(r.ram_limit_bytes, 450);
+    f[7] = LADEN_PLAN_BLOCK_NO_DISK; /* two of them do not fit */
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "block 9 (100 B) cannot stream from "
+                                       "disk");
+    CHECK_CONTAINS(laden_last_error(), "the 50 B of RAM left");
+    CHECK_EQ(r.ram_limit_bytes, 0); /* zeroed on failure */
+    /* With RAM for everything there is no staging and no disk. */
+    in.ram_budget_bytes = 500;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.disk_bytes, 0);
+    CHECK_EQ(r.staging_bytes, 0);
+}
+
+TEST(plan_no_disk_block_asked_for_disk_is_invalid)
+{
+    uint64_t b[4];
+    int32_t t[4], w[4], asked[4] = {LADEN_PLAN_FREE, LADEN_PLAN_FREE,
+                                    LADEN_PLAN_FREE, LADEN_TIER_DISK};
+    uint8_t f[4] = {0, 0, 0, LADEN_PLAN_BLOCK_NO_DISK};
+    laden_plan_result r;
+    laden_plan_input in = base(b, 4);
+    in.asked = asked;
+    in.block_flags = f;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "block 3 is asked for disk, but it "
+                                       "cannot stream from disk");
+    asked[3] = LADEN_TIER_RAM;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(t[3], LADEN_TIER_RAM);
+    f[2] = 0x80;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "block 2: unknown flags 0x80");
+}
+
+/* The spread would stream NO_DISK block 1, which has no RAM: the prefix
+ * (blocks 0 and 1 resident) is kept. */
+TEST(plan_spread_keeps_no_disk_block_resident)
+{
+    uint64_t b[4];
+    int32_t t[4], w[4];
+    uint8_t f[4] = {0};
+    laden_plan_result r;
+    laden_plan_input in = base(b, 4);
+    in.resident_blocks = 2;
+    in.disk_staging = 0;
+    in.ram_budget_bytes = 1;
+    in.block_flags = f;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    int32_t spread[4] = {0, 2, 0, 2};
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ(t[i], spread[i]);
+    f[1] = LADEN_PLAN_BLOCK_NO_DISK;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    int32_t prefix[4] = {0, 0, 2, 2};
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ(t[i], prefix[i]);
+    CHECK_EQ(w[1], LADEN_PLAN_WHY_ASKED_RESIDENT);
+}
+
+TEST(plan_host_device_fills_ram_then_disk)
+{
+    uint64_t b[10];
+    int32_t t[10], w[10];
+    uint8_t f[10] = {0};
+    laden_plan_result r;
+    laden_plan_input in = host_base(b, 10);
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    for (int i = 0; i < 10; i++)
+        CHECK_EQ(t[i], i < 5 ? LADEN_TIER_RAM : LADEN_TIER_DISK);
+    CHECK_EQ(w[0], LADEN_PLAN_WHY_FITS_HOST_RAM);
+    CHECK(strcmp(laden_plan_why_text(w[0]),
+                 "RAM: fits the host memory budget") == 0);
+    CHECK_EQ(w[5], LADEN_PLAN_WHY_NO_RAM_DISK);
+    CHECK_EQ(r.vram_avail_bytes, 0);
+    CHECK_EQ(r.vram_used_bytes, 0);
+    CHECK_EQ(r.gpu_bytes, 50);
+    CHECK_EQ(r.nslots, 3);
+    CHECK_EQ(r.slot_bytes, 100);
+    CHECK_EQ(r.ram_limit_bytes, 900);
+    CHECK_EQ(r.ram_avail_bytes, 550); /* 900 - rest 50 - slots 300 */
+    CHECK_EQ(r.ram_bytes, 500);
+    CHECK_EQ(r.disk_bytes, 500);
+    CHECK_EQ(r.staging_bytes, 0);
+    CHECK_EQ(r.warnings, LADEN_PLAN_WARN_DISK); /* no reserve warning */
+    /* Only the disk reads take time (500 B at 1e8 B/s); h2d is ignored. */
+    CHECK(r.predicted_ms > 4.9e-3 && r.predicted_ms < 5.1e-3);
+    in.h2d_bytes_per_s = 1;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK(r.predicted_ms > 4.9e-3 && r.predicted_ms < 5.1e-3);
+    in.disk_bytes_per_s = 0;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK(r.predicted_ms == 0);
+    /* Resident blocks cost host memory like RAM blocks. */
+    in.resident_blocks = 2;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(t[0], LADEN_TIER_GPU);
+    CHECK_EQ(w[1], LADEN_PLAN_WHY_ASKED_RESIDENT);
+    CHECK_EQ(t[2], LADEN_TIER_RAM);
+    CHECK_EQ(t[4], LADEN_TIER_RAM);
+    CHECK_EQ(t[5], LADEN_TIER_DISK);
+    CHECK_EQ(r.gpu_bytes, 250);
+    CHECK_EQ(r.ram_avail_bytes, 350);
+    /* A NO_DISK block takes RAM before earlier blocks that can stream. */
+    in.resident_blocks = -1;
+    in.block_flags = f;
+    f[9] = LADEN_PLAN_BLOCK_NO_DISK;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(t[9], LADEN_TIER_RAM);
+    CHECK_EQ(t[4], LADEN_TIER_DISK);
+    CHECK_EQ(t[3], LADEN_TIER_RAM);
+}
+
+TEST(plan_host_device_budget_errors)
+{
+    uint64_t b[10];
+    int32_t t[10], w[10], asked[10];
+    uint8_t f[10];
+    laden_plan_result r;
+    laden_plan_input in = host_base(b, 10);
+    in.ram_free_bytes = 300;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "free RAM 300 B (keeping 0 B free) "
+                                       "cannot hold the rest of the model "
+                                       "(50 B) and 3 slots (300 B)");
+    /* A RAM budget bounds the RAM tier alone: the rest and the slots
+     * still need the free RAM. */
+    in.ram_budget_bytes = 1000;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    in.ram_budget_bytes = LADEN_PLAN_AUTO;
+    for (int i = 0; i < 10; i++)
+        asked[i] = LADEN_PLAN_FREE;
+    asked[0] = LADEN_TIER_GPU;
+    in.asked = asked;
+    in.ram_free_bytes = 400;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "the blocks asked resident (100 B) "
+                                       "and 3 slots");
+    in.asked = NULL;
+    in.ram_free_bytes = 900;
+    in.resident_blocks = 7; /* 550 left: 5 fit */
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "7 resident blocks asked, but only 5 "
+                                       "fit");
+    in.resident_blocks = -1;
+    memset(f, LADEN_PLAN_BLOCK_NO_DISK, sizeof f);
+    in.block_flags = f;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "block 5 (100 B) is converted on load");
+    CHECK_CONTAINS(laden_last_error(), "the 50 B of RAM left");
+    /* No RAM budget: free RAM minus the minimum kept free (auto: 4 GiB of
+     * 64 GiB), here nothing. */
+    in.block_flags = NULL;
+    in.ram_budget_bytes = LADEN_PLAN_AUTO;
+    in.min_free_ram_bytes = UINT64_MAX;
+    in.ram_free_bytes = 3ull << 30;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "free RAM 0 B (keeping 4.29 GB free)");
+    in.ram_free_bytes = (4ull << 30) + 900;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.ram_limit_bytes, 900);
+    CHECK_EQ(r.min_free_ram_bytes, 4ull << 30);
+}
+
+TEST(plan_host_device_refuses_cuda_fields)
+{
+    uint64_t b[4];
+    int32_t t[4], w[4];
+    laden_plan_result r;
+    laden_plan_input in = host_base(b, 4);
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    in.vram_free_bytes = 1;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "the CPU device has no VRAM: "
+                                       "vram_free applies to CUDA devices");
+    in = host_base(b, 4);
+    in.max_vram_bytes = 1;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "the CPU device has no VRAM: "
+                                       "max_vram applies to CUDA devices");
+    in = host_base(b, 4);
+    in.reserve_bytes = 1;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "reserve applies to CUDA devices");
+    in = host_base(b, 4);
+    in.disk_staging = 1;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "disk_staging must be 0");
+    in = host_base(b, 4);
+    in.host_device = 2;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "host_device 2");
+}
+
+TEST(plan_ram_limit_and_lookahead)
+{
+    uint64_t b[10];
+    int32_t t[10], w[10];
+    laden_plan_result r;
+    laden_plan_input in = base(b, 10);
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.ram_limit_bytes, 600); /* the RAM budget */
+    in.ram_budget_bytes = LADEN_PLAN_AUTO;
+    in.ram_total_bytes = 16ull << 30;
+    in.ram_free_bytes = 10ull << 30;
+    in.min_free_ram_bytes = UINT64_MAX;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.ram_limit_bytes, (10ull << 30) - (16ull << 30) / 100 * 8);
+    CHECK_EQ(r.ram_avail_bytes, r.ram_limit_bytes);
+    in = base(b, 10);
+    in.lookahead = 0; /* LADEN_LOOKAHEAD_DEFAULT */
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.nslots, LADEN_LOOKAHEAD_DEFAULT + 1);
+    in.vram_free_bytes = 1ull << 40;
+    in.resident_blocks = 0;
+    in.ram_budget_bytes = 1000; /* all ten in RAM */
+    in.lookahead = LADEN_LOOKAHEAD_MAX;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.nslots, 10); /* never more slots than blocks */
+    in.lookahead = LADEN_LOOKAHEAD_MAX + 1;
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "lookahead 64 is above the maximum, "
+                                       "63");
+}
+
+/* Plans `in` (valid by construction) and checks the plan's invariants;
+ * returns the status. */
+static int check_properties(const laden_plan_input *in, int32_t *t)
+{
+    int32_t w[64], t2[64], w2[64];
+    laden_plan_result r, r2;
+    int s = laden_plan_compute(in, t, w, &r);
+    CHECK_EQ(laden_plan_compute(in, t2, w2, &r2), s);
+    if (s != LADEN_OK) {
+        CHECK_EQ(s, LADEN_E_BUDGET);
+        return s;
+    }
+    CHECK(memcmp(t, t2, in->nblocks * sizeof *t) == 0);
+    CHECK(memcmp(w, w2, in->nblocks * sizeof *w) == 0);
+    CHECK(memcmp(&r, &r2, sizeof r) == 0);
+    uint64_t gpu = in->rest_bytes, ram = 0;
+    for (uint32_t i = 0; i < in->nblocks; i++) {
+        if (in->block_flags && in->block_flags[i])
+            CHECK(t[i] != LADEN_TIER_DISK);
+        if (in->asked && in->asked[i] != LADEN_PLAN_FREE)
+            CHECK_EQ(t[i], in->asked[i]);
+        gpu += t[i] == LADEN_TIER_GPU ? in->block_bytes[i] : 0;
+        ram += t[i] == LADEN_TIER_RAM ? in->block_bytes[i] : 0;
+    }
+    CHECK_EQ(r.gpu_bytes, gpu);
+    CHECK_EQ(r.ram_bytes, ram);
+    CHECK(r.ram_bytes + r.staging_bytes <= r.ram_limit_bytes);
+    if (in->host_device) {
+        uint64_t dev = gpu + (uint64_t)r.nslots * r.slot_bytes;
+        CHECK(dev <= in->ram_free_bytes - r.min_free_ram_bytes);
+        if (in->ram_budget_bytes == LADEN_PLAN_AUTO)
+            CHECK(dev + ram <= r.ram_limit_bytes);
+        CHECK_EQ(r.vram_used_bytes, 0);
+    } else {
+        CHECK(r.vram_used_bytes <= r.vram_avail_bytes);
+    }
+    return s;
+}
+
+/* Random CUDA-like and CPU-device requests with NO_DISK blocks: every plan
+ * keeps the invariants, and the flags never fail a request whose plan
+ * without them kept the flagged blocks off disk anyway. */
+TEST(plan_properties_flags_and_host_device)
+{
+    uint64_t x = 0x2545f4914f6cdd1dull, bytes[64];
+    int32_t asked[64], t[64], t0[64];
+    uint8_t flags[64];
+    int planned[2] = {0, 0}, no_disk_ram = 0, runs = 4000;
+    for (int k = 0; k < runs; k++) {
+        laden_plan_input in;
+        memset(&in, 0, sizeof in);
+        in.nblocks = 1 + (uint32_t)(rnd(&x) % 64);
+        uint64_t unit = 1ull << (20 + rnd(&x) % 10);
+        for (uint32_t i = 0; i < in.nblocks; i++) {
+            bytes[i] = unit * (1 + rnd(&x) % 8);
+            flags[i] = rnd(&x) % 4 ? 0 : LADEN_PLAN_BLOCK_NO_DISK;
+            asked[i] = rnd(&x) % 8 ? LADEN_PLAN_FREE : (int32_t)(rnd(&x) % 3);
+            if (flags[i] && asked[i] == LADEN_TIER_DISK)
+                asked[i] = LADEN_PLAN_FREE;
+        }
+        in.block_bytes = bytes;
+        in.asked = rnd(&x) % 2 ? asked : NULL;
+        in.host_device = (uint32_t)(rnd(&x) % 2);
+        in.rest_bytes = unit * (rnd(&x) % 4);
+        if (!in.host_device) {
+            in.vram_free_bytes = unit * (8 + rnd(&x) % 256);
+            in.max_vram_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 256) : LADEN_PLAN_AUTO;
+            in.reserve_bytes = unit * (rnd(&x) % 4);
+            in.disk_staging = (uint32_t)(rnd(&x) % 2);
+        }
+        in.ram_total_bytes = unit * 512;
+        in.ram_free_bytes = unit * (rnd(&x) % 512);
+        in.ram_budget_bytes = rnd(&x) % 2 ? unit * (rnd(&x) % 512) : LADEN_PLAN_AUTO;
+        in.min_free_ram_bytes = rnd(&x) % 2 ? UINT64_MAX : unit;
+        in.resident_blocks = (int32_t)(rnd(&x) % 12) - 4;
+        if (in.resident_blocks < -1)
+            in.resident_blocks = -1;
+        in.lookahead = (uint32_t)(rnd(&x) % 6);
+        in.h2d_bytes_per_s = 5e10;
+        in.disk_bytes_per_s = 2e9;
+        int s0 = check_properties(&in, t0); /* without flags */
+        in.block_flags = flags;
+        int s = check_properties(&in, t);
+        bool kept_off_disk = s0 == LADEN_OK;
+        for (uint32_t i = 0; kept_off_disk && i < in.nblocks; i++)
+            kept_off_disk = !flags[i] || t0[i] != LADEN_TIER_DISK;
+        if (kept_off_disk)
+            CHECK_EQ(s, LADEN_OK);
+        if (s == LADEN_OK) {
+            planned[in.host_device]++;
+            for (uint32_t i = 0; i < in.nblocks; i++)
+                no_disk_ram += flags[i] && t[i] == LADEN_TIER_RAM &&
+                               s0 == LADEN_OK && t0[i] == LADEN_TIER_DISK;
+        }
+    }
+    fprintf(stderr, "%d CUDA-like and %d host plans of %d; %d NO_DISK "
+            "blocks moved from disk to RAM\n", planned[0], planned[1], runs,
+            no_disk_ram);
+    CHECK(planned[0] > runs / 10 && planned[1] > runs / 10);
+    CHECK(no_disk_ram > 0);
 }

@@ -66,7 +66,7 @@ typedef struct {
     laden_st_t *st;
     int32_t dev;
     uint32_t block_of[NB + 1]; /* block index of model block i; NB: embed */
-    laden_stream_t *rd;        /* reads back on the compute stream */
+    laden_dev_stream_t *rd;    /* reads back on the compute stream */
     unsigned char *buf;
 } model;
 
@@ -78,10 +78,10 @@ static void build(model *m, int32_t dev, const laden_tier tiers[NB],
     CHECK_OK(laden_st_open(write_model(), &m->st));
     laden_sched_config cfg = {.device = dev, .lookahead = 2,
                               .ram_budget_bytes = ram_budget};
-    CHECK_OK(laden_stream_create(&cfg, m->st, &m->sc));
+    CHECK_OK(laden_sched_create(&cfg, m->st, &m->sc));
     for (int i = 0; i <= NB; i++) {
         laden_tier tier = i == NB ? LADEN_TIER_GPU : tiers[i];
-        CHECK_OK(laden_stream_add_block(m->sc, tier, &m->block_of[i]));
+        CHECK_OK(laden_sched_add_block(m->sc, tier, &m->block_of[i]));
         for (int k = 0; k < (i == NB ? 1 : 2); k++) {
             size_t idx;
             uint32_t ti;
@@ -91,8 +91,8 @@ static void build(model *m, int32_t dev, const laden_tier tiers[NB],
             else
                 snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
             CHECK_OK(laden_st_find(m->st, name, &idx));
-            CHECK_OK(laden_stream_add_tensor(m->sc, m->block_of[i], m->st, idx,
-                                             LADEN_DTYPE_U8, &ti));
+            CHECK_OK(laden_sched_add_tensor(m->sc, m->block_of[i], m->st, idx,
+                                            LADEN_DTYPE_U8, &ti));
             CHECK(ti == (uint32_t)k);
         }
     }
@@ -103,7 +103,7 @@ static void build(model *m, int32_t dev, const laden_tier tiers[NB],
 
 static void destroy(model *m)
 {
-    laden_stream_destroy(m->sc);
+    laden_sched_destroy(m->sc);
     laden_dev_stream_destroy(m->rd);
     laden_st_close(m->st);
     free(m->buf);
@@ -114,11 +114,11 @@ static void destroy(model *m)
 static void run_block(model *m, int i)
 {
     uint32_t b = m->block_of[i];
-    CHECK_OK(laden_stream_enter(m->sc, b, 0));
+    CHECK_OK(laden_sched_enter(m->sc, b, 0));
     for (int k = 0; k < (i == NB ? 1 : 2); k++) {
         int t = i == NB ? 2 * NB : 2 * i + k;
         laden_devptr_t p;
-        CHECK_OK(laden_stream_tensor_ptr(m->sc, b, (uint32_t)k, &p));
+        CHECK_OK(laden_sched_tensor_ptr(m->sc, b, (uint32_t)k, &p));
         CHECK(p % 256 == 0);
         if (m->rd) {
             CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, sz(t)));
@@ -133,7 +133,7 @@ static void run_block(model *m, int i)
                 exit(1);
             }
     }
-    CHECK_OK(laden_stream_exit(m->sc, b, 0));
+    CHECK_OK(laden_sched_exit(m->sc, b, 0));
 }
 
 
@@ -153,8 +153,8 @@ static void orders(int32_t dev)
     for (int variant = 0; variant < 3; variant++) {
         model m;
         build(&m, dev, variant == 2 ? MIXED : ALL[variant], 0);
-        CHECK_OK(laden_stream_load(m.sc));
-        CHECK_OK(laden_stream_start(m.sc, 0));
+        CHECK_OK(laden_sched_load(m.sc));
+        CHECK_OK(laden_sched_start(m.sc, 0));
         laden_sched_stats_t st;
         /* In order, several passes: every block prefetched in time. */
         for (int pass = 0; pass < 3; pass++) {
@@ -162,7 +162,7 @@ static void orders(int32_t dev)
             for (int i = 0; i < NB; i++)
                 run_block(&m, i);
         }
-        CHECK_OK(laden_stream_stats(m.sc, &st));
+        CHECK_OK(laden_sched_stats(m.sc, &st));
         CHECK(st.misses == 0);
         uint64_t misses_before = st.misses;
         /* Reversed, repeated, skipping, random: correct, only slower. */
@@ -177,14 +177,14 @@ static void orders(int32_t dev)
             seed = seed * 1103515245u + 12345u;
             run_block(&m, (int)((seed >> 16) % (NB + 1)));
         }
-        CHECK_OK(laden_stream_stats(m.sc, &st));
+        CHECK_OK(laden_sched_stats(m.sc, &st));
         if (st.enters) { /* on the CPU device the RAM tier runs in place */
             if (variant < 2) /* more streamed blocks than slots */
                 CHECK(st.misses > misses_before);
             CHECK(st.nslots == 3);
             CHECK(variant == 2 || st.slot_bytes >= 4096u * NB);
         }
-        CHECK_OK(laden_stream_synchronize(m.sc));
+        CHECK_OK(laden_sched_synchronize(m.sc));
         destroy(&m);
     }
 }
@@ -197,24 +197,24 @@ static void misuse(int32_t dev)
     build(&m, dev, MIXED, 0);
     uint32_t b = m.block_of[1];
     laden_devptr_t p;
-    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE); /* not loaded */
-    CHECK_STATUS(laden_stream_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
-    CHECK_OK(laden_stream_load(m.sc));
-    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE); /* not started */
-    CHECK_STATUS(laden_stream_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
-    CHECK_OK(laden_stream_start(m.sc, 0));
-    CHECK_STATUS(laden_stream_start(m.sc, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_enter(m.sc, b, 0), LADEN_E_STATE); /* not loaded */
+    CHECK_STATUS(laden_sched_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_enter(m.sc, b, 0), LADEN_E_STATE); /* not started */
+    CHECK_STATUS(laden_sched_tensor_ptr(m.sc, b, 0, &p), LADEN_E_STATE);
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    CHECK_STATUS(laden_sched_start(m.sc, 0), LADEN_E_STATE);
     uint32_t nb;
-    CHECK_STATUS(laden_stream_add_block(m.sc, LADEN_TIER_RAM, &nb),
+    CHECK_STATUS(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &nb),
                  LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_enter(m.sc, 999, 0), LADEN_E_INVAL);
-    CHECK_STATUS(laden_stream_exit(m.sc, b, 0), LADEN_E_STATE);
-    CHECK_OK(laden_stream_enter(m.sc, b, 0));
-    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_enter(m.sc, 999, 0), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_exit(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_OK(laden_sched_enter(m.sc, b, 0));
+    CHECK_STATUS(laden_sched_enter(m.sc, b, 0), LADEN_E_STATE);
     /* Block 4 shares block 1's slot (positions 1 and 4 of 3 slots... its
      * schedule position is 3 when block 2 is on the GPU tier). */
-    CHECK_OK(laden_stream_exit(m.sc, b, 0));
+    CHECK_OK(laden_sched_exit(m.sc, b, 0));
     destroy(&m);
 }
 
@@ -228,8 +228,8 @@ static void file_trouble(int32_t dev)
 {
     model m;
     build(&m, dev, MOSTLY_DISK, 0);
-    CHECK_OK(laden_stream_load(m.sc));
-    CHECK_OK(laden_stream_start(m.sc, 0));
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
     run_block(&m, 0);
     /* The checkpoint is cut short while the model runs: disk blocks fail
      * at enter with the file's name; RAM and GPU blocks keep working. */
@@ -241,9 +241,9 @@ static void file_trouble(int32_t dev)
                 run_block(&m, i);
                 continue;
             }
-            int s = laden_stream_enter(m.sc, m.block_of[i], 0);
+            int s = laden_sched_enter(m.sc, m.block_of[i], 0);
             if (s == LADEN_OK) { /* read before the cut */
-                CHECK_OK(laden_stream_exit(m.sc, m.block_of[i], 0));
+                CHECK_OK(laden_sched_exit(m.sc, m.block_of[i], 0));
                 continue;
             }
             /* Cut short below the read, or bytes read from a file that
@@ -265,8 +265,8 @@ static void file_rewritten(int32_t dev)
 {
     model m;
     build(&m, dev, MOSTLY_DISK, 0);
-    CHECK_OK(laden_stream_load(m.sc));
-    CHECK_OK(laden_stream_start(m.sc, 0));
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
     for (int i = 0; i <= NB; i++)
         run_block(&m, i);
     char *p = test_path("model.safetensors");
@@ -297,9 +297,9 @@ static void file_rewritten(int32_t dev)
                 run_block(&m, i); /* in memory: unaffected */
                 continue;
             }
-            int s = laden_stream_enter(m.sc, m.block_of[i], 0);
+            int s = laden_sched_enter(m.sc, m.block_of[i], 0);
             if (s == LADEN_OK) { /* prefetched before the rewrite */
-                CHECK_OK(laden_stream_exit(m.sc, m.block_of[i], 0));
+                CHECK_OK(laden_sched_exit(m.sc, m.block_of[i], 0));
                 continue;
             }
             CHECK_STATUS(s, LADEN_E_CHANGED);
@@ -329,7 +329,7 @@ TEST(stream_file_replaced_before_create)
     CHECK(rename(q, p) == 0);
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
     laden_sched_t *sc = (laden_sched_t *)1;
-    CHECK_STATUS(laden_stream_create(&cfg, st, &sc), LADEN_E_CHANGED);
+    CHECK_STATUS(laden_sched_create(&cfg, st, &sc), LADEN_E_CHANGED);
     CHECK(sc == NULL);
     CHECK_CONTAINS(laden_last_error(), "model.safetensors");
     laden_st_close(st);
@@ -350,28 +350,28 @@ static void *other_thread(void *arg)
     laden_sched_stats_t st;
     laden_devptr_t p;
     uint32_t b = m->block_of[4];
-    int s = laden_stream_enter(m->sc, b, 0);
+    int s = laden_sched_enter(m->sc, b, 0);
     CHECK_STATUS(s, a->want);
     if (s == LADEN_OK) {
-        CHECK_OK(laden_stream_exit(m->sc, b, 0));
+        CHECK_OK(laden_sched_exit(m->sc, b, 0));
     } else {
         CHECK_CONTAINS(laden_last_error(), a->want == LADEN_E_STATE
-                                               ? "laden_stream_enter"
+                                               ? "laden_sched_enter"
                                                : "");
     }
-    CHECK_STATUS(laden_stream_stats(m->sc, &st), a->want);
-    CHECK_STATUS(laden_stream_tensor_ptr(m->sc, m->block_of[NB], 0, &p),
+    CHECK_STATUS(laden_sched_stats(m->sc, &st), a->want);
+    CHECK_STATUS(laden_sched_tensor_ptr(m->sc, m->block_of[NB], 0, &p),
                  a->want);
-    CHECK_STATUS(laden_stream_begin(m->sc), a->want);
+    CHECK_STATUS(laden_sched_begin(m->sc), a->want);
     if (a->want == LADEN_OK)
-        CHECK_OK(laden_stream_end(m->sc));
+        CHECK_OK(laden_sched_end(m->sc));
     if (a->entered_block >= 0) {
         /* Not this thread's block to exit, nor its pass to end. */
-        CHECK_STATUS(laden_stream_exit(m->sc, m->block_of[a->entered_block],
-                                       0),
+        CHECK_STATUS(laden_sched_exit(m->sc, m->block_of[a->entered_block],
+                                      0),
                      LADEN_E_STATE);
-        CHECK_STATUS(laden_stream_end(m->sc), LADEN_E_STATE);
-        CHECK_STATUS(laden_stream_close(m->sc), LADEN_E_STATE);
+        CHECK_STATUS(laden_sched_end(m->sc), LADEN_E_STATE);
+        CHECK_STATUS(laden_sched_close(m->sc), LADEN_E_STATE);
         CHECK_CONTAINS(laden_last_error(), "another thread");
     }
     return NULL;
@@ -389,46 +389,46 @@ static void guard_rules(int32_t dev)
 {
     model m;
     build(&m, dev, MIXED, 0);
-    CHECK_OK(laden_stream_load(m.sc));
-    CHECK_OK(laden_stream_start(m.sc, 0));
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
     /* Inside a block: every call of another thread is refused at once. */
     uint32_t b = m.block_of[1];
-    CHECK_OK(laden_stream_enter(m.sc, b, 0));
+    CHECK_OK(laden_sched_enter(m.sc, b, 0));
     on_other_thread(&m, LADEN_E_STATE, 1);
-    CHECK_OK(laden_stream_exit(m.sc, b, 0));
+    CHECK_OK(laden_sched_exit(m.sc, b, 0));
     /* Between blocks another thread may use it. */
     on_other_thread(&m, LADEN_OK, -1);
     /* A pass holds it from begin to end, blocks nest inside. */
-    CHECK_OK(laden_stream_begin(m.sc));
+    CHECK_OK(laden_sched_begin(m.sc));
     run_block(&m, 0);
     on_other_thread(&m, LADEN_E_STATE, -1);
-    CHECK_OK(laden_stream_begin(m.sc)); /* nests */
-    CHECK_OK(laden_stream_end(m.sc));
+    CHECK_OK(laden_sched_begin(m.sc)); /* nests */
+    CHECK_OK(laden_sched_end(m.sc));
     on_other_thread(&m, LADEN_E_STATE, -1);
-    CHECK_STATUS(laden_stream_close(m.sc), LADEN_E_STATE); /* own pass */
-    CHECK_OK(laden_stream_end(m.sc));
-    CHECK_STATUS(laden_stream_end(m.sc), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_exit(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_close(m.sc), LADEN_E_STATE); /* own pass */
+    CHECK_OK(laden_sched_end(m.sc));
+    CHECK_STATUS(laden_sched_end(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_exit(m.sc, b, 0), LADEN_E_STATE);
     on_other_thread(&m, LADEN_OK, -1);
     /* A failed enter holds nothing. */
-    CHECK_STATUS(laden_stream_enter(m.sc, 999, 0), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_enter(m.sc, 999, 0), LADEN_E_INVAL);
     on_other_thread(&m, LADEN_OK, -1);
     /* Closed: everything is refused, from any thread; the memory stays
      * until destroy. */
-    CHECK(!laden_stream_is_closed(m.sc));
-    CHECK_OK(laden_stream_close(m.sc));
-    CHECK(laden_stream_is_closed(m.sc));
-    CHECK_OK(laden_stream_close(m.sc));
+    CHECK(!laden_sched_is_closed(m.sc));
+    CHECK_OK(laden_sched_close(m.sc));
+    CHECK(laden_sched_is_closed(m.sc));
+    CHECK_OK(laden_sched_close(m.sc));
     laden_sched_stats_t st;
-    CHECK_STATUS(laden_stream_stats(m.sc, &st), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_stats(m.sc, &st), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "closed");
-    CHECK_STATUS(laden_stream_enter(m.sc, b, 0), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_begin(m.sc), LADEN_E_STATE);
-    CHECK_STATUS(laden_stream_stop(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_enter(m.sc, b, 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_begin(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_stop(m.sc), LADEN_E_STATE);
     on_other_thread(&m, LADEN_E_STATE, -1);
-    CHECK_STATUS(laden_stream_close(NULL), LADEN_E_INVAL);
-    CHECK_STATUS(laden_stream_begin(NULL), LADEN_E_INVAL);
-    CHECK_STATUS(laden_stream_end(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_close(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_begin(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_end(NULL), LADEN_E_INVAL);
     destroy(&m);
 }
 
@@ -439,7 +439,7 @@ TEST(stream_guard_rules) { test_on_every_device(guard_rules); }
  * refused with LADEN_E_STATE; nothing crashes, hangs or reads twice. */
 typedef struct {
     model *m;
-    laden_stream_t *rd;
+    laden_dev_stream_t *rd;
     unsigned char *buf;
     int ok, refused;
 } racer;
@@ -449,13 +449,13 @@ static void *race(void *arg)
     racer *r = arg;
     model *m = r->m;
     for (int pass = 0; pass < 60; pass++) {
-        int s = laden_stream_begin(m->sc);
+        int s = laden_sched_begin(m->sc);
         bool pass_held = s == LADEN_OK;
         if (s)
             CHECK_STATUS(s, LADEN_E_STATE);
         for (int i = 0; i <= NB; i++) {
             uint32_t b = m->block_of[i];
-            s = laden_stream_enter(m->sc, b, 0);
+            s = laden_sched_enter(m->sc, b, 0);
             if (s) {
                 CHECK_STATUS(s, LADEN_E_STATE);
                 r->refused++;
@@ -464,7 +464,7 @@ static void *race(void *arg)
             for (int k = 0; k < (i == NB ? 1 : 2); k++) {
                 int t = i == NB ? 2 * NB : 2 * i + k;
                 laden_devptr_t p;
-                CHECK_OK(laden_stream_tensor_ptr(m->sc, b, (uint32_t)k, &p));
+                CHECK_OK(laden_sched_tensor_ptr(m->sc, b, (uint32_t)k, &p));
                 if (r->rd) {
                     CHECK_OK(laden_dev_copy_d2h(r->rd, r->buf, p, sz(t)));
                     CHECK_OK(laden_dev_stream_synchronize(r->rd));
@@ -474,11 +474,11 @@ static void *race(void *arg)
                 for (uint64_t j = 0; j < sz(t); j++)
                     CHECK(r->buf[j] == val(t, j));
             }
-            CHECK_OK(laden_stream_exit(m->sc, b, 0));
+            CHECK_OK(laden_sched_exit(m->sc, b, 0));
             r->ok++;
         }
         if (pass_held)
-            CHECK_OK(laden_stream_end(m->sc));
+            CHECK_OK(laden_sched_end(m->sc));
     }
     return NULL;
 }
@@ -490,8 +490,8 @@ static void guard_race(int32_t dev)
         LADEN_TIER_GPU,  LADEN_TIER_DISK, LADEN_TIER_RAM};
     model m;
     build(&m, dev, DISKY, 0);
-    CHECK_OK(laden_stream_load(m.sc));
-    CHECK_OK(laden_stream_start(m.sc, 0));
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
     racer r[3];
     pthread_t t[3];
     for (int i = 0; i < 3; i++) {
@@ -509,7 +509,7 @@ static void guard_race(int32_t dev)
     }
     CHECK(ok >= 60 * (NB + 1)); /* a pass that held the schedule ran whole */
     /* Nothing is left held. */
-    CHECK_OK(laden_stream_close(m.sc));
+    CHECK_OK(laden_sched_close(m.sc));
     destroy(&m);
 }
 
@@ -523,11 +523,11 @@ static void budget(int32_t dev)
                                        LADEN_TIER_RAM, LADEN_TIER_RAM,
                                        LADEN_TIER_RAM};
     build(&m, dev, RAM, 64u << 10); /* 64 KiB: the RAM tier needs more */
-    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_BUDGET);
+    CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_BUDGET);
     laden_sched_stats_t st;
-    CHECK_OK(laden_stream_stats(m.sc, &st));
+    CHECK_OK(laden_sched_stats(m.sc, &st));
     CHECK(st.pinned_bytes == 0); /* everything given back */
-    CHECK_STATUS(laden_stream_load(m.sc), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
     destroy(&m);
 }
 
@@ -544,25 +544,25 @@ TEST(stream_convert)
                                  0x7bff, 0x0002, 0x03ff, 0x7c00, 0x7c00};
     uint16_t out[10];
     float back[10];
-    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_BF16, out, 10));
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_BF16, out, 10));
     for (int i = 0; i < 10; i++)
         if (out[i] != want_bf16[i]) {
             fprintf(stderr, "bf16[%d] = %04x, want %04x\n", i, out[i],
                     want_bf16[i]);
             exit(1);
         }
-    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_F16, out, 10));
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, in, LADEN_DTYPE_F16, out, 10));
     for (int i = 0; i < 10; i++)
         if (out[i] != want_f16[i]) {
             fprintf(stderr, "f16[%d] = %04x, want %04x\n", i, out[i],
                     want_f16[i]);
             exit(1);
         }
-    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F16, out, LADEN_DTYPE_F32, back, 8));
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F16, out, LADEN_DTYPE_F32, back, 8));
     CHECK(back[2] == 1.0f && back[3] == -2.5f && back[5] == 65504.0f);
     CHECK(back[6] > 1.1e-7f && back[6] < 1.3e-7f); /* subnormal 2 * 2^-24 */
-    CHECK_STATUS(laden_stream_convert(LADEN_DTYPE_I32, in, LADEN_DTYPE_F32,
-                                      back, 1),
+    CHECK_STATUS(laden_sched_convert(LADEN_DTYPE_I32, in, LADEN_DTYPE_F32,
+                                     back, 1),
                  LADEN_E_UNSUPPORTED);
 }
 
@@ -576,30 +576,30 @@ static void restart_and_host(int32_t dev)
     for (int j = 0; j < 5000; j++)
         host[j] = (unsigned char)(j * 7);
     uint32_t hb, hi;
-    CHECK_OK(laden_stream_add_block(m.sc, LADEN_TIER_RAM, &hb));
-    CHECK_OK(laden_stream_add_host_tensor(m.sc, hb, host, LADEN_DTYPE_U8, 5000,
-                                          LADEN_DTYPE_U8, &hi));
+    CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &hb));
+    CHECK_OK(laden_sched_add_host_tensor(m.sc, hb, host, LADEN_DTYPE_U8, 5000,
+                                         LADEN_DTYPE_U8, &hi));
     uint32_t db;
-    CHECK_OK(laden_stream_add_block(m.sc, LADEN_TIER_DISK, &db));
-    CHECK_STATUS(laden_stream_add_host_tensor(m.sc, db, host, LADEN_DTYPE_U8,
-                                              5000, LADEN_DTYPE_U8, &hi),
+    CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_DISK, &db));
+    CHECK_STATUS(laden_sched_add_host_tensor(m.sc, db, host, LADEN_DTYPE_U8,
+                                             5000, LADEN_DTYPE_U8, &hi),
                  LADEN_E_INVAL);
-    CHECK_OK(laden_stream_load(m.sc));
+    CHECK_OK(laden_sched_load(m.sc));
     void *hp;
-    CHECK_OK(laden_stream_host_ptr(m.sc, hb, 0, &hp));
+    CHECK_OK(laden_sched_host_ptr(m.sc, hb, 0, &hp));
     CHECK(hp != NULL && memcmp(hp, host, 5000) == 0);
-    CHECK_OK(laden_stream_host_ptr(m.sc, m.block_of[NB], 0, &hp));
+    CHECK_OK(laden_sched_host_ptr(m.sc, m.block_of[NB], 0, &hp));
     CHECK(hp == NULL); /* GPU tier: not in host memory */
     laden_sched_stats_t st0, st1;
-    CHECK_OK(laden_stream_stats(m.sc, &st0));
+    CHECK_OK(laden_sched_stats(m.sc, &st0));
     for (uint32_t la = 1; la <= 4; la++) {
-        CHECK_OK(laden_stream_start(m.sc, la));
+        CHECK_OK(laden_sched_start(m.sc, la));
         for (int pass = 0; pass < 2; pass++)
             for (int i = 0; i <= NB; i++)
                 run_block(&m, i);
-        CHECK_OK(laden_stream_stop(m.sc));
-        CHECK_OK(laden_stream_stop(m.sc)); /* twice: no-op */
-        CHECK_OK(laden_stream_stats(m.sc, &st1));
+        CHECK_OK(laden_sched_stop(m.sc));
+        CHECK_OK(laden_sched_stop(m.sc)); /* twice: no-op */
+        CHECK_OK(laden_sched_stats(m.sc, &st1));
         CHECK(st1.device_bytes == st0.device_bytes);
     }
     destroy(&m);
@@ -614,8 +614,8 @@ TEST(stream_fp8_decode_all_codes)
     for (int i = 0; i < 256; i++)
         codes[i] = (uint8_t)i;
     /* Sums of |value| over the finite codes, from torch's own decoding. */
-    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F8_E4M3, codes, LADEN_DTYPE_F32,
-                                  out, 256));
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F8_E4M3, codes, LADEN_DTYPE_F32,
+                                 out, 256));
     double sum = 0;
     int nans = 0;
     for (int i = 0; i < 256; i++) {
@@ -625,8 +625,8 @@ TEST(stream_fp8_decode_all_codes)
             sum += out[i] < 0 ? -out[i] : out[i];
     }
     CHECK(nans == 2 && sum == 10815.75);
-    CHECK_OK(laden_stream_convert(LADEN_DTYPE_F8_E5M2, codes, LADEN_DTYPE_F32,
-                                  out, 256));
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F8_E5M2, codes, LADEN_DTYPE_F32,
+                                 out, 256));
     sum = 0;
     for (int i = 0; i < 256; i++)
         if (out[i] == out[i] && out[i] - out[i] == 0)
@@ -658,12 +658,12 @@ TEST(stream_fp8_quantize_rows)
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
     laden_sched_t *sc;
     uint32_t b, i;
-    CHECK_OK(laden_stream_create(&cfg, st, &sc));
-    CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &b));
-    CHECK_OK(laden_stream_add_tensor(sc, b, st, 0, LADEN_DTYPE_F8_E4M3, &i));
-    CHECK_OK(laden_stream_load(sc));
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, 0, LADEN_DTYPE_F8_E4M3, &i));
+    CHECK_OK(laden_sched_load(sc));
     void *hp;
-    CHECK_OK(laden_stream_host_ptr(sc, b, i, &hp));
+    CHECK_OK(laden_sched_host_ptr(sc, b, i, &hp));
     const uint8_t *q = hp;
     float scales[2];
     memcpy(scales, q + 32, sizeof scales); /* 22 bytes, aligned to 16 */
@@ -672,7 +672,7 @@ TEST(stream_fp8_quantize_rows)
         CHECK(q[k] == want0[k]);
         CHECK(q[11 + k] == want0[k]); /* same codes after its scale */
     }
-    laden_stream_destroy(sc);
+    laden_sched_destroy(sc);
     laden_st_close(st);
 }
 
@@ -707,26 +707,26 @@ static void vbuild(vmodel *v, int32_t dev, laden_vram_t *vram)
     m->dev = dev;
     CHECK_OK(laden_st_open(write_model(), &m->st));
     laden_sched_config cfg = {.device = dev, .lookahead = 2};
-    CHECK_OK(laden_stream_create(&cfg, m->st, &m->sc));
+    CHECK_OK(laden_sched_create(&cfg, m->st, &m->sc));
     if (vram)
-        CHECK_OK(laden_stream_use_vram(m->sc, vram));
+        CHECK_OK(laden_sched_use_vram(m->sc, vram));
     for (int i = 0; i < NH; i++) {
         uint32_t ti;
         v->host[i] = malloc(HSIZE[i]);
         for (uint64_t j = 0; j < HSIZE[i]; j++)
             v->host[i][j] = val(100 + i, j);
-        CHECK_OK(laden_stream_add_block(m->sc, HTIER[i], &v->hb[i]));
-        CHECK_OK(laden_stream_add_host_tensor(m->sc, v->hb[i], v->host[i],
-                                              LADEN_DTYPE_U8, HSIZE[i],
-                                              LADEN_DTYPE_U8, &ti));
+        CHECK_OK(laden_sched_add_block(m->sc, HTIER[i], &v->hb[i]));
+        CHECK_OK(laden_sched_add_host_tensor(m->sc, v->hb[i], v->host[i],
+                                             LADEN_DTYPE_U8, HSIZE[i],
+                                             LADEN_DTYPE_U8, &ti));
     }
-    CHECK_OK(laden_stream_add_block(m->sc, LADEN_TIER_DISK, &v->disk));
+    CHECK_OK(laden_sched_add_block(m->sc, LADEN_TIER_DISK, &v->disk));
     for (int k = 0; k < 2; k++) {
         size_t idx;
         uint32_t ti;
         CHECK_OK(laden_st_find(m->st, k ? "blocks.6.b" : "blocks.6.a", &idx));
-        CHECK_OK(laden_stream_add_tensor(m->sc, v->disk, m->st, idx,
-                                         LADEN_DTYPE_U8, &ti));
+        CHECK_OK(laden_sched_add_tensor(m->sc, v->disk, m->st, idx,
+                                        LADEN_DTYPE_U8, &ti));
     }
     m->block_of[6] = v->disk;
     if (dev != LADEN_DEVICE_CPU)
@@ -739,8 +739,8 @@ static void vrun(vmodel *v)
     model *m = &v->m;
     for (int i = 0; i < NH; i++) {
         laden_devptr_t p;
-        CHECK_OK(laden_stream_enter(m->sc, v->hb[i], 0));
-        CHECK_OK(laden_stream_tensor_ptr(m->sc, v->hb[i], 0, &p));
+        CHECK_OK(laden_sched_enter(m->sc, v->hb[i], 0));
+        CHECK_OK(laden_sched_tensor_ptr(m->sc, v->hb[i], 0, &p));
         if (m->rd) {
             CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, HSIZE[i]));
             CHECK_OK(laden_dev_stream_synchronize(m->rd));
@@ -748,7 +748,7 @@ static void vrun(vmodel *v)
             memcpy(m->buf, (void *)(uintptr_t)p, HSIZE[i]);
         }
         CHECK(memcmp(m->buf, v->host[i], HSIZE[i]) == 0);
-        CHECK_OK(laden_stream_exit(m->sc, v->hb[i], 0));
+        CHECK_OK(laden_sched_exit(m->sc, v->hb[i], 0));
     }
     run_block(m, 6);
 }
@@ -786,36 +786,36 @@ static void in_vram(int32_t dev)
      * streams. */
     CHECK_OK(laden_vram_set_budget(vram, 6 * VMB + VMB + R));
     vbuild(&v, dev, vram);
-    CHECK_OK(laden_stream_load(v.m.sc));
+    CHECK_OK(laden_sched_load(v.m.sc));
     for (int i = 0; i < 4; i++)
-        CHECK(laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
-    CHECK(laden_stream_block_tier(v.m.sc, v.hb[4]) == LADEN_TIER_RAM);
-    CHECK(laden_stream_block_tier(v.m.sc, v.hb[5]) == LADEN_TIER_RAM);
-    CHECK(laden_stream_is_streamed(v.m.sc, v.hb[4]) == (cuda ? 1 : 0));
+        CHECK(laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
+    CHECK(laden_sched_block_tier(v.m.sc, v.hb[4]) == LADEN_TIER_RAM);
+    CHECK(laden_sched_block_tier(v.m.sc, v.hb[5]) == LADEN_TIER_RAM);
+    CHECK(laden_sched_is_streamed(v.m.sc, v.hb[4]) == (cuda ? 1 : 0));
     laden_sched_stats_t st;
-    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    CHECK_OK(laden_sched_stats(v.m.sc, &st));
     CHECK(st.offloaded_bytes == 3 * VMB / 2);
     CHECK(st.gpu_bytes == VMB + 3 * (3 * VMB / 2));
     vram_info(vram, &vi);
     CHECK(vi.pinned_bytes == 6 * VMB && vi.mapped_bytes == 6 * VMB);
     CHECK(vi.charged_bytes == R && vi.vbars == 1);
-    CHECK_OK(laden_stream_start(v.m.sc, 2));
-    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    CHECK_OK(laden_sched_start(v.m.sc, 2));
+    CHECK_OK(laden_sched_stats(v.m.sc, &st));
     vram_info(vram, &vi);
     CHECK(vi.charged_bytes == (uint64_t)st.nslots * st.slot_bytes);
     for (int pass = 0; pass < 2; pass++)
         vrun(&v);
-    CHECK_OK(laden_stream_stop(v.m.sc));
+    CHECK_OK(laden_sched_stop(v.m.sc));
     vram_info(vram, &vi);
     CHECK(vi.charged_bytes == 0);
     /* Someone else takes the room meanwhile: start says so, changes
      * nothing, and works once the room is back. */
     uint64_t rest = 6 * VMB + VMB + R - 6 * VMB;
     CHECK_OK(laden_vram_charge(vram, rest));
-    CHECK_STATUS(laden_stream_start(v.m.sc, 2), LADEN_E_BUDGET);
+    CHECK_STATUS(laden_sched_start(v.m.sc, 2), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "slots of");
     CHECK_OK(laden_vram_uncharge(vram, rest));
-    CHECK_OK(laden_stream_start(v.m.sc, 2));
+    CHECK_OK(laden_sched_start(v.m.sc, 2));
     vrun(&v);
     vdestroy(&v);
     vram_info(vram, &vi);
@@ -824,18 +824,18 @@ static void in_vram(int32_t dev)
     /* No room for the GPU tier (less than a page after the slots). */
     CHECK_OK(laden_vram_set_budget(vram, R + VMB));
     vbuild(&v, dev, vram);
-    CHECK_STATUS(laden_stream_load(v.m.sc), LADEN_E_BUDGET);
+    CHECK_STATUS(laden_sched_load(v.m.sc), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "must be on the device");
     vram_info(vram, &vi);
     CHECK(vi.vbars == 0 && vi.mapped_bytes == 0 && vi.charged_bytes == 0);
-    CHECK_OK(laden_stream_stats(v.m.sc, &st));
+    CHECK_OK(laden_sched_stats(v.m.sc, &st));
     CHECK(st.pinned_bytes == 0);
     vdestroy(&v);
 
     /* No room for the slots. */
     CHECK_OK(laden_vram_set_budget(vram, R - 1));
     vbuild(&v, dev, vram);
-    CHECK_STATUS(laden_stream_load(v.m.sc), LADEN_E_BUDGET);
+    CHECK_STATUS(laden_sched_load(v.m.sc), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "slots of");
     vram_info(vram, &vi);
     CHECK(vi.vbars == 0 && vi.charged_bytes == 0);
@@ -843,13 +843,13 @@ static void in_vram(int32_t dev)
 
     /* A context is taken before load only, and on the schedule's device. */
     vbuild(&v, dev, NULL);
-    CHECK_OK(laden_stream_load(v.m.sc));
-    CHECK_STATUS(laden_stream_use_vram(v.m.sc, vram), LADEN_E_STATE);
+    CHECK_OK(laden_sched_load(v.m.sc));
+    CHECK_STATUS(laden_sched_use_vram(v.m.sc, vram), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "before load");
     /* Without a context the VRAM tier is allocated like the GPU tier. */
     for (int i = 0; i < 5; i++)
-        CHECK(laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
-    CHECK_OK(laden_stream_start(v.m.sc, 2));
+        CHECK(laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
+    CHECK_OK(laden_sched_start(v.m.sc, 2));
     vrun(&v);
     vdestroy(&v);
     laden_vram_destroy(vram);
@@ -865,17 +865,17 @@ static uint64_t injected_load(laden_vram_t *vram)
 {
     vmodel v;
     vbuild(&v, LADEN_DEVICE_CPU, vram);
-    laden_status s = laden_stream_load(v.m.sc);
+    laden_status s = laden_sched_load(v.m.sc);
     laden_vram_info_t vi;
     if (s == LADEN_OK) {
         laden_sched_stats_t st;
-        CHECK_OK(laden_stream_stats(v.m.sc, &st));
+        CHECK_OK(laden_sched_stats(v.m.sc, &st));
         uint64_t moved = 0;
         for (int i = 1; i < 5; i++)
-            if (laden_stream_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_RAM)
+            if (laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_RAM)
                 moved += HSIZE[i];
         CHECK(st.offloaded_bytes == moved);
-        CHECK_OK(laden_stream_start(v.m.sc, 2));
+        CHECK_OK(laden_sched_start(v.m.sc, 2));
         vrun(&v);
     } else {
         /* Only the GPU tier (or the reservation) failing is an error. */
@@ -913,17 +913,17 @@ static laden_sched_t *cache_sched(unsigned char *host[3], int seed)
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
                               .flags = LADEN_SCHED_CACHE};
     laden_sched_t *sc;
-    CHECK_OK(laden_stream_create(&cfg, NULL, &sc));
+    CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
     for (int i = 0; i < 3; i++) {
         uint32_t b, t;
         host[i] = malloc(2 * VMB);
         for (uint64_t j = 0; j < 2 * VMB; j++)
             host[i][j] = val(200 + seed * 3 + i, j);
-        CHECK_OK(laden_stream_add_block(sc, LADEN_TIER_RAM, &b));
-        CHECK_OK(laden_stream_add_host_tensor(sc, b, host[i], LADEN_DTYPE_U8,
-                                              2 * VMB, LADEN_DTYPE_U8, &t));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+        CHECK_OK(laden_sched_add_host_tensor(sc, b, host[i], LADEN_DTYPE_U8,
+                                             2 * VMB, LADEN_DTYPE_U8, &t));
     }
-    CHECK_OK(laden_stream_load(sc));
+    CHECK_OK(laden_sched_load(sc));
     return sc;
 }
 
@@ -935,36 +935,36 @@ TEST(stream_reserve_vram_batches_evictions)
     CHECK_OK(laden_vram_create(LADEN_DEVICE_CPU, 8 * VMB, 2 * VMB, &vram));
     unsigned char *ha[3], *hb[3];
     laden_sched_t *a = cache_sched(ha, 0), *b = cache_sched(hb, 1);
-    CHECK_OK(laden_stream_use_vram(a, vram));
-    CHECK_OK(laden_stream_use_vram(b, vram));
+    CHECK_OK(laden_sched_use_vram(a, vram));
+    CHECK_OK(laden_sched_use_vram(b, vram));
     for (uint32_t i = 0; i < 3; i++)
-        CHECK_OK(laden_stream_set_resident(a, i, 1));
-    CHECK_OK(laden_stream_ready(a, 0));
+        CHECK_OK(laden_sched_set_resident(a, i, 1));
+    CHECK_OK(laden_sched_ready(a, 0));
     for (uint32_t i = 0; i < 3; i++)
-        CHECK_OK(laden_stream_set_resident(a, i, 0)); /* unpinned, mapped */
+        CHECK_OK(laden_sched_set_resident(a, i, 0)); /* unpinned, mapped */
     laden_vram_info_t vi;
     vram_info(vram, &vi);
     CHECK(vi.mapped_bytes == 6 * VMB && vi.evictions == 0);
     const uint8_t all[3] = {1, 1, 1};
-    CHECK_STATUS(laden_stream_reserve_vram(b, all, 2), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_reserve_vram(b, all, 2), LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "2 flags for 3 blocks");
     /* A cache schedule takes its context once loaded. */
     laden_sched_config ccfg = {.device = LADEN_DEVICE_CPU,
                                .flags = LADEN_SCHED_CACHE};
     laden_sched_t *unloaded;
-    CHECK_OK(laden_stream_create(&ccfg, NULL, &unloaded));
-    CHECK_STATUS(laden_stream_use_vram(unloaded, vram), LADEN_E_STATE);
+    CHECK_OK(laden_sched_create(&ccfg, NULL, &unloaded));
+    CHECK_STATUS(laden_sched_use_vram(unloaded, vram), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "once loaded");
-    laden_stream_destroy(unloaded);
-    CHECK_OK(laden_vbar_prioritize(laden_stream_vbar(b)));
-    CHECK_OK(laden_stream_reserve_vram(b, all, 3));
+    laden_sched_destroy(unloaded);
+    CHECK_OK(laden_vbar_prioritize(laden_sched_vbar(b)));
+    CHECK_OK(laden_sched_reserve_vram(b, all, 3));
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2 && vi.mapped_bytes == 2 * VMB);
     CHECK(vi.spare_bytes == 4 * VMB); /* kept for b's faults */
     laden_dev_cpu_fail_vmm_at(0);     /* counts the VMM calls from here */
     for (uint32_t i = 0; i < 3; i++)
-        CHECK_OK(laden_stream_set_resident(b, i, 1));
-    CHECK_OK(laden_stream_ready(b, 0));
+        CHECK_OK(laden_sched_set_resident(b, i, 1));
+    CHECK_OK(laden_sched_ready(b, 0));
     /* Three maps, one new physical page: the spares were mapped again. */
     CHECK(laden_dev_cpu_fail_vmm_at(0) == 4);
     vram_info(vram, &vi);
@@ -972,18 +972,498 @@ TEST(stream_reserve_vram_batches_evictions)
     CHECK(vi.spare_bytes == 0);
     for (uint32_t i = 0; i < 3; i++) {
         laden_devptr_t p;
-        CHECK_OK(laden_stream_tensor_ptr(b, i, 0, &p));
+        CHECK_OK(laden_sched_tensor_ptr(b, i, 0, &p));
         CHECK(memcmp((void *)(uintptr_t)p, hb[i], 2 * VMB) == 0);
     }
     /* Room there already: nothing evicted. */
-    CHECK_OK(laden_stream_reserve_vram(b, all, 3));
+    CHECK_OK(laden_sched_reserve_vram(b, all, 3));
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2);
-    laden_stream_destroy(a);
-    laden_stream_destroy(b);
+    laden_sched_destroy(a);
+    laden_sched_destroy(b);
     for (int i = 0; i < 3; i++) {
         free(ha[i]);
         free(hb[i]);
     }
     laden_vram_destroy(vram);
+}
+
+/* ---- planning a described schedule ---------------------------------------- */
+
+#include "laden/plan.h"
+
+static const laden_tier ALL_AUTO[NB] = {
+    LADEN_TIER_AUTO, LADEN_TIER_AUTO, LADEN_TIER_AUTO, LADEN_TIER_AUTO,
+    LADEN_TIER_AUTO, LADEN_TIER_AUTO, LADEN_TIER_AUTO};
+
+/* Budgets of a plan on the CPU device: RAM only (no VRAM field). */
+static laden_plan_input cpu_budgets(uint64_t ram_budget)
+{
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    in.ram_budget_bytes = ram_budget;
+    in.min_free_ram_bytes = 0;
+    in.resident_blocks = -1;
+    return in;
+}
+
+/* The planner places every AUTO block; sizes are known before load and
+ * are those of the load; the planned tiers are the loaded ones. */
+TEST(stream_plan_described_cpu)
+{
+    model m;
+    build(&m, LADEN_DEVICE_CPU, ALL_AUTO, 0);
+    uint32_t n = laden_sched_block_count(m.sc);
+    uint64_t bytes[NB + 1], sum = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        bytes[i] = laden_sched_block_bytes(m.sc, i);
+        CHECK(bytes[i] > 0);
+        sum += bytes[i];
+    }
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_AUTO);
+    CHECK_EQ(laden_sched_block_tier(m.sc, n), -2);
+    CHECK_EQ(laden_sched_block_bytes(m.sc, n), 0);
+    /* Block a of model block 0 is 1000 bytes, padded to 1024; b 4096. */
+    CHECK_EQ(bytes[m.block_of[0]], 1024 + 4096);
+    /* A RAM tier for a third of the blocks: the others stream from disk
+     * (the rest and the slots take free RAM outside the budget). */
+    uint64_t rest = bytes[m.block_of[NB]];
+    laden_plan_input in = cpu_budgets((sum - rest) / 3);
+    int32_t why[NB + 1];
+    laden_plan_result res;
+    CHECK_OK(laden_sched_plan(m.sc, &in, why, &res));
+    CHECK(res.disk_bytes > 0 && res.ram_bytes > 0);
+    int tier[NB + 1];
+    for (uint32_t i = 0; i < n; i++) {
+        tier[i] = laden_sched_block_tier(m.sc, i);
+        CHECK(laden_plan_why_text(why[i]) != NULL);
+        if (i == m.block_of[NB])
+            CHECK_EQ(tier[i], LADEN_TIER_GPU); /* asked */
+        else
+            CHECK(tier[i] >= LADEN_TIER_GPU && tier[i] <= LADEN_TIER_DISK);
+    }
+    CHECK_OK(laden_sched_load(m.sc));
+    laden_sched_stats_t st;
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.ram_bytes, res.ram_bytes);
+    CHECK_EQ(st.disk_bytes, res.disk_bytes);
+    CHECK_EQ(st.gpu_bytes, res.gpu_bytes);
+    for (uint32_t i = 0; i < n; i++) {
+        CHECK_EQ(laden_sched_block_bytes(m.sc, i), bytes[i]);
+        CHECK_EQ(laden_sched_block_tier(m.sc, i), tier[i]);
+    }
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int i = 0; i <= NB; i++)
+        run_block(&m, i);
+    CHECK_OK(laden_sched_stop(m.sc));
+    destroy(&m);
+}
+
+/* A budget that cannot be met changes nothing. */
+TEST(stream_plan_over_budget_keeps_tiers)
+{
+    model m;
+    build(&m, LADEN_DEVICE_CPU, ALL_AUTO, 0);
+    laden_plan_input in = cpu_budgets(1ull << 30);
+    CHECK_OK(laden_sched_plan(m.sc, &in, NULL, NULL));
+    int before[NB + 1];
+    for (int i = 0; i <= NB; i++) {
+        before[i] = laden_sched_block_tier(m.sc, m.block_of[i]);
+        CHECK(before[i] != LADEN_TIER_AUTO);
+    }
+    in = cpu_budgets(LADEN_PLAN_AUTO);
+    in.ram_free_bytes = 1000; /* not even the rest and the slots fit */
+    int32_t why[NB + 1] = {-7};
+    CHECK_STATUS(laden_sched_plan(m.sc, &in, why, NULL), LADEN_E_BUDGET);
+    CHECK_EQ(why[0], -7);
+    for (int i = 0; i <= NB; i++)
+        CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[i]), before[i]);
+    CHECK_OK(laden_sched_load(m.sc)); /* as first planned */
+    destroy(&m);
+}
+
+/* Load refuses blocks the planner has not placed; adding to a planned
+ * schedule makes its AUTO blocks the planner's again; a loaded schedule
+ * is not planned again. */
+TEST(stream_load_refuses_unplanned)
+{
+    model m;
+    build(&m, LADEN_DEVICE_CPU, ALL_AUTO, 0);
+    CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "plan it first");
+    laden_plan_input in = cpu_budgets(1ull << 30);
+    CHECK_OK(laden_sched_plan(m.sc, &in, NULL, NULL));
+    uint32_t extra, ti;
+    size_t idx;
+    CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &extra));
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_AUTO);
+    CHECK_OK(laden_st_find(m.st, "embed", &idx));
+    CHECK_OK(laden_sched_add_tensor(m.sc, extra, m.st, idx, LADEN_DTYPE_U8,
+                                     &ti));
+    CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
+    CHECK_OK(laden_sched_plan(m.sc, &in, NULL, NULL));
+    CHECK_OK(laden_sched_load(m.sc)); /* the refusals broke nothing */
+    CHECK_STATUS(laden_sched_plan(m.sc, &in, NULL, NULL), LADEN_E_STATE);
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int i = 0; i <= NB; i++)
+        run_block(&m, i);
+    destroy(&m);
+}
+
+/* A cache decides its schedules' residency: they are not planned. */
+TEST(stream_plan_refuses_cache_schedules)
+{
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    laden_sched_t *sc;
+    uint32_t b, t;
+    unsigned char host[64] = {0};
+    CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
+    CHECK_STATUS(laden_sched_add_block(sc, LADEN_TIER_AUTO, &b),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+    CHECK_OK(laden_sched_add_host_tensor(sc, b, host, LADEN_DTYPE_U8, 64,
+                                         LADEN_DTYPE_U8, &t));
+    laden_plan_input in = cpu_budgets(0);
+    CHECK_STATUS(laden_sched_plan(sc, &in, NULL, NULL), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "cache");
+    CHECK_EQ(laden_sched_block_tier(sc, b), LADEN_TIER_RAM);
+    CHECK_OK(laden_sched_load(sc));
+    laden_sched_destroy(sc);
+}
+
+/* F32 tensors "w0".."w{n-1}", n_elems each, values i * 0.37 + k. */
+static laden_st_t *write_f32(const char *file, int n, uint64_t n_elems)
+{
+    char hdr[4096] = "{";
+    float *data = malloc((size_t)n * n_elems * 4);
+    for (int k = 0; k < n; k++) {
+        char e[160];
+        snprintf(e, sizeof e,
+                 "%s\"w%d\":{\"dtype\":\"F32\",\"shape\":[%llu],"
+                 "\"data_offsets\":[%llu,%llu]}",
+                 k ? "," : "", k, (unsigned long long)n_elems,
+                 (unsigned long long)(k * n_elems * 4),
+                 (unsigned long long)((k + 1) * n_elems * 4));
+        strcat(hdr, e);
+        for (uint64_t i = 0; i < n_elems; i++)
+            data[k * n_elems + i] = (float)i * 0.37f + (float)k;
+    }
+    strcat(hdr, "}");
+    char *p = test_path(file);
+    test_write_st(p, hdr, data, (size_t)n * n_elems * 4);
+    free(data);
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    return st;
+}
+
+/* A block whose tensor is converted on load (F32 stored as BF16) cannot
+ * stream from disk: the planner keeps it in RAM even when RAM is short,
+ * or fails. */
+TEST(stream_plan_converted_block_never_on_disk)
+{
+    laden_st_t *st = write_f32("conv.safetensors", 4, 1024);
+    for (uint64_t budget = 2048; budget <= 4 * 4096 + 2048; budget += 2048) {
+        laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+        laden_sched_t *sc;
+        uint32_t b[4], t;
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        for (uint32_t k = 0; k < 4; k++) {
+            CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &b[k]));
+            CHECK_OK(laden_sched_add_tensor(sc, b[k], st, k,
+                                            k == 2 ? LADEN_DTYPE_BF16
+                                                   : LADEN_DTYPE_F32,
+                                            &t));
+        }
+        CHECK_EQ(laden_sched_block_bytes(sc, b[2]), 2048);
+        laden_plan_input in = cpu_budgets(budget);
+        laden_status s = laden_sched_plan(sc, &in, NULL, NULL);
+        if (s == LADEN_OK) {
+            CHECK(laden_sched_block_tier(sc, b[2]) != LADEN_TIER_DISK);
+            CHECK_OK(laden_sched_load(sc));
+            CHECK(laden_sched_block_tier(sc, b[2]) != LADEN_TIER_DISK);
+        } else {
+            CHECK_STATUS(s, LADEN_E_BUDGET);
+            CHECK_EQ(laden_sched_block_tier(sc, b[2]), LADEN_TIER_AUTO);
+        }
+        laden_sched_destroy(sc);
+    }
+    /* Asked for the disk tier, the conversion is refused at once. */
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t b, t;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &b));
+    CHECK_STATUS(laden_sched_add_tensor(sc, b, st, 0, LADEN_DTYPE_BF16, &t),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "'w0'");
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+/* A planned device block of a schedule in a VRAM context takes the VRAM
+ * tier: on the device if the context has room at load. */
+TEST(stream_plan_in_vram_context)
+{
+    model m;
+    laden_vram_t *vram;
+    CHECK_OK(laden_vram_create(LADEN_DEVICE_CPU, 0, 2 * VMB, &vram));
+    build(&m, LADEN_DEVICE_CPU, ALL_AUTO, 0);
+    laden_plan_input in = cpu_budgets(1ull << 30);
+    in.resident_blocks = 2;
+    CHECK_OK(laden_sched_plan(m.sc, &in, NULL, NULL));
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_GPU);
+    /* The context is an input of the plan: plan again. */
+    CHECK_OK(laden_sched_use_vram(m.sc, vram));
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_AUTO);
+    CHECK_OK(laden_sched_plan(m.sc, &in, NULL, NULL));
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_VRAM);
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[1]), LADEN_TIER_VRAM);
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[2]), LADEN_TIER_RAM);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_EQ(laden_sched_block_tier(m.sc, m.block_of[0]), LADEN_TIER_GPU);
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int i = 0; i <= NB; i++)
+        run_block(&m, i);
+    destroy(&m);
+    laden_vram_destroy(vram);
+}
+
+/* ---- a property: whatever the planner decides loads and runs ------------ */
+
+#define PB_MAX 8 /* blocks */
+#define PT_MAX 4 /* tensors per block */
+
+typedef struct ptensor {
+    laden_dtype ck, as; /* in the checkpoint, stored */
+    uint64_t n, off;    /* elements; offset in the data (checkpoint) */
+    void *host;         /* from host memory instead (a copy of ck bytes) */
+    uint32_t index;     /* in its block */
+} ptensor;
+
+typedef struct pmodel {
+    uint32_t nb, nt[PB_MAX];
+    laden_tier asked[PB_MAX];
+    bool no_disk[PB_MAX];
+    ptensor t[PB_MAX][PT_MAX];
+    unsigned char *data;
+    uint64_t data_bytes;
+} pmodel;
+
+static uint64_t next_rand(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+static laden_dtype float_dtype(uint64_t r)
+{
+    static const laden_dtype d[3] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                                     LADEN_DTYPE_BF16};
+    return d[r % 3];
+}
+
+/* Random blocks of random float tensors, some converted, some from host
+ * memory, a few blocks asked a tier; the checkpoint written as "p.st". */
+static laden_st_t *random_model(pmodel *pm, uint64_t *rs)
+{
+    char *hdr = malloc(16384);
+    strcpy(hdr, "{");
+    memset(pm, 0, sizeof *pm);
+    pm->nb = 1 + (uint32_t)(next_rand(rs) % PB_MAX);
+    pm->data = malloc(PB_MAX * PT_MAX * 600 * 4);
+    for (uint32_t b = 0; b < pm->nb; b++) {
+        pm->nt[b] = 1 + (uint32_t)(next_rand(rs) % PT_MAX);
+        for (uint32_t k = 0; k < pm->nt[b]; k++) {
+            ptensor *t = &pm->t[b][k];
+            t->ck = float_dtype(next_rand(rs));
+            t->as = next_rand(rs) % 4 ? t->ck : float_dtype(next_rand(rs));
+            t->n = 1 + next_rand(rs) % 600;
+            float *f = malloc(t->n * 4);
+            for (uint64_t i = 0; i < t->n; i++)
+                f[i] = (float)((int)(next_rand(rs) % 2001) - 1000) / 64.0f;
+            t->off = pm->data_bytes;
+            CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, f, t->ck,
+                                         pm->data + t->off, t->n));
+            free(f);
+            pm->data_bytes += t->n * laden_dtype_bits(t->ck) / 8;
+            if (next_rand(rs) % 8 == 0) {
+                t->host = malloc(t->n * 4);
+                memcpy(t->host, pm->data + t->off,
+                       t->n * laden_dtype_bits(t->ck) / 8);
+            }
+            pm->no_disk[b] |= t->as != t->ck || t->host;
+            char e[200];
+            snprintf(e, sizeof e,
+                     "%s\"b%u.t%u\":{\"dtype\":\"%s\",\"shape\":[%llu],"
+                     "\"data_offsets\":[%llu,%llu]}",
+                     b + k ? "," : "", b, k, laden_dtype_name(t->ck),
+                     (unsigned long long)t->n, (unsigned long long)t->off,
+                     (unsigned long long)pm->data_bytes);
+            strcat(hdr, e);
+        }
+        uint64_t r = next_rand(rs) % 16;
+        pm->asked[b] = LADEN_TIER_AUTO;
+        if (r == 0)
+            pm->asked[b] = LADEN_TIER_RAM;
+        else if (r == 1)
+            pm->asked[b] = LADEN_TIER_GPU;
+        else if (r == 2 && !pm->no_disk[b])
+            pm->asked[b] = LADEN_TIER_DISK;
+    }
+    strcat(hdr, "}");
+    char *p = test_path("p.safetensors");
+    test_write_st(p, hdr, pm->data, pm->data_bytes);
+    free(hdr);
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    return st;
+}
+
+static void describe(laden_sched_t *sc, laden_st_t *st, pmodel *pm)
+{
+    for (uint32_t b = 0; b < pm->nb; b++) {
+        uint32_t bi;
+        CHECK_OK(laden_sched_add_block(sc, pm->asked[b], &bi));
+        CHECK_EQ(bi, b);
+        for (uint32_t k = 0; k < pm->nt[b]; k++) {
+            ptensor *t = &pm->t[b][k];
+            char name[32];
+            size_t idx;
+            snprintf(name, sizeof name, "b%u.t%u", b, k);
+            CHECK_OK(laden_st_find(st, name, &idx));
+            if (t->host)
+                CHECK_OK(laden_sched_add_host_tensor(sc, b, t->host, t->ck,
+                                                     t->n, t->as,
+                                                     &t->index));
+            else
+                CHECK_OK(laden_sched_add_tensor(sc, b, st, idx, t->as,
+                                                 &t->index));
+            CHECK_EQ(t->index, k);
+        }
+    }
+}
+
+/* Runs every block and compares each tensor with its checkpoint bytes,
+ * converted as stored. */
+static void check_values(laden_sched_t *sc, const pmodel *pm)
+{
+    unsigned char want[600 * 4];
+    CHECK_OK(laden_sched_start(sc, 0));
+    for (uint32_t b = 0; b < pm->nb; b++) {
+        CHECK_OK(laden_sched_enter(sc, b, 0));
+        for (uint32_t k = 0; k < pm->nt[b]; k++) {
+            const ptensor *t = &pm->t[b][k];
+            laden_devptr_t p;
+            CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+            CHECK_OK(laden_sched_convert(t->ck, pm->data + t->off, t->as,
+                                         want, t->n));
+            if (memcmp((void *)(uintptr_t)p, want,
+                       t->n * laden_dtype_bits(t->as) / 8)) {
+                fprintf(stderr, "block %u tensor %u (tier %d) differs\n", b,
+                        k, laden_sched_block_tier(sc, b));
+                exit(1);
+            }
+        }
+        CHECK_OK(laden_sched_exit(sc, b, 0));
+    }
+    CHECK_OK(laden_sched_stop(sc));
+}
+
+static void free_pmodel(pmodel *pm)
+{
+    for (uint32_t b = 0; b < pm->nb; b++)
+        for (uint32_t k = 0; k < pm->nt[b]; k++)
+            free(pm->t[b][k].host);
+    free(pm->data);
+}
+
+/* Random budgets for pm's blocks (sum bytes): RAM from none to all. */
+static laden_plan_input random_budgets(uint64_t sum, uint64_t *rs)
+{
+    laden_plan_input in = cpu_budgets(sum / 4 + next_rand(rs) % (4 * sum));
+    in.resident_blocks = (int32_t)(next_rand(rs) % 4) - 1;
+    in.lookahead = next_rand(rs) % 2 ? 1 + (uint32_t)(next_rand(rs) % 4) : 0;
+    return in;
+}
+
+typedef struct pcount {
+    int ok, budget, disk, ram_converted;
+} pcount;
+
+/* One random model, planned with random budgets.  If the plan succeeds,
+ * load succeeds with the planned tiers and the bytes read are the
+ * checkpoint's; if not, nothing changed. */
+static void plan_one(uint64_t *rs, laden_io_t *io, pcount *c)
+{
+    pmodel pm;
+    laden_st_t *st = random_model(&pm, rs);
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .lookahead = 1 + (uint32_t)(next_rand(rs) % 4),
+                              .io = io};
+    laden_sched_t *sc;
+    uint64_t bytes[PB_MAX], sum = 0;
+    int32_t why[PB_MAX];
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    describe(sc, st, &pm);
+    for (uint32_t b = 0; b < pm.nb; b++)
+        sum += bytes[b] = laden_sched_block_bytes(sc, b);
+    laden_plan_input in = random_budgets(sum, rs);
+    laden_plan_result res;
+    laden_status s = laden_sched_plan(sc, &in, why, &res);
+    if (s) {
+        CHECK_STATUS(s, LADEN_E_BUDGET);
+        for (uint32_t b = 0; b < pm.nb; b++)
+            CHECK_EQ(laden_sched_block_tier(sc, b), pm.asked[b]);
+        c->budget++;
+    } else {
+        int tier[PB_MAX];
+        for (uint32_t b = 0; b < pm.nb; b++) {
+            tier[b] = laden_sched_block_tier(sc, b);
+            CHECK(laden_plan_why_text(why[b]) != NULL);
+            if (pm.asked[b] != LADEN_TIER_AUTO)
+                CHECK_EQ(tier[b], pm.asked[b]);
+            CHECK(tier[b] >= LADEN_TIER_GPU && tier[b] <= LADEN_TIER_DISK);
+            if (pm.no_disk[b])
+                CHECK(tier[b] != LADEN_TIER_DISK);
+            c->disk += tier[b] == LADEN_TIER_DISK;
+            c->ram_converted += tier[b] == LADEN_TIER_RAM && pm.no_disk[b];
+        }
+        /* Again, with the plan's RAM limit as the schedule's pinned
+         * budget.  Its arena rounds each block up to 64 KiB; the planner
+         * counts exact bytes. */
+        laden_sched_destroy(sc);
+        cfg.ram_budget_bytes = res.ram_limit_bytes + pm.nb * (64u << 10);
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        describe(sc, st, &pm);
+        CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+        CHECK_OK(laden_sched_load(sc));
+        for (uint32_t b = 0; b < pm.nb; b++) {
+            CHECK_EQ(laden_sched_block_tier(sc, b), tier[b]);
+            CHECK_EQ(laden_sched_block_bytes(sc, b), bytes[b]);
+        }
+        check_values(sc, &pm);
+        c->ok++;
+    }
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free_pmodel(&pm);
+}
+
+TEST(stream_plan_property_loads_as_planned)
+{
+    uint64_t rs = 0x1234abcd5678ef01ull;
+    laden_io_t *io;
+    pcount c = {0};
+    CHECK_OK(laden_io_create(NULL, &io));
+    for (int it = 0; it < 200; it++)
+        plan_one(&rs, io, &c);
+    laden_io_destroy(io);
+    fprintf(stderr, "%d planned (%d disk blocks, %d converted in RAM), "
+            "%d over budget\n", c.ok, c.disk, c.ram_converted, c.budget);
+    CHECK(c.ok >= 50 && c.budget >= 10);
+    CHECK(c.disk > 0 && c.ram_converted > 0);
 }

@@ -25,7 +25,7 @@ extern "C" {
 
 typedef uint64_t laden_devptr_t; /* device address (CPU: a host address) */
 typedef uint64_t laden_phys_t;   /* a physical allocation for VA mapping */
-typedef struct laden_stream laden_stream_t;
+typedef struct laden_dev_stream laden_dev_stream_t;
 typedef struct laden_event laden_event_t;
 
 typedef enum laden_dev_kind {
@@ -59,14 +59,14 @@ LADEN_API laden_status laden_dev_mem_info(int32_t device, uint64_t *out_free,
  * that laden orders work on but does not own (CPU: LADEN_E_UNSUPPORTED).
  * destroy waits for the stream's queued work, then frees it; NULL: no-op. */
 LADEN_API laden_status laden_dev_stream_create(int32_t device,
-                                               laden_stream_t **out);
+                                               laden_dev_stream_t **out);
 LADEN_API laden_status laden_dev_stream_wrap(int32_t device, uintptr_t handle,
-                                             laden_stream_t **out);
-LADEN_API void laden_dev_stream_destroy(laden_stream_t *stream);
+                                             laden_dev_stream_t **out);
+LADEN_API void laden_dev_stream_destroy(laden_dev_stream_t *stream);
 /* Blocks the calling thread until the stream's queued work is done. */
-LADEN_API laden_status laden_dev_stream_synchronize(laden_stream_t *stream);
+LADEN_API laden_status laden_dev_stream_synchronize(laden_dev_stream_t *stream);
 /* Makes the stream wait for the event's last record; does not block. */
-LADEN_API laden_status laden_dev_stream_wait_event(laden_stream_t *stream,
+LADEN_API laden_status laden_dev_stream_wait_event(laden_dev_stream_t *stream,
                                                    laden_event_t *event);
 
 /* Events.  timing != 0 allows laden_dev_event_elapsed_ms. */
@@ -74,7 +74,7 @@ LADEN_API laden_status laden_dev_event_create(int32_t device, int timing,
                                               laden_event_t **out);
 LADEN_API void laden_dev_event_destroy(laden_event_t *event);
 LADEN_API laden_status laden_dev_event_record(laden_event_t *event,
-                                              laden_stream_t *stream);
+                                              laden_dev_stream_t *stream);
 /* Blocks until the last record has completed (at once if never recorded). */
 LADEN_API laden_status laden_dev_event_synchronize(laden_event_t *event);
 /* *out_done = 1 if the last record has completed; does not block. */
@@ -87,13 +87,13 @@ LADEN_API laden_status laden_dev_event_elapsed_ms(laden_event_t *start,
 /* Asynchronous copies on a stream.  Host memory from laden_dev_host_alloc
  * (pinned) moves at copy-engine speed; pageable memory works, slower, and
  * must stay valid until the stream has passed the copy. */
-LADEN_API laden_status laden_dev_copy_h2d(laden_stream_t *stream,
+LADEN_API laden_status laden_dev_copy_h2d(laden_dev_stream_t *stream,
                                           laden_devptr_t dst, const void *src,
                                           uint64_t size_bytes);
-LADEN_API laden_status laden_dev_copy_d2h(laden_stream_t *stream, void *dst,
+LADEN_API laden_status laden_dev_copy_d2h(laden_dev_stream_t *stream, void *dst,
                                           laden_devptr_t src,
                                           uint64_t size_bytes);
-LADEN_API laden_status laden_dev_copy_d2d(laden_stream_t *stream,
+LADEN_API laden_status laden_dev_copy_d2d(laden_dev_stream_t *stream,
                                           laden_devptr_t dst,
                                           laden_devptr_t src,
                                           uint64_t size_bytes);

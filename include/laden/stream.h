@@ -12,30 +12,30 @@
  *                    of use, then copied into the slot;
  *   LADEN_TIER_VRAM  on the device if it has room at load, else on the RAM
  *                    tier: the device memory comes from the schedule's VRAM
- *                    context (laden_stream_use_vram), or is allocated, and a
+ *                    context (laden_sched_use_vram), or is allocated, and a
  *                    block the context has no room for (or whose allocation
  *                    fails for lack of device memory) streams instead.
  *                    After load the block reports the tier it got
- *                    (laden_stream_block_tier).
+ *                    (laden_sched_block_tier).
  * Streamed blocks (RAM, DISK) are ordered by the order they were added: that
  * is the schedule.  Block i always runs from slot (i mod nslots), nslots =
  * lookahead + 1, so its tensors have one address for the whole life of the
  * schedule and callers point their parameters at it once.
  *
- * laden_stream_enter(b) before a block runs makes the compute stream wait
+ * laden_sched_enter(b) before a block runs makes the compute stream wait
  * until b's bytes are in its slot (loading them now if no prefetch did:
  * blocks called out of schedule order are correct, only slower), then
  * prefetches the next `lookahead` blocks of the schedule, cyclically.
- * laden_stream_exit(b) after it has been enqueued records that the slot may
+ * laden_sched_exit(b) after it has been enqueued records that the slot may
  * be overwritten once the compute stream has passed that point.  Neither
  * blocks the host in the steady state; neither allocates.
  *
  * One thread at a time, enforced: every call holds the schedule while it
- * runs, laden_stream_enter holds it until laden_stream_exit, and
- * laden_stream_begin until laden_stream_end (a whole forward).  A call from
+ * runs, laden_sched_enter holds it until laden_sched_exit, and
+ * laden_sched_begin until laden_sched_end (a whole forward).  A call from
  * another thread meanwhile fails at once with LADEN_E_STATE, never waits
  * and never races.  Holds by the holding thread nest.  The int-returning
- * queries (laden_stream_is_streamed, ..._block_count) read without holding:
+ * queries (laden_sched_is_streamed, ..._block_count) read without holding:
  * call them from the thread that uses the schedule. */
 #ifndef LADEN_STREAM_H
 #define LADEN_STREAM_H
@@ -43,6 +43,7 @@
 #include "../laden.h"
 #include "dev.h"
 #include "io.h"
+#include "plan.h"
 #include "st.h"
 #include "vram.h"
 
@@ -50,21 +51,14 @@
 extern "C" {
 #endif
 
-typedef enum laden_tier {
-    LADEN_TIER_GPU = 0,
-    LADEN_TIER_RAM = 1,
-    LADEN_TIER_DISK = 2,
-    LADEN_TIER_VRAM = 3,
-} laden_tier;
-
 typedef struct laden_sched laden_sched_t;
 
 /* Schedule flags.
  *
  * LADEN_SCHED_CACHE: the schedule of a model kept in a cache between uses.
  * Every block is on the RAM tier, in pageable host memory of its own that
- * laden_stream_pin pins in place (and unpins) without a copy.  A block is
- * streamed through the slots unless laden_stream_set_resident gave it a
+ * laden_sched_pin pins in place (and unpins) without a copy.  A block is
+ * streamed through the slots unless laden_sched_set_resident gave it a
  * device copy of its own, which it keeps until taken away; on the CPU
  * device too the blocks run from "device" copies, so that every path of
  * the cache runs in CI. */
@@ -73,7 +67,8 @@ typedef struct laden_sched laden_sched_t;
 typedef struct laden_sched_config {
     int32_t device;             /* CUDA index or LADEN_DEVICE_CPU */
     uint32_t lookahead;         /* blocks prefetched ahead; 0: default 2 */
-    uint64_t ram_budget_bytes;  /* pinned bytes (RAM tier + staging); 0: no limit */
+    uint64_t ram_budget_bytes;  /* pinned bytes (RAM tier + staging);
+                                   0: no limit */
     laden_io_t *io;             /* reader pool to use (borrowed); NULL: own */
     uint32_t flags;             /* LADEN_SCHED_* */
 } laden_sched_config;
@@ -84,7 +79,7 @@ typedef struct laden_sched_stats {
     uint32_t nslots;
     uint64_t device_bytes;      /* device memory held: GPU tier + slots */
     uint64_t pinned_bytes;      /* pinned host memory held */
-    uint64_t enters;            /* laden_stream_enter calls on streamed blocks */
+    uint64_t enters;            /* laden_sched_enter calls on streamed blocks */
     uint64_t misses;            /* of those, blocks not prefetched in time */
     uint64_t h2d_bytes;         /* bytes copied into slots */
     uint64_t read_bytes;        /* bytes read from disk while streaming */
@@ -92,7 +87,7 @@ typedef struct laden_sched_stats {
     /* LADEN_SCHED_CACHE schedules: */
     uint64_t resident_bytes;    /* blocks with a device copy of their own */
     uint64_t registered_bytes;  /* host copies pinned in place */
-    uint64_t upload_bytes;      /* copied by laden_stream_set_resident */
+    uint64_t upload_bytes;      /* copied by laden_sched_set_resident */
     uint64_t generation;        /* changes whenever a tensor's address does */
     uint64_t offloaded_bytes;   /* VRAM-tier blocks that went to RAM at load */
 } laden_sched_stats_t;
@@ -101,163 +96,192 @@ typedef struct laden_sched_stats {
  * now and kept open (disk blocks read from them later; LADEN_E_CHANGED if
  * one's size differs from when `st` read its header).  `st` itself is not
  * retained; it may be NULL when every tensor comes from host memory
- * (laden_stream_add_host_tensor).  Destroy with laden_stream_destroy. */
-LADEN_API laden_status laden_stream_create(const laden_sched_config *cfg,
-                                           const laden_st_t *st,
-                                           laden_sched_t **out);
+ * (laden_sched_add_host_tensor).  Destroy with laden_sched_destroy. */
+LADEN_API laden_status laden_sched_create(const laden_sched_config *cfg,
+                                          const laden_st_t *st,
+                                          laden_sched_t **out);
 
 /* Frees everything the schedule holds (device regions, slots, pinned
  * memory), after waiting for its copies and reads and, on CUDA, for the
  * work enqueued on the compute stream it last saw.  NULL: no-op.  No other
  * thread may be calling into the schedule (closing it first makes any such
  * call fail instead of racing). */
-LADEN_API void laden_stream_destroy(laden_sched_t *sched);
+LADEN_API void laden_sched_destroy(laden_sched_t *sched);
 
 /* Refuses every later call on the schedule with LADEN_E_STATE ("closed"),
  * from any thread, while its memory stays valid until
- * laden_stream_destroy: for callers whose views of the memory may outlive
+ * laden_sched_destroy: for callers whose views of the memory may outlive
  * the model (laden's Python package destroys the schedule when the last
  * tensor over it is gone).  LADEN_E_STATE, changing nothing, if a thread
- * holds the schedule now (inside laden_stream_enter/exit or begin/end, or
+ * holds the schedule now (inside laden_sched_enter/exit or begin/end, or
  * in a call); the caller may retry.  Closing twice is a no-op. */
-LADEN_API laden_status laden_stream_close(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_close(laden_sched_t *sched);
 
-/* 1 once laden_stream_close succeeded. */
-LADEN_API int laden_stream_is_closed(laden_sched_t *sched);
+/* 1 once laden_sched_close succeeded. */
+LADEN_API int laden_sched_is_closed(laden_sched_t *sched);
 
-/* Holds the schedule for the calling thread until laden_stream_end: the
+/* Holds the schedule for the calling thread until laden_sched_end: the
  * calls of one pass over the model (a forward) are then refused to other
- * threads from its first block to its last, and laden_stream_close waits
+ * threads from its first block to its last, and laden_sched_close waits
  * for nothing, it is refused.  Nests.  LADEN_E_STATE if another thread
  * holds it or it is closed. */
-LADEN_API laden_status laden_stream_begin(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_begin(laden_sched_t *sched);
 
 /* Ends a pass begun on this thread (LADEN_E_STATE if none). */
-LADEN_API laden_status laden_stream_end(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_end(laden_sched_t *sched);
 
-/* Adds a block with the given tier; *out_block is its index (0, 1, ...). */
-LADEN_API laden_status laden_stream_add_block(laden_sched_t *sched,
-                                              laden_tier tier,
-                                              uint32_t *out_block);
+/* Adds a block with the given tier; *out_block is its index (0, 1, ...).
+ * LADEN_TIER_AUTO leaves the tier to laden_sched_plan (not for cache
+ * schedules).  Adding a block or a tensor after a plan makes the planned
+ * blocks AUTO again: the description changed, plan it again. */
+LADEN_API laden_status laden_sched_add_block(laden_sched_t *sched,
+                                             laden_tier tier,
+                                             uint32_t *out_block);
 
 /* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
  * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on
  * load; disk-tier blocks must keep the checkpoint's dtype).  *out_index is
  * the tensor's index within the block. */
-LADEN_API laden_status laden_stream_add_tensor(laden_sched_t *sched,
-                                               uint32_t block,
-                                               const laden_st_t *st,
-                                               size_t st_index,
-                                               laden_dtype dtype,
-                                               uint32_t *out_index);
+LADEN_API laden_status laden_sched_add_tensor(laden_sched_t *sched,
+                                              uint32_t block,
+                                              const laden_st_t *st,
+                                              size_t st_index,
+                                              laden_dtype dtype,
+                                              uint32_t *out_index);
 
 /* Adds a tensor whose bytes are in host memory (a model built on the CPU):
  * n_elems elements of src_dtype at src, stored as dtype (converted as for
  * checkpoint tensors).  The bytes are copied at load; src must stay valid
  * until then.  Not allowed on the disk tier. */
-LADEN_API laden_status laden_stream_add_host_tensor(laden_sched_t *sched,
-                                                    uint32_t block,
-                                                    const void *src,
-                                                    laden_dtype src_dtype,
-                                                    uint64_t n_elems,
-                                                    laden_dtype dtype,
-                                                    uint32_t *out_index);
+LADEN_API laden_status laden_sched_add_host_tensor(laden_sched_t *sched,
+                                                   uint32_t block,
+                                                   const void *src,
+                                                   laden_dtype src_dtype,
+                                                   uint64_t n_elems,
+                                                   laden_dtype dtype,
+                                                   uint32_t *out_index);
+
+/* Plans the described schedule (blocks added, not loaded): sizes every
+ * block as it will be laid out (laden_sched_block_bytes is valid from
+ * now on), marks the blocks whose tensors are converted on load as unable
+ * to stream from disk (LADEN_PLAN_BLOCK_NO_DISK), and runs the planner
+ * (plan.h) over them with the budgets, readings and rates of `budgets`,
+ * whose block fields (nblocks, block_bytes, asked, block_flags,
+ * rest_bytes) are ignored, the schedule supplying them.  The schedule also
+ * supplies: lookahead (its own when budgets->lookahead is 0), host_device
+ * (from its device; disk_staging is the caller's on CUDA: whether the
+ * staging counts against the RAM budget, and 0 on the CPU), and, with a
+ * VRAM context
+ * (laden_sched_use_vram) that has a budget, the context's room as the cap
+ * on vram_free_bytes.  Blocks added with LADEN_TIER_AUTO are the
+ * planner's; the others keep their tier (asked; a VRAM-tier block is
+ * asked resident).  Each AUTO block then
+ * takes its planned tier (a planned GPU block in a VRAM context takes
+ * LADEN_TIER_VRAM: on the device if the context has room at load).
+ * why[i] (block-count entries, or NULL) receives each block's reason.
+ * LADEN_E_BUDGET when the budgets cannot be met (nothing changes), with a
+ * message that says what would fit.  May be called again before load.
+ * LADEN_E_STATE for a cache schedule (its cache decides residency) and
+ * once loaded. */
+LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
+                                        const laden_plan_input *budgets,
+                                        int32_t *why, laden_plan_result *out);
 
 /* Lays the blocks out, allocates the GPU-tier regions on the device and the
  * RAM tier in pinned memory, and reads each of their tensors once, into its
  * final tier.  Blocks until done.  On failure everything allocated is freed
  * again and the schedule can only be destroyed. */
-LADEN_API laden_status laden_stream_load(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_load(laden_sched_t *sched);
 
 /* Cache schedules: loads one block's host copy, so that a caller holding
  * the source tensors can release each block's sources as soon as it is
  * copied (peak host memory: the model plus one block, not twice the
  * model).  Blocks may be loaded in any order; once all are, the schedule
  * is loaded.  On failure the block stays unloaded (the others are kept);
- * laden_stream_host_ptr works for loaded blocks before the rest. */
-LADEN_API laden_status laden_stream_load_block(laden_sched_t *sched,
-                                               uint32_t block);
+ * laden_sched_host_ptr works for loaded blocks before the rest. */
+LADEN_API laden_status laden_sched_load_block(laden_sched_t *sched,
+                                              uint32_t block);
 
 /* Allocates the slots (lookahead + 1 of them, each the size of the largest
  * streamed block) and the disk tier's pinned staging buffers, and starts
  * loading the first blocks of the schedule so the first forward does not
  * wait for them.  lookahead 0 keeps the configured one.  After
- * laden_stream_stop it may be called again with another lookahead. */
-LADEN_API laden_status laden_stream_start(laden_sched_t *sched,
-                                          uint32_t lookahead);
+ * laden_sched_stop it may be called again with another lookahead. */
+LADEN_API laden_status laden_sched_start(laden_sched_t *sched,
+                                         uint32_t lookahead);
 
 /* Waits for the slots' copies and reads, then frees slots and staging.  The
  * GPU and RAM tiers stay.  No-op if not started. */
-LADEN_API laden_status laden_stream_stop(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_stop(laden_sched_t *sched);
 
 /* Where block b's tensor i runs from: a device address (CPU device: a host
- * address), stable until laden_stream_stop.  GPU-tier blocks (and RAM-tier
+ * address), stable until laden_sched_stop.  GPU-tier blocks (and RAM-tier
  * blocks on the CPU device): valid after load; streamed blocks: after
  * start. */
-LADEN_API laden_status laden_stream_tensor_ptr(laden_sched_t *sched,
-                                               uint32_t block, uint32_t i,
-                                               laden_devptr_t *out);
+LADEN_API laden_status laden_sched_tensor_ptr(laden_sched_t *sched,
+                                              uint32_t block, uint32_t i,
+                                              laden_devptr_t *out);
 
 /* Where block b's tensor i is kept in host memory (RAM tier), or NULL with
  * LADEN_OK for other tiers.  Valid after load. */
-LADEN_API laden_status laden_stream_host_ptr(laden_sched_t *sched,
-                                             uint32_t block, uint32_t i,
-                                             void **out);
+LADEN_API laden_status laden_sched_host_ptr(laden_sched_t *sched,
+                                            uint32_t block, uint32_t i,
+                                            void **out);
 
 /* 1 if the block runs from a slot (RAM tier on CUDA, disk tier). */
-LADEN_API int laden_stream_is_streamed(laden_sched_t *sched, uint32_t block);
+LADEN_API int laden_sched_is_streamed(laden_sched_t *sched, uint32_t block);
 
 /* Before block b runs: see the header comment.  compute_stream is the
  * CUDA stream handle the block's kernels run on (0: the legacy default
  * stream); ignored on the CPU device, where enter blocks until the bytes
  * are in place.  Errors from reading (a file truncated or gone) are
  * returned here, for this block; the schedule stays usable. */
-LADEN_API laden_status laden_stream_enter(laden_sched_t *sched, uint32_t block,
-                                          uintptr_t compute_stream);
+LADEN_API laden_status laden_sched_enter(laden_sched_t *sched, uint32_t block,
+                                         uintptr_t compute_stream);
 
 /* After block b's work has been enqueued on compute_stream.  Must be
  * called on the thread that entered it; it ends the hold of that enter
  * even when it fails. */
-LADEN_API laden_status laden_stream_exit(laden_sched_t *sched, uint32_t block,
-                                         uintptr_t compute_stream);
+LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
+                                        uintptr_t compute_stream);
 
 /* Waits for every copy and read the schedule has in flight. */
-LADEN_API laden_status laden_stream_synchronize(laden_sched_t *sched);
+LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 
-LADEN_API laden_status laden_stream_stats(laden_sched_t *sched,
-                                          laden_sched_stats_t *out);
+LADEN_API laden_status laden_sched_stats(laden_sched_t *sched,
+                                         laden_sched_stats_t *out);
 
 /* ---- LADEN_SCHED_CACHE schedules ----------------------------------------
  * Residency changes only while the schedule is stopped: slots are laid out
  * for the blocks that stream. */
 
 /* Gives block b a device copy of its own (resident = 1): allocated now and
- * filled by an asynchronous copy (see laden_stream_ready), after which the
+ * filled by an asynchronous copy (see laden_sched_ready), after which the
  * block no longer streams; or takes it away (0), once the work recorded by
- * laden_stream_fence has finished, and the block streams again.  No-op if
+ * laden_sched_fence has finished, and the block streams again.  No-op if
  * the block already is so.  LADEN_E_STATE while started or for a schedule
  * without LADEN_SCHED_CACHE; an allocation failure changes nothing. */
-LADEN_API laden_status laden_stream_set_resident(laden_sched_t *sched,
-                                                 uint32_t block, int resident);
+LADEN_API laden_status laden_sched_set_resident(laden_sched_t *sched,
+                                                uint32_t block, int resident);
 
-/* As laden_stream_set_resident(b, 0), but the device region is handed to
+/* As laden_sched_set_resident(b, 0), but the device region is handed to
  * the caller (*out_ptr, *out_bytes; 0 if b had none) instead of freed, to
- * give to a block of the same size (laden_stream_set_resident_at) or free
+ * give to a block of the same size (laden_sched_set_resident_at) or free
  * with laden_dev_mem_free: moving weights between models without a device
  * free and allocation. */
-LADEN_API laden_status laden_stream_take_resident(laden_sched_t *sched,
-                                                  uint32_t block,
-                                                  laden_devptr_t *out_ptr,
-                                                  uint64_t *out_bytes);
+LADEN_API laden_status laden_sched_take_resident(laden_sched_t *sched,
+                                                 uint32_t block,
+                                                 laden_devptr_t *out_ptr,
+                                                 uint64_t *out_bytes);
 
-/* As laden_stream_set_resident(b, 1), in a device region of exactly the
- * block's bytes given by the caller (from laden_stream_take_resident or
+/* As laden_sched_set_resident(b, 1), in a device region of exactly the
+ * block's bytes given by the caller (from laden_sched_take_resident or
  * laden_dev_mem_alloc on the schedule's device); the schedule owns it from
  * then on. */
-LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
-                                                    uint32_t block,
-                                                    laden_devptr_t ptr,
-                                                    uint64_t bytes);
+LADEN_API laden_status laden_sched_set_resident_at(laden_sched_t *sched,
+                                                   uint32_t block,
+                                                   laden_devptr_t ptr,
+                                                   uint64_t bytes);
 
 /* Keeps the schedule's device memory in a VBAR of `vram` (created by the
  * schedule, owned by it; vram must outlive it) and charges the slots to
@@ -265,79 +289,83 @@ LADEN_API laden_status laden_stream_set_resident_at(laden_sched_t *sched,
  * allocator share one budget.
  *
  * A streaming schedule (no LADEN_SCHED_CACHE) takes its context before
- * laden_stream_load, which charges room for the slots first (the largest
+ * laden_sched_load, which charges room for the slots first (the largest
  * block that may stream, lookahead + 1 times), then faults the GPU tier in
  * (LADEN_E_BUDGET if it has no room) and the VRAM tier in order, moving
  * the blocks that get no room to the RAM tier.  Their pages stay pinned
  * for the schedule's life (nothing else holds their bytes).  The work that
- * used them must have finished before laden_stream_destroy.
+ * used them must have finished before laden_sched_destroy.  Taking
+ * another context after laden_sched_plan makes the planned blocks AUTO
+ * again: the context is an input of the plan.
  *
  * A cache schedule takes it once loaded, while it holds no device memory:
- * laden_stream_set_resident(b, 1) faults b's range in and copies it only
+ * laden_sched_set_resident(b, 1) faults b's range in and copies it only
  * if its pages were replaced since it was last written, or fails with
  * LADEN_E_BUDGET if the range is offloaded (the caller streams the block);
- * laden_stream_set_resident(b, 0) unpins it, so its pages stay until the
+ * laden_sched_set_resident(b, 0) unpins it, so its pages stay until the
  * budget needs them.  NULL: back to allocations.
  *
- * laden_stream_start then fails with LADEN_E_BUDGET if the context has no
- * room for the slots; laden_stream_stop gives their room back. */
-LADEN_API laden_status laden_stream_use_vram(laden_sched_t *sched,
-                                             laden_vram_t *vram);
+ * laden_sched_start then fails with LADEN_E_BUDGET if the context has no
+ * room for the slots; laden_sched_stop gives their room back. */
+LADEN_API laden_status laden_sched_use_vram(laden_sched_t *sched,
+                                            laden_vram_t *vram);
 /* Cache schedules in a VBAR: makes room in the VRAM context, in one
  * batch, for the pages that the blocks flagged in want[0..n) (n = the
- * block count) lack, so that laden_stream_set_resident only maps and
+ * block count) lack, so that laden_sched_set_resident only maps and
  * copies.  Evicts other VBARs' unpinned pages, lowest priority first (as
  * faults would, one at a time between the uploads).  No-op without a VBAR
  * or a budget, or if the room is there. */
-LADEN_API laden_status laden_stream_reserve_vram(laden_sched_t *sched,
-                                                 const uint8_t *want,
-                                                 uint32_t n);
+LADEN_API laden_status laden_sched_reserve_vram(laden_sched_t *sched,
+                                                const uint8_t *want,
+                                                uint32_t n);
 /* The schedule's VBAR, or NULL. */
-LADEN_API laden_vbar_t *laden_stream_vbar(laden_sched_t *sched);
+LADEN_API laden_vbar_t *laden_sched_vbar(laden_sched_t *sched);
 
-/* Block b's tier (after load, the one it got: a VRAM-tier block reports
- * LADEN_TIER_GPU or LADEN_TIER_RAM); -1 for a bad block. */
-LADEN_API int laden_stream_block_tier(laden_sched_t *sched, uint32_t block);
+/* Block b's tier: as added or planned (LADEN_TIER_AUTO before
+ * laden_sched_plan), and after load the one it got (a VRAM-tier block
+ * reports LADEN_TIER_GPU or LADEN_TIER_RAM); -2 for a bad block. */
+LADEN_API int laden_sched_block_tier(laden_sched_t *sched, uint32_t block);
 
 /* 1 if block b has a device copy of its own. */
-LADEN_API int laden_stream_is_resident(laden_sched_t *sched, uint32_t block);
+LADEN_API int laden_sched_is_resident(laden_sched_t *sched, uint32_t block);
 
 /* Pins block b's host copy in place (1) or unpins it (0), after the copies
  * from it have finished.  No-op if already so. */
-LADEN_API laden_status laden_stream_pin(laden_sched_t *sched, uint32_t block,
-                                        int pinned);
+LADEN_API laden_status laden_sched_pin(laden_sched_t *sched, uint32_t block,
+                                       int pinned);
 
 /* 1 if block b's host copy is pinned. */
-LADEN_API int laden_stream_is_pinned(laden_sched_t *sched, uint32_t block);
+LADEN_API int laden_sched_is_pinned(laden_sched_t *sched, uint32_t block);
 
 /* 1 if the schedule is a loaded LADEN_SCHED_CACHE schedule. */
-LADEN_API int laden_stream_is_cache(laden_sched_t *sched);
+LADEN_API int laden_sched_is_cache(laden_sched_t *sched);
 
 /* The device the schedule runs on. */
-LADEN_API int32_t laden_stream_device(laden_sched_t *sched);
+LADEN_API int32_t laden_sched_device(laden_sched_t *sched);
 
 /* Number of blocks. */
-LADEN_API uint32_t laden_stream_block_count(laden_sched_t *sched);
+LADEN_API uint32_t laden_sched_block_count(laden_sched_t *sched);
 
-/* Bytes of block b (its packed size, after load), 0 for a bad block. */
-LADEN_API uint64_t laden_stream_block_bytes(laden_sched_t *sched,
-                                            uint32_t block);
+/* Bytes of block b as laid out (its packed size: each tensor aligned to
+ * 256 bytes), once described, before load too; 0 for a bad block. */
+LADEN_API uint64_t laden_sched_block_bytes(laden_sched_t *sched,
+                                           uint32_t block);
 
-/* Makes compute_stream wait until every copy laden_stream_set_resident
+/* Makes compute_stream wait until every copy laden_sched_set_resident
  * started has finished (the CPU device: waits for them). */
-LADEN_API laden_status laden_stream_ready(laden_sched_t *sched,
-                                          uintptr_t compute_stream);
+LADEN_API laden_status laden_sched_ready(laden_sched_t *sched,
+                                         uintptr_t compute_stream);
 
 /* Records that the model's work so far was enqueued on compute_stream: a
  * device copy taken away later is freed only after that work. */
-LADEN_API laden_status laden_stream_fence(laden_sched_t *sched,
-                                          uintptr_t compute_stream);
+LADEN_API laden_status laden_sched_fence(laden_sched_t *sched,
+                                         uintptr_t compute_stream);
 
 /* Converts n elements between F32, F16 and BF16 (round to nearest even).
  * LADEN_E_UNSUPPORTED for other pairs. */
-LADEN_API laden_status laden_stream_convert(laden_dtype from, const void *src,
-                                            laden_dtype to, void *dst,
-                                            uint64_t n);
+LADEN_API laden_status laden_sched_convert(laden_dtype from, const void *src,
+                                           laden_dtype to, void *dst,
+                                           uint64_t n);
 
 #ifdef __cplusplus
 }

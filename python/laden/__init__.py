@@ -16,10 +16,9 @@ from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
                      MismatchError, OutOfMemoryError, ReadError, StateError,
                      TensorNotFoundError)
-from .planning import (Plan, PlanBlock, Tier, measure_activation_vram, plan,
-                       stage)
+from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
 from .streaming import (LoadReport, OffloadHandle, install_offload,
-                        offload_blocks, release, stream_load)
+                        offload_blocks, release, stage, stream_load)
 
 __version__ = _clib.laden_version().decode()
 

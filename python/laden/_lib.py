@@ -142,6 +142,7 @@ class PlanInput(Structure):
         ("nblocks", c_uint32),
         ("block_bytes", POINTER(c_uint64)),
         ("asked", POINTER(c_int32)),
+        ("block_flags", POINTER(ctypes.c_uint8)),
         ("rest_bytes", c_uint64),
         ("vram_free_bytes", c_uint64),
         ("max_vram_bytes", c_uint64),
@@ -153,6 +154,7 @@ class PlanInput(Structure):
         ("resident_blocks", c_int32),
         ("lookahead", c_uint32),
         ("disk_staging", c_uint32),
+        ("host_device", c_uint32),
         ("h2d_bytes_per_s", c_double),
         ("disk_bytes_per_s", c_double),
     ]
@@ -161,7 +163,8 @@ class PlanInput(Structure):
 class PlanResult(Structure):
     _fields_ = [
         ("vram_avail_bytes", c_uint64), ("ram_avail_bytes", c_uint64),
-        ("min_free_ram_bytes", c_uint64), ("gpu_bytes", c_uint64),
+        ("min_free_ram_bytes", c_uint64), ("ram_limit_bytes", c_uint64),
+        ("gpu_bytes", c_uint64),
         ("ram_bytes", c_uint64), ("disk_bytes", c_uint64),
         ("slot_bytes", c_uint64), ("nslots", c_uint32),
         ("staging_bytes", c_uint64), ("vram_used_bytes", c_uint64),
@@ -183,6 +186,10 @@ _SIGNATURES = {
     "laden_status_name": (c_char_p, [c_int]),
     "laden_status_message": (c_char_p, [c_int]),
     "laden_last_error": (c_char_p, []),
+    "laden_abi_struct_name": (c_char_p, [c_uint32]),
+    "laden_abi_struct": (status_t, [c_char_p, P(c_uint64), P(c_uint32)]),
+    "laden_abi_field": (status_t, [c_char_p, c_uint32, P(c_char_p),
+                                   P(c_uint64), P(c_uint64)]),
     # st
     "laden_dtype_name": (c_char_p, [c_int]),
     "laden_dtype_bits": (c_uint32, [c_int]),
@@ -230,37 +237,37 @@ _SIGNATURES = {
     "laden_dev_mem_alloc": (status_t, [c_int32, c_uint64, P(c_uint64)]),
     "laden_dev_mem_free": (status_t, [c_int32, c_uint64]),
     # stream
-    "laden_stream_create": (status_t, [P(SchedConfig), p, P(p)]),
-    "laden_stream_destroy": (None, [p]),
-    "laden_stream_add_block": (status_t, [p, c_int, P(c_uint32)]),
-    "laden_stream_add_tensor": (status_t, [p, c_uint32, p, c_size_t, c_int,
+    "laden_sched_create": (status_t, [P(SchedConfig), p, P(p)]),
+    "laden_sched_destroy": (None, [p]),
+    "laden_sched_add_block": (status_t, [p, c_int, P(c_uint32)]),
+    "laden_sched_add_tensor": (status_t, [p, c_uint32, p, c_size_t, c_int,
                                            P(c_uint32)]),
-    "laden_stream_add_host_tensor": (status_t, [p, c_uint32, c_void_p, c_int,
+    "laden_sched_add_host_tensor": (status_t, [p, c_uint32, c_void_p, c_int,
                                                 c_uint64, c_int,
                                                 P(c_uint32)]),
-    "laden_stream_load": (status_t, [p]),
-    "laden_stream_load_block": (status_t, [p, c_uint32]),
-    "laden_stream_start": (status_t, [p, c_uint32]),
-    "laden_stream_stop": (status_t, [p]),
-    "laden_stream_tensor_ptr": (status_t, [p, c_uint32, c_uint32,
+    "laden_sched_load": (status_t, [p]),
+    "laden_sched_load_block": (status_t, [p, c_uint32]),
+    "laden_sched_start": (status_t, [p, c_uint32]),
+    "laden_sched_stop": (status_t, [p]),
+    "laden_sched_tensor_ptr": (status_t, [p, c_uint32, c_uint32,
                                            P(c_uint64)]),
-    "laden_stream_host_ptr": (status_t, [p, c_uint32, c_uint32,
+    "laden_sched_host_ptr": (status_t, [p, c_uint32, c_uint32,
                                          P(c_void_p)]),
-    "laden_stream_is_streamed": (c_int, [p, c_uint32]),
-    "laden_stream_block_tier": (c_int, [p, c_uint32]),
-    "laden_stream_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
-    "laden_stream_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
-    "laden_stream_synchronize": (status_t, [p]),
-    "laden_stream_begin": (status_t, [p]),
-    "laden_stream_end": (status_t, [p]),
-    "laden_stream_close": (status_t, [p]),
-    "laden_stream_is_closed": (c_int, [p]),
-    "laden_stream_stats": (status_t, [p, P(SchedStats)]),
-    "laden_stream_is_resident": (c_int, [p, c_uint32]),
-    "laden_stream_is_pinned": (c_int, [p, c_uint32]),
-    "laden_stream_block_count": (c_uint32, [p]),
-    "laden_stream_block_bytes": (c_uint64, [p, c_uint32]),
-    "laden_stream_use_vram": (status_t, [p, p]),
+    "laden_sched_is_streamed": (c_int, [p, c_uint32]),
+    "laden_sched_block_tier": (c_int, [p, c_uint32]),
+    "laden_sched_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_sched_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_sched_synchronize": (status_t, [p]),
+    "laden_sched_begin": (status_t, [p]),
+    "laden_sched_end": (status_t, [p]),
+    "laden_sched_close": (status_t, [p]),
+    "laden_sched_is_closed": (c_int, [p]),
+    "laden_sched_stats": (status_t, [p, P(SchedStats)]),
+    "laden_sched_is_resident": (c_int, [p, c_uint32]),
+    "laden_sched_is_pinned": (c_int, [p, c_uint32]),
+    "laden_sched_block_count": (c_uint32, [p]),
+    "laden_sched_block_bytes": (c_uint64, [p, c_uint32]),
+    "laden_sched_use_vram": (status_t, [p, p]),
     # cache
     "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
     "laden_cache_destroy": (None, [p]),
@@ -310,6 +317,8 @@ _SIGNATURES = {
     "laden_elastic_stats": (status_t, [c_int32, P(ElasticStats)]),
     "laden_dev_cpu_fail_vmm_at": (c_uint64, [c_uint64]),
     # plan
+    "laden_sched_plan": (status_t, [p, P(PlanInput), P(c_int32),
+                                    P(PlanResult)]),
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
     "laden_plan_why_text": (c_char_p, [c_int32]),
@@ -323,7 +332,9 @@ _SIGNATURES = {
 }
 
 DEVICE_CPU = -1
-TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = 0, 1, 2, 3
+TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
+# include/laden.h
+LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
 SCHED_CACHE = 1
 CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
 COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2

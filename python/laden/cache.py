@@ -23,14 +23,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
 
 from . import _lib
-from ._dtypes import checkpoint_dtype
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
-from .errors import (InvalidArgumentError, MismatchError, StateError)
-from .streaming import (_DTYPE_CODE, _Owned, _Tensor, _collect,
-                        _compute_stream, _dev_index, _device, _find_blocks,
-                        _meta, _nbytes, _set_tensor, _view, _wrap_forward)
+from .errors import InvalidArgumentError, StateError
+from ._model import (KeyMap, _compute_stream, _dev_index, _device, _nbytes,
+                     _meta, _Owned, _set_tensor, _Tensor, _view,
+                     _wrap_forward, check_lookahead, describe, fill)
 
 log = logging.getLogger("laden")
 
@@ -42,6 +41,18 @@ _MODE_NAMES = {_lib.CACHE_RESIDENT: "resident",
 # this size, so that a model gives up device memory in steps, not whole.
 REST_CHUNK_BYTES = 256 << 20
 HEADROOM_BYTES = 1536 << 20  # kept free for activations by the default budget
+
+
+class _FrozenMap(dict):
+    """A key_map given as a mapping, copied and hashable."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+    def _refuse(self, *a, **k):
+        raise TypeError("a ModelSpec's key_map cannot be changed")
+
+    __setitem__ = __delitem__ = update = pop = clear = setdefault = _refuse
 
 
 class ModelNotFoundError(StateError, KeyError):
@@ -59,7 +70,12 @@ class ModelSpec:
     storage is taken over by laden) or on ``meta`` with ``checkpoint``
     naming a safetensors file, index or directory whose tensor names are the
     model's (read by laden's reader, converted between float32, float16
-    and bfloat16 to the dtypes the model was built with).  ``block_paths``
+    and bfloat16 to the dtypes the model was built with).  ``key_map``
+    (checkpoint name -> model name: a dict, or a function returning None
+    to drop a name) and ``skip_prefixes`` (checkpoint names to ignore)
+    match a checkpoint whose names differ, as in ``stream_load``.  Tensors
+    the checkpoint lacks are taken as the factory built them (not on
+    meta).  ``block_paths``
     names the block lists (``"transformer_blocks"``) that may be streamed
     when the model does not fit; ``block_mode`` is ``"auto"`` (whole model
     on the device when it fits the budget, else streaming), ``"resident"``
@@ -73,6 +89,8 @@ class ModelSpec:
     block_paths: Sequence[str] = field(default=(), kw_only=True)
     block_mode: str = field(default="auto", kw_only=True)
     estimated_bytes: int = field(default=0, kw_only=True)
+    key_map: KeyMap = field(default=None, kw_only=True)
+    skip_prefixes: Sequence[str] = field(default=(), kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.key, str) or not self.key:
@@ -96,6 +114,21 @@ class ModelSpec:
                 f"ModelSpec '{self.key}': block_paths must be module paths "
                 f"(strings), got {self.block_paths!r}", "E_INVAL")
         object.__setattr__(self, "block_paths", paths)
+        skip = self.skip_prefixes
+        skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
+        if not all(isinstance(p, str) and p for p in skip):
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': skip_prefixes must be strings, "
+                f"got {self.skip_prefixes!r}", "E_INVAL")
+        object.__setattr__(self, "skip_prefixes", skip)
+        km = self.key_map
+        if km is not None and not callable(km):
+            if not hasattr(km, "get"):
+                raise InvalidArgumentError(
+                    f"ModelSpec '{self.key}': key_map must be a mapping or a "
+                    f"function, got {type(km).__name__}", "E_INVAL")
+            # A mapping is frozen, so that two specs compare by content.
+            object.__setattr__(self, "key_map", _FrozenMap(km))
         try:
             est = parse_size(self.estimated_bytes)
         except ValueError as e:
@@ -170,86 +203,29 @@ class _Runtime:
             raise InvalidArgumentError(
                 f"the factory of '{spec.key}' returned "
                 f"{type(model).__name__}, not a torch.nn.Module", "E_INVAL")
-        blocks = _find_blocks(model, spec.block_paths)
-        tensors = _collect(model)
-        owner = {}
-        for bi, (_, mod, _) in enumerate(blocks):
-            for sub in mod.modules():
-                owner.setdefault(id(sub), bi)
-        for t in tensors:
-            got = {owner.get(id(m), -1) for m, _ in t.aliases}
-            t.block = got.pop() if len(got) == 1 else -1  # tied: outside
         ck = Checkpoint(spec.checkpoint) if spec.checkpoint is not None \
             else None
         try:
-            host = self._match(model, tensors, ck)
-            self._load(tensors, blocks, ck, host)
+            desc = describe(model, ck, spec.block_paths,
+                            key_map=spec.key_map,
+                            skip_prefixes=spec.skip_prefixes,
+                            label=f"model '{spec.key}'")
+            for b in desc.blocks:
+                b.tier = _lib.TIER_RAM
+            self._load(desc, ck)
         finally:
             if ck is not None:
                 ck.close()
         self.model = model
-        self.tensors = tensors
-        for bi, (name, mod, _) in enumerate(blocks):
-            self.block_names[self.fixed + bi] = name
-            self._wrap(mod, self.fixed + bi)
+        self.tensors = desc.tensors
+        for b in desc.blocks:
+            self.block_names[b.c_block] = b.name
+            self._wrap(b.module, b.c_block)
         st = self.stats()
-        self.size = sum(lib.laden_stream_block_bytes(self.sched, b)
-                        for b in range(lib.laden_stream_block_count(
+        self.size = sum(lib.laden_sched_block_bytes(self.sched, b)
+                        for b in range(lib.laden_sched_block_count(
                             self.sched)))
         self.gen = st.generation
-
-    def _match(self, model, tensors, ck) -> Dict[int, object]:
-        """Which tensors come from the checkpoint (t.ckpt_name) and which
-        from host memory (returned: id(t) -> CPU tensor)."""
-        host = {}
-        key = self.spec.key
-        if ck is None:
-            bad = []
-            for t in tensors:
-                cur = getattr(t.aliases[0][0], t.aliases[0][1])
-                if cur.device.type != "cpu":
-                    bad.append(f"{t.names[0]} ({cur.device})")
-                else:
-                    host[id(t)] = cur
-            if bad:
-                raise InvalidArgumentError(
-                    f"model '{key}': tensors not on the CPU: "
-                    f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
-                    "; build the model on the CPU, or on meta with a "
-                    "checkpoint", "E_INVAL")
-            return host
-        names = set(ck.names())
-        used = set()
-        missing, mismatched = [], []
-        for t in tensors:
-            cname = next((n for n in t.names if n in names), None)
-            cur = getattr(t.aliases[0][0], t.aliases[0][1])
-            if cname is None:
-                if cur.device.type == "cpu":
-                    host[id(t)] = cur  # built, not saved: kept as built
-                else:
-                    missing.append(t.names[0])
-                continue
-            info = ck.info(cname)
-            if tuple(info.shape) != tuple(t.shape):
-                mismatched.append(f"{cname}: checkpoint {list(info.shape)}"
-                                  f", model {list(t.shape)}")
-                continue
-            t.ckpt_name = cname
-            used.update(n for n in t.names if n in names)  # tied aliases
-        unexpected = sorted(names - used)
-        if missing or unexpected or mismatched:
-            msg = [f"{ck.path} does not match model '{key}':"]
-            for what, items in (("missing from the checkpoint", missing),
-                                ("unexpected in the checkpoint", unexpected),
-                                ("shapes differ", mismatched)):
-                if items:
-                    msg.append(f"{what} ({len(items)}): "
-                               + ", ".join(items[:20])
-                               + (" ..." if len(items) > 20 else ""))
-            raise MismatchError("\n  ".join(msg), missing=missing,
-                                unexpected=unexpected, mismatched=mismatched)
-        return host
 
     @property
     def sched(self) -> ctypes.c_void_p:
@@ -258,78 +234,48 @@ class _Runtime:
                              "cache", "E_STATE")
         return self.owner.h
 
-    def _load(self, tensors, blocks, ck, host) -> None:
+    def _load(self, desc, ck) -> None:
         cfg = _lib.SchedConfig(_dev_index(self.device), 0, 0, None,
                                _lib.SCHED_CACHE)
         h = ctypes.c_void_p()
-        check(lib.laden_stream_create(ctypes.byref(cfg),
-                                      ck._h if ck is not None else None,
-                                      ctypes.byref(h)))
+        check(lib.laden_sched_create(ctypes.byref(cfg),
+                                     ck._h if ck is not None else None,
+                                     ctypes.byref(h)))
         # The VRAM context (if any) outlives the VBAR the schedule keeps
         # in it.
         self.owner = _Owned(h, _destroy_schedule, self.binding, self.dc.vram)
-        # The parts outside blocks first, in pieces; then one per block.
-        groups: List[List[_Tensor]] = [[]]
-        size = 0
-        for t in tensors:
-            if t.block >= 0:
-                continue
-            n = _nbytes(t)
-            if groups[-1] and size + n > REST_CHUNK_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(t)
-            size += n
-        if not groups[-1]:
-            groups.pop()
-        self.fixed = len(groups)
-        groups += [[t for t in tensors if t.block == bi]
-                   for bi in range(len(blocks))]
-        cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
-        keep: List[list] = []  # per block: host sources, until copied
+        groups: List[List[_Tensor]] = []
+        done = 0  # groups whose tensors point at laden's copy
         try:
-            for ts in groups:
-                check(lib.laden_stream_add_block(self.sched, _lib.TIER_RAM,
-                                                 ctypes.byref(cb)))
-                keep.append([])
-                for t in ts:
-                    code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
-                    if t.ckpt_name is not None:
-                        check(lib.laden_stream_add_tensor(
-                            self.sched, cb.value, ck._h,
-                            ck._index[t.ckpt_name], code, ctypes.byref(ci)))
-                    else:
-                        src = host.pop(id(t)).detach().contiguous()
-                        keep[-1].append(src)
-                        check(lib.laden_stream_add_host_tensor(
-                            self.sched, cb.value,
-                            ctypes.c_void_p(src.data_ptr()), code,
-                            src.numel(), code, ctypes.byref(ci)))
-                    t.c_block, t.c_index = cb.value, ci.value
+            # The parts outside blocks in pieces, so that a model gives up
+            # device memory in steps; then one per block.
+            groups = fill(self.sched, desc, ck, _lib.TIER_RAM,
+                          REST_CHUNK_BYTES)
+            self.fixed = len(groups) - len(desc.blocks)
             # Block by block: each block's tensors are pointed at laden's
             # copy as soon as it is made, so the factory's storage is freed
             # as the copy proceeds (host memory peaks at the model plus a
             # block, not twice the model).
             for b, ts in enumerate(groups):
-                check(lib.laden_stream_load_block(self.sched, b))
+                check(lib.laden_sched_load_block(self.sched, b))
                 for t in ts:
+                    t.source = None
                     self._set(t, self._host_view(t))
-                keep[b] = None
+                done = b + 1
             if self.dc.vram is not None:
-                check(lib.laden_stream_use_vram(self.sched,
-                                                self.dc.vram._h))
-        except BaseException as e:
-            if any(k is None for k in keep):
-                # Some tensors point at laden's copy already: give them
-                # their bytes back before the schedule goes.
-                for t in tensors:
-                    if t.c_block < len(keep) and keep[t.c_block] is None:
-                        self._set(t, self._host_view(t).clone())
+                check(lib.laden_sched_use_vram(self.sched,
+                                               self.dc.vram._h))
+        except BaseException:
+            # Tensors pointing at laden's copy get their bytes back before
+            # the schedule goes.
+            for ts in groups[:done]:
+                for t in ts:
+                    self._set(t, self._host_view(t).clone())
             self.owner = None
-            if isinstance(e, ValueError) and "safetensors dtype" in str(e):
-                raise InvalidArgumentError(
-                    f"model '{self.spec.key}': {e}", "E_INVAL") from None
             raise
+        finally:
+            for t in desc.tensors:
+                t.source = None
 
     # -- binding -----------------------------------------------------------------
     def _set(self, t: _Tensor, value, streamed_in=None) -> None:
@@ -340,7 +286,7 @@ class _Runtime:
 
         o = self.owner
         hp = ctypes.c_void_p()
-        check(lib.laden_stream_host_ptr(self.sched, t.c_block, t.c_index,
+        check(lib.laden_sched_host_ptr(self.sched, t.c_block, t.c_index,
                                         ctypes.byref(hp)))
         return _view(hp.value or 0, _nbytes(t), t.dtype, t.shape,
                      torch.device("cpu"), o)
@@ -357,11 +303,11 @@ class _Runtime:
         self.gone.clear()
         self.dev_refs.clear()
         for t in self.tensors:
-            streamed = started and lib.laden_stream_is_streamed(o.h,
+            streamed = started and lib.laden_sched_is_streamed(o.h,
                                                                 t.c_block)
-            on_dev = streamed or lib.laden_stream_is_resident(o.h, t.c_block)
+            on_dev = streamed or lib.laden_sched_is_resident(o.h, t.c_block)
             if on_dev:
-                check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
+                check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
                                                   ctypes.byref(ptr)))
                 value = _view(ptr.value, _nbytes(t), t.dtype, t.shape,
                               self.device, o)
@@ -406,7 +352,7 @@ class _Runtime:
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
-        check(lib.laden_stream_stats(self.sched, ctypes.byref(st)))
+        check(lib.laden_sched_stats(self.sched, ctypes.byref(st)))
         return st
 
     # -- ending ------------------------------------------------------------------
@@ -458,7 +404,7 @@ def _destroy_schedule(sched, binding, vram) -> None:
         lib.laden_cache_deactivate(cache.h, cid, 0)  # if still in use
         lib.laden_cache_unbind(cache.h, cid)
         lib.laden_cache_remove(cache.h, cid)
-    lib.laden_stream_destroy(sched)
+    lib.laden_sched_destroy(sched)
 
 
 class _DeviceCache:
@@ -576,13 +522,15 @@ class ModelCache:
             if have is None:
                 self._specs[spec.key] = spec
                 return spec
-            same = (have.checkpoint, have.block_paths, have.block_mode) == \
-                (spec.checkpoint, spec.block_paths, spec.block_mode)
-            if not same:
+            fields = ("checkpoint", "block_paths", "block_mode", "key_map",
+                      "skip_prefixes")
+            differ = [f for f in fields
+                      if getattr(have, f) != getattr(spec, f)]
+            if differ:
                 raise StateError(
                     f"model '{spec.key}' is registered with another "
-                    f"checkpoint, block_paths or block_mode ({have}); "
-                    "unregister it first", "E_STATE")
+                    f"{', '.join(differ)} ({have}); unregister it first",
+                    "E_STATE")
             return have
 
     def unregister(self, key: str) -> None:
@@ -630,9 +578,7 @@ class ModelCache:
             spec = self._spec(spec)
         else:
             spec = self.register(spec)
-        if not 1 <= lookahead <= 63:
-            raise InvalidArgumentError(
-                f"lookahead {lookahead}: give 1 to 63", "E_INVAL")
+        check_lookahead(lookahead)
         dev = _device(device)
         if dev.type == "cuda":
             import torch
@@ -701,7 +647,7 @@ class ModelCache:
         self.builds += 1
         log.debug("laden cache: built '%s' for %s: %s in %u blocks (%u "
                   "outside blocks) in %.2f s", spec.key, dev,
-                  fmt_bytes(rt.size), lib.laden_stream_block_count(rt.sched),
+                  fmt_bytes(rt.size), lib.laden_sched_block_count(rt.sched),
                   rt.fixed, time.perf_counter() - t0)
         self._make_host_room(dc, rt, 0)
         return rt

@@ -363,23 +363,18 @@ def cmd_plan(args) -> int:
                 "blocks are in RAM or streamed from disk; give --ram for "
                 "the host memory the model may use")
     with Checkpoint(args.path) as ck:
-        tensors = ck.tensors()
-        raw = block_groups([(t.name, t.nbytes) for t in tensors])
-        # as laden packs blocks: each tensor aligned to 256 bytes
-        packed = block_groups([(t.name, (t.nbytes + 255) // 256 * 256)
-                               for t in tensors])
-        names = [f"{prefix}{i}." for prefix, blocks in packed.items()
-                 for i in sorted(blocks)]
-        sizes = [packed[prefix][i] for prefix, blocks in packed.items()
-                 for i in sorted(blocks)]
-        rest = ck.total_bytes - sum(sum(b.values()) for b in raw.values())
-        p = planning.compute(names, sizes, rest, device=device,
-                             path=ck.files[0], max_vram=args.vram,
-                             headroom_vram=args.headroom
-                             if args.headroom is not None else "1.5GB",
-                             ram_budget=args.ram,
-                             resident_blocks=args.resident_blocks,
-                             lookahead=args.lookahead)
+        members = defaultdict(list)
+        for t in ck.tensors():
+            m = _BLOCK.search(t.name)
+            if m:
+                members[(t.name[:m.start(1)], int(m.group(1)))].append(t.name)
+        groups = block_groups([(t.name, t.nbytes) for t in ck.tensors()])
+        blocks = [(f"{prefix}{i}.", members[(prefix, i)])
+                  for prefix, idx in groups.items() for i in sorted(idx)]
+        p = planning.plan_checkpoint(
+            ck, blocks, planning._device(device), max_vram=args.vram,
+            headroom_vram=args.headroom, ram_budget=args.ram,
+            resident_blocks=args.resident_blocks, lookahead=args.lookahead)
     p.path = args.path
     print(f"device: {p.device} ({note})")
     print(p)
@@ -444,9 +439,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", default=None, type=_size_arg("--vram"),
                    help="VRAM budget, e.g. 8GB (default: the free VRAM)")
     p.add_argument("--ram", default=None, type=_size_arg("--ram"),
-                   help="RAM budget for the RAM tier (default: free RAM "
-                   "minus a reserve); on the CPU, all host memory the model "
-                   "may use")
+                   help="RAM budget for the RAM tier (on CUDA with the "
+                   "pinned staging of disk blocks; default: free RAM minus "
+                   "a reserve, and on the CPU minus the rest of the model "
+                   "and the slots too)")
     p.add_argument("--headroom", default=None, type=_size_arg("--headroom", 0),
                    help="VRAM kept for activations (default 1.5GB)")
     p.add_argument("--resident-blocks", default=None,

@@ -330,6 +330,7 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
 
     from . import checkpoint as ckmod
     from . import streaming
+    from . import planning
     from .planning import device_problem
 
     if repeats < 1:
@@ -345,13 +346,18 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
     if not os.path.exists(path):
         path = model_dir  # sharded, or a directory laden can pick from
     Bert = _bert_classes()
-    with ckmod.Checkpoint(path) as ck:
-        model_bytes = sum(_run_bytes(t) for t in ck.tensors()
-                          if not t.name.startswith(SKIP))
     layers = cfg["num_hidden_layers"]
-    sizes = _layer_sizes(path, layers)
-    rest = model_bytes - sum(sizes)
-    slots = (lookahead + 1) * max(sizes)
+    with torch.device("meta"):
+        m = Bert(cfg).eval()
+    # Sized by libladen as it will lay the model out (every layer
+    # streamed: the slots are as large as they get).
+    p = planning.plan(m, path, device=dev, offload_prefixes=[
+        "encoder.layer."], skip_prefixes=SKIP, resident_blocks=0,
+        lookahead=lookahead)
+    sizes = [b.bytes for b in p.blocks]
+    rest = p.rest_bytes
+    model_bytes = rest + sum(sizes)
+    slots = p.budgets["nslots"] * p.budgets["slot_bytes"]
     # The budget: weights laden may keep on the compute device (GPU: VRAM,
     # CPU: RAM), slots included.  Default: the rest of the model, the
     # slots and one layer, so most layers stream.
@@ -361,7 +367,7 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
         raise ValueError(
             f"budget {fmt_bytes(budget_b)} is too small: the part of the "
             f"model outside its layers needs {fmt_bytes(rest)} and "
-            f"{lookahead + 1} slots {fmt_bytes(slots)}")
+            f"{p.budgets['nslots']} slots {fmt_bytes(slots)}")
     texts = list(sentences or SENTENCES)
     ids, att = tok.batch(texts, cfg["max_position_embeddings"])
     ids, att = ids.to(dev), att.to(dev)
@@ -387,9 +393,7 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    # 2. The same model built on meta and streamed under the budget.
-    with torch.device("meta"):
-        m = Bert(cfg).eval()
+    # 2. The same model, built on meta, streamed under the budget.
     if dev.type == "cuda":  # layers beyond the budget stream from RAM
         report = streaming.stream_load(
             m, path, offload_prefixes=["encoder.layer."], device=dev,
@@ -432,23 +436,3 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
         out(f"  {s[j]:.2f}  {t[:44]:<44} ~ {texts[j][:44]}")
     streaming.release(m, handle)
     return same
-
-
-def _run_bytes(t) -> int:
-    """Bytes of a tensor as the demo's float32 model holds it."""
-    if t.dtype in ("F16", "BF16", "F32"):
-        return math.prod(t.shape) * 4
-    return t.nbytes
-
-
-def _layer_sizes(path: str, layers: int) -> List[int]:
-    from . import checkpoint as ckmod
-
-    sizes = [0] * layers
-    with ckmod.Checkpoint(path) as ck:
-        for t in ck.tensors():
-            if t.name.startswith("encoder.layer."):
-                i = int(t.name.split(".")[2])
-                if i < layers:
-                    sizes[i] += (_run_bytes(t) + 255) // 256 * 256
-    return sizes

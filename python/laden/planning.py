@@ -10,13 +10,21 @@ import ctypes
 import enum
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _lib
-from ._lib import check, lib
+from ._lib import check, error_for, lib
+from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
+                     _resolve_storage, check_lookahead, describe, fill,
+                     find_blocks)
 from ._units import fmt_bytes, parse_size
+from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
+
+AUTO = 2**64 - 1  # LADEN_PLAN: "decide from the readings"
+DEFAULT_HEADROOM = "1.5GB"  # kept free for activations on CUDA
 
 # Free memory readings are rounded down to this, so that two runs whose
 # free memory differs by a little plan the same; the plan shows them.
@@ -36,11 +44,6 @@ _WARNINGS = {
        "run out of memory",
     4: "max_vram is above the free VRAM; the free VRAM was used",
 }
-
-# Reasons as the CPU device reads them: there the planner's "VRAM" is the
-# host memory the rest of the model and the slots take, so "no VRAM left"
-# says nothing true.  Keys: LADEN_PLAN_WHY_* in include/laden/plan.h.
-_CPU_WHY = {2: "RAM: fits the RAM budget"}  # NO_VRAM_RAM
 
 
 @dataclass
@@ -178,25 +181,20 @@ class Plan:
                 lines.append("  free memory read (rounded down to "
                              f"{READING_STEP >> 20} MiB): " + ", ".join(seen))
         b = self.budgets
-        if b and cpu:
-            whence = (f"the free RAM, keeping {fmt_bytes(b['min_free_ram'])} "
-                      "free" if b.get("min_free_ram") else "the RAM budget "
-                      "given")
-            host = (f"host memory {fmt_bytes(b['host_bytes'])} (from "
-                    f"{whence}) holds the rest of the model, "
-                    if "host_bytes" in b else "")
-            lines.append(
-                f"  budgets: {host}slots {b.get('nslots', 0)} x "
-                f"{fmt_bytes(b.get('slot_bytes', 0))} and a RAM tier of "
-                f"{fmt_bytes(b.get('ram_avail', 0))}")
-        elif b:
-            lines.append(
-                f"  budgets: VRAM for weights {fmt_bytes(b.get('vram_avail', 0))}"
-                f" (after {fmt_bytes(b.get('reserve', 0))} kept for "
-                f"{'measured activations' if b.get('measured') else 'headroom'}"
-                f"), RAM {fmt_bytes(b.get('ram_avail', 0))} (keeping "
-                f"{fmt_bytes(b.get('min_free_ram', 0))} free); slots "
-                f"{b.get('nslots', 0)} x {fmt_bytes(b.get('slot_bytes', 0))}")
+        if b:
+            ram = (f"RAM tier {fmt_bytes(b.get('ram_avail', 0))} ("
+                   + ("the RAM budget given" if b.get("ram_budget") else
+                      f"free RAM, keeping {fmt_bytes(b.get('min_free_ram', 0))}"
+                      " free" + (", less the rest of the model and the slots"
+                                 if cpu else ""))
+                   + f"); slots {b.get('nslots', 0)} x "
+                   f"{fmt_bytes(b.get('slot_bytes', 0))}")
+            if not cpu:
+                ram = (f"VRAM for weights {fmt_bytes(b.get('vram_avail', 0))}"
+                       f" (after {fmt_bytes(b.get('reserve', 0))} kept for "
+                       f"{'measured activations' if b.get('measured') else 'headroom'}"
+                       f"), {ram}")
+            lines.append(f"  budgets: {ram}")
         # Only numbers that were measured are shown as measurements.
         bw = self.bandwidths
         rates = [] if cpu else [("host-to-device", bw.get("h2d", 0.0))]
@@ -319,57 +317,134 @@ def device_problem(device) -> Optional[str]:
     return None
 
 
-def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
-            device, path: Optional[str] = None, max_vram=None,
-            headroom_vram="1.5GB", activation_vram=None, min_free_ram="auto",
-            ram_budget=None, resident_blocks: Optional[int] = None,
-            asked: Optional[Sequence[int]] = None, lookahead: int = 2,
-            readings: Optional[Dict[str, int]] = None,
-            bandwidths: Optional[Dict[str, float]] = None) -> Plan:
-    """The planner on explicit sizes: what ``plan`` and ``laden plan`` call.
-    ``readings`` and ``bandwidths`` default to this machine's."""
-    from .streaming import _device
+def _plan_input(dev, *, max_vram=None, headroom_vram=None,
+                activation_vram=None, min_free_ram="auto", ram_budget=None,
+                resident_blocks: Optional[int] = None, lookahead: int = 2,
+                readings: Dict[str, int], bandwidths: Dict[str, float],
+                disk_staging: bool = True) -> "_lib.PlanInput":
+    """The planner's budgets, readings and rates (block fields empty).
+    On the CPU device the VRAM options do not apply: giving one is an
+    error (the C planner names it), not a silent no-op."""
+    cpu = dev.type == "cpu"
+    if headroom_vram is None and not cpu:
+        headroom_vram = DEFAULT_HEADROOM
+    inp = _lib.PlanInput()
+    inp.vram_free_bytes = 0 if cpu else readings.get("vram_free", 0)
+    inp.max_vram_bytes = parse_size(max_vram) if max_vram is not None else 0
+    inp.reserve_bytes = parse_size(
+        activation_vram if activation_vram is not None
+        else headroom_vram or 0)
+    inp.ram_total_bytes = readings.get("ram_total", 0)
+    inp.ram_free_bytes = readings.get("ram_free", 0)
+    inp.ram_budget_bytes = AUTO if ram_budget is None else \
+        parse_size(ram_budget)
+    inp.min_free_ram_bytes = AUTO if min_free_ram == "auto" else \
+        parse_size(min_free_ram)
+    inp.resident_blocks = -1 if resident_blocks is None else \
+        int(resident_blocks)
+    inp.lookahead = lookahead
+    inp.disk_staging = int(disk_staging and not cpu)
+    inp.host_device = int(cpu)
+    inp.h2d_bytes_per_s = bandwidths.get("h2d", 0.0)
+    inp.disk_bytes_per_s = bandwidths.get("disk", 0.0)
+    return inp
 
-    dev = _device(device)
+
+def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool
+                 ) -> "_lib.PlanInput":
+    """stream_load's budgets: ``vram_budget`` bounds the device bytes
+    (rest, resident blocks, slots; nothing reserved, no reading), blocks
+    stay resident while they fit it (or a VRAM context's budget: C caps
+    at its room); without either every block not asked resident streams.
+    ``ram_budget`` bounds the RAM tier alone (0: every streamed block on
+    disk); without it the free RAM, less the minimum kept free."""
+    if vram_budget is not None and dev.type == "cpu":
+        raise InvalidArgumentError(
+            f"vram_budget {fmt_bytes(parse_size(vram_budget))}: the model "
+            "goes to the CPU, which has no VRAM; ram_budget bounds the host "
+            "memory of the streamed blocks", "E_INVAL")
+    r = _readings(dev)
+    if vram_budget is not None:
+        r["vram_free"] = parse_size(vram_budget)
+    inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,
+                      readings=r, bandwidths={}, disk_staging=False,
+                      resident_blocks=None if vram_budget is not None or
+                      vram_has_budget else 0)
+    return inp
+
+
+def plan_schedule(h, budgets: "_lib.PlanInput", names=None):
+    """Runs laden_sched_plan on the described schedule `h`: C sizes the
+    blocks and sets their tiers.  Returns (reasons, result).  `names`
+    (C block index -> name) turn "block N" in an error into the name."""
+    n = lib.laden_sched_block_count(h)
+    why = (ctypes.c_int32 * max(n, 1))()
+    res = _lib.PlanResult()
+    s = lib.laden_sched_plan(h, ctypes.byref(budgets), why,
+                             ctypes.byref(res))
+    if s:
+        err = error_for(s)
+        msg = re.sub(r"\bblock (\d+)\b", lambda m: "block '" + names[
+            int(m.group(1))] + "'" if names and int(m.group(1)) in names
+            else m.group(0), err.message)
+        raise type(err)(msg, err.status, err.code) from None
+    return list(why)[:n], res
+
+
+def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
+          readings, bandwidths, lookahead, activation_measured=False
+          ) -> Plan:
+    cpu = dev.type == "cpu"
+    blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
+                        lib.laden_plan_why_text(why[i]).decode())
+              for i in range(len(names))]
+    warnings = [msg for bit, msg in _WARNINGS.items() if res.warnings & bit]
+    budgets = dict(ram_avail=res.ram_avail_bytes,
+                   ram_limit=res.ram_limit_bytes,
+                   min_free_ram=res.min_free_ram_bytes,
+                   ram_budget=int(inp.ram_budget_bytes != AUTO),
+                   measured=int(activation_measured),
+                   nslots=res.nslots, slot_bytes=res.slot_bytes)
+    if cpu:
+        readings = {k: v for k, v in readings.items()
+                    if not k.startswith("vram")}
+        bandwidths = {k: v for k, v in bandwidths.items() if k != "h2d"}
+    else:
+        budgets.update(vram_avail=res.vram_avail_bytes,
+                       reserve=inp.reserve_bytes,
+                       max_vram=inp.max_vram_bytes)
+    return Plan(blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
+                lookahead=lookahead, path=path, budgets=budgets,
+                readings=dict(readings), bandwidths=dict(bandwidths),
+                predicted_ms=res.predicted_ms, warnings=warnings)
+
+
+def _measured(dev, path, readings, bandwidths):
     readings = readings if readings is not None else _readings(dev)
     if bandwidths is None:
         bandwidths = {"h2d": _h2d_rate(dev),
                       "disk": _disk_rate(path) if path and os.path.isfile(
                           path) else 0.0}
+    return readings, bandwidths
+
+
+def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
+            device, path: Optional[str] = None, max_vram=None,
+            headroom_vram=None, activation_vram=None, min_free_ram="auto",
+            ram_budget=None, resident_blocks: Optional[int] = None,
+            asked: Optional[Sequence[int]] = None, lookahead: int = 2,
+            readings: Optional[Dict[str, int]] = None,
+            bandwidths: Optional[Dict[str, float]] = None) -> Plan:
+    """The planner on explicit sizes (``laden.plan`` measures a model
+    instead).  ``readings`` and ``bandwidths`` default to this machine's."""
+    dev = _device(device)
+    readings, bandwidths = _measured(dev, path, readings, bandwidths)
+    inp = _plan_input(dev, max_vram=max_vram, headroom_vram=headroom_vram,
+                      activation_vram=activation_vram,
+                      min_free_ram=min_free_ram, ram_budget=ram_budget,
+                      resident_blocks=resident_blocks, lookahead=lookahead,
+                      readings=readings, bandwidths=bandwidths)
     n = len(sizes)
-    cpu = dev.type == "cpu"
-    c_readings = readings
-    if cpu:
-        # On the CPU the resident part, the RAM tier and the slots are all
-        # host memory: blocks go to RAM while the RAM left after the rest
-        # and the slots allows, the others to disk.
-        from .errors import BudgetError
-        slots = min(lookahead + 1, n) * max(sizes, default=0)
-        mf = 0
-        if ram_budget:
-            base = parse_size(ram_budget)
-        else:
-            mf = readings.get("ram_total", 0) * 8 // 100
-            mf = min(max(mf, 1 << 30), 4 << 30) if min_free_ram == "auto" \
-                else parse_size(min_free_ram)
-            base = max(0, readings.get("ram_free", 0) - mf)
-        left = base - rest_bytes - slots
-        if left <= 0:
-            raise BudgetError(
-                f"RAM {fmt_bytes(base)} cannot hold the rest of the model "
-                f"({fmt_bytes(rest_bytes)}) and {min(lookahead + 1, n)} "
-                f"slots ({fmt_bytes(slots)})", "E_BUDGET")
-        # The planner's "VRAM" is the host memory the rest and the slots
-        # take; the plan keeps only what was read (no VRAM on the CPU),
-        # and no host-to-device rate (nothing is copied).
-        c_readings = dict(readings, vram_free=rest_bytes + slots)
-        readings = {k: v for k, v in readings.items()
-                    if not k.startswith("vram")}
-        bandwidths = {k: v for k, v in bandwidths.items() if k != "h2d"}
-        ram_budget, resident_blocks = left, 0 if resident_blocks is None \
-            else resident_blocks
-        headroom_vram, activation_vram, max_vram = 0, None, None
-    inp = _lib.PlanInput()
     arr = (ctypes.c_uint64 * max(n, 1))(*sizes)
     inp.nblocks = n
     inp.block_bytes = arr
@@ -377,70 +452,17 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
         asked_arr = (ctypes.c_int32 * max(n, 1))(*asked)
         inp.asked = asked_arr
     inp.rest_bytes = rest_bytes
-    inp.vram_free_bytes = c_readings.get("vram_free", 0)
-    inp.max_vram_bytes = parse_size(max_vram) if max_vram is not None else 0
-    measured = activation_vram is not None
-    inp.reserve_bytes = parse_size(activation_vram if measured
-                                   else headroom_vram or 0)
-    inp.ram_total_bytes = c_readings.get("ram_total", 0)
-    inp.ram_free_bytes = c_readings.get("ram_free", 0)
-    inp.ram_budget_bytes = parse_size(ram_budget) if ram_budget else 0
-    inp.min_free_ram_bytes = (2**64 - 1) if min_free_ram == "auto" else \
-        parse_size(min_free_ram)
-    inp.resident_blocks = -1 if resident_blocks is None else int(
-        resident_blocks)
-    inp.lookahead = lookahead
-    inp.disk_staging = 1 if dev.type == "cuda" else 0
-    inp.h2d_bytes_per_s = bandwidths.get("h2d", 0.0)
-    if dev.type == "cpu":
-        inp.h2d_bytes_per_s = 1e15  # no copy: RAM blocks run in place
-    inp.disk_bytes_per_s = bandwidths.get("disk", 0.0)
     tiers = (ctypes.c_int32 * max(n, 1))()
     why = (ctypes.c_int32 * max(n, 1))()
     res = _lib.PlanResult()
     check(lib.laden_plan_compute(ctypes.byref(inp), tiers, why,
                                  ctypes.byref(res)))
-    blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
-                        _CPU_WHY.get(why[i]) if cpu and why[i] in _CPU_WHY
-                        else lib.laden_plan_why_text(why[i]).decode())
-              for i in range(n)]
-    warnings = [msg for bit, msg in _WARNINGS.items() if res.warnings & bit
-                and not (cpu and bit == 2)]
-    if cpu:
-        budgets = dict(host_bytes=base, min_free_ram=mf,
-                       ram_avail=res.ram_avail_bytes, nslots=res.nslots,
-                       slot_bytes=res.slot_bytes)
-    else:
-        budgets = dict(vram_avail=res.vram_avail_bytes,
-                       reserve=inp.reserve_bytes, measured=int(measured),
-                       ram_avail=res.ram_avail_bytes,
-                       min_free_ram=res.min_free_ram_bytes,
-                       nslots=res.nslots, slot_bytes=res.slot_bytes,
-                       max_vram=inp.max_vram_bytes)
-    return Plan(
-        blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
-        lookahead=lookahead, path=path, budgets=budgets,
-        readings=dict(readings), bandwidths=dict(bandwidths),
-        predicted_ms=res.predicted_ms, warnings=warnings)
+    return _plan(list(names), list(sizes), list(tiers), list(why), res, inp,
+                 rest_bytes, dev, path, readings, bandwidths, lookahead,
+                 activation_vram is not None)
 
 
-def find_blocks(model) -> List[str]:
-    """The block containers of a model: every ModuleList or Sequential with
-    two or more children that is not inside another one found."""
-    import torch.nn as nn
-
-    lists = (nn.ModuleList, nn.Sequential)
-    found: List[str] = []
-    for name, mod in model.named_modules():
-        if not name or any(name.startswith(f + ".") for f in found):
-            continue
-        if isinstance(mod, lists) and len(mod) >= 2 and \
-                not all(isinstance(c, lists) for c in mod.children()):
-            found.append(name)  # a list of lists is not itself the blocks
-    return [f + "." for f in found]
-
-
-def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
+def plan(model, path, *, max_vram=None, headroom_vram=None,
          activation_vram=None, min_free_ram="auto", resident_blocks=None,
          compute_dtype=None, storage_dtype=None, key_map=None,
          skip_prefixes=None, device=None, ram_budget=None,
@@ -449,13 +471,13 @@ def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
     """Plans where each block of ``model`` (built on meta or not) lives for
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
-    ``offload_prefixes`` names them.  Sizes accept bytes or strings."""
+    ``offload_prefixes`` names them.  Sizes accept bytes or strings.  The
+    blocks are described to libladen, which sizes them as it will lay them
+    out and plans them (``headroom_vram`` defaults to 1.5 GB on CUDA; the
+    VRAM options are refused on the CPU)."""
     import torch
 
-    from .checkpoint import Checkpoint
-    from .streaming import (_device, _prepare, _resolve_dtype,
-                            _resolve_storage)
-
+    check_lookahead(lookahead)
     storage = _resolve_storage(storage_dtype)
     dev = _device(device)
     cdt = _resolve_dtype(compute_dtype)
@@ -464,21 +486,90 @@ def plan(model, path, *, max_vram=None, headroom_vram="1.5GB",
     prefixes = list(offload_prefixes) if offload_prefixes is not None \
         else find_blocks(model)
     with Checkpoint(path) as ck:
-        state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
-                         prefixes, None, None, None, None, lookahead, None,
-                         storage)
-        p = compute([b.name for b in state.blocks],
-                    [b.nbytes for b in state.blocks], state.rest_bytes,
-                    device=dev, path=ck.files[0], max_vram=max_vram,
-                    headroom_vram=headroom_vram,
-                    activation_vram=activation_vram,
-                    min_free_ram=min_free_ram, ram_budget=ram_budget,
-                    resident_blocks=resident_blocks, lookahead=lookahead)
+        desc = describe(model, ck, prefixes, key_map=key_map,
+                        skip_prefixes=skip_prefixes, cdt=cdt,
+                        storage=storage)
+        p = plan_description(desc, ck, dev, max_vram=max_vram,
+                             headroom_vram=headroom_vram,
+                             activation_vram=activation_vram,
+                             min_free_ram=min_free_ram,
+                             ram_budget=ram_budget,
+                             resident_blocks=resident_blocks,
+                             lookahead=lookahead)
     p.path = os.fspath(path)
     p.compute_dtype = str(compute_dtype).replace("torch.", "") \
         if compute_dtype else None
     p.storage_dtype = storage
     return p
+
+
+def plan_description(desc, ck, dev, **kw) -> Plan:
+    """Describes `desc` (a model's description) to a C schedule that is
+    never loaded, and returns the plan C makes for it: the same sizes and
+    decisions stream_load gets."""
+    try:
+        return _plan_described(
+            dev, ck, lambda h: fill(h, desc, ck, _lib.TIER_GPU) and
+            [(b.name, b.c_block) for b in desc.blocks], **kw)
+    finally:
+        for t in desc.tensors:
+            t.source = None
+
+
+def plan_checkpoint(ck, blocks: Sequence[Tuple[str, Sequence[str]]], dev,
+                    **kw) -> Plan:
+    """The plan for a checkpoint without a model (``laden plan``): each
+    block is (name, its tensor names), stored as in the file; every other
+    tensor is the rest of the model."""
+    def add(h):
+        inblock = {n for _, names in blocks for n in names}
+        cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
+        check(lib.laden_sched_add_block(h, _lib.TIER_GPU, ctypes.byref(cb)))
+        out = []
+        groups = [(None, [n for n in ck.names() if n not in inblock])]
+        for name, names in [*groups, *blocks]:
+            if name is not None:
+                check(lib.laden_sched_add_block(h, _lib.TIER_AUTO,
+                                                ctypes.byref(cb)))
+                out.append((name, cb.value))
+            for n in names:
+                check(lib.laden_sched_add_tensor(
+                    h, cb.value, ck._h, ck._index[n],
+                    _DTYPE_CODE[ck.info(n).dtype], ctypes.byref(ci)))
+        return out
+    return _plan_described(dev, ck, add, **kw)
+
+
+@contextlib.contextmanager
+def _schedule(dev, ck, lookahead: int):
+    """A C schedule to describe a model to, never loaded."""
+    cfg = _lib.SchedConfig(_dev_index(dev), lookahead, 0, None)
+    h = ctypes.c_void_p()
+    check(lib.laden_sched_create(ctypes.byref(cfg),
+                                 ck._h if ck is not None else None,
+                                 ctypes.byref(h)))
+    try:
+        yield h
+    finally:
+        lib.laden_sched_destroy(h)
+
+
+def _plan_described(dev, ck, add, *, lookahead: int = 2, readings=None,
+                    bandwidths=None, **budgets) -> Plan:
+    path = ck.files[0] if ck is not None else None
+    readings, bandwidths = _measured(dev, path, readings, bandwidths)
+    inp = _plan_input(dev, lookahead=lookahead, readings=readings,
+                      bandwidths=bandwidths, **budgets)
+    with _schedule(dev, ck, lookahead) as h:
+        named = add(h)
+        why, res = plan_schedule(h, inp, {i: n for n, i in named})
+        sizes = [lib.laden_sched_block_bytes(h, i) for _, i in named]
+        tiers = [lib.laden_sched_block_tier(h, i) for _, i in named]
+        return _plan([n for n, _ in named], sizes, tiers,
+                     [why[i] for _, i in named], res, inp,
+                     lib.laden_sched_block_bytes(h, 0), dev, path, readings,
+                     bandwidths, lookahead,
+                     budgets.get("activation_vram") is not None)
 
 
 def measure_activation_vram(fn, plan: Optional[Plan] = None) -> int:
@@ -499,47 +590,3 @@ def measure_activation_vram(fn, plan: Optional[Plan] = None) -> int:
     fn()
     torch.cuda.synchronize(dev)
     return max(0, torch.cuda.max_memory_allocated(dev) - base)
-
-
-_remembered: Dict[str, int] = {}
-
-
-@contextlib.contextmanager
-def stage(build_fn, path, *, key: Optional[str] = None, **plan_kwargs):
-    """Builds a model with ``build_fn()``, plans it, loads it, installs
-    offloading, yields ``(model, plan)``, and releases everything when the
-    block ends, also when it raises.  The peak activation memory of the
-    block is remembered under ``key`` (default: the checkpoint path) and
-    used as ``activation_vram`` the next time that key is planned in this
-    process."""
-    import torch
-
-    from .streaming import install_offload, release, stream_load
-
-    key = key or os.path.realpath(os.fspath(path))
-    if "activation_vram" not in plan_kwargs and key in _remembered:
-        plan_kwargs["activation_vram"] = _remembered[key]
-    model = build_fn()
-    p = plan(model, path, **plan_kwargs)
-    handle = None
-    stream_load(model, path, plan=p, key_map=plan_kwargs.get("key_map"),
-                skip_prefixes=plan_kwargs.get("skip_prefixes"))
-    try:
-        handle = install_offload(model, lookahead=p.lookahead)
-        dev = torch.device(p.device)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        yield model, p
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            _remembered[key] = max(
-                0, torch.cuda.max_memory_allocated(dev) - base)
-    finally:
-        release(model, handle)
-
-
-def remembered_activation_vram(key: str) -> Optional[int]:
-    """What ``stage`` measured for ``key`` in this process, if anything."""
-    return _remembered.get(key)

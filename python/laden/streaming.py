@@ -9,158 +9,33 @@ before and one after.  Deciding, reading, copying and waiting happen in C.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
-                    Sequence, Tuple, Union)
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _lib
-from ._dtypes import checkpoint_dtype, torch_dtype
+from . import _lib, planning
 from ._lib import check, error_for, lib
-from ._units import fmt_bytes, parse_size
+from ._model import (TIER_NAMES, BlockInfo, KeyMap, _dev_index, _device,
+                     _meta, _module_at, _nbytes, _numel,
+                     _Owned, _destroy_schedule, _fp8_dtype, _matches,
+                     _resolve_dtype, _resolve_storage, _set_tensor, _Tensor,
+                     _view, _wrap_forward, check_lookahead, describe,
+                     expand_fp8, fill)
+from ._units import fmt_bytes
 from .checkpoint import Checkpoint, PathLike
-from .errors import InvalidArgumentError, MismatchError, StateError
+from .errors import InvalidArgumentError, StateError
+
+__all__ = ["stream_load", "install_offload", "offload_blocks", "release",
+           "stage", "LoadReport", "OffloadHandle", "BlockInfo", "expand_fp8",
+           "TIER_NAMES"]
 
 log = logging.getLogger("laden")
-
-TIER_NAMES = {_lib.TIER_GPU: "resident", _lib.TIER_RAM: "ram",
-              _lib.TIER_DISK: "disk"}
-
-_DTYPE_CODE = {}
-for _i in range(64):
-    _n = lib.laden_dtype_name(_i)
-    if _n is None:
-        break
-    _DTYPE_CODE[_n.decode()] = _i
-
-
-# ---- small helpers ---------------------------------------------------------
-
-def _device(device) -> "torch.device":
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cuda", "cpu"):
-        raise InvalidArgumentError(
-            f"device {device}: laden streams to CUDA devices and the CPU",
-            "E_INVAL")
-    return device
-
-
-def _dev_index(device) -> int:
-    return device.index if device.type == "cuda" else _lib.DEVICE_CPU
-
-
-class _CudaMemory:
-    """Device memory owned by a schedule, as torch sees it.  Holds the
-    memory's owner (an _Owned), so the memory lives while any view of it
-    does."""
-
-    def __init__(self, ptr: int, nbytes: int, owner):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-            "version": 3}
-        self.owner = owner
-
-
-def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
-    """A tensor over memory laden owns (no copy).  With `track` (a list), a
-    weakref is appended that dies when the last tensor sharing this view's
-    storage (the view, and anything derived from it) is gone."""
-    import torch
-
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cuda":
-        buf = _CudaMemory(ptr, nbytes, owner)
-        with torch.cuda.device(device):
-            flat = torch.as_tensor(buf, device=device)
-    else:
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._laden_owner = owner
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-    if track is not None:
-        track.append(weakref.ref(buf))
-    return flat.view(dtype).view(shape)
-
-
-_RAW_STREAM = None
-
-
-def _compute_stream(device) -> int:
-    """The handle of the current CUDA stream of `device` (0 on the CPU).
-    On every block call: torch's raw getter when it has one (a fraction of
-    a microsecond; torch.cuda.current_stream builds a Python object)."""
-    global _RAW_STREAM
-    if device.type != "cuda":
-        return 0
-    if _RAW_STREAM is None:
-        import torch
-
-        _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", False)
-    if _RAW_STREAM:
-        return _RAW_STREAM(device.index)
-    import torch
-
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-# ---- model description -----------------------------------------------------
-
-@dataclass
-class _Tensor:
-    """One unique tensor of the model (aliases share it: tied weights)."""
-
-    aliases: List[Tuple[object, str]]  # (module, attribute name)
-    names: List[str]                    # dotted names of the aliases
-    is_param: bool
-    shape: Tuple[int, ...]
-    dtype: "torch.dtype"               # what it is stored and runs as
-    requires_grad: bool = False
-    ckpt_name: Optional[str] = None
-    block: int = -1                    # index into _Stream.blocks; -1: rest
-    c_block: int = 0
-    c_index: int = 0
-    param: Optional[object] = None     # the Parameter laden made
-    # Compact storage expanded on the device when the block runs:
-    # "q8": quantized by laden to e4m3 with a float32 scale per row;
-    # "ck8": fp8 as in the checkpoint, with its scale tensor (scale_name)
-    # of kind "tensor", "row" or "block" (128 x 128 tiles), or none;
-    # "c16": stored in bf16, run in another compute dtype.
-    store: str = "plain"
-    store_dtype: Optional[str] = None  # checkpoint dtype name stored
-    scale_name: Optional[str] = None
-    scale_kind: Optional[str] = None
-    scale_index: int = -1
-    persistent: bool = True            # False: a buffer no checkpoint holds
-
-
-@dataclass
-class BlockInfo:
-    name: str
-    module: object = field(repr=False)
-    tier: int
-    nbytes: int = 0
-    c_block: int = 0
-    tensors: List[_Tensor] = field(default_factory=list, repr=False)
-    offloaded: bool = False  # chosen for the device, got no room: streams
-
-    @property
-    def tier_name(self) -> str:
-        return TIER_NAMES[self.tier]
-
 
 class LoadReport:
     """What ``stream_load`` did; ``str(report)`` is a table."""
@@ -212,26 +87,6 @@ class LoadReport:
     __repr__ = __str__
 
 
-class _Owned:
-    """One C object (a schedule, a cache, device memory) and its
-    destructor.  Every tensor over its memory holds this object, and this
-    object holds nothing that holds a module: dropping a model then frees
-    its memory by reference counting, and tensors taken from it keep the
-    memory valid for as long as they live (no cycle through a C++ storage,
-    which Python's collector cannot see, keeps a model alive for good).
-    ``keep`` are objects that must outlive the C object (a VRAM context)."""
-
-    __slots__ = ("h", "_fin", "__weakref__")
-
-    def __init__(self, h, destroy, *keep):
-        self.h = h
-        self._fin = weakref.finalize(self, destroy, h, *keep)
-
-
-def _destroy_schedule(sched, *keep) -> None:
-    lib.laden_stream_destroy(sched)
-
-
 class _Stream:
     """laden's state for one model: the C schedule and what is bound."""
 
@@ -242,8 +97,7 @@ class _Stream:
         self.blocks: List[BlockInfo] = []
         self.tensors: List[_Tensor] = []
         self.rest_bytes = 0
-        self.kept: List[str] = []
-        self.kept_tensors: List[_Tensor] = []  # built, not in the checkpoint
+        self.kept: List[str] = []  # built, not in the checkpoint
         self.ckpt: Optional[Checkpoint] = None
         self.handle: Optional["OffloadHandle"] = None
         self.vram = None  # a laden.vbar.VRAM the schedule's memory is from
@@ -259,10 +113,9 @@ class _Stream:
         """Creates the C schedule, destroyed when the last tensor over its
         memory (or this state) lets go of it; `vram` (the context its
         memory comes from) outlives it."""
-        cfg = _lib.SchedConfig(_dev_index(self.device),
-                               max(1, min(63, lookahead)), 0, None)
+        cfg = _lib.SchedConfig(_dev_index(self.device), lookahead, 0, None)
         h = ctypes.c_void_p()
-        check(lib.laden_stream_create(ctypes.byref(cfg), st_handle,
+        check(lib.laden_sched_create(ctypes.byref(cfg), st_handle,
                                       ctypes.byref(h)))
         self.vram = vram
         self.owner = _Owned(h, _destroy_schedule, vram)
@@ -290,7 +143,7 @@ class _Stream:
     def stats(self, what: str = "stats") -> "_lib.SchedStats":
         o = self.live(what)
         st = _lib.SchedStats()
-        check(lib.laden_stream_stats(o.h, ctypes.byref(st)))
+        check(lib.laden_sched_stats(o.h, ctypes.byref(st)))
         return st
 
     # -- binding parameters to laden memory --------------------------------
@@ -313,9 +166,9 @@ class _Stream:
             return
         if where == "run":
             ptr = ctypes.c_uint64()
-            check(lib.laden_stream_tensor_ptr(o.h, t.c_block, t.c_index,
+            check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
                                               ctypes.byref(ptr)))
-            streamed = lib.laden_stream_is_streamed(o.h, t.c_block)
+            streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
             value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
                           o, self.slot_views if streamed else None)
             block = self.blocks[t.block].name if t.block >= 0 else ""
@@ -324,120 +177,11 @@ class _Stream:
             self._set(t, value, block if streamed else None)
             return
         hp = ctypes.c_void_p()
-        check(lib.laden_stream_host_ptr(o.h, t.c_block, t.c_index,
+        check(lib.laden_sched_host_ptr(o.h, t.c_block, t.c_index,
                                         ctypes.byref(hp)))
         value = _view(hp.value, nbytes, t.dtype, t.shape,
                       torch.device("cpu"), o) if hp.value else _meta(t)
         self._set(t, value)
-
-
-def _meta(t: _Tensor):
-    import torch
-
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _swap(old, new) -> bool:
-    """Gives the tensor object `old` the contents of `new`, so that every
-    reference to `old` (held by the user, an optimizer, tied modules)
-    follows laden's memory as it moves, and nothing keeps pointing at
-    memory laden gave back.  False where torch refuses (weakrefs)."""
-    import torch
-
-    try:
-        torch.utils.swap_tensors(old, new)
-        return True
-    except (RuntimeError, TypeError, AttributeError):
-        return False
-
-
-def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
-                ) -> None:
-    """Points every alias of t at `value`.  The tensor object laden made
-    for t keeps its identity (its contents are swapped); `streamed_in`
-    names the block whose slot or workspace `value` is in: a gradient for
-    it would be wrong, so computing one raises."""
-    import torch
-
-    if t.is_param:
-        # The user may have frozen or unfrozen it since it was loaded.
-        rg = t.param.requires_grad if t.param is not None else \
-            t.requires_grad
-        new = torch.nn.Parameter(
-            value, requires_grad=rg and value.dtype.is_floating_point)
-        if streamed_in is not None and new.requires_grad:
-            new.register_hook(_refuse_grad(t.names[0], streamed_in))
-        if t.param is not None and t.param.__class__ is new.__class__ and \
-                _swap(t.param, new):
-            new = t.param
-        t.param = new
-        for mod, attr in t.aliases:
-            mod._parameters[attr] = new
-    else:
-        # A fresh alias to swap, not `value`: callers keep using theirs.
-        if t.param is not None and _swap(t.param, value.detach()):
-            value = t.param
-        t.param = value
-        for mod, attr in t.aliases:
-            mod._buffers[attr] = value
-
-
-class _Gone:
-    """A tensor saved for backward that lived in streamed memory."""
-
-    __slots__ = ("block",)
-
-    def __init__(self, block: str):
-        self.block = block
-
-
-def _training_error(what: str) -> StateError:
-    return StateError(
-        f"backward through {what}: laden streamed its weights through "
-        "device memory that later blocks have overwritten, so its gradient "
-        "would be wrong; training through streamed blocks is not supported "
-        "yet: run the forward under torch.no_grad() or "
-        "torch.inference_mode(), or keep the blocks that need gradients "
-        "resident (resident_prefixes)", "E_STATE")
-
-
-def _refuse_grad(name: str, block: str):
-    def hook(grad):
-        raise _training_error(f"parameter '{name}' of streamed block "
-                              f"'{block}'")
-    return hook
-
-
-def _saved_hooks(gone: Dict[int, str]):
-    """saved_tensors_hooks that let a streamed block's forward save what
-    backward needs, except tensors in streamed memory: those become a
-    marker whose unpacking raises."""
-    def pack(x):
-        try:
-            block = gone.get(x.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return x
-        return x if block is None else _Gone(block)
-
-    def unpack(x):
-        if isinstance(x, _Gone):
-            raise _training_error(f"streamed block '{x.block}'")
-        return x
-
-    return pack, unpack
-
-
-def _numel(t: _Tensor) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n
-
-
-def _fp8_dtype(name: Optional[str]):
-    import torch
-
-    return torch.float8_e5m2 if name == "F8_E5M2" else torch.float8_e4m3fn
 
 
 def _compact_views(state, t: _Tensor, where: str):
@@ -445,8 +189,8 @@ def _compact_views(state, t: _Tensor, where: str):
     None), where the block runs ('run') or in its RAM home ('home')."""
     import torch
 
-    fetch = lib.laden_stream_tensor_ptr if where == "run" else \
-        lib.laden_stream_host_ptr
+    fetch = lib.laden_sched_tensor_ptr if where == "run" else \
+        lib.laden_sched_host_ptr
     dev = state.device if where == "run" else torch.device("cpu")
     o = state.live("bind")
     track = state.slot_views if where == "run" else None
@@ -476,193 +220,13 @@ def _compact_views(state, t: _Tensor, where: str):
     return q, scale
 
 
-def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
-    """out = q x scale in out's dtype, rounded once (the product is formed
-    in float32): the dequantized form laden runs with."""
-    out.copy_(q)
-    if scale is None:
-        return
-    if kind == "row" or kind is None:
-        out.mul_(scale.reshape(-1, 1))
-    elif kind == "tensor":
-        out.mul_(scale.reshape(()))
-    else:
-        r, c = out.shape
-        full = scale.repeat_interleave(128, 0)[:r].repeat_interleave(
-            128, 1)[:, :c]
-        out.mul_(full)
-
-
-def _nbytes(t: _Tensor) -> int:
-    """Bytes as expanded for compute."""
-    import torch
-
-    return _numel(t) * torch.empty((), dtype=t.dtype).element_size()
-
-
-def _stored_bytes(t: _Tensor, ck=None) -> int:
-    """Bytes as laden keeps them (compact for fp8)."""
-    if t.store == "q8":
-        return (_numel(t) + 15) // 16 * 16 + 4 * t.shape[0]
-    if t.store == "ck8":
-        extra = ck.info(t.scale_name).nbytes if (ck and t.scale_name) else 0
-        return _numel(t) + extra
-    if t.store == "c16":
-        return 2 * _numel(t)
-    return _nbytes(t)
-
-
-_SCALE_SUFFIXES = ("_scale_inv", "_scale")
-FP8_MIN_ELEMENTS = 1 << 16  # smaller tensors (norms, biases) stay as they are
-
-
-# ---- finding blocks ----------------------------------------------------------
-
-def _module_at(model, path: str):
-    mod = model
-    for part in [p for p in path.split(".") if p]:
-        if not hasattr(mod, "_modules") or part not in mod._modules:
-            return None
-        mod = mod._modules[part]
-    return mod
-
-
-def _find_blocks(model, prefixes: Sequence[str]
-                 ) -> List[Tuple[str, object, str]]:
-    """Module paths for the given prefixes: a prefix naming a container
-    (ModuleList, Sequential, ModuleDict) stands for each of its children; a
-    prefix naming another module is one block.  Each entry is (block path,
-    module, the prefix it came from)."""
-    import torch.nn as nn
-
-    blocks: List[Tuple[str, object, str]] = []
-    for prefix in prefixes:
-        path = prefix.rstrip(".")
-        mod = _module_at(model, path)
-        if mod is None:
-            from .planning import find_blocks
-            raise InvalidArgumentError(
-                f"block '{prefix}' names no module of the model (its block "
-                f"containers: {', '.join(find_blocks(model)) or 'none'})",
-                "E_INVAL")
-        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            for name, child in mod.named_children():
-                blocks.append((f"{path}.{name}." if path else f"{name}.",
-                               child, prefix))
-        else:
-            blocks.append((path + "." if path else "", mod, prefix))
-    names = [b[0] for b in blocks]
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if a.startswith(b) or b.startswith(a):
-                raise InvalidArgumentError(
-                    f"blocks '{a}' and '{b}' overlap; give prefixes whose "
-                    "modules do not contain each other", "E_INVAL")
-    return blocks
-
-
-def _matches(name: str, prefixes: Optional[Iterable[str]]) -> bool:
-    return any(name.startswith(p if p.endswith(".") else p + ".")
-               or name == p.rstrip(".") for p in (prefixes or ()))
-
-
-def _collect(model) -> List[_Tensor]:
-    """Unique tensors of the model (parameters and persistent buffers),
-    aliases grouped."""
-    by_id: Dict[int, _Tensor] = {}
-    out: List[_Tensor] = []
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        prefix = mod_name + "." if mod_name else ""
-        for attr, p in mod._parameters.items():
-            if p is None:
-                continue
-            t = by_id.get(id(p))
-            if t is None:
-                t = _Tensor([], [], True, tuple(p.shape), p.dtype,
-                            p.requires_grad)
-                by_id[id(p)] = t
-                out.append(t)
-            if (mod, attr) not in t.aliases:
-                t.aliases.append((mod, attr))
-                t.names.append(prefix + attr)
-        for attr, b in mod._buffers.items():
-            if b is None:
-                continue
-            t = by_id.get(id(b))
-            if t is None:
-                t = _Tensor([], [], False, tuple(b.shape), b.dtype)
-                t.persistent = attr not in mod._non_persistent_buffers_set
-                by_id[id(b)] = t
-                out.append(t)
-            if (mod, attr) not in t.aliases:
-                t.aliases.append((mod, attr))
-                t.names.append(prefix + attr)
-    return out
-
-
-def _resolve_storage(x) -> Optional[str]:
-    if x is None:
-        return None
-    v = str(x).lower()
-    if v in ("bf16", "bfloat16", "torch.bfloat16"):
-        return "bf16"
-    if v in ("fp8", "f8", "float8", "float8_e4m3", "float8_e4m3fn"):
-        return "fp8"
-    raise InvalidArgumentError(
-        f"storage_dtype {x!r}: use None (as stored), 'bf16' or 'fp8'",
-        "E_INVAL")
-
-
-def _scale_kind(t: _Tensor, ck) -> Optional[str]:
-    """How an fp8 checkpoint tensor's scale applies: 'tensor', 'row',
-    'block' (128 x 128 tiles) or None (no scale tensor)."""
-    if not t.scale_name:
-        return None
-    shape = ck.info(t.scale_name).shape
-    n = 1
-    for d in shape:
-        n *= d
-    rows = t.shape[0] if t.shape else 1
-    cols = _numel(t) // rows if rows else 0
-    if n == 1:
-        return "tensor"
-    if len(t.shape) == 2 and n == rows and shape[0] == rows:
-        return "row"
-    if len(t.shape) == 2 and len(shape) == 2 and \
-            shape[0] == -(-rows // 128) and shape[1] == -(-cols // 128):
-        return "block"
-    raise MismatchError(
-        f"tensor '{t.names[0]}': its scale '{t.scale_name}' has shape "
-        f"{list(shape)}, which is neither one value, one per row, nor one "
-        f"per 128 x 128 tile of {list(t.shape)}", mismatched=[t.names[0]])
-
-
-def _resolve_dtype(x):
-    import torch
-
-    if x is None or isinstance(x, torch.dtype):
-        return x
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "f16": torch.float16,
-             "float16": torch.float16, "half": torch.float16,
-             "fp32": torch.float32, "f32": torch.float32,
-             "float32": torch.float32, "float": torch.float32}
-    if str(x).lower() not in names:
-        raise InvalidArgumentError(
-            f"compute_dtype {x!r}: use a torch dtype or 'bf16', 'fp16', "
-            "'fp32'", "E_INVAL")
-    return names[str(x).lower()]
-
-
 # ---- the public API ------------------------------------------------------------
 
 def stream_load(model, path: PathLike, *, plan=None,
                 offload_prefixes: Optional[Sequence[str]] = None,
                 resident_prefixes: Optional[Sequence[str]] = None,
                 disk_prefixes: Optional[Sequence[str]] = None,
-                compute_dtype=None,
-                key_map: Union[None, Mapping[str, str],
-                               Callable[[str], Optional[str]]] = None,
+                compute_dtype=None, key_map: KeyMap = None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
                 lookahead: int = 2, storage_dtype=None,
@@ -730,6 +294,7 @@ def stream_load(model, path: PathLike, *, plan=None,
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
+    check_lookahead(lookahead)
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.init()
@@ -737,28 +302,34 @@ def stream_load(model, path: PathLike, *, plan=None,
     cdt = _resolve_dtype(compute_dtype)
     if storage == "bf16" and cdt is None:
         cdt = torch.bfloat16  # cast down and run in bf16
-    vram_ctx = vram
-    vram = parse_size(vram_budget) if vram_budget is not None else None
-    if vram_ctx is not None:
-        if getattr(vram_ctx, "device", None) != dev:
-            raise InvalidArgumentError(
-                f"stream_load: vram is a context for "
-                f"{getattr(vram_ctx, 'device', type(vram_ctx).__name__)}, "
-                f"the model goes to {dev}", "E_INVAL")
-        if vram is None:
-            vi = vram_ctx.info()
-            if vi["budget_bytes"]:
-                vram = max(0, vi["budget_bytes"] - vi["pinned_bytes"] -
-                           vi["charged_bytes"])
-    ram = parse_size(ram_budget) if ram_budget is not None else None
+    if vram is not None and getattr(vram, "device", None) != dev:
+        raise InvalidArgumentError(
+            f"stream_load: vram is a context for "
+            f"{getattr(vram, 'device', type(vram).__name__)}, the model "
+            f"goes to {dev}", "E_INVAL")
+    budgets = planning.load_budgets(dev, vram_budget, ram_budget,
+                                    vram is not None and
+                                    bool(vram.info()["budget_bytes"]))
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
-        state = _prepare(model, ck, dev, cdt, key_map, skip_prefixes,
-                         offload_prefixes or (), resident_prefixes,
-                         disk_prefixes, vram, ram, lookahead, plan_tiers,
-                         storage)
-        _load(model, state, ck, vram_ctx, lookahead)
+        desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
+                        skip_prefixes=skip_prefixes, cdt=cdt,
+                        storage=storage)
+        # Blocks asked for the device take it in a VRAM context only if it
+        # has room at load (TIER_VRAM); the others are the planner's.
+        on_dev = _lib.TIER_VRAM if vram is not None else _lib.TIER_GPU
+        for b in desc.blocks:
+            if plan_tiers is not None:
+                b.tier = plan_tiers[b.source]
+            elif _matches(b.name, resident_prefixes):
+                b.tier = _lib.TIER_GPU
+            elif _matches(b.name, disk_prefixes):
+                b.tier = _lib.TIER_DISK
+            if b.tier == _lib.TIER_GPU:
+                b.tier = on_dev
+        state = _Stream(dev, ck.path)
+        _load(model, state, desc, ck, budgets, vram, lookahead)
     except BaseException:
         ck.close()
         raise
@@ -769,287 +340,56 @@ def stream_load(model, path: PathLike, *, plan=None,
     return report
 
 
-def _prepare(model, ck: Checkpoint, dev, cdt, key_map, skip_prefixes,
-             offload_prefixes, resident_prefixes, disk_prefixes, vram,
-             ram, lookahead=2, plan_tiers=None, storage=None) -> _Stream:
-    import torch
-
-    found = _find_blocks(model, list(offload_prefixes))  # arguments first
-    tensors = _collect(model)
-    owner: Dict[str, _Tensor] = {}
-    for t in tensors:
-        for n in t.names:
-            owner[n] = t
-    # Checkpoint names -> model names.
-    unexpected: List[str] = []
-    for cname in ck.names():
-        if skip_prefixes and any(cname.startswith(p) for p in skip_prefixes):
-            continue
-        mname = cname
-        if key_map is not None:
-            mname = key_map(cname) if callable(key_map) else key_map.get(
-                cname, cname)
-            if mname is None:
-                continue
-        t = owner.get(mname)
-        if t is None:
-            unexpected.append(cname)
-        elif t.ckpt_name is None:
-            t.ckpt_name = cname
-    # Scale tensors of fp8 checkpoint tensors are companions, not strays.
-    fp8_names = {"F8_E4M3", "F8_E5M2"}
-    by_ckpt = {t.ckpt_name: t for t in tensors if t.ckpt_name}
-    still = []
-    for cname in unexpected:
-        base = next((cname[:-len(sfx)] for sfx in _SCALE_SUFFIXES
-                     if cname.endswith(sfx)), None)
-        t = by_ckpt.get(base) if base else None
-        if t is not None and ck.info(base).dtype in fp8_names:
-            t.scale_name = cname
-        else:
-            still.append(cname)
-    unexpected = still
-    missing = []
-    unbuilt = []
-    kept = []
-    for t in tensors:
-        if t.ckpt_name is not None:
-            continue
-        cur = getattr(t.aliases[0][0], t.aliases[0][1])
-        if cur.device.type != "meta":
-            kept.append(t)
-        elif t.persistent:
-            missing.append(t.names[0])
-        else:
-            unbuilt.append(t.names[0])
-    if unbuilt and not (missing or unexpected):
-        raise MismatchError(
-            f"non-persistent buffers are on meta and no checkpoint holds "
-            f"them: {', '.join(unbuilt[:20])}; build them on the CPU (create "
-            "them outside the meta device context)", missing=unbuilt)
-    if missing or unexpected:
-        msg = [f"{ck.path} does not match the model:"]
-        if missing:
-            msg.append(f"missing from the checkpoint ({len(missing)}): "
-                       + ", ".join(missing[:20])
-                       + (" ..." if len(missing) > 20 else ""))
-        if unexpected:
-            msg.append(f"unexpected in the checkpoint ({len(unexpected)}): "
-                       + ", ".join(unexpected[:20])
-                       + (" ..." if len(unexpected) > 20 else ""))
-        msg.append("(key_map renames checkpoint names, skip_prefixes drops "
-                   "them)")
-        raise MismatchError(" ".join(msg), missing, unexpected)
-    # Shapes and dtypes.
-    for t in tensors:
-        if t.ckpt_name is None:
-            continue
-        info = ck.info(t.ckpt_name)
-        if info.shape != t.shape:
-            raise MismatchError(
-                f"tensor '{t.names[0]}': the checkpoint's '{t.ckpt_name}' has "
-                f"shape {list(info.shape)}, the model {list(t.shape)}",
-                mismatched=[t.names[0]])
-        want = t.dtype
-        if cdt is not None and want.is_floating_point and \
-                info.torch_dtype is not None and \
-                info.torch_dtype.is_floating_point:
-            want = cdt
-        if info.dtype in fp8_names and want.is_floating_point and \
-                want.itemsize > 1:
-            t.store, t.store_dtype = "ck8", info.dtype
-        elif info.torch_dtype != want:
-            ok = {info.dtype, checkpoint_dtype(want)} <= {"F32", "F16",
-                                                          "BF16"}
-            if not ok:
-                raise MismatchError(
-                    f"tensor '{t.names[0]}': the checkpoint's "
-                    f"'{t.ckpt_name}' is {info.dtype}, the model wants "
-                    f"{want}; laden converts only between F32, F16 and BF16",
-                    mismatched=[t.names[0]])
-        t.dtype = want
-    state = _Stream(dev, ck.path)
-    state.kept = [t.names[0] for t in kept]
-    state.kept_tensors = kept
-    state.tensors = [t for t in tensors if t.ckpt_name is not None]
-    # Blocks and their tensors: a tensor belongs to a block when every alias
-    # is inside it; tied tensors that span blocks stay resident.
-    for name, mod, source in found:
-        tier = _lib.TIER_RAM
-        if plan_tiers is not None:
-            tier = int(plan_tiers[source])
-        elif _matches(name, resident_prefixes):
-            tier = _lib.TIER_GPU
-        elif _matches(name, disk_prefixes):
-            tier = _lib.TIER_DISK
-        state.blocks.append(BlockInfo(name, mod, tier))
-    for t in state.tensors:
-        homes = set()
-        for n in t.names:
-            bi = next((i for i, b in enumerate(state.blocks)
-                       if n.startswith(b.name)), -1)
-            homes.add(bi)
-        t.block = homes.pop() if len(homes) == 1 else -1
-        if t.store == "ck8":
-            t.scale_kind = _scale_kind(t, ck)
-            if t.block < 0:  # no hook runs outside blocks: decode on load
-                if t.scale_name:
-                    raise MismatchError(
-                        f"tensor '{t.names[0]}': fp8 with a scale tensor "
-                        "outside the streamed blocks is not supported; "
-                        "offload the module that holds it",
-                        mismatched=[t.names[0]])
-                t.store = "plain"
-        elif storage == "fp8" and t.block >= 0 and t.is_param and \
-                t.dtype.is_floating_point and len(t.shape) == 2 and \
-                _numel(t) >= FP8_MIN_ELEMENTS:
-            t.store = "q8"
-        elif storage == "bf16" and t.block >= 0 and \
-                t.dtype.is_floating_point and t.dtype != torch.bfloat16:
-            t.store = "c16"  # compact in bf16, expanded when it runs
-        nb = _stored_bytes(t, ck)
-        if t.block >= 0:
-            state.blocks[t.block].tensors.append(t)
-            state.blocks[t.block].nbytes += nb
-        else:
-            state.rest_bytes += nb
-    if plan_tiers is None:
-        _assign_tiers(state, vram, ram, lookahead + 1)
-    for b in state.blocks:
-        if b.tier == _lib.TIER_DISK:
-            for t in b.tensors:
-                if t.store == "ck8":
-                    continue  # read as stored, expanded on the device
-                if t.store in ("q8", "c16") or \
-                        ck.info(t.ckpt_name).torch_dtype != t.dtype:
-                    as_ = {"q8": "fp8", "c16": "bf16"}.get(t.store, t.dtype)
-                    raise MismatchError(
-                        f"tensor '{t.names[0]}' would be converted to "
-                        f"{as_}, but its block {b.name} is on the disk "
-                        "tier, which is read as stored; give it RAM "
-                        "(ram_budget) or keep the checkpoint's dtype",
-                        mismatched=[t.names[0]])
-    return state
-
-
-def _assign_tiers(state: _Stream, vram: Optional[int], ram: Optional[int],
-                  nslots: int = 3) -> None:
-    """Tiers for the prefix-and-budget form of stream_load, decided by the
-    C planner: blocks named by resident/disk prefixes keep their tier;
-    with a VRAM budget the others are kept resident while the rest, the
-    resident blocks and the slots fit it; streamed blocks go to RAM while
-    ``ram`` (bytes of RAM tier, staging not counted) allows, else disk."""
-    n = len(state.blocks)
-    if n == 0:
-        return
-    big = 1 << 62
-    use_vram = vram is not None and state.device.type == "cuda"
-    inp = _lib.PlanInput()
-    sizes = (ctypes.c_uint64 * n)(*[b.nbytes for b in state.blocks])
-    asked = (ctypes.c_int32 * n)(*[
-        b.tier if b.tier in (_lib.TIER_GPU, _lib.TIER_DISK) else -1
-        for b in state.blocks])
-    inp.nblocks = n
-    inp.block_bytes = sizes
-    inp.asked = asked
-    inp.rest_bytes = state.rest_bytes
-    inp.vram_free_bytes = vram if use_vram else big
-    inp.ram_total_bytes = big
-    inp.ram_free_bytes = big
-    inp.ram_budget_bytes = big if ram is None else max(1, ram)
-    inp.min_free_ram_bytes = 0
-    inp.resident_blocks = -1 if use_vram else 0
-    inp.lookahead = max(1, nslots - 1)
-    inp.disk_staging = 0
-    tiers = (ctypes.c_int32 * n)()
-    why = (ctypes.c_int32 * n)()
-    res = _lib.PlanResult()
-    st = lib.laden_plan_compute(ctypes.byref(inp), tiers, why,
-                                ctypes.byref(res))
-    if st:
-        err = error_for(st)
-        raise type(err)(f"vram_budget {fmt_bytes(vram or 0)}: {err}",
-                        err.status, err.code)
-    for b, t in zip(state.blocks, tiers):
-        b.tier = int(t)
-
-
-def _load(model, state: _Stream, ck: Checkpoint, vram=None,
-          lookahead: int = 2) -> None:
-    state.create(ck._h, lookahead, vram)
+def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
+          lookahead: int) -> None:
+    """Describes the model to a new C schedule, which sizes and plans its
+    blocks (laden_sched_plan) and loads them; then binds the model."""
+    state.create(ck._h if ck is not None else None, lookahead, vram)
     o = state.owner
     try:
         if vram is not None:
-            check(lib.laden_stream_use_vram(o.h, vram._h))
-        groups = [(-1, _lib.TIER_GPU, [t for t in state.tensors
-                                       if t.block < 0])]
-        # In a VRAM context the blocks chosen for the device get it if the
-        # context has room at load, else they stream.
-        groups += [(i, _lib.TIER_VRAM if vram is not None and
-                    b.tier == _lib.TIER_GPU else b.tier, b.tensors)
-                   for i, b in enumerate(state.blocks)]
-        cb = ctypes.c_uint32()
-        ci = ctypes.c_uint32()
-        for i, tier, ts in groups:
-            check(lib.laden_stream_add_block(o.h, tier, ctypes.byref(cb)))
-            if i >= 0:
-                state.blocks[i].c_block = cb.value
-            for t in ts:
-                idx = ck._index[t.ckpt_name]
-                code = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
-                if t.store == "q8":
-                    code = _DTYPE_CODE["F8_E4M3"]
-                elif t.store == "c16":
-                    code = _DTYPE_CODE["BF16"]
-                elif t.store == "ck8":
-                    code = _DTYPE_CODE[t.store_dtype]
-                check(lib.laden_stream_add_tensor(
-                    o.h, cb.value, ck._h, idx, code, ctypes.byref(ci)))
-                t.c_block, t.c_index = cb.value, ci.value
-                if t.store == "ck8" and t.scale_name:
-                    sinfo = ck.info(t.scale_name)
-                    check(lib.laden_stream_add_tensor(
-                        o.h, cb.value, ck._h, ck._index[t.scale_name],
-                        _DTYPE_CODE[sinfo.dtype], ctypes.byref(ci)))
-                    t.scale_index = ci.value
-        check(lib.laden_stream_load(o.h))
+            check(lib.laden_sched_use_vram(o.h, vram._h))
+        fill(o.h, desc, ck, _lib.TIER_GPU)
+        planning.plan_schedule(o.h, budgets, {b.c_block: b.name
+                                              for b in desc.blocks})
+        state.blocks = desc.blocks
+        state.tensors = desc.tensors
+        state.kept = desc.kept
+        state.rest_bytes = lib.laden_sched_block_bytes(o.h, 0)
+        for b in state.blocks:
+            b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)
+            b.tier = lib.laden_sched_block_tier(o.h, b.c_block)
+        check(lib.laden_sched_load(o.h))
     except BaseException:
         state.destroy()
         raise
+    finally:
+        for t in desc.tensors:
+            t.source = None  # copied (or failed): the host copy goes
     for b in state.blocks:
-        got = lib.laden_stream_block_tier(o.h, b.c_block)
+        got = lib.laden_sched_block_tier(o.h, b.c_block)
         if got != b.tier:
-            log.info("block %s (%s): the VRAM context has no room, it "
-                     "streams from RAM", b.name, fmt_bytes(b.nbytes))
-            b.offloaded = True
+            if b.tier == _lib.TIER_VRAM and got == _lib.TIER_RAM:
+                log.info("block %s (%s): the VRAM context has no room, it "
+                         "streams from RAM", b.name, fmt_bytes(b.nbytes))
+                b.offloaded = True
             b.tier = got
     state.ckpt = ck
     # Point the model at laden's memory: resident tensors where they run,
     # streamed ones at their home until install_offload.
     for t in state.tensors:
-        streamed = lib.laden_stream_is_streamed(o.h, t.c_block)
+        streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
         state.bind(t, "home" if streamed else "run")
-    # Tensors the model was built with and the checkpoint lacks go to the
-    # device as they are (they are not laden's).
-    for t in state.kept_tensors:
-        mod, attr = t.aliases[0]
-        cur = getattr(mod, attr)
-        if cur.device != state.device:
-            if t.is_param:
-                cur.data = cur.data.to(state.device)
-            else:
-                moved = cur.to(state.device)
-                for m2, a2 in t.aliases:
-                    m2._buffers[a2] = moved
-    _attach(model, state)
-    model._laden_stream = state
+    if model is not None:
+        _attach(model, state)
+        model._laden_stream = state
 
 
 # ---- hooks on the model ------------------------------------------------------
 
 def _attach(model, state: _Stream) -> None:
     """Hooks on the loaded model.  A forward of the model holds the schedule
-    from its first block to its last (laden_stream_begin/end), so that a
+    from its first block to its last (laden_sched_begin/end), so that a
     second thread's forward, or release() from another thread, is refused
     at once instead of interleaving with it.  Disk-tier blocks refuse to run
     outside install_offload: they have no copy in memory."""
@@ -1076,7 +416,7 @@ def _wrap_root(model, state: _Stream) -> None:
         o = None
         if not depth:
             o = state.live("forward")
-            s = lib.laden_stream_begin(o.h)
+            s = lib.laden_sched_begin(o.h)
             if s:
                 err = error_for(s)
                 raise type(err)(f"{state.name}: {err}", err.status, err.code)
@@ -1086,7 +426,7 @@ def _wrap_root(model, state: _Stream) -> None:
         finally:
             tl.n = depth
             if o is not None:
-                lib.laden_stream_end(o.h)
+                lib.laden_sched_end(o.h)
 
     state.root = (model, model.__dict__.get("forward"), had)
     model.forward = forward
@@ -1170,7 +510,7 @@ class OffloadHandle:
             # thread calling a block meanwhile is refused, not run on
             # half-moved weights.
             for b in st.blocks:
-                streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
+                streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
                 for t in b.tensors:
                     if streamed or t.store != "plain":
                         st.bind(t, "home")
@@ -1204,7 +544,7 @@ def _free_device_memory(ptr: int, device: int) -> None:
 
 
 class _pass:
-    """Holds the schedule for this thread (laden_stream_begin/end) around
+    """Holds the schedule for this thread (laden_sched_begin/end) around
     work that rebinds a model, so that no other thread runs it meanwhile;
     StateError at once if another thread holds it."""
 
@@ -1212,7 +552,7 @@ class _pass:
         self.state, self.owner, self.what = state, owner, what
 
     def __enter__(self):
-        s = lib.laden_stream_begin(self.owner.h)
+        s = lib.laden_sched_begin(self.owner.h)
         if s:
             err = error_for(s)
             raise type(err)(f"{self.what}: {self.state.name}: {err}",
@@ -1220,7 +560,7 @@ class _pass:
         return self
 
     def __exit__(self, *exc):
-        lib.laden_stream_end(self.owner.h)
+        lib.laden_sched_end(self.owner.h)
 
 
 def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
@@ -1236,52 +576,8 @@ def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
                     "are gone (freed by a later remove() or release())",
                     len(state.slot_views), state.name)
         return False
-    check(lib.laden_stream_stop(o.h))
+    check(lib.laden_sched_stop(o.h))
     return True
-
-
-def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
-                  expansions=(), guard=None, gone=None):
-    """Wraps mod.forward with one C call before (enter) and one after
-    (exit); records (module, previous forward, had own) in `wrapped` so it
-    can be undone.  `guard()`, if given, runs first (it may raise).  With
-    `gone` (storage address -> block, for memory that later blocks
-    overwrite), what the forward saves for backward from that memory
-    raises when backward unpacks it, instead of giving a wrong gradient."""
-    import torch
-
-    enter, leave = lib.laden_stream_enter, lib.laden_stream_exit
-    had = "forward" in mod.__dict__
-    orig = mod.forward
-    grad_on = torch.is_grad_enabled
-    hooks = _saved_hooks(gone) if gone is not None else None
-    saved = torch.autograd.graph.saved_tensors_hooks
-
-    def forward(*args, **kwargs):
-        if guard is not None:
-            guard()
-        stream = _compute_stream(device)  # once: enter and exit share it
-        s = enter(owner.h, c_block, stream)
-        if s:
-            raise error_for(s)
-        try:
-            for buf, q, sc, kind in expansions:
-                expand_fp8(buf, q, sc, kind)
-            if hooks is not None and grad_on():
-                with saved(*hooks):
-                    out = orig(*args, **kwargs)
-            else:
-                out = orig(*args, **kwargs)
-        except BaseException:
-            leave(owner.h, c_block, stream)
-            raise
-        s = leave(owner.h, c_block, stream)
-        if s:
-            raise error_for(s)
-        return out
-
-    wrapped.append((mod, mod.__dict__.get("forward"), had))
-    mod.forward = forward
 
 
 def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
@@ -1306,9 +602,7 @@ def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
     if state.handle is not None:
         raise StateError("install_offload: already installed; remove() the "
                          "handle first", "E_STATE")
-    if not 1 <= lookahead <= 63:
-        raise InvalidArgumentError(
-            f"lookahead {lookahead}: give 1 to 63", "E_INVAL")
+    check_lookahead(lookahead)
     return _start(state, lookahead)
 
 
@@ -1319,7 +613,7 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
         if kept is not None and _free_slots(state, o, quiet=True):
             kept = None
         if kept is None:
-            check(lib.laden_stream_start(o.h, lookahead))
+            check(lib.laden_sched_start(o.h, lookahead))
         elif kept != lookahead:
             # Slots kept by remove() for tensors still alive are reused
             # as they are laid out.
@@ -1360,7 +654,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
         handle.workspace = _Owned(p.value, _free_device_memory, dev)
     for b in state.blocks:
-        streamed = lib.laden_stream_is_streamed(o.h, b.c_block)
+        streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
         compact = any(t.store != "plain" for t in b.tensors)
         expansions: list = []
         if streamed or compact:
@@ -1386,12 +680,14 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
                    lookahead: int = 2) -> OffloadHandle:
     """The low-level form: streams the given modules, built with real
-    weights on the CPU, from pinned RAM through ``device``.  Their tensors
-    are copied once into laden's pinned RAM tier (converted to
-    ``compute_dtype`` if given); the originals are released from the
-    modules.  The rest of the model is the caller's to place."""
+    weights, from pinned RAM through ``device``.  Their tensors are copied
+    once into laden's pinned RAM tier (converted to ``compute_dtype`` if
+    given); the originals are released from the modules.  A tensor shared
+    by two blocks stays on the device.  The rest of the model is the
+    caller's to place."""
     import torch
 
+    check_lookahead(lookahead)
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.init()
@@ -1400,55 +696,18 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
     if not blocks:
         raise InvalidArgumentError("offload_blocks: no blocks given",
                                    "E_INVAL")
+    desc = describe(torch.nn.ModuleList(blocks), None, [""],
+                    label="offload_blocks")
+    for b in desc.blocks:
+        b.tier = _lib.TIER_RAM
+        b.name = f"block {b.name.rstrip('.')} ({type(b.module).__name__})"
+    for t in desc.tensors:
+        if cdt is not None and t.dtype.is_floating_point:
+            t.dtype = cdt
     state = _Stream(dev, None)
     state.name = f"the {len(blocks)} offloaded blocks"
-    keep = []  # host tensors must live until load copied them
-    state.create(None, lookahead)
-    o = state.owner
-    cb, ci = ctypes.c_uint32(), ctypes.c_uint32()
-    for i, mod in enumerate(blocks):
-        info = BlockInfo(f"block {i} ({type(mod).__name__})", mod,
-                         _lib.TIER_RAM)
-        check(lib.laden_stream_add_block(o.h, _lib.TIER_RAM,
-                                         ctypes.byref(cb)))
-        info.c_block = cb.value
-        for t in _collect(mod):
-            cur = getattr(t.aliases[0][0], t.aliases[0][1])
-            if cur.device.type != "cpu":
-                state.destroy()
-                raise InvalidArgumentError(
-                    f"offload_blocks: {t.names[0]} of block {i} is on "
-                    f"{cur.device}; build the blocks on the CPU", "E_INVAL")
-            src = cur.detach().contiguous()
-            keep.append(src)
-            if cdt is not None and t.dtype.is_floating_point:
-                t.dtype = cdt
-            try:
-                sdt = _DTYPE_CODE[checkpoint_dtype(src.dtype)]
-                ddt = _DTYPE_CODE[checkpoint_dtype(t.dtype)]
-            except ValueError as e:
-                state.destroy()
-                raise InvalidArgumentError(f"offload_blocks: {e}", "E_INVAL")
-            st = lib.laden_stream_add_host_tensor(
-                o.h, cb.value, ctypes.c_void_p(src.data_ptr()), sdt,
-                src.numel(), ddt, ctypes.byref(ci))
-            if st:
-                err = error_for(st)
-                state.destroy()
-                raise err
-            t.c_block, t.c_index = cb.value, ci.value
-            info.tensors.append(t)
-            info.nbytes += _nbytes(t)
-            state.tensors.append(t)
-        state.blocks.append(info)
-    try:
-        check(lib.laden_stream_load(o.h))
-    except BaseException:
-        state.destroy()
-        raise
-    del keep
-    for t in state.tensors:
-        state.bind(t, "home")
+    budgets = planning.load_budgets(dev, None, None, False)
+    _load(None, state, desc, None, budgets, None, lookahead)
     return _start(state, lookahead)
 
 
@@ -1470,7 +729,7 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
     o = state.live("release")
-    s = lib.laden_stream_close(o.h)
+    s = lib.laden_sched_close(o.h)
     if s:
         err = error_for(s)
         raise StateError(f"release: {state.name}: {err}", err.status,
@@ -1506,3 +765,47 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
                     state.name)
     if state.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# ---- stage: plan, load, run, release -------------------------------------------
+
+_remembered: Dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def stage(build_fn, path, *, key: Optional[str] = None, **plan_kwargs):
+    """Builds a model with ``build_fn()``, plans it, loads it, installs
+    offloading, yields ``(model, plan)``, and releases everything when the
+    block ends, also when it raises.  The peak activation memory of the
+    block is remembered under ``key`` (default: the checkpoint path) and
+    used as ``activation_vram`` the next time that key is planned in this
+    process."""
+    import torch
+
+    key = key or os.path.realpath(os.fspath(path))
+    if "activation_vram" not in plan_kwargs and key in _remembered:
+        plan_kwargs["activation_vram"] = _remembered[key]
+    model = build_fn()
+    p = planning.plan(model, path, **plan_kwargs)
+    handle = None
+    stream_load(model, path, plan=p, key_map=plan_kwargs.get("key_map"),
+                skip_prefixes=plan_kwargs.get("skip_prefixes"))
+    try:
+        handle = install_offload(model, lookahead=p.lookahead)
+        dev = torch.device(p.device)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        yield model, p
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            _remembered[key] = max(
+                0, torch.cuda.max_memory_allocated(dev) - base)
+    finally:
+        release(model, handle)
+
+
+def remembered_activation_vram(key: str) -> Optional[int]:
+    """What ``stage`` measured for ``key`` in this process, if anything."""
+    return _remembered.get(key)

@@ -38,7 +38,7 @@ from . import _lib
 from ._lib import check, lib
 from ._units import parse_size
 from .errors import DeviceError, InvalidArgumentError, StateError
-from .streaming import _compute_stream, _dev_index, _device, _view
+from ._model import _compute_stream, _dev_index, _device, _view
 
 _DEFAULT: Dict[object, "VRAM"] = {}
 

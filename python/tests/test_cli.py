@@ -150,7 +150,6 @@ BAD = [
     (["plan", "{ck}", "--device", "cpu", "--headroom", "1GB"], "--headroom"),
     (["plan", "{ck}", "--device", "cpu", "--resident-blocks", "2"],
      "--resident-blocks 2"),
-    (["plan", "{ck}", "--device", "cpu", "--ram", "1kB"], "cannot hold"),
     (["plan", "{ck}", "--json", "{dir}"], "--json {dir}"),
     (["plan", "{ck}", "--json", "{fifo}"], "--json {fifo}"),
     (["plan", "{ck}", "--json", "{nodir}"], "--json {nodir}"),
@@ -252,6 +251,18 @@ def test_plan_on_the_cpu_when_asked(paths):
     assert r.stdout.splitlines()[0] == \
         "device: cpu (asked for with --device)"
     _plan_says_cpu(r.stdout)
+
+
+def test_plan_on_the_cpu_with_a_tiny_ram_budget_streams_from_disk(paths):
+    """--ram bounds the RAM tier, on the CPU as on CUDA: with 1 kB no block
+    fits, so every block is read from disk (the rest and the slots are
+    host memory outside that budget)."""
+    r = run_quick("plan", paths["ck"], "--device", "cpu", "--ram", "1kB")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if "blocks." in line]
+    assert rows and all("disk: no RAM left" in line for line in rows), \
+        r.stdout
+    assert "the RAM budget given" in r.stdout
 
 
 def test_no_command_is_one_line():

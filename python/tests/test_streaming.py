@@ -295,37 +295,67 @@ def test_release_returns_memory_over_50_cycles(tmp_path):
     assert grown < 8 << 20, f"RSS grew by {grown / 1e6:.1f} MB"
 
 
-def test_prefix_budgets_are_decided_by_the_c_planner():
-    """The prefix form's tiers come from laden_plan_compute (no GPU needed
-    to check the decision: only the device type is read)."""
-    from laden import _lib
-    from laden.errors import BudgetError
-    from laden.streaming import BlockInfo, _assign_tiers, _Stream
+def test_plan_then_load_never_refuses(tmp_path):
+    """Every plan the planner makes is one the engine follows: over random
+    models, checkpoint dtypes, compute and storage dtypes and budgets,
+    laden.plan either refuses (BudgetError) or stream_load(plan=p) loads
+    with exactly its tiers and sizes, and the prefix form with the same
+    budget decides the same (one C path sizes and plans both)."""
+    import random
 
-    def state(sizes, device="cuda"):
-        st = _Stream(torch.device(device, 0) if device == "cuda"
-                     else torch.device("cpu"), None)
-        st.rest_bytes = 100
-        st.blocks = [BlockInfo(f"b.{i}.", None, _lib.TIER_RAM, n)
-                     for i, n in enumerate(sizes)]
-        return st
-
-    s = state([10] * 8)
-    _assign_tiers(s, vram=100 + 30 + 40, ram=None, nslots=3)
-    tiers = [b.tier for b in s.blocks]
-    # 4 resident (40 bytes) + 3 slots of 10; the 4 streamed are spread
-    assert tiers.count(_lib.TIER_GPU) == 4
-    assert tiers != sorted(tiers)
-    s = state([10] * 8)
-    _assign_tiers(s, vram=None, ram=35, nslots=3)
-    assert [b.tier for b in s.blocks].count(_lib.TIER_RAM) == 3
-    assert [b.tier for b in s.blocks].count(_lib.TIER_DISK) == 5
-    s = state([10] * 8)
-    s.blocks[2].tier = _lib.TIER_DISK  # asked by disk_prefixes
-    _assign_tiers(s, vram=None, ram=0, nslots=3)
-    assert all(b.tier == _lib.TIER_DISK for b in s.blocks)
-    with pytest.raises(BudgetError, match="vram_budget"):
-        _assign_tiers(state([10] * 8), vram=110, ram=None, nslots=3)
+    rng = random.Random(12)
+    ran = {"planned": 0, "refused": 0, "disk": 0, "converted": 0}
+    for k in range(40):
+        kw = dict(d=rng.choice([16, 32]), nested=(rng.randint(1, 2), 1),
+                  hidden=tuple(rng.choice([32, 64, 96, 160])
+                               for _ in range(rng.randint(2, 5))))
+        ref = reference(k, **kw)
+        sd = ref.state_dict()
+        ck_dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        path = str(tmp_path / f"m{k}.safetensors")
+        laden.save_file({n: t.to(ck_dtype) for n, t in sd.items()}, path)
+        opts = dict(compute_dtype=rng.choice([None, "fp32", "bf16"]),
+                    storage_dtype=rng.choice([None, None, "bf16"]))
+        total = sum(t.numel() for t in sd.values()) * 4
+        ram = rng.choice([0, total // 8, total // 3, total])
+        res = rng.choice([None, 0, 1])
+        try:
+            p = laden.plan(on_meta(**kw), path, device="cpu", ram_budget=ram,
+                           resident_blocks=res, offload_prefixes=PREFIXES,
+                           **opts)
+        except laden.BudgetError as e:
+            ran["refused"] += 1
+            assert "converted on load" in str(e) or "cannot hold" in str(e) \
+                or "resident blocks" in str(e), e
+            continue
+        ran["planned"] += 1
+        ran["disk"] += sum(b.tier == laden.Tier.DISK for b in p.blocks)
+        converted = opts["storage_dtype"] or (
+            opts["compute_dtype"] not in (None, {torch.float32: "fp32",
+                                                 torch.bfloat16: "bf16"}
+                                          .get(ck_dtype)))
+        ran["converted"] += bool(converted)
+        m = on_meta(**kw)
+        rep = laden.stream_load(m, path, plan=p)
+        assert [(n, t) for n, _, t in rep.blocks] == [
+            (b.name, laden.streaming.TIER_NAMES[int(b.tier)])
+            for b in p.blocks]
+        assert [n for _, n, _ in rep.blocks] == [b.bytes for b in p.blocks]
+        assert rep.rest_bytes == p.rest_bytes
+        h = laden.install_offload(m)
+        with torch.no_grad():
+            got = m(ids())
+        assert got.shape == (2, 11, 97) and torch.isfinite(got).all()
+        laden.release(m, h)
+        if res is None:  # the prefix form, same budget: the same decision
+            m = on_meta(**kw)
+            rep2 = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                                     device="cpu", ram_budget=ram, **opts)
+            assert [(n, s, t) for n, s, t in rep2.blocks] == \
+                [(n, s, t) for n, s, t in rep.blocks]
+            laden.release(m)
+    print(ran)
+    assert ran["planned"] >= 12 and ran["disk"] and ran["converted"]
 
 
 def test_tensors_built_but_not_in_the_checkpoint_are_kept(ckpt):

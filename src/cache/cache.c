@@ -83,11 +83,11 @@ laden_status laden_cache_remove(laden_cache_t *c, uint32_t id)
         return s;
     if (m->in_use || m->vram || m->pinned)
         return laden__fail(LADEN_E_STATE,
-                           "model '%.200s' cannot be removed: %s%llu bytes on "
-                           "the device, %llu pinned",
+                           "model '%.200s' cannot be removed: %s%s on "
+                           "the device, %s pinned",
                            m->key, m->in_use ? "in use, " : "",
-                           (unsigned long long)m->vram,
-                           (unsigned long long)m->pinned);
+                           laden__bytes(m->vram).s,
+                           laden__bytes(m->pinned).s);
     free(m->key);
     m->key = NULL;
     return LADEN_OK;
@@ -150,11 +150,11 @@ static laden_status plan_free(laden_cache_t *c, bool vram, uint32_t except,
     if (all && idle < need) {
         free(cs);
         return laden__fail(LADEN_E_BUDGET,
-                           "%llu more bytes of %s are needed, but the idle "
-                           "models hold only %llu",
-                           (unsigned long long)need,
+                           "%s more of %s are needed, but the idle "
+                           "models hold only %s",
+                           laden__bytes(need).s,
                            vram ? "device memory" : "pinned memory",
-                           (unsigned long long)idle);
+                           laden__bytes(idle).s);
     }
     qsort(cs, k, sizeof *cs, laden__cmp_cand);
     uint32_t n = 0;
@@ -192,11 +192,11 @@ static laden_status room(laden_cache_t *c, bool vram, uint32_t id,
         return LADEN_OK;
     if (want > budget)
         return laden__fail(LADEN_E_BUDGET,
-                           "%s: model '%.200s' needs %llu bytes of %s, more "
-                           "than the whole budget of %llu",
-                           call, m->key, (unsigned long long)want,
+                           "%s: model '%.200s' needs %s of %s, more "
+                           "than the whole budget of %s",
+                           call, m->key, laden__bytes(want).s,
                            vram ? "device memory" : "pinned memory",
-                           (unsigned long long)budget);
+                           laden__bytes(budget).s);
     uint64_t after = total - held + want;
     laden_status s = plan_free(c, vram, id, after > budget ? after - budget : 0,
                                true, ev, cap, out_n, &freed);
@@ -300,12 +300,11 @@ static laden_status set_held(laden_cache_t *c, uint32_t id, uint64_t bytes,
     uint64_t after = *total - *held + bytes;
     if (budget && after > budget && bytes > *held)
         return laden__fail(LADEN_E_BUDGET,
-                           "model '%.200s' cannot hold %llu bytes of %s: "
-                           "%llu of the %llu budget would be used",
-                           m->key, (unsigned long long)bytes,
+                           "model '%.200s' cannot hold %s of %s: "
+                           "%s of the %s budget would be used",
+                           m->key, laden__bytes(bytes).s,
                            vram ? "device memory" : "pinned memory",
-                           (unsigned long long)after,
-                           (unsigned long long)budget);
+                           laden__bytes(after).s, laden__bytes(budget).s);
     *total = after;
     *held = bytes;
     return LADEN_OK;

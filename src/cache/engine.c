@@ -45,17 +45,17 @@ static void pool_free(pool *p, int32_t dev)
 static laden_status pool_take(pool *p, laden_sched_t *sc, uint32_t i)
 {
     if (!p)
-        return laden_stream_set_resident(sc, i, 0);
+        return laden_sched_set_resident(sc, i, 0);
     if (p->n == p->cap) {
         uint32_t cap = p->cap ? 2 * p->cap : 16;
         region *r = realloc(p->r, cap * sizeof *r);
         if (!r)
-            return laden_stream_set_resident(sc, i, 0);
+            return laden_sched_set_resident(sc, i, 0);
         p->r = r;
         p->cap = cap;
     }
     region *r = &p->r[p->n];
-    laden_status s = laden_stream_take_resident(sc, i, &r->ptr, &r->bytes);
+    laden_status s = laden_sched_take_resident(sc, i, &r->ptr, &r->bytes);
     if (!s && r->ptr)
         p->n++;
     return s;
@@ -78,7 +78,7 @@ static void account(laden_cache_t *c, uint32_t id)
 {
     model *m = &c->m[id];
     laden_sched_stats_t st;
-    if (!m->sched || laden_stream_stats(m->sched, &st))
+    if (!m->sched || laden_sched_stats(m->sched, &st))
         return;
     c->vram = c->vram - m->vram + st.device_bytes;
     m->vram = st.device_bytes;
@@ -99,13 +99,13 @@ static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
     *freed = 0;
     if (!sc)
         return LADEN_OK;
-    uint32_t nb = laden_stream_block_count(sc);
+    uint32_t nb = laden_sched_block_count(sc);
     if (drop) {
-        if ((s = laden_stream_stop(sc)))
+        if ((s = laden_sched_stop(sc)))
             goto out;
         account(c, id);
         for (uint32_t i = nb; i-- > 0 && before - m->vram < drop;) {
-            if (!laden_stream_is_resident(sc, i))
+            if (!laden_sched_is_resident(sc, i))
                 continue;
             if ((s = pool_take(pl, sc, i)))
                 goto out;
@@ -113,11 +113,11 @@ static laden_status shrink(laden_cache_t *c, uint32_t id, uint64_t drop,
         }
     }
     for (uint32_t i = nb; i-- > 0 && unpinned < unpin;) {
-        if (!laden_stream_is_pinned(sc, i))
+        if (!laden_sched_is_pinned(sc, i))
             continue;
-        if ((s = laden_stream_pin(sc, i, 0)))
+        if ((s = laden_sched_pin(sc, i, 0)))
             goto out;
-        uint64_t b = laden_stream_block_bytes(sc, i);
+        uint64_t b = laden_sched_block_bytes(sc, i);
         unpinned += b;
         c->st.unpin_bytes += b;
     }
@@ -155,21 +155,21 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
         return laden__fail(LADEN_E_STATE,
                            "model '%.200s' is bound to a schedule already",
                            m->key);
-    uint32_t nb = laden_stream_block_count(sc);
+    uint32_t nb = laden_sched_block_count(sc);
     if (fixed > nb)
         return laden__fail(LADEN_E_INVAL,
                            "laden_cache_bind: %u fixed blocks of %u", fixed,
                            nb);
-    if (!laden_stream_is_cache(sc))
+    if (!laden_sched_is_cache(sc))
         return laden__fail(LADEN_E_STATE,
                            "laden_cache_bind: model '%.200s': the schedule "
                            "must be a loaded LADEN_SCHED_CACHE schedule",
                            m->key);
     uint64_t size = 0;
     for (uint32_t i = 0; i < nb; i++)
-        size += laden_stream_block_bytes(sc, i);
+        size += laden_sched_block_bytes(sc, i);
     m->sched = sc;
-    m->device = laden_stream_device(sc);
+    m->device = laden_sched_device(sc);
     m->fixed = fixed;
     m->size = size;
     account(c, id);
@@ -275,7 +275,7 @@ static void pin_model(laden_cache_t *c, uint32_t id,
                       laden_cache_activation_t *act)
 {
     model *m = &c->m[id];
-    uint32_t nb = laden_stream_block_count(m->sched);
+    uint32_t nb = laden_sched_block_count(m->sched);
     uint64_t want = m->size;
     if (m->pinned >= want)
         return;
@@ -311,12 +311,12 @@ static void pin_model(laden_cache_t *c, uint32_t id,
     }
     uint64_t have = m->pinned;
     for (uint32_t i = 0; i < nb; i++) {
-        if (laden_stream_is_pinned(m->sched, i))
+        if (laden_sched_is_pinned(m->sched, i))
             continue;
-        uint64_t b = laden_stream_block_bytes(m->sched, i);
+        uint64_t b = laden_sched_block_bytes(m->sched, i);
         if (have + b > want)
             break;
-        if (laden_stream_pin(m->sched, i, 1)) {
+        if (laden_sched_pin(m->sched, i, 1)) {
             act->pin_failed = 1; /* stays pageable: slower, still correct */
             laden__error_clear();
             break;
@@ -335,10 +335,10 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
                            uint64_t *want, int32_t *chosen)
 {
     laden_sched_t *sc = m->sched;
-    uint32_t nb = laden_stream_block_count(sc), nf = nb - m->fixed;
+    uint32_t nb = laden_sched_block_count(sc), nf = nb - m->fixed;
     uint64_t total = 0, rest = 0;
     for (uint32_t i = 0; i < nb; i++) {
-        uint64_t b = laden_stream_block_bytes(sc, i);
+        uint64_t b = laden_sched_block_bytes(sc, i);
         total += b;
         if (i < m->fixed)
             rest += b;
@@ -368,7 +368,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
         goto out;
     }
     for (uint32_t i = 0; i < nf; i++)
-        bytes[i] = laden_stream_block_bytes(sc, m->fixed + i);
+        bytes[i] = laden_sched_block_bytes(sc, m->fixed + i);
     laden_plan_input in;
     memset(&in, 0, sizeof in);
     in.nblocks = nf;
@@ -407,20 +407,20 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
     laden_sched_t *sc = m->sched;
     laden_sched_stats_t st;
     laden_status s;
-    uint32_t nb = laden_stream_block_count(sc), nstream = 0;
+    uint32_t nb = laden_sched_block_count(sc), nstream = 0;
     bool same = true;
     for (uint32_t i = 0; i < nb; i++) {
-        same &= laden_stream_is_resident(sc, i) == (int)res[i];
+        same &= laden_sched_is_resident(sc, i) == (int)res[i];
         nstream += !res[i];
     }
-    if ((s = laden_stream_stats(sc, &st)))
+    if ((s = laden_sched_stats(sc, &st)))
         return s;
     bool started = st.nslots > 0;
     if (same && started == (nstream > 0) &&
         (!started || st.nslots == (nstream < lookahead + 1 ? nstream
                                                            : lookahead + 1)))
         return LADEN_OK; /* everything is where it should be */
-    if ((s = laden_stream_stop(sc)))
+    if ((s = laden_sched_stop(sc)))
         return s;
     for (uint32_t i = 0; i < nb; i++) /* free first, then allocate */
         if (!res[i] && (s = pool_take(pl, sc, i)))
@@ -431,9 +431,9 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
         bool *keep = calloc(pl->n, sizeof *keep);
         if (keep) {
             for (uint32_t i = 0; i < nb; i++) {
-                if (!res[i] || laden_stream_is_resident(sc, i))
+                if (!res[i] || laden_sched_is_resident(sc, i))
                     continue;
-                uint64_t n = laden_stream_block_bytes(sc, i);
+                uint64_t n = laden_sched_block_bytes(sc, i);
                 for (uint32_t k = 0; k < pl->n; k++)
                     if (!keep[k] && pl->r[k].bytes == n) {
                         keep[k] = true;
@@ -453,22 +453,22 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
     }
     /* In a VBAR: evictions in one batch before the uploads start, not
      * one page at a time between them (no-op otherwise). */
-    if ((s = laden_stream_reserve_vram(sc, res, nb)))
+    if ((s = laden_sched_reserve_vram(sc, res, nb)))
         return s;
     for (uint32_t i = 0; i < nb; i++) {
-        if (!res[i] || laden_stream_is_resident(sc, i))
+        if (!res[i] || laden_sched_is_resident(sc, i))
             continue;
-        uint64_t n = laden_stream_block_bytes(sc, i);
+        uint64_t n = laden_sched_block_bytes(sc, i);
         laden_devptr_t r = pool_get(pl, n);
-        if (r && (s = laden_stream_set_resident_at(sc, i, r, n))) {
+        if (r && (s = laden_sched_set_resident_at(sc, i, r, n))) {
             laden_dev_mem_free(m->device, r);
             return s;
         }
         uint64_t before = st.upload_bytes;
-        if (!r && (s = laden_stream_set_resident(sc, i, 1))) {
+        if (!r && (s = laden_sched_set_resident(sc, i, 1))) {
             /* In a VBAR: offloaded.  A block streams instead; the parts
              * outside blocks cannot. */
-            if (s != LADEN_E_BUDGET || !laden_stream_vbar(sc) ||
+            if (s != LADEN_E_BUDGET || !laden_sched_vbar(sc) ||
                 i < m->fixed) {
                 if (s == LADEN_E_BUDGET)
                     laden__error_prefix("model '%.200s', outside its "
@@ -480,7 +480,7 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
             act->offloaded_blocks++;
             continue;
         }
-        laden_stream_stats(sc, &st);
+        laden_sched_stats(sc, &st);
         uint64_t copied = r ? n : st.upload_bytes - before;
         act->upload_bytes += copied;
         act->reused_bytes += r ? n : 0;
@@ -492,15 +492,15 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
     /* In a VBAR the slots are charged to the context: if it has no room
      * for them, the last resident blocks stream too, their pages unpinned
      * so that the charge can take them. */
-    while ((s = laden_stream_start(sc, lookahead)) == LADEN_E_BUDGET &&
-           laden_stream_vbar(sc)) {
+    while ((s = laden_sched_start(sc, lookahead)) == LADEN_E_BUDGET &&
+           laden_sched_vbar(sc)) {
         uint32_t k = nb;
-        while (k > m->fixed && !laden_stream_is_resident(sc, k - 1))
+        while (k > m->fixed && !laden_sched_is_resident(sc, k - 1))
             k--;
         if (k <= m->fixed)
             break;
         laden__error_clear();
-        if ((s = laden_stream_set_resident(sc, k - 1, 0)))
+        if ((s = laden_sched_set_resident(sc, k - 1, 0)))
             return s;
         act->offloaded_blocks++;
     }
@@ -538,7 +538,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
                            "model '%.200s' is in use: a model has one "
                            "runtime, used by one caller at a time",
                            m->key);
-    uint32_t nb = laden_stream_block_count(m->sched);
+    uint32_t nb = laden_sched_block_count(m->sched);
     uint64_t inuse = 0, want = 0;
     for (uint32_t i = 0; i < c->n; i++)
         if (i != id && c->m[i].key && c->m[i].in_use)
@@ -559,14 +559,14 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         goto out;
     act.mode = chosen;
     act.evicted_models = *out_n;
-    if (laden_stream_vbar(m->sched)) /* first for its VRAM context too */
-        laden_vbar_prioritize(laden_stream_vbar(m->sched));
+    if (laden_sched_vbar(m->sched)) /* first for its VRAM context too */
+        laden_vbar_prioritize(laden_sched_vbar(m->sched));
     if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes, &pl)))
         goto undo;
     pin_model(c, id, &act);
     for (uint32_t i = 0; i < nb; i++)
-        if (res[i] && laden_stream_is_resident(m->sched, i))
-            act.kept_bytes += laden_stream_block_bytes(m->sched, i);
+        if (res[i] && laden_sched_is_resident(m->sched, i))
+            act.kept_bytes += laden_sched_block_bytes(m->sched, i);
     s = place(c, id, res, lookahead, &act, &pl);
     pool_free(&pl, m->device);
     if (s == LADEN_E_DEVICE_NOMEM || s == LADEN_E_NOMEM) {
@@ -586,10 +586,10 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     account(c, id);
     if (s)
         goto undo;
-    if ((s = laden_stream_ready(m->sched, handle)))
+    if ((s = laden_sched_ready(m->sched, handle)))
         goto undo;
     laden_sched_stats_t st;
-    laden_stream_stats(m->sched, &st);
+    laden_sched_stats(m->sched, &st);
     act.slot_bytes = (uint64_t)st.nslots * st.slot_bytes;
     for (uint32_t i = 0; i < nb; i++) {
         act.resident_blocks += res[i];
@@ -623,7 +623,7 @@ laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
     if (!m->in_use)
         return laden__fail(LADEN_E_STATE, "model '%.200s' is not in use",
                            m->key);
-    s = laden_stream_fence(m->sched, handle);
+    s = laden_sched_fence(m->sched, handle);
     laden_status r = laden_cache_release(c, id);
     return s ? s : r;
 }

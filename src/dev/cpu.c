@@ -348,8 +348,8 @@ static laden_status cpu_alloc(uint64_t n, void **out, const char *what)
     return LADEN_OK;
 fail:
     return laden__fail(LADEN_E_NOMEM,
-                       "cannot allocate %llu bytes of %s on the CPU device",
-                       (unsigned long long)n, what);
+                       "cannot allocate %s of %s on the CPU device",
+                       laden__bytes(n).s, what);
 }
 
 static void cpu_release(void *ptr)
@@ -495,8 +495,8 @@ static laden_status cpu_va_reserve(int32_t dev, uint64_t n,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
         return laden__fail(LADEN_E_DEVICE_NOMEM,
-                           "cannot reserve %llu bytes of address space: %s",
-                           (unsigned long long)n, strerror(errno));
+                           "cannot reserve %s of address space: %s",
+                           laden__bytes(n).s, strerror(errno));
     uintptr_t a = ((uintptr_t)p + CPU_GRANULARITY - 1) &
                   ~(uintptr_t)(CPU_GRANULARITY - 1);
     if (a > (uintptr_t)p)
@@ -555,8 +555,8 @@ static laden_status cpu_phys_create(int32_t dev, uint64_t n, laden_phys_t *out)
         int e = errno;
         close(fd);
         return laden__fail(LADEN_E_DEVICE_NOMEM,
-                           "cannot create %llu bytes of pages: %s",
-                           (unsigned long long)n, strerror(e));
+                           "cannot create %s of pages: %s",
+                           laden__bytes(n).s, strerror(e));
     }
     *out = (laden_phys_t)fd + 1; /* 0 stays "none" */
     pthread_mutex_lock(&res_mu);

@@ -328,7 +328,7 @@ static laden_status cuda_mem_alloc(int32_t dev, uint64_t n,
     ENTER(dev);
     laden_status st = check(cu.cuMemAlloc(&p, (size_t)n), dev, "cuMemAlloc");
     if (st)
-        laden__error_prefix("allocating %llu bytes", (unsigned long long)n);
+        laden__error_prefix("allocating %s", laden__bytes(n).s);
     *out = p;
     return st;
 }
@@ -346,9 +346,9 @@ static laden_status cuda_host_alloc(int32_t dev, uint64_t n, void **out)
     CUresult r = cu.cuMemHostAlloc(&p, (size_t)n, CU_MEMHOSTALLOC_PORTABLE);
     if (r != CUDA_SUCCESS) {
         check(r, dev, "cuMemHostAlloc");
-        return laden__fail(LADEN_E_NOMEM,
-                           "cannot pin %llu bytes of host memory: %s",
-                           (unsigned long long)n, laden_last_error());
+        laden__error_prefix("cannot pin %s of host memory",
+                            laden__bytes(n).s);
+        return LADEN_E_NOMEM;
     }
     *out = p;
     return LADEN_OK;
@@ -366,9 +366,9 @@ static laden_status cuda_host_register(int32_t dev, void *p, uint64_t n)
     CUresult r = cu.cuMemHostRegister(p, (size_t)n, CU_MEMHOSTREGISTER_PORTABLE);
     if (r != CUDA_SUCCESS) {
         check(r, dev, "cuMemHostRegister");
-        return laden__fail(LADEN_E_NOMEM,
-                           "cannot pin %llu bytes of host memory in place: %s",
-                           (unsigned long long)n, laden_last_error());
+        laden__error_prefix("cannot pin %s of host memory in place",
+                            laden__bytes(n).s);
+        return LADEN_E_NOMEM;
     }
     return LADEN_OK;
 }

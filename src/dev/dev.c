@@ -5,7 +5,7 @@
 
 #include "dev_internal.h"
 
-struct laden_stream {
+struct laden_dev_stream {
     int32_t device;
     const laden__dev_ops *ops;
     void *impl;
@@ -85,13 +85,13 @@ laden_status laden_dev_mem_info(int32_t dev, uint64_t *free_b, uint64_t *total)
 }
 
 static laden_status make_stream(int32_t dev, bool wrap, uintptr_t handle,
-                                laden_stream_t **out)
+                                laden_dev_stream_t **out)
 {
     if (!out)
         return laden__fail(LADEN_E_INVAL, "stream: out is NULL");
     *out = NULL;
     RESOLVE(dev);
-    laden_stream_t *s = calloc(1, sizeof *s);
+    laden_dev_stream_t *s = calloc(1, sizeof *s);
     if (!s)
         return laden__fail(LADEN_E_NOMEM, "out of memory creating a stream");
     laden_status st = wrap ? ops->stream_wrap(dev, handle, &s->impl)
@@ -107,18 +107,18 @@ static laden_status make_stream(int32_t dev, bool wrap, uintptr_t handle,
     return LADEN_OK;
 }
 
-laden_status laden_dev_stream_create(int32_t dev, laden_stream_t **out)
+laden_status laden_dev_stream_create(int32_t dev, laden_dev_stream_t **out)
 {
     return make_stream(dev, false, 0, out);
 }
 
 laden_status laden_dev_stream_wrap(int32_t dev, uintptr_t handle,
-                                   laden_stream_t **out)
+                                   laden_dev_stream_t **out)
 {
     return make_stream(dev, true, handle, out);
 }
 
-void laden_dev_stream_destroy(laden_stream_t *s)
+void laden_dev_stream_destroy(laden_dev_stream_t *s)
 {
     if (!s)
         return;
@@ -126,14 +126,14 @@ void laden_dev_stream_destroy(laden_stream_t *s)
     free(s);
 }
 
-laden_status laden_dev_stream_synchronize(laden_stream_t *s)
+laden_status laden_dev_stream_synchronize(laden_dev_stream_t *s)
 {
     if (!s)
         return laden__fail(LADEN_E_INVAL, "stream_synchronize: NULL stream");
     return s->ops->stream_sync(s->device, s->impl);
 }
 
-static laden_status same_device(laden_stream_t *s, laden_event_t *e,
+static laden_status same_device(laden_dev_stream_t *s, laden_event_t *e,
                                 const char *call)
 {
     if (!s || !e)
@@ -145,7 +145,7 @@ static laden_status same_device(laden_stream_t *s, laden_event_t *e,
     return LADEN_OK;
 }
 
-laden_status laden_dev_stream_wait_event(laden_stream_t *s, laden_event_t *e)
+laden_status laden_dev_stream_wait_event(laden_dev_stream_t *s, laden_event_t *e)
 {
     laden_status st = same_device(s, e, "stream_wait_event");
     return st ? st : s->ops->stream_wait_event(s->device, s->impl, e->impl);
@@ -180,7 +180,7 @@ void laden_dev_event_destroy(laden_event_t *e)
     free(e);
 }
 
-laden_status laden_dev_event_record(laden_event_t *e, laden_stream_t *s)
+laden_status laden_dev_event_record(laden_event_t *e, laden_dev_stream_t *s)
 {
     laden_status st = same_device(s, e, "event_record");
     return st ? st : e->ops->event_record(e->device, e->impl, s->impl);
@@ -213,7 +213,7 @@ laden_status laden_dev_event_elapsed_ms(laden_event_t *a, laden_event_t *b,
     return a->ops->event_elapsed(a->device, a->impl, b->impl, ms);
 }
 
-laden_status laden_dev_copy_h2d(laden_stream_t *s, laden_devptr_t dst,
+laden_status laden_dev_copy_h2d(laden_dev_stream_t *s, laden_devptr_t dst,
                                 const void *src, uint64_t n)
 {
     if (!s || (n && (!dst || !src)))
@@ -221,7 +221,7 @@ laden_status laden_dev_copy_h2d(laden_stream_t *s, laden_devptr_t dst,
     return n ? s->ops->copy_h2d(s->device, s->impl, dst, src, n) : LADEN_OK;
 }
 
-laden_status laden_dev_copy_d2h(laden_stream_t *s, void *dst,
+laden_status laden_dev_copy_d2h(laden_dev_stream_t *s, void *dst,
                                 laden_devptr_t src, uint64_t n)
 {
     if (!s || (n && (!dst || !src)))
@@ -229,7 +229,7 @@ laden_status laden_dev_copy_d2h(laden_stream_t *s, void *dst,
     return n ? s->ops->copy_d2h(s->device, s->impl, dst, src, n) : LADEN_OK;
 }
 
-laden_status laden_dev_copy_d2d(laden_stream_t *s, laden_devptr_t dst,
+laden_status laden_dev_copy_d2d(laden_dev_stream_t *s, laden_devptr_t dst,
                                 laden_devptr_t src, uint64_t n)
 {
     if (!s || (n && (!dst || !src)))
@@ -375,7 +375,7 @@ laden_status laden_dev_measure_copy(int32_t dev, laden_copy_kind kind,
     laden_devptr_t d = 0;
     void *h = NULL;
     bool pinned = kind != LADEN_COPY_H2D_PAGEABLE;
-    laden_stream_t *s = NULL;
+    laden_dev_stream_t *s = NULL;
     laden_event_t *e0 = NULL, *e1 = NULL;
     float ms = 0;
     if ((st = laden_dev_mem_alloc(dev, n, &d)))

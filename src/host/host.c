@@ -118,11 +118,11 @@ laden_status laden_host_alloc(laden_host_t *h, uint64_t size, void **out)
     }
     if (h->budget && h->st.in_use_bytes + rounded > h->budget) {
         s = laden__fail(LADEN_E_BUDGET,
-                        "pinned budget of %llu bytes exceeded: %llu in use, "
-                        "%llu more asked",
-                        (unsigned long long)h->budget,
-                        (unsigned long long)h->st.in_use_bytes,
-                        (unsigned long long)rounded);
+                        "pinned budget of %s exceeded: %s in use, "
+                        "%s more asked",
+                        laden__bytes(h->budget).s,
+                        laden__bytes(h->st.in_use_bytes).s,
+                        laden__bytes(rounded).s);
         goto done;
     }
     make_room(h, rounded);

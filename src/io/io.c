@@ -365,8 +365,8 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
         c.chunk_bytes = DEFAULT_CHUNK;
     if (c.chunk_bytes > (1ull << 30))
         return laden__fail(LADEN_E_INVAL,
-                           "laden_io_create: chunk of %llu bytes, at most 1 GiB",
-                           (unsigned long long)c.chunk_bytes);
+                           "laden_io_create: chunk of %s, at most 1 GiB",
+                           laden__bytes(c.chunk_bytes).s);
     c.chunk_bytes = (c.chunk_bytes + (1u << 20) - 1) & ~((1ull << 20) - 1);
     if (c.direct != LADEN_IO_DIRECT_AUTO && c.direct != LADEN_IO_DIRECT_OFF)
         return laden__fail(LADEN_E_INVAL, "laden_io_create: bad direct mode");

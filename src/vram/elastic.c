@@ -41,7 +41,7 @@ typedef struct elastic {
      * the last free stays wrapped (PyTorch frees on few streams). */
     laden_event_t *spare[MAX_CACHED];
     uint32_t nspare;
-    laden_stream_t *ws;
+    laden_dev_stream_t *ws;
     uintptr_t ws_handle;
     laden_elastic_stats_t st;
 } elastic;

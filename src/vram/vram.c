@@ -36,7 +36,7 @@ struct laden_vbar {
      * are unmapped only after it (a wait for this VBAR's work, not a
      * device-wide synchronize). */
     laden_event_t *last_use;
-    laden_stream_t *wrapped;
+    laden_dev_stream_t *wrapped;
     uintptr_t wrapped_handle;
     bool fenced;
 };

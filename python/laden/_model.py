@@ -1,0 +1,801 @@
+"""How laden sees a model: its unique tensors (tied aliases grouped), its
+blocks, which checkpoint tensor fills each (``key_map``, ``skip_prefixes``,
+fp8 scale companions), how each is stored, and the C schedule that holds
+them; then tensors over laden's memory, pointing a model's parameters at
+them, and the per-block hooks.  The one description that streaming, the
+cache, planning and the VBAR surface share: sizes and tiers are decided
+in C (``laden_sched_plan``), never here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
+                    Sequence, Tuple, Union)
+
+from . import _lib
+from ._dtypes import checkpoint_dtype
+from ._lib import check, error_for, lib
+from .errors import InvalidArgumentError, MismatchError, StateError
+
+TIER_NAMES = {_lib.TIER_GPU: "resident", _lib.TIER_RAM: "ram",
+              _lib.TIER_DISK: "disk"}
+
+_DTYPE_CODE = {}
+for _i in range(64):
+    _n = lib.laden_dtype_name(_i)
+    if _n is None:
+        break
+    _DTYPE_CODE[_n.decode()] = _i
+
+
+# ---- small helpers ---------------------------------------------------------
+
+def _device(device) -> "torch.device":
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise InvalidArgumentError(
+            f"device {device}: laden streams to CUDA devices and the CPU",
+            "E_INVAL")
+    return device
+
+
+def _dev_index(device) -> int:
+    return device.index if device.type == "cuda" else _lib.DEVICE_CPU
+
+
+class _CudaMemory:
+    """Device memory owned by a schedule, as torch sees it.  Holds the
+    memory's owner (an _Owned), so the memory lives while any view of it
+    does."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+            "version": 3}
+        self.owner = owner
+
+
+def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
+    """A tensor over memory laden owns (no copy).  With `track` (a list), a
+    weakref is appended that dies when the last tensor sharing this view's
+    storage (the view, and anything derived from it) is gone."""
+    import torch
+
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cuda":
+        buf = _CudaMemory(ptr, nbytes, owner)
+        with torch.cuda.device(device):
+            flat = torch.as_tensor(buf, device=device)
+    else:
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf._laden_owner = owner
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if track is not None:
+        track.append(weakref.ref(buf))
+    return flat.view(dtype).view(shape)
+
+
+_RAW_STREAM = None
+
+
+def _compute_stream(device) -> int:
+    """The handle of the current CUDA stream of `device` (0 on the CPU).
+    On every block call: torch's raw getter when it has one (a fraction of
+    a microsecond; torch.cuda.current_stream builds a Python object)."""
+    global _RAW_STREAM
+    if device.type != "cuda":
+        return 0
+    if _RAW_STREAM is None:
+        import torch
+
+        _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", False)
+    if _RAW_STREAM:
+        return _RAW_STREAM(device.index)
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# ---- model description -----------------------------------------------------
+
+@dataclass
+class _Tensor:
+    """One unique tensor of the model (aliases share it: tied weights)."""
+
+    aliases: List[Tuple[object, str]]  # (module, attribute name)
+    names: List[str]                    # dotted names of the aliases
+    is_param: bool
+    shape: Tuple[int, ...]
+    dtype: "torch.dtype"               # what it is stored and runs as
+    requires_grad: bool = False
+    ckpt_name: Optional[str] = None
+    block: int = -1                    # index into _Stream.blocks; -1: rest
+    c_block: int = 0
+    c_index: int = 0
+    param: Optional[object] = None     # the Parameter laden made
+    # Compact storage expanded on the device when the block runs:
+    # "q8": quantized by laden to e4m3 with a float32 scale per row;
+    # "ck8": fp8 as in the checkpoint, with its scale tensor (scale_name)
+    # of kind "tensor", "row" or "block" (128 x 128 tiles), or none;
+    # "c16": stored in bf16, run in another compute dtype.
+    store: str = "plain"
+    store_dtype: Optional[str] = None  # checkpoint dtype name stored
+    scale_name: Optional[str] = None
+    scale_kind: Optional[str] = None
+    scale_index: int = -1
+    persistent: bool = True            # False: a buffer no checkpoint holds
+    source: Optional[object] = None    # built, not in the checkpoint: the
+                                       # host copy laden copies at load
+
+
+@dataclass
+class BlockInfo:
+    name: str
+    module: object = field(repr=False)
+    tier: int
+    nbytes: int = 0                    # as laid out, from C
+    c_block: int = 0
+    tensors: List[_Tensor] = field(default_factory=list, repr=False)
+    offloaded: bool = False  # chosen for the device, got no room: streams
+    source: str = ""         # the prefix that named it
+
+    @property
+    def tier_name(self) -> str:
+        return TIER_NAMES[self.tier]
+
+
+
+class _Owned:
+    """One C object (a schedule, a cache, device memory) and its
+    destructor.  Every tensor over its memory holds this object, and this
+    object holds nothing that holds a module: dropping a model then frees
+    its memory by reference counting, and tensors taken from it keep the
+    memory valid for as long as they live (no cycle through a C++ storage,
+    which Python's collector cannot see, keeps a model alive for good).
+    ``keep`` are objects that must outlive the C object (a VRAM context)."""
+
+    __slots__ = ("h", "_fin", "__weakref__")
+
+    def __init__(self, h, destroy, *keep):
+        self.h = h
+        self._fin = weakref.finalize(self, destroy, h, *keep)
+
+
+def _destroy_schedule(sched, *keep) -> None:
+    lib.laden_sched_destroy(sched)
+
+
+
+def _meta(t: _Tensor):
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _swap(old, new) -> bool:
+    """Gives the tensor object `old` the contents of `new`, so that every
+    reference to `old` (held by the user, an optimizer, tied modules)
+    follows laden's memory as it moves, and nothing keeps pointing at
+    memory laden gave back.  False where torch refuses (weakrefs)."""
+    import torch
+
+    try:
+        torch.utils.swap_tensors(old, new)
+        return True
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+
+
+def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
+                ) -> None:
+    """Points every alias of t at `value`.  The tensor object laden made
+    for t keeps its identity (its contents are swapped); `streamed_in`
+    names the block whose slot or workspace `value` is in: a gradient for
+    it would be wrong, so computing one raises."""
+    import torch
+
+    if t.is_param:
+        # The user may have frozen or unfrozen it since it was loaded.
+        rg = t.param.requires_grad if t.param is not None else \
+            t.requires_grad
+        new = torch.nn.Parameter(
+            value, requires_grad=rg and value.dtype.is_floating_point)
+        if streamed_in is not None and new.requires_grad:
+            new.register_hook(_refuse_grad(t.names[0], streamed_in))
+        if t.param is not None and t.param.__class__ is new.__class__ and \
+                _swap(t.param, new):
+            new = t.param
+        t.param = new
+        for mod, attr in t.aliases:
+            mod._parameters[attr] = new
+    else:
+        # A fresh alias to swap, not `value`: callers keep using theirs.
+        if t.param is not None and _swap(t.param, value.detach()):
+            value = t.param
+        t.param = value
+        for mod, attr in t.aliases:
+            mod._buffers[attr] = value
+
+
+class _Gone:
+    """A tensor saved for backward that lived in streamed memory."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: str):
+        self.block = block
+
+
+def _training_error(what: str) -> StateError:
+    return StateError(
+        f"backward through {what}: laden streamed its weights through "
+        "device memory that later blocks have overwritten, so its gradient "
+        "would be wrong; training through streamed blocks is not supported "
+        "yet: run the forward under torch.no_grad() or "
+        "torch.inference_mode(), or keep the blocks that need gradients "
+        "resident (resident_prefixes)", "E_STATE")
+
+
+def _refuse_grad(name: str, block: str):
+    def hook(grad):
+        raise _training_error(f"parameter '{name}' of streamed block "
+                              f"'{block}'")
+    return hook
+
+
+def _saved_hooks(gone: Dict[int, str]):
+    """saved_tensors_hooks that let a streamed block's forward save what
+    backward needs, except tensors in streamed memory: those become a
+    marker whose unpacking raises."""
+    def pack(x):
+        try:
+            block = gone.get(x.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return x
+        return x if block is None else _Gone(block)
+
+    def unpack(x):
+        if isinstance(x, _Gone):
+            raise _training_error(f"streamed block '{x.block}'")
+        return x
+
+    return pack, unpack
+
+
+
+def _numel(t: _Tensor) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def _fp8_dtype(name: Optional[str]):
+    import torch
+
+    return torch.float8_e5m2 if name == "F8_E5M2" else torch.float8_e4m3fn
+
+
+
+def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
+    """out = q x scale in out's dtype, rounded once (the product is formed
+    in float32): the dequantized form laden runs with."""
+    out.copy_(q)
+    if scale is None:
+        return
+    if kind == "row" or kind is None:
+        out.mul_(scale.reshape(-1, 1))
+    elif kind == "tensor":
+        out.mul_(scale.reshape(()))
+    else:
+        r, c = out.shape
+        full = scale.repeat_interleave(128, 0)[:r].repeat_interleave(
+            128, 1)[:, :c]
+        out.mul_(full)
+
+
+def _nbytes(t: _Tensor) -> int:
+    """Bytes as expanded for compute."""
+    import torch
+
+    return _numel(t) * torch.empty((), dtype=t.dtype).element_size()
+
+
+
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+FP8_MIN_ELEMENTS = 1 << 16  # smaller tensors (norms, biases) stay as they are
+
+
+# ---- finding blocks ----------------------------------------------------------
+
+def _module_at(model, path: str):
+    mod = model
+    for part in [p for p in path.split(".") if p]:
+        if not hasattr(mod, "_modules") or part not in mod._modules:
+            return None
+        mod = mod._modules[part]
+    return mod
+
+
+def _find_blocks(model, prefixes: Sequence[str]) -> List[BlockInfo]:
+    """Module paths for the given prefixes: a prefix naming a container
+    (ModuleList, Sequential, ModuleDict) stands for each of its children; a
+    prefix naming another module is one block."""
+    import torch.nn as nn
+
+    blocks: List[BlockInfo] = []
+    for prefix in prefixes:
+        path = prefix.rstrip(".")
+        mod = _module_at(model, path)
+        if mod is None:
+            raise InvalidArgumentError(
+                f"block '{prefix}' names no module of the model (its block "
+                f"containers: {', '.join(find_blocks(model)) or 'none'})",
+                "E_INVAL")
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            for name, child in mod.named_children():
+                blocks.append(BlockInfo(f"{path}.{name}." if path else
+                                    f"{name}.", child, _lib.TIER_AUTO,
+                                    source=prefix))
+        else:
+            blocks.append(BlockInfo(path + "." if path else "", mod,
+                                    _lib.TIER_AUTO, source=prefix))
+    names = [b.name for b in blocks]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a.startswith(b) or b.startswith(a):
+                raise InvalidArgumentError(
+                    f"blocks '{a}' and '{b}' overlap; give prefixes whose "
+                    "modules do not contain each other", "E_INVAL")
+    return blocks
+
+
+def _matches(name: str, prefixes: Optional[Iterable[str]]) -> bool:
+    return any(name.startswith(p if p.endswith(".") else p + ".")
+               or name == p.rstrip(".") for p in (prefixes or ()))
+
+
+def _collect(model) -> List[_Tensor]:
+    """Unique tensors of the model (parameters and persistent buffers),
+    aliases grouped."""
+    by_id: Dict[int, _Tensor] = {}
+    out: List[_Tensor] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = mod_name + "." if mod_name else ""
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            t = by_id.get(id(p))
+            if t is None:
+                t = _Tensor([], [], True, tuple(p.shape), p.dtype,
+                            p.requires_grad)
+                by_id[id(p)] = t
+                out.append(t)
+            if (mod, attr) not in t.aliases:
+                t.aliases.append((mod, attr))
+                t.names.append(prefix + attr)
+        for attr, b in mod._buffers.items():
+            if b is None:
+                continue
+            t = by_id.get(id(b))
+            if t is None:
+                t = _Tensor([], [], False, tuple(b.shape), b.dtype)
+                t.persistent = attr not in mod._non_persistent_buffers_set
+                by_id[id(b)] = t
+                out.append(t)
+            if (mod, attr) not in t.aliases:
+                t.aliases.append((mod, attr))
+                t.names.append(prefix + attr)
+    return out
+
+
+def _resolve_storage(x) -> Optional[str]:
+    if x is None:
+        return None
+    v = str(x).lower()
+    if v in ("bf16", "bfloat16", "torch.bfloat16"):
+        return "bf16"
+    if v in ("fp8", "f8", "float8", "float8_e4m3", "float8_e4m3fn"):
+        return "fp8"
+    raise InvalidArgumentError(
+        f"storage_dtype {x!r}: use None (as stored), 'bf16' or 'fp8'",
+        "E_INVAL")
+
+
+def _scale_kind(t: _Tensor, ck) -> Optional[str]:
+    """How an fp8 checkpoint tensor's scale applies: 'tensor', 'row',
+    'block' (128 x 128 tiles) or None (no scale tensor)."""
+    if not t.scale_name:
+        return None
+    shape = ck.info(t.scale_name).shape
+    n = 1
+    for d in shape:
+        n *= d
+    rows = t.shape[0] if t.shape else 1
+    cols = _numel(t) // rows if rows else 0
+    if n == 1:
+        return "tensor"
+    if len(t.shape) == 2 and n == rows and shape[0] == rows:
+        return "row"
+    if len(t.shape) == 2 and len(shape) == 2 and \
+            shape[0] == -(-rows // 128) and shape[1] == -(-cols // 128):
+        return "block"
+    raise MismatchError(
+        f"tensor '{t.names[0]}': its scale '{t.scale_name}' has shape "
+        f"{list(shape)}, which is neither one value, one per row, nor one "
+        f"per 128 x 128 tile of {list(t.shape)}", mismatched=[t.names[0]])
+
+
+def _resolve_dtype(x):
+    import torch
+
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "f16": torch.float16,
+             "float16": torch.float16, "half": torch.float16,
+             "fp32": torch.float32, "f32": torch.float32,
+             "float32": torch.float32, "float": torch.float32}
+    if str(x).lower() not in names:
+        raise InvalidArgumentError(
+            f"compute_dtype {x!r}: use a torch dtype or 'bf16', 'fp16', "
+            "'fp32'", "E_INVAL")
+    return names[str(x).lower()]
+
+
+
+def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
+                  expansions=(), guard=None, gone=None):
+    """Wraps mod.forward with one C call before (enter) and one after
+    (exit); records (module, previous forward, had own) in `wrapped` so it
+    can be undone.  `guard()`, if given, runs first (it may raise).  With
+    `gone` (storage address -> block, for memory that later blocks
+    overwrite), what the forward saves for backward from that memory
+    raises when backward unpacks it, instead of giving a wrong gradient."""
+    import torch
+
+    enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
+    had = "forward" in mod.__dict__
+    orig = mod.forward
+    grad_on = torch.is_grad_enabled
+    hooks = _saved_hooks(gone) if gone is not None else None
+    saved = torch.autograd.graph.saved_tensors_hooks
+
+    def forward(*args, **kwargs):
+        if guard is not None:
+            guard()
+        stream = _compute_stream(device)  # once: enter and exit share it
+        s = enter(owner.h, c_block, stream)
+        if s:
+            raise error_for(s)
+        try:
+            for buf, q, sc, kind in expansions:
+                expand_fp8(buf, q, sc, kind)
+            if hooks is not None and grad_on():
+                with saved(*hooks):
+                    out = orig(*args, **kwargs)
+            else:
+                out = orig(*args, **kwargs)
+        except BaseException:
+            leave(owner.h, c_block, stream)
+            raise
+        s = leave(owner.h, c_block, stream)
+        if s:
+            raise error_for(s)
+        return out
+
+    wrapped.append((mod, mod.__dict__.get("forward"), had))
+    mod.forward = forward
+
+
+
+
+def check_lookahead(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or \
+            not 1 <= n <= _lib.LOOKAHEAD_MAX:
+        raise InvalidArgumentError(
+            f"lookahead {n!r}: give 1 to {_lib.LOOKAHEAD_MAX}", "E_INVAL")
+
+
+def find_blocks(model) -> List[str]:
+    """The block containers of a model: every ModuleList or Sequential with
+    two or more children that is not inside another one found."""
+    import torch.nn as nn
+
+    lists = (nn.ModuleList, nn.Sequential)
+    found: List[str] = []
+    for name, mod in model.named_modules():
+        if not name or any(name.startswith(f + ".") for f in found):
+            continue
+        if isinstance(mod, lists) and len(mod) >= 2 and \
+                not all(isinstance(c, lists) for c in mod.children()):
+            found.append(name)  # a list of lists is not itself the blocks
+    return [f + "." for f in found]
+
+
+# ---- the description -----------------------------------------------------------
+
+_FP8 = {"F8_E4M3", "F8_E5M2"}
+_CONVERTIBLE = {"F32", "F16", "BF16"}
+KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
+
+
+@dataclass
+class Description:
+    """A model as laden will hold it.  ``tensors``: every unique tensor,
+    each filled from the checkpoint (``ckpt_name``) or copied as built
+    (``built``, names in ``kept``); ``blocks``: the blocks, each with the
+    tensors all of whose aliases are inside it (the rest -- tied across
+    blocks, or outside every block -- is resident)."""
+
+    tensors: List[_Tensor]
+    blocks: List[BlockInfo]
+    kept: List[str]
+
+    def rest(self) -> List[_Tensor]:
+        return [t for t in self.tensors if t.block < 0]
+
+
+def _assign_blocks(blocks: List[BlockInfo], tensors: List[_Tensor]) -> None:
+    """t.block: the one block whose modules hold every alias of t, else -1.
+    By module identity: a module shared by two blocks belongs to neither."""
+    owner: Dict[int, int] = {}
+    for bi, b in enumerate(blocks):
+        for sub in b.module.modules():
+            owner[id(sub)] = bi if owner.get(id(sub), bi) == bi else -1
+    for t in tensors:
+        homes = {owner.get(id(m), -1) for m, _ in t.aliases}
+        t.block = homes.pop() if len(homes) == 1 else -1
+        if t.block >= 0:
+            blocks[t.block].tensors.append(t)
+
+
+def _current(t: _Tensor):
+    return getattr(t.aliases[0][0], t.aliases[0][1])
+
+
+def _mismatch_text(where: str, label: str, groups) -> str:
+    msg = [f"{where} does not match {label}:"]
+    for what, items in groups:
+        if items:
+            msg.append(f"{what} ({len(items)}): " + ", ".join(items[:20])
+                       + (" ..." if len(items) > 20 else ""))
+    return " ".join(msg)
+
+
+def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
+                 skip_prefixes, label: str) -> None:
+    """Sets t.ckpt_name (and t.scale_name for fp8 tensors with a scale);
+    MismatchError listing every missing, unexpected and unbuilt name."""
+    owner: Dict[str, _Tensor] = {n: t for t in tensors for n in t.names}
+    unexpected: List[str] = []
+    for cname in ck.names():
+        if skip_prefixes and any(cname.startswith(p) for p in skip_prefixes):
+            continue
+        mname = cname
+        if key_map is not None:
+            mname = key_map(cname) if callable(key_map) else key_map.get(
+                cname, cname)
+            if mname is None:
+                continue
+        t = owner.get(mname)
+        if t is None:
+            unexpected.append(cname)
+        elif t.ckpt_name is None:
+            t.ckpt_name = cname  # a tied alias's second name is the same
+    # Scale tensors of fp8 checkpoint tensors are companions, not strays.
+    by_ckpt = {t.ckpt_name: t for t in tensors if t.ckpt_name}
+    still = []
+    for cname in unexpected:
+        base = next((cname[:-len(sfx)] for sfx in _SCALE_SUFFIXES
+                     if cname.endswith(sfx)), None)
+        t = by_ckpt.get(base) if base else None
+        if t is not None and ck.info(base).dtype in _FP8:
+            t.scale_name = cname
+        else:
+            still.append(cname)
+    unexpected = still
+    missing, unbuilt = [], []
+    for t in tensors:
+        if t.ckpt_name is None and _current(t).device.type == "meta":
+            (missing if t.persistent else unbuilt).append(t.names[0])
+    if unbuilt and not (missing or unexpected):
+        raise MismatchError(
+            f"non-persistent buffers are on meta and no checkpoint holds "
+            f"them: {', '.join(unbuilt[:20])}; build them on the CPU (create "
+            "them outside the meta device context)", missing=unbuilt)
+    if missing or unexpected:
+        text = _mismatch_text(ck.path, label, (
+            ("missing from the checkpoint", missing),
+            ("unexpected in the checkpoint", unexpected)))
+        raise MismatchError(text + " (key_map renames checkpoint names, "
+                            "skip_prefixes drops them)", missing, unexpected)
+
+
+def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str) -> None:
+    """Shapes (every difference in one MismatchError) and the dtype each
+    tensor is kept in: the model's, or cdt for floating tensors."""
+    bad = []
+    for t in tensors:
+        if t.ckpt_name is None:
+            continue
+        info = ck.info(t.ckpt_name)
+        if tuple(info.shape) != tuple(t.shape):
+            bad.append(f"'{t.names[0]}' (checkpoint '{t.ckpt_name}' "
+                       f"{list(info.shape)}, model {list(t.shape)})")
+    if bad:
+        raise MismatchError(_mismatch_text(ck.path, label, (
+            ("shapes differ", bad),)), mismatched=[b.split("'")[1]
+                                                   for b in bad])
+    for t in tensors:
+        if t.ckpt_name is None:
+            continue  # copied as built, in its own dtype
+        want = t.dtype
+        info = ck.info(t.ckpt_name)
+        if cdt is not None and want.is_floating_point and \
+                info.torch_dtype is not None and \
+                info.torch_dtype.is_floating_point:
+            want = cdt
+        if info.dtype in _FP8 and want.is_floating_point and \
+                want.itemsize > 1:
+            t.store, t.store_dtype = "ck8", info.dtype
+        elif info.torch_dtype != want and not (
+                {info.dtype, checkpoint_dtype(want)} <= _CONVERTIBLE):
+            raise MismatchError(
+                f"tensor '{t.names[0]}': the checkpoint's "
+                f"'{t.ckpt_name}' is {info.dtype}, {label} wants "
+                f"{want}; laden converts only between F32, F16 and BF16",
+                mismatched=[t.names[0]])
+        t.dtype = want
+
+
+def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
+    """Compact forms, expanded on the device when their block runs: fp8
+    checkpoint tensors stay fp8; storage "fp8" quantizes the large 2-D
+    weights of blocks, "bf16" keeps floating block tensors in bf16."""
+    import torch
+
+    for t in desc.tensors:
+        if t.ckpt_name is None:
+            continue
+        if t.store == "ck8":
+            t.scale_kind = _scale_kind(t, ck)
+            if t.block < 0:  # no hook runs outside blocks: decode on load
+                if t.scale_name:
+                    raise MismatchError(
+                        f"tensor '{t.names[0]}': fp8 with a scale tensor "
+                        "outside the streamed blocks is not supported; "
+                        "offload the module that holds it",
+                        mismatched=[t.names[0]])
+                t.store = "plain"
+        elif storage == "fp8" and t.block >= 0 and t.is_param and \
+                t.dtype.is_floating_point and len(t.shape) == 2 and \
+                _numel(t) >= FP8_MIN_ELEMENTS:
+            t.store = "q8"
+        elif storage == "bf16" and t.block >= 0 and \
+                t.dtype.is_floating_point and t.dtype != torch.bfloat16:
+            t.store = "c16"
+
+
+def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
+             skip_prefixes: Optional[Sequence[str]] = None, cdt=None,
+             storage: Optional[str] = None,
+             label: str = "the model") -> Description:
+    """The description of `model` (built on meta or not) for checkpoint
+    `ck` (a Checkpoint, or None: every tensor as built).  Tensors the
+    checkpoint lacks that were built (not on meta) are copied into laden's
+    memory as they are.  Raises before anything is allocated: MismatchError
+    naming every name or shape that does not match, InvalidArgumentError
+    for a bad prefix or a tensor with nothing to fill it."""
+    blocks = _find_blocks(model, list(prefixes))
+    tensors = _collect(model)
+    if ck is not None:
+        _match_names(ck, tensors, key_map, skip_prefixes, label)
+    else:
+        bad = [t.names[0] for t in tensors
+               if _current(t).device.type == "meta"]
+        if bad:
+            raise InvalidArgumentError(
+                f"{label}: tensors on meta and no checkpoint: "
+                f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}; "
+                "build the model on the CPU, or on meta with a checkpoint",
+                "E_INVAL")
+    if ck is not None:
+        _check_dtypes(ck, tensors, cdt, label)
+    _assign_blocks(blocks, tensors)
+    desc = Description(tensors, blocks,
+                       [t.names[0] for t in tensors if t.ckpt_name is None])
+    if ck is not None:
+        _choose_storage(ck, desc, storage)
+    return desc
+
+
+def _store_code(t: _Tensor) -> int:
+    if t.store == "q8":
+        return _DTYPE_CODE["F8_E4M3"]
+    if t.store == "c16":
+        return _DTYPE_CODE["BF16"]
+    if t.store == "ck8":
+        return _DTYPE_CODE[t.store_dtype]
+    return _dtype_code(t.dtype, t)
+
+
+def _dtype_code(dtype, t: _Tensor) -> int:
+    try:
+        return _DTYPE_CODE[checkpoint_dtype(dtype)]
+    except ValueError as e:
+        raise InvalidArgumentError(f"tensor '{t.names[0]}': {e}",
+                                   "E_INVAL") from None
+
+
+def fill(h, desc: Description, ck, rest_tier: int,
+         rest_chunk_bytes: Optional[int] = None) -> List[List[_Tensor]]:
+    """Adds the description to the C schedule `h`: the rest first (one
+    block on `rest_tier`, or pieces of at most `rest_chunk_bytes`), then
+    one block per block on its tier (b.tier: asked, or TIER_AUTO for the
+    planner).  Sets every tensor's (c_block, c_index) and every block's
+    c_block.  Returns the groups in C block order; tensors copied as built
+    hold their host source in t.source until the caller drops it after
+    load."""
+    groups: List[List[_Tensor]] = [[]]
+    size = 0
+    for t in desc.rest():
+        n = _nbytes(t)
+        if rest_chunk_bytes and groups[-1] and size + n > rest_chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    if rest_chunk_bytes and not groups[-1]:
+        groups.pop()
+    tiers = [rest_tier] * len(groups) + [b.tier for b in desc.blocks]
+    groups += [b.tensors for b in desc.blocks]
+    cb = ctypes.c_uint32()
+    nrest = len(groups) - len(desc.blocks)
+    for gi, (tier, ts) in enumerate(zip(tiers, groups)):
+        check(lib.laden_sched_add_block(h, tier, ctypes.byref(cb)))
+        if gi >= nrest:
+            desc.blocks[gi - nrest].c_block = cb.value
+        for t in ts:
+            _add_tensor(h, cb.value, t, ck)
+    return groups
+
+
+def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
+    ci = ctypes.c_uint32()
+    if t.ckpt_name is not None:
+        check(lib.laden_sched_add_tensor(h, block, ck._h,
+                                         ck._index[t.ckpt_name],
+                                         _store_code(t), ctypes.byref(ci)))
+        t.c_block, t.c_index = block, ci.value
+        if t.store == "ck8" and t.scale_name:
+            sinfo = ck.info(t.scale_name)
+            check(lib.laden_sched_add_tensor(
+                h, block, ck._h, ck._index[t.scale_name],
+                _DTYPE_CODE[sinfo.dtype], ctypes.byref(ci)))
+            t.scale_index = ci.value
+        return
+    src = _current(t).detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = src.contiguous()
+    code, scode = _store_code(t), _dtype_code(src.dtype, t)
+    t.source = src
+    check(lib.laden_sched_add_host_tensor(h, block,
+                                          ctypes.c_void_p(src.data_ptr()),
+                                          scode, src.numel(), code,
+                                          ctypes.byref(ci)))
+    t.c_block, t.c_index = block, ci.value

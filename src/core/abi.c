@@ -1,0 +1,185 @@
+/* The layout tables behind laden/abi.h, built by the compiler from the
+ * headers: each struct's fields are listed once, below, and offsetof and
+ * sizeof fill in the rest.  A field missing from a list shows as a hole the
+ * C test finds (tests/test_abi.c); one listed out of order, as offsets that
+ * go down. */
+#include <stddef.h>
+#include <string.h>
+
+#include "internal.h"
+#include "laden/abi.h"
+#include "laden/cache.h"
+#include "laden/dev.h"
+#include "laden/host.h"
+#include "laden/io.h"
+#include "laden/plan.h"
+#include "laden/st.h"
+#include "laden/stream.h"
+#include "laden/vram.h"
+
+/* The structs the Python binding mirrors, by C tag, in the order
+ * laden_abi_struct_name gives them. */
+#define ABI_STRUCTS(S)        \
+    S(laden_st_tensor)        \
+    S(laden_dev_info)         \
+    S(laden_io_config)        \
+    S(laden_sched_config)     \
+    S(laden_sched_stats)      \
+    S(laden_vram_info)        \
+    S(laden_vbar_info)        \
+    S(laden_elastic_stats)    \
+    S(laden_cache_evict)      \
+    S(laden_cache_info)       \
+    S(laden_cache_stats)      \
+    S(laden_cache_activation) \
+    S(laden_plan_input)       \
+    S(laden_plan_result)      \
+    S(laden_host_stats)
+
+/* Each struct's fields in declaration order: F(T, field). */
+#define FIELDS_laden_st_tensor(F, T)                                       \
+    F(T, name) F(T, dtype) F(T, ndim) F(T, shape) F(T, file_index)         \
+    F(T, offset_bytes) F(T, size_bytes)
+#define FIELDS_laden_dev_info(F, T)                                        \
+    F(T, device) F(T, kind) F(T, name) F(T, total_bytes) F(T, cc_major)    \
+    F(T, cc_minor) F(T, vmm_supported) F(T, vmm_granularity_bytes)
+#define FIELDS_laden_io_config(F, T) \
+    F(T, threads) F(T, chunk_bytes) F(T, direct)
+#define FIELDS_laden_sched_config(F, T)                                    \
+    F(T, device) F(T, lookahead) F(T, ram_budget_bytes) F(T, io)           \
+    F(T, flags)
+#define FIELDS_laden_sched_stats(F, T)                                     \
+    F(T, gpu_bytes) F(T, ram_bytes) F(T, disk_bytes) F(T, slot_bytes)      \
+    F(T, nslots) F(T, device_bytes) F(T, pinned_bytes) F(T, enters)        \
+    F(T, misses) F(T, h2d_bytes) F(T, read_bytes) F(T, load_read_bytes)    \
+    F(T, resident_bytes) F(T, registered_bytes) F(T, upload_bytes)         \
+    F(T, generation) F(T, offloaded_bytes)
+#define FIELDS_laden_vram_info(F, T)                                       \
+    F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
+    F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \
+    F(T, offloaded) F(T, fail_fast) F(T, maps) F(T, evictions)             \
+    F(T, evicted_bytes) F(T, spare_bytes)
+#define FIELDS_laden_vbar_info(F, T)                                       \
+    F(T, base) F(T, size_bytes) F(T, used_bytes) F(T, mapped_bytes)        \
+    F(T, pinned_bytes) F(T, watermark) F(T, floor) F(T, priority)
+#define FIELDS_laden_elastic_stats(F, T)                                   \
+    F(T, allocs) F(T, frees) F(T, reuses) F(T, failures)                   \
+    F(T, in_use_bytes) F(T, cached_bytes) F(T, peak_bytes)                 \
+    F(T, evicted_bytes)
+#define FIELDS_laden_cache_evict(F, T) \
+    F(T, model) F(T, drop_bytes) F(T, keep_bytes)
+#define FIELDS_laden_cache_info(F, T)                                      \
+    F(T, size_bytes) F(T, vram_bytes) F(T, pinned_bytes) F(T, uses)        \
+    F(T, last_use) F(T, in_use)
+#define FIELDS_laden_cache_stats(F, T)                                     \
+    F(T, vram_budget_bytes) F(T, pinned_budget_bytes) F(T, vram_bytes)     \
+    F(T, pinned_bytes) F(T, models) F(T, in_use) F(T, acquires)            \
+    F(T, evictions) F(T, evicted_bytes) F(T, hits) F(T, upload_bytes)      \
+    F(T, pin_bytes) F(T, unpin_bytes)
+#define FIELDS_laden_cache_activation(F, T)                                \
+    F(T, mode) F(T, resident_blocks) F(T, streamed_blocks)                 \
+    F(T, evicted_models) F(T, upload_bytes) F(T, kept_bytes)               \
+    F(T, reused_bytes) F(T, slot_bytes) F(T, evicted_bytes)                \
+    F(T, pinned_bytes) F(T, unpinned_bytes) F(T, pin_failed)               \
+    F(T, offloaded_blocks)
+#define FIELDS_laden_plan_input(F, T)                                      \
+    F(T, nblocks) F(T, block_bytes) F(T, asked) F(T, block_flags)          \
+    F(T, rest_bytes) F(T, vram_free_bytes) F(T, max_vram_bytes)            \
+    F(T, reserve_bytes) F(T, ram_total_bytes) F(T, ram_free_bytes)         \
+    F(T, ram_budget_bytes) F(T, min_free_ram_bytes) F(T, resident_blocks)  \
+    F(T, lookahead) F(T, disk_staging) F(T, host_device)                   \
+    F(T, h2d_bytes_per_s) F(T, disk_bytes_per_s)
+#define FIELDS_laden_plan_result(F, T)                                     \
+    F(T, vram_avail_bytes) F(T, ram_avail_bytes) F(T, min_free_ram_bytes)  \
+    F(T, ram_limit_bytes) F(T, gpu_bytes) F(T, ram_bytes) F(T, disk_bytes) \
+    F(T, slot_bytes) F(T, nslots) F(T, staging_bytes)                      \
+    F(T, vram_used_bytes) F(T, ram_used_bytes) F(T, predicted_ms)          \
+    F(T, warnings)
+#define FIELDS_laden_host_stats(F, T)                                      \
+    F(T, budget_bytes) F(T, in_use_bytes) F(T, cached_bytes)               \
+    F(T, peak_bytes) F(T, allocs) F(T, reuses) F(T, pins) F(T, unpins)
+
+typedef struct abi_field {
+    const char *name;
+    uint64_t offset_bytes, size_bytes;
+} abi_field;
+
+typedef struct abi_struct {
+    const char *name;
+    uint64_t size_bytes;
+    const abi_field *fields;
+    uint32_t nfields;
+} abi_struct;
+
+#define FIELD(T, f) \
+    {#f, offsetof(struct T, f), sizeof(((struct T *)0)->f)},
+#define FIELD_TABLE(T) static const abi_field T##_fields[] = {FIELDS_##T(FIELD, T)};
+ABI_STRUCTS(FIELD_TABLE)
+#undef FIELD_TABLE
+#undef FIELD
+
+#define STRUCT_ENTRY(T) \
+    {#T, sizeof(struct T), T##_fields, (uint32_t)LADEN__ARRAY_LEN(T##_fields)},
+static const abi_struct abi_structs[] = {ABI_STRUCTS(STRUCT_ENTRY)};
+#undef STRUCT_ENTRY
+
+static const abi_struct *find(const char *name)
+{
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(abi_structs); i++)
+        if (strcmp(abi_structs[i].name, name) == 0)
+            return &abi_structs[i];
+    return NULL;
+}
+
+const char *laden_abi_struct_name(uint32_t i)
+{
+    return i < LADEN__ARRAY_LEN(abi_structs) ? abi_structs[i].name : NULL;
+}
+
+laden_status laden_abi_struct(const char *name, uint64_t *size_bytes,
+                              uint32_t *nfields)
+{
+    if (size_bytes)
+        *size_bytes = 0;
+    if (nfields)
+        *nfields = 0;
+    if (!name || !size_bytes || !nfields)
+        return laden__fail(LADEN_E_INVAL, "laden_abi_struct: NULL argument");
+    const abi_struct *s = find(name);
+    if (!s)
+        return laden__fail(LADEN_E_NOTFOUND,
+                           "laden_abi_struct: no struct '%s' is described "
+                           "(names are C tags, such as laden_plan_input)",
+                           name);
+    *size_bytes = s->size_bytes;
+    *nfields = s->nfields;
+    return LADEN_OK;
+}
+
+laden_status laden_abi_field(const char *struct_name, uint32_t i,
+                             const char **field_name, uint64_t *offset_bytes,
+                             uint64_t *size_bytes)
+{
+    if (field_name)
+        *field_name = NULL;
+    if (offset_bytes)
+        *offset_bytes = 0;
+    if (size_bytes)
+        *size_bytes = 0;
+    if (!struct_name || !field_name || !offset_bytes || !size_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_abi_field: NULL argument");
+    const abi_struct *s = find(struct_name);
+    if (!s)
+        return laden__fail(LADEN_E_NOTFOUND,
+                           "laden_abi_field: no struct '%s' is described",
+                           struct_name);
+    if (i >= s->nfields)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_abi_field: %s has %u fields, asked for "
+                           "field %u",
+                           s->name, s->nfields, i);
+    *field_name = s->fields[i].name;
+    *offset_bytes = s->fields[i].offset_bytes;
+    *size_bytes = s->fields[i].size_bytes;
+    return LADEN_OK;
+}

@@ -1,0 +1,481 @@
+/* A schedule's life around its use: created, described (blocks and
+ * their tensors), planned (each AUTO block's tier), destroyed. */
+#define _POSIX_C_SOURCE 200809L /* strdup */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "stream_internal.h"
+
+laden_status laden_sched_create(const laden_sched_config *cfg,
+                                const laden_st_t *st, laden_sched_t **out)
+{
+    laden_status s;
+    laden_dev_info_t info;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_create: out is NULL");
+    *out = NULL;
+    if (!cfg)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_create: NULL config");
+    if ((s = laden_dev_info(cfg->device, &info)))
+        return s;
+    laden_sched_t *sc = calloc(1, sizeof *sc);
+    if (!sc)
+        return laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
+    sc->cfg = *cfg;
+    if (sc->cfg.lookahead == 0)
+        sc->cfg.lookahead = LADEN_LOOKAHEAD_DEFAULT;
+    if (sc->cfg.lookahead > LADEN_LOOKAHEAD_MAX) {
+        free(sc);
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most %u",
+                           cfg->lookahead, LADEN_LOOKAHEAD_MAX);
+    }
+    sc->cuda = info.kind == LADEN_DEV_KIND_CUDA;
+    sc->cache = (cfg->flags & LADEN_SCHED_CACHE) != 0;
+    if (cfg->flags & ~LADEN_SCHED_CACHE) {
+        free(sc);
+        return laden__fail(LADEN_E_INVAL, "unknown schedule flags 0x%x",
+                           cfg->flags);
+    }
+    sc->io = cfg->io;
+    if (!sc->io) {
+        if ((s = laden_io_create(NULL, &sc->io)))
+            goto fail;
+        sc->own_io = true;
+    }
+    sc->nfiles = st ? (uint32_t)laden_st_file_count(st) : 0;
+    sc->files = calloc(sc->nfiles ? sc->nfiles : 1, sizeof *sc->files);
+    if (!sc->files) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < sc->nfiles; i++)
+        if ((s = laden_st_file_open(st, i, &sc->files[i])))
+            goto fail;
+    if ((s = laden_host_create(cfg->device, cfg->ram_budget_bytes, &sc->host)))
+        goto fail;
+    *out = sc;
+    return LADEN_OK;
+fail:
+    laden_sched_destroy(sc);
+    return s;
+}
+
+/* Block b's bytes as laid out: its tensors in order, each aligned to ALIGN
+ * for any kernel.  place: also records each tensor's offset.  The one
+ * rule for a block's size, before load (planning) and at load. */
+uint64_t laden__sched_pack(blk *b, bool place)
+{
+    uint64_t off = 0;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        off = (off + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        if (place)
+            b->t[k].dst_off = off;
+        off += b->t[k].dst_bytes;
+    }
+    return off;
+}
+
+/* LADEN_OK if tensor r can stream from disk: the disk tier reads the file
+ * as it is, so neither a conversion nor host memory can be there. */
+laden_status laden__sched_disk_check(const tref *r)
+{
+    if (laden__sched_as_stored(r))
+        return LADEN_OK;
+    if (r->host)
+        return laden__fail(LADEN_E_INVAL,
+                           "a tensor from host memory cannot be on the disk "
+                           "tier");
+    return laden__fail(LADEN_E_INVAL,
+                       "tensor '%.200s' is %s in the checkpoint and cannot "
+                       "be stored as %s on the disk tier, which reads the "
+                       "file as it is; put its block in RAM or keep its "
+                       "dtype",
+                       r->name, laden_dtype_name(r->src),
+                       laden_dtype_name(r->dst));
+}
+
+/* An input of the plan changed: the blocks the planner placed are its
+ * again (a plan of another description could break the budgets). */
+void laden__sched_unplan(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (sc->b[i].asked == LADEN_TIER_AUTO)
+            sc->b[i].tier = LADEN_TIER_AUTO;
+}
+
+static laden_status grow_block(blk *b)
+{
+    if (b->nt < b->cap)
+        return LADEN_OK;
+    uint32_t n = b->cap ? b->cap * 2 : 8;
+    tref *r = realloc(b->t, n * sizeof *r);
+    if (!r)
+        return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+    b->t = r;
+    b->cap = n;
+    return LADEN_OK;
+}
+
+/* Appends tensor r (its name borrowed, copied here) to block `block`. */
+static laden_status push_tensor(laden_sched_t *sc, uint32_t block,
+                                const tref *r, uint32_t *out)
+{
+    blk *b = &sc->b[block];
+    laden_status s;
+    uint64_t end;
+    if (b->asked == LADEN_TIER_DISK && (s = laden__sched_disk_check(r)))
+        return s;
+    if (!laden__add_u64(laden__sched_pack(b, false), ALIGN + r->dst_bytes,
+                        &end))
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': block %u's size overflows",
+                           r->name, block);
+    if ((s = grow_block(b)))
+        return s;
+    tref *t = &b->t[b->nt];
+    *t = *r;
+    if (!(t->name = strdup(r->name)))
+        return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
+    *out = b->nt++;
+    laden__sched_unplan(sc);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
+                                    uint32_t *out)
+{
+    if (out)
+        *out = 0;
+    if (!sc || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_add_block: NULL");
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE, "blocks cannot be added after load");
+    if (tier < LADEN_TIER_AUTO || tier > LADEN_TIER_VRAM)
+        return laden__fail(LADEN_E_INVAL, "unknown tier %d", (int)tier);
+    if (sc->cache && tier != LADEN_TIER_RAM)
+        return laden__fail(LADEN_E_INVAL,
+                           "a cache schedule keeps every block on the RAM "
+                           "tier (residency is set after load)");
+    if (sc->nb == sc->bcap) {
+        uint32_t n = sc->bcap ? sc->bcap * 2 : 16;
+        blk *b = realloc(sc->b, n * sizeof *b);
+        if (!b)
+            return laden__fail(LADEN_E_NOMEM, "out of memory adding a block");
+        sc->b = b;
+        sc->bcap = n;
+    }
+    laden__sched_unplan(sc);
+    memset(&sc->b[sc->nb], 0, sizeof sc->b[0]);
+    sc->b[sc->nb].tier = sc->b[sc->nb].asked = tier;
+    sc->b[sc->nb].pos = -1;
+    *out = sc->nb++;
+    return LADEN_OK;
+}
+
+/* Checkpoint tensor t stored as dtype: its reference, or why not. */
+static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
+                               tref *r)
+{
+    uint64_t nelem = 1;
+    for (uint32_t d = 0; d < t->ndim; d++)
+        nelem *= t->shape[d]; /* validated by st: cannot overflow */
+    bool quantize =
+        dtype == LADEN_DTYPE_F8_E4M3 && laden__convertible(t->dtype);
+    if (quantize && t->ndim < 1)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': fp8 storage needs at least one "
+                           "dimension (one scale per row)",
+                           t->name);
+    if (dtype != t->dtype && !quantize &&
+        (!laden__decodable(t->dtype) || !laden__convertible(dtype)))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': cannot store %s as %s (F32, "
+                           "F16 and BF16 convert)",
+                           t->name, laden_dtype_name(t->dtype),
+                           laden_dtype_name(dtype) ? laden_dtype_name(dtype)
+                                                   : "?");
+    memset(r, 0, sizeof *r);
+    r->file = t->file_index;
+    r->off = t->offset_bytes;
+    r->src_bytes = t->size_bytes;
+    r->src = t->dtype;
+    r->dst = dtype;
+    r->nelem = nelem;
+    r->dst_bytes = dtype == t->dtype ? t->size_bytes
+                                     : nelem * (laden_dtype_bits(dtype) / 8);
+    if (quantize) {
+        /* e4m3 data, then one float32 scale per row, 16-byte aligned. */
+        r->rows = t->shape[0];
+        r->dst_bytes = ((nelem + 15) & ~(uint64_t)15) + 4 * r->rows;
+    }
+    r->name = t->name;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
+                                     const laden_st_t *st, size_t st_index,
+                                     laden_dtype dtype, uint32_t *out)
+{
+    laden_st_tensor_t t;
+    laden_status s;
+    tref r;
+    if (out)
+        *out = 0;
+    if (!sc || !st || !out || block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_add_tensor: bad schedule or block");
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if ((s = laden_st_tensor_at(st, st_index, &t)))
+        return s;
+    if (t.file_index >= sc->nfiles)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is from another checkpoint",
+                           t.name);
+    if ((s = tensor_ref(&t, dtype, &r)))
+        return s;
+    return push_tensor(sc, block, &r, out);
+}
+
+laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                          const void *src, laden_dtype sdt,
+                                          uint64_t n, laden_dtype dtype,
+                                          uint32_t *out)
+{
+    uint64_t bits, dbits;
+    if (out)
+        *out = 0;
+    if (!sc || !out || block >= sc->nb || (!src && n))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_add_host_tensor: bad argument");
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if (!laden_dtype_bits(sdt) || !laden_dtype_bits(dtype) ||
+        (sdt != dtype &&
+         (!laden__convertible(sdt) || !laden__convertible(dtype))))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "cannot store %s as %s (F32, F16 and BF16 convert)",
+                           laden_dtype_name(sdt) ? laden_dtype_name(sdt) : "?",
+                           laden_dtype_name(dtype) ? laden_dtype_name(dtype)
+                                                   : "?");
+    if (!laden__mul_u64(n, laden_dtype_bits(sdt), &bits) || bits % 8 ||
+        !laden__mul_u64(n, laden_dtype_bits(dtype), &dbits))
+        return laden__fail(LADEN_E_INVAL, "bad element count %llu",
+                           (unsigned long long)n);
+    tref r = {.host = src, .src_bytes = bits / 8, .src = sdt, .dst = dtype,
+              .nelem = n, .dst_bytes = dbits / 8, .name = "<host tensor>"};
+    return push_tensor(sc, block, &r, out);
+}
+
+/* ---- planning ----------------------------------------------------------- */
+
+/* The planner's inputs for the schedule's blocks, in one allocation. */
+typedef struct plan_arrays {
+    uint64_t *bytes;
+    int32_t *asked, *tiers, *why;
+    uint8_t *flags;
+} plan_arrays;
+
+/* 1 if block b cannot stream from disk (LADEN_PLAN_BLOCK_NO_DISK). */
+static bool no_disk(const blk *b)
+{
+    for (uint32_t k = 0; k < b->nt; k++)
+        if (!laden__sched_as_stored(&b->t[k]))
+            return true;
+    return false;
+}
+
+/* The tier the planner is asked for block b.  A VRAM-tier block is asked
+ * resident: it was chosen for the device, and is counted there (the
+ * budget it is planned in is the one it should fit; the VRAM context
+ * decides at load, and the slots are charged for it in case it streams). */
+static int32_t asked_of(const blk *b)
+{
+    switch (b->asked) {
+    case LADEN_TIER_AUTO:
+        return LADEN_PLAN_FREE;
+    case LADEN_TIER_VRAM:
+        return LADEN_TIER_GPU;
+    default:
+        return b->asked;
+    }
+}
+
+static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
+{
+    size_t n = sc->nb ? sc->nb : 1;
+    a->bytes = calloc(n, sizeof *a->bytes);
+    a->asked = calloc(3 * n, sizeof *a->asked);
+    a->flags = calloc(n, sizeof *a->flags);
+    if (!a->bytes || !a->asked || !a->flags)
+        return laden__fail(LADEN_E_NOMEM, "out of memory planning");
+    a->tiers = a->asked + n;
+    a->why = a->tiers + n;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        a->bytes[i] = laden__sched_pack(b, false);
+        a->asked[i] = asked_of(b);
+        a->flags[i] = no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0;
+    }
+    return LADEN_OK;
+}
+
+static void plan_arrays_free(plan_arrays *a)
+{
+    free(a->bytes);
+    free(a->asked);
+    free(a->flags);
+}
+
+/* Caps in->vram_free_bytes at the room of the schedule's VRAM context, if
+ * it has a budget: what the other users of the budget have not pinned or
+ * charged.  *room gets it (UINT64_MAX: no cap). */
+static laden_status cap_vram(laden_sched_t *sc, laden_plan_input *in,
+                             uint64_t *room)
+{
+    laden_vram_info_t vi;
+    laden_status s;
+    *room = UINT64_MAX;
+    if (!sc->vram)
+        return LADEN_OK;
+    if ((s = laden_vram_info(sc->vram, &vi)))
+        return s;
+    if (!vi.budget_bytes)
+        return LADEN_OK;
+    uint64_t used = vi.pinned_bytes + vi.charged_bytes;
+    *room = vi.budget_bytes > used ? vi.budget_bytes - used : 0;
+    if (in->vram_free_bytes > *room)
+        in->vram_free_bytes = *room;
+    return LADEN_OK;
+}
+
+/* Each AUTO block takes its planned tier: on the device in the VRAM
+ * context (if it has room at load) when it has one. */
+static void apply_plan(laden_sched_t *sc, const plan_arrays *a, int32_t *why)
+{
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (b->asked == LADEN_TIER_AUTO)
+            b->tier = a->tiers[i] == LADEN_TIER_GPU && sc->vram
+                          ? LADEN_TIER_VRAM
+                          : (laden_tier)a->tiers[i];
+        if (why)
+            why[i] = a->why[i];
+    }
+}
+
+static laden_status plan_arg(laden_sched_t *sc, const laden_plan_input *in)
+{
+    if (!sc || !in)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_plan: NULL");
+    if (sc->cache)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_plan: a cache schedule's residency is "
+                           "decided by its cache, not planned");
+    if (sc->loaded || sc->laid_out || sc->broken)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_plan: the schedule is loaded; plan "
+                           "before load");
+    if (in->lookahead > LADEN_LOOKAHEAD_MAX)
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most %u",
+                           in->lookahead, LADEN_LOOKAHEAD_MAX);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_plan(laden_sched_t *sc,
+                               const laden_plan_input *budgets, int32_t *why,
+                               laden_plan_result *out)
+{
+    laden_plan_result res;
+    plan_arrays a = {0};
+    uint64_t room;
+    laden_status s = plan_arg(sc, budgets);
+    if (!out)
+        out = &res;
+    memset(out, 0, sizeof *out);
+    if (s)
+        return s;
+    laden_plan_input in = *budgets;
+    if ((s = plan_arrays_new(sc, &a)) || (s = cap_vram(sc, &in, &room)))
+        goto done;
+    in.nblocks = sc->nb;
+    in.block_bytes = a.bytes;
+    in.asked = a.asked;
+    in.block_flags = a.flags;
+    in.rest_bytes = 0;
+    if (!in.lookahead)
+        in.lookahead = sc->cfg.lookahead;
+    in.disk_staging = sc->cuda && budgets->disk_staging;
+    in.host_device = !sc->cuda;
+    s = laden_plan_compute(&in, a.tiers, a.why, out);
+    if (s == LADEN_E_BUDGET && room != UINT64_MAX)
+        laden__error_prefix("the VRAM context has room for %s",
+                            laden__bytes(room).s);
+    if (!s)
+        apply_plan(sc, &a, why);
+done:
+    plan_arrays_free(&a);
+    return s;
+}
+
+/* ---- destroy ------------------------------------------------------------ */
+
+void laden__sched_free_all(laden_sched_t *sc)
+{
+    laden__sched_free_slots(sc);
+    if (sc->fenced)
+        laden_dev_event_synchronize(sc->last_use);
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
+            !sc->vbar)
+            laden_dev_mem_free(sc->cfg.device, b->region);
+        if (b->ram && sc->cache) {
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+            munmap(b->ram, b->ram_len);
+        } else if (b->ram) {
+            laden_host_free(sc->host, b->ram);
+        }
+        b->region = 0;
+        b->ram = NULL;
+        b->resident = b->pinned = false;
+    }
+    laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
+    sc->vbar = NULL;
+    laden_dev_stream_destroy(sc->copy);
+    sc->copy = NULL;
+    laden_dev_event_destroy(sc->uploaded);
+    laden_dev_event_destroy(sc->last_use);
+    sc->uploaded = sc->last_use = NULL;
+    sc->fenced = false;
+    free(sc->order);
+    sc->order = NULL;
+    laden_host_trim(sc->host);
+}
+
+void laden_sched_destroy(laden_sched_t *sc)
+{
+    if (!sc)
+        return;
+    /* Kernels of the model may still read its weights and slots (the
+     * caller dropped it right after enqueueing a forward); VBAR pages are
+     * unmapped without the implicit wait of a device free. */
+    if (sc->cuda && sc->compute)
+        laden_dev_stream_synchronize(sc->compute);
+    laden__sched_free_all(sc);
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        for (uint32_t k = 0; k < sc->b[i].nt; k++)
+            free((char *)sc->b[i].t[k].name);
+        free(sc->b[i].t);
+    }
+    free(sc->b);
+    for (uint32_t i = 0; i < sc->nfiles && sc->files; i++)
+        laden_io_file_close(sc->files[i]);
+    free(sc->files);
+    laden_host_destroy(sc->host);
+    if (sc->own_io)
+        laden_io_destroy(sc->io);
+    free(sc);
+}

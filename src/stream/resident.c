@@ -1,0 +1,367 @@
+/* Cache schedules (LADEN_SCHED_CACHE): each block's host copy in pageable
+ * memory of its own, pinned in place on demand, and a device copy per
+ * block given and taken away while stopped, in a VBAR of the schedule's
+ * VRAM context or allocated.  Also the VRAM context of any schedule. */
+#include <stdlib.h>
+
+#include "stream_internal.h"
+
+static laden_status cache_block(laden_sched_t *sc, uint32_t block,
+                                const char *call, blk **out)
+{
+    laden_status s = laden__sched_check_block(sc, block, call);
+    if (s)
+        return s;
+    if (!sc->cache)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: only for schedules created with "
+                           "LADEN_SCHED_CACHE",
+                           call);
+    *out = &sc->b[block];
+    return LADEN_OK;
+}
+
+/* Gives b a device copy and starts its upload.  In a VBAR: faults b's
+ * range in and copies only if its pages were replaced since it was last
+ * written, or LADEN_E_BUDGET if the range is offloaded (the caller
+ * streams the block).  Otherwise in `given` (0: allocated here). */
+static laden_status make_resident(laden_sched_t *sc, blk *b,
+                                  laden_devptr_t given)
+{
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    bool copy = b->bytes != 0;
+    uint64_t sig = 0;
+    if (b->bytes && sc->vbar) {
+        int res;
+        if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
+            return s;
+        if (!res)
+            return laden__fail(LADEN_E_BUDGET,
+                               "block of %s is offloaded: the VRAM budget has "
+                               "no room for it (it streams)",
+                               laden__bytes(b->bytes).s);
+        b->region = sc->vbar_base + b->voff;
+        copy = sig != b->sig;
+    } else if (b->bytes) {
+        b->region = given;
+        if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
+            b->region = 0;
+            return s;
+        }
+    }
+    if (copy && ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
+                                         b->bytes)) ||
+                 (s = laden_dev_event_record(sc->uploaded, sc->copy)))) {
+        laden_dev_stream_synchronize(sc->copy);
+        if (sc->vbar)
+            laden_vbar_unpin(sc->vbar, b->voff, b->bytes);
+        else if (!given)
+            laden_dev_mem_free(dev, b->region);
+        b->region = 0;
+        return s;
+    }
+    if (copy) {
+        b->sig = sig;
+        sc->st.upload_bytes += b->bytes;
+        sc->st.h2d_bytes += b->bytes;
+    }
+    b->resident = true;
+    sc->st.resident_bytes += b->bytes;
+    sc->st.device_bytes += b->bytes;
+    laden__sched_relayout(sc);
+    return LADEN_OK;
+}
+
+/* Takes b's device copy away once its last users are done: freed, or
+ * handed to the caller in *taken. */
+static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
+{
+    laden_status s;
+    /* Its last users: the model's work (fence) and the upload. */
+    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+        (s = laden_dev_event_synchronize(sc->uploaded)))
+        return s;
+    if (sc->vbar) {
+        /* Unpinned, not freed: the pages stay until the budget needs
+         * them, and a later fault with the same signature copies nothing. */
+        if (b->bytes && (s = laden_vbar_unpin(sc->vbar, b->voff, b->bytes)))
+            return s;
+        if (taken)
+            *taken = 0;
+    } else if (taken) {
+        *taken = b->region;
+    } else {
+        laden_dev_mem_free(sc->cfg.device, b->region);
+    }
+    b->region = 0;
+    b->resident = false;
+    sc->st.resident_bytes -= b->bytes;
+    sc->st.device_bytes -= b->bytes;
+    laden__sched_relayout(sc);
+    return LADEN_OK;
+}
+
+static laden_status residency_arg(laden_sched_t *sc, uint32_t block,
+                                  const char *call, blk **b)
+{
+    laden_status s = cache_block(sc, block, call, b);
+    if (s)
+        return s;
+    if (sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: stop the schedule first (its slots are laid "
+                           "out for the blocks that stream)",
+                           call);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_set_resident(laden_sched_t *sc, uint32_t block,
+                                       int on)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_sched_set_resident", &b);
+    if (s || (on != 0) == b->resident)
+        return s;
+    if ((s = residency_arg(sc, block, "laden_sched_set_resident", &b)))
+        return s;
+    return on ? make_resident(sc, b, 0) : unreside(sc, b, NULL);
+}
+
+laden_status laden__sched_take_resident(laden_sched_t *sc, uint32_t block,
+                                        laden_devptr_t *out_ptr,
+                                        uint64_t *out_bytes)
+{
+    blk *b = NULL;
+    if (out_ptr)
+        *out_ptr = 0;
+    if (out_bytes)
+        *out_bytes = 0;
+    if (!out_ptr || !out_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_take_resident: NULL");
+    laden_status s = residency_arg(sc, block, "laden_sched_take_resident",
+                                   &b);
+    if (s || !b->resident)
+        return s;
+    uint64_t n = b->bytes;
+    if ((s = unreside(sc, b, out_ptr)))
+        return s;
+    *out_bytes = n;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_set_resident_at(laden_sched_t *sc, uint32_t block,
+                                          laden_devptr_t ptr, uint64_t bytes)
+{
+    blk *b = NULL;
+    laden_status s = residency_arg(sc, block, "laden_sched_set_resident_at",
+                                   &b);
+    if (s)
+        return s;
+    if (b->resident || sc->vbar)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_set_resident_at: block %u %s",
+                           block, sc->vbar ? "lives in a VBAR"
+                                           : "has a device copy already");
+    if (bytes != b->bytes || (!ptr && bytes))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_set_resident_at: block %u needs a "
+                           "region of exactly %s, got %s",
+                           block, laden__bytes(b->bytes).s,
+                           laden__bytes(bytes).s);
+    return make_resident(sc, b, ptr);
+}
+
+static laden_status vram_arg(laden_sched_t *sc, laden_vram_t *vram)
+{
+    laden_vram_info_t vi;
+    laden_status s;
+    if (!vram)
+        return LADEN_OK;
+    if ((s = laden_vram_info(vram, &vi)))
+        return s;
+    if (vi.device != sc->cfg.device)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_use_vram: the context is for "
+                           "device %d, the schedule for %d",
+                           vi.device, sc->cfg.device);
+    return LADEN_OK;
+}
+
+/* A streaming schedule's context: its blocks are placed at load, and the
+ * context's room is an input of the plan. */
+static laden_status use_vram_streaming(laden_sched_t *sc, laden_vram_t *vram)
+{
+    laden_status s;
+    if (sc->loaded || sc->broken || sc->laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_use_vram: a schedule without "
+                           "LADEN_SCHED_CACHE takes its context before "
+                           "load");
+    if ((s = vram_arg(sc, vram)))
+        return s;
+    if (sc->vram != vram)
+        laden__sched_unplan(sc);
+    sc->vram = vram;
+    return LADEN_OK;
+}
+
+/* A cache schedule's blocks each get a range of a new VBAR in vram. */
+static laden_status use_vram_cache(laden_sched_t *sc, laden_vram_t *vram)
+{
+    laden_status s;
+    laden_vbar_t *v = NULL;
+    laden_devptr_t base = 0;
+    if (vram) {
+        uint64_t total = 0;
+        for (uint32_t i = 0; i < sc->nb; i++)
+            total += (sc->b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        if ((s = laden__sched_new_vbar(vram, total, &v, &base)))
+            return s;
+        for (uint32_t i = 0; i < sc->nb; i++) {
+            laden_vbar_alloc(v, sc->b[i].bytes, &sc->b[i].voff); /* sized so */
+            sc->b[i].sig = 0;
+        }
+    }
+    laden_vbar_destroy(sc->vbar);
+    sc->vbar = v;
+    sc->vram = vram;
+    sc->vbar_base = base;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_use_vram(laden_sched_t *sc, laden_vram_t *vram)
+{
+    laden_status s;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_use_vram: NULL");
+    if (!sc->cache)
+        return use_vram_streaming(sc, vram);
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "laden_sched_use_vram: a cache "
+                           "schedule takes its context once loaded");
+    if (sc->started || sc->st.resident_bytes)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_use_vram: the schedule holds device "
+                           "memory; give it all back first");
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (sc->b[i].resident)
+            return laden__fail(LADEN_E_STATE,
+                               "laden_sched_use_vram: block %u is resident",
+                               i);
+    if ((s = vram_arg(sc, vram)))
+        return s;
+    return use_vram_cache(sc, vram);
+}
+
+laden_status laden__sched_reserve_vram(laden_sched_t *sc,
+                                       const uint8_t *want, uint32_t n)
+{
+    laden_status s;
+    if (!sc || (!want && n))
+        return laden__fail(LADEN_E_INVAL, "laden_sched_reserve_vram: NULL");
+    if (!sc->cache || !sc->vbar)
+        return LADEN_OK; /* nothing is faulted: nothing to prepare */
+    if (n != sc->nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_reserve_vram: %u flags for %u "
+                           "blocks",
+                           n, sc->nb);
+    laden_vbar_info_t vi;
+    laden_vram_info_t ci;
+    if ((s = laden_vbar_info(sc->vbar, &vi)) ||
+        (s = laden_vram_info(sc->vram, &ci)))
+        return s;
+    if (!ci.budget_bytes)
+        return LADEN_OK;
+    uint64_t page = ci.page_bytes;
+    uint32_t np = (uint32_t)((vi.size_bytes + page - 1) / page), got = 0;
+    uint8_t *state = malloc(np ? np : 1);
+    if (!state)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    if ((s = laden_vbar_residency(sc->vbar, state, np, &got))) {
+        free(state);
+        return s;
+    }
+    /* The pages the wanted blocks lack, each counted once (the blocks'
+     * ranges ascend). */
+    uint64_t need = 0;
+    int64_t last = -1;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (!want[i] || b->resident || !b->bytes)
+            continue;
+        int64_t p0 = (int64_t)(b->voff / page);
+        int64_t p1 = (int64_t)((b->voff + b->bytes - 1) / page);
+        for (int64_t p = p0 > last ? p0 : last + 1; p <= p1 && p < got; p++)
+            if (!state[p])
+                need += page;
+        if (p1 > last)
+            last = p1;
+    }
+    free(state);
+    return need ? laden_vram_make_room(sc->vram, need) : LADEN_OK;
+}
+
+laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_sched_pin", &b);
+    if (s)
+        return s;
+    if ((on != 0) == b->pinned || !b->ram)
+        return LADEN_OK;
+    if (on) {
+        s = laden_dev_host_register(sc->cfg.device, b->ram, b->ram_len);
+    } else {
+        /* Copies from it may be in flight (uploads, slots). */
+        if ((s = laden_dev_stream_synchronize(sc->copy)))
+            return s;
+        s = laden_dev_host_unregister(sc->cfg.device, b->ram);
+    }
+    if (s)
+        return s;
+    b->pinned = on != 0;
+    if (on)
+        sc->st.registered_bytes += b->bytes;
+    else
+        sc->st.registered_bytes -= b->bytes;
+    return LADEN_OK;
+}
+
+/* LADEN_OK for a loaded cache schedule, else the error naming `call`. */
+static laden_status loaded_cache(laden_sched_t *sc, const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (!sc->cache || !sc->loaded)
+        return laden__fail(LADEN_E_STATE, "%s: not a loaded cache schedule",
+                           call);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle)
+{
+    laden_status s = loaded_cache(sc, "laden_sched_ready");
+    if (s)
+        return s;
+    if (!sc->cuda)
+        return laden_dev_event_synchronize(sc->uploaded);
+    if ((s = laden__sched_compute_stream(sc, handle)))
+        return s;
+    return laden_dev_stream_wait_event(sc->compute, sc->uploaded);
+}
+
+laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle)
+{
+    laden_status s = loaded_cache(sc, "laden_sched_fence");
+    if (s)
+        return s;
+    if (!sc->cuda)
+        return LADEN_OK; /* the CPU's work is done when it returns */
+    if ((s = laden__sched_compute_stream(sc, handle)) ||
+        (s = laden_dev_event_record(sc->last_use, sc->compute)))
+        return s;
+    sc->fenced = true;
+    return LADEN_OK;
+}

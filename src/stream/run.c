@@ -1,0 +1,447 @@
+/* Running a schedule: the slots its streamed blocks run from, the
+ * prefetch ahead of the block running, start and stop.
+ *
+ * Slots: streamed block at schedule position p always runs from slot
+ * p % nslots.  A slot remembers which block's bytes it holds (or is
+ * receiving); a prefetch for the block already there costs nothing, so
+ * repeated forwards over a model that fits in the slots copy nothing.
+ *
+ * Ordering on CUDA, never a host synchronize in the steady state:
+ *   copy stream:    wait(slot.free) -> H2D into slot -> record(slot.ready)
+ *   compute stream: wait(slot.ready) -> block's kernels -> record(slot.free)
+ * Disk blocks are first read by the reader pool into the slot's pinned
+ * staging buffer; the H2D is enqueued once the reads have finished, which
+ * enter/exit notice by polling (or, for the block about to run, by waiting).
+ * Before a staging buffer is refilled the host waits for the event recorded
+ * after its last H2D, which finished a lookahead ago in the steady state. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "stream_internal.h"
+
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
+{
+    if (b->resident)
+        return false;
+    return b->tier == LADEN_TIER_DISK ||
+           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache));
+}
+
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc)
+{
+    sc->nstreamed = 0;
+    sc->slot_bytes = 0;
+    sc->any_disk = false;
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        b->pos = -1;
+        if (!laden__sched_streamed(sc, b))
+            continue;
+        b->pos = (int32_t)sc->nstreamed;
+        sc->order[sc->nstreamed++] = i;
+        if (b->bytes > sc->slot_bytes)
+            sc->slot_bytes = b->bytes;
+        sc->any_disk |= b->tier == LADEN_TIER_DISK;
+    }
+    sc->st.generation++;
+}
+
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
+{
+    laden_status s;
+    if (!sc->vram || want == sc->slot_charge)
+        return LADEN_OK;
+    if (want < sc->slot_charge) {
+        laden_vram_uncharge(sc->vram, sc->slot_charge - want);
+        sc->slot_charge = want;
+        return LADEN_OK;
+    }
+    if ((s = laden_vram_charge(sc->vram, want - sc->slot_charge))) {
+        laden__error_prefix("slots of %s", laden__bytes(want).s);
+        return s;
+    }
+    sc->slot_charge = want;
+    return LADEN_OK;
+}
+
+/* Frees the slots and staging, after their copies and reads. */
+void laden__sched_free_slots(laden_sched_t *sc)
+{
+    if (sc->copy)
+        laden_dev_stream_synchronize(sc->copy);
+    if (!sc->slots)
+        sc->nslots = 0;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        for (uint32_t k = 0; k < sl->nreqs; k++)
+            laden_io_wait(sc->io, sl->reqs[k]);
+        sl->nreqs = 0;
+        free(sl->reqs);
+        laden_dev_event_destroy(sl->ready);
+        laden_dev_event_destroy(sl->free);
+        laden_dev_event_destroy(sl->staging_free);
+        laden_dev_mem_free(sc->cfg.device, sl->ptr);
+        if (sl->staging)
+            laden_host_free(sc->host, sl->staging);
+    }
+    free(sc->slots);
+    sc->slots = NULL;
+    sc->nslots = 0;
+    laden__sched_charge_slots(sc, 0);
+    laden_dev_stream_destroy(sc->compute);
+    sc->compute = NULL;
+    if (sc->started)
+        sc->st.generation++;
+    sc->started = false;
+    laden_host_trim(sc->host);
+}
+
+/* Checks a (block, tensor) argument of a loaded schedule. */
+static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
+                               bool have_out, const char *call)
+{
+    if (!sc || !have_out || block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL, "%s: bad block or tensor", call);
+    if (!sc->loaded && !(sc->cache && sc->b[block].filled))
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *out)
+{
+    if (out)
+        *out = 0;
+    laden_status s = tensor_arg(sc, block, i, out != NULL,
+                                "laden_sched_tensor_ptr");
+    if (s)
+        return s;
+    blk *b = &sc->b[block];
+    if (laden__sched_streamed(sc, b) && !sc->started)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u is streamed: its slot exists once the "
+                           "schedule is started",
+                           block);
+    laden_devptr_t base = laden__sched_streamed(sc, b)
+                              ? sc->slots[(uint32_t)b->pos % sc->nslots].ptr
+                              : b->region;
+    *out = base + b->t[i].dst_off;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
+                                   uint32_t i, void **out)
+{
+    if (out)
+        *out = NULL;
+    laden_status s = tensor_arg(sc, block, i, out != NULL,
+                                "laden_sched_host_ptr");
+    if (s)
+        return s;
+    blk *b = &sc->b[block];
+    if (b->ram)
+        *out = (char *)b->ram + b->t[i].dst_off;
+    return LADEN_OK;
+}
+
+/* ---- the hot path ------------------------------------------------------- */
+
+/* Waits for the slot's reads; on success enqueues staging -> slot. */
+static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
+{
+    laden_status s = LADEN_OK, w;
+    for (uint32_t k = 0; k < sl->nreqs; k++)
+        if ((w = laden_io_wait(sc->io, sl->reqs[k])) && !s) {
+            s = w;
+            snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
+        }
+    sl->nreqs = 0;
+    sl->reads_pending = false;
+    if (discard || sl->err)
+        return LADEN_OK; /* a submit failed: the error is reported at enter */
+    if (s) {
+        sl->err = s;
+        return LADEN_OK;
+    }
+    blk *b = &sc->b[sl->block];
+    sc->st.read_bytes += b->bytes;
+    if (!sc->cuda)
+        return LADEN_OK; /* read straight into the slot */
+    if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+        (s = laden_dev_copy_h2d(sc->copy, sl->ptr, sl->staging, b->bytes)) ||
+        (s = laden_dev_event_record(sl->ready, sc->copy)) ||
+        (s = laden_dev_event_record(sl->staging_free, sc->copy)))
+        return s;
+    sc->st.h2d_bytes += b->bytes;
+    return LADEN_OK;
+}
+
+/* Starts putting block bi's bytes into slot sl. */
+static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
+{
+    laden_status s;
+    blk *b = &sc->b[bi];
+    if (sl->reads_pending)
+        finish_reads(sc, sl, true);
+    sl->block = bi;
+    sl->err = LADEN_OK;
+    if (b->tier == LADEN_TIER_RAM) {
+        if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+            (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||
+            (s = laden_dev_event_record(sl->ready, sc->copy))) {
+            sl->block = -1;
+            return s;
+        }
+        sc->st.h2d_bytes += b->bytes;
+        return LADEN_OK;
+    }
+    char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
+    if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free))) {
+        sl->block = -1;
+        return s;
+    }
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
+        s = laden_io_submit(sc->io, sc->files[r->file], r->off, r->src_bytes,
+                            dst + r->dst_off, &sl->reqs[sl->nreqs]);
+        if (s) {
+            sl->err = s;
+            snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
+            break;
+        }
+        sl->nreqs++;
+    }
+    sl->reads_pending = true;
+    return LADEN_OK;
+}
+
+/* Enqueues the copies of disk blocks whose reads have finished. */
+static laden_status poll_reads(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if (!sl->reads_pending)
+            continue;
+        bool all = true;
+        for (uint32_t k = 0; k < sl->nreqs && all; k++) {
+            int done = 0;
+            laden_io_poll(sc->io, sl->reqs[k], &done);
+            all = done != 0;
+        }
+        if (all) {
+            laden_status s = finish_reads(sc, sl, false);
+            if (s)
+                return s;
+        }
+    }
+    return LADEN_OK;
+}
+
+/* Loads the blocks at positions pos..pos+count-1 (cyclically) into their
+ * slots.  A slot wanted by a nearer block of the window is left to it: at
+ * the wrap of the schedule two blocks of one window can share a slot. */
+static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
+                                  uint32_t count)
+{
+    uint64_t claimed = 0;
+    for (uint32_t k = 0; k < count && k < sc->nstreamed; k++) {
+        uint32_t p = (pos + k) % sc->nstreamed;
+        uint32_t bi = sc->order[p];
+        uint32_t si = p % sc->nslots;
+        slot *sl = &sc->slots[si];
+        if (claimed & (1ull << si))
+            break; /* the rest of the window must wait for this slot */
+        claimed |= 1ull << si;
+        if (sl->in_use || sl->block == (int64_t)bi)
+            continue;
+        laden_status s = issue_load(sc, sl, bi);
+        if (s)
+            return s;
+    }
+    return poll_reads(sc);
+}
+
+laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
+{
+    laden_status s = LADEN_OK;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_start: NULL schedule");
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    if (sc->started)
+        return laden__fail(LADEN_E_STATE, "the schedule is already started");
+    if (lookahead > LADEN_LOOKAHEAD_MAX)
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most %u",
+                           lookahead, LADEN_LOOKAHEAD_MAX);
+    if (lookahead)
+        sc->cfg.lookahead = lookahead;
+    int32_t dev = sc->cfg.device;
+    sc->nslots = laden_slot_count(sc->nstreamed, sc->cfg.lookahead);
+    sc->slots = calloc(sc->nslots ? sc->nslots : 1, sizeof *sc->slots);
+    if (!sc->slots) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+        goto fail;
+    }
+    if ((s = laden__sched_charge_slots(sc, (uint64_t)sc->nslots *
+                                       sc->slot_bytes)))
+        goto fail;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        sl->block = -1;
+        sl->reqs = calloc(sc->max_nt ? sc->max_nt : 1, sizeof *sl->reqs);
+        if (!sl->reqs) {
+            s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
+            goto fail;
+        }
+        if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
+                                     &sl->ptr)))
+            goto fail;
+        if ((sc->cuda || sc->cache) &&
+            ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
+             (s = laden_dev_event_create(dev, 0, &sl->free)) ||
+             (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
+            goto fail;
+        if (sc->cuda && sc->any_disk &&
+            (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
+            goto fail;
+    }
+    sc->started = true;
+    sc->st.generation++; /* the slots' addresses */
+    return prefetch_from(sc, 0, sc->nslots);
+fail:
+    laden__sched_free_slots(sc);
+    return s;
+}
+
+laden_status laden__sched_stop(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_stop: NULL schedule");
+    if (!sc->started)
+        return LADEN_OK;
+    if (sc->fenced) {
+        laden_status s = laden_dev_event_synchronize(sc->last_use);
+        if (s)
+            return s;
+    }
+    laden__sched_free_slots(sc);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle)
+{
+    if (sc->compute && sc->compute_handle == handle)
+        return LADEN_OK;
+    laden_dev_stream_destroy(sc->compute);
+    sc->compute = NULL;
+    laden_status s =
+        laden_dev_stream_wrap(sc->cfg.device, handle, &sc->compute);
+    if (!s)
+        sc->compute_handle = handle;
+    return s;
+}
+
+laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
+                                      const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    if (block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
+                           block, sc->nb);
+    return LADEN_OK;
+}
+
+/* The slot a streamed block runs from; *out NULL for a resident block. */
+static laden_status block_slot(laden_sched_t *sc, uint32_t block,
+                               const char *call, slot **out)
+{
+    *out = NULL;
+    laden_status s = laden__sched_check_block(sc, block, call);
+    if (s)
+        return s;
+    blk *b = &sc->b[block];
+    if (!laden__sched_streamed(sc, b))
+        return LADEN_OK;
+    if (!sc->started)
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not started",
+                           call);
+    *out = &sc->slots[(uint32_t)b->pos % sc->nslots];
+    return LADEN_OK;
+}
+
+laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle)
+{
+    slot *sl;
+    laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
+    if (s || !sl)
+        return s;
+    blk *b = &sc->b[block];
+    if (sl->in_use)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u entered while block %lld, which shares "
+                           "its slot, is still running",
+                           block, (long long)sl->block);
+    sc->st.enters++;
+    if (sl->block != (int64_t)block) {
+        sc->st.misses++;
+        if ((s = issue_load(sc, sl, block)))
+            return s;
+    }
+    if (sl->reads_pending && (s = finish_reads(sc, sl, false)))
+        return s;
+    if (sl->err) {
+        s = sl->err;
+        sl->err = LADEN_OK;
+        sl->block = -1; /* the next enter reads again */
+        return laden__fail(s, "%s", sl->errmsg);
+    }
+    if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
+                     (s = laden_dev_stream_wait_event(sc->compute, sl->ready))))
+        return s;
+    if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
+        (s = laden_dev_event_synchronize(sl->ready)))
+        return s; /* the CPU device's copy worker */
+    sl->in_use = true;
+    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
+}
+
+laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
+                               uintptr_t handle)
+{
+    slot *sl;
+    laden_status s = block_slot(sc, block, "laden_sched_exit", &sl);
+    if (s || !sl)
+        return s;
+    blk *b = &sc->b[block];
+    if (!sl->in_use || sl->block != (int64_t)block)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_exit: block %u is not running",
+                           block);
+    sl->in_use = false;
+    if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
+                     (s = laden_dev_event_record(sl->free, sc->compute))))
+        return s;
+    /* The slot just freed may be the one a block ahead needs: when the
+     * schedule's length is not a multiple of nslots, the first blocks of the
+     * next pass share slots with the last of this one. */
+    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
+}
+
+laden_status laden__sched_synchronize(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_synchronize: NULL");
+    for (uint32_t i = 0; i < sc->nslots; i++)
+        if (sc->slots[i].reads_pending)
+            finish_reads(sc, &sc->slots[i], false);
+    return sc->copy ? laden_dev_stream_synchronize(sc->copy) : LADEN_OK;
+}

@@ -1,0 +1,202 @@
+/* The schedule's state, shared by the files of the stream layer:
+ *   build.c     create, describe (add blocks and tensors), plan, destroy
+ *   load.c      lay out, place on the device, read the checkpoint
+ *   run.c       slots, prefetch, enter/exit, start/stop
+ *   resident.c  cache schedules: device copies, pinning, VRAM contexts
+ *   convert.c   dtype conversion
+ *   stream.c    the one-thread guard and the public calls
+ * The laden__sched_* operations below are the public calls' bodies: they
+ * assume the caller holds the schedule (stream.c does).  Not installed. */
+#ifndef LADEN_STREAM_INTERNAL_H
+#define LADEN_STREAM_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "../core/internal.h"
+#include "laden/host.h"
+#include "laden/stream.h"
+#include "laden/vram.h"
+
+/* Each tensor of a block starts at a multiple of this, for any kernel. */
+#define ALIGN 256u
+
+typedef struct tref {
+    uint32_t file;
+    uint64_t off;       /* absolute offset in the file */
+    uint64_t src_bytes;
+    laden_dtype src, dst;
+    uint64_t nelem;
+    uint64_t dst_off;   /* offset in the block's region */
+    uint64_t dst_bytes;
+    const char *name;   /* for messages; copied */
+    const void *host;   /* bytes in host memory instead of a file */
+    uint64_t rows;      /* quantized to F8_E4M3: rows with one scale each */
+} tref;
+
+/* 1 if tensor r is kept as the checkpoint stores it, so that it can be
+ * read straight into a slot: from the file, in the file's dtype. */
+static inline bool laden__sched_as_stored(const tref *r)
+{
+    return !r->host && r->src == r->dst;
+}
+
+typedef struct blk {
+    laden_tier tier;
+    laden_tier asked;      /* as added: LADEN_TIER_AUTO is the planner's */
+    tref *t;
+    uint32_t nt, cap;
+    uint64_t bytes;
+    int32_t pos;           /* schedule position; -1 if not streamed */
+    laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
+                              cache schedules: the block's own device copy */
+    void *ram;             /* RAM tier: pinned region (cache: pageable) */
+    uint64_t ram_len;      /* cache schedules: the mapping's length */
+    bool filled;           /* cache schedules: host copy loaded */
+    bool resident;         /* cache schedules: has a device copy of its own */
+    uint64_t voff;         /* cache schedules with a VBAR: its range there */
+    uint64_t sig;          /* signature of the range when last written */
+    bool pinned;           /* cache schedules: host copy pinned in place */
+} blk;
+
+typedef struct slot {
+    laden_devptr_t ptr;
+    int64_t block; /* whose bytes are here or arriving; -1: none */
+    bool in_use;
+    bool reads_pending;
+    laden_event_t *ready, *free, *staging_free;
+    void *staging;
+    laden_io_req_t **reqs;
+    uint32_t nreqs;
+    laden_status err;
+    char errmsg[512];
+} slot;
+
+struct laden_sched {
+    laden_sched_config cfg;
+    bool cuda, loaded, broken, started;
+    bool any_disk;
+    laden_io_t *io;
+    bool own_io;
+    laden_io_file_t **files;
+    uint32_t nfiles;
+    blk *b;
+    uint32_t nb, bcap;
+    uint32_t *order; /* position -> block */
+    uint32_t nstreamed;
+    slot *slots;
+    uint32_t nslots;
+    uint64_t slot_bytes;
+    uint32_t max_nt;
+    laden_host_t *host;
+    laden_dev_stream_t *copy;
+    laden_dev_stream_t *compute;
+    uintptr_t compute_handle;
+    bool cache;                 /* LADEN_SCHED_CACHE */
+    bool laid_out;
+    uint32_t nfilled;           /* cache: blocks whose host copy is loaded */
+    laden_event_t *uploaded;    /* cache: after the last upload */
+    laden_event_t *last_use;    /* cache: after the model's last work */
+    bool fenced;
+    laden_vbar_t *vbar;         /* device copies live here, or NULL */
+    laden_devptr_t vbar_base;
+    laden_vram_t *vram;         /* the VBAR's context (borrowed) */
+    uint64_t slot_charge;       /* bytes charged to vram for the slots */
+    laden_sched_stats_t st;
+    /* One thread at a time (stream.c): the holding thread's id, 0 when
+     * free, CLOSED once closed.  The counts are the holder's own. */
+    _Atomic uint64_t holder;
+    uint32_t depth;             /* holds of the holder, all kinds */
+    uint32_t entered;           /* of those, blocks entered not yet exited */
+    uint32_t begun;             /* of those, passes begun not yet ended */
+};
+
+/* ---- convert.c ---------------------------------------------------------- */
+
+/* F32, F16 or BF16: the dtypes converted to. */
+bool laden__convertible(laden_dtype d);
+/* The dtypes converted from: those and fp8, which decode exactly. */
+bool laden__decodable(laden_dtype d);
+/* Quantizes rows x cols floats to e4m3 with one float32 scale per row
+ * (amax / 448). */
+void laden__quantize_rows(laden_dtype from, const void *src, uint64_t rows,
+                          uint64_t cols, uint8_t *dst, float *scales);
+
+/* ---- build.c ------------------------------------------------------------ */
+
+/* Block b's bytes as laid out (place: also records the tensors' offsets):
+ * the one rule for a block's size. */
+uint64_t laden__sched_pack(blk *b, bool place);
+/* LADEN_OK if tensor r can stream from disk, else the error naming it. */
+laden_status laden__sched_disk_check(const tref *r);
+/* Makes the planned blocks AUTO again: an input of the plan changed. */
+void laden__sched_unplan(laden_sched_t *sc);
+/* Frees the blocks' memory, slots, streams and events (not the
+ * description): what load made. */
+void laden__sched_free_all(laden_sched_t *sc);
+laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
+                                    uint32_t *out);
+laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
+                                     const laden_st_t *st, size_t st_index,
+                                     laden_dtype dtype, uint32_t *out);
+laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                          const void *src, laden_dtype sdt,
+                                          uint64_t n, laden_dtype dtype,
+                                          uint32_t *out);
+laden_status laden__sched_plan(laden_sched_t *sc,
+                               const laden_plan_input *budgets, int32_t *why,
+                               laden_plan_result *out);
+
+/* ---- load.c ------------------------------------------------------------- */
+
+/* A VBAR of `total` bytes in vram, and its base address. */
+laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
+                                   laden_vbar_t **out, laden_devptr_t *base);
+laden_status laden__sched_load(laden_sched_t *sc);
+laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block);
+
+/* ---- run.c -------------------------------------------------------------- */
+
+/* 1 if block b runs from a slot. */
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc);
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
+/* Frees the slots and staging, after their copies and reads. */
+void laden__sched_free_slots(laden_sched_t *sc);
+/* The compute stream of CUDA handle `handle`, wrapped once. */
+laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
+/* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
+laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
+                                      const char *call);
+laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
+laden_status laden__sched_stop(laden_sched_t *sc);
+laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle);
+laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
+                               uintptr_t handle);
+laden_status laden__sched_synchronize(laden_sched_t *sc);
+laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *out);
+laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
+                                   uint32_t i, void **out);
+
+/* ---- resident.c --------------------------------------------------------- */
+
+laden_status laden__sched_set_resident(laden_sched_t *sc, uint32_t block,
+                                       int on);
+laden_status laden__sched_take_resident(laden_sched_t *sc, uint32_t block,
+                                        laden_devptr_t *out_ptr,
+                                        uint64_t *out_bytes);
+laden_status laden__sched_set_resident_at(laden_sched_t *sc, uint32_t block,
+                                          laden_devptr_t ptr, uint64_t bytes);
+laden_status laden__sched_use_vram(laden_sched_t *sc, laden_vram_t *vram);
+laden_status laden__sched_reserve_vram(laden_sched_t *sc, const uint8_t *want,
+                                       uint32_t n);
+laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on);
+laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle);
+
+#endif
