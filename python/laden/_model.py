@@ -174,7 +174,17 @@ class _Owned:
         self._fin = weakref.finalize(self, destroy, h, *keep)
 
 
-def _destroy_schedule(sched, *keep) -> None:
+def _destroy_schedule(sched, binding=None, *keep) -> None:
+    """A schedule's destructor.  `binding` ([(cache, id)] or [None]) is a
+    cached model's place in its C cache: unbound first (when the model was
+    dropped with the cache, not by it), so the cache never holds a freed
+    schedule.  `keep` must outlive the schedule (a VRAM context)."""
+    if binding is not None and binding[0] is not None:
+        cache, cid = binding[0]
+        binding[0] = None
+        lib.laden_cache_deactivate(cache.h, cid, 0)  # if still in use
+        lib.laden_cache_unbind(cache.h, cid)
+        lib.laden_cache_remove(cache.h, cid)
     lib.laden_sched_destroy(sched)
 
 

@@ -23,13 +23,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
 
 from . import _lib
+from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
-from ._model import (KeyMap, _compute_stream, _dev_index, _device, _nbytes,
-                     _meta, _Owned, _set_tensor, _Tensor, _view,
-                     _wrap_forward, check_lookahead, describe, fill)
+from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
+                     _device, _nbytes, _meta, _Owned, _set_tensor, _Tensor,
+                     _view, _wrap_forward, check_lookahead, describe, fill)
 
 log = logging.getLogger("laden")
 
@@ -394,19 +395,6 @@ def _storage_refs(t) -> int:
     return _USE_COUNT(t.untyped_storage()._cdata)
 
 
-def _destroy_schedule(sched, binding, vram) -> None:
-    """A cache schedule's destructor: unbinds it from its C cache first
-    (when the model was dropped with the cache, not by it), so the cache
-    never holds a freed schedule."""
-    if binding[0] is not None:
-        cache, cid = binding[0]
-        binding[0] = None
-        lib.laden_cache_deactivate(cache.h, cid, 0)  # if still in use
-        lib.laden_cache_unbind(cache.h, cid)
-        lib.laden_cache_remove(cache.h, cid)
-    lib.laden_sched_destroy(sched)
-
-
 class _DeviceCache:
     """The C cache of one device, and the runtimes bound to it."""
 
@@ -562,7 +550,7 @@ class ModelCache:
     # -- use -------------------------------------------------------------------
     @contextlib.contextmanager
     def use(self, spec: Union[ModelSpec, str], device=None, *,
-            lookahead: int = 2) -> Iterator[Any]:
+            lookahead: int = LOOKAHEAD) -> Iterator[Any]:
         """Activates the model and yields it; deactivates on exit.  Inputs
         go on ``device`` (default: the current CUDA device, else the CPU).
         The model runs on the current stream of that device."""
@@ -952,7 +940,7 @@ class ModelOffloader:
     def active(self) -> bool:
         return self._rt is not None and self._rt.in_use
 
-    def activate(self, device=None, *, lookahead: int = 2):
+    def activate(self, device=None, *, lookahead: int = LOOKAHEAD):
         """Makes the model ready on ``device`` and returns it."""
         if self.active:
             raise StateError(f"{self.key}: already active", "E_STATE")

@@ -11,6 +11,7 @@ import sys
 from collections import OrderedDict, defaultdict
 from typing import Dict, List, Sequence, Tuple
 
+from ._lib import LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX
 from ._units import fmt_bytes, fmt_rate, parse_size
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)\.")
@@ -447,8 +448,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="VRAM kept for activations (default 1.5GB)")
     p.add_argument("--resident-blocks", default=None,
                    type=_int_arg("--resident-blocks", 0, 2**31 - 1))
-    p.add_argument("--lookahead", type=_int_arg("--lookahead", 1, 63),
-                   default=2)
+    p.add_argument("--lookahead", type=_int_arg("--lookahead", 1,
+                                                 LOOKAHEAD_MAX),
+                   default=LOOKAHEAD_DEFAULT)
     p.add_argument("--device", default=None, type=_device_arg,
                    help="cuda, cuda:N or cpu (default: cuda when present, "
                    "else cpu)")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _lib
+from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
                      _resolve_storage, check_lookahead, describe, fill,
@@ -64,7 +65,7 @@ class Plan:
     blocks: List[PlanBlock]
     rest_bytes: int = 0
     device: str = "cpu"
-    lookahead: int = 2
+    lookahead: int = LOOKAHEAD
     compute_dtype: Optional[str] = None
     storage_dtype: Optional[str] = None
     path: Optional[str] = None
@@ -96,7 +97,7 @@ class Plan:
     @classmethod
     def manual(cls, resident: Sequence[str] = (), streamed: Sequence[str] = (),
                disk: Sequence[str] = (), *, device=None,
-               lookahead: int = 2) -> "Plan":
+               lookahead: int = LOOKAHEAD) -> "Plan":
         """A plan written by hand: block paths (``"blocks.3."``) resident,
         streamed from RAM, or streamed from disk.  Paths naming a container
         stand for each of its children.  Checked against the model by
@@ -319,7 +320,7 @@ def device_problem(device) -> Optional[str]:
 
 def _plan_input(dev, *, max_vram=None, headroom_vram=None,
                 activation_vram=None, min_free_ram="auto", ram_budget=None,
-                resident_blocks: Optional[int] = None, lookahead: int = 2,
+                resident_blocks: Optional[int] = None, lookahead: int = LOOKAHEAD,
                 readings: Dict[str, int], bandwidths: Dict[str, float],
                 disk_staging: bool = True) -> "_lib.PlanInput":
     """The planner's budgets, readings and rates (block fields empty).
@@ -432,7 +433,7 @@ def compute(names: Sequence[str], sizes: Sequence[int], rest_bytes: int, *,
             device, path: Optional[str] = None, max_vram=None,
             headroom_vram=None, activation_vram=None, min_free_ram="auto",
             ram_budget=None, resident_blocks: Optional[int] = None,
-            asked: Optional[Sequence[int]] = None, lookahead: int = 2,
+            asked: Optional[Sequence[int]] = None, lookahead: int = LOOKAHEAD,
             readings: Optional[Dict[str, int]] = None,
             bandwidths: Optional[Dict[str, float]] = None) -> Plan:
     """The planner on explicit sizes (``laden.plan`` measures a model
@@ -467,7 +468,7 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
          compute_dtype=None, storage_dtype=None, key_map=None,
          skip_prefixes=None, device=None, ram_budget=None,
          offload_prefixes: Optional[Sequence[str]] = None,
-         lookahead: int = 2) -> Plan:
+         lookahead: int = LOOKAHEAD) -> Plan:
     """Plans where each block of ``model`` (built on meta or not) lives for
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
@@ -554,7 +555,7 @@ def _schedule(dev, ck, lookahead: int):
         lib.laden_sched_destroy(h)
 
 
-def _plan_described(dev, ck, add, *, lookahead: int = 2, readings=None,
+def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
                     bandwidths=None, **budgets) -> Plan:
     path = ck.files[0] if ck is not None else None
     readings, bandwidths = _measured(dev, path, readings, bandwidths)

@@ -20,9 +20,10 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _lib, planning
+from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._model import (TIER_NAMES, BlockInfo, KeyMap, _dev_index, _device,
-                     _meta, _module_at, _nbytes, _numel,
+                     _meta, _nbytes, _numel,
                      _Owned, _destroy_schedule, _fp8_dtype, _matches,
                      _resolve_dtype, _resolve_storage, _set_tensor, _Tensor,
                      _view, _wrap_forward, check_lookahead, describe,
@@ -118,7 +119,7 @@ class _Stream:
         check(lib.laden_sched_create(ctypes.byref(cfg), st_handle,
                                       ctypes.byref(h)))
         self.vram = vram
-        self.owner = _Owned(h, _destroy_schedule, vram)
+        self.owner = _Owned(h, _destroy_schedule, None, vram)
 
     def live(self, what: str) -> _Owned:
         """The schedule's owner, or StateError once the model was
@@ -229,7 +230,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                 compute_dtype=None, key_map: KeyMap = None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
-                lookahead: int = 2, storage_dtype=None,
+                lookahead: int = LOOKAHEAD, storage_dtype=None,
                 vram=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
@@ -580,7 +581,7 @@ def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
     return True
 
 
-def install_offload(model, *, device=None, lookahead: int = 2) -> OffloadHandle:
+def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD) -> OffloadHandle:
     """Makes the streamed blocks of a model loaded with ``stream_load`` run
     from device slots: allocates ``lookahead + 1`` slots, points the
     blocks' parameters at them (for good: a block always runs from the
@@ -678,7 +679,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
 
 
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
-                   lookahead: int = 2) -> OffloadHandle:
+                   lookahead: int = LOOKAHEAD) -> OffloadHandle:
     """The low-level form: streams the given modules, built with real
     weights, from pinned RAM through ``device``.  Their tensors are copied
     once into laden's pinned RAM tier (converted to ``compute_dtype`` if

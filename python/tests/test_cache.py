@@ -210,6 +210,43 @@ def test_checkpoint_on_meta(tmp_path):
     assert e.value.unexpected == ["extra.weight"]
 
 
+def test_key_map_and_skip_prefixes_match_as_stream_load_does(tmp_path):
+    """ModelSpec takes key_map and skip_prefixes, matched by the one
+    description stream_load uses; a spec that differs in them under the
+    same key is refused."""
+    ref = reference(3)
+    sd = {"model." + k: v for k, v in ref.state_dict().items()}
+    sd["lm_extra.weight"] = torch.zeros(3)
+    path = tmp_path / "renamed.safetensors"
+    laden.save_file(sd, path)
+    cache = ModelCache()
+    km = lambda n: n[len("model."):] if n.startswith("model.") else n
+    sp = ModelSpec("renamed", on_meta, checkpoint=path, block_paths=BLOCKS,
+                   key_map=km, skip_prefixes=["lm_extra."])
+    assert torch.equal(run(cache, sp, "cpu"), expected(3, "cpu"))
+    with pytest.raises(laden.StateError, match="skip_prefixes"):
+        cache.register(ModelSpec("renamed", on_meta, checkpoint=path,
+                                 block_paths=BLOCKS, key_map=km))
+    # Without them, every name is reported at once.
+    with pytest.raises(laden.MismatchError) as e:
+        with cache.use(ModelSpec("plain", on_meta, checkpoint=path,
+                                 block_paths=BLOCKS), "cpu"):
+            pass
+    assert "lm_extra.weight" in e.value.unexpected
+    assert "norm.weight" in e.value.missing
+    # A dict key_map is frozen and compared by content.
+    d = {f"model.{k}": k for k in ref.state_dict()}
+    a = ModelSpec("d", on_meta, checkpoint=path, key_map=d,
+                  skip_prefixes="lm_extra.")
+    b = ModelSpec("d", on_meta, checkpoint=path, key_map=dict(d),
+                  skip_prefixes=("lm_extra.",))
+    assert cache.register(a) is a and cache.register(b) is a
+    with pytest.raises(TypeError):
+        a.key_map["x"] = "y"
+    with pytest.raises(laden.InvalidArgumentError, match="key_map"):
+        ModelSpec("bad", on_meta, key_map=42)
+
+
 def test_ram_budget_drops_idle_models_and_rebuilds():
     size = size_of(0)
     cache = ModelCache(ram_budget=2 * size + size // 2)
