@@ -231,8 +231,8 @@ TEST(plan_no_disk_blocks_get_ram_first)
     CHECK_EQ(r.ram_limit_bytes, 450);
     f[7] = LADEN_PLAN_BLOCK_NO_DISK; /* two of them do not fit */
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
-    CHECK_CONTAINS(laden_last_error(), "block 9 (100 B) cannot stream from "
-                                       "disk");
+    CHECK_CONTAINS(laden_last_error(), "block 9 (100 B) is converted on "
+                                       "load, so it cannot stream from disk");
     CHECK_CONTAINS(laden_last_error(), "the 50 B of RAM left");
     CHECK_EQ(r.ram_limit_bytes, 0); /* zeroed on failure */
     /* With RAM for everything there is no staging and no disk. */
