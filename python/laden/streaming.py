@@ -392,15 +392,17 @@ def _attach(model, state: _Stream) -> None:
     """Hooks on the loaded model.  A forward of the model holds the schedule
     from its first block to its last (laden_sched_begin/end), so that a
     second thread's forward, or release() from another thread, is refused
-    at once instead of interleaving with it.  Disk-tier blocks refuse to run
-    outside install_offload: they have no copy in memory."""
+    at once instead of interleaving with it.  Streamed blocks refuse to run
+    outside install_offload: disk blocks have no copy in memory, RAM blocks
+    on CUDA none on the device."""
     _unmark_released(model)
     state.name = f"model {type(model).__name__}"
     _wrap_root(model, state)
+    o = state.live("attach")
     for b in state.blocks:
-        if b.tier == _lib.TIER_DISK:
+        if lib.laden_sched_is_streamed(o.h, b.c_block):
             state.hooks.append(b.module.register_forward_pre_hook(
-                _needs_offload(state, b.name)))
+                _needs_offload(state, b)))
 
 
 def _wrap_root(model, state: _Stream) -> None:
@@ -444,13 +446,19 @@ def _unwrap_root(state: _Stream) -> None:
         model.__dict__.pop("forward", None)
 
 
-def _needs_offload(state: _Stream, block: str):
+def _needs_offload(state: _Stream, b: BlockInfo):
+    """A streamed block runs only under install_offload: its weights reach
+    the device (or, on disk, memory) only through its slot."""
+    where = ("on the disk tier: its weights are read from the checkpoint"
+             if b.tier == _lib.TIER_DISK else "streamed from host RAM: its "
+             "weights are copied to the device")
+
     def pre(mod, args):
         if state.handle is None:
             raise StateError(
-                f"block '{block}' of {state.name} is on the disk tier: its "
-                "weights are read from the checkpoint while it runs under "
-                "laden.install_offload, which is not installed", "E_STATE")
+                f"block '{b.name}' of {state.name} is {where} while it runs "
+                "under laden.install_offload, which is not installed",
+                "E_STATE")
     return pre
 
 
