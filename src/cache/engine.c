@@ -417,8 +417,7 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
         return s;
     bool started = st.nslots > 0;
     if (same && started == (nstream > 0) &&
-        (!started || st.nslots == (nstream < lookahead + 1 ? nstream
-                                                           : lookahead + 1)))
+        (!started || st.nslots == laden_slot_count(nstream, lookahead)))
         return LADEN_OK; /* everything is where it should be */
     if ((s = laden_sched_stop(sc)))
         return s;
@@ -529,10 +528,10 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         mode != LADEN_CACHE_STREAMING)
         return laden__fail(LADEN_E_INVAL, "unknown cache mode %d", (int)mode);
     if (lookahead == 0)
-        lookahead = 2;
-    if (lookahead > 63)
-        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most 63",
-                           lookahead);
+        lookahead = LADEN_LOOKAHEAD_DEFAULT;
+    if (lookahead > LADEN_LOOKAHEAD_MAX)
+        return laden__fail(LADEN_E_INVAL, "lookahead %u: at most %u",
+                           lookahead, LADEN_LOOKAHEAD_MAX);
     if (m->in_use)
         return laden__fail(LADEN_E_STATE,
                            "model '%.200s' is in use: a model has one "
