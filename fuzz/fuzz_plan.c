@@ -109,6 +109,7 @@ int fuzz_plan_check(const laden_plan_input *pin)
     if (r1.disk_bytes && r1.staging_bytes > r1.ram_avail_bytes)
         __builtin_trap();
     uint64_t gpu = in.rest_bytes, ram = 0, disk = 0, mx = 0;
+    uint32_t nmay = 0; /* blocks not asked resident: they may stream */
     for (uint32_t i = 0; i < in.nblocks; i++) {
         if (t1[i] < LADEN_TIER_GPU || t1[i] > LADEN_TIER_DISK ||
             !laden_plan_why_text(w1[i]))
@@ -123,7 +124,10 @@ int fuzz_plan_check(const laden_plan_input *pin)
                         : t1[i] == LADEN_TIER_RAM ? &ram
                                                   : &disk;
         *sum += bytes[i];
-        mx = bytes[i] > mx ? bytes[i] : mx;
+        if (!in.asked || in.asked[i] != LADEN_TIER_GPU) {
+            nmay++;
+            mx = bytes[i] > mx ? bytes[i] : mx;
+        }
     }
     if (gpu != r1.gpu_bytes || ram != r1.ram_bytes || disk != r1.disk_bytes)
         __builtin_trap();
@@ -137,7 +141,7 @@ int fuzz_plan_check(const laden_plan_input *pin)
                                  : 0;
         bool budget = in.ram_budget_bytes != LADEN_PLAN_AUTO;
         if (r1.vram_avail_bytes || r1.vram_used_bytes || r1.staging_bytes ||
-            r1.nslots != laden_slot_count(in.nblocks, in.lookahead) ||
+            r1.nslots != laden_slot_count(nmay, in.lookahead) ||
             r1.slot_bytes != mx ||
             __builtin_add_overflow(gpu, slots, &used) || used > free_left ||
             (!budget && (used + ram > r1.ram_limit_bytes ||

@@ -351,8 +351,10 @@ TEST(plan_host_device_budget_errors)
     in.ram_free_bytes = 300;
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "free RAM 300 B (keeping 0 B free) "
-                                       "cannot hold the rest of the model "
-                                       "(50 B) and 3 slots (300 B)");
+                                       "cannot hold the resident part (the "
+                                       "rest of the model and the blocks "
+                                       "asked resident: 50 B) and 3 slots "
+                                       "(300 B)");
     /* A RAM budget bounds the RAM tier alone: the rest and the slots
      * still need the free RAM. */
     in.ram_budget_bytes = 1000;
@@ -364,8 +366,17 @@ TEST(plan_host_device_budget_errors)
     in.asked = asked;
     in.ram_free_bytes = 400;
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
-    CHECK_CONTAINS(laden_last_error(), "the blocks asked resident (100 B) "
-                                       "and 3 slots");
+    CHECK_CONTAINS(laden_last_error(), "asked resident: 150 B) and 3 slots "
+                                       "(300 B)");
+    /* A large block asked resident (how a schedule passes the rest of
+     * the model) never streams: it does not size the slots. */
+    b[0] = 1000;
+    in.ram_free_bytes = 1050 + 300 + 900;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK_EQ(r.slot_bytes, 100);
+    CHECK_EQ(r.nslots, 3);
+    CHECK_EQ(r.ram_avail_bytes, 900);
+    b[0] = 100;
     in.asked = NULL;
     in.ram_free_bytes = 900;
     in.resident_blocks = 7; /* 550 left: 5 fit */

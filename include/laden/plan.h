@@ -112,9 +112,10 @@ typedef struct laden_plan_result {
     uint64_t ram_bytes;         /* RAM tier */
     uint64_t disk_bytes;
     uint64_t slot_bytes;        /* one slot */
-    uint32_t nslots;            /* on the host device, for every block
-                                   (laden_slot_count(nblocks, lookahead)),
-                                   set aside before blocks are placed */
+    uint32_t nslots;            /* on the host device, for every block not
+                                   asked resident (laden_slot_count of
+                                   their number), set aside before blocks
+                                   are placed */
     uint64_t staging_bytes;     /* pinned staging for disk blocks */
     uint64_t vram_used_bytes;   /* gpu_bytes + slots (CUDA) */
     uint64_t ram_used_bytes;    /* RAM tier + staging */

@@ -379,36 +379,30 @@ def _matches(name: str, prefixes: Optional[Iterable[str]]) -> bool:
 
 
 def _collect(model) -> List[_Tensor]:
-    """Unique tensors of the model (parameters and persistent buffers),
-    aliases grouped."""
+    """Unique tensors of the model (parameters and buffers): aliases (the
+    (module, attribute) pairs holding one tensor, as tied weights) and the
+    names of every path to each, as a state_dict names them."""
     by_id: Dict[int, _Tensor] = {}
     out: List[_Tensor] = []
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = mod_name + "." if mod_name else ""
-        for attr, p in mod._parameters.items():
-            if p is None:
-                continue
-            t = by_id.get(id(p))
-            if t is None:
-                t = _Tensor([], [], True, tuple(p.shape), p.dtype,
-                            p.requires_grad)
-                by_id[id(p)] = t
-                out.append(t)
-            if (mod, attr) not in t.aliases:
-                t.aliases.append((mod, attr))
-                t.names.append(prefix + attr)
-        for attr, b in mod._buffers.items():
-            if b is None:
-                continue
-            t = by_id.get(id(b))
-            if t is None:
-                t = _Tensor([], [], False, tuple(b.shape), b.dtype)
-                t.persistent = attr not in mod._non_persistent_buffers_set
-                by_id[id(b)] = t
-                out.append(t)
-            if (mod, attr) not in t.aliases:
-                t.aliases.append((mod, attr))
-                t.names.append(prefix + attr)
+        for is_param, table in ((True, mod._parameters),
+                                (False, mod._buffers)):
+            for attr, v in table.items():
+                if v is None:
+                    continue
+                t = by_id.get(id(v))
+                if t is None:
+                    t = _Tensor([], [], is_param, tuple(v.shape), v.dtype,
+                                is_param and v.requires_grad)
+                    t.persistent = is_param or \
+                        attr not in mod._non_persistent_buffers_set
+                    by_id[id(v)] = t
+                    out.append(t)
+                if (mod, attr) not in t.aliases:
+                    t.aliases.append((mod, attr))
+                if prefix + attr not in t.names:
+                    t.names.append(prefix + attr)
     return out
 
 
@@ -559,16 +553,31 @@ class Description:
         return [t for t in self.tensors if t.block < 0]
 
 
-def _assign_blocks(blocks: List[BlockInfo], tensors: List[_Tensor]) -> None:
-    """t.block: the one block whose modules hold every alias of t, else -1.
-    By module identity: a module shared by two blocks belongs to neither."""
-    owner: Dict[int, int] = {}
-    for bi, b in enumerate(blocks):
-        for sub in b.module.modules():
-            owner[id(sub)] = bi if owner.get(id(sub), bi) == bi else -1
+def _assign_blocks(model, blocks: List[BlockInfo], tensors: List[_Tensor],
+                   built_in_rest: bool) -> None:
+    """t.block: the one block that every path to every alias of t is
+    inside, else -1 (the rest).  By module identity over every path: a
+    module reachable from two blocks, or from a block and from outside
+    every block, belongs to none (it would run from a slot that other
+    blocks overwrite).  With `built_in_rest`, tensors the checkpoint lacks
+    are in the rest: they are copied from host memory, which a disk block
+    cannot be."""
+    roots = {id(b.module): bi for bi, b in enumerate(blocks)}
+    owners: Dict[int, set] = {}
+
+    def walk(mod, home: int, seen: tuple) -> None:
+        home = roots.get(id(mod), home)
+        owners.setdefault(id(mod), set()).add(home)
+        for child in mod._modules.values():
+            if child is not None and id(child) not in seen:
+                walk(child, home, seen + (id(child),))
+
+    walk(model, -1, (id(model),))
     for t in tensors:
-        homes = {owner.get(id(m), -1) for m, _ in t.aliases}
+        homes = set().union(*(owners.get(id(m), {-1}) for m, _ in t.aliases))
         t.block = homes.pop() if len(homes) == 1 else -1
+        if built_in_rest and t.ckpt_name is None:
+            t.block = -1
         if t.block >= 0:
             blocks[t.block].tensors.append(t)
 
@@ -587,7 +596,7 @@ def _mismatch_text(where: str, label: str, groups) -> str:
 
 
 def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
-                 skip_prefixes, label: str) -> None:
+                 skip_prefixes, label: str, scales: bool) -> None:
     """Sets t.ckpt_name (and t.scale_name for fp8 tensors with a scale);
     MismatchError listing every missing, unexpected and unbuilt name."""
     owner: Dict[str, _Tensor] = {n: t for t in tensors for n in t.names}
@@ -612,7 +621,7 @@ def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
     for cname in unexpected:
         base = next((cname[:-len(sfx)] for sfx in _SCALE_SUFFIXES
                      if cname.endswith(sfx)), None)
-        t = by_ckpt.get(base) if base else None
+        t = by_ckpt.get(base) if base and scales else None
         if t is not None and ck.info(base).dtype in _FP8:
             t.scale_name = cname
         else:
@@ -635,7 +644,8 @@ def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
                             "skip_prefixes drops them)", missing, unexpected)
 
 
-def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str) -> None:
+def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
+                  compact: bool) -> None:
     """Shapes (every difference in one MismatchError) and the dtype each
     tensor is kept in: the model's, or cdt for floating tensors."""
     bad = []
@@ -661,7 +671,9 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str) -> None:
             want = cdt
         if info.dtype in _FP8 and want.is_floating_point and \
                 want.itemsize > 1:
-            t.store, t.store_dtype = "ck8", info.dtype
+            if compact:
+                t.store, t.store_dtype = "ck8", info.dtype
+            # else decoded on load (libladen converts fp8 to F32/F16/BF16)
         elif info.torch_dtype != want and not (
                 {info.dtype, checkpoint_dtype(want)} <= _CONVERTIBLE):
             raise MismatchError(
@@ -702,18 +714,21 @@ def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
 
 def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
              skip_prefixes: Optional[Sequence[str]] = None, cdt=None,
-             storage: Optional[str] = None,
+             storage: Optional[str] = None, compact: bool = True,
              label: str = "the model") -> Description:
     """The description of `model` (built on meta or not) for checkpoint
     `ck` (a Checkpoint, or None: every tensor as built).  Tensors the
     checkpoint lacks that were built (not on meta) are copied into laden's
-    memory as they are.  Raises before anything is allocated: MismatchError
-    naming every name or shape that does not match, InvalidArgumentError
-    for a bad prefix or a tensor with nothing to fill it."""
+    memory as they are, with the rest of the model.  `compact`: the caller
+    expands compact forms when a block runs (streaming); without it fp8
+    checkpoint tensors are decoded on load and a scale tensor is a
+    mismatch.  Raises before anything is allocated: MismatchError naming
+    every name or shape that does not match, InvalidArgumentError for a bad
+    prefix or a tensor with nothing to fill it."""
     blocks = _find_blocks(model, list(prefixes))
     tensors = _collect(model)
     if ck is not None:
-        _match_names(ck, tensors, key_map, skip_prefixes, label)
+        _match_names(ck, tensors, key_map, skip_prefixes, label, compact)
     else:
         bad = [t.names[0] for t in tensors
                if _current(t).device.type == "meta"]
@@ -724,8 +739,8 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
                 "build the model on the CPU, or on meta with a checkpoint",
                 "E_INVAL")
     if ck is not None:
-        _check_dtypes(ck, tensors, cdt, label)
-    _assign_blocks(blocks, tensors)
+        _check_dtypes(ck, tensors, cdt, label, compact)
+    _assign_blocks(model, blocks, tensors, built_in_rest=ck is not None)
     desc = Description(tensors, blocks,
                        [t.names[0] for t in tensors if t.ckpt_name is None])
     if ck is not None:
@@ -786,7 +801,8 @@ def fill(h, desc: Description, ck, rest_tier: int,
 
 def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
     ci = ctypes.c_uint32()
-    if t.ckpt_name is not None:
+
+    if t.ckpt_name is not None:  # C names the checkpoint tensor
         check(lib.laden_sched_add_tensor(h, block, ck._h,
                                          ck._index[t.ckpt_name],
                                          _store_code(t), ctypes.byref(ci)))
@@ -804,8 +820,12 @@ def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
     src = src.contiguous()
     code, scode = _store_code(t), _dtype_code(src.dtype, t)
     t.source = src
-    check(lib.laden_sched_add_host_tensor(h, block,
-                                          ctypes.c_void_p(src.data_ptr()),
-                                          scode, src.numel(), code,
-                                          ctypes.byref(ci)))
+    s = lib.laden_sched_add_host_tensor(h, block,
+                                        ctypes.c_void_p(src.data_ptr()),
+                                        scode, src.numel(), code,
+                                        ctypes.byref(ci))
+    if s:  # a host tensor has no name in C: name it here
+        err = error_for(s)
+        raise type(err)(f"tensor '{t.names[0]}' (built, not in the "
+                        f"checkpoint): {err}", err.status, err.code)
     t.c_block, t.c_index = block, ci.value

@@ -209,7 +209,7 @@ class _Runtime:
         try:
             desc = describe(model, ck, spec.block_paths,
                             key_map=spec.key_map,
-                            skip_prefixes=spec.skip_prefixes,
+                            skip_prefixes=spec.skip_prefixes, compact=False,
                             label=f"model '{spec.key}'")
             for b in desc.blocks:
                 b.tier = _lib.TIER_RAM

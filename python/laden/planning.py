@@ -351,8 +351,8 @@ def _plan_input(dev, *, max_vram=None, headroom_vram=None,
     return inp
 
 
-def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool
-                 ) -> "_lib.PlanInput":
+def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
+                 lookahead: int) -> "_lib.PlanInput":
     """stream_load's budgets: ``vram_budget`` bounds the device bytes
     (rest, resident blocks, slots; nothing reserved, no reading), blocks
     stay resident while they fit it (or a VRAM context's budget: C caps
@@ -369,6 +369,7 @@ def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool
         r["vram_free"] = parse_size(vram_budget)
     inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,
                       readings=r, bandwidths={}, disk_staging=False,
+                      lookahead=lookahead,
                       resident_blocks=None if vram_budget is not None or
                       vram_has_budget else 0)
     return inp

@@ -310,7 +310,8 @@ def stream_load(model, path: PathLike, *, plan=None,
             f"goes to {dev}", "E_INVAL")
     budgets = planning.load_budgets(dev, vram_budget, ram_budget,
                                     vram is not None and
-                                    bool(vram.info()["budget_bytes"]))
+                                    bool(vram.info()["budget_bytes"]),
+                                    lookahead)
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
@@ -715,17 +716,19 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
             t.dtype = cdt
     state = _Stream(dev, None)
     state.name = f"the {len(blocks)} offloaded blocks"
-    budgets = planning.load_budgets(dev, None, None, False)
+    budgets = planning.load_budgets(dev, None, None, False, lookahead)
     _load(None, state, desc, None, budgets, None, lookahead)
     return _start(state, lookahead)
 
 
 def release(model, handle: Optional[OffloadHandle] = None) -> None:
     """Removes laden's hooks, frees every byte of RAM and VRAM laden holds
-    for the model, and leaves its laden-loaded parameters and buffers on
-    ``meta`` (the tensor objects themselves: a parameter taken from the
-    model before is on meta too).  Afterwards a forward of the model or of
-    its blocks raises StateError, and so do the handle's methods.
+    for the model, and leaves its parameters and buffers read from the
+    checkpoint on ``meta`` (the tensor objects themselves: a parameter
+    taken from the model before is on meta too); those it was built with
+    and the checkpoint lacks go back to the CPU, so the model can be
+    loaded again.  Afterwards a forward of the model or of its blocks
+    raises StateError, and so do the handle's methods.
 
     StateError, changing nothing, while another thread runs the model.
     Memory that tensors derived from the model's (views, slices) still use
@@ -756,7 +759,14 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         h._unwrap()
     state.gone.clear()
     for t in state.tensors:
-        state._set(t, _meta(t))
+        # What the model was built with and the checkpoint lacks goes
+        # back to the CPU as it is now, so the model can be loaded again;
+        # the checkpoint's weights (and offload_blocks' tensors, taken
+        # over) go to meta.
+        built = t.ckpt_name is None and state.ckpt is not None and \
+            t.param is not None and t.param.device.type != "meta"
+        state._set(t, t.param.detach().to("cpu", copy=True) if built
+                   else _meta(t))
     if state.device.type == "cuda":
         # The model's kernels must be done with its memory before it goes
         # (a VBAR's pages are unmapped without the wait of a device free).

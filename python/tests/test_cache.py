@@ -247,6 +247,33 @@ def test_key_map_and_skip_prefixes_match_as_stream_load_does(tmp_path):
         ModelSpec("bad", on_meta, key_map=42)
 
 
+def test_fp8_checkpoint_is_decoded_not_misread(tmp_path):
+    """Found in review: the cache kept fp8 checkpoint tensors compact (as
+    streaming does, expanding them when a block runs) but never expanded
+    them, and read 4 bytes per element over 1.  The cache decodes fp8 on
+    load; an fp8 tensor with a scale is a mismatch naming the scale."""
+    ref = reference(3)
+    sd = dict(ref.state_dict())
+    w = sd["blocks.0.up.weight"]
+    q = w.to(torch.float8_e4m3fn)
+    sd["blocks.0.up.weight"] = q
+    path = tmp_path / "fp8.safetensors"
+    laden.save_file(sd, path)
+    cache = ModelCache()
+    sp = ModelSpec("fp8", on_meta, checkpoint=path, block_paths=BLOCKS)
+    with cache.use(sp, "cpu") as m:
+        assert torch.equal(m.blocks[0].up.weight.detach(), q.float())
+        assert torch.equal(m.blocks[1].up.weight.detach(),
+                           sd["blocks.1.up.weight"])
+    sd["blocks.0.up.weight_scale"] = torch.ones(w.shape[0])
+    laden.save_file(sd, tmp_path / "fp8s.safetensors")
+    with pytest.raises(laden.MismatchError, match="weight_scale"):
+        with cache.use(ModelSpec("fp8s", on_meta,
+                                 checkpoint=tmp_path / "fp8s.safetensors",
+                                 block_paths=BLOCKS), "cpu"):
+            pass
+
+
 def test_ram_budget_drops_idle_models_and_rebuilds():
     size = size_of(0)
     cache = ModelCache(ram_budget=2 * size + size // 2)

@@ -49,7 +49,8 @@ def test_budget_too_small_says_what_would_fit():
     with pytest.raises(laden.BudgetError) as e:
         planning.compute(names, sizes, 512 << 20, device="cpu",
                          readings=small, bandwidths=BW)
-    assert "cannot hold the rest of the model (537 MB)" in str(e.value)
+    assert "cannot hold the resident part (the rest of the model and the " \
+        "blocks asked resident: 537 MB)" in str(e.value)
     assert "3 slots (4.03 GB)" in str(e.value)
     p = planning.compute(names, sizes, 512 << 20, device="cpu",
                          readings=READINGS, bandwidths=BW, ram_budget="1GB")

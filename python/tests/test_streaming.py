@@ -299,8 +299,10 @@ def test_plan_then_load_never_refuses(tmp_path):
     """Every plan the planner makes is one the engine follows: over random
     models, checkpoint dtypes, compute and storage dtypes and budgets,
     laden.plan either refuses (BudgetError) or stream_load(plan=p) loads
-    with exactly its tiers and sizes, and the prefix form with the same
-    budget decides the same (one C path sizes and plans both)."""
+    with exactly its tiers, sizes and slots, and on the CPU the prefix
+    form with the same budget decides the same (one C path sizes and plans
+    both; on CUDA laden.plan also keeps headroom and counts the disk
+    staging, stream_load does not)."""
     import random
 
     rng = random.Random(12)
@@ -319,10 +321,11 @@ def test_plan_then_load_never_refuses(tmp_path):
         total = sum(t.numel() for t in sd.values()) * 4
         ram = rng.choice([0, total // 8, total // 3, total])
         res = rng.choice([None, 0, 1])
+        la = rng.choice([1, 2, 3, 6])
         try:
             p = laden.plan(on_meta(**kw), path, device="cpu", ram_budget=ram,
                            resident_blocks=res, offload_prefixes=PREFIXES,
-                           **opts)
+                           lookahead=la, **opts)
         except laden.BudgetError as e:
             ran["refused"] += 1
             assert "converted on load" in str(e) or "cannot hold" in str(e) \
@@ -342,7 +345,10 @@ def test_plan_then_load_never_refuses(tmp_path):
             for b in p.blocks]
         assert [n for _, n, _ in rep.blocks] == [b.bytes for b in p.blocks]
         assert rep.rest_bytes == p.rest_bytes
-        h = laden.install_offload(m)
+        h = laden.install_offload(m, lookahead=la)
+        ndisk = sum(b.tier == laden.Tier.DISK for b in p.blocks)
+        assert h.stats()["nslots"] == min(ndisk, la + 1)
+        assert ndisk == 0 or h.stats()["slot_bytes"] <= p.budgets["slot_bytes"]
         with torch.no_grad():
             got = m(ids())
         assert got.shape == (2, 11, 97) and torch.isfinite(got).all()
@@ -350,7 +356,8 @@ def test_plan_then_load_never_refuses(tmp_path):
         if res is None:  # the prefix form, same budget: the same decision
             m = on_meta(**kw)
             rep2 = laden.stream_load(m, path, offload_prefixes=PREFIXES,
-                                     device="cpu", ram_budget=ram, **opts)
+                                     device="cpu", ram_budget=ram,
+                                     lookahead=la, **opts)
             assert [(n, s, t) for n, s, t in rep2.blocks] == \
                 [(n, s, t) for n, s, t in rep.blocks]
             laden.release(m)
@@ -462,3 +469,109 @@ def test_stream_load_in_a_vram_context(tmp_path, device):
     with pytest.raises(laden.InvalidArgumentError, match="vram"):
         laden.stream_load(on_meta(**kw), path, offload_prefixes=PREFIXES,
                           device=device, vram=object())
+
+
+class _SharedBlock(torch.nn.Module):
+    def __init__(self, d, norm=None):
+        super().__init__()
+        self.norm = norm or torch.nn.LayerNorm(d)
+        self.lin = torch.nn.Linear(d, d)
+        self.register_buffer("inv_freq", torch.zeros(d), persistent=False)
+
+    def forward(self, x):
+        return x + self.lin(self.norm(x)) * self.inv_freq
+
+
+class _Shared(torch.nn.Module):
+    """A norm used by block 0 and by the model after the blocks (registered
+    first under its outside name, as transformers' tied modules are), and
+    in each block a non-persistent buffer no checkpoint holds (as a rotary
+    inv_freq)."""
+
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.final_norm = torch.nn.LayerNorm(d)
+        self.blocks = torch.nn.ModuleList(
+            [_SharedBlock(d, self.final_norm)] +
+            [_SharedBlock(d) for _ in range(n - 1)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.final_norm(x)
+
+
+def _shared_built(meta: bool):
+    if meta:
+        with torch.device("meta"):
+            m = _Shared()
+    else:
+        torch.manual_seed(0)
+        m = _Shared()
+        with torch.no_grad():
+            for mod in m.modules():
+                if isinstance(mod, torch.nn.LayerNorm):
+                    mod.weight.uniform_(0.5, 1.5)
+                    mod.bias.uniform_(-1, 1)
+    for i, b in enumerate(m.blocks):  # built on the CPU, in no checkpoint
+        b.inv_freq = torch.linspace(0.5, 1.5, 16) + i
+    return m
+
+
+@pytest.mark.parametrize("kw", [dict(ram_budget=0),
+                                dict(disk_prefixes=["blocks."])],
+                         ids=["budget", "prefixes"])
+def test_shared_modules_and_built_buffers_with_disk_blocks(tmp_path, kw):
+    """Found in review: a module shared by a block and the rest ran from the
+    block's slot (overwritten by later blocks: wrong outputs); a buffer
+    built on the CPU kept its block off the disk tier; after release it was
+    on meta, so the model could not be loaded again."""
+    ref = _shared_built(False)
+    path = str(tmp_path / "shared.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = ref(x)
+    m = _shared_built(True)
+    for _ in range(2):  # loaded, released, loaded again
+        rep = laden.stream_load(m, path, offload_prefixes=["blocks."],
+                                device="cpu", lookahead=1, **kw)
+        assert all(t == "disk" for _, _, t in rep.blocks), rep
+        assert "blocks.0.inv_freq" in rep.kept
+        h = laden.install_offload(m, lookahead=1)
+        with torch.no_grad():
+            for _ in range(5):
+                assert torch.equal(m(x), want)
+        laden.release(m, h)
+        assert torch.equal(m.blocks[2].inv_freq,
+                           torch.linspace(0.5, 1.5, 16) + 2)
+        assert m.final_norm.weight.device.type == "meta"
+
+
+def test_planned_slots_follow_the_lookahead(tmp_path):
+    """Found in review: stream_load planned with the slots of lookahead 2
+    whatever the lookahead, so a VRAM budget could be exceeded by the
+    slots install_offload then allocated."""
+    from laden import planning
+
+    path = str(tmp_path / "la.safetensors")
+    laden.save_file(reference().state_dict(), path)
+    seen = []
+    orig = planning.plan_schedule
+
+    def spy(h, budgets, names=None):
+        why, res = orig(h, budgets, names)
+        seen.append((res.nslots, res.slot_bytes))
+        return why, res
+
+    planning.plan_schedule = spy
+    try:
+        m = on_meta()
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          lookahead=5, ram_budget=0)
+    finally:
+        planning.plan_schedule = orig
+    h = laden.install_offload(m, lookahead=5)
+    st = h.stats()
+    assert seen == [(6, st["slot_bytes"])] and st["nslots"] == 6
+    laden.release(m, h)

@@ -283,25 +283,26 @@ static laden_status host_budget(plan *p)
 {
     const laden_plan_input *in = p->in;
     uint64_t mx = 0;
-    for (uint32_t i = 0; i < in->nblocks; i++)
+    uint32_t n = 0; /* blocks that may stream: all but those asked resident */
+    for (uint32_t i = 0; i < in->nblocks; i++) {
+        if (asked_tier(in, i) == LADEN_TIER_GPU)
+            continue;
+        n++;
         if (in->block_bytes[i] > mx)
             mx = in->block_bytes[i];
-    p->out->nslots = laden_slot_count(in->nblocks, in->lookahead);
+    }
+    p->out->nslots = laden_slot_count(n, in->lookahead);
     p->out->slot_bytes = mx;
-    p->host_slots = slots_bytes(in, in->nblocks, mx);
+    p->host_slots = slots_bytes(in, n, mx);
     p->avail = p->free_left;
     if (sat_add(p->gpu, p->host_slots) <= p->avail)
         return LADEN_OK;
-    char asked[80] = "";
-    if (p->gpu > in->rest_bytes)
-        snprintf(asked, sizeof asked, ", the blocks asked resident (%s)",
-                 B(p->gpu - in->rest_bytes));
     return laden__fail(LADEN_E_BUDGET, "free RAM %s (keeping %s free) "
-                       "cannot hold the rest of the model (%s)%s and %u "
-                       "slot%s (%s)",
-                       B(p->avail), B(p->out->min_free_ram_bytes),
-                       B(in->rest_bytes), asked, p->out->nslots,
-                       p->out->nslots == 1 ? "" : "s", B(p->host_slots));
+                       "cannot hold the resident part (the rest of the model "
+                       "and the blocks asked resident: %s) and %u slot%s (%s)",
+                       B(p->avail), B(p->out->min_free_ram_bytes), B(p->gpu),
+                       p->out->nslots, p->out->nslots == 1 ? "" : "s",
+                       B(p->host_slots));
 }
 
 /* 2. Whether free block i fits as a resident block. */
