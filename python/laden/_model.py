@@ -88,6 +88,25 @@ def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
     return flat.view(dtype).view(shape)
 
 
+def _tensor_view(owner, t, where: str, device, track=None):
+    """A tensor over t's bytes in the schedule `owner` holds: 'run' (the
+    device address its block runs from; `device`), or 'home' (its host
+    copy, None when it has none: the disk tier)."""
+    import torch
+
+    if where == "run":
+        p = ctypes.c_uint64()
+        check(lib.laden_sched_tensor_ptr(owner.h, t.c_block, t.c_index,
+                                         ctypes.byref(p)))
+        return _view(p.value, _nbytes(t), t.dtype, t.shape, device, owner,
+                     track)
+    hp = ctypes.c_void_p()
+    check(lib.laden_sched_host_ptr(owner.h, t.c_block, t.c_index,
+                                   ctypes.byref(hp)))
+    return _view(hp.value, _nbytes(t), t.dtype, t.shape,
+                 torch.device("cpu"), owner) if hp.value else None
+
+
 _RAW_STREAM = None
 
 

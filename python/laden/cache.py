@@ -29,8 +29,9 @@ from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
-                     _device, _nbytes, _meta, _Owned, _set_tensor, _Tensor,
-                     _view, _wrap_forward, check_lookahead, describe, fill)
+                     _device, _meta, _Owned, _set_tensor, _Tensor,
+                     _tensor_view, _wrap_forward, check_lookahead, describe,
+                     fill)
 
 log = logging.getLogger("laden")
 
@@ -261,7 +262,7 @@ class _Runtime:
                 check(lib.laden_sched_load_block(self.sched, b))
                 for t in ts:
                     t.source = None
-                    self._set(t, self._host_view(t))
+                    _set_tensor(t, self._host_view(t))
                 done = b + 1
             if self.dc.vram is not None:
                 check(lib.laden_sched_use_vram(self.sched,
@@ -271,7 +272,7 @@ class _Runtime:
             # the schedule goes.
             for ts in groups[:done]:
                 for t in ts:
-                    self._set(t, self._host_view(t).clone())
+                    _set_tensor(t, self._host_view(t).clone())
             self.owner = None
             raise
         finally:
@@ -279,18 +280,8 @@ class _Runtime:
                 t.source = None
 
     # -- binding -----------------------------------------------------------------
-    def _set(self, t: _Tensor, value, streamed_in=None) -> None:
-        _set_tensor(t, value, streamed_in)
-
     def _host_view(self, t: _Tensor):
-        import torch
-
-        o = self.owner
-        hp = ctypes.c_void_p()
-        check(lib.laden_sched_host_ptr(self.sched, t.c_block, t.c_index,
-                                        ctypes.byref(hp)))
-        return _view(hp.value or 0, _nbytes(t), t.dtype, t.shape,
-                     torch.device("cpu"), o)
+        return _tensor_view(self.owner, t, "home", None)
 
     def rebind(self) -> bool:
         """Points every tensor where it is now: its block's device copy or
@@ -299,7 +290,6 @@ class _Runtime:
         if st.generation == self.gen:
             return False
         started = st.nslots > 0
-        ptr = ctypes.c_uint64()
         o = self.owner
         self.gone.clear()
         self.dev_refs.clear()
@@ -307,19 +297,14 @@ class _Runtime:
             streamed = started and lib.laden_sched_is_streamed(o.h,
                                                                 t.c_block)
             on_dev = streamed or lib.laden_sched_is_resident(o.h, t.c_block)
-            if on_dev:
-                check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
-                                                  ctypes.byref(ptr)))
-                value = _view(ptr.value, _nbytes(t), t.dtype, t.shape,
-                              self.device, o)
-            else:
-                value = self._host_view(t)
+            value = _tensor_view(o, t, "run" if on_dev else "home",
+                                 self.device)
             block = None
             if streamed:
                 block = self.block_names.get(
                     t.c_block, f"part {t.c_block} of the rest")
                 self.gone[value.untyped_storage().data_ptr()] = block
-            self._set(t, value, block)
+            _set_tensor(t, value, block)
             del value  # counted otherwise
             if on_dev and _USE_COUNT:
                 self.dev_refs[id(t)] = _storage_refs(t.param)
@@ -370,7 +355,7 @@ class _Runtime:
         self.wrapped.clear()
         self.gone.clear()
         for t in self.tensors:
-            self._set(t, self._host_view(t).clone() if restore else _meta(t))
+            _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))
         if self.device.type == "cuda":
             # Its kernels must be done with the memory before it goes (a
             # VBAR's pages are unmapped without the wait of a free).

@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _lib, planning
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (TIER_NAMES, BlockInfo, KeyMap, _dev_index, _device,
-                     _meta, _nbytes, _numel,
-                     _Owned, _destroy_schedule, _fp8_dtype, _matches,
-                     _resolve_dtype, _resolve_storage, _set_tensor, _Tensor,
+from ._model import (TIER_NAMES, BlockInfo, KeyMap, _destroy_schedule,
+                     _dev_index, _device, _fp8_dtype, _matches, _meta,
+                     _nbytes, _numel, _Owned, _resolve_dtype,
+                     _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _view, _wrap_forward, check_lookahead, describe,
                      expand_fp8, fill)
 from ._units import fmt_bytes
@@ -148,41 +148,27 @@ class _Stream:
         return st
 
     # -- binding parameters to laden memory --------------------------------
-    def _set(self, t: _Tensor, value, streamed_in: Optional[str] = None
-             ) -> None:
-        _set_tensor(t, value, streamed_in)
-
     def bind(self, t: _Tensor, where: str) -> None:
         """Points t at laden memory: 'run' (where the block runs from) or
         'home' (its RAM copy).  Disk-tier tensors have no home: they are
         on meta outside install_offload (a view of the checkpoint's pages
         would raise SIGBUS once the file is truncated)."""
-        import torch
-
         o = self.live("bind")
-        nbytes = _nbytes(t)
         if t.store != "plain":
             q, _ = _compact_views(self, t, "home")
-            self._set(t, q if q is not None else _meta(t))
+            _set_tensor(t, q if q is not None else _meta(t))
             return
-        if where == "run":
-            ptr = ctypes.c_uint64()
-            check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
-                                              ctypes.byref(ptr)))
-            streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
-            value = _view(ptr.value, nbytes, t.dtype, t.shape, self.device,
-                          o, self.slot_views if streamed else None)
-            block = self.blocks[t.block].name if t.block >= 0 else ""
-            if streamed:
-                self.gone[value.untyped_storage().data_ptr()] = block
-            self._set(t, value, block if streamed else None)
+        if where == "home":
+            value = _tensor_view(o, t, "home", None)
+            _set_tensor(t, value if value is not None else _meta(t))
             return
-        hp = ctypes.c_void_p()
-        check(lib.laden_sched_host_ptr(o.h, t.c_block, t.c_index,
-                                        ctypes.byref(hp)))
-        value = _view(hp.value, nbytes, t.dtype, t.shape,
-                      torch.device("cpu"), o) if hp.value else _meta(t)
-        self._set(t, value)
+        streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
+        value = _tensor_view(o, t, "run", self.device,
+                             self.slot_views if streamed else None)
+        block = self.blocks[t.block].name if t.block >= 0 else ""
+        if streamed:
+            self.gone[value.untyped_storage().data_ptr()] = block
+        _set_tensor(t, value, block if streamed else None)
 
 
 def _compact_views(state, t: _Tensor, where: str):
@@ -683,7 +669,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             off += (_nbytes(t) + 255) // 256 * 256
             # The workspace is the next block's too.
             state.gone[out.untyped_storage().data_ptr()] = b.name
-            state._set(t, out, b.name)
+            _set_tensor(t, out, b.name)
             expansions.append((out, q, sc, t.scale_kind))
 
 
@@ -765,7 +751,7 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         # over) go to meta.
         built = t.ckpt_name is None and state.ckpt is not None and \
             t.param is not None and t.param.device.type != "meta"
-        state._set(t, t.param.detach().to("cpu", copy=True) if built
+        _set_tensor(t, t.param.detach().to("cpu", copy=True) if built
                    else _meta(t))
     if state.device.type == "cuda":
         # The model's kernels must be done with its memory before it goes
