@@ -286,3 +286,51 @@ TEST(io_measure_read)
     CHECK_STATUS(laden_io_measure_read("/nonexistent-dir", 32u << 20, &bps),
                  LADEN_E_IO);
 }
+
+/* A chunk whose pages are all in the page cache is read from there (at
+ * memory speed), counted as such; after the pages are dropped the drive is
+ * read with O_DIRECT.  The bytes are the same both ways. */
+TEST(io_page_cache_reads_counted)
+{
+    size_t n = 24u << 20;
+    unsigned char *data = malloc(n), *got = malloc(n);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (unsigned char)(i * 7 + (i >> 12));
+    char *p = test_path("cached.bin");
+    test_write_file(p, data, n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    if (!laden_io_file_direct(f)) {
+        laden_io_file_close(f);
+        SKIP("the file system takes no O_DIRECT: every read is buffered");
+    }
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 4u << 20};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    /* Just written: in the page cache. */
+    laden_io_req_t *r;
+    uint64_t cached;
+    CHECK_OK(laden_io_submit(io, f, 0, n, got, &r));
+    CHECK_OK(laden_io_wait_cached(io, r, &cached));
+    CHECK(memcmp(got, data, n) == 0);
+    CHECK_EQ(cached, n);
+    laden_io_stats_t st;
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK_EQ(st.cached_bytes, n);
+    CHECK_EQ(st.threads, 2);
+    /* Dropped: read from the drive. */
+    CHECK_OK(laden_io_drop_cache(f));
+    memset(got, 0, n);
+    CHECK_OK(laden_io_submit(io, f, 4096, n - 8192, got, &r));
+    CHECK_OK(laden_io_wait_cached(io, r, &cached));
+    CHECK(memcmp(got, data + 4096, n - 8192) == 0);
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK(cached < n / 2); /* a page or two may have come back meanwhile */
+    CHECK(st.direct_bytes > n / 2);
+    CHECK_EQ(st.direct_bytes + st.cached_bytes + st.buffered_bytes,
+             2 * n - 8192);
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(data);
+    free(got);
+}

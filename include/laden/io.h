@@ -23,7 +23,7 @@ typedef enum laden_io_direct {
 } laden_io_direct;
 
 typedef struct laden_io_config {
-    uint32_t threads;     /* 0: default (4) */
+    uint32_t threads;     /* 0: default (one per two cores, 4..16) */
     uint64_t chunk_bytes; /* 0: default (16 MiB); rounded to 1 MiB */
     laden_io_direct direct;
 } laden_io_config;
@@ -66,6 +66,24 @@ LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
  * cause.  Any thread. */
 LADEN_API laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *req);
 
+/* As laden_io_wait; *cached_bytes (may be NULL) receives how many of the
+ * request's bytes were read from the page cache (chunks whose pages were
+ * all cached are read buffered, at memory speed, not from the drive). */
+LADEN_API laden_status laden_io_wait_cached(laden_io_t *io,
+                                            laden_io_req_t *req,
+                                            uint64_t *cached_bytes);
+
+typedef struct laden_io_stats {
+    uint64_t direct_bytes;   /* read from the drive with O_DIRECT */
+    uint64_t cached_bytes;   /* read from the page cache (found cached) */
+    uint64_t buffered_bytes; /* read buffered for other reasons (unaligned
+                                edges, a file system without O_DIRECT) */
+    uint32_t threads;
+} laden_io_stats_t;
+
+/* Bytes the pool has read each way since it was created.  Any thread. */
+LADEN_API laden_status laden_io_stats(laden_io_t *io, laden_io_stats_t *out);
+
 /* *out_done = 1 if the request has finished (laden_io_wait will not
  * block), 0 otherwise.  Does not block; does not free the request. */
 LADEN_API laden_status laden_io_poll(laden_io_t *io, laden_io_req_t *req,
@@ -87,8 +105,8 @@ LADEN_API laden_status laden_io_map(laden_io_file_t *file, void **out,
                                     uint64_t *out_size);
 LADEN_API void laden_io_unmap(void *addr, uint64_t size);
 
-/* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
- * following read measures the drive.  Used by benchmarks and probe. */
+/* Drops the file's pages from the page cache (written out first, then
+ * posix_fadvise DONTNEED), so a following read measures the drive.  Used by benchmarks and probe. */
 LADEN_API laden_status laden_io_drop_cache(laden_io_file_t *file);
 
 /* Measures this machine's direct read rate: writes a temporary file of

@@ -90,6 +90,8 @@ typedef struct laden_sched_stats {
     uint64_t upload_bytes;      /* copied by laden_sched_set_resident */
     uint64_t generation;        /* changes whenever a tensor's address does */
     uint64_t offloaded_bytes;   /* VRAM-tier blocks that went to RAM at load */
+    uint64_t load_cached_bytes; /* of load_read_bytes, read from the page
+                                   cache (at memory speed) */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -187,9 +189,22 @@ LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
                                         const laden_plan_input *budgets,
                                         int32_t *why, laden_plan_result *out);
 
+/* Called by laden_sched_load and laden_sched_load_block on the loading
+ * thread each time a block is in place: bytes of blocks done so far, and
+ * of all the blocks being loaded. */
+typedef void (*laden_sched_progress_fn)(void *arg, uint64_t done_bytes,
+                                        uint64_t total_bytes);
+
+/* Sets (or, with NULL, clears) the load progress callback. */
+LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,
+                                                laden_sched_progress_fn fn,
+                                                void *arg);
+
 /* Lays the blocks out, allocates the GPU-tier regions on the device and the
  * RAM tier in pinned memory, and reads each of their tensors once, into its
- * final tier.  Blocks until done.  On failure everything allocated is freed
+ * final tier: blocks are read in order with several in flight, the RAM
+ * tier's memory allocated while earlier blocks are read, chunks already in
+ * the page cache copied from it.  Blocks until done.  On failure everything allocated is freed
  * again and the schedule can only be destroyed. */
 LADEN_API laden_status laden_sched_load(laden_sched_t *sched);
 

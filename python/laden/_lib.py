@@ -71,7 +71,7 @@ class SchedStats(Structure):
         ("read_bytes", c_uint64), ("load_read_bytes", c_uint64),
         ("resident_bytes", c_uint64), ("registered_bytes", c_uint64),
         ("upload_bytes", c_uint64), ("generation", c_uint64),
-        ("offloaded_bytes", c_uint64),
+        ("offloaded_bytes", c_uint64), ("load_cached_bytes", c_uint64),
     ]
 
 
@@ -180,6 +180,8 @@ class HostStats(Structure):
 
 
 P = POINTER
+# laden_sched_progress_fn: (arg, done_bytes, total_bytes)
+PROGRESS_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_uint64)
 _SIGNATURES = {
     # core
     "laden_version": (c_char_p, []),
@@ -319,6 +321,7 @@ _SIGNATURES = {
     # plan
     "laden_sched_plan": (status_t, [p, P(PlanInput), P(c_int32),
                                     P(PlanResult)]),
+    "laden_sched_set_progress": (status_t, [p, PROGRESS_FN, c_void_p]),
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
     "laden_plan_why_text": (c_char_p, [c_int32]),

@@ -767,6 +767,36 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     return desc
 
 
+class progress_to:
+    """Context manager: while it is open the C schedule `h` reports load
+    progress into a tqdm bar (see checkpoint._progress_bar: on a terminal
+    for loads of 1 GiB or more, or when `progress` is True; never when it
+    is False).  The callback runs on the loading thread."""
+
+    def __init__(self, h, total: int, desc: str, progress):
+        from .checkpoint import _progress_bar
+
+        self.h = h
+        self.bar = _progress_bar(total, desc, progress)
+        self.fn = None
+
+    def __enter__(self):
+        if self.bar is not None:
+            bar = self.bar
+
+            def update(arg, done, total):
+                bar.update(done - bar.n)
+
+            self.fn = _lib.PROGRESS_FN(update)
+            check(lib.laden_sched_set_progress(self.h, self.fn, None))
+        return self
+
+    def __exit__(self, *exc):
+        if self.fn is not None:
+            lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(), None)
+            self.bar.close()
+
+
 def _store_code(t: _Tensor) -> int:
     if t.store == "q8":
         return _DTYPE_CODE["F8_E4M3"]

@@ -31,7 +31,7 @@ from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
                      _device, _meta, _Owned, _set_tensor, _Tensor,
                      _tensor_view, _wrap_forward, check_lookahead, describe,
-                     fill)
+                     fill, progress_to)
 
 log = logging.getLogger("laden")
 
@@ -254,16 +254,27 @@ class _Runtime:
             groups = fill(self.sched, desc, ck, _lib.TIER_RAM,
                           REST_CHUNK_BYTES)
             self.fixed = len(groups) - len(desc.blocks)
-            # Block by block: each block's tensors are pointed at laden's
-            # copy as soon as it is made, so the factory's storage is freed
-            # as the copy proceeds (host memory peaks at the model plus a
-            # block, not twice the model).
-            for b, ts in enumerate(groups):
-                check(lib.laden_sched_load_block(self.sched, b))
-                for t in ts:
-                    t.source = None
-                    _set_tensor(t, self._host_view(t))
-                done = b + 1
+            total = sum(lib.laden_sched_block_bytes(self.sched, b)
+                        for b in range(len(groups)))
+            with progress_to(self.sched, total, self.spec.key, None):
+                if all(t.ckpt_name is not None for t in desc.tensors):
+                    # All from the checkpoint: one load, several blocks'
+                    # reads in flight.
+                    check(lib.laden_sched_load(self.sched))
+                    done = len(groups)
+                    for t in desc.tensors:
+                        _set_tensor(t, self._host_view(t))
+                else:
+                    # Block by block: each block's tensors are pointed at
+                    # laden's copy as soon as it is made, so the factory's
+                    # storage is freed as the copy proceeds (host memory
+                    # peaks at the model plus a block, not twice it).
+                    for b, ts in enumerate(groups):
+                        check(lib.laden_sched_load_block(self.sched, b))
+                        for t in ts:
+                            t.source = None
+                            _set_tensor(t, self._host_view(t))
+                        done = b + 1
             if self.dc.vram is not None:
                 check(lib.laden_sched_use_vram(self.sched,
                                                self.dc.vram._h))

@@ -27,7 +27,7 @@ from ._model import (TIER_NAMES, BlockInfo, KeyMap, _destroy_schedule,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _view, _wrap_forward, check_lookahead, describe,
-                     expand_fp8, fill)
+                     expand_fp8, fill, progress_to)
 from ._units import fmt_bytes
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
@@ -41,7 +41,8 @@ log = logging.getLogger("laden")
 class LoadReport:
     """What ``stream_load`` did; ``str(report)`` is a table."""
 
-    def __init__(self, state: "_Stream", seconds: float, read_bytes: int):
+    def __init__(self, state: "_Stream", seconds: float, read_bytes: int,
+                 cached_bytes: int = 0):
         self.path = state.path
         self.device = str(state.device)
         self.blocks = [(b.name, b.nbytes, b.tier_name) for b in state.blocks]
@@ -49,12 +50,19 @@ class LoadReport:
         self.kept = list(state.kept)
         self.seconds = seconds
         self.read_bytes = read_bytes
+        self.cached_bytes = cached_bytes  # of read_bytes, from page cache
         self.tier_bytes = {"resident": state.rest_bytes, "ram": 0, "disk": 0}
         for _, n, t in self.blocks:
             self.tier_bytes[t] += n
         # Blocks chosen for the device that the VRAM context had no room
         # for: they stream from RAM.
         self.offloaded = [b.name for b in state.blocks if b.offloaded]
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes read per second of the load, in GB/s."""
+        return self.read_bytes / self.seconds / 1e9 if self.seconds > 0 \
+            else 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -76,9 +84,11 @@ class LoadReport:
             lines.append(f"  the VRAM context had no room for "
                          f"{len(self.offloaded)} block(s) chosen for the "
                          f"device; they stream from RAM")
-        rate = self.read_bytes / self.seconds if self.seconds > 0 else 0.0
         lines.append(f"  read {fmt_bytes(self.read_bytes)} in "
-                     f"{self.seconds:.2f} s ({rate / 1e9:.2f} GB/s)")
+                     f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s; "
+                     f"{fmt_bytes(self.cached_bytes)} from the page cache, "
+                     f"{fmt_bytes(self.read_bytes - self.cached_bytes)} "
+                     "from the drive)")
         if self.kept:
             lines.append(f"  kept as built (not in the checkpoint): "
                          f"{', '.join(self.kept[:8])}"
@@ -217,7 +227,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
-                vram=None) -> LoadReport:
+                vram=None, progress: Optional[bool] = None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -243,6 +253,11 @@ def stream_load(model, path: PathLike, *, plan=None,
       Checkpoints already in fp8 (with ``*_scale`` / ``*_scale_inv``
       tensors per tensor, per row or per 128 x 128 tile, or without) are
       kept compact and expanded the same way, whatever storage_dtype.
+    - ``progress``: a tqdm bar while loading (default: on a terminal for
+      1 GiB or more; True: always; False: never).  The report says GB/s
+      and how many bytes came from the page cache (read at memory speed:
+      chunks whose pages are all cached are copied from there) and how
+      many from the drive (O_DIRECT, several reads in flight).
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
     - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
@@ -317,19 +332,20 @@ def stream_load(model, path: PathLike, *, plan=None,
             if b.tier == _lib.TIER_GPU:
                 b.tier = on_dev
         state = _Stream(dev, ck.path)
-        _load(model, state, desc, ck, budgets, vram, lookahead)
+        _load(model, state, desc, ck, budgets, vram, lookahead, progress)
     except BaseException:
         ck.close()
         raise
     seconds = time.perf_counter() - t0
     st = state.stats()
-    report = LoadReport(state, seconds, st.load_read_bytes)
+    report = LoadReport(state, seconds, st.load_read_bytes,
+                        st.load_cached_bytes)
     log.info("%s", report)
     return report
 
 
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
-          lookahead: int) -> None:
+          lookahead: int, progress=None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck._h if ck is not None else None, lookahead, vram)
@@ -344,10 +360,15 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         state.tensors = desc.tensors
         state.kept = desc.kept
         state.rest_bytes = lib.laden_sched_block_bytes(o.h, 0)
+        total = state.rest_bytes
         for b in state.blocks:
             b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)
             b.tier = lib.laden_sched_block_tier(o.h, b.c_block)
-        check(lib.laden_sched_load(o.h))
+            total += b.nbytes if b.tier != _lib.TIER_DISK else 0
+        with progress_to(o.h, total, os.path.basename(state.path or
+                                                      "laden load"),
+                         progress):
+            check(lib.laden_sched_load(o.h))
     except BaseException:
         state.destroy()
         raise

@@ -575,3 +575,56 @@ def test_planned_slots_follow_the_lookahead(tmp_path):
     st = h.stats()
     assert seen == [(6, st["slot_bytes"])] and st["nslots"] == 6
     laden.release(m, h)
+
+
+def test_load_reports_page_cache_and_progress(tmp_path, monkeypatch):
+    """The report says GB/s and how many bytes came from the page cache;
+    progress=True drives a bar to the total, block by block (a fake bar
+    here: tqdm's own is for terminals); progress=False shows none."""
+    from laden import checkpoint as ckmod
+
+    ref = reference()
+    path = save(ref, tmp_path / "p.safetensors")
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            self.total, self.desc, self.n, self.closed = total, desc, 0, False
+            self.updates = []
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+            self.updates.append(self.n)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(ckmod, "_progress_bar", lambda total, desc, p:
+                        None if p is False else Bar(total, desc))
+    for _ in range(2):
+        m = on_meta()
+        rep = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                                device="cpu", progress=True)
+        b = bars[-1]
+        assert b.closed and b.n == b.total == rep.total_bytes
+        assert len(b.updates) >= len(rep.blocks)
+        assert b.updates == sorted(b.updates)
+        assert rep.read_bytes > 0 and rep.gb_per_s > 0
+        assert 0 <= rep.cached_bytes <= rep.read_bytes
+        assert "from the page cache" in str(rep)
+        laden.release(m)
+    n = len(bars)
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      progress=False)
+    laden.release(m)
+    assert len(bars) == n
+    # The cache's first use reports the same way (one load, several blocks
+    # in flight).
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("p", on_meta, checkpoint=path,
+                           block_paths=("blocks", "stages.0", "stages.1"))
+    with cache.use(spec, device="cpu") as mm, torch.no_grad():
+        assert torch.equal(mm(ids()), expected(ref, "cpu")[1])
+    assert bars[-1].closed and bars[-1].n == bars[-1].total > 0

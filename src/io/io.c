@@ -7,7 +7,12 @@
  * O_DIRECT into the thread's aligned bounce buffer and copied, which costs a
  * memcpy (≈30 GB/s) but keeps the drive's direct rate and spares the page
  * cache.  A file system that refuses O_DIRECT falls back to buffered reads
- * for that file. */
+ * for that file.
+ *
+ * A chunk whose pages are all in the page cache already (mincore over a
+ * read-only mapping of the file, which reads nothing) is read buffered
+ * instead: from memory, at memory speed, where O_DIRECT would read the
+ * drive again.  The bytes each way are counted per request and per pool. */
 #define _GNU_SOURCE
 #include "laden/io.h"
 
@@ -25,7 +30,11 @@
 #include "../core/internal.h"
 
 #define IO_ALIGN 4096u
-#define DEFAULT_THREADS 4u
+#define PAGE 4096u
+/* Threads: enough requests in flight for a drive (4), and for copies out
+ * of the page cache one per two cores up to 16. */
+#define MIN_THREADS 4u
+#define MAX_DEFAULT_THREADS 16u
 #define DEFAULT_CHUNK (16ull << 20)
 #define MAX_THREADS 64u
 
@@ -33,6 +42,7 @@ struct laden_io_file {
     int fd;  /* buffered */
     int dfd; /* O_DIRECT, or -1 */
     atomic_int direct_ok;
+    void *map; /* read-only mapping, for mincore only (never read); or NULL */
     uint64_t size;
     struct timespec mtime; /* size and mtime at open: see unchanged() */
     char *path;
@@ -48,6 +58,7 @@ typedef struct job {
 
 struct laden_io_req {
     size_t pending; /* chunks not yet done; guarded by io->mu */
+    uint64_t cached; /* bytes served from the page cache; guarded by mu */
     laden_status status;
     char err[512];
     job *jobs;
@@ -60,6 +71,7 @@ typedef struct worker {
     pthread_t thread;
     char *bounce;
     size_t bounce_bytes;
+    unsigned char *resident; /* mincore's vector for one chunk */
 } worker;
 
 struct laden_io {
@@ -74,6 +86,7 @@ struct laden_io {
     uint64_t chunk;
     laden_io_direct direct;
     worker *workers;
+    laden_io_stats_t st; /* guarded by mu */
 };
 
 /* ---- files ------------------------------------------------------------ */
@@ -142,6 +155,12 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         f->dfd = -1;
     }
     atomic_init(&f->direct_ok, f->dfd >= 0);
+    /* Only to ask mincore which pages are cached: never read through, so
+     * a truncation cannot raise SIGBUS here. */
+    if (f->size && f->dfd >= 0) {
+        void *m = mmap(NULL, (size_t)f->size, PROT_READ, MAP_SHARED, f->fd, 0);
+        f->map = m == MAP_FAILED ? NULL : m;
+    }
     *out = f;
     return LADEN_OK;
 }
@@ -150,6 +169,8 @@ void laden_io_file_close(laden_io_file_t *f)
 {
     if (!f)
         return;
+    if (f->map)
+        munmap(f->map, (size_t)f->size);
     close(f->fd);
     if (f->dfd >= 0)
         close(f->dfd);
@@ -171,6 +192,10 @@ laden_status laden_io_drop_cache(laden_io_file_t *f)
 {
     if (!f)
         return laden__fail(LADEN_E_INVAL, "laden_io_drop_cache: NULL file");
+    /* Dirty pages are not dropped: write them out first. */
+    if (fdatasync(f->fd) != 0 && errno != EINVAL)
+        return laden__fail(LADEN_E_IO, "%s: fdatasync: %s", f->path,
+                           strerror(errno));
     int e = posix_fadvise(f->fd, 0, 0, POSIX_FADV_DONTNEED);
     if (e)
         return laden__fail(LADEN_E_IO, "%s: posix_fadvise: %s", f->path,
@@ -270,14 +295,47 @@ static laden_status read_direct(laden_io_file_t *f, uint64_t off, uint64_t len,
     return LADEN_OK;
 }
 
-static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
-                               uint64_t len, char *dst)
+/* 1 if every page of [off, off+len) is in the page cache. */
+static bool cached(worker *w, laden_io_file_t *f, uint64_t off, uint64_t len)
 {
-    laden_status s;
-    uint64_t got;
+    if (!f->map || !w->resident || off + len > f->size)
+        return false;
+    uint64_t a0 = off & ~(uint64_t)(PAGE - 1);
+    uint64_t n = (off + len - a0 + PAGE - 1) / PAGE;
+    if (mincore((char *)f->map + a0, (size_t)(n * PAGE), w->resident) != 0)
+        return false;
+    for (uint64_t i = 0; i < n; i++)
+        if (!(w->resident[i] & 1))
+            return false;
+    return true;
+}
+
+static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
+                                      uint64_t off, uint64_t len, char *dst);
+
+/* Reads one chunk: from the page cache if it is all there, else with
+ * O_DIRECT where the file takes it, else buffered.  *how: 0 direct, 1
+ * from the cache, 2 buffered. */
+static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
+                               uint64_t len, char *dst, int *how)
+{
+    *how = 2;
     if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
         len < IO_ALIGN)
         return read_buffered(f, off, len, dst);
+    if (cached(w, f, off, len)) {
+        *how = 1;
+        return read_buffered(f, off, len, dst);
+    }
+    *how = 0;
+    return read_direct_chunk(w, f, off, len, dst);
+}
+
+static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
+                                      uint64_t off, uint64_t len, char *dst)
+{
+    laden_status s;
+    uint64_t got;
     if (((uintptr_t)dst - off) % IO_ALIGN == 0) {
         uint64_t head = (IO_ALIGN - off % IO_ALIGN) % IO_ALIGN;
         uint64_t mid = (len - head) & ~(uint64_t)(IO_ALIGN - 1);
@@ -334,10 +392,18 @@ static void *worker_main(void *arg)
         bool skip = req->status != LADEN_OK; /* an earlier chunk failed */
         pthread_mutex_unlock(&io->mu);
         laden_status s = LADEN_OK;
+        int how = -1;
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
-                                      jb->dst)))
+                                      jb->dst, &how)))
             s = unchanged(jb->file);
         pthread_mutex_lock(&io->mu);
+        if (!s && how >= 0) {
+            uint64_t *by[] = {&io->st.direct_bytes, &io->st.cached_bytes,
+                              &io->st.buffered_bytes};
+            *by[how] += jb->len;
+            if (how == 1)
+                req->cached += jb->len;
+        }
         if (s && req->status == LADEN_OK) {
             req->status = s;
             snprintf(req->err, sizeof req->err, "%s", laden_last_error());
@@ -355,8 +421,12 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
         return laden__fail(LADEN_E_INVAL, "laden_io_create: out is NULL");
     *out = NULL;
     laden_io_config c = cfg ? *cfg : (laden_io_config){0};
-    if (c.threads == 0)
-        c.threads = DEFAULT_THREADS;
+    if (c.threads == 0) {
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        c.threads = ncpu > 2 * MIN_THREADS ? (uint32_t)(ncpu / 2) : MIN_THREADS;
+        if (c.threads > MAX_DEFAULT_THREADS)
+            c.threads = MAX_DEFAULT_THREADS;
+    }
     if (c.threads > MAX_THREADS)
         return laden__fail(LADEN_E_INVAL,
                            "laden_io_create: %u threads, at most %u", c.threads,
@@ -398,11 +468,22 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
                                    "out of memory for reader bounce buffers");
             }
             w->bounce = p;
+            w->resident = malloc((size_t)(c.chunk_bytes / PAGE + 2));
+            if (!w->resident) {
+                free(w->bounce);
+                w->bounce = NULL;
+                io->nthreads = i;
+                laden_io_destroy(io);
+                return laden__fail(LADEN_E_NOMEM,
+                                   "out of memory for reader buffers");
+            }
         }
         int e = pthread_create(&w->thread, NULL, worker_main, w);
         if (e) {
             free(w->bounce);
+            free(w->resident);
             w->bounce = NULL;
+            w->resident = NULL;
             io->nthreads = i;
             laden_io_destroy(io);
             return laden__fail(LADEN_E_NOMEM, "cannot start reader thread: %s",
@@ -424,6 +505,7 @@ void laden_io_destroy(laden_io_t *io)
     for (uint32_t i = 0; i < io->nthreads; i++) {
         pthread_join(io->workers[i].thread, NULL);
         free(io->workers[i].bounce);
+        free(io->workers[i].resident);
     }
     free(io->workers);
     while (io->free_reqs) {
@@ -468,6 +550,7 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
     pthread_mutex_unlock(&io->mu);
     if (r) {
         r->status = LADEN_OK;
+        r->cached = 0;
         r->err[0] = '\0';
         r->next_free = NULL;
     } else {
@@ -505,11 +588,21 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
 
 laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *r)
 {
+    return laden_io_wait_cached(io, r, NULL);
+}
+
+laden_status laden_io_wait_cached(laden_io_t *io, laden_io_req_t *r,
+                                  uint64_t *cached_bytes)
+{
+    if (cached_bytes)
+        *cached_bytes = 0;
     if (!io || !r)
         return laden__fail(LADEN_E_INVAL, "laden_io_wait: NULL argument");
     pthread_mutex_lock(&io->mu);
     while (r->pending)
         pthread_cond_wait(&io->done_cv, &io->mu);
+    if (cached_bytes)
+        *cached_bytes = r->cached;
     pthread_mutex_unlock(&io->mu);
     laden_status s = r->status;
     if (s)
@@ -537,6 +630,19 @@ laden_status laden_io_poll(laden_io_t *io, laden_io_req_t *r, int *done)
         return laden__fail(LADEN_E_INVAL, "laden_io_poll: NULL argument");
     pthread_mutex_lock(&io->mu);
     *done = r->pending == 0;
+    pthread_mutex_unlock(&io->mu);
+    return LADEN_OK;
+}
+
+laden_status laden_io_stats(laden_io_t *io, laden_io_stats_t *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!io || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_io_stats: NULL argument");
+    pthread_mutex_lock(&io->mu);
+    *out = io->st;
+    out->threads = io->nthreads;
     pthread_mutex_unlock(&io->mu);
     return LADEN_OK;
 }

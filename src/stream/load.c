@@ -43,39 +43,69 @@ static laden_status finish_tensor(const tref *r, const void *tmp, char *to)
     return LADEN_OK;
 }
 
-/* Reads block b's tensors into host memory at dst (its packed layout),
- * converting where the stored dtype differs. */
+/* A block whose reads are in flight. */
+typedef struct inflight {
+    blk *b;
+    char *dst;
+    laden_io_req_t **reqs;
+    void **tmp;
+    uint32_t n; /* tensors started */
+    int staging; /* CUDA GPU tier: the staging buffer it is read into */
+} inflight;
+
+/* Starts reading block b's tensors into host memory at dst (its packed
+ * layout): the reads go to the reader pool, which works on them while the
+ * caller starts more blocks.  finish_block waits for them. */
+static laden_status start_block(laden_sched_t *sc, blk *b, char *dst,
+                                inflight *f)
+{
+    laden_status s = LADEN_OK;
+    *f = (inflight){.b = b, .dst = dst, .staging = -1};
+    f->reqs = calloc(b->nt ? b->nt : 1, sizeof *f->reqs);
+    f->tmp = calloc(b->nt ? b->nt : 1, sizeof *f->tmp);
+    if (!f->reqs || !f->tmp)
+        s = laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
+    for (; !s && f->n < b->nt; f->n++)
+        s = start_tensor(sc, &b->t[f->n], dst + b->t[f->n].dst_off,
+                         &f->tmp[f->n], &f->reqs[f->n]);
+    return s;
+}
+
+/* Waits for block f's reads (all of them, also after a failure: their
+ * buffers are freed here) and converts what is stored in another dtype. */
+static laden_status finish_block(laden_sched_t *sc, inflight *f, laden_status s)
+{
+    laden_status w;
+    uint64_t cached;
+    for (uint32_t i = 0; i < f->n && f->reqs; i++) {
+        if (!f->reqs[i])
+            continue;
+        if ((w = laden_io_wait_cached(sc->io, f->reqs[i], &cached)) && !s)
+            s = w;
+        else if (!w) {
+            sc->st.load_read_bytes += f->b->t[i].src_bytes;
+            sc->st.load_cached_bytes += cached;
+        }
+    }
+    for (uint32_t i = 0; i < f->n && f->tmp && !s; i++)
+        if (f->tmp[i])
+            s = finish_tensor(&f->b->t[i], f->tmp[i],
+                              f->dst + f->b->t[i].dst_off);
+    for (uint32_t i = 0; i < f->n && f->tmp; i++)
+        free(f->tmp[i]);
+    free(f->tmp);
+    free(f->reqs);
+    f->tmp = NULL;
+    f->reqs = NULL;
+    return s;
+}
+
+/* Reads block b's tensors into host memory at dst and waits for them. */
 static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
 {
-    laden_status s = LADEN_OK, w;
-    laden_io_req_t **reqs = calloc(b->nt ? b->nt : 1, sizeof *reqs);
-    void **tmp = calloc(b->nt ? b->nt : 1, sizeof *tmp);
-    if (!reqs || !tmp) {
-        free(reqs);
-        free(tmp);
-        return laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
-    }
-    uint32_t n = 0;
-    for (; n < b->nt; n++)
-        if ((s = start_tensor(sc, &b->t[n], dst + b->t[n].dst_off, &tmp[n],
-                              &reqs[n])))
-            break;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!reqs[i])
-            continue;
-        if ((w = laden_io_wait(sc->io, reqs[i])) && !s)
-            s = w;
-        else if (!w)
-            sc->st.load_read_bytes += b->t[i].src_bytes;
-    }
-    for (uint32_t i = 0; i < b->nt && !s; i++)
-        if (tmp[i])
-            s = finish_tensor(&b->t[i], tmp[i], dst + b->t[i].dst_off);
-    for (uint32_t i = 0; i < b->nt; i++)
-        free(tmp[i]);
-    free(tmp);
-    free(reqs);
-    return s;
+    inflight f;
+    laden_status s = start_block(sc, b, dst, &f);
+    return finish_block(sc, &f, s);
 }
 
 /* Packs each block's tensors (aligned for any kernel), orders the
@@ -111,28 +141,52 @@ static laden_status layout(laden_sched_t *sc)
 }
 
 /* Cache schedules: block b's host copy, in a mapping of its own. */
+static laden_status cache_home(laden_sched_t *sc, blk *b)
+{
+    b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
+    void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return laden__fail(LADEN_E_NOMEM,
+                           "cannot allocate %s of host memory for block %u",
+                           laden__bytes(b->bytes).s, (unsigned)(b - sc->b));
+    b->ram = m;
+    return LADEN_OK;
+}
+
+static void cache_unhome(blk *b)
+{
+    if (b->ram)
+        munmap(b->ram, b->ram_len);
+    b->ram = NULL;
+}
+
+/* Cache schedules: block b's host copy is complete. */
+static void filled(laden_sched_t *sc, blk *b)
+{
+    b->filled = true;
+    if (++sc->nfilled == sc->nb)
+        sc->loaded = true;
+    if (sc->progress) {
+        uint64_t done = 0, total = 0;
+        for (uint32_t k = 0; k < sc->nb; k++) {
+            total += sc->b[k].bytes;
+            done += sc->b[k].filled ? sc->b[k].bytes : 0;
+        }
+        sc->progress(sc->progress_arg, done, total);
+    }
+}
+
 static laden_status fill_block(laden_sched_t *sc, uint32_t i)
 {
     blk *b = &sc->b[i];
     laden_status s;
-    if (b->bytes) {
-        b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
-        void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED)
-            return laden__fail(LADEN_E_NOMEM,
-                               "cannot allocate %s of host memory for block %u",
-                               laden__bytes(b->bytes).s, i);
-        b->ram = m;
-        if ((s = read_block_host(sc, b, b->ram))) {
-            munmap(b->ram, b->ram_len);
-            b->ram = NULL;
-            return s;
-        }
+    if (b->bytes && ((s = cache_home(sc, b)) ||
+                     (s = read_block_host(sc, b, b->ram)))) {
+        cache_unhome(b);
+        return s;
     }
-    b->filled = true;
-    if (++sc->nfilled == sc->nb)
-        sc->loaded = true;
+    filled(sc, b);
     return LADEN_OK;
 }
 
@@ -292,50 +346,162 @@ static laden_status check_tiers(const laden_sched_t *sc)
 }
 
 /* The RAM tier, read in place (on the CPU device it runs there). */
-static laden_status load_ram_tier(laden_sched_t *sc)
+/* Bytes of reads kept in flight while loading: enough for the drive's
+ * queue and the reader threads, bounded so that converted tensors' read
+ * buffers do not add up. */
+#define LOAD_WINDOW (512ull << 20)
+
+typedef struct loader {
+    laden_sched_t *sc;
+    inflight q[64];  /* a ring of blocks in flight */
+    uint32_t head, count;
+    uint64_t inflight_bytes, done_bytes, total_bytes;
+    void *staging[2]; /* CUDA GPU tier: read here, then copied */
+    laden_event_t *copied[2];
+    uint64_t staging_bytes;
+} loader;
+
+static void progress(loader *l, blk *b)
 {
+    laden_sched_t *sc = l->sc;
+    if (sc->cache) { /* counts the blocks loaded before too */
+        filled(sc, b);
+        return;
+    }
+    l->done_bytes += b->bytes;
+    if (sc->progress)
+        sc->progress(sc->progress_arg, l->done_bytes, l->total_bytes);
+}
+
+/* Finishes the oldest block in flight: waits for its reads, and for a
+ * CUDA GPU-tier block enqueues its copy to the device. */
+static laden_status finish_oldest(loader *l, laden_status s)
+{
+    laden_sched_t *sc = l->sc;
+    inflight *f = &l->q[l->head];
+    s = finish_block(sc, f, s);
+    if (!s && f->staging >= 0 &&
+        !(s = laden_dev_copy_h2d(sc->copy, f->b->region, f->dst,
+                                 f->b->bytes)))
+        s = laden_dev_event_record(l->copied[f->staging], sc->copy);
+    if (s && sc->cache)
+        cache_unhome(f->b);
+    l->inflight_bytes -= f->b->bytes;
+    l->head = (l->head + 1) % 64;
+    l->count--;
+    if (!s)
+        progress(l, f->b);
+    return s;
+}
+
+/* The destination of block b's reads: its RAM-tier home (allocated now,
+ * while earlier blocks' reads proceed), its GPU region on the CPU device,
+ * or on CUDA a staging buffer whose last copy has finished. */
+static laden_status destination(loader *l, blk *b, char **dst, int *staging)
+{
+    laden_sched_t *sc = l->sc;
     laden_status s;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        if (b->tier != LADEN_TIER_RAM || !b->bytes)
-            continue;
+    *staging = -1;
+    if (sc->cache) {
+        if ((s = cache_home(sc, b)))
+            return s;
+        *dst = b->ram;
+        return LADEN_OK;
+    }
+    if (b->tier == LADEN_TIER_RAM) {
         if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
             return s;
         if (!sc->cuda)
             b->region = (laden_devptr_t)(uintptr_t)b->ram;
-        if ((s = read_block_host(sc, b, b->ram)))
-            return s;
+        *dst = b->ram;
+        return LADEN_OK;
     }
-    return LADEN_OK;
+    if (!sc->cuda) {
+        *dst = (char *)(uintptr_t)b->region;
+        return LADEN_OK;
+    }
+    for (int k = 0; k < 2; k++) { /* one not used by a block in flight */
+        bool busy = false;
+        for (uint32_t j = 0; j < l->count; j++)
+            busy |= l->q[(l->head + j) % 64].staging == k;
+        if (busy)
+            continue;
+        if (!l->staging[k] &&
+            ((s = laden_host_alloc(sc->host, l->staging_bytes,
+                                   &l->staging[k])) ||
+             (s = laden_dev_event_create(sc->cfg.device, 0, &l->copied[k]))))
+            return s;
+        if ((s = laden_dev_event_synchronize(l->copied[k])))
+            return s;
+        *staging = k;
+        *dst = l->staging[k];
+        return LADEN_OK;
+    }
+    return laden__fail(LADEN_E_STATE, "no staging buffer free"); /* bug */
 }
 
-/* The GPU tier, in place on the CPU device; on CUDA through one pinned
- * buffer the size of the largest GPU block, not kept. */
-static laden_status load_gpu_tier(laden_sched_t *sc)
+/* Whether the next block must wait for the oldest in flight: the window
+ * is full, or (CUDA) a GPU-tier block is being read into one staging
+ * buffer while the other's copy to the device may still run. */
+static bool must_wait(const loader *l)
 {
+    if (l->inflight_bytes >= LOAD_WINDOW || l->count == 64)
+        return true;
+    for (uint32_t j = 0; j < l->count; j++)
+        if (l->q[(l->head + j) % 64].staging >= 0)
+            return true;
+    return false;
+}
+
+/* Loads the RAM tier, then the GPU tier: blocks are started in order
+ * while fewer than LOAD_WINDOW bytes (and 64 blocks) are in flight, and
+ * finished in order; on CUDA a GPU-tier block is read while the one
+ * before is copied to the device. */
+static laden_status load_tiers(laden_sched_t *sc)
+{
+    loader l = {.sc = sc};
     laden_status s = LADEN_OK;
-    uint64_t max_gpu = 0;
-    void *tmp = NULL;
-    for (uint32_t i = 0; i < sc->nb; i++)
-        if (sc->b[i].tier == LADEN_TIER_GPU && sc->b[i].bytes > max_gpu)
-            max_gpu = sc->b[i].bytes;
-    for (uint32_t i = 0; i < sc->nb && !s; i++) {
+    for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        if (b->tier != LADEN_TIER_GPU || !b->bytes)
-            continue;
-        if (!sc->cuda) {
-            s = read_block_host(sc, b, (char *)(uintptr_t)b->region);
-            continue;
-        }
-        if (!tmp && (s = laden_host_alloc(sc->host, max_gpu, &tmp)))
-            break;
-        if (!(s = read_block_host(sc, b, tmp)) &&
-            !(s = laden_dev_copy_h2d(sc->copy, b->region, tmp, b->bytes)))
-            s = laden_dev_stream_synchronize(sc->copy);
+        if (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU)
+            l.total_bytes += b->bytes;
+        if (b->tier == LADEN_TIER_GPU && b->bytes > l.staging_bytes)
+            l.staging_bytes = b->bytes;
     }
-    if (tmp)
-        laden_host_free(sc->host, tmp);
-    laden_host_trim(sc->host);
+    for (int pass = 0; pass < 2 && !s; pass++) {
+        laden_tier tier = pass ? LADEN_TIER_GPU : LADEN_TIER_RAM;
+        for (uint32_t i = 0; i < sc->nb && !s; i++) {
+            blk *b = &sc->b[i];
+            if (b->tier != tier || (sc->cache && b->filled))
+                continue;
+            if (!b->bytes) {
+                if (sc->cache)
+                    filled(sc, b);
+                continue;
+            }
+            while (l.count && !s && must_wait(&l))
+                s = finish_oldest(&l, LADEN_OK);
+            char *dst = NULL;
+            int staging;
+            if (s || (s = destination(&l, b, &dst, &staging)))
+                break;
+            inflight *f = &l.q[(l.head + l.count) % 64];
+            s = start_block(sc, b, dst, f);
+            f->staging = staging;
+            l.count++;
+            l.inflight_bytes += b->bytes;
+        }
+    }
+    while (l.count) /* also after a failure: the reads must end first */
+        s = finish_oldest(&l, s);
+    if (!s && (l.staging[0] || l.staging[1]))
+        s = laden_dev_stream_synchronize(sc->copy);
+    for (int k = 0; k < 2; k++) {
+        if (l.staging[k])
+            laden_host_free(sc->host, l.staging[k]);
+        laden_dev_event_destroy(l.copied[k]);
+    }
+    laden_host_trim(sc->host); /* the GPU tier's staging is not kept */
     return s;
 }
 
@@ -350,15 +516,13 @@ laden_status laden__sched_load(laden_sched_t *sc)
         return s;
     if ((s = layout(sc)))
         goto fail;
-    if (sc->cache) {
-        for (uint32_t i = 0; i < sc->nb; i++)
-            if (!sc->b[i].filled && (s = fill_block(sc, i)))
-                goto fail;
+    if (sc->cache) { /* every block on the RAM tier, in mappings */
+        if ((s = load_tiers(sc)))
+            goto fail;
         sc->loaded = true;
         return LADEN_OK;
     }
-    if ((s = place_device_blocks(sc)) || (s = load_ram_tier(sc)) ||
-        (s = load_gpu_tier(sc)))
+    if ((s = place_device_blocks(sc)) || (s = load_tiers(sc)))
         goto fail;
     sc->loaded = true;
     return LADEN_OK;

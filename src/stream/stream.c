@@ -274,6 +274,20 @@ laden_status laden_sched_host_ptr(laden_sched_t *sc, uint32_t block,
     HELD("laden_sched_host_ptr", laden__sched_host_ptr(sc, block, i, out));
 }
 
+static laden_status set_progress(laden_sched_t *sc, laden_sched_progress_fn fn,
+                                 void *arg)
+{
+    sc->progress = fn;
+    sc->progress_arg = arg;
+    return LADEN_OK;
+}
+
+laden_status laden_sched_set_progress(laden_sched_t *sc,
+                                      laden_sched_progress_fn fn, void *arg)
+{
+    HELD("laden_sched_set_progress", set_progress(sc, fn, arg));
+}
+
 laden_status laden_sched_synchronize(laden_sched_t *sc)
 {
     HELD("laden_sched_synchronize", laden__sched_synchronize(sc));

@@ -103,6 +103,8 @@ struct laden_sched {
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
     uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
+    laden_sched_progress_fn progress; /* called as blocks finish loading */
+    void *progress_arg;
     /* One thread at a time (stream.c): the holding thread's id, 0 when
      * free, CLOSED once closed.  The counts are the holder's own. */
     _Atomic uint64_t holder;
