@@ -12,6 +12,8 @@
 #          CACHE_ARGS are passed to it (e.g. "--peers vbar")
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
 #   stream: bench/stream.py without peers (STREAM_ARGS are passed to it)
+#   load:  bench/load.py, cold and warm (LOAD_ARGS are passed to it)
+#   PYTEST_FILES="test_a.py test_b.py" runs only those pytest files.
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
 SECTION=${1:-read}
@@ -42,7 +44,7 @@ else
     2>&1 | tee "$OUT/asan.log" | tail -12
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
-  (cd python/tests && python3 -m pytest -q -p no:cacheprovider . 2>&1) | tee "$OUT/pytest.log" | tail -5
+  (cd python/tests && python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
 fi
 if want read; then
   log "laden probe"
@@ -66,5 +68,9 @@ fi
 if want stream; then
   log "bench/stream.py"
   python3 bench/stream.py --no-peers --json "$OUT/stream.json" ${STREAM_ARGS:-} 2>&1 | tee "$OUT/stream.log"
+fi
+if want load; then
+  log "bench/load.py"
+  python3 bench/load.py ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.log"
 fi
 log "done"
