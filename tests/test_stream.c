@@ -11,7 +11,6 @@
 
 #include "laden/dev.h"
 #include "laden/stream.h"
-#include "stream/stream_internal.h" /* stage_bytes, to stage in pieces */
 
 #define NB 7
 
@@ -1555,26 +1554,3 @@ TEST(stream_load_many_blocks_with_progress)
     free(hdr);
     free(data);
 }
-
-/* CUDA: GPU-tier blocks are copied to the device through staging pieces
- * (of 256 MiB; here of one tensor each, so every block takes several);
- * each tensor arrives whole at its place. */
-static void staged_pieces(int32_t dev)
-{
-    if (dev == LADEN_DEVICE_CPU)
-        return; /* nothing is staged on the CPU device */
-    static const laden_tier ALL_GPU[NB] = {
-        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU,
-        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU};
-    model m;
-    build(&m, dev, ALL_GPU, 0);
-    m.sc->stage_bytes = 1;
-    CHECK_OK(laden_sched_load(m.sc));
-    CHECK_OK(laden_sched_start(m.sc, 0));
-    for (int i = 0; i <= NB; i++)
-        run_block(&m, i);
-    CHECK_OK(laden_sched_stop(m.sc));
-    destroy(&m);
-}
-
-TEST(stream_gpu_tier_staged_in_pieces) { test_on_every_device(staged_pieces); }
