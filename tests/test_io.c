@@ -329,6 +329,24 @@ TEST(io_page_cache_reads_counted)
     CHECK(st.direct_bytes > n / 2);
     CHECK_EQ(st.direct_bytes + st.cached_bytes + st.buffered_bytes,
              2 * n - 8192);
+    /* A read whose buffer agrees with the file offset modulo 4 KiB goes
+     * straight in with O_DIRECT, but for its unaligned edges, read
+     * buffered (or from the cache) and counted so, not as direct. */
+    laden_io_stats_t before = st;
+    void *aligned;
+    CHECK(posix_memalign(&aligned, 4096, (8u << 20) + 8192) == 0);
+    char *to = (char *)aligned + 100;
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_submit(io, f, 100, 8u << 20, to, &r));
+    CHECK_OK(laden_io_wait_cached(io, r, &cached));
+    CHECK(memcmp(to, data + 100, 8u << 20) == 0);
+    free(aligned);
+    CHECK_OK(laden_io_stats(io, &st));
+    uint64_t buf = st.buffered_bytes - before.buffered_bytes;
+    uint64_t hit = st.cached_bytes - before.cached_bytes;
+    CHECK(buf + hit >= 4096 - 100);
+    CHECK(st.direct_bytes - before.direct_bytes <= (8u << 20) - 100);
+    CHECK_EQ(st.direct_bytes - before.direct_bytes + buf + hit, 8u << 20);
     laden_io_destroy(io);
     laden_io_file_close(f);
     free(data);

@@ -1471,17 +1471,18 @@ TEST(stream_plan_property_loads_as_planned)
 /* ---- loading: many blocks in flight, progress, page cache ------------------ */
 
 typedef struct prog {
-    uint64_t calls, last, total;
+    uint64_t calls, last, total, stop_after;
     bool monotonic;
 } prog;
 
-static void on_progress(void *arg, uint64_t done, uint64_t total)
+static int on_progress(void *arg, uint64_t done, uint64_t total)
 {
     prog *p = arg;
     p->monotonic &= done > p->last && done <= total;
     p->calls++;
     p->last = done;
     p->total = total;
+    return p->stop_after && p->calls >= p->stop_after;
 }
 
 /* 100 blocks (more than the 64 a load keeps in flight), some converted:
@@ -1549,6 +1550,26 @@ TEST(stream_load_many_blocks_with_progress)
         CHECK_EQ(got[0], (float)((i * 7) % 200));
         CHECK_EQ(got[1], (float)((i * 7 + 1) % 200));
     }
+    laden_sched_destroy(sc);
+    /* A callback that asks to stop cancels the load: it fails, naming
+     * why, after the reads in flight ended; the schedule is freed whole
+     * (ASan checks). */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    for (int i = 0; i < N; i++) {
+        uint32_t b, t;
+        size_t idx;
+        char name[16];
+        snprintf(name, sizeof name, "b%d", i);
+        CHECK_OK(laden_st_find(st, name, &idx));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+        CHECK_OK(laden_sched_add_tensor(sc, b, st, idx, LADEN_DTYPE_BF16,
+                                        &t));
+    }
+    prog q = {.monotonic = true, .stop_after = 10};
+    CHECK_OK(laden_sched_set_progress(sc, on_progress, &q));
+    CHECK_STATUS(laden_sched_load(sc), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "cancelled");
+    CHECK_EQ(q.calls, 10);
     laden_sched_destroy(sc);
     laden_st_close(st);
     free(hdr);

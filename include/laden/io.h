@@ -67,15 +67,15 @@ LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
 LADEN_API laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *req);
 
 /* As laden_io_wait; *cached_bytes (may be NULL) receives how many of the
- * request's bytes were read from the page cache (chunks whose pages were
- * all cached are read buffered, at memory speed, not from the drive). */
+ * request's bytes were read from the page cache (what was cached is
+ * copied from there, at memory speed, not read again from the drive). */
 LADEN_API laden_status laden_io_wait_cached(laden_io_t *io,
                                             laden_io_req_t *req,
                                             uint64_t *cached_bytes);
 
 typedef struct laden_io_stats {
     uint64_t direct_bytes;   /* read from the drive with O_DIRECT */
-    uint64_t cached_bytes;   /* read from the page cache (found cached) */
+    uint64_t cached_bytes;   /* copied from the page cache: cached already */
     uint64_t buffered_bytes; /* read buffered for other reasons (unaligned
                                 edges, a file system without O_DIRECT) */
     uint32_t threads;

@@ -191,9 +191,13 @@ LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
 
 /* Called by laden_sched_load and laden_sched_load_block on the loading
  * thread each time a block is in place: bytes of blocks done so far, and
- * of all the blocks being loaded. */
-typedef void (*laden_sched_progress_fn)(void *arg, uint64_t done_bytes,
-                                        uint64_t total_bytes);
+ * of all the blocks being loaded.  Returns 0 to go on.  Anything else
+ * cancels laden_sched_load: the reads in flight are waited for and it
+ * fails with LADEN_E_STATE ("cancelled"), after which the schedule can
+ * only be destroyed (laden_sched_load_block ignores it: its caller gets
+ * control back after each block anyway). */
+typedef int (*laden_sched_progress_fn)(void *arg, uint64_t done_bytes,
+                                       uint64_t total_bytes);
 
 /* Sets (or, with NULL, clears) the load progress callback. */
 LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,

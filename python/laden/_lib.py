@@ -180,8 +180,8 @@ class HostStats(Structure):
 
 
 P = POINTER
-# laden_sched_progress_fn: (arg, done_bytes, total_bytes)
-PROGRESS_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_uint64)
+# laden_sched_progress_fn: (arg, done_bytes, total_bytes) -> 0 to go on
+PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_uint64, c_uint64)
 _SIGNATURES = {
     # core
     "laden_version": (c_char_p, []),

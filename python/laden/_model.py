@@ -771,7 +771,10 @@ class progress_to:
     """Context manager: while it is open the C schedule `h` reports load
     progress into a tqdm bar (see checkpoint._progress_bar: on a terminal
     for loads of 1 GiB or more, or when `progress` is True; never when it
-    is False).  The callback runs on the loading thread."""
+    is False).  The callback runs on the loading thread.  An exception in
+    it (KeyboardInterrupt: Ctrl-C during the load) cancels the load in C
+    and is raised when the block ends; `check()` raises it earlier, between
+    calls into C."""
 
     def __init__(self, h, total: int, desc: str, progress):
         from .checkpoint import _progress_bar
@@ -779,22 +782,33 @@ class progress_to:
         self.h = h
         self.bar = _progress_bar(total, desc, progress)
         self.fn = None
+        self.raised: Optional[BaseException] = None
 
     def __enter__(self):
         if self.bar is not None:
             bar = self.bar
 
             def update(arg, done, total):
-                bar.update(done - bar.n)
+                try:
+                    bar.update(done - bar.n)
+                    return 0
+                except BaseException as e:  # Ctrl-C lands here too
+                    self.raised = e
+                    return 1  # stop the load
 
             self.fn = _lib.PROGRESS_FN(update)
             check(lib.laden_sched_set_progress(self.h, self.fn, None))
         return self
 
+    def check(self) -> None:
+        if self.raised is not None:
+            raise self.raised
+
     def __exit__(self, *exc):
         if self.fn is not None:
             lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(), None)
             self.bar.close()
+        self.check()
 
 
 def _store_code(t: _Tensor) -> int:

@@ -256,7 +256,8 @@ class _Runtime:
             self.fixed = len(groups) - len(desc.blocks)
             total = sum(lib.laden_sched_block_bytes(self.sched, b)
                         for b in range(len(groups)))
-            with progress_to(self.sched, total, self.spec.key, None):
+            with progress_to(self.sched, total, self.spec.key,
+                             None) as pt:
                 if all(t.ckpt_name is not None for t in desc.tensors):
                     # All from the checkpoint: one load, several blocks'
                     # reads in flight.
@@ -275,6 +276,7 @@ class _Runtime:
                             t.source = None
                             _set_tensor(t, self._host_view(t))
                         done = b + 1
+                        pt.check()
             if self.dc.vram is not None:
                 check(lib.laden_sched_use_vram(self.sched,
                                                self.dc.vram._h))

@@ -628,3 +628,38 @@ def test_load_reports_page_cache_and_progress(tmp_path, monkeypatch):
     with cache.use(spec, device="cpu") as mm, torch.no_grad():
         assert torch.equal(mm(ids()), expected(ref, "cpu")[1])
     assert bars[-1].closed and bars[-1].n == bars[-1].total > 0
+
+
+def test_ctrl_c_during_a_load_cancels_it(tmp_path, monkeypatch):
+    """Found in review: Ctrl-C while the progress bar ran was swallowed by
+    the ctypes callback and the load went on.  Now the callback cancels the
+    load in C (the reads in flight end first), stream_load raises the
+    KeyboardInterrupt, nothing stays loaded, and a new load works."""
+    from laden import checkpoint as ckmod
+
+    ref = reference()
+    path = save(ref, tmp_path / "c.safetensors")
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ckmod, "_progress_bar",
+                        lambda total, desc, p: Bar() if p else None)
+    m = on_meta()
+    with pytest.raises(KeyboardInterrupt):
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          progress=True)
+    assert not hasattr(m, "_laden_stream")
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      progress=False)
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids()), expected(ref, "cpu")[1])
+    laden.release(m, h)

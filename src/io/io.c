@@ -9,10 +9,13 @@
  * cache.  A file system that refuses O_DIRECT falls back to buffered reads
  * for that file.
  *
- * A chunk whose pages are all in the page cache already (mincore over a
- * read-only mapping of the file, which reads nothing) is read buffered
- * instead: from memory, at memory speed, where O_DIRECT would read the
- * drive again.  The bytes each way are counted per request and per pool. */
+ * What of a chunk is in the page cache already is first read from there
+ * with preadv2(RWF_NOWAIT), which copies cached pages and stops at the
+ * first page that is not (starting no I/O): memory speed, where O_DIRECT
+ * would read the drive again.  (mincore cannot tell: for a file the
+ * process may not write, Linux reports every page cached.)  The rest goes
+ * to the drive as above.  The bytes each way are counted per request and
+ * per pool. */
 #define _GNU_SOURCE
 #include "laden/io.h"
 
@@ -25,12 +28,12 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "../core/internal.h"
 
 #define IO_ALIGN 4096u
-#define PAGE 4096u
 /* Threads: enough requests in flight for a drive (4), and for copies out
  * of the page cache one per two cores up to 16. */
 #define MIN_THREADS 4u
@@ -42,7 +45,6 @@ struct laden_io_file {
     int fd;  /* buffered */
     int dfd; /* O_DIRECT, or -1 */
     atomic_int direct_ok;
-    void *map; /* read-only mapping, for mincore only (never read); or NULL */
     uint64_t size;
     struct timespec mtime; /* size and mtime at open: see unchanged() */
     char *path;
@@ -71,7 +73,6 @@ typedef struct worker {
     pthread_t thread;
     char *bounce;
     size_t bounce_bytes;
-    unsigned char *resident; /* mincore's vector for one chunk */
 } worker;
 
 struct laden_io {
@@ -85,6 +86,7 @@ struct laden_io {
     uint32_t nthreads;
     uint64_t chunk;
     laden_io_direct direct;
+    atomic_int nowait_ok; /* preadv2(RWF_NOWAIT) works here */
     worker *workers;
     laden_io_stats_t st; /* guarded by mu */
 };
@@ -155,12 +157,6 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         f->dfd = -1;
     }
     atomic_init(&f->direct_ok, f->dfd >= 0);
-    /* Only to ask mincore which pages are cached: never read through, so
-     * a truncation cannot raise SIGBUS here. */
-    if (f->size && f->dfd >= 0) {
-        void *m = mmap(NULL, (size_t)f->size, PROT_READ, MAP_SHARED, f->fd, 0);
-        f->map = m == MAP_FAILED ? NULL : m;
-    }
     *out = f;
     return LADEN_OK;
 }
@@ -169,8 +165,6 @@ void laden_io_file_close(laden_io_file_t *f)
 {
     if (!f)
         return;
-    if (f->map)
-        munmap(f->map, (size_t)f->size);
     close(f->fd);
     if (f->dfd >= 0)
         close(f->dfd);
@@ -295,61 +289,84 @@ static laden_status read_direct(laden_io_file_t *f, uint64_t off, uint64_t len,
     return LADEN_OK;
 }
 
-/* 1 if every page of [off, off+len) is in the page cache. */
-static bool cached(worker *w, laden_io_file_t *f, uint64_t off, uint64_t len)
+/* Reads what of [off, off+len) the page cache holds, from its start,
+ * without starting I/O; *got receives the bytes read (0 when the first
+ * page is not cached, or preadv2(RWF_NOWAIT) is not available). */
+static void read_cached(laden_io_t *io, laden_io_file_t *f, uint64_t off,
+                        uint64_t len, char *dst, uint64_t *got)
 {
-    if (!f->map || !w->resident || off + len > f->size)
-        return false;
-    uint64_t a0 = off & ~(uint64_t)(PAGE - 1);
-    uint64_t n = (off + len - a0 + PAGE - 1) / PAGE;
-    if (mincore((char *)f->map + a0, (size_t)(n * PAGE), w->resident) != 0)
-        return false;
-    for (uint64_t i = 0; i < n; i++)
-        if (!(w->resident[i] & 1))
-            return false;
-    return true;
+    *got = 0;
+    while (*got < len && atomic_load(&io->nowait_ok)) {
+        struct iovec v = {dst + *got, (size_t)(len - *got > (1u << 30)
+                                                   ? (1u << 30)
+                                                   : len - *got)};
+        ssize_t r = preadv2(f->fd, &v, 1, (off_t)(off + *got), RWF_NOWAIT);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EOPNOTSUPP || errno == ENOSYS ||
+                      errno == EINVAL))
+            atomic_store(&io->nowait_ok, 0); /* kernel or file system */
+        if (r <= 0)
+            return; /* EAGAIN: not cached; an error: the drive will say */
+        *got += (uint64_t)r;
+    }
 }
 
 static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
-                                      uint64_t off, uint64_t len, char *dst);
+                                      uint64_t off, uint64_t len, char *dst,
+                                      uint64_t *buffered);
 
-/* Reads one chunk: from the page cache if it is all there, else with
- * O_DIRECT where the file takes it, else buffered.  *how: 0 direct, 1
- * from the cache, 2 buffered. */
+/* Reads one chunk: what the page cache holds from there, the rest with
+ * O_DIRECT where the file takes it, else buffered.  Counts the bytes
+ * each way in n[0] direct, n[1] from the cache, n[2] buffered. */
 static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
-                               uint64_t len, char *dst, int *how)
+                               uint64_t len, char *dst, uint64_t n[3])
 {
-    *how = 2;
     if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
-        len < IO_ALIGN)
-        return read_buffered(f, off, len, dst);
-    if (cached(w, f, off, len)) {
-        *how = 1;
+        len < IO_ALIGN) {
+        n[2] = len;
         return read_buffered(f, off, len, dst);
     }
-    *how = 0;
-    return read_direct_chunk(w, f, off, len, dst);
+    read_cached(w->io, f, off, len, dst, &n[1]);
+    if (n[1] == len)
+        return LADEN_OK;
+    laden_status s = read_direct_chunk(w, f, off + n[1], len - n[1],
+                                       dst + n[1], &n[2]);
+    n[0] = len - n[1] - n[2];
+    return s;
 }
 
+/* [off, off+len) with O_DIRECT; *buffered receives the bytes read
+ * buffered instead (unaligned edges, a file system refusing O_DIRECT, a
+ * range too large for the bounce buffer). */
 static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
-                                      uint64_t off, uint64_t len, char *dst)
+                                      uint64_t off, uint64_t len, char *dst,
+                                      uint64_t *buffered)
 {
     laden_status s;
     uint64_t got;
+    *buffered = 0;
+    if (len < IO_ALIGN) {
+        *buffered = len;
+        return read_buffered(f, off, len, dst);
+    }
     if (((uintptr_t)dst - off) % IO_ALIGN == 0) {
         uint64_t head = (IO_ALIGN - off % IO_ALIGN) % IO_ALIGN;
         uint64_t mid = (len - head) & ~(uint64_t)(IO_ALIGN - 1);
+        *buffered = head;
         if (head && (s = read_buffered(f, off, head, dst)))
             return s;
         s = read_direct(f, off + head, mid, dst + head, &got);
         if (s == LADEN_E_UNSUPPORTED) {
             atomic_store(&f->direct_ok, 0);
+            *buffered = len;
             return read_buffered(f, off, len, dst);
         }
         if (s)
             return s;
         if (got < mid)
             return ended_early(f, off + head + got, off, len);
+        *buffered += len - head - mid;
         if (len > head + mid)
             return read_buffered(f, off + head + mid, len - head - mid,
                                  dst + head + mid);
@@ -357,11 +374,14 @@ static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
     }
     uint64_t a0 = off & ~(uint64_t)(IO_ALIGN - 1);
     uint64_t a1 = (off + len + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
-    if (a1 - a0 > w->bounce_bytes)
+    if (a1 - a0 > w->bounce_bytes) {
+        *buffered = len;
         return read_buffered(f, off, len, dst);
+    }
     s = read_direct(f, a0, a1 - a0, w->bounce, &got);
     if (s == LADEN_E_UNSUPPORTED) {
         atomic_store(&f->direct_ok, 0);
+        *buffered = len;
         return read_buffered(f, off, len, dst);
     }
     if (s)
@@ -392,17 +412,16 @@ static void *worker_main(void *arg)
         bool skip = req->status != LADEN_OK; /* an earlier chunk failed */
         pthread_mutex_unlock(&io->mu);
         laden_status s = LADEN_OK;
-        int how = -1;
+        uint64_t n[3] = {0, 0, 0};
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
-                                      jb->dst, &how)))
+                                      jb->dst, n)))
             s = unchanged(jb->file);
         pthread_mutex_lock(&io->mu);
-        if (!s && how >= 0) {
-            uint64_t *by[] = {&io->st.direct_bytes, &io->st.cached_bytes,
-                              &io->st.buffered_bytes};
-            *by[how] += jb->len;
-            if (how == 1)
-                req->cached += jb->len;
+        if (!s) {
+            io->st.direct_bytes += n[0];
+            io->st.cached_bytes += n[1];
+            io->st.buffered_bytes += n[2];
+            req->cached += n[1];
         }
         if (s && req->status == LADEN_OK) {
             req->status = s;
@@ -447,6 +466,7 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
     io->nthreads = c.threads;
     io->chunk = c.chunk_bytes;
     io->direct = c.direct;
+    atomic_init(&io->nowait_ok, 1);
     pthread_mutex_init(&io->mu, NULL);
     pthread_cond_init(&io->work_cv, NULL);
     pthread_cond_init(&io->done_cv, NULL);
@@ -468,22 +488,11 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
                                    "out of memory for reader bounce buffers");
             }
             w->bounce = p;
-            w->resident = malloc((size_t)(c.chunk_bytes / PAGE + 2));
-            if (!w->resident) {
-                free(w->bounce);
-                w->bounce = NULL;
-                io->nthreads = i;
-                laden_io_destroy(io);
-                return laden__fail(LADEN_E_NOMEM,
-                                   "out of memory for reader buffers");
-            }
         }
         int e = pthread_create(&w->thread, NULL, worker_main, w);
         if (e) {
             free(w->bounce);
-            free(w->resident);
             w->bounce = NULL;
-            w->resident = NULL;
             io->nthreads = i;
             laden_io_destroy(io);
             return laden__fail(LADEN_E_NOMEM, "cannot start reader thread: %s",
@@ -505,7 +514,6 @@ void laden_io_destroy(laden_io_t *io)
     for (uint32_t i = 0; i < io->nthreads; i++) {
         pthread_join(io->workers[i].thread, NULL);
         free(io->workers[i].bounce);
-        free(io->workers[i].resident);
     }
     free(io->workers);
     while (io->free_reqs) {

@@ -161,20 +161,28 @@ static void cache_unhome(blk *b)
     b->ram = NULL;
 }
 
-/* Cache schedules: block b's host copy is complete. */
-static void filled(laden_sched_t *sc, blk *b)
+static laden_status cancelled(void)
+{
+    return laden__fail(LADEN_E_STATE, "the load was cancelled by its "
+                       "progress callback");
+}
+
+/* Cache schedules: block b's host copy is complete.  LADEN_E_STATE if
+ * the progress callback asks to stop. */
+static laden_status filled(laden_sched_t *sc, blk *b)
 {
     b->filled = true;
     if (++sc->nfilled == sc->nb)
         sc->loaded = true;
-    if (sc->progress) {
-        uint64_t done = 0, total = 0;
-        for (uint32_t k = 0; k < sc->nb; k++) {
-            total += sc->b[k].bytes;
-            done += sc->b[k].filled ? sc->b[k].bytes : 0;
-        }
-        sc->progress(sc->progress_arg, done, total);
+    if (!sc->progress)
+        return LADEN_OK;
+    uint64_t done = 0, total = 0;
+    for (uint32_t k = 0; k < sc->nb; k++) {
+        total += sc->b[k].bytes;
+        done += sc->b[k].filled ? sc->b[k].bytes : 0;
     }
+    return sc->progress(sc->progress_arg, done, total) ? cancelled()
+                                                       : LADEN_OK;
 }
 
 static laden_status fill_block(laden_sched_t *sc, uint32_t i)
@@ -186,7 +194,8 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
         cache_unhome(b);
         return s;
     }
-    filled(sc, b);
+    (void)filled(sc, b); /* a cancel: the caller has control after it */
+    laden__error_clear();
     return LADEN_OK;
 }
 
@@ -361,16 +370,16 @@ typedef struct loader {
     uint64_t staging_bytes;
 } loader;
 
-static void progress(loader *l, blk *b)
+static laden_status progress(loader *l, blk *b)
 {
     laden_sched_t *sc = l->sc;
-    if (sc->cache) { /* counts the blocks loaded before too */
-        filled(sc, b);
-        return;
-    }
+    if (sc->cache) /* counts the blocks loaded before too */
+        return filled(sc, b);
     l->done_bytes += b->bytes;
-    if (sc->progress)
-        sc->progress(sc->progress_arg, l->done_bytes, l->total_bytes);
+    if (sc->progress &&
+        sc->progress(sc->progress_arg, l->done_bytes, l->total_bytes))
+        return cancelled();
+    return LADEN_OK;
 }
 
 /* Finishes the oldest block in flight: waits for its reads, and for a
@@ -389,9 +398,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
     l->inflight_bytes -= f->b->bytes;
     l->head = (l->head + 1) % 64;
     l->count--;
-    if (!s)
-        progress(l, f->b);
-    return s;
+    return s ? s : progress(l, f->b);
 }
 
 /* The destination of block b's reads: its RAM-tier home (allocated now,
@@ -441,16 +448,17 @@ static laden_status destination(loader *l, blk *b, char **dst, int *staging)
 }
 
 /* Whether the next block must wait for the oldest in flight: the window
- * is full, or (CUDA) a GPU-tier block is being read into one staging
- * buffer while the other's copy to the device may still run. */
+ * is full, or (CUDA) both staging buffers are being read into.  A block
+ * read into one staging buffer may start while the other's reads run or
+ * its copy to the device does (destination waits for that copy). */
 static bool must_wait(const loader *l)
 {
+    uint32_t staged = 0;
     if (l->inflight_bytes >= LOAD_WINDOW || l->count == 64)
         return true;
     for (uint32_t j = 0; j < l->count; j++)
-        if (l->q[(l->head + j) % 64].staging >= 0)
-            return true;
-    return false;
+        staged += l->q[(l->head + j) % 64].staging >= 0;
+    return staged >= 2;
 }
 
 /* Loads the RAM tier, then the GPU tier: blocks are started in order
@@ -476,7 +484,7 @@ static laden_status load_tiers(laden_sched_t *sc)
                 continue;
             if (!b->bytes) {
                 if (sc->cache)
-                    filled(sc, b);
+                    s = filled(sc, b);
                 continue;
             }
             while (l.count && !s && must_wait(&l))
