@@ -1,8 +1,9 @@
 # Thin wrapper over CMake (authoritative for the C build) and pip.
 #   make demo   set up .venv and run laden's main job (ARGS="DIR --budget 60MB"
 #               for your own BERT directory or budget)
-#   make test   set up and run every test (C plain and under ASan+UBSan with
-#               gcc and with clang, ThreadSanitizer, fuzz corpus replay,
+#   make test   set up and run every test (C plain, on a stand-in CUDA
+#               driver, and under ASan+UBSan with gcc and with clang,
+#               ThreadSanitizer, fuzz corpus replay,
 #               exported-symbol check, pytest); installs clang if absent
 PY     ?= python3
 VENV   ?= .venv
@@ -16,7 +17,8 @@ SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 # apt-get as root (CI, this machine) or through sudo.
 APT    := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: all lib venv install demo test test-c test-asan test-tsan fuzz-replay \
+.PHONY: all lib venv install demo test test-c test-fake-cuda test-asan \
+        test-tsan fuzz-replay \
         need-clang test-clang symbols test-py fuzz bench-read clean
 
 all: lib
@@ -95,7 +97,16 @@ symbols: lib
 test-py: install
 	cd python/tests && ../../$(VPY) -m pytest -q -p no:cacheprovider .
 
-test: test-c test-asan test-tsan fuzz-replay test-clang symbols test-py
+test: test-c test-fake-cuda test-asan test-tsan fuzz-replay test-clang symbols test-py
+
+# laden's CUDA paths on a machine without a GPU: the C tests that need no
+# VRAM context, against tests/fake_cuda/, a stand-in libcuda.so.1 that
+# defers pinned copies until something waits for them (see its header).
+test-fake-cuda: lib
+	mkdir -p build/fake_cuda
+	$(CC) -std=c11 -Wall -Wextra -Werror -Wno-unused-parameter -O1 -shared \
+	  -fPIC -o build/fake_cuda/libcuda.so.1 tests/fake_cuda/fake_cuda.c -lpthread
+	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60
