@@ -11,6 +11,7 @@
 
 #include "laden/dev.h"
 #include "laden/stream.h"
+#include "stream/stream_internal.h" /* stage_bytes, to stage in pieces */
 
 #define NB 7
 
@@ -441,7 +442,7 @@ typedef struct {
     model *m;
     laden_dev_stream_t *rd;
     unsigned char *buf;
-    int ok, refused;
+    int ok, refused, held;
 } racer;
 
 static void *race(void *arg)
@@ -453,6 +454,7 @@ static void *race(void *arg)
         bool pass_held = s == LADEN_OK;
         if (s)
             CHECK_STATUS(s, LADEN_E_STATE);
+        r->held += pass_held;
         for (int i = 0; i <= NB; i++) {
             uint32_t b = m->block_of[i];
             s = laden_sched_enter(m->sc, b, 0);
@@ -495,19 +497,23 @@ static void guard_race(int32_t dev)
     racer r[3];
     pthread_t t[3];
     for (int i = 0; i < 3; i++) {
-        r[i] = (racer){&m, NULL, malloc(1 << 20), 0, 0};
+        r[i] = (racer){&m, NULL, malloc(1 << 20), 0, 0, 0};
         if (dev != LADEN_DEVICE_CPU)
             CHECK_OK(laden_dev_stream_create(dev, &r[i].rd));
         CHECK(pthread_create(&t[i], NULL, race, &r[i]) == 0);
     }
-    int ok = 0;
+    int ok = 0, held = 0;
     for (int i = 0; i < 3; i++) {
         CHECK(pthread_join(t[i], NULL) == 0);
         ok += r[i].ok;
+        held += r[i].held;
         laden_dev_stream_destroy(r[i].rd);
         free(r[i].buf);
     }
-    CHECK(ok >= 60 * (NB + 1)); /* a pass that held the schedule ran whole */
+    /* A pass that held the schedule ran whole (how many held depends on
+     * the scheduler: at least one, the first). */
+    CHECK(held >= 1);
+    CHECK(ok >= held * (NB + 1));
     /* Nothing is left held. */
     CHECK_OK(laden_sched_close(m.sc));
     destroy(&m);
@@ -1599,3 +1605,26 @@ TEST(stream_load_many_blocks_with_progress)
 {
     test_on_every_device(many_blocks);
 }
+
+/* CUDA: GPU-tier blocks are copied to the device through staging pieces
+ * (of 256 MiB; here of one tensor each, so every block takes several);
+ * each tensor arrives whole at its place. */
+static void staged_pieces(int32_t dev)
+{
+    if (dev == LADEN_DEVICE_CPU)
+        return; /* nothing is staged on the CPU device */
+    static const laden_tier ALL_GPU[NB] = {
+        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU,
+        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU};
+    model m;
+    build(&m, dev, ALL_GPU, 0);
+    m.sc->stage_bytes = 1;
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int i = 0; i <= NB; i++)
+        run_block(&m, i);
+    CHECK_OK(laden_sched_stop(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_gpu_tier_staged_in_pieces) { test_on_every_device(staged_pieces); }

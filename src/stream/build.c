@@ -431,7 +431,7 @@ void laden__sched_free_all(laden_sched_t *sc)
         if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
             !sc->vbar)
             laden_dev_mem_free(sc->cfg.device, b->region);
-        if (b->ram && sc->cache) {
+        if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
             if (b->pinned)
                 laden_dev_host_unregister(sc->cfg.device, b->ram);
             munmap(b->ram, b->ram_len);
@@ -440,8 +440,10 @@ void laden__sched_free_all(laden_sched_t *sc)
         }
         b->region = 0;
         b->ram = NULL;
+        b->ram_len = 0;
         b->resident = b->pinned = false;
     }
+    sc->pinned_homes = 0;
     laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
     sc->vbar = NULL;
     laden_dev_stream_destroy(sc->copy);

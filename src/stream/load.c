@@ -43,37 +43,50 @@ static laden_status finish_tensor(const tref *r, const void *tmp, char *to)
     return LADEN_OK;
 }
 
-/* A block whose reads are in flight. */
+/* A piece of a block whose reads are in flight: tensors [t0, t1), whose
+ * packed bytes start at offset `base` of the block and land at dst. */
 typedef struct inflight {
     blk *b;
     char *dst;
+    uint32_t t0, t1;
+    uint64_t base, bytes;
     laden_io_req_t **reqs;
     void **tmp;
-    uint32_t n; /* tensors started */
+    uint32_t n; /* tensors started, from t0 */
     int staging; /* CUDA GPU tier: the staging buffer it is read into */
 } inflight;
 
-/* Starts reading block b's tensors into host memory at dst (its packed
- * layout): the reads go to the reader pool, which works on them while the
- * caller starts more blocks.  finish_block waits for them. */
-static laden_status start_block(laden_sched_t *sc, blk *b, char *dst,
-                                inflight *f)
+static char *tensor_dst(const inflight *f, uint32_t k)
+{
+    return f->dst + (f->b->t[k].dst_off - f->base);
+}
+
+/* Starts reading tensors [t0, t1) of block b into host memory at dst:
+ * the reads go to the reader pool, which works on them while the caller
+ * starts more.  finish_piece waits for them. */
+static laden_status start_piece(laden_sched_t *sc, blk *b, uint32_t t0,
+                                uint32_t t1, char *dst, inflight *f)
 {
     laden_status s = LADEN_OK;
-    *f = (inflight){.b = b, .dst = dst, .staging = -1};
-    f->reqs = calloc(b->nt ? b->nt : 1, sizeof *f->reqs);
-    f->tmp = calloc(b->nt ? b->nt : 1, sizeof *f->tmp);
+    uint32_t n = t1 - t0;
+    *f = (inflight){.b = b, .dst = dst, .t0 = t0, .t1 = t1, .staging = -1};
+    if (n) {
+        f->base = b->t[t0].dst_off;
+        f->bytes = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes - f->base;
+    }
+    f->reqs = calloc(n ? n : 1, sizeof *f->reqs);
+    f->tmp = calloc(n ? n : 1, sizeof *f->tmp);
     if (!f->reqs || !f->tmp)
         s = laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
-    for (; !s && f->n < b->nt; f->n++)
-        s = start_tensor(sc, &b->t[f->n], dst + b->t[f->n].dst_off,
+    for (; !s && f->n < n; f->n++)
+        s = start_tensor(sc, &b->t[t0 + f->n], tensor_dst(f, t0 + f->n),
                          &f->tmp[f->n], &f->reqs[f->n]);
     return s;
 }
 
-/* Waits for block f's reads (all of them, also after a failure: their
+/* Waits for piece f's reads (all of them, also after a failure: their
  * buffers are freed here) and converts what is stored in another dtype. */
-static laden_status finish_block(laden_sched_t *sc, inflight *f, laden_status s)
+static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
 {
     laden_status w;
     uint64_t cached;
@@ -83,14 +96,14 @@ static laden_status finish_block(laden_sched_t *sc, inflight *f, laden_status s)
         if ((w = laden_io_wait_cached(sc->io, f->reqs[i], &cached)) && !s)
             s = w;
         else if (!w) {
-            sc->st.load_read_bytes += f->b->t[i].src_bytes;
+            sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
             sc->st.load_cached_bytes += cached;
         }
     }
     for (uint32_t i = 0; i < f->n && f->tmp && !s; i++)
         if (f->tmp[i])
-            s = finish_tensor(&f->b->t[i], f->tmp[i],
-                              f->dst + f->b->t[i].dst_off);
+            s = finish_tensor(&f->b->t[f->t0 + i], f->tmp[i],
+                              tensor_dst(f, f->t0 + i));
     for (uint32_t i = 0; i < f->n && f->tmp; i++)
         free(f->tmp[i]);
     free(f->tmp);
@@ -104,8 +117,8 @@ static laden_status finish_block(laden_sched_t *sc, inflight *f, laden_status s)
 static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
 {
     inflight f;
-    laden_status s = start_block(sc, b, dst, &f);
-    return finish_block(sc, &f, s);
+    laden_status s = start_piece(sc, b, 0, b->nt, dst, &f);
+    return finish_piece(sc, &f, s);
 }
 
 /* Packs each block's tensors (aligned for any kernel), orders the
@@ -359,78 +372,142 @@ static laden_status check_tiers(const laden_sched_t *sc)
  * queue and the reader threads, bounded so that converted tensors' read
  * buffers do not add up. */
 #define LOAD_WINDOW (512ull << 20)
+/* CUDA GPU-tier blocks go through pinned staging in pieces of at most
+ * this (a larger tensor is a piece of its own), so that the rest of a
+ * model is not pinned whole to be copied once. */
+#define STAGE_BYTES (256ull << 20)
+#define QUEUE 64u
 
 typedef struct loader {
     laden_sched_t *sc;
-    inflight q[64];  /* a ring of blocks in flight */
+    inflight q[QUEUE]; /* a ring of pieces in flight */
+    bool last[QUEUE];  /* the piece completes its block */
     uint32_t head, count;
-    uint64_t inflight_bytes, done_bytes, total_bytes;
+    uint64_t inflight_bytes, done_bytes, total_bytes, homes_bytes;
     void *staging[2]; /* CUDA GPU tier: read here, then copied */
     laden_event_t *copied[2];
     uint64_t staging_bytes;
 } loader;
 
-static laden_status progress(loader *l, blk *b)
+/* Whether block b is loaded through the staging buffers. */
+static bool staged(const laden_sched_t *sc, const blk *b)
+{
+    return sc->cuda && !sc->cache && b->tier == LADEN_TIER_GPU;
+}
+
+/* The end of the piece of block b that starts at tensor t0: the tensors
+ * whose packed bytes fit STAGE_BYTES when staged (at least one), else all
+ * of them. */
+static uint32_t piece_end(const laden_sched_t *sc, const blk *b, uint32_t t0)
+{
+    if (!staged(sc, b))
+        return b->nt;
+    uint64_t cap = sc->stage_bytes ? sc->stage_bytes : STAGE_BYTES;
+    uint32_t t1 = t0 + 1;
+    while (t1 < b->nt &&
+           b->t[t1].dst_off + b->t[t1].dst_bytes - b->t[t0].dst_off <= cap)
+        t1++;
+    return t1;
+}
+
+static laden_status progress(loader *l, const inflight *f, bool last)
 {
     laden_sched_t *sc = l->sc;
     if (sc->cache) /* counts the blocks loaded before too */
-        return filled(sc, b);
-    l->done_bytes += b->bytes;
+        return last ? filled(sc, f->b) : LADEN_OK;
+    l->done_bytes += f->bytes;
     if (sc->progress &&
         sc->progress(sc->progress_arg, l->done_bytes, l->total_bytes))
         return cancelled();
     return LADEN_OK;
 }
 
-/* Finishes the oldest block in flight: waits for its reads, and for a
- * CUDA GPU-tier block enqueues its copy to the device. */
+/* A RAM-tier block of a CUDA streaming schedule, read: its pages were
+ * made by the reads (in the reader threads, in parallel); pinning them in
+ * place now costs a fraction of allocating pinned memory up front. */
+static laden_status pin_home(laden_sched_t *sc, blk *b)
+{
+    laden_status s = laden_dev_host_register(sc->cfg.device, b->ram,
+                                             b->ram_len);
+    if (s)
+        return s;
+    b->pinned = true;
+    sc->pinned_homes += b->ram_len;
+    return LADEN_OK;
+}
+
+/* Finishes the oldest piece in flight: waits for its reads, and for a
+ * staged piece enqueues its copy to the device. */
 static laden_status finish_oldest(loader *l, laden_status s)
 {
     laden_sched_t *sc = l->sc;
     inflight *f = &l->q[l->head];
-    s = finish_block(sc, f, s);
+    bool last = l->last[l->head];
+    s = finish_piece(sc, f, s);
     if (!s && f->staging >= 0 &&
-        !(s = laden_dev_copy_h2d(sc->copy, f->b->region, f->dst,
-                                 f->b->bytes)))
+        !(s = laden_dev_copy_h2d(sc->copy, f->b->region + f->base, f->dst,
+                                 f->bytes)))
         s = laden_dev_event_record(l->copied[f->staging], sc->copy);
+    if (!s && last && sc->cuda && !sc->cache && f->b->tier == LADEN_TIER_RAM)
+        s = pin_home(sc, f->b);
     if (s && sc->cache)
         cache_unhome(f->b);
-    l->inflight_bytes -= f->b->bytes;
-    l->head = (l->head + 1) % 64;
+    l->inflight_bytes -= f->bytes;
+    l->head = (l->head + 1) % QUEUE;
     l->count--;
-    return s ? s : progress(l, f->b);
+    return s ? s : progress(l, f, last);
 }
 
-/* The destination of block b's reads: its RAM-tier home (allocated now,
- * while earlier blocks' reads proceed), its GPU region on the CPU device,
- * or on CUDA a staging buffer whose last copy has finished. */
-static laden_status destination(loader *l, blk *b, char **dst, int *staging)
+/* Block b's home in host memory, mapped now (while earlier blocks are
+ * read): a cache schedule's host copy, or a RAM-tier block of a CUDA
+ * schedule (pinned once read: pin_home), within the RAM budget. */
+static laden_status home(loader *l, blk *b)
+{
+    laden_sched_t *sc = l->sc;
+    uint64_t budget = sc->cfg.ram_budget_bytes, len = (b->bytes + 4095) &
+                                                      ~(uint64_t)4095;
+    if (!sc->cache && budget && l->homes_bytes + len > budget)
+        return laden__fail(LADEN_E_BUDGET, "block %u (%s) does not fit the "
+                           "%s RAM budget (%s taken)",
+                           (unsigned)(b - sc->b), laden__bytes(len).s,
+                           laden__bytes(budget).s,
+                           laden__bytes(l->homes_bytes).s);
+    laden_status s = cache_home(sc, b);
+    if (!s)
+        l->homes_bytes += len;
+    return s;
+}
+
+/* Where piece [t0, ...) of block b is read to: its block's home (RAM
+ * tier, cache schedules), its GPU region on the CPU device, or a staging
+ * buffer whose last copy has finished. */
+static laden_status destination(loader *l, blk *b, uint32_t t0, char **dst,
+                                int *staging)
 {
     laden_sched_t *sc = l->sc;
     laden_status s;
     *staging = -1;
-    if (sc->cache) {
-        if ((s = cache_home(sc, b)))
+    if (sc->cache || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
+        if (t0 == 0 && (s = home(l, b)))
             return s;
-        *dst = b->ram;
+        *dst = (char *)b->ram + b->t[t0].dst_off;
         return LADEN_OK;
     }
-    if (b->tier == LADEN_TIER_RAM) {
-        if ((s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
+    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
+        if (t0 == 0 && (s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
             return s;
-        if (!sc->cuda)
-            b->region = (laden_devptr_t)(uintptr_t)b->ram;
-        *dst = b->ram;
+        b->region = (laden_devptr_t)(uintptr_t)b->ram;
+        *dst = (char *)b->ram + b->t[t0].dst_off;
         return LADEN_OK;
     }
-    if (!sc->cuda) {
-        *dst = (char *)(uintptr_t)b->region;
+    if (!staged(sc, b)) {
+        *dst = (char *)(uintptr_t)b->region + b->t[t0].dst_off;
         return LADEN_OK;
     }
-    for (int k = 0; k < 2; k++) { /* one not used by a block in flight */
+    for (int k = 0; k < 2; k++) { /* one not used by a piece in flight */
         bool busy = false;
         for (uint32_t j = 0; j < l->count; j++)
-            busy |= l->q[(l->head + j) % 64].staging == k;
+            busy |= l->q[(l->head + j) % QUEUE].staging == k;
         if (busy)
             continue;
         if (!l->staging[k] &&
@@ -447,23 +524,47 @@ static laden_status destination(loader *l, blk *b, char **dst, int *staging)
     return laden__fail(LADEN_E_STATE, "no staging buffer free"); /* bug */
 }
 
-/* Whether the next block must wait for the oldest in flight: the window
- * is full, or (CUDA) both staging buffers are being read into.  A block
- * read into one staging buffer may start while the other's reads run or
- * its copy to the device does (destination waits for that copy). */
+/* Whether the next piece must wait for the oldest in flight: the window
+ * is full, or both staging buffers are being read into.  A piece read
+ * into one staging buffer may start while the other's reads run or its
+ * copy to the device does (destination waits for that copy). */
 static bool must_wait(const loader *l)
 {
-    uint32_t staged = 0;
-    if (l->inflight_bytes >= LOAD_WINDOW || l->count == 64)
+    uint32_t staged_n = 0;
+    if (l->inflight_bytes >= LOAD_WINDOW || l->count == QUEUE)
         return true;
     for (uint32_t j = 0; j < l->count; j++)
-        staged += l->q[(l->head + j) % 64].staging >= 0;
-    return staged >= 2;
+        staged_n += l->q[(l->head + j) % QUEUE].staging >= 0;
+    return staged_n >= 2;
 }
 
-/* Loads the RAM tier, then the GPU tier: blocks are started in order
- * while fewer than LOAD_WINDOW bytes (and 64 blocks) are in flight, and
- * finished in order; on CUDA a GPU-tier block is read while the one
+/* Starts block b's pieces, finishing older ones as the window needs. */
+static laden_status start_blocks_pieces(loader *l, blk *b)
+{
+    laden_sched_t *sc = l->sc;
+    laden_status s = LADEN_OK;
+    for (uint32_t t0 = 0, t1; t0 < b->nt && !s; t0 = t1) {
+        t1 = piece_end(sc, b, t0);
+        while (l->count && !s && must_wait(l))
+            s = finish_oldest(l, LADEN_OK);
+        char *dst = NULL;
+        int staging;
+        if (s || (s = destination(l, b, t0, &dst, &staging)))
+            break;
+        uint32_t at = (l->head + l->count) % QUEUE;
+        inflight *f = &l->q[at];
+        s = start_piece(sc, b, t0, t1, dst, f);
+        f->staging = staging;
+        l->last[at] = t1 == b->nt;
+        l->count++;
+        l->inflight_bytes += f->bytes;
+    }
+    return s;
+}
+
+/* Loads the RAM tier, then the GPU tier: pieces are started in order
+ * while fewer than LOAD_WINDOW bytes (and QUEUE pieces) are in flight,
+ * and finished in order; on CUDA a GPU-tier piece is read while the one
  * before is copied to the device. */
 static laden_status load_tiers(laden_sched_t *sc)
 {
@@ -473,8 +574,12 @@ static laden_status load_tiers(laden_sched_t *sc)
         blk *b = &sc->b[i];
         if (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU)
             l.total_bytes += b->bytes;
-        if (b->tier == LADEN_TIER_GPU && b->bytes > l.staging_bytes)
-            l.staging_bytes = b->bytes;
+        for (uint32_t t0 = 0, t1; staged(sc, b) && t0 < b->nt; t0 = t1) {
+            t1 = piece_end(sc, b, t0);
+            uint64_t n = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes -
+                         b->t[t0].dst_off;
+            l.staging_bytes = n > l.staging_bytes ? n : l.staging_bytes;
+        }
     }
     for (int pass = 0; pass < 2 && !s; pass++) {
         laden_tier tier = pass ? LADEN_TIER_GPU : LADEN_TIER_RAM;
@@ -482,22 +587,12 @@ static laden_status load_tiers(laden_sched_t *sc)
             blk *b = &sc->b[i];
             if (b->tier != tier || (sc->cache && b->filled))
                 continue;
-            if (!b->bytes) {
+            if (!b->bytes || !b->nt) {
                 if (sc->cache)
                     s = filled(sc, b);
                 continue;
             }
-            while (l.count && !s && must_wait(&l))
-                s = finish_oldest(&l, LADEN_OK);
-            char *dst = NULL;
-            int staging;
-            if (s || (s = destination(&l, b, &dst, &staging)))
-                break;
-            inflight *f = &l.q[(l.head + l.count) % 64];
-            s = start_block(sc, b, dst, f);
-            f->staging = staging;
-            l.count++;
-            l.inflight_bytes += b->bytes;
+            s = start_blocks_pieces(&l, b);
         }
     }
     while (l.count) /* also after a failure: the reads must end first */

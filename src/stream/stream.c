@@ -18,6 +18,7 @@ static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
     out->device_bytes += (uint64_t)sc->nslots * sc->slot_bytes;
     if (laden_host_stats(sc->host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
+    out->pinned_bytes += sc->pinned_homes;
     return LADEN_OK;
 }
 

@@ -103,6 +103,9 @@ struct laden_sched {
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
     uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
+    uint64_t pinned_homes;      /* CUDA RAM-tier blocks pinned in place */
+    uint64_t stage_bytes;       /* CUDA GPU-tier staging pieces; 0: default
+                                   (tests set a small one) */
     laden_sched_progress_fn progress; /* called as blocks finish loading */
     void *progress_arg;
     /* One thread at a time (stream.c): the holding thread's id, 0 when
