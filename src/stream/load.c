@@ -433,6 +433,13 @@ static laden_status pin_home(laden_sched_t *sc, blk *b)
         return s;
     b->pinned = true;
     sc->pinned_homes += b->ram_len;
+    /* The arena (slots' staging, later) gets what the homes leave of the
+     * RAM budget. */
+    uint64_t budget = sc->cfg.ram_budget_bytes;
+    if (budget)
+        laden_host_set_budget(sc->host, budget > sc->pinned_homes
+                                            ? budget - sc->pinned_homes
+                                            : 1);
     return LADEN_OK;
 }
 
