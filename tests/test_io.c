@@ -7,6 +7,7 @@
 #include "test.h"
 
 #include "laden/io.h"
+#include "core/internal.h" /* laden__fail, for a follow-up that fails */
 
 /* A file of n bytes whose byte i is a hash of i, so any misplaced byte
  * shows. */
@@ -347,6 +348,63 @@ TEST(io_page_cache_reads_counted)
     CHECK(buf + hit >= 4096 - 100);
     CHECK(st.direct_bytes - before.direct_bytes <= (8u << 20) - 100);
     CHECK_EQ(st.direct_bytes - before.direct_bytes + buf + hit, 8u << 20);
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(data);
+    free(got);
+}
+
+typedef struct then_probe {
+    const unsigned char *buf, *want;
+    size_t n;
+    int calls, saw_all;
+    laden_status ret;
+} then_probe;
+
+static laden_status probe_then(void *arg)
+{
+    then_probe *p = arg;
+    p->calls++;
+    p->saw_all = memcmp(p->buf, p->want, p->n) == 0;
+    if (p->ret)
+        return laden__fail(p->ret, "probe says no");
+    return LADEN_OK;
+}
+
+/* laden_io_submit_then: the follow-up runs once, on a reader, after every
+ * chunk is in; its failure is the request's; a failed read skips it. */
+TEST(io_submit_then_runs_after_the_last_chunk)
+{
+    size_t n = 10u << 20;
+    unsigned char *data = malloc(n), *got = malloc(n);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (unsigned char)(i * 13 + 1);
+    char *p = test_path("then.bin");
+    test_write_file(p, data, n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    laden_io_config cfg = {.threads = 4, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    then_probe pr = {got, data, n, 0, 0, LADEN_OK};
+    laden_io_req_t *r;
+    CHECK_OK(laden_io_submit_then(io, f, 0, n, got, probe_then, &pr, &r));
+    CHECK_OK(laden_io_wait(io, r));
+    CHECK_EQ(pr.calls, 1);
+    CHECK(pr.saw_all);
+    pr = (then_probe){got, data, n, 0, 0, LADEN_E_UNSUPPORTED};
+    CHECK_OK(laden_io_submit_then(io, f, 0, n, got, probe_then, &pr, &r));
+    CHECK_STATUS(laden_io_wait(io, r), LADEN_E_UNSUPPORTED);
+    CHECK_CONTAINS(laden_last_error(), "probe says no");
+    pr = (then_probe){got, data, 0, 0, 0, LADEN_OK};
+    CHECK_OK(laden_io_submit_then(io, f, 5, 0, got, probe_then, &pr, &r));
+    CHECK_OK(laden_io_wait(io, r));
+    CHECK_EQ(pr.calls, 1); /* size 0: run at once */
+    CHECK(truncate(p, (off_t)(n / 2)) == 0); /* the reads fail: no then */
+    pr = (then_probe){got, data, n, 0, 0, LADEN_OK};
+    CHECK_OK(laden_io_submit_then(io, f, 0, n, got, probe_then, &pr, &r));
+    CHECK(laden_io_wait(io, r) != LADEN_OK);
+    CHECK_EQ(pr.calls, 0);
     laden_io_destroy(io);
     laden_io_file_close(f);
     free(data);

@@ -61,6 +61,22 @@ LADEN_API laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *file,
                                        uint64_t offset, uint64_t size,
                                        void *dst, laden_io_req_t **out);
 
+/* What a request does once all its bytes are in (laden_io_submit_then):
+ * run on the reader thread that read its last chunk, before the request
+ * counts as finished; a failure (with laden_last_error set) becomes the
+ * request's status.  Not run if a read failed. */
+typedef laden_status (*laden_io_then_fn)(void *arg);
+
+/* As laden_io_submit, then `then(then_arg)` on a reader thread once every
+ * chunk is in (at once, on the calling thread, for size 0): work on the
+ * bytes (a conversion) done in parallel by the pool, not by the waiter. */
+LADEN_API laden_status laden_io_submit_then(laden_io_t *io,
+                                            laden_io_file_t *file,
+                                            uint64_t offset, uint64_t size,
+                                            void *dst, laden_io_then_fn then,
+                                            void *then_arg,
+                                            laden_io_req_t **out);
+
 /* Blocks until the request has finished, frees it and returns its status;
  * on failure laden_last_error() on the calling thread names file, offset and
  * cause.  Any thread. */

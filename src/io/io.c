@@ -60,6 +60,8 @@ typedef struct job {
 
 struct laden_io_req {
     size_t pending; /* chunks not yet done; guarded by io->mu */
+    laden_io_then_fn then; /* run by a reader once every chunk is in */
+    void *then_arg;
     uint64_t cached; /* bytes served from the page cache; guarded by mu */
     laden_status status;
     char err[512];
@@ -427,6 +429,17 @@ static void *worker_main(void *arg)
             req->status = s;
             snprintf(req->err, sizeof req->err, "%s", laden_last_error());
         }
+        if (req->pending == 1 && req->then && req->status == LADEN_OK) {
+            /* The last chunk: its reader runs the request's follow-up
+             * (a conversion) before anyone waiting sees it done. */
+            pthread_mutex_unlock(&io->mu);
+            laden_status t = req->then(req->then_arg);
+            pthread_mutex_lock(&io->mu);
+            if (t) {
+                req->status = t;
+                snprintf(req->err, sizeof req->err, "%s", laden_last_error());
+            }
+        }
         if (--req->pending == 0)
             pthread_cond_broadcast(&io->done_cv);
     }
@@ -532,6 +545,14 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
                              uint64_t offset, uint64_t size, void *dst,
                              laden_io_req_t **out)
 {
+    return laden_io_submit_then(io, f, offset, size, dst, NULL, NULL, out);
+}
+
+laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
+                                  uint64_t offset, uint64_t size, void *dst,
+                                  laden_io_then_fn then, void *then_arg,
+                                  laden_io_req_t **out)
+{
     uint64_t end;
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_io_submit: out is NULL");
@@ -559,6 +580,7 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
     if (r) {
         r->status = LADEN_OK;
         r->cached = 0;
+        r->then = NULL;
         r->err[0] = '\0';
         r->next_free = NULL;
     } else {
@@ -579,6 +601,10 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
         jb->dst = (char *)dst + i * io->chunk;
         jb->next = i + 1 < n ? &r->jobs[i + 1] : NULL;
     }
+    r->then = then;
+    r->then_arg = then_arg;
+    if (!n && then && (r->status = then(then_arg)))
+        snprintf(r->err, sizeof r->err, "%s", laden_last_error());
     pthread_mutex_lock(&io->mu);
     r->pending = n;
     if (n) {

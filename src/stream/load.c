@@ -12,8 +12,35 @@
 /* Starts putting tensor r at `to`, its place in the block: copied or
  * converted now from host memory, or a read submitted (*req), into a
  * buffer of its own (*tmp) when it is converted. */
+/* A tensor read into a buffer of its own, then converted to its place. */
+typedef struct conv {
+    const tref *r;
+    void *tmp;
+    char *to;
+} conv;
+
+/* Converts tensor c->r, read into c->tmp, to its place: on the reader
+ * thread that read its last chunk (laden_io_submit_then), so that
+ * conversions run in parallel with each other and with later reads. */
+static laden_status convert_then(void *arg)
+{
+    const conv *c = arg;
+    const tref *r = c->r;
+    if (!r->rows)
+        return laden_sched_convert(r->src, c->tmp, r->dst, c->to, r->nelem);
+    uint64_t scales = (r->nelem + 15) & ~(uint64_t)15;
+    laden__quantize_rows(r->src, c->tmp, r->rows, r->nelem / r->rows,
+                         (uint8_t *)c->to,
+                         (float *)(void *)(c->to + scales));
+    return LADEN_OK;
+}
+
+/* Starts putting tensor r at `to`, its place in the block: copied or
+ * converted now from host memory, or a read submitted (*req), into a
+ * buffer of its own (c->tmp) and converted by the reader when it is
+ * stored in another dtype. */
 static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
-                                 void **tmp, laden_io_req_t **req)
+                                 conv *c, laden_io_req_t **req)
 {
     *req = NULL;
     if (r->host && r->src == r->dst) {
@@ -22,25 +49,16 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
     }
     if (r->host)
         return laden_sched_convert(r->src, r->host, r->dst, to, r->nelem);
-    if (r->src != r->dst) {
-        if (!(*tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
-            return laden__fail(LADEN_E_NOMEM,
-                               "out of memory converting '%.200s'", r->name);
-        to = *tmp;
-    }
-    return laden_io_submit(sc->io, sc->files[r->file], r->off, r->src_bytes,
-                           to, req);
-}
-
-/* Converts tensor r, read into tmp, to its place `to`. */
-static laden_status finish_tensor(const tref *r, const void *tmp, char *to)
-{
-    if (!r->rows)
-        return laden_sched_convert(r->src, tmp, r->dst, to, r->nelem);
-    uint64_t scales = (r->nelem + 15) & ~(uint64_t)15;
-    laden__quantize_rows(r->src, tmp, r->rows, r->nelem / r->rows,
-                         (uint8_t *)to, (float *)(void *)(to + scales));
-    return LADEN_OK;
+    if (r->src == r->dst)
+        return laden_io_submit(sc->io, sc->files[r->file], r->off,
+                               r->src_bytes, to, req);
+    if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
+        return laden__fail(LADEN_E_NOMEM, "out of memory converting '%.200s'",
+                           r->name);
+    c->r = r;
+    c->to = to;
+    return laden_io_submit_then(sc->io, sc->files[r->file], r->off,
+                                r->src_bytes, c->tmp, convert_then, c, req);
 }
 
 /* A piece of a block whose reads are in flight: tensors [t0, t1), whose
@@ -51,7 +69,7 @@ typedef struct inflight {
     uint32_t t0, t1;
     uint64_t base, bytes;
     laden_io_req_t **reqs;
-    void **tmp;
+    conv *cv;
     uint32_t n; /* tensors started, from t0 */
     int staging; /* CUDA GPU tier: the staging buffer it is read into */
 } inflight;
@@ -75,17 +93,17 @@ static laden_status start_piece(laden_sched_t *sc, blk *b, uint32_t t0,
         f->bytes = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes - f->base;
     }
     f->reqs = calloc(n ? n : 1, sizeof *f->reqs);
-    f->tmp = calloc(n ? n : 1, sizeof *f->tmp);
-    if (!f->reqs || !f->tmp)
+    f->cv = calloc(n ? n : 1, sizeof *f->cv);
+    if (!f->reqs || !f->cv)
         s = laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
     for (; !s && f->n < n; f->n++)
         s = start_tensor(sc, &b->t[t0 + f->n], tensor_dst(f, t0 + f->n),
-                         &f->tmp[f->n], &f->reqs[f->n]);
+                         &f->cv[f->n], &f->reqs[f->n]);
     return s;
 }
 
-/* Waits for piece f's reads (all of them, also after a failure: their
- * buffers are freed here) and converts what is stored in another dtype. */
+/* Waits for piece f's reads and conversions (all of them, also after a
+ * failure: their buffers are freed here). */
 static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
 {
     laden_status w;
@@ -100,15 +118,11 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
             sc->st.load_cached_bytes += cached;
         }
     }
-    for (uint32_t i = 0; i < f->n && f->tmp && !s; i++)
-        if (f->tmp[i])
-            s = finish_tensor(&f->b->t[f->t0 + i], f->tmp[i],
-                              tensor_dst(f, f->t0 + i));
-    for (uint32_t i = 0; i < f->n && f->tmp; i++)
-        free(f->tmp[i]);
-    free(f->tmp);
+    for (uint32_t i = 0; i < f->n && f->cv; i++)
+        free(f->cv[i].tmp);
+    free(f->cv);
     free(f->reqs);
-    f->tmp = NULL;
+    f->cv = NULL;
     f->reqs = NULL;
     return s;
 }
