@@ -55,14 +55,31 @@ void test_register(const char *name, laden_test_fn fn);
         }                                                                  \
     } while (0)
 
-/* a == b for integers, printing both values (and their expressions) when
- * they differ. */
+/* a == b for integers (and pointers), printing both values (and their
+ * expressions) when they differ.  Floating values are refused at compile
+ * time: converted to integers they would compare equal when they are not
+ * (use CHECK_FEQ). */
+#define TEST_IS_FLOAT(x)                                                   \
+    _Generic((x), float: 1, double: 1, long double: 1, default: 0)
 #define CHECK_EQ(a, b)                                                     \
     do {                                                                   \
+        _Static_assert(!TEST_IS_FLOAT(a) && !TEST_IS_FLOAT(b),             \
+                       "CHECK_EQ compares integers: use CHECK_FEQ");       \
         long long a_ = (long long)(a), b_ = (long long)(b);                \
         if (a_ != b_) {                                                    \
             fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%lld vs "   \
                     "%lld)\n", __FILE__, __LINE__, #a, #b, a_, b_);        \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+
+/* a == b, exactly, for floating values, printing both. */
+#define CHECK_FEQ(a, b)                                                    \
+    do {                                                                   \
+        double a_ = (double)(a), b_ = (double)(b);                         \
+        if (!(a_ == b_)) {                                                 \
+            fprintf(stderr, "%s:%d: CHECK_FEQ failed: %s == %s (%.9g vs "  \
+                    "%.9g)\n", __FILE__, __LINE__, #a, #b, a_, b_);        \
             exit(1);                                                       \
         }                                                                  \
     } while (0)

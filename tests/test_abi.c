@@ -44,7 +44,7 @@ TEST(abi_lists_every_struct_once)
             fprintf(stderr, "struct %s\n", laden_abi_struct_name(i));
         CHECK_EQ(found, 1);
     }
-    CHECK(laden_abi_struct_name(UINT32_MAX) == NULL);
+    CHECK_EQ(laden_abi_struct_name(UINT32_MAX), NULL);
 }
 
 TEST(abi_sizes_and_fields_match_the_compiler)
@@ -153,7 +153,7 @@ TEST(abi_refuses_unknown_names_and_bad_indexes)
     size = 7;
     CHECK_STATUS(laden_abi_field("laden_nope", 0, &f, &off, &size),
                  LADEN_E_NOTFOUND);
-    CHECK(f == NULL);
+    CHECK_EQ(f, NULL);
     CHECK_EQ(off, 0);
     CHECK_EQ(size, 0);
     CHECK_OK(laden_abi_struct("laden_io_config", &size, &nf));
@@ -162,7 +162,7 @@ TEST(abi_refuses_unknown_names_and_bad_indexes)
     CHECK_STATUS(laden_abi_field("laden_io_config", nf, &f, &off, &size),
                  LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "laden_io_config has 3 fields");
-    CHECK(f == NULL);
+    CHECK_EQ(f, NULL);
     CHECK_EQ(size, 0);
     CHECK_STATUS(laden_abi_field("laden_io_config", UINT32_MAX, &f, &off,
                                  &size),

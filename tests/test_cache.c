@@ -31,7 +31,7 @@ TEST(cache_rotation_is_lru)
         uint32_t id = m[round % 3];
         CHECK_OK(laden_cache_acquire(c, id, 4, ev, 8, &n));
         if (round < 2) {
-            CHECK(n == 0);
+            CHECK_EQ(n, 0);
         } else {
             /* The one used two activations ago is the LRU. */
             CHECK(n == 1 && ev[0].model == m[(round + 1) % 3]);
@@ -47,7 +47,7 @@ TEST(cache_rotation_is_lru)
     /* Re-using a resident model decides nothing. */
     uint32_t last = m[29 % 3];
     CHECK_OK(laden_cache_acquire(c, last, 4, ev, 8, &n));
-    CHECK(n == 0);
+    CHECK_EQ(n, 0);
     CHECK_OK(laden_cache_release(c, last));
     laden_cache_info_t info;
     CHECK_OK(laden_cache_info(c, last, &info));
@@ -75,7 +75,7 @@ TEST(cache_partial_eviction_and_in_use)
           ev[0].keep_bytes == 2);
     apply(c, ev, n);
     CHECK_OK(laden_cache_set_vram(c, d, 4));
-    CHECK(vram_of(c, a) == 2);
+    CHECK_EQ(vram_of(c, a), 2);
     /* Another use of d, bigger: only a is idle (b, d in use)... */
     CHECK_STATUS(laden_cache_acquire(c, d, 4, ev, 4, &n), LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "in use");
@@ -90,12 +90,12 @@ TEST(cache_partial_eviction_and_in_use)
     CHECK_CONTAINS(laden_last_error(), "whole budget");
     /* Over the budget by reporting: refused, nothing changed. */
     CHECK_STATUS(laden_cache_set_vram(c, a, 5), LADEN_E_BUDGET);
-    CHECK(vram_of(c, a) == 2);
+    CHECK_EQ(vram_of(c, a), 2);
     /* Freeing on demand takes idle models only, LRU first. */
     CHECK_OK(laden_cache_evict_bytes(c, 100, ev, 4, &n));
     CHECK(n == 2 && ev[0].model == a && ev[1].model == d);
     apply(c, ev, n);
-    CHECK(vram_of(c, b) == 4);
+    CHECK_EQ(vram_of(c, b), 4);
     /* Removal needs an empty, idle model. */
     CHECK_STATUS(laden_cache_remove(c, b), LADEN_E_STATE);
     CHECK_OK(laden_cache_release(c, b));
@@ -120,12 +120,12 @@ TEST(cache_pinned_budget_and_small_cap)
     CHECK_OK(laden_cache_add(c, "a", 4, &a));
     CHECK_OK(laden_cache_add(c, "b", 4, &b));
     CHECK_OK(laden_cache_plan_pin(c, a, 4, ev, 1, &n));
-    CHECK(n == 0);
+    CHECK_EQ(n, 0);
     CHECK_OK(laden_cache_set_pinned(c, a, 4));
     CHECK_OK(laden_cache_plan_pin(c, b, 4, ev, 1, &n));
     CHECK(n == 1 && ev[0].model == a && ev[0].drop_bytes == 2);
     CHECK_OK(laden_cache_acquire(c, a, 1000, ev, 1, &n)); /* no limit */
-    CHECK(n == 0);
+    CHECK_EQ(n, 0);
     CHECK_STATUS(laden_cache_plan_pin(c, b, 4, ev, 1, &n), LADEN_E_BUDGET);
     CHECK_OK(laden_cache_release(c, a));
     laden_cache_destroy(c);
@@ -191,7 +191,7 @@ TEST(cache_random_invariants)
                 CHECK_OK(laden_cache_info(c, ev[e].model, &info));
                 CHECK(!info.in_use);
                 if (e + 1 < n)
-                    CHECK(ev[e].keep_bytes == 0); /* only the last partly */
+                    CHECK_EQ(ev[e].keep_bytes, 0); /* only the last partly */
                 if (info.last_use > newest_evicted)
                     newest_evicted = info.last_use;
                 evicted[ev[e].model] = true;

@@ -32,7 +32,7 @@ static void copies(int32_t dev)
         CHECK_OK(laden_dev_copy_d2d(s, d2, d, n));
         CHECK_OK(laden_dev_copy_d2h(s, dst, d2, n));
         CHECK_OK(laden_dev_stream_synchronize(s));
-        CHECK(memcmp(src, dst, n) == 0);
+        CHECK_EQ(memcmp(src, dst, n), 0);
         CHECK_OK(laden_dev_mem_free(dev, d));
         CHECK_OK(laden_dev_mem_free(dev, d2));
         CHECK_OK(laden_dev_host_free(dev, src));
@@ -62,7 +62,7 @@ static void cross_stream_wait(int32_t dev)
     CHECK_OK(laden_dev_host_alloc(dev, n, (void **)&dst));
     int done = 0;
     CHECK_OK(laden_dev_event_query(never, &done));
-    CHECK(done == 1); /* never recorded: complete */
+    CHECK_EQ(done, 1); /* never recorded: complete */
     CHECK_OK(laden_dev_event_synchronize(never));
     for (unsigned round = 0; round < 4; round++) {
         fill(src, n, round + 1);
@@ -74,8 +74,8 @@ static void cross_stream_wait(int32_t dev)
         CHECK_OK(laden_dev_stream_wait_event(b, never)); /* no-op */
         CHECK_OK(laden_dev_stream_synchronize(b));
         CHECK_OK(laden_dev_event_query(ev, &done));
-        CHECK(done == 1);
-        CHECK(memcmp(src, dst, n) == 0);
+        CHECK_EQ(done, 1);
+        CHECK_EQ(memcmp(src, dst, n), 0);
     }
     CHECK_OK(laden_dev_event_synchronize(ev));
     laden_dev_event_destroy(ev);
@@ -136,7 +136,7 @@ static void vmm(int32_t dev)
     laden_devptr_t va;
     laden_phys_t p0, p1;
     CHECK_OK(laden_dev_va_reserve(dev, 4 * g, &va));
-    CHECK(va % g == 0);
+    CHECK_EQ(va % g, 0);
     CHECK_OK(laden_dev_phys_create(dev, g, &p0));
     CHECK_OK(laden_dev_phys_create(dev, 2 * g, &p1));
     CHECK_OK(laden_dev_map(dev, va, g, p0));
@@ -157,12 +157,12 @@ static void vmm(int32_t dev)
     memset(back, 0, 2 * g);
     CHECK_OK(laden_dev_copy_d2h(s, back, va, 2 * g));
     CHECK_OK(laden_dev_stream_synchronize(s));
-    CHECK(memcmp(back, h, 2 * g) == 0);
+    CHECK_EQ(memcmp(back, h, 2 * g), 0);
     CHECK_OK(laden_dev_unmap(dev, va, 2 * g));
     CHECK_STATUS(laden_dev_map(dev, va + 1, g, p0), LADEN_E_INVAL);
     laden_devptr_t bad = 1;
     CHECK_STATUS(laden_dev_va_reserve(dev, g + 1, &bad), LADEN_E_INVAL);
-    CHECK(bad == 0);
+    CHECK_EQ(bad, 0);
     CHECK_STATUS(laden_dev_va_release(dev, va + g, 2 * g), LADEN_E_INVAL);
     CHECK_OK(laden_dev_phys_release(dev, p0));
     CHECK_OK(laden_dev_phys_release(dev, p1));
@@ -187,7 +187,7 @@ static void info_and_errors(int32_t dev)
     laden_dev_stream_t *s = (laden_dev_stream_t *)1;
     if (dev == LADEN_DEVICE_CPU) {
         CHECK_STATUS(laden_dev_stream_wrap(dev, 0, &s), LADEN_E_UNSUPPORTED);
-        CHECK(s == NULL);
+        CHECK_EQ(s, NULL);
     } else {
         /* The legacy default stream (handle 0), as PyTorch may hand it. */
         laden_devptr_t d;
@@ -197,18 +197,18 @@ static void info_and_errors(int32_t dev)
         CHECK_OK(laden_dev_copy_h2d(s, d, &x, 1));
         CHECK_OK(laden_dev_copy_d2h(s, &y, d, 1));
         CHECK_OK(laden_dev_stream_synchronize(s));
-        CHECK(y == 42);
+        CHECK_EQ(y, 42);
         laden_dev_stream_destroy(s); /* not owned: not destroyed */
         CHECK_OK(laden_dev_mem_free(dev, d));
         /* Too much device memory is a clear error, not a crash. */
         CHECK_STATUS(laden_dev_mem_alloc(dev, 1ull << 50, &d),
                      LADEN_E_DEVICE_NOMEM);
         CHECK_CONTAINS(laden_last_error(), "cuMemAlloc");
-        CHECK(d == 0);
+        CHECK_EQ(d, 0);
     }
     laden_devptr_t d = 1;
     CHECK_STATUS(laden_dev_mem_alloc(dev, 0, &d), LADEN_E_INVAL);
-    CHECK(d == 0);
+    CHECK_EQ(d, 0);
 }
 
 TEST(dev_info_and_errors)
@@ -243,7 +243,7 @@ static void *worker(void *p)
         CHECK_OK(laden_dev_copy_h2d(s, d, a, n));
         CHECK_OK(laden_dev_copy_d2h(s, b, d, n));
         CHECK_OK(laden_dev_stream_synchronize(s));
-        CHECK(memcmp(a, b, n) == 0);
+        CHECK_EQ(memcmp(a, b, n), 0);
     }
     CHECK_OK(laden_dev_mem_free(w->dev, d));
     laden_dev_stream_destroy(s);
@@ -258,7 +258,7 @@ static void threads(int32_t dev)
     worker_arg args[6];
     for (int i = 0; i < 6; i++) {
         args[i] = (worker_arg){dev, (unsigned)i * 17};
-        CHECK(pthread_create(&t[i], NULL, worker, &args[i]) == 0);
+        CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
     }
     for (int i = 0; i < 6; i++)
         pthread_join(t[i], NULL);

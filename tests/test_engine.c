@@ -44,7 +44,7 @@ static void build(laden_cache_t *c, cmodel *m, const char *key, int32_t dev,
         for (uint64_t j = 0; j < size[b]; j++)
             src[b][j] = val(seed, b, j);
         CHECK_OK(laden_sched_add_block(m->sc, LADEN_TIER_RAM, &bi));
-        CHECK(bi == b);
+        CHECK_EQ(bi, b);
         CHECK_OK(laden_sched_add_host_tensor(m->sc, bi, src[b],
                                              LADEN_DTYPE_U8, size[b],
                                              LADEN_DTYPE_U8, &ti));
@@ -115,8 +115,8 @@ static void check_accounts(laden_cache_t *c, cmodel *ms, int k)
         laden_sched_stats_t st;
         CHECK_OK(laden_cache_info(c, ms[i].id, &info));
         CHECK_OK(laden_sched_stats(ms[i].sc, &st));
-        CHECK(info.vram_bytes == st.device_bytes);
-        CHECK(info.pinned_bytes == st.registered_bytes);
+        CHECK_EQ(info.vram_bytes, st.device_bytes);
+        CHECK_EQ(info.pinned_bytes, st.registered_bytes);
         vram += st.device_bytes;
         pinned += st.registered_bytes;
     }
@@ -139,7 +139,7 @@ static void destroy_all(laden_cache_t *c, cmodel *ms, int k)
 {
     for (int i = 0; i < k; i++) {
         CHECK_OK(laden_cache_unbind(c, ms[i].id));
-        CHECK(held(&ms[i]) == 0);
+        CHECK_EQ(held(&ms[i]), 0);
         CHECK_OK(laden_cache_remove(c, ms[i].id));
         laden_sched_destroy(ms[i].sc);
     }
@@ -165,14 +165,14 @@ static void rotation(int32_t dev)
         laden_cache_activation_t act;
         cmodel *x = &m[round % 3];
         use(c, x, LADEN_CACHE_AUTO, &act);
-        CHECK(act.mode == LADEN_CACHE_RESIDENT);
+        CHECK_EQ(act.mode, LADEN_CACHE_RESIDENT);
         CHECK(act.upload_bytes == 4000 && act.kept_bytes == 0);
-        CHECK(act.evicted_models == (round < 2 ? 0u : 1u));
+        CHECK_EQ(act.evicted_models, (round < 2 ? 0u : 1u));
         /* The evicted model's regions are the new model's: same sizes. */
-        CHECK(act.reused_bytes == (round < 2 ? 0u : 4000u));
+        CHECK_EQ(act.reused_bytes, (round < 2 ? 0u : 4000u));
         if (round >= 2) /* the model used two activations ago gave way */
-            CHECK(held(&m[(round + 1) % 3]) == 0);
-        CHECK(held(&m[(round + 2) % 3]) == (round ? 4000u : 0u));
+            CHECK_EQ(held(&m[(round + 1) % 3]), 0);
+        CHECK_EQ(held(&m[(round + 2) % 3]), (round ? 4000u : 0u));
         uploaded += act.upload_bytes;
         use(c, x, LADEN_CACHE_AUTO, &act); /* again: nothing moves */
         CHECK(act.upload_bytes == 0 && act.kept_bytes == 4000 &&
@@ -202,13 +202,13 @@ static void partial(int32_t dev)
     use(c, &m[0], LADEN_CACHE_AUTO, &act);
     use(c, &m[1], LADEN_CACHE_AUTO, &act);
     CHECK(act.evicted_models == 1 && act.evicted_bytes == 1000);
-    CHECK(held(&m[0]) == 3000);
+    CHECK_EQ(held(&m[0]), 3000);
     CHECK(laden_sched_is_resident(m[0].sc, 0) &&
           laden_sched_is_resident(m[0].sc, 2) &&
           !laden_sched_is_resident(m[0].sc, 3));
     use(c, &m[0], LADEN_CACHE_AUTO, &act);
     CHECK(act.upload_bytes == 1000 && act.kept_bytes == 3000);
-    CHECK(held(&m[1]) == 6000);
+    CHECK_EQ(held(&m[1]), 6000);
     check_accounts(c, m, 2);
     /* free_vram and drop */
     laden_cache_evict_t ev[4];
@@ -220,7 +220,7 @@ static void partial(int32_t dev)
     CHECK(freed == 4000 && held(&m[0]) == 0);
     check_accounts(c, m, 2);
     use(c, &m[0], LADEN_CACHE_AUTO, &act);
-    CHECK(act.upload_bytes == 4000);
+    CHECK_EQ(act.upload_bytes, 4000);
     destroy_all(c, m, 2);
 }
 
@@ -239,13 +239,13 @@ static void streaming(int32_t dev)
     laden_cache_activation_t act;
     for (int pass = 0; pass < 3; pass++) {
         use(c, &m[0], LADEN_CACHE_AUTO, &act);
-        CHECK(act.mode == LADEN_CACHE_STREAMING);
+        CHECK_EQ(act.mode, LADEN_CACHE_STREAMING);
         CHECK(act.resident_blocks == 2 && act.streamed_blocks == 7);
-        CHECK(act.slot_bytes == 3000);
-        CHECK(held(&m[0]) == 500 + 1000 + 3000);
+        CHECK_EQ(act.slot_bytes, 3000);
+        CHECK_EQ(held(&m[0]), 500 + 1000 + 3000);
         run(&m[0]); /* idle: still runs from where it was */
         use(c, &m[1], LADEN_CACHE_AUTO, &act);
-        CHECK(act.mode == LADEN_CACHE_RESIDENT);
+        CHECK_EQ(act.mode, LADEN_CACHE_RESIDENT);
         check_accounts(c, m, 2);
     }
     /* Forced streaming streams every block; forced resident over the
@@ -316,7 +316,7 @@ static void misuse(int32_t dev)
     CHECK_OK(laden_sched_ready(m[1].sc, 0));
     laden_devptr_t p;
     CHECK_OK(laden_sched_tensor_ptr(m[1].sc, 1, 0, &p));
-    CHECK(p == r);
+    CHECK_EQ(p, r);
     check_bytes(&m[1], 1, p); /* m[1]'s bytes, in m[0]'s old region */
     laden_cache_info_t info;
     CHECK_OK(laden_cache_info(c, m[0].id, &info)); /* before accounting */
@@ -372,7 +372,7 @@ static void pinning(int32_t dev)
     uint32_t n;
     CHECK_OK(laden_cache_activate(c, m[1].id, 0, 2, 0, ev, 4, &n, &act));
     CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, &act));
-    CHECK(act.pinned_bytes == 2000); /* m[0] gave up its remaining 2000 */
+    CHECK_EQ(act.pinned_bytes, 2000); /* m[0] gave up its remaining 2000 */
     run(&m[2]);
     check_accounts(c, m, 3);
     CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
@@ -494,7 +494,7 @@ TEST(engine_plan_host)
     CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 3000, ev, 4, &n));
     CHECK(n == 1 && ev[0].model == m[0].id);
     CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 20000, 3000, ev, 4, &n));
-    CHECK(n == 0);
+    CHECK_EQ(n, 0);
     CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
     CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 3000, ev, 4, &n),
                  LADEN_E_BUDGET);
@@ -535,7 +535,7 @@ TEST(engine_load_block_by_block)
     CHECK_STATUS(laden_sched_load(sc), LADEN_E_STATE);
     for (uint32_t b = 0; b < 2; b++) {
         CHECK_OK(laden_sched_host_ptr(sc, b, 0, &hp));
-        CHECK(memcmp(hp, src[b], 700) == 0);
+        CHECK_EQ(memcmp(hp, src[b], 700), 0);
     }
     laden_sched_destroy(sc);
     laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
@@ -568,9 +568,9 @@ static void in_vbars(int32_t dev)
     laden_cache_activation_t act;
     for (int i = 0; i < 3; i++) { /* the third evicts (unpins) the first */
         use(c, &m[i], LADEN_CACHE_AUTO, &act);
-        CHECK(act.upload_bytes == 2 * MB);
+        CHECK_EQ(act.upload_bytes, 2 * MB);
     }
-    CHECK(held(&m[0]) == 0);
+    CHECK_EQ(held(&m[0]), 0);
     /* The budget of the VRAM context (3 pages) kept m[0]'s page: using it
      * again copies nothing. */
     use(c, &m[0], LADEN_CACHE_AUTO, &act);
@@ -580,7 +580,7 @@ static void in_vbars(int32_t dev)
      * prioritized VBAR first (m[1]'s), and that model copies again. */
     uint64_t freed;
     CHECK_OK(laden_vram_free_memory(vram, 2 * MB, &freed));
-    CHECK(freed == 2 * MB);
+    CHECK_EQ(freed, 2 * MB);
     use(c, &m[1], LADEN_CACHE_AUTO, &act);
     CHECK(act.upload_bytes == 2 * MB && act.kept_bytes == 0);
     check_accounts(c, m, 3);
@@ -633,7 +633,7 @@ static void offloaded_streams(int32_t dev)
     laden_cache_activation_t act;
     for (int pass = 0; pass < 3; pass++) {
         use(c, &m, LADEN_CACHE_RESIDENT, &act); /* run() checks the bytes */
-        CHECK(act.offloaded_blocks == 2);
+        CHECK_EQ(act.offloaded_blocks, 2);
         CHECK(laden_sched_is_resident(m.sc, 0) &&
               !laden_sched_is_resident(m.sc, 1));
     }
@@ -668,7 +668,7 @@ TEST(engine_use_vram_errors)
                  LADEN_E_STATE);
     CHECK_CONTAINS(laden_last_error(), "VBAR");
     CHECK_OK(laden_sched_use_vram(m.sc, NULL)); /* back to allocations */
-    CHECK(laden_sched_vbar(m.sc) == NULL);
+    CHECK_EQ(laden_sched_vbar(m.sc), NULL);
     laden_sched_config plain = {LADEN_DEVICE_CPU, 0, 0, NULL, 0};
     laden_sched_t *ps;
     uint32_t b;

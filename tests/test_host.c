@@ -11,19 +11,19 @@ static void host_suite(int32_t dev)
     const uint64_t mb = 1u << 20;
     CHECK_OK(laden_host_create(dev, 8 * mb, &h));
     CHECK_OK(laden_host_alloc(h, 3 * mb, &a));
-    CHECK(((uintptr_t)a & 4095) == 0);
+    CHECK_EQ(((uintptr_t)a & 4095), 0);
     memset(a, 1, 3 * mb);
-    CHECK(laden_host_block_size(h, a) == 3 * mb);
+    CHECK_EQ(laden_host_block_size(h, a), 3 * mb);
     CHECK_OK(laden_host_alloc(h, 3 * mb, &b));
     /* 6 MiB in use, 8 MiB budget: 3 more do not fit. */
     c = (void *)1;
     CHECK_STATUS(laden_host_alloc(h, 3 * mb, &c), LADEN_E_BUDGET);
-    CHECK(c == NULL);
+    CHECK_EQ(c, NULL);
     CHECK_CONTAINS(laden_last_error(), "budget");
     /* A freed block is reused, not pinned again. */
     CHECK_OK(laden_host_free(h, a));
     CHECK_OK(laden_host_alloc(h, 2 * mb, &c));
-    CHECK(c == a);
+    CHECK_EQ(c, a);
     CHECK_OK(laden_host_stats(h, &st));
     CHECK(st.reuses == 1 && st.pins == 2 && st.in_use_bytes == 6 * mb);
     /* A cached block too large for the request (more than 2x) is unpinned
@@ -40,7 +40,7 @@ static void host_suite(int32_t dev)
     CHECK_OK(laden_host_free(h, b));
     CHECK_STATUS(laden_host_free(h, b), LADEN_E_INVAL);
     CHECK_OK(laden_host_stats(h, &st));
-    CHECK(st.in_use_bytes == 1 * mb);
+    CHECK_EQ(st.in_use_bytes, 1 * mb);
     laden_host_trim(h);
     CHECK_OK(laden_host_stats(h, &st));
     CHECK(st.cached_bytes == 0 && st.in_use_bytes == 1 * mb);
@@ -70,7 +70,7 @@ TEST(host_arena)
         host_suite(d);
     laden_host_t *h = (laden_host_t *)1;
     CHECK_STATUS(laden_host_create(77, 0, &h), LADEN_E_NODEVICE);
-    CHECK(h == NULL);
+    CHECK_EQ(h, NULL);
 }
 
 TEST(host_measure_memcpy)

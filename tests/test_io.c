@@ -47,10 +47,10 @@ static void read_cases(laden_io_direct mode, uint64_t chunk)
     laden_io_file_t *f;
     CHECK_OK(laden_io_create(&cfg, &io));
     CHECK_OK(laden_io_file_open(p, &f));
-    CHECK(laden_io_file_size(f) == n);
-    CHECK(strcmp(laden_io_file_path(f), p) == 0);
+    CHECK_EQ(laden_io_file_size(f), n);
+    CHECK_EQ(strcmp(laden_io_file_path(f), p), 0);
     unsigned char *buf;
-    CHECK(posix_memalign((void **)&buf, 4096, n + 8192) == 0);
+    CHECK_EQ(posix_memalign((void **)&buf, 4096, n + 8192), 0);
     /* Offsets and destinations aligned, misaligned and mismatched. */
     const struct {
         uint64_t off, len, dst;
@@ -65,8 +65,8 @@ static void read_cases(laden_io_direct mode, uint64_t chunk)
         check_range(buf + cases[i].dst, cases[i].off, cases[i].len);
         /* Bytes around the destination are untouched. */
         if (cases[i].dst)
-            CHECK(buf[cases[i].dst - 1] == 0xee);
-        CHECK(buf[cases[i].dst + cases[i].len] == 0xee);
+            CHECK_EQ(buf[cases[i].dst - 1], 0xee);
+        CHECK_EQ(buf[cases[i].dst + cases[i].len], 0xee);
     }
     /* Many requests in flight at once. */
     laden_io_req_t *reqs[16];
@@ -112,12 +112,12 @@ TEST(io_past_end_and_bad_arguments)
     CHECK_STATUS(laden_io_read(NULL, f, 0, 10, buf), LADEN_E_INVAL);
     laden_io_file_t *g = (laden_io_file_t *)1;
     CHECK_STATUS(laden_io_file_open(test_path("absent"), &g), LADEN_E_NOENT);
-    CHECK(g == NULL);
+    CHECK_EQ(g, NULL);
     CHECK_STATUS(laden_io_file_open(test_tmpdir(), &g), LADEN_E_INVAL);
     laden_io_config bad = {.threads = 1000};
     laden_io_t *io2 = (laden_io_t *)1;
     CHECK_STATUS(laden_io_create(&bad, &io2), LADEN_E_INVAL);
-    CHECK(io2 == NULL);
+    CHECK_EQ(io2, NULL);
     laden_io_file_close(f);
     laden_io_destroy(io);
     laden_io_destroy(NULL);
@@ -135,7 +135,7 @@ TEST(io_file_truncated_while_open)
     laden_io_file_t *f;
     CHECK_OK(laden_io_create(&cfg, &io));
     CHECK_OK(laden_io_file_open(p, &f));
-    CHECK(truncate(p, 3u << 20) == 0);
+    CHECK_EQ(truncate(p, 3u << 20), 0);
     unsigned char *buf = malloc(n);
     int s = laden_io_read(io, f, 0, n, buf);
     CHECK(s == LADEN_E_TRUNCATED || s == LADEN_E_CHANGED);
@@ -169,14 +169,14 @@ TEST(io_file_rewritten_in_place)
     int fd = open(p, O_WRONLY);
     CHECK(fd >= 0);
     memset(buf, 0x5a, n);
-    CHECK(pwrite(fd, buf, n, 0) == (ssize_t)n);
+    CHECK_EQ(pwrite(fd, buf, n, 0), (ssize_t)n);
     /* The kernel's clock may not have ticked since the file was written;
      * a writer a few ms later always moves the time, this one says so. */
     struct timespec later[2] = {{0, UTIME_OMIT}, {0, 0}};
     struct stat sb;
-    CHECK(fstat(fd, &sb) == 0);
+    CHECK_EQ(fstat(fd, &sb), 0);
     later[1].tv_sec = sb.st_mtim.tv_sec + 1;
-    CHECK(futimens(fd, later) == 0);
+    CHECK_EQ(futimens(fd, later), 0);
     close(fd);
     CHECK_STATUS(laden_io_read(io, f, 0, n, buf), LADEN_E_CHANGED);
     CHECK_CONTAINS(laden_last_error(), "rewritten.bin");
@@ -201,7 +201,7 @@ TEST(io_file_replaced_keeps_original)
     char *q = test_path("replacement.bin");
     memset(buf, 0x77, n);
     test_write_file(q, buf, n / 2);
-    CHECK(rename(q, p) == 0);
+    CHECK_EQ(rename(q, p), 0);
     CHECK_OK(laden_io_read(io, f, 0, n, buf));
     check_range(buf, 0, n);
     laden_io_file_close(f);
@@ -214,10 +214,10 @@ TEST(io_file_replaced_keeps_original)
 TEST(io_fifo_refused)
 {
     char *p = test_path("pipe.safetensors");
-    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_EQ(mkfifo(p, 0600), 0);
     laden_io_file_t *f = (laden_io_file_t *)1;
     CHECK_STATUS(laden_io_file_open(p, &f), LADEN_E_INVAL);
-    CHECK(f == NULL);
+    CHECK_EQ(f, NULL);
     CHECK_CONTAINS(laden_last_error(), "not a regular file");
     CHECK_CONTAINS(laden_last_error(), "pipe.safetensors");
     CHECK_STATUS(laden_io_file_open("/dev/null", &f), LADEN_E_INVAL);
@@ -233,7 +233,7 @@ static void *wait_elsewhere(void *arg)
     char *p = test_path("other.bin");
     char buf[64];
     CHECK_OK(laden_io_file_open(p, &f));
-    CHECK(truncate(p, 10) == 0);
+    CHECK_EQ(truncate(p, 10), 0);
     CHECK_STATUS(laden_io_read(*io, f, 0, 64, buf), LADEN_E_TRUNCATED);
     CHECK_CONTAINS(laden_last_error(), "other.bin");
     laden_io_file_close(f);
@@ -246,7 +246,7 @@ TEST(io_error_detail_reaches_waiter)
     laden_io_t *io;
     CHECK_OK(laden_io_create(NULL, &io));
     pthread_t t;
-    CHECK(pthread_create(&t, NULL, wait_elsewhere, &io) == 0);
+    CHECK_EQ(pthread_create(&t, NULL, wait_elsewhere, &io), 0);
     pthread_join(t, NULL);
     laden_io_destroy(io);
 }
@@ -260,7 +260,7 @@ TEST(io_map_is_private_and_zero_copy)
     uint64_t size;
     CHECK_OK(laden_io_file_open(p, &f));
     CHECK_OK(laden_io_map(f, &m, &size));
-    CHECK(size == n);
+    CHECK_EQ(size, n);
     check_range(m, 0, n);
     ((unsigned char *)m)[5] ^= 0xff; /* private: the file is untouched */
     laden_io_unmap(m, size);
@@ -313,7 +313,7 @@ TEST(io_page_cache_reads_counted)
     uint64_t cached;
     CHECK_OK(laden_io_submit(io, f, 0, n, got, &r));
     CHECK_OK(laden_io_wait_cached(io, r, &cached));
-    CHECK(memcmp(got, data, n) == 0);
+    CHECK_EQ(memcmp(got, data, n), 0);
     CHECK_EQ(cached, n);
     laden_io_stats_t st;
     CHECK_OK(laden_io_stats(io, &st));
@@ -324,7 +324,7 @@ TEST(io_page_cache_reads_counted)
     memset(got, 0, n);
     CHECK_OK(laden_io_submit(io, f, 4096, n - 8192, got, &r));
     CHECK_OK(laden_io_wait_cached(io, r, &cached));
-    CHECK(memcmp(got, data + 4096, n - 8192) == 0);
+    CHECK_EQ(memcmp(got, data + 4096, n - 8192), 0);
     CHECK_OK(laden_io_stats(io, &st));
     CHECK(cached < n / 2); /* a page or two may have come back meanwhile */
     CHECK(st.direct_bytes > n / 2);
@@ -335,12 +335,12 @@ TEST(io_page_cache_reads_counted)
      * buffered (or from the cache) and counted so, not as direct. */
     laden_io_stats_t before = st;
     void *aligned;
-    CHECK(posix_memalign(&aligned, 4096, (8u << 20) + 8192) == 0);
+    CHECK_EQ(posix_memalign(&aligned, 4096, (8u << 20) + 8192), 0);
     char *to = (char *)aligned + 100;
     CHECK_OK(laden_io_drop_cache(f));
     CHECK_OK(laden_io_submit(io, f, 100, 8u << 20, to, &r));
     CHECK_OK(laden_io_wait_cached(io, r, &cached));
-    CHECK(memcmp(to, data + 100, 8u << 20) == 0);
+    CHECK_EQ(memcmp(to, data + 100, 8u << 20), 0);
     free(aligned);
     CHECK_OK(laden_io_stats(io, &st));
     uint64_t buf = st.buffered_bytes - before.buffered_bytes;
@@ -400,7 +400,7 @@ TEST(io_submit_then_runs_after_the_last_chunk)
     CHECK_OK(laden_io_submit_then(io, f, 5, 0, got, probe_then, &pr, &r));
     CHECK_OK(laden_io_wait(io, r));
     CHECK_EQ(pr.calls, 1); /* size 0: run at once */
-    CHECK(truncate(p, (off_t)(n / 2)) == 0); /* the reads fail: no then */
+    CHECK_EQ(truncate(p, (off_t)(n / 2)), 0); /* the reads fail: no then */
     pr = (then_probe){got, data, n, 0, 0, LADEN_OK};
     CHECK_OK(laden_io_submit_then(io, f, 0, n, got, probe_then, &pr, &r));
     CHECK(laden_io_wait(io, r) != LADEN_OK);

@@ -36,7 +36,7 @@ TEST(plan_fills_vram_then_ram_then_disk)
     /* 900 available: rest 50 + 5 blocks + 3 slots of 100 = 850; the five
      * streamed blocks are spread through the schedule. */
     for (int i = 0; i < 10; i++)
-        CHECK(t[i] == (i % 2 ? 1 : 0));
+        CHECK_EQ(t[i], (i % 2 ? 1 : 0));
     CHECK(w[0] == LADEN_PLAN_WHY_FITS_VRAM && w[5] == LADEN_PLAN_WHY_NO_VRAM_RAM);
     CHECK(r.vram_avail_bytes == 900 && r.vram_used_bytes == 850);
     CHECK(r.nslots == 3 && r.slot_bytes == 100);
@@ -46,7 +46,7 @@ TEST(plan_fills_vram_then_ram_then_disk)
     in.ram_budget_bytes = 450;
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
     CHECK(t[1] == 1 && t[3] == 2 && t[9] == 2);
-    CHECK(w[3] == LADEN_PLAN_WHY_NO_RAM_DISK);
+    CHECK_EQ(w[3], LADEN_PLAN_WHY_NO_RAM_DISK);
     CHECK(r.staging_bytes == 300 && r.ram_used_bytes == 400);
     CHECK(r.warnings & LADEN_PLAN_WARN_DISK);
     /* Disk time dominates the prediction: 400 bytes at 1e8 B/s. */
@@ -73,8 +73,8 @@ TEST(plan_resident_blocks_and_asked_tiers)
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
     /* Two resident, eight streamed spread among them: 0 and 5 stay. */
     for (int i = 0; i < 10; i++)
-        CHECK((t[i] == 0) == (i == 0 || i == 5));
-    CHECK(w[0] == LADEN_PLAN_WHY_ASKED_RESIDENT);
+        CHECK_EQ((t[i] == 0), (i == 0 || i == 5));
+    CHECK_EQ(w[0], LADEN_PLAN_WHY_ASKED_RESIDENT);
     in.resident_blocks = 8;
     CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "only 5 fit");
@@ -112,18 +112,18 @@ TEST(plan_impossible_budget_says_what_would_fit)
     in.max_vram_bytes = 2000; /* above free: free wins, with a warning */
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
     CHECK(r.warnings & LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE);
-    CHECK(r.vram_avail_bytes == 900);
+    CHECK_EQ(r.vram_avail_bytes, 900);
     /* min_free_ram auto: 8 % of RAM clamped to 1..4 GiB. */
     in.ram_budget_bytes = LADEN_PLAN_AUTO;
     in.min_free_ram_bytes = UINT64_MAX;
     in.ram_total_bytes = 16ull << 30;
     in.ram_free_bytes = 10ull << 30;
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
-    CHECK(r.min_free_ram_bytes == (16ull << 30) / 100 * 8);
+    CHECK_EQ(r.min_free_ram_bytes, (16ull << 30) / 100 * 8);
     in.ram_total_bytes = 4ull << 30;
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
     CHECK(r.min_free_ram_bytes == 1ull << 30);
-    CHECK(laden_plan_why_text(99) == NULL);
+    CHECK_EQ(laden_plan_why_text(99), NULL);
     CHECK(laden_plan_why_text(LADEN_PLAN_WHY_NO_RAM_DISK) != NULL);
 }
 
@@ -320,7 +320,7 @@ TEST(plan_host_device_fills_ram_then_disk)
     CHECK(r.predicted_ms > 4.9e-3 && r.predicted_ms < 5.1e-3);
     in.disk_bytes_per_s = 0;
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
-    CHECK(r.predicted_ms == 0);
+    CHECK_FEQ(r.predicted_ms, 0);
     /* Resident blocks cost host memory like RAM blocks. */
     in.resident_blocks = 2;
     CHECK_OK(laden_plan_compute(&in, t, w, &r));
@@ -476,9 +476,9 @@ static int check_properties(const laden_plan_input *in, int32_t *t)
         CHECK_EQ(s, LADEN_E_BUDGET);
         return s;
     }
-    CHECK(memcmp(t, t2, in->nblocks * sizeof *t) == 0);
-    CHECK(memcmp(w, w2, in->nblocks * sizeof *w) == 0);
-    CHECK(memcmp(&r, &r2, sizeof r) == 0);
+    CHECK_EQ(memcmp(t, t2, in->nblocks * sizeof *t), 0);
+    CHECK_EQ(memcmp(w, w2, in->nblocks * sizeof *w), 0);
+    CHECK_EQ(memcmp(&r, &r2, sizeof r), 0);
     uint64_t gpu = in->rest_bytes, ram = 0;
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (in->block_flags && in->block_flags[i])

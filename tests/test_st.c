@@ -30,19 +30,19 @@ TEST(st_single_file_table)
     char *p = test_path("one.safetensors");
     test_write_st(p, hdr, data, sizeof data);
     laden_st_t *st = open_ok(p);
-    CHECK(laden_st_count(st) == 4);
-    CHECK(laden_st_file_count(st) == 1);
-    CHECK(strcmp(laden_st_file_path(st, 0), p) == 0);
-    CHECK(laden_st_total_bytes(st) == 36);
+    CHECK_EQ(laden_st_count(st), 4);
+    CHECK_EQ(laden_st_file_count(st), 1);
+    CHECK_EQ(strcmp(laden_st_file_path(st, 0), p), 0);
+    CHECK_EQ(laden_st_total_bytes(st), 36);
     laden_st_tensor_t t;
     const char *order[] = {"a", "b", "s", "z"};
     uint64_t base = 8 + strlen(hdr);
     for (size_t i = 0; i < 4; i++) {
         CHECK_OK(laden_st_tensor_at(st, i, &t));
-        CHECK(strcmp(t.name, order[i]) == 0);
+        CHECK_EQ(strcmp(t.name, order[i]), 0);
         size_t idx;
         CHECK_OK(laden_st_find(st, order[i], &idx));
-        CHECK(idx == i);
+        CHECK_EQ(idx, i);
     }
     CHECK_OK(laden_st_tensor_at(st, 1, &t));
     CHECK(t.dtype == LADEN_DTYPE_BF16 && t.ndim == 2 && t.shape[0] == 2 &&
@@ -53,7 +53,7 @@ TEST(st_single_file_table)
     CHECK_STATUS(laden_st_find(st, "nope", &idx), LADEN_E_NOTFOUND);
     CHECK_CONTAINS(laden_last_error(), "nope");
     CHECK_STATUS(laden_st_tensor_at(st, 4, &t), LADEN_E_INVAL);
-    CHECK(laden_st_metadata_count(st) == 2);
+    CHECK_EQ(laden_st_metadata_count(st), 2);
     const char *k, *v;
     CHECK_OK(laden_st_metadata_at(st, 1, &k, &v));
     CHECK(strcmp(k, "note") == 0 && strcmp(v, "h\xc3\xa9") == 0);
@@ -74,12 +74,12 @@ TEST(st_every_dtype)
                 {"C64", 64},     {"F64", 64},       {"I64", 64},
                 {"U64", 64},     {"F4", 4},         {"F6_E2M3", 6},
                 {"F6_E3M2", 6}};
-    CHECK(LADEN_DTYPE_COUNT == sizeof want / sizeof want[0]);
+    CHECK_EQ(LADEN_DTYPE_COUNT, sizeof want / sizeof want[0]);
     char hdr[8192] = "{";
     uint64_t off = 0;
     for (size_t i = 0; i < LADEN_DTYPE_COUNT; i++) {
-        CHECK(strcmp(laden_dtype_name((laden_dtype)i), want[i].name) == 0);
-        CHECK(laden_dtype_bits((laden_dtype)i) == want[i].bits);
+        CHECK_EQ(strcmp(laden_dtype_name((laden_dtype)i), want[i].name), 0);
+        CHECK_EQ(laden_dtype_bits((laden_dtype)i), want[i].bits);
         uint64_t bytes = 8 * want[i].bits / 8; /* 8 elements */
         char e[256];
         snprintf(e, sizeof e,
@@ -95,14 +95,14 @@ TEST(st_every_dtype)
     char *p = test_path("dtypes.safetensors");
     test_write_st(p, hdr, data, off);
     laden_st_t *st = open_ok(p);
-    CHECK(laden_st_count(st) == LADEN_DTYPE_COUNT);
+    CHECK_EQ(laden_st_count(st), LADEN_DTYPE_COUNT);
     for (size_t i = 0; i < LADEN_DTYPE_COUNT; i++) {
         laden_st_tensor_t t;
         CHECK_OK(laden_st_tensor_at(st, i, &t));
-        CHECK(t.dtype == (laden_dtype)i);
+        CHECK_EQ(t.dtype, (laden_dtype)i);
     }
-    CHECK(laden_dtype_name(LADEN_DTYPE_COUNT) == NULL);
-    CHECK(laden_dtype_bits(LADEN_DTYPE_COUNT) == 0);
+    CHECK_EQ(laden_dtype_name(LADEN_DTYPE_COUNT), NULL);
+    CHECK_EQ(laden_dtype_bits(LADEN_DTYPE_COUNT), 0);
     laden_st_close(st);
     free(data);
 }
@@ -126,9 +126,9 @@ TEST(st_empty_and_unicode)
     st = open_ok(p);
     size_t idx;
     CHECK_OK(laden_st_find(st, "\xf0\x9f\x98\x80.w", &idx));
-    CHECK(idx == 0);
+    CHECK_EQ(idx, 0);
     CHECK_OK(laden_st_find(st, "\xe6\x97\xa5.w", &idx));
-    CHECK(idx == 1);
+    CHECK_EQ(idx, 1);
     laden_st_close(st);
 }
 
@@ -144,11 +144,11 @@ TEST(st_open_memory_matches_file)
     memcpy(buf + 8, hdr, hl);
     laden_st_t *st = NULL;
     CHECK_OK(laden_st_open_memory(buf, n, &st));
-    CHECK(laden_st_count(st) == 1);
+    CHECK_EQ(laden_st_count(st), 1);
     CHECK(strcmp(laden_st_file_path(st, 0), "<memory>") == 0);
     laden_st_close(st);
     CHECK_STATUS(laden_st_open_memory(buf, n - 1, &st), LADEN_E_TRUNCATED);
-    CHECK(st == NULL);
+    CHECK_EQ(st, NULL);
     CHECK_STATUS(laden_st_open_memory(NULL, 5, &st), LADEN_E_INVAL);
     CHECK_STATUS(laden_st_open_memory(buf, n, NULL), LADEN_E_INVAL);
     free(buf);
@@ -246,7 +246,7 @@ TEST(st_sharded_index)
                 "\"a\": \"m-00001-of-00002.safetensors\"");
     laden_st_t *st = open_ok(test_path("m.safetensors.index.json"));
     CHECK(laden_st_count(st) == 2 && laden_st_file_count(st) == 2);
-    CHECK(laden_st_total_bytes(st) == 30);
+    CHECK_EQ(laden_st_total_bytes(st), 30);
     /* Shards in first-use order of the weight map. */
     CHECK_CONTAINS(laden_st_file_path(st, 0), "m-00002-of-00002");
     laden_st_tensor_t t;
@@ -258,7 +258,7 @@ TEST(st_sharded_index)
 
     /* A directory with one index opens it. */
     st = open_ok(test_tmpdir());
-    CHECK(laden_st_count(st) == 2);
+    CHECK_EQ(laden_st_count(st), 2);
     laden_st_close(st);
 }
 
@@ -313,7 +313,7 @@ TEST(st_sharded_index_errors)
 TEST(st_directory_picks_model_safetensors)
 {
     char *dir = test_path("d");
-    CHECK(mkdir(dir, 0700) == 0);
+    CHECK_EQ(mkdir(dir, 0700), 0);
     char p[512];
     snprintf(p, sizeof p, "%s/model.safetensors", dir);
     test_write_st(p, "{}", NULL, 0);
@@ -343,13 +343,13 @@ TEST(st_many_tensors)
     char *p = test_path("many.safetensors");
     test_write_st(p, hdr, data, 4 * n);
     laden_st_t *st = open_ok(p);
-    CHECK(laden_st_count(st) == n);
+    CHECK_EQ(laden_st_count(st), n);
     laden_st_tensor_t t;
     CHECK_OK(laden_st_tensor_at(st, 0, &t));
     CHECK(strcmp(t.name, "blocks.0.w") == 0);
     size_t idx;
     CHECK_OK(laden_st_find(st, "blocks.12345.w", &idx));
-    CHECK(idx == 12345);
+    CHECK_EQ(idx, 12345);
     laden_st_close(st);
     free(hdr);
     free(data);
@@ -372,7 +372,7 @@ TEST(st_empty_header_is_valid)
         const char *key, *val;
         CHECK(laden_st_count(st) == 0 && laden_st_total_bytes(st) == 0);
         CHECK(laden_st_file_count(st) == 1 && laden_st_file_size(st, 0) == 10);
-        CHECK(laden_st_metadata_count(st) == 0);
+        CHECK_EQ(laden_st_metadata_count(st), 0);
         CHECK_STATUS(laden_st_tensor_at(st, 0, &t), LADEN_E_INVAL);
         CHECK_STATUS(laden_st_find(st, "a", &idx), LADEN_E_NOTFOUND);
         CHECK_STATUS(laden_st_metadata_at(st, 0, &key, &val), LADEN_E_INVAL);
@@ -383,7 +383,7 @@ TEST(st_empty_header_is_valid)
                                            '{', '}', 0, 0};
     laden_st_t *st = NULL;
     CHECK_STATUS(laden_st_open_memory(tail, sizeof tail, &st), LADEN_E_RANGE);
-    CHECK(st == NULL);
+    CHECK_EQ(st, NULL);
     CHECK_CONTAINS(laden_last_error(), "belong to no tensor");
 }
 
@@ -403,7 +403,7 @@ TEST(st_scalars_only)
         laden_st_tensor_t t;
         CHECK_OK(laden_st_tensor_at(st, i, &t));
         CHECK(t.ndim == 0 && t.shape != NULL);
-        CHECK(t.size_bytes == (i ? 1u : 4u));
+        CHECK_EQ(t.size_bytes, (i ? 1u : 4u));
     }
     laden_st_close(st);
     /* A scalar whose data_offsets disagree with its dtype. */
@@ -426,7 +426,7 @@ TEST(st_refuses_non_regular_files)
     CHECK(mkfifo(test_path("fifo.safetensors"), 0600) == 0);
     CHECK_STATUS(laden_st_open(test_path("fifo.safetensors"), &st),
                  LADEN_E_INVAL);
-    CHECK(st == NULL);
+    CHECK_EQ(st, NULL);
     CHECK_CONTAINS(laden_last_error(), "not a regular file");
     CHECK_CONTAINS(laden_last_error(), "fifo.safetensors");
 
@@ -458,22 +458,22 @@ TEST(st_refuses_non_regular_files)
      * file or otherwise. */
     char *d = test_path("d1");
     char p[512];
-    CHECK(mkdir(d, 0700) == 0);
+    CHECK_EQ(mkdir(d, 0700), 0);
     snprintf(p, sizeof p, "%s/model.safetensors", d);
-    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_EQ(mkfifo(p, 0600), 0);
     CHECK_STATUS(laden_st_open(d, &st), LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "not a regular file");
     d = test_path("d2");
-    CHECK(mkdir(d, 0700) == 0);
+    CHECK_EQ(mkdir(d, 0700), 0);
     snprintf(p, sizeof p, "%s/x.safetensors.index.json", d);
-    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_EQ(mkfifo(p, 0600), 0);
     CHECK_STATUS(laden_st_open(d, &st), LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "x.safetensors.index.json");
 
     /* /dev/null is a character device. */
     CHECK_STATUS(laden_st_open("/dev/null", &st), LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "not a regular file");
-    CHECK(st == NULL);
+    CHECK_EQ(st, NULL);
 }
 
 /* The weight map is matched to shards by number, not by the end of the
@@ -492,7 +492,7 @@ TEST(st_index_shard_names_that_end_alike)
     write_index("suffix_ok.index.json",
                 "\"x\": \"b.safetensors\", \"y\": \"ab.safetensors\"");
     st = open_ok(test_path("suffix_ok.index.json"));
-    CHECK(laden_st_count(st) == 2);
+    CHECK_EQ(laden_st_count(st), 2);
     laden_st_close(st);
 }
 
@@ -581,7 +581,7 @@ TEST(st_index_many_shards)
         CHECK(at < cap);
         laden_status s = laden__st_index_parse(buf, at, &ix);
         if (extra) {
-            CHECK(s == LADEN_E_LIMIT);
+            CHECK_EQ(s, LADEN_E_LIMIT);
             CHECK_CONTAINS(laden_last_error(), "shards");
             continue;
         }
@@ -590,7 +590,7 @@ TEST(st_index_many_shards)
         for (size_t k = 0; k < 3; k++) {
             char want[32];
             snprintf(want, sizeof want, "%zx", k);
-            CHECK(strcmp(ix.shards[k], want) == 0);
+            CHECK_EQ(strcmp(ix.shards[k], want), 0);
         }
         for (size_t i = 0; i < ix.nmap; i++)
             CHECK(strcmp(ix.shards[ix.map[i].shard_index], ix.map[i].shard) ==

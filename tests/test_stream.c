@@ -94,7 +94,7 @@ static void build(model *m, int32_t dev, const laden_tier tiers[NB],
             CHECK_OK(laden_st_find(m->st, name, &idx));
             CHECK_OK(laden_sched_add_tensor(m->sc, m->block_of[i], m->st, idx,
                                             LADEN_DTYPE_U8, &ti));
-            CHECK(ti == (uint32_t)k);
+            CHECK_EQ(ti, (uint32_t)k);
         }
     }
     if (dev != LADEN_DEVICE_CPU)
@@ -120,7 +120,7 @@ static void run_block(model *m, int i)
         int t = i == NB ? 2 * NB : 2 * i + k;
         laden_devptr_t p;
         CHECK_OK(laden_sched_tensor_ptr(m->sc, b, (uint32_t)k, &p));
-        CHECK(p % 256 == 0);
+        CHECK_EQ(p % 256, 0);
         if (m->rd) {
             CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, sz(t)));
             CHECK_OK(laden_dev_stream_synchronize(m->rd));
@@ -164,7 +164,7 @@ static void orders(int32_t dev)
                 run_block(&m, i);
         }
         CHECK_OK(laden_sched_stats(m.sc, &st));
-        CHECK(st.misses == 0);
+        CHECK_EQ(st.misses, 0);
         uint64_t misses_before = st.misses;
         /* Reversed, repeated, skipping, random: correct, only slower. */
         for (int i = NB - 1; i >= 0; i--)
@@ -182,7 +182,7 @@ static void orders(int32_t dev)
         if (st.enters) { /* on the CPU device the RAM tier runs in place */
             if (variant < 2) /* more streamed blocks than slots */
                 CHECK(st.misses > misses_before);
-            CHECK(st.nslots == 3);
+            CHECK_EQ(st.nslots, 3);
             CHECK(variant == 2 || st.slot_bytes >= 4096u * NB);
         }
         CHECK_OK(laden_sched_synchronize(m.sc));
@@ -277,20 +277,20 @@ static void file_rewritten(int32_t dev)
     long n = ftell(f);
     unsigned char *junk = malloc((size_t)n);
     fseek(f, 0, SEEK_SET);
-    CHECK(fread(junk, 1, (size_t)n, f) == (size_t)n);
+    CHECK_EQ(fread(junk, 1, (size_t)n, f), (size_t)n);
     for (long j = 0; j < n; j++)
         junk[j] ^= 0x3c;
     fseek(f, 0, SEEK_SET);
-    CHECK(fwrite(junk, 1, (size_t)n, f) == (size_t)n);
-    CHECK(fclose(f) == 0);
+    CHECK_EQ(fwrite(junk, 1, (size_t)n, f), (size_t)n);
+    CHECK_EQ(fclose(f), 0);
     free(junk);
     /* The clock may not have ticked since the file was written. */
     struct timespec t[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
     struct stat sb;
-    CHECK(stat(p, &sb) == 0);
+    CHECK_EQ(stat(p, &sb), 0);
     t[1].tv_sec = sb.st_mtim.tv_sec + 1;
     t[1].tv_nsec = 0;
-    CHECK(utimensat(AT_FDCWD, p, t, 0) == 0);
+    CHECK_EQ(utimensat(AT_FDCWD, p, t, 0), 0);
     int refused = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < NB; i++) {
@@ -327,11 +327,11 @@ TEST(stream_file_replaced_before_create)
     test_write_st(q, "{\"x\":{\"dtype\":\"U8\",\"shape\":[3],"
                      "\"data_offsets\":[0,3]}}",
                   "abc", 3);
-    CHECK(rename(q, p) == 0);
+    CHECK_EQ(rename(q, p), 0);
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
     laden_sched_t *sc = (laden_sched_t *)1;
     CHECK_STATUS(laden_sched_create(&cfg, st, &sc), LADEN_E_CHANGED);
-    CHECK(sc == NULL);
+    CHECK_EQ(sc, NULL);
     CHECK_CONTAINS(laden_last_error(), "model.safetensors");
     laden_st_close(st);
 }
@@ -382,8 +382,8 @@ static void on_other_thread(model *m, int want, int entered_block)
 {
     other_args a = {m, want, entered_block};
     pthread_t t;
-    CHECK(pthread_create(&t, NULL, other_thread, &a) == 0);
-    CHECK(pthread_join(t, NULL) == 0);
+    CHECK_EQ(pthread_create(&t, NULL, other_thread, &a), 0);
+    CHECK_EQ(pthread_join(t, NULL), 0);
 }
 
 static void guard_rules(int32_t dev)
@@ -500,11 +500,11 @@ static void guard_race(int32_t dev)
         r[i] = (racer){&m, NULL, malloc(1 << 20), 0, 0, 0};
         if (dev != LADEN_DEVICE_CPU)
             CHECK_OK(laden_dev_stream_create(dev, &r[i].rd));
-        CHECK(pthread_create(&t[i], NULL, race, &r[i]) == 0);
+        CHECK_EQ(pthread_create(&t[i], NULL, race, &r[i]), 0);
     }
     int ok = 0, held = 0;
     for (int i = 0; i < 3; i++) {
-        CHECK(pthread_join(t[i], NULL) == 0);
+        CHECK_EQ(pthread_join(t[i], NULL), 0);
         ok += r[i].ok;
         held += r[i].held;
         laden_dev_stream_destroy(r[i].rd);
@@ -532,7 +532,7 @@ static void budget(int32_t dev)
     CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_BUDGET);
     laden_sched_stats_t st;
     CHECK_OK(laden_sched_stats(m.sc, &st));
-    CHECK(st.pinned_bytes == 0); /* everything given back */
+    CHECK_EQ(st.pinned_bytes, 0); /* everything given back */
     CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
     destroy(&m);
 }
@@ -595,7 +595,7 @@ static void restart_and_host(int32_t dev)
     CHECK_OK(laden_sched_host_ptr(m.sc, hb, 0, &hp));
     CHECK(hp != NULL && memcmp(hp, host, 5000) == 0);
     CHECK_OK(laden_sched_host_ptr(m.sc, m.block_of[NB], 0, &hp));
-    CHECK(hp == NULL); /* GPU tier: not in host memory */
+    CHECK_EQ(hp, NULL); /* GPU tier: not in host memory */
     laden_sched_stats_t st0, st1;
     CHECK_OK(laden_sched_stats(m.sc, &st0));
     for (uint32_t la = 1; la <= 4; la++) {
@@ -606,7 +606,7 @@ static void restart_and_host(int32_t dev)
         CHECK_OK(laden_sched_stop(m.sc));
         CHECK_OK(laden_sched_stop(m.sc)); /* twice: no-op */
         CHECK_OK(laden_sched_stats(m.sc, &st1));
-        CHECK(st1.device_bytes == st0.device_bytes);
+        CHECK_EQ(st1.device_bytes, st0.device_bytes);
     }
     destroy(&m);
 }
@@ -675,8 +675,8 @@ TEST(stream_fp8_quantize_rows)
     memcpy(scales, q + 32, sizeof scales); /* 22 bytes, aligned to 16 */
     CHECK(scales[0] == 1.0f && scales[1] == 0.5f);
     for (int k = 0; k < 11; k++) {
-        CHECK(q[k] == want0[k]);
-        CHECK(q[11 + k] == want0[k]); /* same codes after its scale */
+        CHECK_EQ(q[k], want0[k]);
+        CHECK_EQ(q[11 + k], want0[k]); /* same codes after its scale */
     }
     laden_sched_destroy(sc);
     laden_st_close(st);
@@ -753,7 +753,7 @@ static void vrun(vmodel *v)
         } else {
             memcpy(m->buf, (void *)(uintptr_t)p, HSIZE[i]);
         }
-        CHECK(memcmp(m->buf, v->host[i], HSIZE[i]) == 0);
+        CHECK_EQ(memcmp(m->buf, v->host[i], HSIZE[i]), 0);
         CHECK_OK(laden_sched_exit(m->sc, v->hb[i], 0));
     }
     run_block(m, 6);
@@ -794,26 +794,26 @@ static void in_vram(int32_t dev)
     vbuild(&v, dev, vram);
     CHECK_OK(laden_sched_load(v.m.sc));
     for (int i = 0; i < 4; i++)
-        CHECK(laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
-    CHECK(laden_sched_block_tier(v.m.sc, v.hb[4]) == LADEN_TIER_RAM);
-    CHECK(laden_sched_block_tier(v.m.sc, v.hb[5]) == LADEN_TIER_RAM);
-    CHECK(laden_sched_is_streamed(v.m.sc, v.hb[4]) == (cuda ? 1 : 0));
+        CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[i]), LADEN_TIER_GPU);
+    CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[4]), LADEN_TIER_RAM);
+    CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[5]), LADEN_TIER_RAM);
+    CHECK_EQ(laden_sched_is_streamed(v.m.sc, v.hb[4]), (cuda ? 1 : 0));
     laden_sched_stats_t st;
     CHECK_OK(laden_sched_stats(v.m.sc, &st));
-    CHECK(st.offloaded_bytes == 3 * VMB / 2);
-    CHECK(st.gpu_bytes == VMB + 3 * (3 * VMB / 2));
+    CHECK_EQ(st.offloaded_bytes, 3 * VMB / 2);
+    CHECK_EQ(st.gpu_bytes, VMB + 3 * (3 * VMB / 2));
     vram_info(vram, &vi);
     CHECK(vi.pinned_bytes == 6 * VMB && vi.mapped_bytes == 6 * VMB);
     CHECK(vi.charged_bytes == R && vi.vbars == 1);
     CHECK_OK(laden_sched_start(v.m.sc, 2));
     CHECK_OK(laden_sched_stats(v.m.sc, &st));
     vram_info(vram, &vi);
-    CHECK(vi.charged_bytes == (uint64_t)st.nslots * st.slot_bytes);
+    CHECK_EQ(vi.charged_bytes, (uint64_t)st.nslots * st.slot_bytes);
     for (int pass = 0; pass < 2; pass++)
         vrun(&v);
     CHECK_OK(laden_sched_stop(v.m.sc));
     vram_info(vram, &vi);
-    CHECK(vi.charged_bytes == 0);
+    CHECK_EQ(vi.charged_bytes, 0);
     /* Someone else takes the room meanwhile: start says so, changes
      * nothing, and works once the room is back. */
     uint64_t rest = 6 * VMB + VMB + R - 6 * VMB;
@@ -835,7 +835,7 @@ static void in_vram(int32_t dev)
     vram_info(vram, &vi);
     CHECK(vi.vbars == 0 && vi.mapped_bytes == 0 && vi.charged_bytes == 0);
     CHECK_OK(laden_sched_stats(v.m.sc, &st));
-    CHECK(st.pinned_bytes == 0);
+    CHECK_EQ(st.pinned_bytes, 0);
     vdestroy(&v);
 
     /* No room for the slots. */
@@ -854,7 +854,7 @@ static void in_vram(int32_t dev)
     CHECK_CONTAINS(laden_last_error(), "before load");
     /* Without a context the VRAM tier is allocated like the GPU tier. */
     for (int i = 0; i < 5; i++)
-        CHECK(laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_GPU);
+        CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[i]), LADEN_TIER_GPU);
     CHECK_OK(laden_sched_start(v.m.sc, 2));
     vrun(&v);
     vdestroy(&v);
@@ -880,7 +880,7 @@ static uint64_t injected_load(laden_vram_t *vram)
         for (int i = 1; i < 5; i++)
             if (laden_sched_block_tier(v.m.sc, v.hb[i]) == LADEN_TIER_RAM)
                 moved += HSIZE[i];
-        CHECK(st.offloaded_bytes == moved);
+        CHECK_EQ(st.offloaded_bytes, moved);
         CHECK_OK(laden_sched_start(v.m.sc, 2));
         vrun(&v);
     } else {
@@ -966,25 +966,25 @@ TEST(stream_reserve_vram_batches_evictions)
     CHECK_OK(laden_sched_reserve_vram(b, all, 3));
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2 && vi.mapped_bytes == 2 * VMB);
-    CHECK(vi.spare_bytes == 4 * VMB); /* kept for b's faults */
+    CHECK_EQ(vi.spare_bytes, 4 * VMB); /* kept for b's faults */
     laden_dev_cpu_fail_vmm_at(0);     /* counts the VMM calls from here */
     for (uint32_t i = 0; i < 3; i++)
         CHECK_OK(laden_sched_set_resident(b, i, 1));
     CHECK_OK(laden_sched_ready(b, 0));
     /* Three maps, one new physical page: the spares were mapped again. */
-    CHECK(laden_dev_cpu_fail_vmm_at(0) == 4);
+    CHECK_EQ(laden_dev_cpu_fail_vmm_at(0), 4);
     vram_info(vram, &vi);
     CHECK(vi.evictions == 2 && vi.mapped_bytes == 8 * VMB);
-    CHECK(vi.spare_bytes == 0);
+    CHECK_EQ(vi.spare_bytes, 0);
     for (uint32_t i = 0; i < 3; i++) {
         laden_devptr_t p;
         CHECK_OK(laden_sched_tensor_ptr(b, i, 0, &p));
-        CHECK(memcmp((void *)(uintptr_t)p, hb[i], 2 * VMB) == 0);
+        CHECK_EQ(memcmp((void *)(uintptr_t)p, hb[i], 2 * VMB), 0);
     }
     /* Room there already: nothing evicted. */
     CHECK_OK(laden_sched_reserve_vram(b, all, 3));
     vram_info(vram, &vi);
-    CHECK(vi.evictions == 2);
+    CHECK_EQ(vi.evictions, 2);
     laden_sched_destroy(a);
     laden_sched_destroy(b);
     for (int i = 0; i < 3; i++) {
@@ -1571,8 +1571,8 @@ static void many_blocks(int32_t dev)
             CHECK_OK(laden_sched_convert(LADEN_DTYPE_BF16, h,
                                          LADEN_DTYPE_F32, got, 2));
         }
-        CHECK_EQ(got[0], (float)((i * 7) % 200));
-        CHECK_EQ(got[1], (float)((i * 7 + 1) % 200));
+        CHECK_FEQ(got[0], (float)((i * 7) % 200));
+        CHECK_FEQ(got[1], (float)((i * 7 + 1) % 200));
     }
     laden_dev_stream_destroy(rd);
     laden_sched_destroy(sc);

@@ -49,20 +49,20 @@ TEST(vram_fault_signature_and_data)
     uint64_t off, s1, s2, s3;
     CHECK_OK(laden_vbar_create(c, 8 * PG, &a));
     CHECK_OK(laden_vbar_alloc(a, PG, &off));
-    CHECK(off == 0);
+    CHECK_EQ(off, 0);
     CHECK(fault(a, 0, &s1) == 1 && s1 != 0);
     memset(at(a, 0), 0x5a, 4096); /* the caller copies its weight in */
     CHECK_OK(laden_vbar_unpin(a, 0, PG));
     CHECK(fault(a, 0, &s2) == 1 && s2 == s1); /* still the data written */
-    CHECK(at(a, 0)[100] == 0x5a);
+    CHECK_EQ(at(a, 0)[100], 0x5a);
     CHECK_OK(laden_vbar_unpin(a, 0, PG));
     uint64_t freed;
     CHECK_OK(laden_vram_free_memory(c, PG, &freed));
     CHECK(freed == PG && mapped(c) == 0);
-    CHECK(fault(a, 0, &s3) == 0); /* evicted: the watermark is at 0 */
+    CHECK_EQ(fault(a, 0, &s3), 0); /* evicted: the watermark is at 0 */
     CHECK_OK(laden_vbar_prioritize(a)); /* the model's next use */
     CHECK(fault(a, 0, &s3) == 1 && s3 != s1); /* replaced: copy again */
-    CHECK(at(a, 0)[100] == 0);
+    CHECK_EQ(at(a, 0)[100], 0);
     /* A range over two pages: its signature is the newer page's. */
     uint64_t s4;
     int res;
@@ -80,50 +80,50 @@ TEST(vram_priority_watermark_floor)
     CHECK_OK(laden_vbar_create(c, 8 * PG, &a)); /* older: lower priority */
     CHECK_OK(laden_vbar_create(c, 8 * PG, &b));
     for (uint32_t i = 0; i < 4; i++) {
-        CHECK(fault(a, i, NULL) == 1);
+        CHECK_EQ(fault(a, i, NULL), 1);
         CHECK_OK(laden_vbar_unpin(a, i * PG, PG));
     }
     /* Lower offsets first within a VBAR: page 4 cannot take 0..3. */
-    CHECK(fault(a, 4, NULL) == 0);
+    CHECK_EQ(fault(a, 4, NULL), 0);
     /* The newer VBAR takes the older's highest page, and the older's
      * watermark drops there. */
-    CHECK(fault(b, 0, NULL) == 1);
+    CHECK_EQ(fault(b, 0, NULL), 1);
     uint8_t r[8];
     uint32_t n;
     CHECK_OK(laden_vbar_residency(a, r, 8, &n));
     CHECK(n == 8 && r[0] == 1 && r[2] == 1 && r[3] == 0);
     laden_vbar_info_t ia;
     CHECK_OK(laden_vbar_info(a, &ia));
-    CHECK(ia.watermark == 3 * PG);
+    CHECK_EQ(ia.watermark, 3 * PG);
     /* Above the watermark: fails fast, even with room made. */
     CHECK_OK(laden_vbar_unpin(b, 0, PG));
     CHECK_OK(laden_vram_free_memory(c, PG, NULL)); /* evicts a's page 2 */
     laden_vram_info_t ci;
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.mapped_bytes == 3 * PG);
-    CHECK(fault(a, 3, NULL) == 0);
+    CHECK_EQ(ci.mapped_bytes, 3 * PG);
+    CHECK_EQ(fault(a, 3, NULL), 0);
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.fail_fast == 1);
-    CHECK(fault(a, 0, NULL) == 1); /* mapped below: still resident */
+    CHECK_EQ(ci.fail_fast, 1);
+    CHECK_EQ(fault(a, 0, NULL), 1); /* mapped below: still resident */
     CHECK_OK(laden_vbar_unpin(a, 0, PG));
     /* prioritize: a is the most important again, its watermark reset; it
      * now takes b's pages. */
     CHECK_OK(laden_vbar_prioritize(a));
     CHECK(fault(a, 2, NULL) == 1 && fault(a, 3, NULL) == 1);
     CHECK_OK(laden_vbar_residency(b, r, 8, &n));
-    CHECK(r[0] == 0);
+    CHECK_EQ(r[0], 0);
     CHECK_OK(laden_vbar_unpin(a, 2 * PG, 2 * PG));
     /* A floor keeps the watermark from dropping below it. */
     CHECK_OK(laden_vbar_set_floor(a, 3 * PG));
     CHECK_OK(laden_vbar_prioritize(b));
     for (uint32_t i = 0; i < 4; i++) {
-        CHECK(fault(b, i, NULL) == 1);
+        CHECK_EQ(fault(b, i, NULL), 1);
         CHECK_OK(laden_vbar_unpin(b, i * PG, PG));
     }
     CHECK_OK(laden_vbar_info(a, &ia));
     CHECK(ia.mapped_bytes == 0 && ia.watermark == 3 * PG);
     CHECK_OK(laden_vbar_deprioritize(b));
-    CHECK(fault(a, 1, NULL) == 1); /* below the floor: tries, takes b's */
+    CHECK_EQ(fault(a, 1, NULL), 1); /* below the floor: tries, takes b's */
     CHECK_OK(laden_vbar_unpin(a, PG, PG));
     laden_vram_destroy(c);
 }
@@ -134,7 +134,7 @@ TEST(vram_pinned_pages_stay_and_charges)
     laden_vbar_t *a;
     CHECK_OK(laden_vbar_create(c, 8 * PG, &a));
     for (uint32_t i = 0; i < 4; i++)
-        CHECK(fault(a, i, NULL) == 1);
+        CHECK_EQ(fault(a, i, NULL), 1);
     for (uint32_t i = 1; i < 4; i++)
         CHECK_OK(laden_vbar_unpin(a, i * PG, PG));
     uint64_t freed;
@@ -145,18 +145,18 @@ TEST(vram_pinned_pages_stay_and_charges)
     CHECK(fault(a, 1, NULL) == 1 && fault(a, 2, NULL) == 1);
     CHECK_OK(laden_vbar_unpin(a, PG, 2 * PG));
     CHECK_OK(laden_vram_charge(c, PG + 1));
-    CHECK(mapped(c) == 2 * PG); /* the least important page gave way */
+    CHECK_EQ(mapped(c), 2 * PG); /* the least important page gave way */
     CHECK_STATUS(laden_vram_charge(c, 2 * PG), LADEN_E_BUDGET);
     CHECK_CONTAINS(laden_last_error(), "pinned");
     laden_vram_info_t ci;
     CHECK_OK(laden_vram_info(c, &ci));
     CHECK(ci.charged_bytes == PG + 1 && ci.pinned_bytes == PG);
     CHECK_OK(laden_vbar_prioritize(a));
-    CHECK(fault(a, 1, NULL) == 1); /* still mapped */
-    CHECK(fault(a, 2, NULL) == 0); /* 3 pages + charged: over the budget */
+    CHECK_EQ(fault(a, 1, NULL), 1); /* still mapped */
+    CHECK_EQ(fault(a, 2, NULL), 0); /* 3 pages + charged: over the budget */
     CHECK_STATUS(laden_vram_uncharge(c, 3 * PG), LADEN_E_STATE);
     CHECK_OK(laden_vram_uncharge(c, PG + 1));
-    CHECK(fault(a, 2, NULL) == 1);
+    CHECK_EQ(fault(a, 2, NULL), 1);
     laden_vram_destroy(c); /* pinned or not, everything goes */
 }
 
@@ -170,18 +170,18 @@ TEST(vram_bad_arguments)
     CHECK_OK(laden_vbar_create(c, 3 * PG - 1, &a)); /* rounded up */
     laden_vbar_info_t ia;
     CHECK_OK(laden_vbar_info(a, &ia));
-    CHECK(ia.size_bytes == 3 * PG);
+    CHECK_EQ(ia.size_bytes, 3 * PG);
     CHECK_STATUS(laden_vbar_fault(a, 2 * PG, PG + 1, &res, &sig),
                  LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "outside the VBAR");
     CHECK_STATUS(laden_vbar_unpin(a, 0, PG), LADEN_E_STATE);
     CHECK_OK(laden_vbar_alloc(a, 2 * PG, &off));
     CHECK_OK(laden_vbar_alloc(a, 10, &off));
-    CHECK(off == 2 * PG);
+    CHECK_EQ(off, 2 * PG);
     CHECK_STATUS(laden_vbar_alloc(a, PG, &off), LADEN_E_BUDGET);
     CHECK_STATUS(laden_vbar_set_floor(a, 4 * PG), LADEN_E_INVAL);
     CHECK_OK(laden_vbar_fault(a, 0, 0, &res, &sig)); /* empty: trivially */
-    CHECK(res == 1);
+    CHECK_EQ(res, 1);
     laden_vram_t *bad;
     CHECK_STATUS(laden_vram_create(99, 0, 0, &bad), LADEN_E_NODEVICE);
     laden_vbar_destroy(a);
@@ -207,7 +207,7 @@ static void scenario(void)
                 uint64_t sig;
                 laden_status s = laden_vbar_fault(v[k], i * PG, PG, &res,
                                                   &sig);
-                CHECK(s == LADEN_OK); /* no memory is not an error */
+                CHECK_EQ(s, LADEN_OK); /* no memory is not an error */
                 if (res)
                     CHECK_OK(laden_vbar_unpin(v[k], i * PG, PG));
             }
@@ -307,13 +307,13 @@ TEST(vram_threads)
     worker w[4];
     for (int k = 0; k < 4; k++) {
         w[k] = (worker){c, k + 1, 0};
-        CHECK(pthread_create(&t[k], NULL, work, &w[k]) == 0);
+        CHECK_EQ(pthread_create(&t[k], NULL, work, &w[k]), 0);
     }
     for (int k = 0; k < 4; k++) {
         pthread_join(t[k], NULL);
-        CHECK(w[k].bad == 0);
+        CHECK_EQ(w[k].bad, 0);
     }
-    CHECK(mapped(c) == 0);
+    CHECK_EQ(mapped(c), 0);
     laden_vram_destroy(c);
 }
 
@@ -325,7 +325,7 @@ TEST(vram_elastic_allocator)
     laden_vbar_t *w;
     CHECK_OK(laden_vbar_create(c, 8 * PG, &w));
     for (uint32_t i = 0; i < 6; i++)
-        CHECK(fault(w, i, NULL) == 1);
+        CHECK_EQ(fault(w, i, NULL), 1);
     CHECK_OK(laden_vbar_unpin(w, 2 * PG, 4 * PG)); /* pages 0, 1 pinned */
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, c));
     laden_vram_t *other = ctx(1);
@@ -341,18 +341,18 @@ TEST(vram_elastic_allocator)
     laden_elastic_stats_t st;
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
     CHECK(st.evicted_bytes == PG && st.in_use_bytes == 3 * PG);
-    CHECK(mapped(c) == 5 * PG);
+    CHECK_EQ(mapped(c), 5 * PG);
     /* More than the unpinned weights can give: NULL, nothing changed. */
     void *b = laden_elastic_malloc((ptrdiff_t)(5 * PG), LADEN_DEVICE_CPU, NULL);
-    CHECK(b == NULL);
-    CHECK(mapped(c) == 5 * PG);
+    CHECK_EQ(b, NULL);
+    CHECK_EQ(mapped(c), 5 * PG);
     /* Freed, then reused for a request of at least half its size. */
     laden_elastic_free(a, (ptrdiff_t)(3 * PG), LADEN_DEVICE_CPU, NULL);
     void *a2 = laden_elastic_malloc((ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
-    CHECK(a2 == a);
+    CHECK_EQ(a2, a);
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
     CHECK(st.reuses == 1 && st.failures == 1 && st.cached_bytes == 0);
-    CHECK(st.in_use_bytes == 3 * PG);
+    CHECK_EQ(st.in_use_bytes, 3 * PG);
     /* PyTorch frees with the size it asked for: the block is still 3
      * pages, charged and cached as such (no charge leaks). */
     laden_elastic_free(a2, (ptrdiff_t)(2 * PG), LADEN_DEVICE_CPU, NULL);
@@ -366,21 +366,21 @@ TEST(vram_elastic_allocator)
     CHECK(st.cached_bytes == 0 && mapped(c) == 2 * PG);
     laden_vram_info_t ci;
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.charged_bytes == 6 * PG);
+    CHECK_EQ(ci.charged_bytes, 6 * PG);
     laden_elastic_free(d, (ptrdiff_t)(6 * PG), LADEN_DEVICE_CPU, NULL);
     /* Weights coming back take the allocator's idle cached blocks before
      * anything else. */
     CHECK_OK(laden_vbar_prioritize(w));
     for (uint32_t i = 2; i < 6; i++)
-        CHECK(fault(w, i, NULL) == 1);
+        CHECK_EQ(fault(w, i, NULL), 1);
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
     CHECK_OK(laden_vram_info(c, &ci));
     CHECK(st.cached_bytes == 0 && ci.charged_bytes == 0);
-    CHECK(ci.mapped_bytes == 6 * PG);
+    CHECK_EQ(ci.mapped_bytes, 6 * PG);
     CHECK_OK(laden_vbar_unpin(w, 2 * PG, 4 * PG));
     CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.charged_bytes == 0);
+    CHECK_EQ(ci.charged_bytes, 0);
     /* Over budget with a cached block and unpinned weights both there:
      * the cached block gives way, not a weight (6 mapped + 2 cached +
      * 1/2 > 8; the cached block is too large to serve the request). */
@@ -393,12 +393,12 @@ TEST(vram_elastic_allocator)
     CHECK(e2 != NULL);
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
     CHECK(st.cached_bytes == 0 && st.evicted_bytes == evicted);
-    CHECK(mapped(c) == 6 * PG);
+    CHECK_EQ(mapped(c), 6 * PG);
     laden_elastic_free(e2, (ptrdiff_t)(PG / 2), LADEN_DEVICE_CPU, NULL);
     CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
-    CHECK(laden_elastic_malloc(-1, LADEN_DEVICE_CPU, NULL) == NULL);
-    CHECK(laden_elastic_malloc(16, 999, NULL) == NULL);
+    CHECK_EQ(laden_elastic_malloc(-1, LADEN_DEVICE_CPU, NULL), NULL);
+    CHECK_EQ(laden_elastic_malloc(16, 999, NULL), NULL);
     laden_vram_destroy(c);
 }
 
@@ -431,11 +431,11 @@ TEST(vram_elastic_many_blocks)
     }
     laden_elastic_stats_t st;
     CHECK_OK(laden_elastic_stats(LADEN_DEVICE_CPU, &st));
-    CHECK(st.in_use_bytes == 0);
+    CHECK_EQ(st.in_use_bytes, 0);
     CHECK_OK(laden_elastic_trim(LADEN_DEVICE_CPU));
     laden_vram_info_t ci;
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.charged_bytes == 0);
+    CHECK_EQ(ci.charged_bytes, 0);
     CHECK_OK(laden_elastic_attach(LADEN_DEVICE_CPU, NULL));
     laden_vram_destroy(c);
 }
@@ -451,17 +451,17 @@ TEST(vram_spare_pages)
     laden_vbar_t *a;
     CHECK_OK(laden_vbar_create(c, 4 * PG, &a));
     for (uint32_t i = 0; i < 4; i++)
-        CHECK(fault(a, i, NULL) == 1);
+        CHECK_EQ(fault(a, i, NULL), 1);
     CHECK_OK(laden_vbar_unpin(a, 0, 4 * PG));
     CHECK_OK(laden_vram_make_room(c, 2 * PG));
     laden_vram_info_t ci;
     CHECK_OK(laden_vram_info(c, &ci));
     CHECK(ci.mapped_bytes == 2 * PG && ci.spare_bytes == 2 * PG);
-    CHECK(ci.evictions == 2);
+    CHECK_EQ(ci.evictions, 2);
     /* Room there already: nothing more. */
     CHECK_OK(laden_vram_make_room(c, 2 * PG));
     CHECK_OK(laden_vram_info(c, &ci));
-    CHECK(ci.evictions == 2);
+    CHECK_EQ(ci.evictions, 2);
     /* A charge takes a spare back, not a weight. */
     CHECK_OK(laden_vram_charge(c, PG));
     CHECK_OK(laden_vram_info(c, &ci));
@@ -471,8 +471,8 @@ TEST(vram_spare_pages)
     /* A fault maps the spare (no new physical page). */
     laden_dev_cpu_fail_vmm_at(0);
     CHECK_OK(laden_vbar_prioritize(a));
-    CHECK(fault(a, 2, NULL) == 1);
-    CHECK(laden_dev_cpu_fail_vmm_at(0) == 1); /* one map, no create */
+    CHECK_EQ(fault(a, 2, NULL), 1);
+    CHECK_EQ(laden_dev_cpu_fail_vmm_at(0), 1); /* one map, no create */
     CHECK_OK(laden_vram_info(c, &ci));
     CHECK(ci.mapped_bytes == 3 * PG && ci.spare_bytes == 0);
     CHECK_OK(laden_vbar_unpin(a, 2 * PG, PG));
