@@ -530,6 +530,7 @@ static void budget(int32_t dev)
                                        LADEN_TIER_RAM};
     build(&m, dev, RAM, 64u << 10); /* 64 KiB: the RAM tier needs more */
     CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_BUDGET);
+    CHECK_CONTAINS(laden_last_error(), "budget");
     laden_sched_stats_t st;
     CHECK_OK(laden_sched_stats(m.sc, &st));
     CHECK_EQ(st.pinned_bytes, 0); /* everything given back */

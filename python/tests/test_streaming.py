@@ -663,3 +663,17 @@ def test_ctrl_c_during_a_load_cancels_it(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(m(ids()), expected(ref, "cpu")[1])
     laden.release(m, h)
+
+
+def test_vram_budget_on_the_cpu_is_refused(ckpt):
+    """The CPU has no VRAM: a vram_budget for it is an error naming what
+    to give instead, not silently ignored; nothing is loaded."""
+    ref, path = ckpt
+    m = on_meta()
+    with pytest.raises(laden.InvalidArgumentError, match="has no VRAM.*"
+                       "ram_budget"):
+        laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                          vram_budget="1GB")
+    assert not hasattr(m, "_laden_stream")
+    with pytest.raises(laden.InvalidArgumentError, match="no VRAM"):
+        laden.plan(on_meta(), path, device="cpu", max_vram="1GB")
