@@ -61,21 +61,6 @@ fail:
     return s;
 }
 
-/* Block b's bytes as laid out: its tensors in order, each aligned to ALIGN
- * for any kernel.  place: also records each tensor's offset.  The one
- * rule for a block's size, before load (planning) and at load. */
-uint64_t laden__sched_pack(blk *b, bool place)
-{
-    uint64_t off = 0;
-    for (uint32_t k = 0; k < b->nt; k++) {
-        off = (off + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
-        if (place)
-            b->t[k].dst_off = off;
-        off += b->t[k].dst_bytes;
-    }
-    return off;
-}
-
 /* LADEN_OK if tensor r can stream from disk: the disk tier reads the file
  * as it is, so neither a conversion nor host memory can be there. */
 laden_status laden__sched_disk_check(const tref *r)
@@ -117,17 +102,20 @@ static laden_status grow_block(blk *b)
     return LADEN_OK;
 }
 
-/* Appends tensor r (its name borrowed, copied here) to block `block`. */
+/* Appends tensor r (its name borrowed, copied here) to block `block`,
+ * placed after the block's last tensor at the next multiple of ALIGN (for
+ * any kernel): the one rule for a block's layout, so that b->bytes is its
+ * size before load (planning) as at load. */
 static laden_status push_tensor(laden_sched_t *sc, uint32_t block,
                                 const tref *r, uint32_t *out)
 {
     blk *b = &sc->b[block];
     laden_status s;
-    uint64_t end;
+    uint64_t at, end;
     if (b->asked == LADEN_TIER_DISK && (s = laden__sched_disk_check(r)))
         return s;
-    if (!laden__add_u64(laden__sched_pack(b, false), ALIGN + r->dst_bytes,
-                        &end))
+    if (!laden__add_u64(b->bytes, ALIGN - 1, &at) ||
+        !laden__add_u64(at & ~(uint64_t)(ALIGN - 1), r->dst_bytes, &end))
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': block %u's size overflows",
                            r->name, block);
@@ -135,9 +123,11 @@ static laden_status push_tensor(laden_sched_t *sc, uint32_t block,
         return s;
     tref *t = &b->t[b->nt];
     *t = *r;
+    t->dst_off = at & ~(uint64_t)(ALIGN - 1);
     if (!(t->name = strdup(r->name)))
         return laden__fail(LADEN_E_NOMEM, "out of memory adding a tensor");
     *out = b->nt++;
+    b->bytes = end;
     laden__sched_unplan(sc);
     return LADEN_OK;
 }
@@ -314,7 +304,7 @@ static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
     a->why = a->tiers + n;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        a->bytes[i] = laden__sched_pack(b, false);
+        a->bytes[i] = b->bytes;
         a->asked[i] = asked_of(b);
         a->flags[i] = no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0;
     }

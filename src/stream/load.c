@@ -135,8 +135,9 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
     return finish_piece(sc, &f, s);
 }
 
-/* Packs each block's tensors (aligned for any kernel), orders the
- * streamed blocks and creates the copy stream and events.  Once. */
+/* Counts each tier's bytes (the tensors were placed as they were added),
+ * orders the streamed blocks and creates the copy stream and events.
+ * Once. */
 static laden_status layout(laden_sched_t *sc)
 {
     laden_status s;
@@ -145,7 +146,6 @@ static laden_status layout(laden_sched_t *sc)
         return LADEN_OK;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        b->bytes = laden__sched_pack(b, true);
         if (b->nt > sc->max_nt)
             sc->max_nt = b->nt;
         uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM    ? &sc->st.ram_bytes

@@ -66,8 +66,7 @@ uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
 {
     if (!sc || block >= sc->nb)
         return 0;
-    blk *b = &sc->b[block];
-    return sc->laid_out ? b->bytes : laden__sched_pack(b, false);
+    return sc->b[block].bytes;
 }
 
 /* ---- the public calls: one thread at a time ------------------------------

@@ -46,7 +46,7 @@ typedef struct blk {
     laden_tier asked;      /* as added: LADEN_TIER_AUTO is the planner's */
     tref *t;
     uint32_t nt, cap;
-    uint64_t bytes;
+    uint64_t bytes;        /* packed size, kept as tensors are added */
     int32_t pos;           /* schedule position; -1 if not streamed */
     laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
                               cache schedules: the block's own device copy */
@@ -129,9 +129,6 @@ void laden__quantize_rows(laden_dtype from, const void *src, uint64_t rows,
 
 /* ---- build.c ------------------------------------------------------------ */
 
-/* Block b's bytes as laid out (place: also records the tensors' offsets):
- * the one rule for a block's size. */
-uint64_t laden__sched_pack(blk *b, bool place);
 /* LADEN_OK if tensor r can stream from disk, else the error naming it. */
 laden_status laden__sched_disk_check(const tref *r);
 /* Makes the planned blocks AUTO again: an input of the plan changed. */
