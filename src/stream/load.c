@@ -9,22 +9,21 @@
 
 #include "stream_internal.h"
 
-/* Starts putting tensor r at `to`, its place in the block: copied or
- * converted now from host memory, or a read submitted (*req), into a
- * buffer of its own (*tmp) when it is converted. */
-/* A tensor read into a buffer of its own, then converted to its place. */
-typedef struct conv {
+/* A tensor being put in its place: its read (or NULL: done already),
+ * and for a tensor stored in another dtype the buffer it is read into. */
+typedef struct tread {
     const tref *r;
+    laden_io_req_t *req;
     void *tmp;
     char *to;
-} conv;
+} tread;
 
 /* Converts tensor c->r, read into c->tmp, to its place: on the reader
  * thread that read its last chunk (laden_io_submit_then), so that
  * conversions run in parallel with each other and with later reads. */
 static laden_status convert_then(void *arg)
 {
-    const conv *c = arg;
+    const tread *c = arg;
     const tref *r = c->r;
     if (!r->rows)
         return laden_sched_convert(r->src, c->tmp, r->dst, c->to, r->nelem);
@@ -36,13 +35,13 @@ static laden_status convert_then(void *arg)
 }
 
 /* Starts putting tensor r at `to`, its place in the block: copied or
- * converted now from host memory, or a read submitted (*req), into a
+ * converted now from host memory, or a read submitted (c->req), into a
  * buffer of its own (c->tmp) and converted by the reader when it is
  * stored in another dtype. */
 static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
-                                 conv *c, laden_io_req_t **req)
+                                 tread *c)
 {
-    *req = NULL;
+    laden_io_req_t **req = &c->req;
     if (r->host && r->src == r->dst) {
         memcpy(to, r->host, r->src_bytes);
         return LADEN_OK;
@@ -61,15 +60,15 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
                                 r->src_bytes, c->tmp, convert_then, c, req);
 }
 
-/* A piece of a block whose reads are in flight: tensors [t0, t1), whose
- * packed bytes start at offset `base` of the block and land at dst. */
+/* A piece of a block whose reads are in flight: tensors t0 and after,
+ * whose packed bytes start at offset `base` of the block and land at
+ * dst. */
 typedef struct inflight {
     blk *b;
     char *dst;
-    uint32_t t0, t1;
+    uint32_t t0;
     uint64_t base, bytes;
-    laden_io_req_t **reqs;
-    conv *cv;
+    tread *tr;
     uint32_t n; /* tensors started, from t0 */
     int staging; /* CUDA GPU tier: the staging buffer it is read into */
 } inflight;
@@ -87,18 +86,16 @@ static laden_status start_piece(laden_sched_t *sc, blk *b, uint32_t t0,
 {
     laden_status s = LADEN_OK;
     uint32_t n = t1 - t0;
-    *f = (inflight){.b = b, .dst = dst, .t0 = t0, .t1 = t1, .staging = -1};
+    *f = (inflight){.b = b, .dst = dst, .t0 = t0, .staging = -1};
     if (n) {
         f->base = b->t[t0].dst_off;
         f->bytes = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes - f->base;
     }
-    f->reqs = calloc(n ? n : 1, sizeof *f->reqs);
-    f->cv = calloc(n ? n : 1, sizeof *f->cv);
-    if (!f->reqs || !f->cv)
+    if (!(f->tr = calloc(n ? n : 1, sizeof *f->tr)))
         s = laden__fail(LADEN_E_NOMEM, "out of memory loading a block");
     for (; !s && f->n < n; f->n++)
         s = start_tensor(sc, &b->t[t0 + f->n], tensor_dst(f, t0 + f->n),
-                         &f->cv[f->n], &f->reqs[f->n]);
+                         &f->tr[f->n]);
     return s;
 }
 
@@ -108,22 +105,20 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
 {
     laden_status w;
     uint64_t cached;
-    for (uint32_t i = 0; i < f->n && f->reqs; i++) {
-        if (!f->reqs[i])
+    for (uint32_t i = 0; i < f->n && f->tr; i++) {
+        if (!f->tr[i].req)
             continue;
-        if ((w = laden_io_wait_cached(sc->io, f->reqs[i], &cached)) && !s)
+        if ((w = laden_io_wait_cached(sc->io, f->tr[i].req, &cached)) && !s)
             s = w;
         else if (!w) {
             sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
             sc->st.load_cached_bytes += cached;
         }
     }
-    for (uint32_t i = 0; i < f->n && f->cv; i++)
-        free(f->cv[i].tmp);
-    free(f->cv);
-    free(f->reqs);
-    f->cv = NULL;
-    f->reqs = NULL;
+    for (uint32_t i = 0; i < f->n && f->tr; i++)
+        free(f->tr[i].tmp);
+    free(f->tr);
+    f->tr = NULL;
     return s;
 }
 
@@ -167,8 +162,9 @@ static laden_status layout(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-/* Cache schedules: block b's host copy, in a mapping of its own. */
-static laden_status cache_home(laden_sched_t *sc, blk *b)
+/* Block b's host copy, in a mapping of its own: a cache schedule's, or
+ * the RAM tier of a CUDA schedule (pinned in place once read). */
+static laden_status map_home(laden_sched_t *sc, blk *b)
 {
     b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
     void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
@@ -181,7 +177,7 @@ static laden_status cache_home(laden_sched_t *sc, blk *b)
     return LADEN_OK;
 }
 
-static void cache_unhome(blk *b)
+static void unmap_home(blk *b)
 {
     if (b->ram)
         munmap(b->ram, b->ram_len);
@@ -216,9 +212,9 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
 {
     blk *b = &sc->b[i];
     laden_status s;
-    if (b->bytes && ((s = cache_home(sc, b)) ||
+    if (b->bytes && ((s = map_home(sc, b)) ||
                      (s = read_block_host(sc, b, b->ram)))) {
-        cache_unhome(b);
+        unmap_home(b);
         return s;
     }
     (void)filled(sc, b); /* a cancel: the caller has control after it */
@@ -395,7 +391,6 @@ static laden_status check_tiers(const laden_sched_t *sc)
 typedef struct loader {
     laden_sched_t *sc;
     inflight q[QUEUE]; /* a ring of pieces in flight */
-    bool last[QUEUE];  /* the piece completes its block */
     uint32_t head, count;
     uint64_t inflight_bytes, done_bytes, total_bytes, homes_bytes;
     void *staging[2]; /* CUDA GPU tier: read here, then copied */
@@ -463,7 +458,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
 {
     laden_sched_t *sc = l->sc;
     inflight *f = &l->q[l->head];
-    bool last = l->last[l->head];
+    bool last = f->t0 + f->n == f->b->nt; /* completes its block */
     s = finish_piece(sc, f, s);
     if (!s && f->staging >= 0 &&
         !(s = laden_dev_copy_h2d(sc->copy, f->b->region + f->base, f->dst,
@@ -472,7 +467,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
     if (!s && last && sc->cuda && !sc->cache && f->b->tier == LADEN_TIER_RAM)
         s = pin_home(sc, f->b);
     if (s && sc->cache)
-        cache_unhome(f->b);
+        unmap_home(f->b);
     l->inflight_bytes -= f->bytes;
     l->head = (l->head + 1) % QUEUE;
     l->count--;
@@ -493,7 +488,7 @@ static laden_status home(loader *l, blk *b)
                            (unsigned)(b - sc->b), laden__bytes(len).s,
                            laden__bytes(budget).s,
                            laden__bytes(l->homes_bytes).s);
-    laden_status s = cache_home(sc, b);
+    laden_status s = map_home(sc, b);
     if (!s)
         l->homes_bytes += len;
     return s;
@@ -572,11 +567,9 @@ static laden_status start_blocks_pieces(loader *l, blk *b)
         int staging;
         if (s || (s = destination(l, b, t0, &dst, &staging)))
             break;
-        uint32_t at = (l->head + l->count) % QUEUE;
-        inflight *f = &l->q[at];
+        inflight *f = &l->q[(l->head + l->count) % QUEUE];
         s = start_piece(sc, b, t0, t1, dst, f);
         f->staging = staging;
-        l->last[at] = t1 == b->nt;
         l->count++;
         l->inflight_bytes += f->bytes;
     }
