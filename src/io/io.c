@@ -314,30 +314,6 @@ static void read_cached(laden_io_t *io, laden_io_file_t *f, uint64_t off,
     }
 }
 
-static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
-                                      uint64_t off, uint64_t len, char *dst,
-                                      uint64_t *buffered);
-
-/* Reads one chunk: what the page cache holds from there, the rest with
- * O_DIRECT where the file takes it, else buffered.  Counts the bytes
- * each way in n[0] direct, n[1] from the cache, n[2] buffered. */
-static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
-                               uint64_t len, char *dst, uint64_t n[3])
-{
-    if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
-        len < IO_ALIGN) {
-        n[2] = len;
-        return read_buffered(f, off, len, dst);
-    }
-    read_cached(w->io, f, off, len, dst, &n[1]);
-    if (n[1] == len)
-        return LADEN_OK;
-    laden_status s = read_direct_chunk(w, f, off + n[1], len - n[1],
-                                       dst + n[1], &n[2]);
-    n[0] = len - n[1] - n[2];
-    return s;
-}
-
 /* [off, off+len) with O_DIRECT; *buffered receives the bytes read
  * buffered instead (unaligned edges, a file system refusing O_DIRECT, a
  * range too large for the bounce buffer). */
@@ -392,6 +368,26 @@ static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
         return ended_early(f, a0 + got, off, len);
     memcpy(dst, w->bounce + (off - a0), len);
     return LADEN_OK;
+}
+
+/* Reads one chunk: what the page cache holds from there, the rest with
+ * O_DIRECT where the file takes it, else buffered.  Counts the bytes
+ * each way in n[0] direct, n[1] from the cache, n[2] buffered. */
+static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
+                               uint64_t len, char *dst, uint64_t n[3])
+{
+    if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
+        len < IO_ALIGN) {
+        n[2] = len;
+        return read_buffered(f, off, len, dst);
+    }
+    read_cached(w->io, f, off, len, dst, &n[1]);
+    if (n[1] == len)
+        return LADEN_OK;
+    laden_status s = read_direct_chunk(w, f, off + n[1], len - n[1],
+                                       dst + n[1], &n[2]);
+    n[0] = len - n[1] - n[2];
+    return s;
 }
 
 /* ---- the pool ---------------------------------------------------------- */
