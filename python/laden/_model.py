@@ -193,6 +193,17 @@ class _Owned:
         self._fin = weakref.finalize(self, destroy, h, *keep)
 
 
+def new_schedule(device, ck, lookahead: int = 0, flags: int = 0):
+    """A C schedule for `device` over checkpoint `ck` (a Checkpoint, or
+    None: every tensor from host memory); the caller owns the handle."""
+    cfg = _lib.SchedConfig(_dev_index(device), lookahead, 0, None, flags)
+    h = ctypes.c_void_p()
+    check(lib.laden_sched_create(ctypes.byref(cfg),
+                                 ck._h if ck is not None else None,
+                                 ctypes.byref(h)))
+    return h
+
+
 def _destroy_schedule(sched, binding=None, *keep) -> None:
     """A schedule's destructor.  `binding` ([(cache, id)] or [None]) is a
     cached model's place in its C cache: unbound first (when the model was

@@ -31,7 +31,7 @@ from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
                      _device, _meta, _Owned, _set_tensor, _Tensor,
                      _tensor_view, _wrap_forward, check_lookahead, describe,
-                     fill, progress_to)
+                     fill, new_schedule, progress_to)
 
 log = logging.getLogger("laden")
 
@@ -237,12 +237,7 @@ class _Runtime:
         return self.owner.h
 
     def _load(self, desc, ck) -> None:
-        cfg = _lib.SchedConfig(_dev_index(self.device), 0, 0, None,
-                               _lib.SCHED_CACHE)
-        h = ctypes.c_void_p()
-        check(lib.laden_sched_create(ctypes.byref(cfg),
-                                     ck._h if ck is not None else None,
-                                     ctypes.byref(h)))
+        h = new_schedule(self.device, ck, flags=_lib.SCHED_CACHE)
         # The VRAM context (if any) outlives the VBAR the schedule keeps
         # in it.
         self.owner = _Owned(h, _destroy_schedule, self.binding, self.dc.vram)

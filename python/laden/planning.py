@@ -17,9 +17,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from . import _lib
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
-                     _resolve_storage, check_lookahead, describe, fill,
-                     find_blocks)
+from ._model import (_DTYPE_CODE, _device, _resolve_dtype, _resolve_storage,
+                     check_lookahead, describe, fill, find_blocks,
+                     new_schedule)
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
@@ -545,11 +545,7 @@ def plan_checkpoint(ck, blocks: Sequence[Tuple[str, Sequence[str]]], dev,
 @contextlib.contextmanager
 def _schedule(dev, ck, lookahead: int):
     """A C schedule to describe a model to, never loaded."""
-    cfg = _lib.SchedConfig(_dev_index(dev), lookahead, 0, None)
-    h = ctypes.c_void_p()
-    check(lib.laden_sched_create(ctypes.byref(cfg),
-                                 ck._h if ck is not None else None,
-                                 ctypes.byref(h)))
+    h = new_schedule(dev, ck, lookahead)
     try:
         yield h
     finally:

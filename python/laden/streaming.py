@@ -27,7 +27,7 @@ from ._model import (TIER_NAMES, BlockInfo, KeyMap, _destroy_schedule,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _view, _wrap_forward, check_lookahead, describe,
-                     expand_fp8, fill, progress_to)
+                     expand_fp8, fill, new_schedule, progress_to)
 from ._units import fmt_bytes
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
@@ -120,14 +120,11 @@ class _Stream:
         self.slot_views: list = []  # weakrefs to what views of slots hold
         self.kept_lookahead: Optional[int] = None  # slots remove() kept
 
-    def create(self, st_handle, lookahead: int, vram=None) -> None:
+    def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
         memory (or this state) lets go of it; `vram` (the context its
         memory comes from) outlives it."""
-        cfg = _lib.SchedConfig(_dev_index(self.device), lookahead, 0, None)
-        h = ctypes.c_void_p()
-        check(lib.laden_sched_create(ctypes.byref(cfg), st_handle,
-                                      ctypes.byref(h)))
+        h = new_schedule(self.device, ck, lookahead)
         self.vram = vram
         self.owner = _Owned(h, _destroy_schedule, None, vram)
 
@@ -348,7 +345,7 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
-    state.create(ck._h if ck is not None else None, lookahead, vram)
+    state.create(ck, lookahead, vram)
     o = state.owner
     try:
         if vram is not None:
