@@ -577,7 +577,10 @@ class Description:
 
     tensors: List[_Tensor]
     blocks: List[BlockInfo]
-    kept: List[str]
+
+    @property
+    def kept(self) -> List[str]:
+        return [t.names[0] for t in self.tensors if t.ckpt_name is None]
 
     def rest(self) -> List[_Tensor]:
         return [t for t in self.tensors if t.block < 0]
@@ -771,8 +774,7 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     if ck is not None:
         _check_dtypes(ck, tensors, cdt, label, compact)
     _assign_blocks(model, blocks, tensors, built_in_rest=ck is not None)
-    desc = Description(tensors, blocks,
-                       [t.names[0] for t in tensors if t.ckpt_name is None])
+    desc = Description(tensors, blocks)
     if ck is not None:
         _choose_storage(ck, desc, storage)
     return desc
