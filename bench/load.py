@@ -167,6 +167,44 @@ def main() -> int:
             print(f"  {name:<44} {state}  {best:7.2f} s  "
                   f"{size / best / 1e9:6.2f} GB/s", flush=True)
 
+    # Time to first output of the streamed model (RAM tier): from the
+    # start of the load to the end of its first forward, cold; the load
+    # ended first, or background=True (the forward runs as blocks arrive).
+    x = torch.randn(1, 16, a.hidden, dtype=torch.bfloat16, device=dev)
+
+    def first_output(background):
+        drop(path)
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        m = sb.build_meta(a)
+        t0 = time.perf_counter()
+        rep = laden.stream_load(m, path, offload_prefixes=["blocks."],
+                                device=dev, progress=False,
+                                background=background)
+        h = laden.install_offload(m)
+        with torch.no_grad():
+            m(x)
+        sync(dev)
+        t = time.perf_counter() - t0
+        rep.wait()
+        with torch.no_grad():  # one streamed forward, loaded: per block
+            m(x)
+            sync(dev)
+            t1 = time.perf_counter()
+            m(x)
+            sync(dev)
+        per_block = (time.perf_counter() - t1) / a.blocks
+        laden.release(m, h)
+        return t, per_block
+
+    ttfo = {}
+    for background in (False, True):
+        runs = [first_output(background) for _ in range(a.repeats)]
+        ttfo[background] = min(runs)
+        print(f"  first output, {'background' if background else 'load, then forward'}"
+              f"  {ttfo[background][0]:7.2f} s", flush=True)
+
     # The drive: one O_DIRECT stream, and laden's reader pool.
     dd = None
     drop(path)
@@ -216,8 +254,15 @@ def main() -> int:
           f"({size / best_drive:.2f} s) = "
           f"{results[('laden ModelCache first use', 'cold')] / (size / best_drive):.2f}"
           " (goal <= 1.2)")
-    print("       time to first output: not measured (a streamed model "
-          "runs its first forward once the load has finished)")
+    cold_read = size / best_drive
+    block = ttfo[True][1]
+    print()
+    print(f"time to first output (RAM tier, cold; one forward of 16 tokens; "
+          f"one streamed block {block * 1e3:.1f} ms):")
+    print(f"  load, then forward:             {ttfo[False][0]:.2f} s")
+    print(f"  stream_load(background=True):   {ttfo[True][0]:.2f} s")
+    print(f"goal: background / (cold file read {cold_read:.2f} s + one block) "
+          f"= {ttfo[True][0] / (cold_read + block):.2f} (goal <= 1.05)")
     return 0
 
 

@@ -1629,3 +1629,163 @@ static void staged_pieces(int32_t dev)
 }
 
 TEST(stream_gpu_tier_staged_in_pieces) { test_on_every_device(staged_pieces); }
+
+/* ---- loading in the background (laden_sched_load_begin) ---------------- */
+
+/* A progress callback that slows the loader down (so that the owner's
+ * calls meet it mid-load) and may stop it. */
+typedef struct {
+    _Atomic int calls;
+    int stop_after; /* 0: never */
+    useconds_t nap;
+} slow;
+
+static int on_slow(void *arg, uint64_t done, uint64_t total)
+{
+    slow *w = arg;
+    (void)done;
+    (void)total;
+    int n = ++w->calls;
+    if (w->nap)
+        usleep(w->nap);
+    return w->stop_after && n >= w->stop_after;
+}
+
+/* Runs block i as a forward pass does while the model loads: a resident
+ * block is awaited first; a streamed one is entered straight away (enter
+ * waits for it). */
+static void run_loading(model *m, int i)
+{
+    uint32_t b = m->block_of[i];
+    if (!laden_sched_is_streamed(m->sc, b))
+        CHECK_OK(laden_sched_await(m->sc, b));
+    run_block(m, i);
+}
+
+/* A pass runs while the blocks load, in order and out of order, on every
+ * tier, with staged pieces on CUDA; every byte is right; the load then
+ * ends as a laden_sched_load would. */
+static void background(int32_t dev)
+{
+    static const laden_tier ALL_GPU[NB] = {
+        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU,
+        LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU};
+    for (int variant = 0; variant < 3; variant++) {
+        model m;
+        slow w = {.nap = 2000};
+        build(&m, dev, variant == 1 ? ALL_GPU : MIXED, 0);
+        if (variant == 1)
+            m.sc->stage_bytes = 1;
+        CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
+        CHECK_OK(laden_sched_load_begin(m.sc));
+        CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);
+        CHECK_STATUS(laden_sched_load_begin(m.sc), LADEN_E_STATE);
+        CHECK_OK(laden_sched_start(m.sc, 0));
+        if (variant == 2) { /* the last block first, then the rest */
+            run_loading(&m, NB - 1);
+            run_loading(&m, 2);
+        }
+        run_loading(&m, NB);
+        for (int i = 0; i < NB; i++)
+            run_loading(&m, i);
+        CHECK_STATUS(laden_sched_await(m.sc, 99), LADEN_E_INVAL);
+        CHECK_OK(laden_sched_load_wait(m.sc));
+        CHECK_EQ(laden_sched_is_loaded(m.sc), 1);
+        CHECK_OK(laden_sched_load_wait(m.sc)); /* once loaded: at once */
+        for (int i = 0; i <= NB; i++)
+            run_block(&m, i);
+        laden_sched_stats_t st;
+        CHECK_OK(laden_sched_stats(m.sc, &st));
+        CHECK(st.load_read_bytes > 0);
+        CHECK_OK(laden_sched_stop(m.sc));
+        destroy(&m);
+    }
+}
+
+TEST(stream_background_load_runs_as_blocks_arrive)
+{
+    test_on_every_device(background);
+}
+
+/* Destroyed, or closed, while loading: the load stops (its reads in
+ * flight end first), nothing leaks (ASan), nothing hangs; a cancel from
+ * the progress callback is the next await's error and load_wait's. */
+static void background_stopped(int32_t dev)
+{
+    for (int variant = 0; variant < 3; variant++) {
+        model m;
+        slow w = {.nap = 3000, .stop_after = variant == 2 ? 3 : 0};
+        build(&m, dev, MIXED, 0);
+        CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
+        CHECK_OK(laden_sched_load_begin(m.sc));
+        if (variant == 0) {
+            destroy(&m); /* mid-load */
+            continue;
+        }
+        if (variant == 1) {
+            CHECK_OK(laden_sched_close(m.sc));
+            CHECK_EQ(laden_sched_is_loaded(m.sc), 0);
+            CHECK_STATUS(laden_sched_await(m.sc, m.block_of[0]),
+                         LADEN_E_STATE);
+            CHECK_CONTAINS(laden_last_error(), "closed");
+            destroy(&m);
+            continue;
+        }
+        laden_status s = LADEN_OK;
+        for (int i = 0; i < NB && !s; i++)
+            s = laden_sched_await(m.sc, m.block_of[i]);
+        CHECK_STATUS(s, LADEN_E_STATE);
+        CHECK_CONTAINS(laden_last_error(), "cancelled");
+        CHECK_STATUS(laden_sched_load_wait(m.sc), LADEN_E_STATE);
+        CHECK_CONTAINS(laden_last_error(), "cancelled");
+        CHECK_EQ(laden_sched_is_loaded(m.sc), 0);
+        CHECK_STATUS(laden_sched_start(m.sc, 0), LADEN_E_STATE);
+        destroy(&m);
+    }
+}
+
+TEST(stream_background_load_stopped_or_failed)
+{
+    test_on_every_device(background_stopped);
+}
+
+/* Another thread's call while the loader holds the schedule waits for the
+ * step instead of being refused; while the owner is inside a pass the
+ * other thread is refused as before. */
+typedef struct {
+    model *m;
+    laden_status got;
+} other;
+
+static void *await_last(void *arg)
+{
+    other *o = arg;
+    o->got = laden_sched_await(o->m->sc, o->m->block_of[NB - 1]);
+    return NULL;
+}
+
+static void background_threads(int32_t dev)
+{
+    model m;
+    slow w = {.nap = 2000};
+    build(&m, dev, MIXED, 0);
+    CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
+    CHECK_OK(laden_sched_load_begin(m.sc));
+    other o = {.m = &m};
+    pthread_t th;
+    CHECK_EQ(pthread_create(&th, NULL, await_last, &o), 0);
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_OK(o.got);
+    CHECK_OK(laden_sched_begin(m.sc));
+    CHECK_EQ(pthread_create(&th, NULL, await_last, &o), 0);
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_STATUS(o.got, LADEN_E_STATE);
+    CHECK_OK(laden_sched_end(m.sc));
+    CHECK_OK(laden_sched_load_wait(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_background_load_threads)
+{
+    test_on_every_device(background_threads);
+}

@@ -212,6 +212,36 @@ LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,
  * again and the schedule can only be destroyed. */
 LADEN_API laden_status laden_sched_load(laden_sched_t *sched);
 
+/* laden_sched_load without waiting: does all of it before the first read
+ * (tiers checked, device and host memory given: laden_sched_tensor_ptr and
+ * laden_sched_host_ptr are valid once it returns), then returns while a
+ * thread of the schedule's reads the blocks in order.  Meanwhile the
+ * schedule's calls work: each waits for the loader's current step (one
+ * piece of a block) instead of being refused; laden_sched_await(b) waits
+ * until block b's bytes are in place (driving the load on the calling
+ * thread meanwhile), and laden_sched_enter does the same for a streamed
+ * block, so that a forward pass runs as the blocks arrive.  A block's
+ * bytes must not be read before it is awaited or entered.  A failure is
+ * returned by the next await, enter or laden_sched_load_wait, after which
+ * the schedule can only be destroyed; laden_sched_close and
+ * laden_sched_destroy stop the load (its reads in flight finish first).
+ * The progress callback is called on the loading thread. */
+LADEN_API laden_status laden_sched_load_begin(laden_sched_t *sched);
+
+/* Waits for a load begun with laden_sched_load_begin to end (driving it on
+ * the calling thread) and returns its status; on failure everything
+ * allocated is freed again.  LADEN_OK at once if the schedule is loaded. */
+LADEN_API laden_status laden_sched_load_wait(laden_sched_t *sched);
+
+/* Waits until block `block`'s bytes are in place (see
+ * laden_sched_load_begin); LADEN_OK at once once loaded.  A GPU-tier
+ * block's copy to the device has finished when it returns. */
+LADEN_API laden_status laden_sched_await(laden_sched_t *sched, uint32_t block);
+
+/* 1 once every block is loaded (laden_sched_load, or the end of a load
+ * begun with laden_sched_load_begin), else 0. */
+LADEN_API int laden_sched_is_loaded(laden_sched_t *sched);
+
 /* Cache schedules: loads one block's host copy, so that a caller holding
  * the source tensors can release each block's sources as soon as it is
  * copied (peak host memory: the model plus one block, not twice the

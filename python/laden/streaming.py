@@ -57,6 +57,30 @@ class LoadReport:
         # Blocks chosen for the device that the VRAM context had no room
         # for: they stream from RAM.
         self.offloaded = [b.name for b in state.blocks if b.offloaded]
+        self._state = state if state.loading is not None else None
+        self._t0 = time.perf_counter() - seconds
+
+    @property
+    def done(self) -> bool:
+        """Whether the load has ended (always, unless ``background=True``
+        and the blocks are still arriving)."""
+        st = self._state
+        return st is None or st.loading is None
+
+    def wait(self) -> "LoadReport":
+        """Waits for a ``background=True`` load to end (raising its error,
+        if it failed), then fills in the time and bytes of the whole load.
+        Returns the report; at once if the load has ended."""
+        st = self._state
+        if st is None or st.owner is None:  # ended, or released
+            return self
+        _finish_load(st)
+        self._state = None
+        self.seconds = st.load_seconds or time.perf_counter() - self._t0
+        stats = st.stats("LoadReport.wait")
+        self.read_bytes = stats.load_read_bytes
+        self.cached_bytes = stats.load_cached_bytes
+        return self
 
     @property
     def gb_per_s(self) -> float:
@@ -119,6 +143,12 @@ class _Stream:
         self.root = None  # (model, its previous forward, had its own)
         self.slot_views: list = []  # weakrefs to what views of slots hold
         self.kept_lookahead: Optional[int] = None  # slots remove() kept
+        # A background load in progress: its progress bar (or None)
+        # inside a one-element list; None once it has ended.
+        self.loading: Optional[list] = None
+        self.load_sources: list = []  # host tensors C copies from, meanwhile
+        self.load_t0 = 0.0
+        self.load_seconds: Optional[float] = None
 
     def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
@@ -224,7 +254,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                 skip_prefixes: Optional[Sequence[str]] = None,
                 device=None, vram_budget=None, ram_budget=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
-                vram=None, progress: Optional[bool] = None) -> LoadReport:
+                vram=None, progress: Optional[bool] = None,
+                background: bool = False) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -255,6 +286,14 @@ def stream_load(model, path: PathLike, *, plan=None,
       and how many bytes came from the page cache (read at memory speed:
       chunks whose pages are all cached are copied from there) and how
       many from the drive (O_DIRECT, several reads in flight).
+    - ``background``: returns once the model's memory is given, before
+      its bytes arrive; a thread of laden's reads the blocks in order
+      meanwhile.  A forward of the model (and install_offload) may start
+      at once: each block waits for its own bytes, so the first output
+      comes about one block after the last byte is read instead of after
+      the load plus a whole forward.  Outside a forward the weights are
+      not valid until ``report.wait()`` (which raises the load's error if
+      it failed; a forward raises it too).  ``release()`` stops the load.
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
     - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
@@ -329,7 +368,9 @@ def stream_load(model, path: PathLike, *, plan=None,
             if b.tier == _lib.TIER_GPU:
                 b.tier = on_dev
         state = _Stream(dev, ck.path)
-        _load(model, state, desc, ck, budgets, vram, lookahead, progress)
+        state.load_t0 = t0
+        _load(model, state, desc, ck, budgets, vram, lookahead, progress,
+              background)
     except BaseException:
         ck.close()
         raise
@@ -342,7 +383,7 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
-          lookahead: int, progress=None) -> None:
+          lookahead: int, progress=None, background: bool = False) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -362,16 +403,27 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
             b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)
             b.tier = lib.laden_sched_block_tier(o.h, b.c_block)
             total += b.nbytes if b.tier != _lib.TIER_DISK else 0
-        with progress_to(o.h, total, os.path.basename(state.path or
-                                                      "laden load"),
-                         progress):
-            check(lib.laden_sched_load(o.h))
+        bar = progress_to(o.h, total, os.path.basename(state.path or
+                                                       "laden load"),
+                          progress)
+        if background:
+            # The bar and the host tensors C copies from live until the
+            # load ends (_finish_load).
+            bar.__enter__()
+            state.loading = [bar]
+            state.load_sources = [t.source for t in desc.tensors
+                                  if t.source is not None]
+            check(lib.laden_sched_load_begin(o.h))
+        else:
+            with bar:
+                check(lib.laden_sched_load(o.h))
     except BaseException:
+        _end_background(state)
         state.destroy()
         raise
     finally:
         for t in desc.tensors:
-            t.source = None  # copied (or failed): the host copy goes
+            t.source = None  # copied, failed, or kept in load_sources
     for b in state.blocks:
         got = lib.laden_sched_block_tier(o.h, b.c_block)
         if got != b.tier:
@@ -408,6 +460,55 @@ def _attach(model, state: _Stream) -> None:
         if lib.laden_sched_is_streamed(o.h, b.c_block):
             state.hooks.append(b.module.register_forward_pre_hook(
                 _needs_offload(state, b)))
+        elif state.loading is not None:
+            state.hooks.append(b.module.register_forward_pre_hook(
+                _awaits(state, b.c_block)))
+
+
+def _await(state: _Stream, o: _Owned, c_block: int) -> None:
+    """Waits for a background load to bring block c_block (C drives the
+    load on this thread meanwhile); raises the load's error."""
+    s = lib.laden_sched_await(o.h, c_block)
+    if s:
+        err = error_for(s)
+        raise type(err)(f"{state.name}: {err}", err.status, err.code)
+
+
+def _awaits(state: _Stream, c_block: int):
+    """A block that does not stream, while the model loads in the
+    background: its forward waits for its bytes."""
+    def pre(mod, args):
+        if state.loading is not None:
+            _await(state, state.live("forward"), c_block)
+    return pre
+
+
+def _end_background(state: _Stream) -> None:
+    """The end of a background load on the Python side: its progress bar
+    closed, the host tensors C copied from let go."""
+    if state.loading is None:
+        return
+    bar = state.loading[0]
+    state.loading = None
+    state.load_sources = []
+    state.load_seconds = time.perf_counter() - state.load_t0
+    try:
+        bar.__exit__(None, None, None)
+    except Exception as e:  # the bar's own failure is not the load's
+        log.debug("laden: progress bar: %s", e)
+
+
+def _finish_load(state: _Stream) -> None:
+    """Waits for a background load to end (laden_sched_load_wait) and
+    raises its error."""
+    if state.loading is None:
+        return
+    o = state.live("wait")
+    s = lib.laden_sched_load_wait(o.h)
+    _end_background(state)
+    if s:
+        err = error_for(s)
+        raise type(err)(f"{state.name}: {err}", err.status, err.code)
 
 
 def _wrap_root(model, state: _Stream) -> None:
@@ -430,11 +531,16 @@ def _wrap_root(model, state: _Stream) -> None:
                 raise type(err)(f"{state.name}: {err}", err.status, err.code)
         tl.n = depth + 1
         try:
+            if o is not None and state.loading is not None:
+                _await(state, o, 0)  # the rest of the model
             return orig(*args, **kwargs)
         finally:
             tl.n = depth
             if o is not None:
                 lib.laden_sched_end(o.h)
+                if state.loading is not None and \
+                        lib.laden_sched_is_loaded(o.h):
+                    _finish_load(state)
 
     state.root = (model, model.__dict__.get("forward"), had)
     model.forward = forward
@@ -745,11 +851,12 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
     o = state.live("release")
-    s = lib.laden_sched_close(o.h)
+    s = lib.laden_sched_close(o.h)  # stops a background load
     if s:
         err = error_for(s)
         raise StateError(f"release: {state.name}: {err}", err.status,
                          err.code)
+    _end_background(state)
     # Closed: no thread gets into the schedule any more, and from now on
     # the model and its blocks refuse to run (before their hooks go, so
     # that no forward of another thread runs half on meta weights).

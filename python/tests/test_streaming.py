@@ -677,3 +677,91 @@ def test_vram_budget_on_the_cpu_is_refused(ckpt):
     assert not hasattr(m, "_laden_stream")
     with pytest.raises(laden.InvalidArgumentError, match="no VRAM"):
         laden.plan(on_meta(), path, device="cpu", max_vram="1GB")
+
+
+def _slow_bars(monkeypatch, fail=False):
+    """Progress bars whose updates take a while (the load is then still
+    running when the forward starts), or raise (cancelling the load)."""
+    import time
+    from laden import checkpoint as ckmod
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+            if fail:
+                raise RuntimeError("bar broke")
+            time.sleep(0.01)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(ckmod, "_progress_bar",
+                        lambda total, desc, p: Bar(total) if p else None)
+    return bars
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiers", ["ram", "mixed", "prefixes", "resident"])
+def test_background_load_runs_as_blocks_arrive(ckpt, device, tiers,
+                                               monkeypatch):
+    """stream_load(background=True) returns before the bytes arrive; a
+    forward right away waits for each block and is bit-identical;
+    report.wait() ends the load and fills in its numbers."""
+    ref, path = ckpt
+    _, want = expected(ref, device)
+    bars = _slow_bars(monkeypatch)
+    m = on_meta()
+    kw = TIERS.get(tiers, {})
+    prefixes = () if tiers == "resident" else PREFIXES
+    rep = laden.stream_load(m, path, offload_prefixes=prefixes,
+                            device=device, background=True, progress=True,
+                            **kw)
+    h = laden.install_offload(m, lookahead=2) if prefixes else None
+    with torch.no_grad():
+        assert torch.equal(m(ids().to(device)), want)
+    assert rep.wait() is rep and rep.done
+    assert rep.read_bytes > 0 and rep.seconds > 0
+    assert bars[-1].closed and bars[-1].n == bars[-1].total
+    with torch.no_grad():
+        assert torch.equal(m(ids().to(device)), want)
+    laden.release(m, h)
+    assert m.blocks[0].up.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_background_load_released_or_failed(ckpt, device, monkeypatch):
+    """release() during a background load stops it; a load that fails
+    (here cancelled by its progress callback) raises its error from the
+    forward and from report.wait(), and the model can be released and
+    loaded again."""
+    ref, path = ckpt
+    _, want = expected(ref, device)
+    _slow_bars(monkeypatch)
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      background=True, progress=True)
+    laden.release(m)
+    assert not hasattr(m, "_laden_stream")
+    _slow_bars(monkeypatch, fail=True)
+    rep = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                            device=device, background=True, progress=True)
+    h = laden.install_offload(m)
+    with pytest.raises(laden.StateError) as e, torch.no_grad():
+        m(ids().to(device))
+    assert "cancelled" in str(e.value)
+    with pytest.raises(laden.StateError):
+        rep.wait()
+    laden.release(m, h)
+    rep = laden.stream_load(m, path, offload_prefixes=PREFIXES,
+                            device=device, background=True, progress=False)
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids().to(device)), want)
+    laden.release(m, h)
+    assert rep.wait().done  # after release: nothing to wait for

@@ -37,6 +37,8 @@ laden_status laden_sched_create(const laden_sched_config *cfg,
         return laden__fail(LADEN_E_INVAL, "unknown schedule flags 0x%x",
                            cfg->flags);
     }
+    pthread_mutex_init(&sc->mu, NULL);
+    pthread_cond_init(&sc->cv, NULL);
     sc->io = cfg->io;
     if (!sc->io) {
         if ((s = laden_io_create(NULL, &sc->io)))
@@ -431,7 +433,7 @@ void laden__sched_free_all(laden_sched_t *sc)
         b->region = 0;
         b->ram = NULL;
         b->ram_len = 0;
-        b->resident = b->pinned = false;
+        b->resident = b->pinned = b->ready = false;
     }
     sc->pinned_homes = 0;
     laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
@@ -451,6 +453,8 @@ void laden_sched_destroy(laden_sched_t *sc)
 {
     if (!sc)
         return;
+    laden__sched_join_loader(sc); /* a load in the background stops */
+    laden__sched_abandon_load(sc);
     /* Kernels of the model may still read its weights and slots (the
      * caller dropped it right after enqueueing a forward); VBAR pages are
      * unmapped without the implicit wait of a device free. */
@@ -469,5 +473,7 @@ void laden_sched_destroy(laden_sched_t *sc)
     laden_host_destroy(sc->host);
     if (sc->own_io)
         laden_io_destroy(sc->io);
+    pthread_cond_destroy(&sc->cv);
+    pthread_mutex_destroy(&sc->mu);
     free(sc);
 }

@@ -3,6 +3,7 @@
  * read from the checkpoint once, converted where stored in another dtype. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -162,18 +163,44 @@ static laden_status layout(laden_sched_t *sc)
     return LADEN_OK;
 }
 
+/* The length of a block's own mapping: whole pages, and whole huge pages
+ * (2 MiB) from one up, so that the kernel can back it with them. */
+#define HUGE_PAGE (2ull << 20)
+static uint64_t home_len(uint64_t bytes)
+{
+    uint64_t page = bytes >= HUGE_PAGE ? HUGE_PAGE : 4096;
+    return (bytes + page - 1) & ~(page - 1);
+}
+
 /* Block b's host copy, in a mapping of its own: a cache schedule's, or
- * the RAM tier of a CUDA schedule (pinned in place once read). */
+ * the RAM tier of a CUDA schedule (pinned in place once read).  From 2
+ * MiB up it is aligned to huge pages and asks for them (MADV_HUGEPAGE):
+ * the reads then fault a 2 MiB page at a time instead of 4 KiB, and
+ * pinning walks 512 times fewer pages. */
 static laden_status map_home(laden_sched_t *sc, blk *b)
 {
-    b->ram_len = (b->bytes + 4095) & ~(uint64_t)4095;
-    void *m = mmap(NULL, (size_t)b->ram_len, PROT_READ | PROT_WRITE,
+    uint64_t len = home_len(b->bytes);
+    uint64_t extra = len >= HUGE_PAGE ? HUGE_PAGE : 0;
+    char *m = mmap(NULL, (size_t)(len + extra), PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
         return laden__fail(LADEN_E_NOMEM,
                            "cannot allocate %s of host memory for block %u",
                            laden__bytes(b->bytes).s, (unsigned)(b - sc->b));
+    if (extra) { /* trimmed to an aligned range of len bytes */
+        uintptr_t at = ((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+        size_t head = at - (uintptr_t)m;
+        if (head)
+            munmap(m, head);
+        if (extra - head)
+            munmap((char *)at + len, extra - head);
+        m = (char *)at;
+#ifdef MADV_HUGEPAGE
+        (void)madvise(m, len, MADV_HUGEPAGE); /* a hint: refused is fine */
+#endif
+    }
     b->ram = m;
+    b->ram_len = len;
     return LADEN_OK;
 }
 
@@ -377,7 +404,6 @@ static laden_status check_tiers(const laden_sched_t *sc)
     return LADEN_OK;
 }
 
-/* The RAM tier, read in place (on the CPU device it runs there). */
 /* Bytes of reads kept in flight while loading: enough for the drive's
  * queue and the reader threads, bounded so that converted tensors' read
  * buffers do not add up. */
@@ -388,20 +414,32 @@ static laden_status check_tiers(const laden_sched_t *sc)
 #define STAGE_BYTES (256ull << 20)
 #define QUEUE 64u
 
-typedef struct loader {
+/* A load in progress (sc->ld): blocks are loaded in their order, a piece
+ * at a time, by step(); whoever holds the schedule drives it (the caller
+ * of laden_sched_load, the background thread of laden_sched_load_begin,
+ * or the owner waiting for a block in laden_sched_await or enter). */
+struct laden_loader {
     laden_sched_t *sc;
     inflight q[QUEUE]; /* a ring of pieces in flight */
     uint32_t head, count;
-    uint64_t inflight_bytes, done_bytes, total_bytes, homes_bytes;
+    uint64_t inflight_bytes, done_bytes, total_bytes;
     void *staging[2]; /* CUDA GPU tier: read here, then copied */
     laden_event_t *copied[2];
     uint64_t staging_bytes;
-} loader;
+    uint32_t next, t0; /* the next piece to start: block, first tensor */
+};
 
 /* Whether block b is loaded through the staging buffers. */
 static bool staged(const laden_sched_t *sc, const blk *b)
 {
     return sc->cuda && !sc->cache && b->tier == LADEN_TIER_GPU;
+}
+
+/* Whether the loader reads block b (it has bytes in memory to fill). */
+static bool to_load(const laden_sched_t *sc, const blk *b)
+{
+    return (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU) &&
+           b->bytes && b->nt && !(sc->cache && b->filled);
 }
 
 /* The end of the piece of block b that starts at tensor t0: the tensors
@@ -453,7 +491,9 @@ static laden_status pin_home(laden_sched_t *sc, blk *b)
 }
 
 /* Finishes the oldest piece in flight: waits for its reads, and for a
- * staged piece enqueues its copy to the device. */
+ * staged piece enqueues its copy to the device.  A block whose last piece
+ * this is becomes ready: a staged one once its copy has finished, so that
+ * work on any stream may read it. */
 static laden_status finish_oldest(loader *l, laden_status s)
 {
     laden_sched_t *sc = l->sc;
@@ -462,57 +502,62 @@ static laden_status finish_oldest(loader *l, laden_status s)
     s = finish_piece(sc, f, s);
     if (!s && f->staging >= 0 &&
         !(s = laden_dev_copy_h2d(sc->copy, f->b->region + f->base, f->dst,
-                                 f->bytes)))
-        s = laden_dev_event_record(l->copied[f->staging], sc->copy);
+                                 f->bytes)) &&
+        !(s = laden_dev_event_record(l->copied[f->staging], sc->copy)) &&
+        last)
+        s = laden_dev_event_synchronize(l->copied[f->staging]);
     if (!s && last && sc->cuda && !sc->cache && f->b->tier == LADEN_TIER_RAM)
         s = pin_home(sc, f->b);
     if (s && sc->cache)
         unmap_home(f->b);
+    if (!s && last)
+        f->b->ready = true;
     l->inflight_bytes -= f->bytes;
     l->head = (l->head + 1) % QUEUE;
     l->count--;
     return s ? s : progress(l, f, last);
 }
 
-/* Block b's home in host memory, mapped now (while earlier blocks are
- * read): a cache schedule's host copy, or a RAM-tier block of a CUDA
- * schedule (pinned once read: pin_home), within the RAM budget. */
-static laden_status home(loader *l, blk *b)
+/* Block b's memory in the host, before any read: its home (a cache
+ * schedule's host copy, or a RAM-tier block of a CUDA schedule, pinned
+ * once read: pin_home), within the RAM budget, or on the CPU device its
+ * place in the arena, where it runs.  Mapped, not touched: the reads make
+ * the pages, in parallel. */
+static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
-    uint64_t budget = sc->cfg.ram_budget_bytes, len = (b->bytes + 4095) &
-                                                      ~(uint64_t)4095;
-    if (!sc->cache && budget && l->homes_bytes + len > budget)
-        return laden__fail(LADEN_E_BUDGET, "block %u (%s) does not fit the "
-                           "%s RAM budget (%s taken)",
-                           (unsigned)(b - sc->b), laden__bytes(len).s,
-                           laden__bytes(budget).s,
-                           laden__bytes(l->homes_bytes).s);
-    laden_status s = map_home(sc, b);
-    if (!s)
-        l->homes_bytes += len;
-    return s;
+    if (sc->cache || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
+        uint64_t budget = sc->cfg.ram_budget_bytes, len = home_len(b->bytes);
+        if (!sc->cache && budget && *homes_bytes + len > budget)
+            return laden__fail(LADEN_E_BUDGET, "block %u (%s) does not fit "
+                               "the %s RAM budget (%s taken)",
+                               (unsigned)(b - sc->b), laden__bytes(len).s,
+                               laden__bytes(budget).s,
+                               laden__bytes(*homes_bytes).s);
+        laden_status s = map_home(sc, b);
+        if (!s)
+            *homes_bytes += len;
+        return s;
+    }
+    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
+        laden_status s = laden_host_alloc(sc->host, b->bytes, &b->ram);
+        if (!s)
+            b->region = (laden_devptr_t)(uintptr_t)b->ram;
+        return s;
+    }
+    return LADEN_OK;
 }
 
-/* Where piece [t0, ...) of block b is read to: its block's home (RAM
- * tier, cache schedules), its GPU region on the CPU device, or a staging
- * buffer whose last copy has finished. */
+/* Where piece [t0, ...) of block b is read to: its block's host memory
+ * (host_memory), its GPU region on the CPU device, or a staging buffer
+ * whose last copy has finished. */
 static laden_status destination(loader *l, blk *b, uint32_t t0, char **dst,
                                 int *staging)
 {
     laden_sched_t *sc = l->sc;
     laden_status s;
     *staging = -1;
-    if (sc->cache || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
-        if (t0 == 0 && (s = home(l, b)))
-            return s;
-        *dst = (char *)b->ram + b->t[t0].dst_off;
-        return LADEN_OK;
-    }
-    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
-        if (t0 == 0 && (s = laden_host_alloc(sc->host, b->bytes, &b->ram)))
-            return s;
-        b->region = (laden_devptr_t)(uintptr_t)b->ram;
+    if (b->ram) {
         *dst = (char *)b->ram + b->t[t0].dst_off;
         return LADEN_OK;
     }
@@ -554,97 +599,271 @@ static bool must_wait(const loader *l)
     return staged_n >= 2;
 }
 
-/* Starts block b's pieces, finishing older ones as the window needs. */
-static laden_status start_blocks_pieces(loader *l, blk *b)
+/* Moves l->next past the blocks that have nothing to read, marking them
+ * ready. */
+static void skip_empty(loader *l)
 {
     laden_sched_t *sc = l->sc;
-    laden_status s = LADEN_OK;
-    for (uint32_t t0 = 0, t1; t0 < b->nt && !s; t0 = t1) {
-        t1 = piece_end(sc, b, t0);
-        while (l->count && !s && must_wait(l))
-            s = finish_oldest(l, LADEN_OK);
+    while (l->next < sc->nb && !to_load(sc, &sc->b[l->next])) {
+        blk *b = &sc->b[l->next++];
+        b->ready = true;
+    }
+}
+
+static bool loader_done(const loader *l)
+{
+    return l->next >= l->sc->nb && !l->count;
+}
+
+/* One unit of the load: the next piece started, or (when the window is
+ * full, or every piece is started) the oldest finished. */
+static laden_status step(loader *l)
+{
+    laden_sched_t *sc = l->sc;
+    laden_status s;
+    if (l->next < sc->nb && !(l->count && must_wait(l))) {
+        blk *b = &sc->b[l->next];
+        uint32_t t1 = piece_end(sc, b, l->t0);
         char *dst = NULL;
         int staging;
-        if (s || (s = destination(l, b, t0, &dst, &staging)))
-            break;
+        if ((s = destination(l, b, l->t0, &dst, &staging)))
+            return s;
         inflight *f = &l->q[(l->head + l->count) % QUEUE];
-        s = start_piece(sc, b, t0, t1, dst, f);
+        s = start_piece(sc, b, l->t0, t1, dst, f);
         f->staging = staging;
         l->count++;
         l->inflight_bytes += f->bytes;
+        l->t0 = t1;
+        if (t1 == b->nt) {
+            l->next++;
+            l->t0 = 0;
+            skip_empty(l);
+        }
+        return s;
     }
-    return s;
+    return l->count ? finish_oldest(l, LADEN_OK) : LADEN_OK;
 }
 
-/* Loads the RAM tier, then the GPU tier: pieces are started in order
- * while fewer than LOAD_WINDOW bytes (and QUEUE pieces) are in flight,
- * and finished in order; on CUDA a GPU-tier piece is read while the one
- * before is copied to the device. */
-static laden_status load_tiers(laden_sched_t *sc)
+/* A new load of every block that has bytes to read (cache schedules: not
+ * loaded yet): host memory mapped for all of them first, so that their
+ * addresses are known before their bytes. */
+static laden_status loader_new(laden_sched_t *sc)
 {
-    loader l = {.sc = sc};
-    laden_status s = LADEN_OK;
+    loader *l = calloc(1, sizeof *l);
+    if (!l)
+        return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
+    l->sc = sc;
+    sc->ld = l;
+    uint64_t homes_bytes = 0;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
-        if (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU)
-            l.total_bytes += b->bytes;
+        if (!to_load(sc, b))
+            continue;
+        l->total_bytes += b->bytes;
+        laden_status s = host_memory(l, b, &homes_bytes);
+        if (s)
+            return s;
         for (uint32_t t0 = 0, t1; staged(sc, b) && t0 < b->nt; t0 = t1) {
             t1 = piece_end(sc, b, t0);
             uint64_t n = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes -
                          b->t[t0].dst_off;
-            l.staging_bytes = n > l.staging_bytes ? n : l.staging_bytes;
+            l->staging_bytes = n > l->staging_bytes ? n : l->staging_bytes;
         }
     }
-    for (int pass = 0; pass < 2 && !s; pass++) {
-        laden_tier tier = pass ? LADEN_TIER_GPU : LADEN_TIER_RAM;
-        for (uint32_t i = 0; i < sc->nb && !s; i++) {
-            blk *b = &sc->b[i];
-            if (b->tier != tier || (sc->cache && b->filled))
-                continue;
-            if (!b->bytes || !b->nt) {
-                if (sc->cache)
-                    s = filled(sc, b);
-                continue;
-            }
-            s = start_blocks_pieces(&l, b);
-        }
-    }
-    while (l.count) /* also after a failure: the reads must end first */
-        s = finish_oldest(&l, s);
-    if (!s && (l.staging[0] || l.staging[1]))
+    skip_empty(l);
+    return LADEN_OK;
+}
+
+/* Ends the load (sc->ld): the pieces in flight finished (also after a
+ * failure s: the reads must end first), the staging freed.  The schedule
+ * is loaded if all went well. */
+static laden_status loader_end(laden_sched_t *sc, laden_status s)
+{
+    loader *l = sc->ld;
+    if (!l)
+        return s;
+    while (l->count)
+        s = finish_oldest(l, s);
+    if (!s && !loader_done(l))
+        s = laden__fail(LADEN_E_STATE, "the load was stopped");
+    if (!s && (l->staging[0] || l->staging[1]))
         s = laden_dev_stream_synchronize(sc->copy);
     for (int k = 0; k < 2; k++) {
-        if (l.staging[k])
-            laden_host_free(sc->host, l.staging[k]);
-        laden_dev_event_destroy(l.copied[k]);
+        if (l->staging[k])
+            laden_host_free(sc->host, l->staging[k]);
+        laden_dev_event_destroy(l->copied[k]);
     }
     laden_host_trim(sc->host); /* the GPU tier's staging is not kept */
+    free(l);
+    sc->ld = NULL;
+    sc->loading = false;
+    if (!s)
+        sc->loaded = true;
+    return s;
+}
+
+/* LADEN_OK if the schedule may be loaded now (nothing is changed). */
+static laden_status may_load(const laden_sched_t *sc)
+{
+    if (sc->loaded || sc->broken || sc->loading)
+        return laden__fail(LADEN_E_STATE, sc->loading
+                                              ? "the schedule is loading"
+                                              : "the schedule is already "
+                                                "loaded");
+    return sc->laid_out ? LADEN_OK : check_tiers(sc);
+}
+
+/* Everything a load does before its first read: the blocks laid out, the
+ * device and host memory given, the loader made. */
+static laden_status begin(laden_sched_t *sc)
+{
+    laden_status s;
+    if ((s = layout(sc)) || (!sc->cache && (s = place_device_blocks(sc))) ||
+        (s = loader_new(sc)))
+        return s;
+    sc->loading = true;
+    return LADEN_OK;
+}
+
+/* A load that failed: everything freed, the schedule only destroyable. */
+static laden_status failed(laden_sched_t *sc, laden_status s)
+{
+    if (sc->ld)
+        s = loader_end(sc, s);
+    sc->loading = false;
+    laden__sched_free_all(sc);
+    sc->broken = true;
     return s;
 }
 
 laden_status laden__sched_load(laden_sched_t *sc)
 {
-    laden_status s = LADEN_OK;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_load: NULL schedule");
-    if (sc->loaded || sc->broken)
-        return laden__fail(LADEN_E_STATE, "the schedule is already loaded");
-    if (!sc->laid_out && (s = check_tiers(sc)))
+    laden_status s = may_load(sc);
+    if (s)
         return s;
-    if ((s = layout(sc)))
-        goto fail;
-    if (sc->cache) { /* every block on the RAM tier, in mappings */
-        if ((s = load_tiers(sc)))
-            goto fail;
-        sc->loaded = true;
-        return LADEN_OK;
-    }
-    if ((s = place_device_blocks(sc)) || (s = load_tiers(sc)))
-        goto fail;
-    sc->loaded = true;
+    if ((s = begin(sc)))
+        return failed(sc, s);
+    while (!s && !loader_done(sc->ld))
+        s = step(sc->ld);
+    if ((s = loader_end(sc, s)))
+        return failed(sc, s);
     return LADEN_OK;
-fail:
-    laden__sched_free_all(sc);
+}
+
+/* ---- loading in the background ------------------------------------------
+ *
+ * laden_sched_load_begin does what laden_sched_load does before its first
+ * read, then returns; a thread of the schedule's drives the load a step at
+ * a time, each step holding the schedule (stream.c: the owner's calls wait
+ * for a step to end, and take precedence over the next).  The owner drives
+ * it too, on its own thread, while it waits for a block (laden__sched_until
+ * from laden_sched_await and enter), so that a forward pass runs as the
+ * blocks arrive.  A failure is kept (sc->load_err) and returned by the
+ * owner's next call that needs a block. */
+
+static laden_status load_failure(laden_sched_t *sc)
+{
+    return laden__fail(sc->load_err ? sc->load_err : LADEN_E_STATE,
+                       "the schedule failed to load: %s", sc->load_msg);
+}
+
+/* The end of a background load, on whichever thread reached it. */
+static void ended(laden_sched_t *sc, laden_status s)
+{
+    if (!(s = loader_end(sc, s)))
+        return;
+    sc->load_err = s;
+    snprintf(sc->load_msg, sizeof sc->load_msg, "%s", laden_last_error());
+    /* The memory stays (its addresses were handed out) until
+     * laden_sched_load_wait or destroy frees it; the calls that need a
+     * block return the failure meanwhile. */
+    sc->loading = true;
     sc->broken = true;
-    return s;
+}
+
+static void *load_thread(void *arg)
+{
+    laden_sched_t *sc = arg;
+    while (laden__sched_hold_loader(sc)) {
+        bool end = !sc->ld;
+        if (!end) {
+            laden_status s = step(sc->ld);
+            if (s || loader_done(sc->ld)) {
+                ended(sc, s);
+                end = true;
+            }
+        }
+        laden__sched_unhold_loader(sc);
+        if (end)
+            break;
+    }
+    return NULL;
+}
+
+laden_status laden__sched_load_begin(laden_sched_t *sc)
+{
+    laden_status s = may_load(sc);
+    if (s)
+        return s;
+    if ((s = begin(sc)))
+        return failed(sc, s);
+    if (loader_done(sc->ld))
+        return (s = loader_end(sc, LADEN_OK)) ? failed(sc, s) : LADEN_OK;
+    if ((s = laden__sched_start_loader(sc, load_thread)))
+        return failed(sc, s);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
+{
+    laden_status s = LADEN_OK;
+    if (block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "no block %u (%u blocks)", block,
+                           sc->nb);
+    if (sc->b[block].ready || sc->loaded)
+        return LADEN_OK;
+    if (sc->load_err)
+        return load_failure(sc);
+    if (!sc->ld)
+        return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
+    while (!s && !sc->b[block].ready && !loader_done(sc->ld))
+        s = step(sc->ld);
+    if (s || loader_done(sc->ld)) {
+        ended(sc, s);
+        if (sc->load_err)
+            return load_failure(sc);
+    }
+    return LADEN_OK;
+}
+
+laden_status laden__sched_load_wait(laden_sched_t *sc)
+{
+    laden_status s = LADEN_OK;
+    if (sc->ld)
+        while (!s && !loader_done(sc->ld))
+            s = step(sc->ld);
+    if (sc->ld)
+        ended(sc, s);
+    laden__sched_join_loader(sc);
+    if (sc->load_err) {
+        s = load_failure(sc);
+        sc->loading = false;
+        laden__sched_free_all(sc);
+        return s;
+    }
+    return sc->loaded ? LADEN_OK
+                      : laden__fail(LADEN_E_STATE, "the schedule is not "
+                                    "loaded (no load was begun)");
+}
+
+/* After the background thread has stopped: the load it left, ended. */
+void laden__sched_abandon_load(laden_sched_t *sc)
+{
+    if (sc->ld) {
+        loader_end(sc, laden__fail(LADEN_E_STATE, "the load was stopped"));
+        laden__error_clear();
+        sc->broken = true;
+    }
 }

@@ -105,7 +105,7 @@ static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
 {
     if (!sc || !have_out || block >= sc->nb || i >= sc->b[block].nt)
         return laden__fail(LADEN_E_INVAL, "%s: bad block or tensor", call);
-    if (!sc->loaded && !(sc->cache && sc->b[block].filled))
+    if (!laden__sched_usable(sc) && !(sc->cache && sc->b[block].filled))
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
                            call);
     return LADEN_OK;
@@ -255,6 +255,8 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
         slot *sl = &sc->slots[si];
         if (claimed & (1ull << si))
             break; /* the rest of the window must wait for this slot */
+        if (!sc->loaded && !sc->b[bi].ready)
+            break; /* still loading: enter waits for it (and the rest) */
         claimed |= 1ull << si;
         if (sl->in_use || sl->block == (int64_t)bi)
             continue;
@@ -270,7 +272,7 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     laden_status s = LADEN_OK;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_start: NULL schedule");
-    if (!sc->loaded)
+    if (!laden__sched_usable(sc))
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     if (sc->started)
         return laden__fail(LADEN_E_STATE, "the schedule is already started");
@@ -350,7 +352,7 @@ laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (!sc->loaded)
+    if (!laden__sched_usable(sc))
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
                            call);
     if (block >= sc->nb)
@@ -393,7 +395,8 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     sc->st.enters++;
     if (sl->block != (int64_t)block) {
         sc->st.misses++;
-        if ((s = issue_load(sc, sl, block)))
+        if ((s = laden__sched_until(sc, block)) ||
+            (s = issue_load(sc, sl, block)))
             return s;
     }
     if (sl->reads_pending && (s = finish_reads(sc, sl, false)))

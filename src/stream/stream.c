@@ -3,6 +3,7 @@
  * stream_internal.h.  Here: the queries, and the one-thread guard every
  * other call goes through. */
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "stream_internal.h"
@@ -81,6 +82,43 @@ uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
 
 #define CLOSED UINT64_MAX
 
+static laden_status refused(uint64_t cur, const char *call)
+{
+    if (cur == CLOSED)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: the schedule is closed (its model was "
+                           "released)",
+                           call);
+    return laden__fail(LADEN_E_STATE,
+                       "%s: the schedule is in use by another thread (a "
+                       "schedule is used by one thread at a time)",
+                       call);
+}
+
+/* The holder is the schedule's background loader: waits for its step to
+ * end (one piece of the load), ahead of its next one. */
+static laden_status wait_for_loader(laden_sched_t *sc, uint64_t me,
+                                    const char *call)
+{
+    uint64_t cur;
+    pthread_mutex_lock(&sc->mu);
+    sc->owner_waiting++;
+    for (;;) {
+        cur = 0;
+        if (atomic_compare_exchange_strong(&sc->holder, &cur, me))
+            break;
+        if (cur != atomic_load(&sc->loader_tid))
+            break;
+        pthread_cond_wait(&sc->cv, &sc->mu);
+    }
+    sc->owner_waiting--;
+    pthread_mutex_unlock(&sc->mu);
+    if (cur && cur != me)
+        return refused(cur, call);
+    sc->depth = 1;
+    return LADEN_OK;
+}
+
 static laden_status hold(laden_sched_t *sc, const char *call)
 {
     if (!sc)
@@ -94,21 +132,110 @@ static laden_status hold(laden_sched_t *sc, const char *call)
         sc->depth++;
         return LADEN_OK;
     }
-    if (cur == CLOSED)
-        return laden__fail(LADEN_E_STATE,
-                           "%s: the schedule is closed (its model was "
-                           "released)",
-                           call);
-    return laden__fail(LADEN_E_STATE,
-                       "%s: the schedule is in use by another thread (a "
-                       "schedule is used by one thread at a time)",
-                       call);
+    if (cur == atomic_load(&sc->loader_tid))
+        return wait_for_loader(sc, me, call);
+    return refused(cur, call);
+}
+
+/* A hold's end wakes the background loader (and a waiting owner). */
+static void release_hold(laden_sched_t *sc)
+{
+    atomic_store(&sc->holder, 0);
+    if (sc->loader_live) {
+        pthread_mutex_lock(&sc->mu);
+        pthread_cond_broadcast(&sc->cv);
+        pthread_mutex_unlock(&sc->mu);
+    }
 }
 
 static void unhold(laden_sched_t *sc)
 {
     if (--sc->depth == 0)
-        atomic_store(&sc->holder, 0);
+        release_hold(sc);
+}
+
+/* ---- the background loader's thread (load.c drives the load) ---------- */
+
+bool laden__sched_hold_loader(laden_sched_t *sc)
+{
+    uint64_t me = atomic_load(&sc->loader_tid);
+    bool got = false;
+    pthread_mutex_lock(&sc->mu);
+    while (!atomic_load(&sc->loader_stop)) {
+        uint64_t cur = 0;
+        if (!sc->owner_waiting &&
+            atomic_compare_exchange_strong(&sc->holder, &cur, me)) {
+            sc->depth = 1; /* a nested hold (its progress callback) */
+            got = true;
+            break;
+        }
+        pthread_cond_wait(&sc->cv, &sc->mu);
+    }
+    pthread_mutex_unlock(&sc->mu);
+    return got;
+}
+
+void laden__sched_unhold_loader(laden_sched_t *sc)
+{
+    atomic_store(&sc->holder, 0);
+    pthread_mutex_lock(&sc->mu);
+    pthread_cond_broadcast(&sc->cv);
+    pthread_mutex_unlock(&sc->mu);
+}
+
+typedef struct loader_start {
+    laden_sched_t *sc;
+    void *(*fn)(void *);
+} loader_start;
+
+static void *loader_main(void *arg)
+{
+    loader_start st = *(loader_start *)arg;
+    free(arg);
+    atomic_store(&st.sc->loader_tid, laden__thread_id());
+    pthread_mutex_lock(&st.sc->mu); /* the starter waits for the id */
+    pthread_cond_broadcast(&st.sc->cv);
+    pthread_mutex_unlock(&st.sc->mu);
+    return st.fn(st.sc);
+}
+
+laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
+{
+    loader_start *st = malloc(sizeof *st);
+    if (!st)
+        return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
+    *st = (loader_start){sc, fn};
+    atomic_store(&sc->loader_stop, 0);
+    /* Its id is known before this returns: a hold that finds the loader
+     * holding must recognise it (else it would refuse the owner). */
+    pthread_mutex_lock(&sc->mu);
+    int e = pthread_create(&sc->loader_thread, NULL, loader_main, st);
+    if (e) {
+        pthread_mutex_unlock(&sc->mu);
+        free(st);
+        return laden__fail(LADEN_E_IO, "cannot start the loading thread "
+                           "(error %d)", e);
+    }
+    sc->loader_live = true;
+    while (!atomic_load(&sc->loader_tid))
+        pthread_cond_wait(&sc->cv, &sc->mu);
+    pthread_mutex_unlock(&sc->mu);
+    return LADEN_OK;
+}
+
+/* Stops the background loader (its step in progress ends first) and
+ * joins it; what it left of the load is the caller's. */
+void laden__sched_join_loader(laden_sched_t *sc)
+{
+    if (!sc->loader_live)
+        return;
+    pthread_mutex_lock(&sc->mu);
+    atomic_store(&sc->loader_stop, 1);
+    pthread_cond_broadcast(&sc->cv);
+    pthread_mutex_unlock(&sc->mu);
+    pthread_join(sc->loader_thread, NULL);
+    sc->loader_live = false;
+    atomic_store(&sc->loader_tid, 0);
 }
 
 static bool holds(laden_sched_t *sc)
@@ -151,6 +278,10 @@ laden_status laden_sched_close(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_close: NULL schedule");
+    if (atomic_load(&sc->holder) == laden__thread_id())
+        return laden__fail(LADEN_E_STATE, "laden_sched_close: this thread "
+                           "is inside a pass or a block of the schedule");
+    laden__sched_join_loader(sc); /* a load in the background stops */
     uint64_t cur = 0;
     if (atomic_compare_exchange_strong(&sc->holder, &cur, CLOSED) ||
         cur == CLOSED)
@@ -241,6 +372,32 @@ laden_status laden_sched_plan(laden_sched_t *sc,
 laden_status laden_sched_load(laden_sched_t *sc)
 {
     HELD("laden_sched_load", laden__sched_load(sc));
+}
+
+laden_status laden_sched_load_begin(laden_sched_t *sc)
+{
+    HELD("laden_sched_load_begin", laden__sched_load_begin(sc));
+}
+
+laden_status laden_sched_load_wait(laden_sched_t *sc)
+{
+    HELD("laden_sched_load_wait", laden__sched_load_wait(sc));
+}
+
+laden_status laden_sched_await(laden_sched_t *sc, uint32_t block)
+{
+    HELD("laden_sched_await", laden__sched_until(sc, block));
+}
+
+int laden_sched_is_loaded(laden_sched_t *sc)
+{
+    if (!sc || hold(sc, "laden_sched_is_loaded")) {
+        laden__error_clear();
+        return 0;
+    }
+    int loaded = sc->loaded;
+    unhold(sc);
+    return loaded;
 }
 
 laden_status laden_sched_load_block(laden_sched_t *sc, uint32_t block)

@@ -10,6 +10,7 @@
 #ifndef LADEN_STREAM_INTERNAL_H
 #define LADEN_STREAM_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 
@@ -57,7 +58,11 @@ typedef struct blk {
     uint64_t voff;         /* cache schedules with a VBAR: its range there */
     uint64_t sig;          /* signature of the range when last written */
     bool pinned;           /* cache schedules: host copy pinned in place */
+    bool ready;            /* its bytes are in place (a load in progress
+                              marks the blocks as it goes: load.c) */
 } blk;
+
+typedef struct laden_loader loader; /* a load in progress (load.c) */
 
 typedef struct slot {
     laden_devptr_t ptr;
@@ -111,6 +116,21 @@ struct laden_sched {
     /* One thread at a time (stream.c): the holding thread's id, 0 when
      * free, CLOSED once closed.  The counts are the holder's own. */
     _Atomic uint64_t holder;
+    /* A load in progress (sc->ld), driven by whoever holds the schedule;
+     * laden_sched_load_begin's thread (loader_live until joined) holds it
+     * a step at a time as loader_tid, yielding to the owner, who waits
+     * (owner_waiting) instead of being refused (stream.c). */
+    loader *ld;
+    bool loading;
+    bool loader_live;
+    pthread_t loader_thread;
+    _Atomic uint64_t loader_tid;
+    _Atomic int loader_stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint32_t owner_waiting;     /* under mu */
+    laden_status load_err;      /* a background load's failure */
+    char load_msg[512];
     uint32_t depth;             /* holds of the holder, all kinds */
     uint32_t entered;           /* of those, blocks entered not yet exited */
     uint32_t begun;             /* of those, passes begun not yet ended */
@@ -156,11 +176,28 @@ laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
                                    laden_vbar_t **out, laden_devptr_t *base);
 laden_status laden__sched_load(laden_sched_t *sc);
 laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block);
+laden_status laden__sched_load_begin(laden_sched_t *sc);
+laden_status laden__sched_load_wait(laden_sched_t *sc);
+laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
+void laden__sched_abandon_load(laden_sched_t *sc);
+/* stream.c: the background loader's thread and its holds. */
+laden_status laden__sched_start_loader(laden_sched_t *sc,
+                                       void *(*fn)(void *));
+void laden__sched_join_loader(laden_sched_t *sc);
+bool laden__sched_hold_loader(laden_sched_t *sc);
+void laden__sched_unhold_loader(laden_sched_t *sc);
 
 /* ---- run.c -------------------------------------------------------------- */
 
 /* 1 if block b runs from a slot. */
 bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
+
+/* Loaded, or loading (its memory given, its bytes arriving: a block's
+ * users wait for it with laden__sched_until). */
+static inline bool laden__sched_usable(const laden_sched_t *sc)
+{
+    return sc->loaded || sc->loading;
+}
 /* Positions and slot size after the set of streamed blocks changed. */
 void laden__sched_relayout(laden_sched_t *sc);
 /* Bytes charged to the VRAM context for the slots become `want`.
