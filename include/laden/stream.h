@@ -212,30 +212,40 @@ LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,
  * again and the schedule can only be destroyed. */
 LADEN_API laden_status laden_sched_load(laden_sched_t *sched);
 
-/* laden_sched_load without waiting: does all of it before the first read
- * (tiers checked, device and host memory given: laden_sched_tensor_ptr and
- * laden_sched_host_ptr are valid once it returns), then returns while a
- * thread of the schedule's reads the blocks in order.  Meanwhile the
- * schedule's calls work: each waits for the loader's current step (one
- * piece of a block) instead of being refused; laden_sched_await(b) waits
- * until block b's bytes are in place (driving the load on the calling
- * thread meanwhile), and laden_sched_enter does the same for a streamed
- * block, so that a forward pass runs as the blocks arrive.  A block's
- * bytes must not be read before it is awaited or entered.  A failure is
- * returned by the next await, enter or laden_sched_load_wait, after which
- * the schedule can only be destroyed; laden_sched_close and
+/* Everything laden_sched_load does before its first read: tiers checked,
+ * device and host memory given, so that laden_sched_tensor_ptr and
+ * laden_sched_host_ptr are valid (their bytes are not yet).  Then
+ * laden_sched_load_begin reads in the background, or laden_sched_load_wait
+ * reads on the calling thread.  Not for cache schedules. */
+LADEN_API laden_status laden_sched_load_prepare(laden_sched_t *sched);
+
+/* laden_sched_load without waiting: prepares (if not yet) and returns
+ * while a thread of the schedule's reads the blocks in order.  Meanwhile
+ * the schedule's calls work: each waits for the loader's current step (one
+ * piece of a block) instead of being refused.  laden_sched_await(b) waits
+ * until block b's bytes are in place, driving the load on the calling
+ * thread meanwhile, and laden_sched_enter does the same for a streamed
+ * block, so that a forward pass runs as the blocks arrive; a resident
+ * block (GPU tier, or the RAM tier on the CPU device) must be awaited
+ * before its bytes are read: enter does not wait for it.  A failure is
+ * returned by every later await, enter of a streamed block and
+ * laden_sched_load_wait; the memory stays (its addresses were handed
+ * out) until laden_sched_destroy.  laden_sched_close and
  * laden_sched_destroy stop the load (its reads in flight finish first).
- * The progress callback is called on the loading thread. */
+ * The progress callback is called on the loading thread; destroying the
+ * schedule from there is deferred to the end of the thread.  Not for
+ * cache schedules. */
 LADEN_API laden_status laden_sched_load_begin(laden_sched_t *sched);
 
-/* Waits for a load begun with laden_sched_load_begin to end (driving it on
- * the calling thread) and returns its status; on failure everything
- * allocated is freed again.  LADEN_OK at once if the schedule is loaded. */
+/* Waits for a load begun with laden_sched_load_begin (or prepared) to
+ * end, driving it on the calling thread, and returns its status (a
+ * failure again on every call).  LADEN_OK at once if loaded. */
 LADEN_API laden_status laden_sched_load_wait(laden_sched_t *sched);
 
 /* Waits until block `block`'s bytes are in place (see
- * laden_sched_load_begin); LADEN_OK at once once loaded.  A GPU-tier
- * block's copy to the device has finished when it returns. */
+ * laden_sched_load_begin); LADEN_OK at once once loaded, the load's
+ * failure if it failed.  A GPU-tier block's copy to the device has
+ * finished when it returns. */
 LADEN_API laden_status laden_sched_await(laden_sched_t *sched, uint32_t block);
 
 /* 1 once every block is loaded (laden_sched_load, or the end of a load

@@ -146,7 +146,10 @@ class _Stream:
         # A background load in progress: its progress bar (or None)
         # inside a one-element list; None once it has ended.
         self.loading: Optional[list] = None
-        self.load_sources: list = []  # host tensors C copies from, meanwhile
+        # Blocks must be awaited before they run: from the start of a
+        # background load until it ends well (after a failure, for good:
+        # every await raises the failure).
+        self.awaiting = False
         self.load_t0 = 0.0
         self.load_seconds: Optional[float] = None
 
@@ -156,7 +159,11 @@ class _Stream:
         memory comes from) outlives it."""
         h = new_schedule(self.device, ck, lookahead)
         self.vram = vram
-        self.owner = _Owned(h, _destroy_schedule, None, vram)
+        # What C may call or read until the schedule is destroyed (a
+        # background load's progress callback and host sources): held by
+        # the owner, which tensors over laden's memory keep alive.
+        self.keep = []
+        self.owner = _Owned(h, _destroy_schedule, None, vram, self.keep)
 
     def live(self, what: str) -> _Owned:
         """The schedule's owner, or StateError once the model was
@@ -406,24 +413,18 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         bar = progress_to(o.h, total, os.path.basename(state.path or
                                                        "laden load"),
                           progress)
-        if background:
-            # The bar and the host tensors C copies from live until the
-            # load ends (_finish_load).
-            bar.__enter__()
-            state.loading = [bar]
-            state.load_sources = [t.source for t in desc.tensors
-                                  if t.source is not None]
-            check(lib.laden_sched_load_begin(o.h))
+        if background:  # memory given, addresses known, nothing read yet
+            check(lib.laden_sched_load_prepare(o.h))
         else:
             with bar:
                 check(lib.laden_sched_load(o.h))
     except BaseException:
-        _end_background(state)
         state.destroy()
         raise
     finally:
+        sources = [t.source for t in desc.tensors if t.source is not None]
         for t in desc.tensors:
-            t.source = None  # copied, failed, or kept in load_sources
+            t.source = None  # copied, failed, or kept for the background
     for b in state.blocks:
         got = lib.laden_sched_block_tier(o.h, b.c_block)
         if got != b.tier:
@@ -438,9 +439,23 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
     for t in state.tensors:
         streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
         state.bind(t, "home" if streamed else "run")
+    if background:
+        state.awaiting = True
     if model is not None:
         _attach(model, state)
         model._laden_stream = state
+    if background:
+        try:
+            bar.__enter__()  # its callback, called on the loader's thread
+            state.keep.extend([bar, bar.fn, sources])
+            state.loading = [bar]
+            check(lib.laden_sched_load_begin(o.h))
+        except BaseException:
+            if model is not None:
+                release(model)
+            else:
+                state.destroy()
+            raise
 
 
 # ---- hooks on the model ------------------------------------------------------
@@ -460,7 +475,7 @@ def _attach(model, state: _Stream) -> None:
         if lib.laden_sched_is_streamed(o.h, b.c_block):
             state.hooks.append(b.module.register_forward_pre_hook(
                 _needs_offload(state, b)))
-        elif state.loading is not None:
+        elif state.awaiting:
             state.hooks.append(b.module.register_forward_pre_hook(
                 _awaits(state, b.c_block)))
 
@@ -478,19 +493,23 @@ def _awaits(state: _Stream, c_block: int):
     """A block that does not stream, while the model loads in the
     background: its forward waits for its bytes."""
     def pre(mod, args):
-        if state.loading is not None:
+        if state.awaiting:
             _await(state, state.live("forward"), c_block)
     return pre
 
 
-def _end_background(state: _Stream) -> None:
+def _end_background(state: _Stream, ok: bool = False) -> None:
     """The end of a background load on the Python side: its progress bar
-    closed, the host tensors C copied from let go."""
+    closed; once it ended well, nothing more to await, and the host
+    tensors C copied from let go (after a failure they stay with the
+    schedule, which may still hold their addresses)."""
     if state.loading is None:
         return
     bar = state.loading[0]
     state.loading = None
-    state.load_sources = []
+    if ok:
+        state.awaiting = False
+        state.keep.clear()
     state.load_seconds = time.perf_counter() - state.load_t0
     try:
         bar.__exit__(None, None, None)
@@ -505,7 +524,7 @@ def _finish_load(state: _Stream) -> None:
         return
     o = state.live("wait")
     s = lib.laden_sched_load_wait(o.h)
-    _end_background(state)
+    _end_background(state, ok=not s)
     if s:
         err = error_for(s)
         raise type(err)(f"{state.name}: {err}", err.status, err.code)
@@ -531,7 +550,7 @@ def _wrap_root(model, state: _Stream) -> None:
                 raise type(err)(f"{state.name}: {err}", err.status, err.code)
         tl.n = depth + 1
         try:
-            if o is not None and state.loading is not None:
+            if o is not None and state.awaiting:
                 _await(state, o, 0)  # the rest of the model
             return orig(*args, **kwargs)
         finally:
@@ -862,6 +881,8 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     # that no forward of another thread runs half on meta weights).
     _mark_released(model, state)
     _unwrap_root(state)
+    from .hf import unguard_moves
+    unguard_moves(model)
     for hk in state.hooks:
         hk.remove()
     state.hooks.clear()

@@ -757,6 +757,10 @@ def test_background_load_released_or_failed(ckpt, device, monkeypatch):
     assert "cancelled" in str(e.value)
     with pytest.raises(laden.StateError):
         rep.wait()
+    # Found in review: a forward after the failed load read freed memory.
+    # The memory stays until release, and every forward raises.
+    with pytest.raises(laden.StateError, match="cancelled"), torch.no_grad():
+        m(ids().to(device))
     laden.release(m, h)
     rep = laden.stream_load(m, path, offload_prefixes=PREFIXES,
                             device=device, background=True, progress=False)

@@ -453,6 +453,10 @@ void laden_sched_destroy(laden_sched_t *sc)
 {
     if (!sc)
         return;
+    if (laden__sched_on_loader(sc)) { /* finished by the loader's thread */
+        atomic_store(&sc->destroy_asked, true);
+        return;
+    }
     laden__sched_join_loader(sc); /* a load in the background stops */
     laden__sched_abandon_load(sc);
     /* Kernels of the model may still read its weights and slots (the

@@ -259,6 +259,9 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
                            "schedules created with LADEN_SCHED_CACHE");
     if (sc->broken)
         return laden__fail(LADEN_E_STATE, "the schedule failed to load");
+    if (sc->loading)
+        return laden__fail(LADEN_E_STATE, "laden_sched_load_block: the "
+                           "schedule is loading");
     if (block >= sc->nb)
         return laden__fail(LADEN_E_INVAL, "laden_sched_load_block: no block "
                            "%u (%u blocks)", block, sc->nb);
@@ -786,7 +789,7 @@ static void ended(laden_sched_t *sc, laden_status s)
 static void *load_thread(void *arg)
 {
     laden_sched_t *sc = arg;
-    while (laden__sched_hold_loader(sc)) {
+    while (!atomic_load(&sc->destroy_asked) && laden__sched_hold_loader(sc)) {
         bool end = !sc->ld;
         if (!end) {
             laden_status s = step(sc->ld);
@@ -799,16 +802,40 @@ static void *load_thread(void *arg)
         if (end)
             break;
     }
+    if (atomic_load(&sc->destroy_asked)) {
+        /* Destroyed from this thread (its progress callback): nobody is
+         * left to join it, so it finishes the destroy itself. */
+        pthread_mutex_lock(&sc->mu);
+        bool live = atomic_exchange(&sc->loader_live, false);
+        pthread_mutex_unlock(&sc->mu);
+        if (live)
+            pthread_detach(pthread_self());
+        atomic_store(&sc->loader_tid, 0);
+        laden_sched_destroy(sc);
+    }
     return NULL;
 }
 
-laden_status laden__sched_load_begin(laden_sched_t *sc)
+laden_status laden__sched_load_prepare(laden_sched_t *sc)
 {
+    if (sc->loading && sc->ld && !sc->loader_started && !sc->load_err)
+        return LADEN_OK; /* prepared already */
+    if (sc->cache)
+        return laden__fail(LADEN_E_STATE, "a cache schedule loads with "
+                           "laden_sched_load or laden_sched_load_block");
     laden_status s = may_load(sc);
     if (s)
         return s;
     if ((s = begin(sc)))
         return failed(sc, s);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_load_begin(laden_sched_t *sc)
+{
+    laden_status s = laden__sched_load_prepare(sc);
+    if (s)
+        return s;
     if (loader_done(sc->ld))
         return (s = loader_end(sc, LADEN_OK)) ? failed(sc, s) : LADEN_OK;
     if ((s = laden__sched_start_loader(sc, load_thread)))
@@ -822,10 +849,10 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
     if (block >= sc->nb)
         return laden__fail(LADEN_E_INVAL, "no block %u (%u blocks)", block,
                            sc->nb);
+    if (sc->load_err) /* also for blocks read before it failed */
+        return load_failure(sc);
     if (sc->b[block].ready || sc->loaded)
         return LADEN_OK;
-    if (sc->load_err)
-        return load_failure(sc);
     if (!sc->ld)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     while (!s && !sc->b[block].ready && !loader_done(sc->ld))
@@ -847,12 +874,8 @@ laden_status laden__sched_load_wait(laden_sched_t *sc)
     if (sc->ld)
         ended(sc, s);
     laden__sched_join_loader(sc);
-    if (sc->load_err) {
-        s = load_failure(sc);
-        sc->loading = false;
-        laden__sched_free_all(sc);
-        return s;
-    }
+    if (sc->load_err) /* the memory stays: its addresses were handed out */
+        return load_failure(sc);
     return sc->loaded ? LADEN_OK
                       : laden__fail(LADEN_E_STATE, "the schedule is not "
                                     "loaded (no load was begun)");

@@ -43,11 +43,6 @@ int laden_sched_is_resident(laden_sched_t *sc, uint32_t block)
     return sc && block < sc->nb && sc->b[block].resident;
 }
 
-int laden_sched_is_pinned(laden_sched_t *sc, uint32_t block)
-{
-    return sc && block < sc->nb && sc->b[block].pinned;
-}
-
 int laden_sched_is_cache(laden_sched_t *sc)
 {
     return sc && sc->cache && sc->loaded;
@@ -141,7 +136,7 @@ static laden_status hold(laden_sched_t *sc, const char *call)
 static void release_hold(laden_sched_t *sc)
 {
     atomic_store(&sc->holder, 0);
-    if (sc->loader_live) {
+    if (atomic_load(&sc->loader_live)) {
         pthread_mutex_lock(&sc->mu);
         pthread_cond_broadcast(&sc->cv);
         pthread_mutex_unlock(&sc->mu);
@@ -216,7 +211,8 @@ laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
         return laden__fail(LADEN_E_IO, "cannot start the loading thread "
                            "(error %d)", e);
     }
-    sc->loader_live = true;
+    atomic_store(&sc->loader_live, true);
+    sc->loader_started = true;
     while (!atomic_load(&sc->loader_tid))
         pthread_cond_wait(&sc->cv, &sc->mu);
     pthread_mutex_unlock(&sc->mu);
@@ -224,18 +220,35 @@ laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
 }
 
 /* Stops the background loader (its step in progress ends first) and
- * joins it; what it left of the load is the caller's. */
+ * joins it; what it left of the load is the caller's.  Whichever thread
+ * claims the thread (under mu) joins it, once. */
 void laden__sched_join_loader(laden_sched_t *sc)
 {
-    if (!sc->loader_live)
-        return;
     pthread_mutex_lock(&sc->mu);
+    bool live = atomic_exchange(&sc->loader_live, false);
+    pthread_t t = sc->loader_thread;
     atomic_store(&sc->loader_stop, 1);
     pthread_cond_broadcast(&sc->cv);
     pthread_mutex_unlock(&sc->mu);
-    pthread_join(sc->loader_thread, NULL);
-    sc->loader_live = false;
-    atomic_store(&sc->loader_tid, 0);
+    if (live)
+        pthread_join(t, NULL);
+}
+
+bool laden__sched_on_loader(laden_sched_t *sc)
+{
+    uint64_t t = atomic_load(&sc->loader_tid);
+    return t && t == laden__thread_id();
+}
+
+int laden_sched_is_pinned(laden_sched_t *sc, uint32_t block)
+{
+    if (!sc || block >= sc->nb || hold(sc, "laden_sched_is_pinned")) {
+        laden__error_clear();
+        return 0;
+    }
+    int pinned = sc->b[block].pinned;
+    unhold(sc);
+    return pinned;
 }
 
 static bool holds(laden_sched_t *sc)
@@ -278,9 +291,13 @@ laden_status laden_sched_close(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_close: NULL schedule");
-    if (atomic_load(&sc->holder) == laden__thread_id())
+    uint64_t held = atomic_load(&sc->holder);
+    if (held == laden__thread_id() || laden__sched_on_loader(sc))
         return laden__fail(LADEN_E_STATE, "laden_sched_close: this thread "
                            "is inside a pass or a block of the schedule");
+    if (held && held != CLOSED && held != atomic_load(&sc->loader_tid))
+        return laden__fail(LADEN_E_STATE, "laden_sched_close: the schedule "
+                           "is in use by another thread");
     laden__sched_join_loader(sc); /* a load in the background stops */
     uint64_t cur = 0;
     if (atomic_compare_exchange_strong(&sc->holder, &cur, CLOSED) ||
@@ -372,6 +389,11 @@ laden_status laden_sched_plan(laden_sched_t *sc,
 laden_status laden_sched_load(laden_sched_t *sc)
 {
     HELD("laden_sched_load", laden__sched_load(sc));
+}
+
+laden_status laden_sched_load_prepare(laden_sched_t *sc)
+{
+    HELD("laden_sched_load_prepare", laden__sched_load_prepare(sc));
 }
 
 laden_status laden_sched_load_begin(laden_sched_t *sc)

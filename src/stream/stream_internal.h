@@ -122,7 +122,11 @@ struct laden_sched {
      * (owner_waiting) instead of being refused (stream.c). */
     loader *ld;
     bool loading;
-    bool loader_live;
+    _Atomic bool loader_live;   /* a thread to join (claimed under mu) */
+    bool loader_started;        /* laden_sched_load_begin started it */
+    _Atomic bool destroy_asked; /* destroy was called on the loader's
+                                   thread (a GC in its progress callback):
+                                   the thread destroys on its way out */
     pthread_t loader_thread;
     _Atomic uint64_t loader_tid;
     _Atomic int loader_stop;
@@ -180,6 +184,8 @@ laden_status laden__sched_load_begin(laden_sched_t *sc);
 laden_status laden__sched_load_wait(laden_sched_t *sc);
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
+laden_status laden__sched_load_prepare(laden_sched_t *sc);
+bool laden__sched_on_loader(laden_sched_t *sc);
 /* stream.c: the background loader's thread and its holds. */
 laden_status laden__sched_start_loader(laden_sched_t *sc,
                                        void *(*fn)(void *));
@@ -193,10 +199,10 @@ void laden__sched_unhold_loader(laden_sched_t *sc);
 bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
 
 /* Loaded, or loading (its memory given, its bytes arriving: a block's
- * users wait for it with laden__sched_until). */
+ * users wait for it with laden__sched_until), and not failed. */
 static inline bool laden__sched_usable(const laden_sched_t *sc)
 {
-    return sc->loaded || sc->loading;
+    return (sc->loaded || sc->loading) && !sc->load_err;
 }
 /* Positions and slot size after the set of streamed blocks changed. */
 void laden__sched_relayout(laden_sched_t *sc);
