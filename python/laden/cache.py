@@ -898,11 +898,13 @@ class ModelOffloader:
     ``vram_budget``) and returns it; ``deactivate()`` frees its device
     memory and keeps its pinned host copy.  ``close()`` gives the module
     back as an ordinary CPU module (its tensors copied out of laden's
-    memory)."""
+    memory).  ``cache``: a ModelCache shared with other models (its
+    budgets apply) instead of one of its own."""
 
     def __init__(self, model, *, block_paths: Sequence[str] = (),
                  block_mode: str = "auto", vram_budget=None,
-                 pinned_budget=None, key: Optional[str] = None):
+                 pinned_budget=None, key: Optional[str] = None,
+                 cache: Optional["ModelCache"] = None):
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -913,8 +915,13 @@ class ModelOffloader:
         self.key = key or f"{type(model).__name__}@{id(model):x}"
         self.spec = ModelSpec(self.key, lambda: self._module,
                               block_paths=block_paths, block_mode=block_mode)
-        self._cache = ModelCache(vram_budget=vram_budget,
-                                 pinned_budget=pinned_budget)
+        if cache is not None and (vram_budget is not None or
+                                  pinned_budget is not None):
+            raise InvalidArgumentError(
+                "ModelOffloader: give a cache or budgets, not both (the "
+                "cache's budgets apply)", "E_INVAL")
+        self._cache = cache if cache is not None else ModelCache(
+            vram_budget=vram_budget, pinned_budget=pinned_budget)
         self._cache.register(self.spec)
         self._rt: Optional[_Runtime] = None
 
@@ -941,12 +948,15 @@ class ModelOffloader:
                                          adopt=self._module)
         return self._module
 
-    def deactivate(self) -> None:
-        """Ends the use and frees the model's device memory."""
+    def deactivate(self, *, evict: bool = True) -> None:
+        """Ends the use and frees the model's device memory; with
+        ``evict=False`` the model stays on the device until its cache needs
+        the room (its next activation then copies nothing)."""
         if not self.active:
             raise StateError(f"{self.key}: not active", "E_STATE")
         self._cache._deactivate(self._rt)
-        self._cache.evict(self.key)
+        if evict:
+            self._cache.evict(self.key)
 
     def info(self) -> CacheInfo:
         return self._cache.info(self.key)

@@ -389,6 +389,84 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    import ctypes
+    import time
+
+    import torch
+
+    from . import _lib, hf
+    from ._lib import check, lib
+    from .streaming import _device, release
+
+    try:
+        import transformers
+    except ImportError:
+        raise BadArgument("laden generate needs transformers: pip install "
+                          "'laden[transformers]'") from None
+    device, note = _usable_device(args.device)
+    d = args.model_dir
+    if not os.path.isdir(d):
+        raise BadArgument(f"{d}: " + ("no such directory" if not
+                                      os.path.exists(d) else
+                                      "not a directory") + "; give the "
+                          "directory of a causal LM (config.json, "
+                          "*.safetensors and the tokenizer's files)")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+    except (OSError, ValueError, TypeError) as e:
+        raise BadArgument(f"{d}: no tokenizer laden can load "
+                          f"({str(e).splitlines()[0]})") from None
+    dev = _device(device)
+    if dev.type == "cpu" and args.device is None:
+        print(f"device: cpu ({note})")
+    t0 = time.perf_counter()
+    model = hf.from_pretrained(transformers.AutoModelForCausalLM, d,
+                               device=dev, vram_budget=args.vram,
+                               ram_budget=args.ram)
+    load_s = time.perf_counter() - t0
+    try:
+        st = model._laden_stream
+        streamed = sum(b.nbytes for b in st.blocks
+                       if b.tier_name != "resident")
+        ids = tok(args.prompt, return_tensors="pt").input_ids.to(dev)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else \
+            tok.eos_token_id
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        gen_s = time.perf_counter() - t0
+    finally:
+        release(model)
+    new = out.shape[1] - ids.shape[1]
+    print(tok.decode(out[0], skip_special_tokens=True))
+    print()
+    per = gen_s / max(new, 1)
+    print(f"loaded in {load_s:.2f} s; {new} new tokens in {gen_s:.2f} s = "
+          f"{new / gen_s if gen_s > 0 else 0:.2f} tokens/s "
+          f"({per * 1e3:.1f} ms a token)")
+    if dev.type == "cuda" and streamed:
+        rate = ctypes.c_double()
+        check(lib.laden_dev_measure_copy(
+            dev.index if dev.index is not None else
+            torch.cuda.current_device(), _lib.COPY_H2D_PINNED, 256 << 20, 5,
+            ctypes.byref(rate)))
+        floor = streamed / rate.value
+        print(f"streamed {fmt_bytes(streamed)} a token; the link's floor "
+              f"{floor * 1e3:.1f} ms a token (host-to-device "
+              f"{fmt_rate(rate.value)}); time a token / floor = "
+              f"{per / floor:.2f}")
+    elif streamed:
+        print(f"streamed {fmt_bytes(streamed)} a token (the CPU device: "
+              "no host-to-device link)")
+    else:
+        print("the whole model is resident: nothing streamed")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from . import demo
 
@@ -474,6 +552,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="a sentence to embed (repeat for more)")
     p.add_argument("--repeats", type=_int_arg("--repeats", 1), default=5)
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("generate", help="generate text with a causal LM "
+                       "from a local directory under memory budgets")
+    p.add_argument("model_dir", help="directory with config.json, "
+                   "*.safetensors and the tokenizer's files")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens", 1),
+                   default=32)
+    p.add_argument("--vram", default=None, type=_size_arg("--vram"),
+                   help="VRAM budget, e.g. 8GB (default: the free VRAM)")
+    p.add_argument("--ram", default=None, type=_size_arg("--ram"),
+                   help="RAM budget for the RAM tier; the blocks beyond it "
+                   "are read from the checkpoint as they run")
+    p.add_argument("--device", default=None, type=_device_arg,
+                   help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("sample", help="write a sample transformer-like "
                        "checkpoint (bf16, random weights)")
     p.add_argument("path", type=_output_arg(""))
@@ -505,8 +598,8 @@ def main(argv: Sequence[str] = None) -> int:
         print(f"laden {__version__}")
         return 0
     if not getattr(args, "fn", None):
-        print("laden: error: give a command: inspect, probe, plan, demo or "
-              "sample ('laden -h' says more)", file=sys.stderr)
+        print("laden: error: give a command: inspect, probe, plan, demo, "
+              "generate or sample ('laden -h' says more)", file=sys.stderr)
         return 2
     try:
         return args.fn(args)

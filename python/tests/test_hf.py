@@ -1,0 +1,323 @@
+"""transformers and diffusers models end to end in one call
+(laden.from_pretrained, laden.offload_pipeline): tiny models built from
+configs with random weights, saved with save_pretrained (no hub), run
+under budgets smaller than the model; greedy tokens, outputs and images
+identical to the plain model's."""
+
+import os
+
+import pytest
+import torch
+
+import laden
+
+transformers = pytest.importorskip("transformers")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def budget(device, total_bytes):
+    """A budget smaller than the model: on CUDA a VRAM budget of a third of
+    it; on the CPU a RAM budget of a third (the rest stays on disk)."""
+    third = max(total_bytes // 3, 1)
+    return {"vram_budget": third} if device == "cuda" else \
+        {"ram_budget": third}
+
+
+def nbytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def save(model, tmp_path, name, **kw):
+    d = tmp_path / name
+    model.save_pretrained(d, **kw)
+    return str(d)
+
+
+def tiny_llama(tie=True):
+    c = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(c).eval()
+
+
+def tiny_gpt2():
+    c = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=5,
+                                n_head=4, n_positions=128)
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(c).eval()
+
+
+def greedy(model, device, n=12):
+    ids = torch.randint(0, 128, (2, 7),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model.generate(ids.to(device), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["llama-tied", "llama-sharded-disk",
+                                  "gpt2", "auto"])
+def test_causal_lm_generates_the_same_tokens(tmp_path, device, case):
+    ref = tiny_gpt2() if case == "gpt2" else tiny_llama(tie=case != "auto")
+    kw = {"max_shard_size": "60KB"} if "sharded" in case else {}
+    d = save(ref, tmp_path, case, **kw)
+    if "sharded" in case:
+        assert any(n.endswith(".index.json") for n in os.listdir(d))
+    want = greedy(ref.to(device), device)
+    cls = transformers.AutoModelForCausalLM if case == "auto" else type(ref)
+    b = budget(device, nbytes(ref))
+    if "disk" in case and device == "cpu":
+        b = {"ram_budget": 0}
+    m = laden.from_pretrained(cls, d, device=device, **b)
+    st = m._laden_stream
+    tiers = {blk.tier_name for blk in st.blocks}
+    assert laden.find_blocks(m) in (["model.layers."], ["transformer.h."])
+    assert len(st.blocks) >= 5
+    assert tiers != {"resident"}, tiers  # something streams
+    if "disk" in case and device == "cpu":
+        assert tiers == {"disk"}
+    assert m.device.type == device and m.dtype == torch.float32
+    assert torch.equal(greedy(m, device), want)
+    assert torch.equal(greedy(m, device), want)  # again, warm
+    laden.release(m)
+    assert not hasattr(m, "_laden_stream")
+    assert "to" not in m.__dict__  # .to is the module's again
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_encoder_decoder_and_encoder(tmp_path, device):
+    """T5 (encoder.block and decoder.block, a shared embedding) generates
+    the same tokens; a BERT checkpoint saved with its head loads into the
+    base model (the base prefix taken off) with identical outputs."""
+    c = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, d_kv=16,
+                              num_layers=3, num_decoder_layers=3,
+                              num_heads=4, decoder_start_token_id=0)
+    torch.manual_seed(2)
+    ref = transformers.T5ForConditionalGeneration(c).eval()
+    d = save(ref, tmp_path, "t5")
+    want = greedy(ref.to(device), device)
+    m = laden.from_pretrained(transformers.T5ForConditionalGeneration, d,
+                              device=device, **budget(device, nbytes(ref)))
+    assert laden.find_blocks(m) == ["encoder.block.", "decoder.block."]
+    assert torch.equal(greedy(m, device), want)
+    laden.release(m)
+
+    bc = transformers.BertConfig(vocab_size=128, hidden_size=64,
+                                 num_hidden_layers=4, num_attention_heads=4,
+                                 intermediate_size=128)
+    torch.manual_seed(4)
+    mlm = transformers.BertForSequenceClassification(bc).eval()
+    d = save(mlm, tmp_path, "bert")
+    base = transformers.BertModel.from_pretrained(d).eval().to(device)
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        want = base(ids).last_hidden_state
+    m = laden.from_pretrained(transformers.AutoModel, d, device=device,
+                              **budget(device, nbytes(base)))
+    assert type(m).__name__ == "BertModel"
+    with torch.no_grad():
+        assert torch.equal(m(ids).last_hidden_state, want)
+    laden.release(m)
+
+
+def test_dtype_and_moves(tmp_path):
+    """The checkpoint's dtype is honoured (bf16 in, bf16 model, float32
+    rotary buffers as transformers makes them); moving the offloaded model
+    elsewhere raises naming what to do; a move to where it is does
+    nothing."""
+    ref = tiny_llama().to(torch.bfloat16)
+    d = save(ref, tmp_path, "bf16")
+    plain = transformers.LlamaForCausalLM.from_pretrained(
+        d, dtype=torch.bfloat16).eval()
+    want = greedy(plain, "cpu")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget="40kB")
+    assert m.dtype == torch.bfloat16
+    assert m.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(greedy(m, "cpu"), want)
+    assert m.to("cpu") is m and m.to(torch.bfloat16) is m
+    with pytest.raises(laden.StateError, match="release"):
+        m.to(torch.float32)
+    with pytest.raises(laden.StateError, match="offloaded by laden"):
+        m.cuda()
+    with pytest.raises(laden.StateError):
+        m.to("meta")
+    m.train()
+    assert m.training
+    m.eval()
+    laden.release(m)
+    # Loaded again with another dtype: converted on load.
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", dtype=torch.float32)
+    assert m.dtype == torch.float32
+    laden.release(m)
+
+
+def test_errors_name_the_problem(tmp_path):
+    cls = transformers.LlamaForCausalLM
+    with pytest.raises(laden.InvalidArgumentError, match="not a directory"):
+        laden.from_pretrained(cls, tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(laden.InvalidArgumentError, match="no config.json"):
+        laden.from_pretrained(cls, tmp_path / "empty")
+    d = save(tiny_llama(), tmp_path, "bin", safe_serialization=False) \
+        if _can_save_bin() else None
+    if d is not None:
+        with pytest.raises(laden.InvalidArgumentError,
+                           match="no .safetensors"):
+            laden.from_pretrained(cls, d)
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="not a transformers or diffusers"):
+        laden.from_pretrained(torch.nn.Linear, tmp_path)
+    d = save(tiny_gpt2(), tmp_path, "gpt2")
+    with pytest.raises(laden.LadenError) as e:
+        laden.from_pretrained(cls, d)  # a GPT-2 directory as Llama
+    assert "\n" not in str(e.value).split(":", 1)[0]
+    with pytest.raises(laden.InvalidArgumentError, match="cannot build"):
+        laden.from_pretrained(transformers.AutoModelForSeq2SeqLM, d)
+    with pytest.raises(laden.InvalidArgumentError, match="dtype"):
+        laden.from_pretrained(transformers.AutoModelForCausalLM, d,
+                              dtype="float77")
+
+
+def _can_save_bin():
+    import inspect
+    sig = inspect.signature(transformers.PreTrainedModel.save_pretrained)
+    return "safe_serialization" in sig.parameters
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_budget_too_small_says_so(tmp_path):
+    d = save(tiny_llama(), tmp_path, "small")
+    with pytest.raises(laden.LadenError) as e:
+        laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cuda", vram_budget="4kB")
+    assert "budget" in str(e.value).lower()
+
+
+# ---- diffusers ------------------------------------------------------------------
+
+def _tiny_ddpm(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(6)
+    unet = diffusers.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8)
+    pipe = diffusers.DDPMPipeline(
+        unet=unet, scheduler=diffusers.DDPMScheduler(num_train_timesteps=20))
+    d = str(tmp_path / "ddpm")
+    pipe.save_pretrained(d)
+    return diffusers, d
+
+
+def _images(pipe):
+    return pipe(generator=torch.Generator().manual_seed(1),
+                num_inference_steps=4, output_type="np").images
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_diffusers_model_and_pipeline(tmp_path, device):
+    """A UNet2DModel from its subfolder streams its down/up blocks with
+    identical outputs; a DDPMPipeline under offload_pipeline gives the
+    same images as the plain pipeline on the same device, keeps the
+    denoiser on the device across steps, and remove() gives it back."""
+    diffusers, d = _tiny_ddpm(tmp_path)
+    ref = diffusers.DDPMPipeline.from_pretrained(d).to(device)
+    want = _images(ref)
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want_unet = ref.unet(x.to(device), 3).sample
+    m = laden.from_pretrained(diffusers.UNet2DModel, d, subfolder="unet",
+                              device=device,
+                              **budget(device, nbytes(ref.unet)))
+    assert laden.find_blocks(m)[:2] == ["down_blocks.", "up_blocks."]
+    with torch.no_grad():
+        assert torch.equal(m(x.to(device), 3).sample, want_unet)
+    laden.release(m)
+
+    pipe = diffusers.DDPMPipeline.from_pretrained(d)
+    h = laden.offload_pipeline(pipe, device=device)
+    with pytest.raises(laden.StateError, match="already"):
+        laden.offload_pipeline(pipe, device=device)
+    import numpy as np
+    assert np.array_equal(_images(pipe), want)
+    st = h.stats()
+    assert st["activations"] == 4 and st["hits"] == 3  # stayed on device
+    h.remove()
+    assert type(pipe) is diffusers.DDPMPipeline
+    assert next(pipe.unet.parameters()).device.type == "cpu"
+    assert np.array_equal(_images(pipe.to(device)), want)
+    with pytest.raises(laden.InvalidArgumentError, match="on the CPU") \
+            if device == "cuda" else _nothing():
+        h2 = laden.offload_pipeline(pipe, device=device)
+        h2.remove()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_diffusers_wrong_class(tmp_path):
+    diffusers, d = _tiny_ddpm(tmp_path)
+    with pytest.raises(laden.InvalidArgumentError, match="holds a UNet2DModel"):
+        laden.from_pretrained(diffusers.AutoencoderKL, d, subfolder="unet")
+    with pytest.raises(laden.InvalidArgumentError, match="not a diffusers"):
+        laden.offload_pipeline(object())
+
+
+# ---- laden generate --------------------------------------------------------------
+
+def _tokenizer(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(120)}
+    vocab["[UNK]"] = 120
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", pad_token="[UNK]")
+    fast.save_pretrained(d)
+    return fast
+
+
+def test_cli_generate(tmp_path, capsys):
+    """`laden generate DIR --prompt ...` prints the plain model's greedy
+    text and tokens/s; a directory without a config is one line of
+    error."""
+    from laden import cli
+
+    ref = tiny_llama()
+    d = save(ref, tmp_path, "lm")
+    tok = _tokenizer(d)
+    ids = tok("w1 w2 w3", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=6, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+    want = tok.decode(out[0], skip_special_tokens=True)
+    rc = cli.main(["generate", d, "--prompt", "w1 w2 w3",
+                   "--max-new-tokens", "6", "--device", "cpu",
+                   "--ram", "20kB"])
+    got = capsys.readouterr().out
+    assert rc == 0
+    assert got.splitlines()[0] == want
+    assert "tokens/s" in got and "streamed" in got
+    (tmp_path / "bare").mkdir()
+    _tokenizer(str(tmp_path / "bare"))
+    rc = cli.main(["generate", str(tmp_path / "bare"), "--prompt", "w1",
+                   "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no config.json" in err and len(err.splitlines()) == 1
+    rc = cli.main(["generate", str(tmp_path / "none"), "--prompt", "w1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no such directory" in err
