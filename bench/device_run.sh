@@ -13,6 +13,10 @@
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
 #   stream: bench/stream.py without peers (STREAM_ARGS are passed to it)
 #   load:  bench/load.py, cold and warm (LOAD_ARGS are passed to it)
+#   hf:    bench/hf.py (HF_ARGS are passed to it)
+#   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
+#   carried: the machine has no network) are installed into /tmp/hfsite
+#   first, for pytest's test_hf.py and bench/hf.py.
 #   PYTEST_FILES="test_a.py test_b.py" runs only those pytest files.
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
@@ -21,6 +25,10 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
+if [ -d .whl/hf ]; then
+  python3 -m pip install -q --no-deps --target /tmp/hfsite .whl/hf/*.whl 2>&1 | grep -v WARNING | tail -2
+  export PYTHONPATH=/tmp/hfsite${PYTHONPATH:+:$PYTHONPATH}
+fi
 want() { case ",$SECTION," in *",$1,"*) return 0;; esac; return 1; }
 log() { echo "== $* (+$(( $(date +%s) - T0 )) s)"; }
 {
@@ -72,5 +80,9 @@ fi
 if want load; then
   log "bench/load.py"
   python3 bench/load.py ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.log"
+fi
+if want hf; then
+  log "bench/hf.py"
+  python3 bench/hf.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf.log"
 fi
 log "done"
