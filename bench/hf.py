@@ -159,6 +159,11 @@ def bench_lm(a) -> None:
                 d, dtype=torch.bfloat16, device_map="auto",
                 max_memory={0: budget, "cpu": 100 << 30}).eval(),
                 lambda m: None))
+    # Once more at the end: the first model of a process also warms the
+    # GPU's clocks and libraries.
+    run("resident, again", lambda: (
+        cls.from_pretrained(d, dtype=torch.bfloat16).cuda().eval(),
+        lambda m: None))
     rate = h2d_rate()
     floor = streamed / rate
     lname = [k for k in res if k.startswith("laden")][0]
@@ -185,7 +190,7 @@ def bench_pipe(a) -> None:
     import diffusers
     import numpy as np
 
-    d = os.path.join(a.dir, "hf-ddpm-unet")
+    d = os.path.join(a.dir, "hf-ddpm-unet-fp16")
     if not os.path.isdir(d):
         print(f"writing {d} ...", flush=True)
         torch.manual_seed(0)
@@ -195,7 +200,7 @@ def bench_pipe(a) -> None:
             down_block_types=("DownBlock2D", "AttnDownBlock2D",
                               "AttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D",
-                            "UpBlock2D")).to(torch.bfloat16)
+                            "UpBlock2D")).to(torch.float16)
         diffusers.DDPMPipeline(
             unet=unet, scheduler=diffusers.DDPMScheduler()).save_pretrained(d)
         del unet
@@ -203,7 +208,7 @@ def bench_pipe(a) -> None:
 
     def load():
         return diffusers.DDPMPipeline.from_pretrained(
-            d, torch_dtype=torch.bfloat16)
+            d, torch_dtype=torch.float16)
 
     def image(pipe):
         return pipe(batch_size=1, num_inference_steps=steps,
@@ -262,7 +267,7 @@ def bench_pipe(a) -> None:
                 use_stream=True))
     print()
     print(f"diffusers {diffusers.__version__}: DDPMPipeline, UNet2DModel "
-          f"{fmt(unet_bytes)} bf16, 64x64, {steps} steps; laden's budget "
+          f"{fmt(unet_bytes)} fp16, 64x64, {steps} steps; laden's budget "
           f"is half the denoiser")
     table(rows)
 

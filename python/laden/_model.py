@@ -544,20 +544,60 @@ def check_lookahead(n) -> None:
             f"lookahead {n!r}: give 1 to {_lib.LOOKAHEAD_MAX}", "E_INVAL")
 
 
-def find_blocks(model) -> List[str]:
-    """The block containers of a model: every ModuleList or Sequential with
-    two or more children that is not inside another one found."""
+def find_blocks(model, min_share: float = 0.05,
+                max_share: float = 0.125) -> List[str]:
+    """The module paths of a model's repeated blocks, found by structure:
+    every ModuleList or Sequential of two or more modules that each hold
+    parameters (not all of them lists), outermost first, holding at least
+    ``min_share`` of the model's parameters; a path ending in ``.`` that
+    names a list stands for each of its children.  Finds ``model.layers``,
+    ``transformer.h``, ``encoder.layer``, ``encoder.block`` and
+    ``decoder.block``, ``transformer_blocks`` without a table of names.
+    Where a list's largest child holds more than ``max_share`` of the
+    model (a UNet's four ``down_blocks``), each child is split into the
+    lists found inside it (its ``resnets``, ``attentions``), or is a
+    block of its own when it has none: the slots streaming needs are the
+    size of the largest block."""
     import torch.nn as nn
 
     lists = (nn.ModuleList, nn.Sequential)
+
+    def count(m) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    total = count(model) or 1
+
+    def has_params(m) -> bool:
+        return any(True for _ in m.parameters())
+
+    def qualifies(mod, floor: float) -> bool:
+        kids = list(mod.children())
+        return isinstance(mod, lists) and len(kids) >= 2 and \
+            all(has_params(c) for c in kids) and \
+            not all(isinstance(c, lists) for c in kids) and \
+            count(mod) >= floor
+
+    def visit(prefix: str, mod, out: List[str], floor: float) -> None:
+        for name, child in mod.named_children():
+            path = prefix + name
+            if not qualifies(child, floor):
+                visit(path + ".", child, out, floor)
+                continue
+            kids = list(child.named_children())
+            inner = {}
+            if max(count(c) for _, c in kids) > max_share * total:
+                for k, c in kids:  # too coarse: the lists inside each child
+                    inner[k] = []
+                    visit(f"{path}.{k}.", c, inner[k], 0)
+            if not any(inner.values()):
+                out.append(path + ".")
+                continue
+            for k, _ in kids:
+                out.extend(inner[k] or [f"{path}.{k}."])
+
     found: List[str] = []
-    for name, mod in model.named_modules():
-        if not name or any(name.startswith(f + ".") for f in found):
-            continue
-        if isinstance(mod, lists) and len(mod) >= 2 and \
-                not all(isinstance(c, lists) for c in mod.children()):
-            found.append(name)  # a list of lists is not itself the blocks
-    return [f + "." for f in found]
+    visit("", model, found, min_share * total)
+    return found
 
 
 # ---- the description -----------------------------------------------------------

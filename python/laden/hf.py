@@ -15,6 +15,7 @@ import contextlib
 import os
 from typing import List, Optional
 
+from ._model import find_blocks
 from .checkpoint import PathLike
 from .errors import (InvalidArgumentError, LadenError, MismatchError,
                      StateError)
@@ -70,38 +71,6 @@ def empty_weights(dtype=None):
         nn.Module.register_parameter = register
         for n, f in saved.items():
             setattr(nn.init, n, f)
-
-
-# ---- the blocks, by structure ----------------------------------------------------
-
-def find_blocks(model, min_share: float = 0.05) -> List[str]:
-    """The module paths (``"model.layers."``) of the model's repeated
-    blocks: every ``nn.ModuleList`` of two or more modules that each hold
-    parameters, outermost first (a list inside a chosen one is part of its
-    block), holding at least ``min_share`` of the parameters.  Finds
-    ``model.layers``, ``transformer.h``, ``encoder.layer``,
-    ``encoder.block`` and ``decoder.block``, ``transformer_blocks``,
-    ``down_blocks`` and ``up_blocks`` without a table of names."""
-    from torch import nn
-
-    def count(m) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    total = count(model) or 1
-    found: List[str] = []
-
-    def visit(prefix: str, mod) -> None:
-        for name, child in mod.named_children():
-            path = prefix + name
-            if isinstance(child, nn.ModuleList) and len(child) >= 2 and \
-                    all(any(True for _ in c.parameters()) for c in child) \
-                    and count(child) >= min_share * total:
-                found.append(path + ".")
-                continue
-            visit(path + ".", child)
-
-    visit("", model)
-    return found
 
 
 # ---- which library --------------------------------------------------------------

@@ -17,11 +17,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def budget(device, total_bytes):
-    """A budget smaller than the model: on CUDA a VRAM budget of a third of
-    it; on the CPU a RAM budget of a third (the rest stays on disk)."""
-    third = max(total_bytes // 3, 1)
-    return {"vram_budget": third} if device == "cuda" else \
-        {"ram_budget": third}
+    """A budget smaller than the model: on CUDA a VRAM budget of 90 % of
+    it (these models are mostly slots and embeddings: the rest of the
+    model and three slots take half of them); on the CPU a RAM budget of a
+    third (the rest stays on disk)."""
+    if device == "cuda":
+        return {"vram_budget": total_bytes * 9 // 10}
+    return {"ram_budget": max(total_bytes // 3, 1)}
 
 
 def nbytes(model):
@@ -75,7 +77,8 @@ def test_causal_lm_generates_the_same_tokens(tmp_path, device, case):
     m = laden.from_pretrained(cls, d, device=device, **b)
     st = m._laden_stream
     tiers = {blk.tier_name for blk in st.blocks}
-    assert laden.find_blocks(m) in (["model.layers."], ["transformer.h."])
+    assert all(f.startswith(("model.layers.", "transformer.h."))
+               for f in laden.find_blocks(m))
     assert len(st.blocks) >= 5
     assert tiers != {"resident"}, tiers  # something streams
     if "disk" in case and device == "cpu":
@@ -102,7 +105,9 @@ def test_encoder_decoder_and_encoder(tmp_path, device):
     want = greedy(ref.to(device), device)
     m = laden.from_pretrained(transformers.T5ForConditionalGeneration, d,
                               device=device, **budget(device, nbytes(ref)))
-    assert laden.find_blocks(m) == ["encoder.block.", "decoder.block."]
+    found = laden.find_blocks(m)  # this tiny T5's blocks are split finer
+    assert {f.split(".")[0] for f in found} == {"encoder", "decoder"}
+    assert all(f.split(".")[1] == "block" for f in found)
     assert torch.equal(greedy(m, device), want)
     laden.release(m)
 
@@ -237,7 +242,9 @@ def test_diffusers_model_and_pipeline(tmp_path, device):
     m = laden.from_pretrained(diffusers.UNet2DModel, d, subfolder="unet",
                               device=device,
                               **budget(device, nbytes(ref.unet)))
-    assert laden.find_blocks(m)[:2] == ["down_blocks.", "up_blocks."]
+    found = laden.find_blocks(m)  # coarse lists split into their lists
+    assert "up_blocks.0.attentions." in found and \
+        "up_blocks.1.resnets." in found
     with torch.no_grad():
         assert torch.equal(m(x.to(device), 3).sample, want_unet)
     laden.release(m)
