@@ -1905,3 +1905,62 @@ TEST(stream_background_load_stress)
 {
     test_on_every_device(background_stress);
 }
+
+/* Bytes changed in place (an adapter merged into a slot or a resident
+ * block) are undone: a slot's fill count says when it was filled again,
+ * laden_sched_refill makes every idle slot fill again on its next enter,
+ * laden_sched_reread reads a resident tensor from the checkpoint again. */
+static void scribble(model *m, laden_devptr_t p, uint64_t n)
+{
+    memset(m->buf, 0xAB, n);
+    if (m->rd) {
+        CHECK_OK(laden_dev_copy_h2d(m->rd, p, m->buf, n));
+        CHECK_OK(laden_dev_stream_synchronize(m->rd));
+    } else {
+        memcpy((void *)(uintptr_t)p, m->buf, n);
+    }
+}
+
+static void changed_in_place(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int i = 0; i < NB; i++) {
+        uint32_t b = m.block_of[i];
+        laden_devptr_t p;
+        uint64_t fills = 0, again = 0;
+        run_block(&m, i);
+        if (!laden_sched_is_streamed(m.sc, b)) {
+            CHECK_STATUS(laden_sched_slot_fills(m.sc, b, &fills),
+                         LADEN_E_STATE);
+            CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 1, &p));
+            scribble(&m, p, sz(2 * i + 1));
+            CHECK_OK(laden_sched_reread(m.sc, b, 1));
+            run_block(&m, i); /* the checkpoint's bytes again */
+            continue;
+        }
+        CHECK_STATUS(laden_sched_reread(m.sc, b, 0), LADEN_E_STATE);
+        CHECK_CONTAINS(laden_last_error(), "streamed");
+        CHECK_OK(laden_sched_slot_fills(m.sc, b, &fills));
+        CHECK(fills > 0);
+        CHECK_OK(laden_sched_enter(m.sc, b, 0));
+        CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 0, &p));
+        scribble(&m, p, sz(2 * i));
+        CHECK_OK(laden_sched_exit(m.sc, b, 0));
+        CHECK_OK(laden_sched_slot_fills(m.sc, b, &again));
+        CHECK_EQ(again, fills); /* still the scribbled bytes */
+        CHECK_OK(laden_sched_refill(m.sc));
+        run_block(&m, i); /* filled again: the original bytes */
+        CHECK_OK(laden_sched_slot_fills(m.sc, b, &again));
+        CHECK(again > fills);
+    }
+    CHECK_STATUS(laden_sched_reread(m.sc, 99, 0), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_slot_fills(m.sc, m.block_of[0], NULL),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_sched_stop(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_changed_in_place_undone) { test_on_every_device(changed_in_place); }

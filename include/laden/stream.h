@@ -307,6 +307,29 @@ LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
 /* Waits for every copy and read the schedule has in flight. */
 LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 
+/* Streamed block b: how many times bytes were put in its slot since the
+ * schedule started (*out grows whenever the slot is filled again, with b
+ * or another block), or 0 when the slot does not hold b.  Whoever changes
+ * a slot's bytes after enter (an adapter merged in place) records it, and
+ * changes them again only once it grows: the next fill brings the
+ * original bytes back. */
+LADEN_API laden_status laden_sched_slot_fills(laden_sched_t *sched,
+                                              uint32_t block, uint64_t *out);
+
+/* Forgets what every slot not in use holds, so that each block is filled
+ * again from its tier when next entered (the bytes changed in place
+ * are replaced by the original ones). */
+LADEN_API laden_status laden_sched_refill(laden_sched_t *sched);
+
+/* Reads tensor i of a loaded block that is not streamed (its bytes in a
+ * place of their own: the GPU tier, or the RAM tier on the CPU device)
+ * from the checkpoint again, converted as at load, into its place, and
+ * waits for it: what was changed there in place is undone.  LADEN_E_STATE
+ * for a streamed block and for a tensor from host memory (it has no
+ * source to read again). */
+LADEN_API laden_status laden_sched_reread(laden_sched_t *sched,
+                                          uint32_t block, uint32_t i);
+
 LADEN_API laden_status laden_sched_stats(laden_sched_t *sched,
                                          laden_sched_stats_t *out);
 

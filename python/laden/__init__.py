@@ -16,6 +16,7 @@ from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
                      MismatchError, OutOfMemoryError, ReadError, StateError,
                      TensorNotFoundError)
+from .adapters import AdapterError, AdapterSpec, merge_adapter
 from .hf import (PipelineHandle, find_blocks, from_pretrained,
                  offload_pipeline)
 from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
@@ -27,6 +28,7 @@ __version__ = _clib.laden_version().decode()
 __all__ = [
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
     "save_file", "from_pretrained", "find_blocks",
+    "AdapterSpec", "AdapterError", "merge_adapter",
     "offload_pipeline", "PipelineHandle", "plan", "Plan", "PlanBlock", "Tier", "stage",
     "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
     "release", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",

@@ -492,13 +492,15 @@ def _resolve_dtype(x):
 
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
-                  expansions=(), guard=None, gone=None):
+                  expansions=(), guard=None, gone=None, after_enter=None):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
     can be undone.  `guard()`, if given, runs first (it may raise).  With
     `gone` (storage address -> block, for memory that later blocks
     overwrite), what the forward saves for backward from that memory
-    raises when backward unpacks it, instead of giving a wrong gradient."""
+    raises when backward unpacks it, instead of giving a wrong gradient.
+    `after_enter(c_block)` runs once the block's bytes are in place (an
+    adapter merged into its slot)."""
     import torch
 
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
@@ -518,6 +520,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         try:
             for buf, q, sc, kind in expansions:
                 expand_fp8(buf, q, sc, kind)
+            if after_enter is not None:
+                after_enter(c_block)
             if hooks is not None and grad_on():
                 with saved(*hooks):
                     out = orig(*args, **kwargs)

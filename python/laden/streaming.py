@@ -143,6 +143,7 @@ class _Stream:
         self.root = None  # (model, its previous forward, had its own)
         self.slot_views: list = []  # weakrefs to what views of slots hold
         self.kept_lookahead: Optional[int] = None  # slots remove() kept
+        self.merged_for_good: set = set()  # merge_adapter's targets
         # A background load in progress: its progress bar (or None)
         # inside a one-element list; None once it has ended.
         self.loading: Optional[list] = None
@@ -625,6 +626,23 @@ class OffloadHandle:
         self._wrapped: List[Tuple[object, object, bool]] = []
         self.active = False
         self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
+        from .adapters import _Adapters
+        self.adapters = _Adapters(self)
+
+    def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
+        """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,
+        replacement values) with their ``strengths`` (default 1.0 each),
+        replacing the ones set before; ``[]`` removes them and restores
+        the exact base weights.  ``mode="merge"`` adds each update where
+        its weight runs, never to the host copy: into a streamed block's
+        slot right after it lands (once per fill), into resident tensors
+        in place (read again from the checkpoint when the adapters
+        change).  ``mode="routed"`` leaves the weights and adds the
+        low-rank residual to ``nn.Linear`` outputs.  Everything is checked
+        before anything changes: a key naming no parameter, a shape that
+        does not fit, an fp8 or integer target raise AdapterError."""
+        from .adapters import set_adapters
+        set_adapters(self, adapters, strengths, mode)
 
     def stats(self) -> Dict[str, int]:
         """Counters of the schedule: enters, misses, bytes copied and
@@ -644,6 +662,7 @@ class OffloadHandle:
         if not self.active:
             return
         with _pass(st, o, "OffloadHandle.remove"):
+            self.adapters.clear()  # the base weights back first
             st.gone.clear()
             # Weights first, while the blocks are still wrapped: another
             # thread calling a block meanwhile is refused, not run on
@@ -798,7 +817,9 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         expansions: list = []
         if streamed or compact:
             _wrap_forward(b.module, o, b.c_block, state.device,
-                          handle._wrapped, expansions, gone=state.gone)
+                          handle._wrapped, expansions, gone=state.gone,
+                          after_enter=handle.adapters.after_enter
+                          if streamed else None)
         off = 0
         for t in b.tensors:
             if t.store == "plain":

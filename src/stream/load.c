@@ -766,7 +766,7 @@ laden_status laden__sched_load(laden_sched_t *sc)
  * blocks arrive.  A failure is kept (sc->load_err) and returned by the
  * owner's next call that needs a block. */
 
-static laden_status load_failure(laden_sched_t *sc)
+laden_status laden__sched_load_failure(laden_sched_t *sc)
 {
     return laden__fail(sc->load_err ? sc->load_err : LADEN_E_STATE,
                        "the schedule failed to load: %s", sc->load_msg);
@@ -850,7 +850,7 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
         return laden__fail(LADEN_E_INVAL, "no block %u (%u blocks)", block,
                            sc->nb);
     if (sc->load_err) /* also for blocks read before it failed */
-        return load_failure(sc);
+        return laden__sched_load_failure(sc);
     if (sc->b[block].ready || sc->loaded)
         return LADEN_OK;
     if (!sc->ld)
@@ -860,7 +860,7 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
     if (s || loader_done(sc->ld)) {
         ended(sc, s);
         if (sc->load_err)
-            return load_failure(sc);
+            return laden__sched_load_failure(sc);
     }
     return LADEN_OK;
 }
@@ -875,7 +875,7 @@ laden_status laden__sched_load_wait(laden_sched_t *sc)
         ended(sc, s);
     laden__sched_join_loader(sc);
     if (sc->load_err) /* the memory stays: its addresses were handed out */
-        return load_failure(sc);
+        return laden__sched_load_failure(sc);
     return sc->loaded ? LADEN_OK
                       : laden__fail(LADEN_E_STATE, "the schedule is not "
                                     "loaded (no load was begun)");
@@ -889,4 +889,53 @@ void laden__sched_abandon_load(laden_sched_t *sc)
         laden__error_clear();
         sc->broken = true;
     }
+}
+
+/* ---- reading a tensor again ------------------------------------------- */
+
+laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_reread: NULL");
+    if (!sc->loaded || sc->cache)
+        return laden__fail(LADEN_E_STATE, "laden_sched_reread: %s",
+                           sc->cache ? "a cache schedule's device copy is "
+                                       "uploaded from its host copy"
+                                     : "the schedule is not loaded");
+    if (block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_reread: no tensor %u "
+                           "of block %u", i, block);
+    blk *b = &sc->b[block];
+    const tref *r = &b->t[i];
+    if (laden__sched_streamed(sc, b))
+        return laden__fail(LADEN_E_STATE, "block %u is streamed: its slot is "
+                           "filled again from its tier (laden_sched_refill)",
+                           block);
+    if (r->host)
+        return laden__fail(LADEN_E_STATE, "tensor '%.200s' was copied from "
+                           "host memory at load: there is nothing to read it "
+                           "again from", r->name);
+    bool bounce = sc->cuda && b->tier == LADEN_TIER_GPU;
+    char *to = NULL;
+    laden_status s = LADEN_OK, w;
+    if (bounce && (s = laden_host_alloc(sc->host, r->dst_bytes ? r->dst_bytes
+                                                                : 1,
+                                        (void **)&to)))
+        return s;
+    if (!bounce)
+        to = (char *)(uintptr_t)b->region + r->dst_off;
+    tread c = {0};
+    s = start_tensor(sc, r, to, &c);
+    if (c.req && (w = laden_io_wait(sc->io, c.req)) && !s)
+        s = w;
+    free(c.tmp);
+    if (!s && bounce &&
+        !(s = laden_dev_copy_h2d(sc->copy, b->region + r->dst_off, to,
+                                 r->dst_bytes)))
+        s = laden_dev_stream_synchronize(sc->copy);
+    if (bounce)
+        laden_host_free(sc->host, to);
+    if (!s)
+        sc->st.load_read_bytes += r->src_bytes;
+    return s;
 }

@@ -189,6 +189,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         finish_reads(sc, sl, true);
     sl->block = bi;
     sl->err = LADEN_OK;
+    sl->fills++;
     if (b->tier == LADEN_TIER_RAM) {
         if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
             (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||
@@ -272,6 +273,8 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     laden_status s = LADEN_OK;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_start: NULL schedule");
+    if (sc->load_err)
+        return laden__sched_load_failure(sc);
     if (!laden__sched_usable(sc))
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     if (sc->started)
@@ -352,6 +355,8 @@ laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (sc->load_err)
+        return laden__sched_load_failure(sc);
     if (!laden__sched_usable(sc))
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
                            call);
@@ -447,4 +452,37 @@ laden_status laden__sched_synchronize(laden_sched_t *sc)
         if (sc->slots[i].reads_pending)
             finish_reads(sc, &sc->slots[i], false);
     return sc->copy ? laden_dev_stream_synchronize(sc->copy) : LADEN_OK;
+}
+
+laden_status laden__sched_slot_fills(laden_sched_t *sc, uint32_t block,
+                                     uint64_t *out)
+{
+    slot *sl;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_slot_fills: NULL");
+    *out = 0;
+    laden_status s = block_slot(sc, block, "laden_sched_slot_fills", &sl);
+    if (s)
+        return s;
+    if (!sl)
+        return laden__fail(LADEN_E_STATE, "laden_sched_slot_fills: block %u "
+                           "is not streamed", block);
+    if (sl->block == (int64_t)block)
+        *out = sl->fills;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_refill(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_refill: NULL");
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if (sl->in_use)
+            continue;
+        if (sl->reads_pending)
+            finish_reads(sc, sl, true);
+        sl->block = -1;
+    }
+    return LADEN_OK;
 }

@@ -472,6 +472,22 @@ laden_status laden_sched_synchronize(laden_sched_t *sc)
     HELD("laden_sched_synchronize", laden__sched_synchronize(sc));
 }
 
+laden_status laden_sched_slot_fills(laden_sched_t *sc, uint32_t block,
+                                    uint64_t *out)
+{
+    HELD("laden_sched_slot_fills", laden__sched_slot_fills(sc, block, out));
+}
+
+laden_status laden_sched_refill(laden_sched_t *sc)
+{
+    HELD("laden_sched_refill", laden__sched_refill(sc));
+}
+
+laden_status laden_sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
+{
+    HELD("laden_sched_reread", laden__sched_reread(sc, block, i));
+}
+
 laden_status laden_sched_stats(laden_sched_t *sc, laden_sched_stats_t *out)
 {
     if (out)

@@ -75,6 +75,7 @@ typedef struct slot {
     uint32_t nreqs;
     laden_status err;
     char errmsg[512];
+    uint64_t fills; /* times bytes were put here (laden_sched_slot_fills) */
 } slot;
 
 struct laden_sched {
@@ -185,6 +186,8 @@ laden_status laden__sched_load_wait(laden_sched_t *sc);
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
 laden_status laden__sched_load_prepare(laden_sched_t *sc);
+/* A background load's failure, as the error of the call that meets it. */
+laden_status laden__sched_load_failure(laden_sched_t *sc);
 bool laden__sched_on_loader(laden_sched_t *sc);
 /* stream.c: the background loader's thread and its holds. */
 laden_status laden__sched_start_loader(laden_sched_t *sc,
@@ -223,6 +226,11 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
                                uintptr_t handle);
 laden_status laden__sched_synchronize(laden_sched_t *sc);
+laden_status laden__sched_slot_fills(laden_sched_t *sc, uint32_t block,
+                                     uint64_t *out);
+laden_status laden__sched_refill(laden_sched_t *sc);
+laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block,
+                                 uint32_t i);
 laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out);
 laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,

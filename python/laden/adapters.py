@@ -1,0 +1,514 @@
+"""Adapters on streamed and resident weights: LoRA factors (as peft and as
+kohya/diffusers write them), full-rank deltas and replacement values.
+
+Per target parameter the update is ``strength * (scale * B @ A + delta)``;
+a replacement value replaces.  Two modes (``OffloadHandle.set_adapters``):
+
+- ``"merge"``: the update is added on the device where the weight runs,
+  never to its host copy: a streamed block's slot right after it lands
+  (C counts the slot's fills, so a block still in its slot is not merged
+  twice, and ``laden_sched_refill`` brings the original bytes back), a
+  resident tensor in place (``laden_sched_reread`` reads it from the
+  checkpoint again when the adapters change).
+- ``"routed"``: the weights stay; ``nn.Linear`` targets add
+  ``x @ (scale * B @ A + delta).T * strength`` to their output.
+
+``merge_adapter`` makes an update permanent (the RAM-tier host copy
+included).  The reading is laden's (``Checkpoint``); this module maps
+names and shapes and runs the arithmetic where the weights are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from . import _lib
+from ._lib import check, lib
+from .checkpoint import Checkpoint, PathLike
+from .errors import InvalidArgumentError, StateError
+
+__all__ = ["AdapterSpec", "merge_adapter", "set_adapters"]
+
+_LORA = {"lora_A.weight": "A", "lora_B.weight": "B",
+         "lora_down.weight": "A", "lora_up.weight": "B",
+         "lora.down.weight": "A", "lora.up.weight": "B"}
+_DELTA = {"delta.weight": "weight", "delta.bias": "bias"}
+# Wrappers around module names in adapter files (peft's, diffusers').
+_WRAPPERS = ("base_model.model.", "unet.", "transformer.", "text_encoder.",
+             "text_encoder_2.", "model.")
+_KOHYA = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te_",
+          "lora_transformer_")
+
+
+class AdapterError(InvalidArgumentError):
+    """An adapter that does not fit the model: the message names the
+    targets, shapes or formats."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter: ``source`` is a safetensors file, a directory peft wrote
+    (``adapter_model.safetensors`` and ``adapter_config.json``, whose
+    ``lora_alpha``, ``alpha_pattern`` and ``use_rslora`` give the scales),
+    or a function returning a state dict.  Keys: LoRA factors
+    (``X.lora_A.weight``/``X.lora_B.weight`` as peft writes them,
+    ``lora_down``/``lora_up`` with ``X.alpha`` as kohya and diffusers do,
+    ``lora_unet_``/``lora_te_`` names mapped to modules), full-rank deltas
+    (``X.delta.weight``, ``X.delta.bias``) and any other exact parameter
+    name as a replacement value.  ``dtype``: the adapter's tensors are
+    converted to it (default: the target's dtype).  A key that names no
+    parameter raises, listing them, unless ``allow_partial_targets``."""
+
+    key: str
+    source: Union[PathLike, Callable[[], Dict[str, Any]]]
+    dtype: Any = field(default=None, kw_only=True)
+    allow_partial_targets: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        if not isinstance(self.key, str) or not self.key:
+            raise InvalidArgumentError(
+                f"AdapterSpec key {self.key!r}: give a non-empty string",
+                "E_INVAL")
+        if not callable(self.source) and not isinstance(
+                self.source, (str, os.PathLike)):
+            raise InvalidArgumentError(
+                f"AdapterSpec '{self.key}': source {self.source!r} is "
+                "neither a path nor a function returning a state dict",
+                "E_INVAL")
+
+
+def _read(spec: AdapterSpec):
+    """(state dict of CPU tensors, peft config or {})."""
+    if callable(spec.source):
+        sd = spec.source()
+        if not isinstance(sd, dict):
+            raise AdapterError(f"adapter '{spec.key}': its source returned "
+                               f"{type(sd).__name__}, not a state dict",
+                               "E_INVAL")
+        return dict(sd), {}
+    path = os.fspath(spec.source)
+    cfg = {}
+    if os.path.isdir(path):
+        cp = os.path.join(path, "adapter_config.json")
+        if os.path.isfile(cp):
+            with open(cp) as f:
+                cfg = json.load(f)
+        f = os.path.join(path, "adapter_model.safetensors")
+        path = f if os.path.isfile(f) else path
+    with Checkpoint(path) as ck:
+        return {n: ck.tensor(n) for n in ck.names()}, cfg
+
+
+@dataclass
+class _Target:
+    name: str                  # the model's parameter name
+    A: Any = None              # LoRA factors
+    B: Any = None
+    scale: float = 1.0
+    delta: Any = None          # full-rank delta
+    value: Any = None          # replacement
+
+    def update(self, W, strength: float):
+        """The update of W (in W's shape, float32)."""
+        import torch
+
+        d = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
+        if self.A is not None:
+            a = self.A.to(W.device, torch.float32).flatten(1)
+            b = self.B.to(W.device, torch.float32).flatten(1)
+            d += (b @ a).view(W.shape) * (self.scale * strength)
+        if self.delta is not None:
+            d += self.delta.to(W.device, torch.float32) * strength
+        return d
+
+
+def _split(key: str):
+    """(base, kind, part) of an adapter key: kind 'lora' (part 'A'/'B'),
+    'alpha', 'delta' (part 'weight'/'bias') or 'value'."""
+    for suffix, part in _LORA.items():
+        if key.endswith("." + suffix):
+            return key[:-len(suffix) - 1], "lora", part
+    if key.endswith(".alpha"):
+        return key[:-6], "alpha", None
+    for suffix, part in _DELTA.items():
+        if key.endswith("." + suffix):
+            return key[:-len(suffix) - 1], "delta", part
+    return key, "value", None
+
+
+def _module_name(base: str, modules: set, underscored: Dict[str, str]):
+    cands = [base]
+    i = 0
+    while i < len(cands):  # peel wrappers one at a time
+        for w in _WRAPPERS:
+            if cands[i].startswith(w):
+                cands.append(cands[i][len(w):])
+        i += 1
+    for c in cands:
+        if c in modules:
+            return c
+    for k in _KOHYA:
+        if base.startswith(k) and base[len(k):] in underscored:
+            return underscored[base[len(k):]]
+    return None
+
+
+def _alpha_from(cfg: dict, module: str, r: int) -> Optional[float]:
+    if not cfg:
+        return None
+    alpha = cfg.get("lora_alpha")
+    for pat, a in (cfg.get("alpha_pattern") or {}).items():
+        if module == pat or module.endswith("." + pat):
+            alpha = a
+    if alpha is None:
+        return None
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def resolve(spec: AdapterSpec, model) -> List[_Target]:
+    """The adapter's targets in `model` (parameter names), checked."""
+    import torch
+
+    sd, cfg = _read(spec)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = {n for n, _ in model.named_modules()}
+    underscored = {n.replace(".", "_"): n for n in modules if n}
+    targets: Dict[str, _Target] = {}
+    alphas: Dict[str, float] = {}
+    unmatched: List[str] = []
+    for key, t in sd.items():
+        base, kind, part = _split(key)
+        if kind == "value":
+            name = None
+            mod, _, attr = key.rpartition(".")
+            m = _module_name(mod, modules, underscored) if mod else None
+            if m is not None and f"{m}.{attr}" in params:
+                name = f"{m}.{attr}"
+            elif key in params:
+                name = key
+            if name is None:
+                unmatched.append(key)
+                continue
+            targets.setdefault(name, _Target(name)).value = t
+            continue
+        m = _module_name(base, modules, underscored)
+        if m is None:
+            unmatched.append(key)
+            continue
+        if kind == "alpha":
+            alphas[m] = float(t.float().reshape(-1)[0])
+            continue
+        name = f"{m}.{part if kind == 'delta' else 'weight'}"
+        if name not in params:
+            unmatched.append(key)
+            continue
+        tg = targets.setdefault(name, _Target(name))
+        if kind == "delta":
+            tg.delta = t
+        elif part == "A":
+            tg.A = t
+        else:
+            tg.B = t
+    if unmatched and not spec.allow_partial_targets:
+        raise AdapterError(
+            f"adapter '{spec.key}': {len(unmatched)} key(s) name no "
+            f"parameter of {type(model).__name__}: "
+            f"{', '.join(sorted(unmatched)[:12])}"
+            + (" ..." if len(unmatched) > 12 else "")
+            + " (allow_partial_targets=True skips them)", "E_INVAL")
+    out = []
+    for name, tg in targets.items():
+        W = params[name]
+        where = f"adapter '{spec.key}', target '{name}'"
+        if not W.dtype.is_floating_point or W.element_size() < 2:
+            raise AdapterError(
+                f"{where}: the weight is {W.dtype}; adapters merge into "
+                "float32, float16 and bfloat16 weights (not fp8 or "
+                "integer storage: load it with storage_dtype=None)",
+                "E_INVAL")
+        if (tg.A is None) != (tg.B is None):
+            raise AdapterError(f"{where}: has one LoRA factor of two",
+                               "E_INVAL")
+        if tg.A is not None:
+            A, B = tg.A, tg.B
+            r = A.shape[0]
+            want_b = (W.shape[0], r)
+            if B.dim() < 2 or tuple(B.shape[:2]) != want_b or \
+                    math.prod(B.shape[2:]) != 1 or A.dim() < 2 or \
+                    A[0].numel() != math.prod(W.shape[1:]):
+                raise AdapterError(
+                    f"{where}: LoRA factors A {tuple(A.shape)} and B "
+                    f"{tuple(B.shape)} do not fit the weight "
+                    f"{tuple(W.shape)} (B must be [out, r], A [r, in...])",
+                    "E_INVAL")
+            m = name.rsplit(".", 1)[0]
+            if m in alphas:
+                tg.scale = alphas[m] / r
+            else:
+                a = _alpha_from(cfg, m, r)
+                tg.scale = a if a is not None else 1.0
+        for what, t in (("delta", tg.delta), ("value", tg.value)):
+            if t is not None and tuple(t.shape) != tuple(W.shape):
+                raise AdapterError(
+                    f"{where}: its {what} is {tuple(t.shape)}, the weight "
+                    f"{tuple(W.shape)}", "E_INVAL")
+        dt = spec.dtype or W.dtype
+        for f in ("A", "B", "delta", "value"):
+            t = getattr(tg, f)
+            if t is not None:
+                setattr(tg, f, t.to(dt) if isinstance(t, torch.Tensor)
+                        else torch.as_tensor(t, dtype=dt))
+        out.append(tg)
+    return out
+
+
+# ---- on a streamed model ---------------------------------------------------------
+
+class _Adapters:
+    """The adapters active on one OffloadHandle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.mode: Optional[str] = None
+        self.merges: Dict[int, list] = {}   # c_block -> [(W, target, s)]
+        self.merged_at: Dict[int, int] = {}  # c_block -> slot fills merged
+        self.reread: list = []              # (c_block, c_index) changed
+        self.hooks: list = []
+        self.resolved: Dict[tuple, List[_Target]] = {}
+
+    def after_enter(self, c_block: int) -> None:
+        """A streamed block just entered: its adapters merged into its slot
+        unless they are already (the slot was not filled since)."""
+        todo = self.merges.get(c_block)
+        if not todo:
+            return
+        o = self.handle.state.live("forward")
+        fills = ctypes.c_uint64()
+        check(lib.laden_sched_slot_fills(o.h, c_block, ctypes.byref(fills)))
+        if self.merged_at.get(c_block) == fills.value:
+            return
+        for W, tg, s in todo:
+            _add(W, tg, s)
+        self.merged_at[c_block] = fills.value
+
+    def clear(self) -> None:
+        """Every update undone: hooks removed, slots to be filled again,
+        resident tensors read from the checkpoint again."""
+        import torch
+
+        st = self.handle.state
+        o = st.live("set_adapters")
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        if st.device.type == "cuda":
+            torch.cuda.synchronize(st.device)
+        if self.merges:
+            check(lib.laden_sched_refill(o.h))
+        self.merges.clear()
+        self.merged_at.clear()
+        for c_block, c_index in self.reread:
+            check(lib.laden_sched_reread(o.h, c_block, c_index))
+        self.reread.clear()
+        self.mode = None
+
+
+def _add(W, tg: _Target, s: float) -> None:
+    """W += update, in place, where W is (one fused multiply-add for a 2-D
+    LoRA target)."""
+    import torch
+
+    with torch.no_grad():
+        if tg.value is not None:
+            W.copy_(tg.value.to(W.device, W.dtype))
+            return
+        if tg.A is not None and tg.delta is None and W.dim() == 2 and \
+                tg.A.dtype == W.dtype:
+            A = tg.A.to(W.device)
+            B = tg.B.to(W.device)
+            W.addmm_(B, A, alpha=s * tg.scale)
+            return
+        W.add_(tg.update(W, s).to(W.dtype))
+
+
+def _tensors_by_name(state) -> Dict[str, Any]:
+    out = {}
+    for t in state.tensors:
+        for n in t.names:
+            out[n] = t
+    return out
+
+
+def set_adapters(handle, adapters: Sequence[AdapterSpec],
+                 strengths: Optional[Sequence[float]] = None,
+                 mode: str = "merge") -> None:
+    """See OffloadHandle.set_adapters."""
+    import torch
+
+    if mode not in ("merge", "routed"):
+        raise InvalidArgumentError(f"set_adapters: mode {mode!r}; use "
+                                   "'merge' or 'routed'", "E_INVAL")
+    adapters = list(adapters)
+    strengths = [1.0] * len(adapters) if strengths is None \
+        else [float(s) for s in strengths]
+    if len(strengths) != len(adapters):
+        raise InvalidArgumentError(
+            f"set_adapters: {len(adapters)} adapters, {len(strengths)} "
+            "strengths", "E_INVAL")
+    for a in adapters:
+        if not isinstance(a, AdapterSpec):
+            raise InvalidArgumentError(
+                f"set_adapters: give AdapterSpecs, not {type(a).__name__}",
+                "E_INVAL")
+    st = handle.state
+    o = st.live("set_adapters")
+    if not handle.active:
+        raise StateError("set_adapters: the handle was removed", "E_STATE")
+    model = st.root[0] if st.root is not None else None
+    if model is None:
+        raise StateError("set_adapters: the model is not attached",
+                         "E_STATE")
+    ad = handle.adapters
+    resolved = []
+    for a in adapters:  # all checked before anything changes
+        key = (a.key, id(a.source))
+        tg = ad.resolved.get(key)
+        if tg is None:
+            tg = ad.resolved[key] = resolve(a, model)
+        resolved.append(tg)
+    by_name = _tensors_by_name(st)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for tg_list in resolved:
+        for tg in tg_list:
+            t = by_name.get(tg.name)
+            if t is not None and t.store != "plain":
+                raise AdapterError(
+                    f"target '{tg.name}' is stored compact ({t.store}: fp8 "
+                    "or bf16 storage expanded when its block runs); "
+                    "adapters merge into weights stored as they run (load "
+                    "without storage_dtype)", "E_INVAL")
+            if mode == "merge" and tg.name in st.merged_for_good and \
+                    not lib.laden_sched_is_streamed(o.h, t.c_block):
+                raise AdapterError(
+                    f"target '{tg.name}' has an adapter merged for good "
+                    "(merge_adapter) in resident memory, which "
+                    "set_adapters would undo; use mode='routed' or load "
+                    "the model again", "E_INVAL")
+            if mode == "routed" and not isinstance(
+                    _owner(model, tg.name), torch.nn.Linear):
+                raise AdapterError(
+                    f"target '{tg.name}': routed mode adds to nn.Linear "
+                    "outputs; use mode='merge' for it", "E_INVAL")
+            if mode == "routed" and (tg.value is not None or
+                                     tg.name.endswith(".bias")):
+                raise AdapterError(
+                    f"target '{tg.name}': a replacement or bias delta "
+                    "needs mode='merge'", "E_INVAL")
+    ad.clear()
+    if not adapters:
+        return
+    ad.mode = mode
+    if mode == "routed":
+        for tg_list, s in zip(resolved, strengths):
+            for tg in tg_list:
+                mod = _owner(model, tg.name)
+                ad.hooks.append(mod.register_forward_hook(
+                    _route(tg, s, params[tg.name])))
+        return
+    for tg_list, s in zip(resolved, strengths):
+        for tg in tg_list:
+            t = by_name.get(tg.name)
+            W = params[tg.name]
+            if t is None or t.c_block is None:
+                raise AdapterError(f"target '{tg.name}' is not held by "
+                                   "laden", "E_INVAL")
+            if lib.laden_sched_is_streamed(o.h, t.c_block):
+                ad.merges.setdefault(t.c_block, []).append((W, tg, s))
+            else:
+                _add(W, tg, s)
+                if (t.c_block, t.c_index) not in ad.reread:
+                    ad.reread.append((t.c_block, t.c_index))
+
+
+def _owner(model, name: str):
+    mod = model
+    for part in name.split(".")[:-1]:
+        mod = getattr(mod, part)
+    return mod
+
+
+def _route(tg: _Target, s: float, W):
+    import torch.nn.functional as F
+
+    cache = {}
+
+    def hook(mod, args, out):
+        x = args[0]
+        dev = (x.device, x.dtype)
+        if cache.get("dev") != dev:
+            cache["dev"] = dev
+            cache["A"] = tg.A.to(*dev) if tg.A is not None else None
+            cache["B"] = tg.B.to(*dev) if tg.B is not None else None
+            cache["D"] = tg.delta.to(*dev) if tg.delta is not None else None
+        y = out
+        if cache["A"] is not None:
+            y = y + F.linear(F.linear(x, cache["A"]), cache["B"]) * \
+                (s * tg.scale)
+        if cache["D"] is not None:
+            y = y + F.linear(x, cache["D"]) * s
+        return y
+    return hook
+
+
+def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
+    """Makes an adapter's update permanent in a model loaded by laden:
+    resident weights in place, streamed blocks' RAM-tier host copies (a
+    block on the disk tier cannot be changed: it is read from the
+    checkpoint each time).  Refused while set_adapters is active."""
+    import torch
+
+    from ._model import _tensor_view
+
+    st = getattr(model, "_laden_stream", None)
+    if st is None:
+        raise StateError("merge_adapter: the model was not loaded by laden",
+                         "E_STATE")
+    o = st.live("merge_adapter")
+    h = st.handle
+    if h is not None and h.adapters.mode is not None:
+        raise StateError("merge_adapter: adapters are active "
+                         "(set_adapters([]) first)", "E_STATE")
+    targets = resolve(adapter, model)
+    by_name = _tensors_by_name(st)
+    plan = []
+    for tg in targets:
+        t = by_name.get(tg.name)
+        if t is None or t.store != "plain":
+            raise AdapterError(f"merge_adapter: target '{tg.name}' cannot "
+                               "be merged (not held by laden as stored)",
+                               "E_INVAL")
+        if lib.laden_sched_is_streamed(o.h, t.c_block):
+            tier = lib.laden_sched_block_tier(o.h, t.c_block)
+            if tier != _lib.TIER_RAM:
+                raise AdapterError(
+                    f"merge_adapter: target '{tg.name}' is in a block on "
+                    "the disk tier (read from the checkpoint each time); "
+                    "load it with a RAM budget that holds it, or use "
+                    "set_adapters", "E_INVAL")
+            W = _tensor_view(o, t, "home", None)
+        else:
+            W = dict(model.named_parameters(remove_duplicate=False))[
+                tg.name]
+        plan.append((W, tg))
+    if st.device.type == "cuda":
+        torch.cuda.synchronize(st.device)
+    for W, tg in plan:
+        _add(W, tg, strength)
+        st.merged_for_good.add(tg.name)
+    if h is not None and h.active:
+        check(lib.laden_sched_refill(o.h))

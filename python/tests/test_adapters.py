@@ -1,0 +1,233 @@
+"""Adapters on streamed and resident weights (laden.AdapterSpec,
+OffloadHandle.set_adapters, laden.merge_adapter) against peft's merged
+models: tiny transformers and diffusers models, LoRA adapters peft writes
+(random factors, no hub), blocks resident, in RAM and on disk."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import laden
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def tiny_llama():
+    c = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(c).eval()
+
+
+def lora(ref, tmp_path, name, alpha=8, seed=1, targets=TARGETS):
+    """peft LoRA on a copy of ref, saved; returns (dir, merged model)."""
+    torch.manual_seed(seed)
+    pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        r=4, lora_alpha=alpha, target_modules=targets,
+        init_lora_weights=False))
+    d = str(tmp_path / name)
+    pm.save_pretrained(d)
+    return d, pm.merge_and_unload().eval()
+
+
+def tiers(device):
+    """(name, from_pretrained budgets): resident, RAM and disk blocks."""
+    if device == "cuda":
+        return [("resident", {}), ("ram", {"vram_budget": 700_000}),
+                ("disk", {"vram_budget": 700_000, "ram_budget": 0})]
+    return [("ram", {}), ("mixed", {"ram_budget": 250_000}),
+            ("disk", {"ram_budget": 0})]
+
+
+def logits(m, device):
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        return m(ids.to(device)).logits.float().cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_matches_peft_in_every_tier(tmp_path, device):
+    """Merged and routed outputs equal peft's merged model; strengths 0,
+    0.5 and 1 (0.5 = peft with half the alpha); two adapters at once; the
+    base restored bit for bit once they are removed; repeated forwards
+    do not merge twice."""
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    _, a_half = lora(ref, tmp_path, "a-half", alpha=4)
+    b_dir, _ = lora(ref, tmp_path, "b", seed=2, targets=["k_proj", "o_proj",
+                                                         "q_proj"])
+    # Both at once: peft's two adapters merged one after the other.
+    torch.manual_seed(1)
+    both = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    both = both.merge_and_unload()
+    torch.manual_seed(2)
+    both = peft.get_peft_model(both, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "q_proj"],
+        init_lora_weights=False)).merge_and_unload().eval()
+    base = logits(ref.to(device), device)
+    want = logits(a_merged.to(device), device)
+    half = logits(a_half.to(device), device)
+    want2 = logits(both.to(device), device)
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+    tol = dict(atol=2e-5, rtol=1e-4)
+    for name, kw in tiers(device):
+        m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device=device, **kw)
+        got_tiers = {b.tier_name for b in m._laden_stream.blocks}
+        if name == "mixed":
+            assert len(got_tiers) == 2, got_tiers
+        h = m._laden_stream.handle
+        for mode in ("merge", "routed"):
+            h.set_adapters([A], mode=mode)
+            for _ in range(3):  # a block still in its slot: not twice
+                torch.testing.assert_close(logits(m, device), want, **tol)
+            h.set_adapters([A], strengths=[0.5], mode=mode)
+            torch.testing.assert_close(logits(m, device), half, **tol)
+            h.set_adapters([A], strengths=[0.0], mode=mode)
+            torch.testing.assert_close(logits(m, device), base, **tol)
+            h.set_adapters([A, B], mode=mode)
+            torch.testing.assert_close(logits(m, device), want2, **tol)
+        h.set_adapters([])
+        assert torch.equal(logits(m, device), base), name  # bit for bit
+        laden.release(m)
+
+
+def test_kohya_names_deltas_and_values(tmp_path):
+    """kohya's lora_down/lora_up/alpha under lora_te_ names, a full-rank
+    delta and a replacement value give the update they describe."""
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    g = torch.Generator().manual_seed(5)
+    down = torch.randn(4, 64, generator=g) * 0.1
+    up = torch.randn(64, 4, generator=g) * 0.1
+    delta = torch.randn(160, 64, generator=g) * 0.01
+    value = torch.randn(64, generator=g)
+    sd = {"lora_te_model_layers_2_self_attn_q_proj.lora_down.weight": down,
+          "lora_te_model_layers_2_self_attn_q_proj.lora_up.weight": up,
+          "lora_te_model_layers_2_self_attn_q_proj.alpha":
+              torch.tensor(2.0),
+          "model.layers.4.mlp.up_proj.delta.weight": delta,
+          "model.norm.weight": value}
+    path = str(tmp_path / "k.safetensors")
+    laden.save_file(sd, path)
+    plain = copy.deepcopy(ref)
+    with torch.no_grad():
+        plain.model.layers[2].self_attn.q_proj.weight += \
+            0.7 * (2.0 / 4) * up @ down
+        plain.model.layers[4].mlp.up_proj.weight += 0.7 * delta
+        plain.model.norm.weight.copy_(value)
+    want = logits(plain, "cpu")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    m._laden_stream.handle.set_adapters([laden.AdapterSpec("k", path)],
+                                        strengths=[0.7])
+    torch.testing.assert_close(logits(m, "cpu"), want, atol=2e-5, rtol=1e-4)
+    # From a function returning the state dict: the same.
+    m._laden_stream.handle.set_adapters(
+        [laden.AdapterSpec("k2", lambda: dict(sd))], strengths=[0.7])
+    torch.testing.assert_close(logits(m, "cpu"), want, atol=2e-5, rtol=1e-4)
+    laden.release(m)
+
+
+def test_errors_change_nothing(tmp_path):
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    h = m._laden_stream.handle
+    A = laden.AdapterSpec("a", a_dir)
+    h.set_adapters([A])
+    want = logits(m, "cpu")
+    bad = str(tmp_path / "bad.safetensors")
+    laden.save_file({"model.layers.0.self_attn.q_proj.lora_A.weight":
+                     torch.zeros(4, 64),
+                     "model.layers.0.self_attn.q_proj.lora_B.weight":
+                     torch.zeros(64, 4),
+                     "model.layers.0.nope.lora_A.weight": torch.zeros(4, 64),
+                     "model.layers.0.nope.lora_B.weight": torch.zeros(64, 4)},
+                    bad)
+    with pytest.raises(laden.AdapterError, match="nope"):
+        h.set_adapters([laden.AdapterSpec("bad", bad)])
+    h.set_adapters([laden.AdapterSpec("part", bad,
+                                      allow_partial_targets=True), A])
+    shape = str(tmp_path / "shape.safetensors")
+    laden.save_file({"model.layers.0.self_attn.q_proj.lora_A.weight":
+                     torch.zeros(4, 63),
+                     "model.layers.0.self_attn.q_proj.lora_B.weight":
+                     torch.zeros(64, 4)}, shape)
+    with pytest.raises(laden.AdapterError) as e:
+        h.set_adapters([laden.AdapterSpec("shape", shape)])
+    assert "q_proj.weight" in str(e.value) and "(4, 63)" in str(e.value) \
+        and "(64, 64)" in str(e.value)
+    with pytest.raises(laden.InvalidArgumentError, match="mode"):
+        h.set_adapters([A], mode="fused")
+    with pytest.raises(laden.InvalidArgumentError, match="strengths"):
+        h.set_adapters([A], strengths=[1.0, 2.0])
+    h.set_adapters([A])
+    torch.testing.assert_close(logits(m, "cpu"), want)  # as it was
+    laden.release(m)
+
+
+def test_merge_adapter_for_good(tmp_path):
+    """merge_adapter changes the RAM-tier host copies and resident weights
+    for good; a disk-tier target is refused, naming why."""
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    want = logits(a_merged, "cpu")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu")
+    laden.merge_adapter(m, laden.AdapterSpec("a", a_dir))
+    torch.testing.assert_close(logits(m, "cpu"), want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(laden.AdapterError, match="for good"):
+        m._laden_stream.handle.set_adapters([laden.AdapterSpec("a", a_dir)])
+    laden.release(m)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=0)
+    with pytest.raises(laden.AdapterError, match="disk tier"):
+        laden.merge_adapter(m, laden.AdapterSpec("a", a_dir))
+    laden.release(m)
+
+
+def test_diffusers_unet_lora(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(6)
+    unet = diffusers.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8).eval()
+    d = str(tmp_path / "unet")
+    unet.save_pretrained(d)
+    a_dir, merged = lora(unet, tmp_path, "a", targets=["to_q", "to_v",
+                                                      "conv1"])
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = merged(x, 3).sample
+    m = laden.from_pretrained(diffusers.UNet2DModel, d, device="cpu",
+                              ram_budget=0)
+    m._laden_stream.handle.set_adapters([laden.AdapterSpec("a", a_dir)])
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, 3).sample, want, atol=5e-5,
+                                   rtol=1e-4)
+    with pytest.raises(laden.AdapterError, match="routed"):
+        m._laden_stream.handle.set_adapters(
+            [laden.AdapterSpec("a", a_dir)], mode="routed")  # convs
+    laden.release(m)
