@@ -378,8 +378,9 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
     for a in adapters:  # all checked before anything changes
         key = (a.key, id(a.source))
         tg = ad.resolved.get(key)
-        if tg is None:
-            tg = ad.resolved[key] = resolve(a, model)
+        if tg is None:  # on the device once, not at every merge
+            tg = ad.resolved[key] = [_placed(t, st.device)
+                                     for t in resolve(a, model)]
         resolved.append(tg)
     by_name = _tensors_by_name(st)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -433,6 +434,14 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
                 _add(W, tg, s)
                 if (t.c_block, t.c_index) not in ad.reread:
                     ad.reread.append((t.c_block, t.c_index))
+
+
+def _placed(tg: _Target, device) -> _Target:
+    for f in ("A", "B", "delta", "value"):
+        t = getattr(tg, f)
+        if t is not None:
+            setattr(tg, f, t.to(device))
+    return tg
 
 
 def _owner(model, name: str):
