@@ -492,7 +492,8 @@ def _resolve_dtype(x):
 
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
-                  expansions=(), guard=None, gone=None, after_enter=None):
+                  expansions=(), guard=None, gone=None, after_enter=None,
+                  slot_tensors=()):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
     can be undone.  `guard()`, if given, runs first (it may raise).  With
@@ -500,7 +501,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     overwrite), what the forward saves for backward from that memory
     raises when backward unpacks it, instead of giving a wrong gradient.
     `after_enter(c_block)` runs once the block's bytes are in place (an
-    adapter merged into its slot)."""
+    adapter merged into its slot).  The parts of mod that hold
+    `slot_tensors` (the block's tensors in its slot) refuse to run outside
+    its forward."""
     import torch
 
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
@@ -510,6 +513,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     hooks = _saved_hooks(gone) if gone is not None else None
     saved = torch.autograd.graph.saved_tensors_hooks
 
+    inside = [0]
+
     def forward(*args, **kwargs):
         if guard is not None:
             guard()
@@ -517,6 +522,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         s = enter(owner.h, c_block, stream)
         if s:
             raise error_for(s)
+        inside[0] += 1
         try:
             for buf, q, sc, kind in expansions:
                 expand_fp8(buf, q, sc, kind)
@@ -528,15 +534,47 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             else:
                 out = orig(*args, **kwargs)
         except BaseException:
+            inside[0] -= 1
             leave(owner.h, c_block, stream)
             raise
+        inside[0] -= 1
         s = leave(owner.h, c_block, stream)
         if s:
             raise error_for(s)
         return out
 
+    def outside(part, args):
+        if not inside[0]:
+            raise StateError(
+                f"a {type(part).__name__} inside streamed block {c_block} "
+                f"({type(mod).__name__}) was called outside the block's "
+                "forward: its weights live in a slot that other blocks "
+                "reuse, so they may be another block's by now; keep that "
+                "block resident (resident_prefixes) or call it through "
+                "the block", "E_STATE")
+
     wrapped.append((mod, mod.__dict__.get("forward"), had))
     mod.forward = forward
+    # Parts of the block with weights of their own run only inside it
+    # (found in review: DiT calls transformer_blocks[0].norm1.emb after
+    # the loop, reading block 0's slot after later blocks refilled it).
+    owners = {id(m) for t in slot_tensors for m, _ in t.aliases}
+    for part in mod.modules():
+        if part is not mod and id(part) in owners:
+            wrapped.append(("hook", part.register_forward_pre_hook(outside),
+                            None))
+
+
+def _unwrap_all(wrapped: list) -> None:
+    """Undoes _wrap_forward: forwards restored, guards removed."""
+    for mod, prev, had in reversed(wrapped):
+        if isinstance(mod, str) and mod == "hook":
+            prev.remove()
+        elif had:
+            mod.forward = prev
+        else:
+            mod.__dict__.pop("forward", None)
+    wrapped.clear()
 
 
 

@@ -30,8 +30,9 @@ from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
                      _device, _meta, _Owned, _set_tensor, _Tensor,
-                     _tensor_view, _wrap_forward, check_lookahead, describe,
-                     fill, new_schedule, progress_to)
+                     _tensor_view, _unwrap_all, _wrap_forward,
+                     check_lookahead, describe, fill, new_schedule,
+                     progress_to)
 
 log = logging.getLogger("laden")
 
@@ -342,7 +343,9 @@ class _Runtime:
                     "E_STATE")
 
         _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
-                      guard=guard, gone=self.gone)
+                      guard=guard, gone=self.gone,
+                      slot_tensors=[t for t in self.tensors
+                                    if t.c_block == c_block])
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
@@ -355,12 +358,7 @@ class _Runtime:
         tensors (restore: copied out of laden's memory) or meta."""
         import torch
 
-        for mod, prev, had in self.wrapped:
-            if had:
-                mod.forward = prev
-            else:
-                mod.__dict__.pop("forward", None)
-        self.wrapped.clear()
+        _unwrap_all(self.wrapped)
         self.gone.clear()
         for t in self.tensors:
             _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))

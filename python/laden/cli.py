@@ -404,6 +404,8 @@ def cmd_generate(args) -> int:
     except ImportError:
         raise BadArgument("laden generate needs transformers: pip install "
                           "'laden[transformers]'") from None
+    if not args.prompt.strip():
+        raise BadArgument("--prompt is empty: give the text to continue")
     device, note = _usable_device(args.device)
     d = args.model_dir
     if not os.path.isdir(d):

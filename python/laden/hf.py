@@ -12,7 +12,9 @@ diffusers are optional: imported only when a class of theirs is given.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
 from typing import List, Optional
 
 from ._model import find_blocks
@@ -30,47 +32,80 @@ _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
           "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
 
 
-@contextlib.contextmanager
-def empty_weights(dtype=None):
-    """Builds modules with their parameters on ``meta`` and their buffers
-    where the code puts them (the CPU): a parameter is moved to ``meta`` as
-    it is registered, and ``torch.nn.init`` does nothing meanwhile (the
-    weights come from the checkpoint), so building costs no memory and no
-    time.  Buffers computed in ``__init__`` (rotary ``inv_freq``, causal
-    masks, position ids) keep their values.  ``dtype``: the default dtype
-    while building (floating parameters are made in it; a buffer the code
-    computes in float32 explicitly stays float32, as with the library's own
-    ``from_pretrained``)."""
+_building = threading.local()   # this thread is inside empty_weights
+_build_lock = threading.RLock()  # one build at a time: the default dtype
+                                 # is the process's
+_patched = False
+
+
+def _patch_once() -> None:
+    """Wraps nn.Module.register_parameter and torch.nn.init's functions,
+    once for the process: they change behaviour only on a thread inside
+    empty_weights, so another thread building a module meanwhile gets
+    ordinary parameters, and no order of exits can leave torch patched."""
+    global _patched
+    if _patched:
+        return
     import torch
     from torch import nn
 
     register = nn.Module.register_parameter
 
-    def to_meta(self, name, param):
+    def register_parameter(self, name, param):
         register(self, name, param)
+        if not getattr(_building, "on", False):
+            return
         p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            kw = dict(p.__dict__)
-            kw["requires_grad"] = p.requires_grad
-            self._parameters[name] = type(p)(p.to("meta"), **kw)
+        if p is None or p.device.type == "meta" or \
+                isinstance(p, nn.parameter.UninitializedParameter):
+            return
+        meta = torch.empty_like(p, device="meta")
+        q = torch.Tensor._make_subclass(type(p), meta, p.requires_grad)
+        for k, v in p.__dict__.items():  # attributes set before
+            setattr(q, k, v)
+        self._parameters[name] = q
 
-    def no_init(tensor, *args, **kwargs):
-        return tensor
+    def quiet(f):
+        @functools.wraps(f)
+        def init(tensor, *args, **kwargs):
+            if getattr(_building, "on", False) and \
+                    isinstance(tensor, nn.Parameter):
+                return tensor  # a parameter: read from the checkpoint
+            return f(tensor, *args, **kwargs)
+        return init
 
-    saved = {n: getattr(nn.init, n) for n in _INITS if hasattr(nn.init, n)}
-    old_dtype = torch.get_default_dtype()
-    nn.Module.register_parameter = to_meta
-    for n in saved:
-        setattr(nn.init, n, no_init)
-    try:
-        if dtype is not None and dtype.is_floating_point:
-            torch.set_default_dtype(dtype)
-        yield
-    finally:
-        torch.set_default_dtype(old_dtype)
-        nn.Module.register_parameter = register
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+    nn.Module.register_parameter = register_parameter
+    for n in _INITS:
+        if hasattr(nn.init, n):
+            setattr(nn.init, n, quiet(getattr(nn.init, n)))
+    _patched = True
+
+
+@contextlib.contextmanager
+def empty_weights(dtype=None):
+    """Builds modules with their parameters on ``meta`` and their buffers
+    where the code puts them (the CPU): a parameter is moved to ``meta`` as
+    it is registered, and ``torch.nn.init`` leaves parameters alone
+    meanwhile (the weights come from the checkpoint), so building costs no
+    memory and no time.  Buffers computed in ``__init__`` (rotary
+    ``inv_freq``, causal masks, position ids) keep their values, and a
+    buffer filled with ``nn.init`` is filled.  ``dtype``: the default
+    dtype while building.  Only the calling thread is affected, and one
+    build runs at a time (the default dtype is the process's)."""
+    import torch
+
+    _patch_once()
+    with _build_lock:
+        was = getattr(_building, "on", False)
+        old_dtype = torch.get_default_dtype()
+        _building.on = True
+        try:
+            if dtype is not None and dtype.is_floating_point:
+                torch.set_default_dtype(dtype)
+            yield
+        finally:
+            torch.set_default_dtype(old_dtype)
+            _building.on = was
 
 
 # ---- which library --------------------------------------------------------------
@@ -154,8 +189,19 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs):
             raise InvalidArgumentError(
                 f"laden.from_pretrained: {path}: cannot read its config: "
                 f"{str(e).splitlines()[0]}", "E_INVAL") from e
+        attn = kwargs.pop("attn_implementation", None)
+        unknown = [k for k in kwargs if not hasattr(cfg, k)]
+        if unknown:
+            raise InvalidArgumentError(
+                f"laden.from_pretrained: {', '.join(sorted(unknown))}: not "
+                f"a field of {type(cfg).__name__} nor an argument of "
+                "from_pretrained (device, vram_budget, ram_budget, dtype, "
+                "plan, lookahead, progress, subfolder, attn_implementation)",
+                "E_INVAL")
         for k, v in kwargs.items():  # config overrides, as transformers
             setattr(cfg, k, v)
+        if attn is not None:
+            cfg._attn_implementation = attn
         if dtype is None:
             dtype = _dtype_of(getattr(cfg, "dtype", None) or
                               getattr(cfg, "torch_dtype", None))
@@ -173,6 +219,8 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs):
                 f"the model of {path} (model_type "
                 f"{getattr(cfg, 'model_type', '?')!r}): "
                 f"{str(e).splitlines()[0]}", "E_INVAL") from e
+        _buffers_in_float32(model)
+        _keep_in_fp32(model, dtype)
         return model, dtype
     try:
         cfg = model_cls.load_config(path)
@@ -186,88 +234,244 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs):
         raise InvalidArgumentError(
             f"laden.from_pretrained: {path} holds a {want}, not a "
             f"{model_cls.__name__}", "E_INVAL")
+    unknown = [k for k in kwargs if k not in cfg]
+    if unknown:
+        raise InvalidArgumentError(
+            f"laden.from_pretrained: {', '.join(sorted(unknown))}: not in "
+            f"{model_cls.__name__}'s config nor an argument of "
+            "from_pretrained", "E_INVAL")
     cfg.update(kwargs)
     dtype = dtype or _checkpoint_dtype(path)
     with empty_weights(dtype):
         model = model_cls.from_config(cfg)
+    _keep_in_fp32(model, dtype)
     return model, dtype
 
 
-def _key_map(model, path: str):
-    """A checkpoint saved from the model with its head loads into the base
-    model and back: the base model's prefix (``model.``, ``transformer.``)
-    is taken off or put on when only one side has it."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    if not prefix:
+def _buffers_in_float32(model) -> None:
+    """Non-persistent buffers made again by the library's own init, in
+    float32, as transformers' from_pretrained does after loading: built
+    under a bf16 default dtype, some (GPT-J's sinusoidal positions) would
+    be rounded."""
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return
+    with empty_weights():  # float32 default; parameters are on meta
+        for mod in model.modules():
+            names = getattr(mod, "_non_persistent_buffers_set", ())
+            if not names:
+                continue
+            for n in names:
+                b = mod._buffers.get(n)
+                if b is not None and hasattr(b, "_is_hf_initialized"):
+                    try:
+                        del b._is_hf_initialized
+                    except AttributeError:
+                        pass
+            try:
+                init(mod)
+            except Exception:  # a module its init does not know: as built
+                pass
+
+
+def _keep_in_fp32(model, dtype) -> None:
+    """Parameters of the modules the class keeps in float32
+    (``_keep_in_fp32_modules``: T5's ``wo``) are made float32, as the
+    library's own from_pretrained makes them; laden converts them on
+    load."""
+    import torch
+
+    if dtype is None or dtype == torch.float32:
+        return
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | \
+        set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not keep:
+        return
+    for name, mod in model.named_modules():
+        if not any(k in name.split(".") for k in keep):
+            continue
+        for pn, p in list(mod._parameters.items()):
+            if p is not None and p.dtype.is_floating_point and \
+                    p.dtype != torch.float32:
+                q = torch.nn.Parameter(
+                    torch.empty_like(p, device="meta", dtype=torch.float32),
+                    requires_grad=p.requires_grad)
+                mod._parameters[pn] = q
+
+
+def _renames(model, names: List[str]):
+    """transformers 5's renames of checkpoint names for this class (its
+    conversion mapping: GPT-NeoX's ``embed_out`` is ``lm_head`` now), as a
+    function; InvalidArgumentError when the checkpoint needs one of its
+    converters that merge or split tensors (fused MoE experts), which
+    laden does not do."""
+    import re
+
+    try:
+        from transformers import conversion_mapping as cm
+        rules = cm.get_model_conversion_mapping(model) or []
+    except Exception:  # older transformers: names are as stored
         return None
+    renames = []
+    for r in rules:
+        src = getattr(r, "source_patterns", None) or []
+        dst = getattr(r, "target_patterns", None) or []
+        if type(r).__name__ == "WeightRenaming":
+            renames += [(re.compile(a), b) for a, b in zip(src, dst)]
+            continue
+        pats = [re.compile(a) for a in src]
+        hit = [n for n in names if any(p_.search(n) for p_ in pats)]
+        if hit:
+            raise InvalidArgumentError(
+                f"laden.from_pretrained: {type(model).__name__}'s checkpoint "
+                f"stores tensors transformers merges or splits on load "
+                f"({', '.join(hit[:3])}{' ...' if len(hit) > 3 else ''}: "
+                f"{type(r).__name__}); laden loads tensors as stored and "
+                "cannot convert these yet", "E_INVAL")
+    if not renames:
+        return None
+
+    def rename(n: str) -> str:
+        for pat, to in renames:
+            n = pat.sub(to, n)
+        return n
+    return rename
+
+
+def _key_map(model, path: str):
+    """Checkpoint names to the model's: transformers' own renames
+    (_renames), then a checkpoint saved from the model with its head
+    loads into the base model and back: the base model's prefix
+    (``model.``, ``transformer.``) is taken off or put on when only one
+    side has it."""
     from .checkpoint import Checkpoint
 
     with Checkpoint(path) as ck:
         names = ck.names()
     want = set(model.state_dict().keys())
-    p = prefix + "."
-    ck_pre = sum(n.startswith(p) for n in names)
-    mod_pre = sum(n.startswith(p) for n in want)
-    if ck_pre > len(names) // 2 and mod_pre == 0:
-        return lambda n: n[len(p):] if n.startswith(p) and \
-            n[len(p):] in want else None
-    if ck_pre == 0 and mod_pre > len(want) // 2:
-        return lambda n: p + n
+    ren = _renames(model, [n for n in names if n not in want])
+    if ren is not None:
+        names = [n if n in want else ren(n) for n in names]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    strip = add = None
+    if prefix:
+        p = prefix + "."
+        ck_pre = sum(n.startswith(p) for n in names)
+        mod_pre = sum(n.startswith(p) for n in want)
+        if ck_pre > len(names) // 2 and mod_pre == 0:
+            strip = p
+        elif ck_pre == 0 and mod_pre > len(want) // 2:
+            add = p
+    if ren is None and strip is None and add is None:
+        return None
+
+    def key_map(n: str):
+        if ren is not None and n not in want:
+            n = ren(n)
+        if strip is not None:
+            return n[len(strip):] if n.startswith(strip) and \
+                n[len(strip):] in want else None
+        return add + n if add is not None else n
+    return key_map
+
+
+def _called_from_outside(model) -> Optional[List[str]]:
+    """Blocks whose parts the model's forward calls outside the block: they
+    stay resident (a streamed block's parts refuse to run outside it).
+    diffusers' DiT and ada_norm_zero Transformer2DModel call
+    ``transformer_blocks[0].norm1.emb`` after the block loop."""
+    cfg = getattr(model, "config", None)
+    norm = cfg.get("norm_type") if isinstance(cfg, dict) else \
+        getattr(cfg, "norm_type", None)
+    if norm == "ada_norm_zero" and hasattr(model, "transformer_blocks"):
+        return ["transformer_blocks.0."]
     return None
 
 
 # ---- moving an offloaded model ---------------------------------------------------
 
-def _guard_moves(model, device) -> None:
-    """``model.to(...)`` and friends on a model whose weights laden holds:
-    a move to where it runs is a no-op, anything else raises (its weights
-    live in laden's tiers, which a move would bypass)."""
+_MOVES = ("to", "cuda", "cpu", "half", "float", "double", "bfloat16",
+          "to_empty", "type")
+
+
+def _move_target(args, kwargs):
+    """(device or None, dtype or None) of a Module.to(...) call."""
     import torch
 
-    def refuse(what):
+    dev = kwargs.get("device")
+    dt = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dt = a
+        elif isinstance(a, (str, torch.device, int)):
+            dev = a
+        elif isinstance(a, torch.Tensor):
+            dev, dt = a.device, a.dtype
+    if dev is not None:
+        dev = torch.device("cuda", dev) if isinstance(dev, int) else \
+            torch.device(dev)
+    return dev, dt
+
+
+def _same_device(d, device) -> bool:
+    return d.type == device.type and (d.index is None or
+                                      device.index is None or
+                                      d.index == device.index)
+
+
+def _guard_moves(model, device, what: str = "the model") -> None:
+    """``.to(...)`` and friends on a model whose weights laden holds, and on
+    every module inside it: a move to where it runs, in the dtypes it has,
+    is a no-op; anything else raises (its weights live in laden's tiers,
+    which a move would bypass)."""
+    for mod in model.modules():
+        _guard_one(mod, model, device, what)
+
+
+def _guard_one(mod, root, device, what: str) -> None:
+    def refuse(call):
         raise StateError(
-            f"{type(model).__name__}.{what}: the model is offloaded by laden "
+            f"{type(mod).__name__}.{call}: {what} is offloaded by laden "
             f"(its weights live in laden's memory and run on {device}); "
-            "call laden.release(model) first, or load it again with "
-            "laden.from_pretrained(..., device=..., dtype=...)", "E_STATE")
+            "release it first (laden.release(model), or the pipeline "
+            "handle's remove()), or load it again with the device and "
+            "dtype wanted", "E_STATE")
 
     def to(*args, **kwargs):
-        dev = kwargs.get("device")
-        dt = kwargs.get("dtype")
-        for a in args:
-            if isinstance(a, torch.dtype):
-                dt = a
-            elif isinstance(a, (str, torch.device, int)):
-                dev = a
-            elif isinstance(a, torch.Tensor):
-                dev, dt = a.device, a.dtype
-        if dt is not None and dt != model.dtype:
+        dev, dt = _move_target(args, kwargs)
+        if dt is not None and any(p.dtype != dt for p in mod.parameters()
+                                  if p.dtype.is_floating_point):
             refuse(f"to({dt})")
-        if dev is not None:
-            d = torch.device(dev) if not isinstance(dev, int) else \
-                torch.device("cuda", dev)
-            if d.type != device.type or (d.index is not None and
-                                         device.index is not None and
-                                         d.index != device.index):
-                refuse(f"to({d})")
-        return model
+        if dev is not None and not _same_device(dev, device):
+            refuse(f"to({dev})")
+        return mod
 
-    def moved(what):
+    def moved(call):
+        import torch
+
+        as_to = {"half": torch.float16, "float": torch.float32,
+                 "double": torch.float64, "bfloat16": torch.bfloat16,
+                 "cpu": "cpu", "cuda": "cuda"}
+
         def f(*args, **kwargs):
-            refuse(f"{what}()")
+            if call in as_to and not args and not kwargs:
+                return to(as_to[call])  # a no-op where it already is
+            if call == "cuda" and args and not kwargs:
+                return to(torch.device("cuda", args[0])
+                          if isinstance(args[0], int) else args[0])
+            refuse(f"{call}()")
         return f
 
-    model.to = to
-    for what in ("cuda", "cpu", "half", "float", "double", "bfloat16",
-                 "to_empty"):
-        setattr(model, what, moved(what))
-    model._laden_guarded = ("to", "cuda", "cpu", "half", "float", "double",
-                            "bfloat16", "to_empty")
+    mod.to = to
+    for call in _MOVES[1:]:
+        setattr(mod, call, moved(call))
+    mod._laden_guarded = _MOVES
 
 
 def unguard_moves(model) -> None:
-    for what in model.__dict__.pop("_laden_guarded", ()):
-        model.__dict__.pop(what, None)
+    for mod in model.modules():
+        for call in mod.__dict__.pop("_laden_guarded", ()):
+            mod.__dict__.pop(call, None)
 
 
 # ---- the one call ----------------------------------------------------------------
@@ -300,24 +504,33 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     if subfolder:
         path = os.path.join(path, subfolder)
     lib = _library(model_cls)
+    if "torch_dtype" in kwargs:  # the libraries' older name
+        td = kwargs.pop("torch_dtype")
+        if dtype is not None and td is not None and dtype != td:
+            raise InvalidArgumentError(
+                "laden.from_pretrained: dtype and torch_dtype differ; give "
+                "one", "E_INVAL")
+        dtype = dtype if dtype is not None else td
     _check_dir(path)
     dtype = _dtype_of(dtype)
     model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs))
     model.eval()
     blocks = find_blocks(model)
+    resident = _called_from_outside(model)
     dev = streaming._device(device)
     try:
         streaming.stream_load(
             model, path, plan=plan,
             offload_prefixes=None if plan is not None else blocks,
+            resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=_key_map(model, path), lookahead=lookahead,
             progress=progress)
         streaming.install_offload(model, lookahead=lookahead)
-    except LadenError as e:
+    except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:
             streaming.release(model)
-        if isinstance(e, MismatchError):
+        if isinstance(e, MismatchError) or not isinstance(e, LadenError):
             raise
         raise type(e)(f"laden.from_pretrained({os.path.basename(path)}): "
                       f"{e}", e.status, e.code) from None
@@ -351,13 +564,18 @@ class PipelineHandle:
     def remove(self) -> None:
         if self.pipe is None:
             return
-        for mod, name, prev in reversed(self._wrapped):
+        for mod, name, prev, ours in reversed(self._wrapped):
+            if mod.__dict__.get(name) is not ours:
+                continue  # changed since: not ours to restore
             if prev is None:
                 mod.__dict__.pop(name, None)
             else:
                 setattr(mod, name, prev)
         self._wrapped.clear()
         for off in self._offloaders.values():
+            unguard_moves(off.model)
+            if off.model.__dict__.get("_laden_pipeline_handle") is self:
+                del off.model._laden_pipeline_handle
             off.close()
         if self._cls is not None:
             self.pipe.__class__ = self._cls
@@ -397,6 +615,13 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
         raise InvalidArgumentError("offload_pipeline: the pipeline has no "
                                    "torch modules", "E_INVAL")
     for k, m in mods.items():
+        other = m.__dict__.get("_laden_pipeline_handle")
+        if other is not None and other.pipe is not None:
+            raise StateError(
+                f"offload_pipeline: component '{k}' is offloaded already, "
+                "by another pipeline that shares it (pipelines made from "
+                "one another's components): offload one of them, or "
+                "remove() the other's handle first", "E_STATE")
         on = {t.device.type for t in m.parameters()}
         if on - {"cpu"}:
             raise InvalidArgumentError(
@@ -431,15 +656,32 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
                     finally:
                         _depth[0] -= 1
 
-                h._wrapped.append((m, name, m.__dict__.get(name)))
+                h._wrapped.append((m, name, m.__dict__.get(name), call))
                 setattr(m, name, call)
+            m._laden_pipeline_handle = h
+            _guard_moves(m, dev, f"component '{k}'")
         # The pipeline puts its inputs where it runs: on `dev`, wherever
         # its idle components' weights are.
         base = type(pipe)
         h._cls = base
+
+        def to(self, *args, **kwargs):
+            d, dt = _move_target(args, kwargs)
+            if (d is not None and not _same_device(d, dev)) or (
+                    dt is not None and any(
+                        p.dtype != dt for m in mods.values()
+                        for p in m.parameters()
+                        if p.dtype.is_floating_point)):
+                raise StateError(
+                    f"{base.__name__}.to({d or dt}): its components are "
+                    f"offloaded by laden and run on {dev}; remove() the "
+                    "handle of laden.offload_pipeline first", "E_STATE")
+            return self
+
         pipe.__class__ = type(base.__name__, (base,), {
             "_execution_device": property(lambda self: dev),
             "device": property(lambda self: dev),
+            "to": to,
             "__module__": base.__module__})
         pipe._laden_pipeline = h
     except BaseException:

@@ -26,8 +26,8 @@ from ._model import (TIER_NAMES, BlockInfo, KeyMap, _destroy_schedule,
                      _dev_index, _device, _fp8_dtype, _matches, _meta,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
-                     _view, _wrap_forward, check_lookahead, describe,
-                     expand_fp8, fill, new_schedule, progress_to)
+                     _unwrap_all, _view, _wrap_forward, check_lookahead,
+                     describe, expand_fp8, fill, new_schedule, progress_to)
 from ._units import fmt_bytes
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
@@ -678,12 +678,7 @@ class OffloadHandle:
                 st.kept_lookahead = self.lookahead
 
     def _unwrap(self) -> None:
-        for mod, prev, had in self._wrapped:
-            if had:
-                mod.forward = prev
-            else:
-                mod.__dict__.pop("forward", None)
-        self._wrapped.clear()
+        _unwrap_all(self._wrapped)
         self.active = False
         if self.state.handle is self:
             self.state.handle = None
@@ -819,7 +814,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             _wrap_forward(b.module, o, b.c_block, state.device,
                           handle._wrapped, expansions, gone=state.gone,
                           after_enter=handle.adapters.after_enter
-                          if streamed else None)
+                          if streamed else None,
+                          slot_tensors=b.tensors if streamed else ())
         off = 0
         for t in b.tensors:
             if t.store == "plain":

@@ -328,3 +328,169 @@ def test_cli_generate(tmp_path, capsys):
     rc = cli.main(["generate", str(tmp_path / "none"), "--prompt", "w1"])
     err = capsys.readouterr().err
     assert rc == 2 and "no such directory" in err
+
+
+# ---- found in review ---------------------------------------------------------------
+
+def _greedy_cpu(m, n=16):
+    ids = torch.randint(0, 128, (1, 7),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return m.generate(ids, max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+
+
+def test_buffers_and_fp32_modules_as_the_library_builds_them(tmp_path):
+    """GPT-J's sinusoidal positions were computed under a bf16 default
+    dtype (other tokens than the library's); T5's `wo`, kept in float32 by
+    transformers from an fp16 checkpoint, was fp16; unknown keyword
+    arguments were dropped silently."""
+    torch.manual_seed(0)
+    ref = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=128, n_embd=64, n_layer=4, n_head=4, rotary_dim=8,
+        n_positions=64, bos_token_id=0, eos_token_id=0)).eval()
+    d = save(ref.to(torch.bfloat16), tmp_path, "gptj")
+    plain = transformers.GPTJForCausalLM.from_pretrained(d).eval()
+    m = laden.from_pretrained(transformers.GPTJForCausalLM, d, device="cpu")
+    assert torch.equal(_greedy_cpu(m), _greedy_cpu(plain))
+    laden.release(m)
+    c = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, d_kv=16,
+                              num_layers=2, num_decoder_layers=2,
+                              num_heads=4, decoder_start_token_id=0)
+    torch.manual_seed(2)
+    d = save(transformers.T5ForConditionalGeneration(c).eval().half(),
+             tmp_path, "t5h")
+    plain = transformers.T5ForConditionalGeneration.from_pretrained(
+        d, attn_implementation="eager")
+    m = laden.from_pretrained(transformers.T5ForConditionalGeneration, d,
+                              device="cpu", attn_implementation="eager")
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo.weight"
+    assert dict(m.named_parameters())[wo].dtype == \
+        dict(plain.named_parameters())[wo].dtype == torch.float32
+    assert m.config._attn_implementation == "eager"
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids, decoder_input_ids=ids).logits,
+                           plain(input_ids=ids,
+                                 decoder_input_ids=ids).logits)
+    laden.release(m)
+    with pytest.raises(laden.InvalidArgumentError, match="dtyp"):
+        laden.from_pretrained(transformers.T5ForConditionalGeneration, d,
+                              dtyp=torch.float16)
+    m = laden.from_pretrained(transformers.T5ForConditionalGeneration, d,
+                              device="cpu", torch_dtype=torch.float32)
+    assert m.dtype == torch.float32
+    laden.release(m)
+
+
+def test_parts_called_outside_their_block(tmp_path):
+    """DiT calls transformer_blocks[0].norm1.emb after its block loop: run
+    from a slot, that read another block's weights (outputs changed from
+    call to call).  A part of a streamed block now refuses to run outside
+    it, and from_pretrained keeps such a block resident."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    ref = diffusers.DiTTransformer2DModel(
+        sample_size=8, num_layers=3, patch_size=2, attention_head_dim=8,
+        num_attention_heads=2, in_channels=4, out_channels=8,
+        num_embeds_ada_norm=10, norm_num_groups=8).eval()
+    d = str(tmp_path / "dit")
+    ref.save_pretrained(d)
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+
+    def run(m):
+        with torch.no_grad():
+            return m(x, timestep=torch.tensor([3]),
+                     class_labels=torch.tensor([1])).sample
+    want = run(ref)
+    m = laden.from_pretrained(diffusers.DiTTransformer2DModel, d,
+                              device="cpu", ram_budget=0, lookahead=1)
+    for _ in range(6):
+        assert torch.equal(run(m), want)
+    laden.release(m)
+    with laden.hf.empty_weights():
+        meta = diffusers.DiTTransformer2DModel(**ref.config)
+    laden.stream_load(meta, d, offload_prefixes=["transformer_blocks."],
+                      device="cpu", ram_budget=0)
+    h = laden.install_offload(meta, lookahead=1)
+    with pytest.raises(laden.StateError, match="outside the block"):
+        run(meta)
+    laden.release(meta, h)
+
+
+def test_moves_and_shared_components_refused(tmp_path):
+    """A submodule moved to another dtype replaced laden's tensors; a
+    pipeline moved as a whole, or one sharing components with an
+    offloaded one, broke the other silently."""
+    ref = tiny_llama()
+    d = save(ref, tmp_path, "lm")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu")
+    with pytest.raises(laden.StateError, match="offloaded by laden"):
+        m.model.to(torch.float16)
+    with pytest.raises(laden.StateError):
+        m.model.layers[0].half()
+    assert m.model.float() is m.model  # already float32: nothing to do
+    laden.release(m)
+    assert m.model.to(torch.float16) is m.model  # plain again (on meta)
+    diffusers, pd = _tiny_ddpm(tmp_path)
+    pipe = diffusers.DDPMPipeline.from_pretrained(pd)
+    h = laden.offload_pipeline(pipe, device="cpu")
+    with pytest.raises(laden.StateError, match="remove"):
+        pipe.to(torch.float64)
+    assert pipe.to("cpu") is pipe
+    with pytest.raises(laden.StateError, match="offloaded by laden"):
+        pipe.unet.to(torch.float64)
+    twin = diffusers.DDPMPipeline(**pipe.components)
+    with pytest.raises(laden.StateError, match="another pipeline"):
+        laden.offload_pipeline(twin, device="cpu")
+    h.remove()
+    pipe.unet.to(torch.float64)  # ordinary again
+    h2 = laden.offload_pipeline(twin.to(torch.float32), device="cpu")
+    h2.remove()
+
+
+def test_empty_weights_threads_and_parameter_attributes():
+    """Parameters carrying attributes, and another thread building a
+    module meanwhile, were broken by the global patch."""
+    import threading
+
+    class Tagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            p = torch.nn.Parameter(torch.ones(3))
+            p.no_decay = True
+            self.p = p
+            self.register_buffer("b", torch.nn.init.ones_(torch.empty(2)),
+                                 persistent=False)
+
+    built = {}
+
+    def other():
+        built["lin"] = torch.nn.Linear(2, 2)
+
+    with laden.hf.empty_weights():
+        t = Tagged()
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+    assert t.p.device.type == "meta" and t.p.no_decay
+    assert torch.equal(t.b, torch.ones(2))  # a buffer is filled
+    assert built["lin"].weight.device.type == "cpu"
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_renamed_by_transformers(tmp_path):
+    """transformers 5 renames some classes' checkpoint names on load
+    (GPT-NeoX's embed_out is lm_head): laden applies the same renames."""
+    torch.manual_seed(0)
+    ref = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, intermediate_size=128, bos_token_id=0,
+        eos_token_id=0)).eval()
+    d = save(ref, tmp_path, "neox")
+    plain = transformers.GPTNeoXForCausalLM.from_pretrained(d).eval()
+    m = laden.from_pretrained(transformers.GPTNeoXForCausalLM, d,
+                              device="cpu", ram_budget=0)
+    assert torch.equal(_greedy_cpu(m), _greedy_cpu(plain))
+    laden.release(m)
