@@ -316,6 +316,19 @@ LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 LADEN_API laden_status laden_sched_slot_fills(laden_sched_t *sched,
                                               uint32_t block, uint64_t *out);
 
+/* Cache schedules: how many times block b's device copy was written from
+ * its host copy (*out grows with every upload; 0 without a device copy).
+ * Whoever changes the device copy in place records it, and after an
+ * upload changes it again. */
+LADEN_API laden_status laden_sched_copy_fills(laden_sched_t *sched,
+                                              uint32_t block, uint64_t *out);
+
+/* Cache schedules: writes block b's device copy from its host copy again
+ * (after the model's earlier work), and waits: what was changed in place
+ * is undone.  LADEN_E_STATE without a device copy. */
+LADEN_API laden_status laden_sched_reupload(laden_sched_t *sched,
+                                            uint32_t block);
+
 /* Forgets what every slot not in use holds, so that each block is filled
  * again from its tier when next entered (the bytes changed in place
  * are replaced by the original ones). */

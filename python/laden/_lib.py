@@ -266,6 +266,8 @@ _SIGNATURES = {
     "laden_sched_synchronize": (status_t, [p]),
     "laden_sched_slot_fills": (status_t, [p, c_uint32, P(c_uint64)]),
     "laden_sched_refill": (status_t, [p]),
+    "laden_sched_copy_fills": (status_t, [p, c_uint32, P(c_uint64)]),
+    "laden_sched_reupload": (status_t, [p, c_uint32]),
     "laden_sched_reread": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_begin": (status_t, [p]),
     "laden_sched_end": (status_t, [p]),

@@ -350,21 +350,7 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
     """See OffloadHandle.set_adapters."""
     import torch
 
-    if mode not in ("merge", "routed"):
-        raise InvalidArgumentError(f"set_adapters: mode {mode!r}; use "
-                                   "'merge' or 'routed'", "E_INVAL")
-    adapters = list(adapters)
-    strengths = [1.0] * len(adapters) if strengths is None \
-        else [float(s) for s in strengths]
-    if len(strengths) != len(adapters):
-        raise InvalidArgumentError(
-            f"set_adapters: {len(adapters)} adapters, {len(strengths)} "
-            "strengths", "E_INVAL")
-    for a in adapters:
-        if not isinstance(a, AdapterSpec):
-            raise InvalidArgumentError(
-                f"set_adapters: give AdapterSpecs, not {type(a).__name__}",
-                "E_INVAL")
+    adapters, strengths = _args(adapters, strengths, mode, "set_adapters")
     st = handle.state
     o = st.live("set_adapters")
     if not handle.active:
@@ -384,15 +370,10 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
         resolved.append(tg)
     by_name = _tensors_by_name(st)
     params = dict(model.named_parameters(remove_duplicate=False))
+    _check_targets(resolved, mode, model, by_name)
     for tg_list in resolved:
         for tg in tg_list:
-            t = by_name.get(tg.name)
-            if t is not None and t.store != "plain":
-                raise AdapterError(
-                    f"target '{tg.name}' is stored compact ({t.store}: fp8 "
-                    "or bf16 storage expanded when its block runs); "
-                    "adapters merge into weights stored as they run (load "
-                    "without storage_dtype)", "E_INVAL")
+            t = by_name[tg.name]
             if mode == "merge" and tg.name in st.merged_for_good and \
                     not lib.laden_sched_is_streamed(o.h, t.c_block):
                 raise AdapterError(
@@ -400,16 +381,6 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
                     "(merge_adapter) in resident memory, which "
                     "set_adapters would undo; use mode='routed' or load "
                     "the model again", "E_INVAL")
-            if mode == "routed" and not isinstance(
-                    _owner(model, tg.name), torch.nn.Linear):
-                raise AdapterError(
-                    f"target '{tg.name}': routed mode adds to nn.Linear "
-                    "outputs; use mode='merge' for it", "E_INVAL")
-            if mode == "routed" and (tg.value is not None or
-                                     tg.name.endswith(".bias")):
-                raise AdapterError(
-                    f"target '{tg.name}': a replacement or bias delta "
-                    "needs mode='merge'", "E_INVAL")
     ad.clear()
     if not adapters:
         return
@@ -423,11 +394,8 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
         return
     for tg_list, s in zip(resolved, strengths):
         for tg in tg_list:
-            t = by_name.get(tg.name)
+            t = by_name[tg.name]
             W = params[tg.name]
-            if t is None or t.c_block is None:
-                raise AdapterError(f"target '{tg.name}' is not held by "
-                                   "laden", "E_INVAL")
             if lib.laden_sched_is_streamed(o.h, t.c_block):
                 ad.merges.setdefault(t.c_block, []).append((W, tg, s))
             else:
@@ -521,3 +489,151 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
         st.merged_for_good.add(tg.name)
     if h is not None and h.active:
         check(lib.laden_sched_refill(o.h))
+
+
+# ---- on a cached model ----------------------------------------------------------
+
+class _CacheAdapters:
+    """The adapters of one ModelCache model: merged into its device copies
+    (kept with them between uses while the copies stay: C's upload count
+    says when a copy was written again) and its slots, or routed."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.key = None
+        self.merges: Dict[int, list] = {}
+        self.merged_at: Dict[int, int] = {}
+        self.copies: Dict[int, tuple] = {}  # c_block -> (key, uploads)
+        self.hooks: list = []
+        self.resolved: Dict[tuple, List[_Target]] = {}
+
+    def after_enter(self, c_block: int) -> None:
+        todo = self.merges.get(c_block)
+        if not todo:
+            return
+        fills = ctypes.c_uint64()
+        check(lib.laden_sched_slot_fills(self.rt.sched, c_block,
+                                         ctypes.byref(fills)))
+        if self.merged_at.get(c_block) == fills.value:
+            return
+        for W, tg, s in todo:
+            _add(W, tg, s)
+        self.merged_at[c_block] = fills.value
+
+    def apply(self, adapters, strengths, mode: str) -> None:
+        """Makes the model, active now, run with exactly these adapters."""
+        import torch
+
+        rt = self.rt
+        h = rt.sched
+        adapters, strengths = _args(adapters, strengths, mode,
+                                    f"use('{rt.spec.key}')")
+        key = (mode, tuple((a.key, id(a.source), s)
+                           for a, s in zip(adapters, strengths))) \
+            if adapters else None
+        model = rt.model
+        resolved = []
+        for a in adapters:
+            k = (a.key, id(a.source))
+            if k not in self.resolved:
+                self.resolved[k] = [_placed(t, rt.device)
+                                    for t in resolve(a, model)]
+            resolved.append(self.resolved[k])
+        by_name = {n: t for t in rt.tensors for n in t.names}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        _check_targets(resolved, mode, model, by_name)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        for hk in self.hooks:
+            hk.remove()
+        self.hooks.clear()
+        by_block: Dict[int, list] = {}
+        if mode == "merge":
+            for tg_list, s in zip(resolved, strengths):
+                for tg in tg_list:
+                    t = by_name[tg.name]
+                    by_block.setdefault(t.c_block, []).append(
+                        (params[tg.name], tg, s))
+        else:
+            for tg_list, s in zip(resolved, strengths):
+                for tg in tg_list:
+                    self.hooks.append(_owner(model, tg.name)
+                                      .register_forward_hook(
+                                          _route(tg, s, params[tg.name])))
+        if key != self.key:  # slots: filled again, merged anew
+            check(lib.laden_sched_refill(h))
+            self.merged_at.clear()
+        self.merges = {b: v for b, v in by_block.items()
+                       if lib.laden_sched_is_streamed(h, b)}
+        fills = ctypes.c_uint64()
+        for b in set(self.copies) | set(by_block):
+            if lib.laden_sched_is_streamed(h, b):
+                self.copies.pop(b, None)
+                continue
+            want = key if b in by_block else None
+            check(lib.laden_sched_copy_fills(h, b, ctypes.byref(fills)))
+            have = self.copies.get(b)
+            if have is not None and have[1] == fills.value:
+                if have[0] == want:
+                    continue  # this copy holds this merge already
+                check(lib.laden_sched_reupload(h, b))  # the base again
+                check(lib.laden_sched_copy_fills(h, b, ctypes.byref(fills)))
+            self.copies.pop(b, None)
+            if want is None:
+                continue
+            if not lib.laden_sched_is_resident(h, b):
+                raise AdapterError(
+                    f"model '{rt.spec.key}': block {b} has no device copy "
+                    "of its own here (its weights are its host copy, which "
+                    "adapters never change); use mode='routed'", "E_INVAL")
+            for W, tg, s in by_block[b]:
+                _add(W, tg, s)
+            self.copies[b] = (want, fills.value)
+        self.key = key
+
+
+def _args(adapters, strengths, mode, call):
+    if mode not in ("merge", "routed"):
+        raise InvalidArgumentError(f"{call}: mode {mode!r}; use 'merge' or "
+                                   "'routed'", "E_INVAL")
+    adapters = list(adapters or ())
+    strengths = [1.0] * len(adapters) if strengths is None \
+        else [float(s) for s in strengths]
+    if len(strengths) != len(adapters):
+        raise InvalidArgumentError(
+            f"{call}: {len(adapters)} adapters, {len(strengths)} strengths",
+            "E_INVAL")
+    for a in adapters:
+        if not isinstance(a, AdapterSpec):
+            raise InvalidArgumentError(
+                f"{call}: give AdapterSpecs, not {type(a).__name__}",
+                "E_INVAL")
+    return adapters, strengths
+
+
+def _check_targets(resolved, mode, model, by_name) -> None:
+    """Every target checked before anything changes."""
+    import torch
+
+    for tg_list in resolved:
+        for tg in tg_list:
+            t = by_name.get(tg.name)
+            if t is None:
+                raise AdapterError(f"target '{tg.name}' is not held by "
+                                   "laden", "E_INVAL")
+            if t.store != "plain":
+                raise AdapterError(
+                    f"target '{tg.name}' is stored compact ({t.store}: fp8 "
+                    "or bf16 storage expanded when its block runs); "
+                    "adapters merge into weights stored as they run (load "
+                    "without storage_dtype)", "E_INVAL")
+            if mode == "routed" and not isinstance(
+                    _owner(model, tg.name), torch.nn.Linear):
+                raise AdapterError(
+                    f"target '{tg.name}': routed mode adds to nn.Linear "
+                    "outputs; use mode='merge' for it", "E_INVAL")
+            if mode == "routed" and (tg.value is not None or
+                                     tg.name.endswith(".bias")):
+                raise AdapterError(
+                    f"target '{tg.name}': a replacement or bias delta "
+                    "needs mode='merge'", "E_INVAL")

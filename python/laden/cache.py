@@ -192,6 +192,7 @@ class _Runtime:
         self.size = 0
         self.in_use = False
         self.mode: Optional[int] = None
+        self.adapters = None  # adapters._CacheAdapters, once asked for
         self.uses = 0
         self.last_use: Optional[float] = None
 
@@ -342,8 +343,12 @@ class _Runtime:
                     "cache.use(...) or between activate() and deactivate()",
                     "E_STATE")
 
+        def after_enter(c):
+            if rt.adapters is not None:
+                rt.adapters.after_enter(c)
+
         _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
-                      guard=guard, gone=self.gone,
+                      guard=guard, gone=self.gone, after_enter=after_enter,
                       slot_tensors=[t for t in self.tensors
                                     if t.c_block == c_block])
 
@@ -541,18 +546,29 @@ class ModelCache:
     # -- use -------------------------------------------------------------------
     @contextlib.contextmanager
     def use(self, spec: Union[ModelSpec, str], device=None, *,
-            lookahead: int = LOOKAHEAD) -> Iterator[Any]:
+            lookahead: int = LOOKAHEAD, adapters=None, strengths=None,
+            mode: str = "merge") -> Iterator[Any]:
         """Activates the model and yields it; deactivates on exit.  Inputs
         go on ``device`` (default: the current CUDA device, else the CPU).
-        The model runs on the current stream of that device."""
-        rt = self._activate(spec, device, lookahead)
+        The model runs on the current stream of that device.
+
+        ``adapters`` (``laden.AdapterSpec``s) with their ``strengths``
+        (default 1.0 each) apply for this use.  ``mode="merge"``: added
+        to the model's device copies and slots, never to its host copy;
+        a device copy kept between uses keeps its merge (the same adapters
+        next time cost nothing) and is written again from the host copy
+        when the adapters change or go (no bytes read from the drive).
+        ``mode="routed"``: the low-rank residual added to ``nn.Linear``
+        outputs, the weights untouched."""
+        rt = self._activate(spec, device, lookahead,
+                            adapters=(adapters, strengths, mode))
         try:
             yield rt.model
         finally:
             self._deactivate(rt)
 
     def _activate(self, spec, device, lookahead: int,
-                  adopt=None) -> _Runtime:
+                  adopt=None, adapters=None) -> _Runtime:
         if isinstance(spec, str):
             spec = self._spec(spec)
         else:
@@ -584,6 +600,16 @@ class ModelCache:
                 self._failed.discard(spec.key)
                 self._built.add(spec.key)
             self._run(rt, lookahead)
+            if adapters is not None and (adapters[0] or
+                                         rt.adapters is not None):
+                try:
+                    if rt.adapters is None:
+                        from .adapters import _CacheAdapters
+                        rt.adapters = _CacheAdapters(rt)
+                    rt.adapters.apply(*adapters)
+                except BaseException:
+                    self._deactivate(rt)
+                    raise
             return rt
 
     def _dc(self, dev) -> _DeviceCache:

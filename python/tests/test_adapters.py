@@ -231,3 +231,58 @@ def test_diffusers_unet_lora(tmp_path):
         m._laden_stream.handle.set_adapters(
             [laden.AdapterSpec("a", a_dir)], mode="routed")  # convs
     laden.release(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_mode", ["resident", "streaming"])
+def test_cache_use_with_adapters(tmp_path, device, block_mode):
+    """cache.use(..., adapters=...): peft's merged outputs in merge and
+    routed mode; switching adapters across uses reads no bytes from the
+    drive (the device copies are written again from the host copies, the
+    slots filled again); a use without adapters is the base bit for bit;
+    the same adapters twice merge once."""
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    b_dir, b_merged = lora(ref, tmp_path, "b", seed=3)
+    base = logits(ref.to(device), device)
+    want_a = logits(a_merged.to(device), device)
+    want_b = logits(b_merged.to(device), device)
+
+    def build():
+        with laden.hf.empty_weights():
+            return transformers.LlamaForCausalLM(ref.config).eval()
+
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("llama", build, checkpoint=d,
+                           block_paths=("model.layers",),
+                           block_mode=block_mode)
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+    tol = dict(atol=2e-5, rtol=1e-4)
+
+    def run(**kw):
+        with cache.use(spec, device=device, **kw) as m:
+            return logits(m, device)
+
+    assert torch.equal(run(), base)
+    rt = cache._rt["llama"]
+    read0 = rt.stats().load_read_bytes + rt.stats().read_bytes
+    for mode in ("merge", "routed"):
+        torch.testing.assert_close(run(adapters=[A], mode=mode), want_a,
+                                   **tol)
+        torch.testing.assert_close(run(adapters=[A], mode=mode), want_a,
+                                   **tol)
+        torch.testing.assert_close(run(adapters=[B], mode=mode), want_b,
+                                   **tol)
+        assert torch.equal(run(), base)  # bit for bit
+    st = rt.stats()
+    if device == "cuda":  # the CPU device's slots are read from the file
+        assert st.load_read_bytes + st.read_bytes == read0
+    with pytest.raises(laden.AdapterError, match="nope"):
+        bad = laden.AdapterSpec("bad", lambda: {
+            "model.layers.0.nope.lora_A.weight": torch.zeros(4, 64),
+            "model.layers.0.nope.lora_B.weight": torch.zeros(64, 4)})
+        run(adapters=[bad])
+    assert torch.equal(run(), base)  # the failed use changed nothing
+    cache.clear()

@@ -63,6 +63,7 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
     }
     if (copy) {
         b->sig = sig;
+        b->uploads++;
         sc->st.upload_bytes += b->bytes;
         sc->st.h2d_bytes += b->bytes;
     }
@@ -363,5 +364,41 @@ laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle)
         (s = laden_dev_event_record(sc->last_use, sc->compute)))
         return s;
     sc->fenced = true;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_copy_fills(laden_sched_t *sc, uint32_t block,
+                                     uint64_t *out)
+{
+    blk *b = NULL;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_copy_fills: NULL");
+    *out = 0;
+    laden_status s = cache_block(sc, block, "laden_sched_copy_fills", &b);
+    if (s)
+        return s;
+    if (b->resident)
+        *out = b->uploads;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_sched_reupload", &b);
+    if (s)
+        return s;
+    if (!b->resident)
+        return laden__fail(LADEN_E_STATE, "laden_sched_reupload: block %u "
+                           "has no device copy", block);
+    /* The model's earlier work may still read the copy. */
+    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+        (b->bytes &&
+         ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram, b->bytes)) ||
+          (s = laden_dev_stream_synchronize(sc->copy)))))
+        return s;
+    b->uploads++;
+    sc->st.upload_bytes += b->bytes;
+    sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
 }

@@ -478,6 +478,17 @@ laden_status laden_sched_slot_fills(laden_sched_t *sc, uint32_t block,
     HELD("laden_sched_slot_fills", laden__sched_slot_fills(sc, block, out));
 }
 
+laden_status laden_sched_copy_fills(laden_sched_t *sc, uint32_t block,
+                                    uint64_t *out)
+{
+    HELD("laden_sched_copy_fills", laden__sched_copy_fills(sc, block, out));
+}
+
+laden_status laden_sched_reupload(laden_sched_t *sc, uint32_t block)
+{
+    HELD("laden_sched_reupload", laden__sched_reupload(sc, block));
+}
+
 laden_status laden_sched_refill(laden_sched_t *sc)
 {
     HELD("laden_sched_refill", laden__sched_refill(sc));

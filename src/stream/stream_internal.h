@@ -58,6 +58,8 @@ typedef struct blk {
     uint64_t voff;         /* cache schedules with a VBAR: its range there */
     uint64_t sig;          /* signature of the range when last written */
     bool pinned;           /* cache schedules: host copy pinned in place */
+    uint64_t uploads;      /* cache schedules: times its device copy was
+                              written from the host copy */
     bool ready;            /* its bytes are in place (a load in progress
                               marks the blocks as it goes: load.c) */
 } blk;
@@ -250,6 +252,9 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc, const uint8_t *want,
                                        uint32_t n);
 laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on);
 laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_copy_fills(laden_sched_t *sc, uint32_t block,
+                                     uint64_t *out);
+laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block);
 laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle);
 
 #endif
