@@ -307,9 +307,10 @@ LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
 /* Waits for every copy and read the schedule has in flight. */
 LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 
-/* Streamed block b: how many times bytes were put in its slot since the
- * schedule started (*out grows whenever the slot is filled again, with b
- * or another block), or 0 when the slot does not hold b.  Whoever changes
+/* Streamed block b: a number that names the last time bytes were put in
+ * its slot (it grows with every fill of any slot, and never repeats, also
+ * across laden_sched_stop and _start), or 0 when the slot does not hold
+ * b.  Whoever changes
  * a slot's bytes after enter (an adapter merged in place) records it, and
  * changes them again only once it grows: the next fill brings the
  * original bytes back. */

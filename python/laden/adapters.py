@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from .errors import InvalidArgumentError, StateError
 
 __all__ = ["AdapterSpec", "merge_adapter", "set_adapters"]
 
+log = logging.getLogger("laden")
+
 _LORA = {"lora_A.weight": "A", "lora_B.weight": "B",
          "lora_down.weight": "A", "lora_up.weight": "B",
          "lora.down.weight": "A", "lora.up.weight": "B"}
@@ -43,6 +46,10 @@ _WRAPPERS = ("base_model.model.", "unet.", "transformer.", "text_encoder.",
              "text_encoder_2.", "model.")
 _KOHYA = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te_",
           "lora_transformer_")
+# peft keys of adapter kinds laden does not apply: refused, never skipped.
+_UNSUPPORTED = ("lora_magnitude_vector", "lora_embedding_A",
+                "lora_embedding_B", "lora_B.bias", "base_layer.",
+                "modules_to_save.")
 
 
 class AdapterError(InvalidArgumentError):
@@ -112,6 +119,7 @@ class _Target:
     scale: float = 1.0
     delta: Any = None          # full-rank delta
     value: Any = None          # replacement
+    transposed: bool = False   # W is [in, out] (transformers' Conv1D)
 
     def update(self, W, strength: float):
         """The update of W (in W's shape, float32)."""
@@ -121,7 +129,8 @@ class _Target:
         if self.A is not None:
             a = self.A.to(W.device, torch.float32).flatten(1)
             b = self.B.to(W.device, torch.float32).flatten(1)
-            d += (b @ a).view(W.shape) * (self.scale * strength)
+            ba = (b @ a).t() if self.transposed else b @ a
+            d += ba.reshape(W.shape) * (self.scale * strength)
         if self.delta is not None:
             d += self.delta.to(W.device, torch.float32) * strength
         return d
@@ -161,10 +170,13 @@ def _module_name(base: str, modules: set, underscored: Dict[str, str]):
 def _alpha_from(cfg: dict, module: str, r: int) -> Optional[float]:
     if not cfg:
         return None
+    import re
+
     alpha = cfg.get("lora_alpha")
     for pat, a in (cfg.get("alpha_pattern") or {}).items():
-        if module == pat or module.endswith("." + pat):
+        if re.match(rf"(.*\.)?({pat})$", module):  # as peft, first wins
             alpha = a
+            break
     if alpha is None:
         return None
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -175,6 +187,18 @@ def resolve(spec: AdapterSpec, model) -> List[_Target]:
     import torch
 
     sd, cfg = _read(spec)
+    if cfg.get("use_dora") or cfg.get("lora_bias"):
+        raise AdapterError(
+            f"adapter '{spec.key}': {'DoRA' if cfg.get('use_dora') else 'LoRA with bias'}"
+            " adapters are not supported (only plain LoRA, deltas and "
+            "values)", "E_INVAL")
+    odd = sorted(k for k in sd if any(x in k for x in _UNSUPPORTED))
+    if odd:
+        raise AdapterError(
+            f"adapter '{spec.key}': keys laden cannot apply: "
+            f"{', '.join(odd[:6])}{' ...' if len(odd) > 6 else ''} (DoRA "
+            "magnitudes, embedding LoRA, LoRA biases and saved base "
+            "layers are not supported)", "E_INVAL")
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = {n for n, _ in model.named_modules()}
     underscored = {n.replace(".", "_"): n for n in modules if n}
@@ -220,7 +244,12 @@ def resolve(spec: AdapterSpec, model) -> List[_Target]:
             f"parameter of {type(model).__name__}: "
             f"{', '.join(sorted(unmatched)[:12])}"
             + (" ..." if len(unmatched) > 12 else "")
-            + " (allow_partial_targets=True skips them)", "E_INVAL")
+            + " (allow_partial_targets=True skips the names of modules "
+            "the model lacks)", "E_INVAL")
+    if unmatched:
+        log.warning("laden: adapter '%s': skipped %d key(s) naming no "
+                    "parameter: %s", spec.key, len(unmatched),
+                    ", ".join(sorted(unmatched)[:12]))
     out = []
     for name, tg in targets.items():
         W = params[name]
@@ -237,15 +266,21 @@ def resolve(spec: AdapterSpec, model) -> List[_Target]:
         if tg.A is not None:
             A, B = tg.A, tg.B
             r = A.shape[0]
-            want_b = (W.shape[0], r)
+            owner = _owner(model, name)
+            tg.transposed = type(owner).__name__ == "Conv1D" or \
+                bool(cfg.get("fan_in_fan_out"))
+            shape = tuple(W.shape[::-1]) if tg.transposed else \
+                tuple(W.shape)
+            want_b = (shape[0], r)
             if B.dim() < 2 or tuple(B.shape[:2]) != want_b or \
                     math.prod(B.shape[2:]) != 1 or A.dim() < 2 or \
-                    A[0].numel() != math.prod(W.shape[1:]):
+                    A[0].numel() != math.prod(shape[1:]):
                 raise AdapterError(
                     f"{where}: LoRA factors A {tuple(A.shape)} and B "
                     f"{tuple(B.shape)} do not fit the weight "
-                    f"{tuple(W.shape)} (B must be [out, r], A [r, in...])",
-                    "E_INVAL")
+                    f"{tuple(W.shape)} (B must be [out, r], A [r, in...]"
+                    + (", the weight being [in, out] (Conv1D)"
+                       if tg.transposed else "") + ")", "E_INVAL")
             m = name.rsplit(".", 1)[0]
             if m in alphas:
                 tg.scale = alphas[m] / r
@@ -290,8 +325,15 @@ class _Adapters:
         o = self.handle.state.live("forward")
         fills = ctypes.c_uint64()
         check(lib.laden_sched_slot_fills(o.h, c_block, ctypes.byref(fills)))
-        if self.merged_at.get(c_block) == fills.value:
+        have = self.merged_at.get(c_block)
+        if have == fills.value:
             return
+        if have is _HALF:
+            raise StateError(
+                f"block {c_block}: merging an adapter into it failed half "
+                "way and it has not been filled again since; call "
+                "set_adapters again", "E_STATE")
+        self.merged_at[c_block] = _HALF
         for W, tg, s in todo:
             _add(W, tg, s)
         self.merged_at[c_block] = fills.value
@@ -331,7 +373,10 @@ def _add(W, tg: _Target, s: float) -> None:
                 tg.A.dtype == W.dtype:
             A = tg.A.to(W.device)
             B = tg.B.to(W.device)
-            W.addmm_(B, A, alpha=s * tg.scale)
+            if tg.transposed:  # W [in, out] += A.T @ B.T
+                W.addmm_(A.t(), B.t(), alpha=s * tg.scale)
+            else:
+                W.addmm_(B, A, alpha=s * tg.scale)
             return
         W.add_(tg.update(W, s).to(W.dtype))
 
@@ -348,8 +393,6 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
                  strengths: Optional[Sequence[float]] = None,
                  mode: str = "merge") -> None:
     """See OffloadHandle.set_adapters."""
-    import torch
-
     adapters, strengths = _args(adapters, strengths, mode, "set_adapters")
     st = handle.state
     o = st.live("set_adapters")
@@ -359,28 +402,33 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
     if model is None:
         raise StateError("set_adapters: the model is not attached",
                          "E_STATE")
+    if st.awaiting:
+        raise StateError("set_adapters: the model is still loading in the "
+                         "background; wait for it (report.wait()) first",
+                         "E_STATE")
+    from .streaming import _pass
+
+    with _pass(st, o, "set_adapters"):
+        _set(handle, st, o, model, adapters, strengths, mode)
+
+
+def _set(handle, st, o, model, adapters, strengths, mode) -> None:
     ad = handle.adapters
-    resolved = []
-    for a in adapters:  # all checked before anything changes
-        key = (a.key, id(a.source))
-        tg = ad.resolved.get(key)
-        if tg is None:  # on the device once, not at every merge
-            tg = ad.resolved[key] = [_placed(t, st.device)
-                                     for t in resolve(a, model)]
-        resolved.append(tg)
+    # All checked before anything changes.
+    resolved = _resolved(ad.resolved, adapters, model, st.device)
     by_name = _tensors_by_name(st)
     params = dict(model.named_parameters(remove_duplicate=False))
     _check_targets(resolved, mode, model, by_name)
     for tg_list in resolved:
         for tg in tg_list:
             t = by_name[tg.name]
-            if mode == "merge" and tg.name in st.merged_for_good and \
+            if mode == "merge" and id(t) in st.merged_for_good and \
                     not lib.laden_sched_is_streamed(o.h, t.c_block):
                 raise AdapterError(
                     f"target '{tg.name}' has an adapter merged for good "
-                    "(merge_adapter) in resident memory, which "
-                    "set_adapters would undo; use mode='routed' or load "
-                    "the model again", "E_INVAL")
+                    "(merge_adapter, perhaps through a tied name) in "
+                    "resident memory, which set_adapters would undo; use "
+                    "mode='routed' or load the model again", "E_INVAL")
     ad.clear()
     if not adapters:
         return
@@ -395,13 +443,70 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
     for tg_list, s in zip(resolved, strengths):
         for tg in tg_list:
             t = by_name[tg.name]
+            _warn_tied(t, tg)
             W = params[tg.name]
             if lib.laden_sched_is_streamed(o.h, t.c_block):
                 ad.merges.setdefault(t.c_block, []).append((W, tg, s))
             else:
-                _add(W, tg, s)
                 if (t.c_block, t.c_index) not in ad.reread:
-                    ad.reread.append((t.c_block, t.c_index))
+                    ad.reread.append((t.c_block, t.c_index))  # first
+                _add(W, tg, s)
+
+
+def _warn_tied(t, tg: _Target) -> None:
+    mods = {id(m) for m, _ in t.aliases}
+    if len(mods) > 1:
+        log.warning("laden: adapter target '%s' is tied to %s: a merge "
+                    "changes all of them (as peft's merge does); "
+                    "mode='routed' changes only this module's output",
+                    tg.name, ", ".join(n for n in t.names if n != tg.name))
+
+
+def _source_key(a: AdapterSpec):
+    """What an adapter's resolved targets depend on: the spec itself (its
+    dtype and allow_partial_targets too) and, for a path, the file's size
+    and time (a file written again is read again).  A function source is
+    called again each time (None: not kept)."""
+    if callable(a.source):
+        return None
+    path = os.fspath(a.source)
+    f = os.path.join(path, "adapter_model.safetensors") \
+        if os.path.isdir(path) else path
+    try:
+        st = os.stat(f)
+        return (a, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return (a, None, None)
+
+
+def _resolved(cache: dict, adapters, model, device):
+    """Each adapter's targets, on the device; the cache keeps only these
+    adapters' (switching adapters does not pile them up on the device)."""
+    out, keep = [], {}
+    for a in adapters:
+        k = _source_key(a)
+        tg = cache.get(k) if k is not None else None
+        if tg is None:
+            tg = [_placed(t, device) for t in resolve(a, model)]
+        if k is not None:
+            keep[k] = tg
+        out.append(tg)
+    cache.clear()
+    cache.update(keep)
+    return out
+
+
+def _merge_key(adapters, strengths, mode):
+    """Names the merge the adapters make: equal keys, equal bytes."""
+    if not adapters:
+        return None
+    return (mode, tuple((_source_key(a) or object(), s)
+                        for a, s in zip(adapters, strengths)))
+
+
+# A merge that was started and did not finish: never equal to a fill
+# count, so the bytes are taken as changed in an unknown way.
+_HALF = object()
 
 
 def _placed(tg: _Target, device) -> _Target:
@@ -447,10 +552,6 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
     resident weights in place, streamed blocks' RAM-tier host copies (a
     block on the disk tier cannot be changed: it is read from the
     checkpoint each time).  Refused while set_adapters is active."""
-    import torch
-
-    from ._model import _tensor_view
-
     st = getattr(model, "_laden_stream", None)
     if st is None:
         raise StateError("merge_adapter: the model was not loaded by laden",
@@ -460,6 +561,21 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
     if h is not None and h.adapters.mode is not None:
         raise StateError("merge_adapter: adapters are active "
                          "(set_adapters([]) first)", "E_STATE")
+    if st.awaiting:
+        raise StateError("merge_adapter: the model is still loading in the "
+                         "background; wait for it (report.wait()) first",
+                         "E_STATE")
+    from .streaming import _pass
+
+    with _pass(st, o, "merge_adapter"):
+        _merge_for_good(model, st, o, h, adapter, strength)
+
+
+def _merge_for_good(model, st, o, h, adapter, strength) -> None:
+    import torch
+
+    from ._model import _tensor_view
+
     targets = resolve(adapter, model)
     by_name = _tensors_by_name(st)
     plan = []
@@ -486,7 +602,7 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
         torch.cuda.synchronize(st.device)
     for W, tg in plan:
         _add(W, tg, strength)
-        st.merged_for_good.add(tg.name)
+        st.merged_for_good.add(id(by_name[tg.name]))
     if h is not None and h.active:
         check(lib.laden_sched_refill(o.h))
 
@@ -514,8 +630,15 @@ class _CacheAdapters:
         fills = ctypes.c_uint64()
         check(lib.laden_sched_slot_fills(self.rt.sched, c_block,
                                          ctypes.byref(fills)))
-        if self.merged_at.get(c_block) == fills.value:
+        have = self.merged_at.get(c_block)
+        if have == fills.value:
             return
+        if have is _HALF:
+            raise StateError(
+                f"model '{self.rt.spec.key}', block {c_block}: merging an "
+                "adapter into it failed half way; use the model again",
+                "E_STATE")
+        self.merged_at[c_block] = _HALF
         for W, tg, s in todo:
             _add(W, tg, s)
         self.merged_at[c_block] = fills.value
@@ -528,17 +651,9 @@ class _CacheAdapters:
         h = rt.sched
         adapters, strengths = _args(adapters, strengths, mode,
                                     f"use('{rt.spec.key}')")
-        key = (mode, tuple((a.key, id(a.source), s)
-                           for a, s in zip(adapters, strengths))) \
-            if adapters else None
+        key = _merge_key(adapters, strengths, mode)
         model = rt.model
-        resolved = []
-        for a in adapters:
-            k = (a.key, id(a.source))
-            if k not in self.resolved:
-                self.resolved[k] = [_placed(t, rt.device)
-                                    for t in resolve(a, model)]
-            resolved.append(self.resolved[k])
+        resolved = _resolved(self.resolved, adapters, model, rt.device)
         by_name = {n: t for t in rt.tensors for n in t.names}
         params = dict(model.named_parameters(remove_duplicate=False))
         _check_targets(resolved, mode, model, by_name)
@@ -560,8 +675,8 @@ class _CacheAdapters:
                     self.hooks.append(_owner(model, tg.name)
                                       .register_forward_hook(
                                           _route(tg, s, params[tg.name])))
-        if key != self.key:  # slots: filled again, merged anew
-            check(lib.laden_sched_refill(h))
+        if key != self.key or _HALF in self.merged_at.values():
+            check(lib.laden_sched_refill(h))  # slots: filled again
             self.merged_at.clear()
         self.merges = {b: v for b, v in by_block.items()
                        if lib.laden_sched_is_streamed(h, b)}
@@ -586,6 +701,7 @@ class _CacheAdapters:
                     f"model '{rt.spec.key}': block {b} has no device copy "
                     "of its own here (its weights are its host copy, which "
                     "adapters never change); use mode='routed'", "E_INVAL")
+            self.copies[b] = (_HALF, fills.value)  # until it is done
             for W, tg, s in by_block[b]:
                 _add(W, tg, s)
             self.copies[b] = (want, fills.value)

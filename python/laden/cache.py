@@ -600,8 +600,9 @@ class ModelCache:
                 self._failed.discard(spec.key)
                 self._built.add(spec.key)
             self._run(rt, lookahead)
-            if adapters is not None and (adapters[0] or
-                                         rt.adapters is not None):
+            if adapters is None:  # ModelOffloader.activate: none
+                adapters = ((), None, "merge")
+            if adapters[0] or rt.adapters is not None:
                 try:
                     if rt.adapters is None:
                         from .adapters import _CacheAdapters

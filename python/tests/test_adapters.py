@@ -286,3 +286,120 @@ def test_cache_use_with_adapters(tmp_path, device, block_mode):
         run(adapters=[bad])
     assert torch.equal(run(), base)  # the failed use changed nothing
     cache.clear()
+
+
+def test_found_in_review(tmp_path, monkeypatch):
+    """A cache model evicted between uses kept a stale merge count and
+    skipped its merge; GPT-2's Conv1D weights ([in, out]) were merged
+    transposed; DoRA and embedding LoRA keys were skipped silently; a
+    function source's tensors were reused after its id was; set_adapters
+    during a background load lost the merge; a merge that failed half way
+    was repeated over its first targets; ModelOffloader.activate after an
+    adapted use kept the adapters."""
+    from laden import adapters as admod
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    want = logits(a_merged, "cpu")
+    base = logits(ref, "cpu")
+    A = laden.AdapterSpec("a", a_dir)
+    tol = dict(atol=2e-5, rtol=1e-4)
+
+    def build():
+        with laden.hf.empty_weights():
+            return transformers.LlamaForCausalLM(ref.config).eval()
+
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("llama", build, checkpoint=d,
+                           block_paths=("model.layers",),
+                           block_mode="streaming")
+    for la in (1, 2, 1):
+        with cache.use(spec, device="cpu", lookahead=la, adapters=[A]) as m:
+            torch.testing.assert_close(logits(m, "cpu"), want, **tol)
+        cache.evict("llama")
+    cache.clear()
+    # ModelOffloader.activate after an adapted use of the same model: the
+    # base again.
+    shared = laden.ModelCache()
+    mod = transformers.LlamaForCausalLM.from_pretrained(d).eval()
+    off = laden.ModelOffloader(mod, block_paths=("model.layers",),
+                               cache=shared, key="x")
+    with shared.use("x", device="cpu", adapters=[A]) as m:
+        torch.testing.assert_close(logits(m, "cpu"), want, **tol)
+    assert torch.equal(logits(off.activate("cpu"), "cpu"), base)
+    off.deactivate()
+    off.close()
+
+    # GPT-2: Conv1D targets, square (c_proj) and not (c_attn).
+    c = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=3,
+                                n_head=4, n_positions=64)
+    torch.manual_seed(1)
+    g = transformers.GPT2LMHeadModel(c).eval()
+    gd = str(tmp_path / "gpt2")
+    g.save_pretrained(gd)
+    g_dir, g_merged = lora(g, tmp_path, "g", targets=["c_attn", "c_proj"])
+    m = laden.from_pretrained(transformers.GPT2LMHeadModel, gd, device="cpu",
+                              ram_budget=0)
+    m._laden_stream.handle.set_adapters([laden.AdapterSpec("g", g_dir)])
+    torch.testing.assert_close(logits(m, "cpu"), logits(g_merged, "cpu"),
+                               **tol)
+    laden.release(m)
+
+    # Kinds laden does not apply are refused by name, also when partial.
+    for bad in ({"model.layers.0.self_attn.q_proj.lora_magnitude_vector":
+                 torch.ones(64)},
+                {"model.embed_tokens.lora_embedding_A": torch.ones(4, 128)}):
+        with pytest.raises(laden.AdapterError, match="cannot apply"):
+            admod.resolve(laden.AdapterSpec("x", lambda b=bad: b,
+                                            allow_partial_targets=True), ref)
+
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    h = m._laden_stream.handle
+    # Function sources are read again each time (no stale tensors).
+    zero = {"model.layers.0.self_attn.q_proj.delta.weight":
+            torch.zeros(64, 64)}
+    h.set_adapters([laden.AdapterSpec("z", lambda: dict(zero))])
+    assert torch.equal(logits(m, "cpu"), base)
+    # A merge failing half way: the next forward refuses, set_adapters
+    # mends it.
+    calls = {"n": 0}
+    real = admod._add
+
+    def flaky(W, tg, s):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("out of memory (simulated)")
+        real(W, tg, s)
+
+    h.set_adapters([])
+    monkeypatch.setattr(admod, "_add", flaky)
+    with pytest.raises(RuntimeError):
+        h.set_adapters([A])
+    monkeypatch.setattr(admod, "_add", real)
+    h.set_adapters([A])
+    torch.testing.assert_close(logits(m, "cpu"), want, **tol)
+    h.set_adapters([])
+    assert torch.equal(logits(m, "cpu"), base)
+    laden.release(m)
+    # During a background load: refused until it ends.
+    m = on_meta_llama(ref)
+    rep = laden.stream_load(m, d, offload_prefixes=["model.layers."],
+                            device="cpu", background=True)
+    h = laden.install_offload(m)
+    if not rep.done:
+        try:
+            h.set_adapters([A])
+        except laden.StateError as e:
+            assert "loading" in str(e)
+    rep.wait()
+    h.set_adapters([A])
+    torch.testing.assert_close(logits(m, "cpu"), want, **tol)
+    laden.release(m, h)
+
+
+def on_meta_llama(ref):
+    with laden.hf.empty_weights():
+        return transformers.LlamaForCausalLM(ref.config).eval()

@@ -189,7 +189,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         finish_reads(sc, sl, true);
     sl->block = bi;
     sl->err = LADEN_OK;
-    sl->fills++;
+    sl->fills = ++sc->fill_seq; /* never repeats, across stop and start */
     if (b->tier == LADEN_TIER_RAM) {
         if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
             (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||

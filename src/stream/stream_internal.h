@@ -77,7 +77,7 @@ typedef struct slot {
     uint32_t nreqs;
     laden_status err;
     char errmsg[512];
-    uint64_t fills; /* times bytes were put here (laden_sched_slot_fills) */
+    uint64_t fills; /* the schedule's fill_seq when last filled */
 } slot;
 
 struct laden_sched {
@@ -112,6 +112,7 @@ struct laden_sched {
     uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
     uint64_t pinned_homes;      /* CUDA RAM-tier blocks pinned in place */
+    uint64_t fill_seq;          /* slot fills so far (laden_sched_slot_fills) */
     uint64_t stage_bytes;       /* CUDA GPU-tier staging pieces; 0: default
                                    (tests set a small one) */
     laden_sched_progress_fn progress; /* called as blocks finish loading */
