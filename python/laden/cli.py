@@ -177,9 +177,48 @@ def _table(rows: List[List[str]], right: Sequence[int] = ()) -> str:
     return "\n".join(out)
 
 
+def _inspect_gguf(args) -> int:
+    from .gguf import GgufFile
+
+    g = GgufFile(args.path)
+    print(f"{g.path}: GGUF version {g.version}, {len(g.tensors)} tensors, "
+          f"{fmt_bytes(g.total_bytes)} ({g.total_bytes} bytes), alignment "
+          f"{g.alignment}")
+    for k, v in g.metadata.items():
+        print(f"  metadata {k} = {str(v)[:120]}")
+    shown = g.tensors if args.limit == 0 else g.tensors[:args.limit]
+    if shown:
+        print()
+        rows = [["tensor", "type", "shape", "bytes"]]
+        rows += [[t.name, t.type, "[" + ", ".join(map(str, t.shape)) + "]",
+                  fmt_bytes(t.nbytes)] for t in shown]
+        print(_table(rows, right=(3,)))
+        if len(shown) < len(g.tensors):
+            print(f"... {len(g.tensors) - len(shown)} more (--limit 0 shows "
+                  "all)")
+    by_type: Dict[str, List[int]] = OrderedDict()
+    for t in g.tensors:
+        e = by_type.setdefault(t.type, [0, 0])
+        e[0] += 1
+        e[1] += t.nbytes
+    if by_type:
+        print()
+        rows = [["type", "tensors", "bytes", "share"]]
+        for d, (n, b) in sorted(by_type.items(), key=lambda x: -x[1][1]):
+            share = 100.0 * b / g.total_bytes if g.total_bytes else 0.0
+            rows.append([d, str(n), fmt_bytes(b), f"{share:.1f}%"])
+        print(_table(rows, right=(1, 2, 3)))
+    print("\n(loading GGUF weights into a model is not built yet)")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .checkpoint import Checkpoint
 
+    if os.path.isfile(args.path):
+        with open(args.path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return _inspect_gguf(args)
     with Checkpoint(args.path) as ck:
         tensors = ck.tensors()
         print(f"{ck.path}: {len(tensors)} tensors, {fmt_bytes(ck.total_bytes)}"
@@ -495,8 +534,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd")
     p = sub.add_parser("inspect", help="print a checkpoint's tensor table, "
                        "totals by dtype and block groups")
-    p.add_argument("path", help=".safetensors file, sharded index, or "
-                   "directory")
+    p.add_argument("path", help=".safetensors file, sharded index, "
+                   "directory, or .gguf file")
     p.add_argument("--limit", type=_int_arg("--limit", 0, hint="0 shows "
                                             "all tensors"), default=0,
                    help="show at most this many tensors (0: all)")

@@ -29,6 +29,8 @@ C_NAMES = {
     "PlanInput": "laden_plan_input",
     "PlanResult": "laden_plan_result",
     "HostStats": "laden_host_stats",
+    "GgufTensor": "laden_gguf_tensor",
+    "GgufKv": "laden_gguf_kv",
 }
 
 

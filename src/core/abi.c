@@ -10,6 +10,7 @@
 #include "laden/abi.h"
 #include "laden/cache.h"
 #include "laden/dev.h"
+#include "laden/gguf.h"
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
@@ -34,12 +35,20 @@
     S(laden_cache_activation) \
     S(laden_plan_input)       \
     S(laden_plan_result)      \
-    S(laden_host_stats)
+    S(laden_host_stats)       \
+    S(laden_gguf_tensor)      \
+    S(laden_gguf_kv)
 
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_st_tensor(F, T)                                       \
     F(T, name) F(T, dtype) F(T, ndim) F(T, shape) F(T, file_index)         \
     F(T, offset_bytes) F(T, size_bytes)
+#define FIELDS_laden_gguf_tensor(F, T)                                     \
+    F(T, name) F(T, type) F(T, ndim) F(T, dims) F(T, offset_bytes)         \
+    F(T, size_bytes)
+#define FIELDS_laden_gguf_kv(F, T)                                         \
+    F(T, key) F(T, type) F(T, elem_type) F(T, count) F(T, u) F(T, i)       \
+    F(T, f) F(T, str)
 #define FIELDS_laden_dev_info(F, T)                                        \
     F(T, device) F(T, kind) F(T, name) F(T, total_bytes) F(T, cc_major)    \
     F(T, cc_minor) F(T, vmm_supported) F(T, vmm_granularity_bytes)

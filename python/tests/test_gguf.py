@@ -1,0 +1,82 @@
+"""laden's GGUF reader (C) against the gguf package's own reader, on files
+the gguf package writes in several ggml types: the same tensors, types,
+shapes, offsets and metadata keys."""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+from laden import _lib
+from laden._lib import check, lib
+
+gguf = pytest.importorskip("gguf")
+
+
+def read(path):
+    h = ctypes.c_void_p()
+    check(lib.laden_gguf_open(path.encode(), ctypes.byref(h)))
+    try:
+        t = _lib.GgufTensor()
+        tensors = {}
+        for i in range(lib.laden_gguf_count(h)):
+            check(lib.laden_gguf_tensor_at(h, i, ctypes.byref(t)))
+            tensors[t.name.decode()] = (
+                lib.laden_gguf_type_name(t.type).decode(),
+                tuple(t.dims[d] for d in range(t.ndim)), t.offset_bytes,
+                t.size_bytes)
+        kv = _lib.GgufKv()
+        keys = set()
+        for i in range(lib.laden_gguf_metadata_count(h)):
+            check(lib.laden_gguf_metadata_at(h, i, ctypes.byref(kv)))
+            keys.add(kv.key.decode())
+        return tensors, keys, lib.laden_gguf_alignment(h)
+    finally:
+        lib.laden_gguf_close(h)
+
+
+def test_same_table_as_the_gguf_package(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "fuzz",
+                          "make_gguf_corpus.py")
+    out = tmp_path / "corpus"
+    subprocess.run([sys.executable, script, str(out)], check=True)
+    files = sorted(p for p in os.listdir(out) if p.endswith(".gguf"))
+    assert len(files) == 4
+    for name in files:
+        path = str(out / name)
+        tensors, keys, align = read(path)
+        r = gguf.GGUFReader(path)
+        assert keys == {f.name for f in r.fields.values()
+                        if not f.name.startswith("GGUF.")}
+        assert align == r.alignment
+        assert len(tensors) == len(r.tensors)
+        for t in r.tensors:
+            typ, dims, off, size = tensors[t.name]
+            assert typ == t.tensor_type.name
+            assert dims == tuple(int(d) for d in t.shape)
+            assert off == t.data_offset
+            assert size == t.n_bytes
+        end = max(off + size for _, _, off, size in tensors.values())
+        for cut in os.listdir(out):  # cut before a tensor ends: refused
+            if cut.startswith(name + ".cut") and \
+                    int(cut.rsplit("cut", 1)[1]) < end:
+                h = ctypes.c_void_p()
+                assert lib.laden_gguf_open(str(out / cut).encode(),
+                                           ctypes.byref(h)) != 0
+
+
+def test_cli_inspect_gguf(tmp_path, capsys):
+    from laden import cli
+
+    out = tmp_path / "c"
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "fuzz",
+                          "make_gguf_corpus.py")
+    subprocess.run([sys.executable, script, str(out)], check=True)
+    assert cli.main(["inspect", str(out / "k.gguf")]) == 0
+    text = capsys.readouterr().out
+    assert "GGUF version 3" in text and "Q4_K" in text and "[2, 256]" in text
+    assert cli.main(["inspect", str(out / "k.gguf.cut20")]) == 2
+    err = capsys.readouterr().err
+    assert "k.gguf.cut20" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,256 @@
+/* GGUF headers: a valid file read back field by field, from a path and
+ * from memory; every kind of bad header refused with its named error;
+ * every prefix and every one-byte change of a valid file refused or read,
+ * never a crash (ASan). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "test.h"
+
+#include "laden/gguf.h"
+
+typedef struct {
+    uint8_t *p;
+    size_t n, cap;
+} buf;
+
+static void put(buf *b, const void *v, size_t n)
+{
+    if (b->n + n > b->cap) {
+        b->cap = (b->n + n) * 2 + 64;
+        b->p = realloc(b->p, b->cap);
+    }
+    memcpy(b->p + b->n, v, n);
+    b->n += n;
+}
+
+static void u32(buf *b, uint32_t v)
+{
+    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16),
+                    (uint8_t)(v >> 24)};
+    put(b, x, 4);
+}
+
+static void u64(buf *b, uint64_t v)
+{
+    uint8_t x[8];
+    for (int i = 0; i < 8; i++)
+        x[i] = (uint8_t)(v >> (8 * i));
+    put(b, x, 8);
+}
+
+static void str(buf *b, const char *s)
+{
+    u64(b, strlen(s));
+    put(b, s, strlen(s));
+}
+
+static void pad_to(buf *b, size_t align)
+{
+    static const uint8_t zero[64];
+    while (b->n % align)
+        put(b, zero, 1);
+}
+
+/* The knobs a bad file turns. */
+typedef struct {
+    uint32_t version, alignment, type1;
+    uint64_t dim0, off1, off2;
+    const char *name2;
+    int dup_key;
+} shape;
+
+static const shape GOOD = {3, 64, 8, 64, 128, 320, "blk.0.ffn.weight", 0};
+
+/* version, 4 metadata entries, 3 tensors: F32 [8, 4] at 0 (128 bytes),
+ * type1 [dim0, 2] at off1 (Q8_0: 136 bytes), Q4_K [256] at off2 (144). */
+static buf make(const shape *s)
+{
+    buf b = {0};
+    put(&b, "GGUF", 4);
+    u32(&b, s->version);
+    u64(&b, 3);
+    u64(&b, 4 + (uint64_t)s->dup_key);
+    str(&b, "general.architecture");
+    u32(&b, LADEN_GGUF_STRING);
+    str(&b, "llama");
+    str(&b, "general.alignment");
+    u32(&b, LADEN_GGUF_U32);
+    u32(&b, s->alignment);
+    str(&b, "tokenizer.ggml.tokens");
+    u32(&b, LADEN_GGUF_ARRAY);
+    u32(&b, LADEN_GGUF_STRING);
+    u64(&b, 3);
+    str(&b, "a");
+    str(&b, "bc");
+    str(&b, "");
+    str(&b, "llama.block_count");
+    u32(&b, LADEN_GGUF_I32);
+    u32(&b, (uint32_t)-7);
+    if (s->dup_key) {
+        str(&b, "llama.block_count");
+        u32(&b, LADEN_GGUF_U8);
+        put(&b, "\1", 1);
+    }
+    str(&b, "token_embd.weight");
+    u32(&b, 2);
+    u64(&b, 8);
+    u64(&b, 4);
+    u32(&b, 0);
+    u64(&b, 0);
+    str(&b, "blk.0.attn_q.weight");
+    u32(&b, 2);
+    u64(&b, s->dim0);
+    u64(&b, 2);
+    u32(&b, s->type1);
+    u64(&b, s->off1);
+    str(&b, s->name2);
+    u32(&b, 1);
+    u64(&b, 256);
+    u32(&b, 12);
+    u64(&b, s->off2);
+    pad_to(&b, s->alignment && !(s->alignment & (s->alignment - 1))
+                   ? s->alignment : 32);
+    size_t data = b.n;
+    while (b.n < data + 320 + 144)
+        put(&b, "\x5a", 1);
+    return b;
+}
+
+TEST(gguf_valid_file_read_back)
+{
+    buf b = make(&GOOD);
+    char *path = test_path("m.gguf");
+    FILE *f = fopen(path, "wb");
+    CHECK(f && fwrite(b.p, 1, b.n, f) == b.n);
+    fclose(f);
+    for (int from_file = 0; from_file < 2; from_file++) {
+        laden_gguf_t *g;
+        CHECK_OK(from_file ? laden_gguf_open(path, &g)
+                           : laden_gguf_open_memory(b.p, b.n, &g));
+        CHECK_EQ(laden_gguf_version(g), 3);
+        CHECK_EQ(laden_gguf_alignment(g), 64);
+        CHECK_EQ(laden_gguf_data_offset(g) % 64, 0);
+        CHECK_EQ(laden_gguf_count(g), 3);
+        CHECK_EQ(laden_gguf_metadata_count(g), 4);
+        laden_gguf_kv_t kv;
+        CHECK_OK(laden_gguf_metadata_find(g, "general.architecture", &kv));
+        CHECK(kv.type == LADEN_GGUF_STRING && !strcmp(kv.str, "llama"));
+        CHECK_OK(laden_gguf_metadata_find(g, "tokenizer.ggml.tokens", &kv));
+        CHECK(kv.type == LADEN_GGUF_ARRAY &&
+              kv.elem_type == LADEN_GGUF_STRING);
+        CHECK_EQ(kv.count, 3);
+        CHECK_OK(laden_gguf_metadata_find(g, "llama.block_count", &kv));
+        CHECK_EQ(kv.i, -7);
+        CHECK_STATUS(laden_gguf_metadata_find(g, "nope", &kv),
+                     LADEN_E_NOTFOUND);
+        size_t i;
+        laden_gguf_tensor_t t;
+        CHECK_OK(laden_gguf_find(g, "blk.0.attn_q.weight", &i));
+        CHECK_OK(laden_gguf_tensor_at(g, i, &t));
+        CHECK_EQ(t.type, 8);
+        CHECK_EQ(t.ndim, 2);
+        CHECK_EQ(t.dims[0], 64);
+        CHECK_EQ(t.dims[1], 2);
+        CHECK_EQ(t.size_bytes, 136);
+        CHECK_EQ(t.offset_bytes, laden_gguf_data_offset(g) + 128);
+        CHECK_OK(laden_gguf_find(g, "blk.0.ffn.weight", &i));
+        CHECK_OK(laden_gguf_tensor_at(g, i, &t));
+        CHECK_EQ(t.size_bytes, 144);
+        CHECK_STATUS(laden_gguf_find(g, "blk.1", &i), LADEN_E_NOTFOUND);
+        CHECK_STATUS(laden_gguf_tensor_at(g, 3, &t), LADEN_E_INVAL);
+        laden_gguf_close(g);
+    }
+    uint32_t e, n;
+    CHECK_OK(laden_gguf_type_block(12, &e, &n));
+    CHECK(e == 256 && n == 144 && !strcmp(laden_gguf_type_name(12), "Q4_K"));
+    CHECK(laden_gguf_type_name(4) == NULL);
+    CHECK_STATUS(laden_gguf_type_block(4, &e, &n), LADEN_E_DTYPE);
+    laden_gguf_t *g;
+    CHECK_STATUS(laden_gguf_open(test_path("none.gguf"), &g), LADEN_E_NOENT);
+    free(b.p);
+}
+
+static void bad(const shape *s, laden_status want, const char *says)
+{
+    buf b = make(s);
+    laden_gguf_t *g = NULL;
+    CHECK_STATUS(laden_gguf_open_memory(b.p, b.n, &g), want);
+    CHECK(g == NULL);
+    CHECK_CONTAINS(laden_last_error(), says);
+    free(b.p);
+}
+
+TEST(gguf_bad_headers_named)
+{
+    shape s = GOOD;
+    s.version = 1;
+    bad(&s, LADEN_E_HEADER, "version 1");
+    s = GOOD;
+    s.alignment = 48;
+    bad(&s, LADEN_E_SCHEMA, "power of two");
+    s = GOOD;
+    s.type1 = 4;
+    bad(&s, LADEN_E_DTYPE, "ggml type 4");
+    s = GOOD;
+    s.dim0 = 48;
+    bad(&s, LADEN_E_SHAPE, "multiple of its blocks of 32");
+    s = GOOD;
+    s.off1 = 130;
+    bad(&s, LADEN_E_RANGE, "alignment");
+    s = GOOD;
+    s.off2 = 192;
+    bad(&s, LADEN_E_RANGE, "overlaps");
+    s = GOOD;
+    s.off2 = 1 << 20;
+    bad(&s, LADEN_E_TRUNCATED, "ends at byte");
+    s = GOOD;
+    s.name2 = "blk.0.attn_q.weight";
+    bad(&s, LADEN_E_NAME, "two tensors");
+    s = GOOD;
+    s.dup_key = 1;
+    bad(&s, LADEN_E_SCHEMA, "appears twice");
+    buf b = make(&GOOD);
+    memcpy(b.p, "GGUG", 4);
+    laden_gguf_t *g;
+    CHECK_STATUS(laden_gguf_open_memory(b.p, b.n, &g), LADEN_E_HEADER);
+    memcpy(b.p, "GGUF", 4);
+    /* Counts a file cannot hold: refused before allocating for them. */
+    uint8_t huge[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0};
+    memcpy(b.p + 8, huge, 8);
+    CHECK(laden_gguf_open_memory(b.p, b.n, &g) != LADEN_OK);
+    free(b.p);
+}
+
+TEST(gguf_every_prefix_and_byte_change)
+{
+    buf b = make(&GOOD);
+    laden_gguf_t *g;
+    size_t header = 0;
+    CHECK_OK(laden_gguf_open_memory(b.p, b.n, &g));
+    header = (size_t)laden_gguf_data_offset(g);
+    laden_gguf_close(g);
+    for (size_t n = 0; n < b.n; n++) { /* every prefix: refused */
+        laden_status s = laden_gguf_open_memory(b.p, n, &g);
+        if (s == LADEN_OK) {
+            fprintf(stderr, "prefix of %zu bytes read\n", n);
+            exit(1);
+        }
+    }
+    uint8_t *m = malloc(b.n);
+    for (size_t i = 0; i < header; i++) /* every byte of the header */
+        for (int v = 0; v < 3; v++) {
+            memcpy(m, b.p, b.n);
+            m[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
+            if (laden_gguf_open_memory(m, b.n, &g) == LADEN_OK) {
+                for (size_t k = 0; k < laden_gguf_count(g); k++) {
+                    laden_gguf_tensor_t t;
+                    CHECK_OK(laden_gguf_tensor_at(g, k, &t));
+                    CHECK(t.offset_bytes + t.size_bytes <= b.n);
+                }
+                laden_gguf_close(g);
+            }
+        }
+    free(m);
+    free(b.p);
+}
