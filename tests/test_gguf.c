@@ -254,3 +254,31 @@ TEST(gguf_every_prefix_and_byte_change)
     free(m);
     free(b.p);
 }
+
+/* CPU expansion of block types (bit-exact against the gguf package in
+ * python/tests/test_gguf.py): hand-made blocks here. */
+TEST(gguf_dequantize_blocks)
+{
+    uint8_t q8[34] = {0x00, 0x38}; /* d = 0.5 */
+    for (int e = 0; e < 32; e++)
+        q8[2 + e] = (uint8_t)(int8_t)(e - 16);
+    float y[32];
+    CHECK_OK(laden_gguf_dequantize(8, q8, sizeof q8, y, 32));
+    for (int e = 0; e < 32; e++)
+        CHECK_FEQ(y[e], 0.5f * (float)(e - 16));
+    uint8_t q41[20] = {0x00, 0x40, 0x00, 0xbc}; /* d = 2, m = -1 */
+    for (int j = 0; j < 16; j++)
+        q41[4 + j] = (uint8_t)(j | (15 - j) << 4);
+    CHECK_OK(laden_gguf_dequantize(3, q41, sizeof q41, y, 32));
+    for (int j = 0; j < 16; j++) {
+        CHECK_FEQ(y[j], 2.0f * (float)j - 1.0f);
+        CHECK_FEQ(y[16 + j], 2.0f * (float)(15 - j) - 1.0f);
+    }
+    uint8_t k[144] = {0};
+    CHECK_STATUS(laden_gguf_dequantize(12, k, sizeof k, y, 256),
+                 LADEN_E_UNSUPPORTED);
+    CHECK_CONTAINS(laden_last_error(), "Q4_K");
+    CHECK_STATUS(laden_gguf_dequantize(8, q8, 33, y, 32), LADEN_E_INVAL);
+    CHECK_STATUS(laden_gguf_dequantize(8, q8, 34, y, 31), LADEN_E_INVAL);
+    CHECK_STATUS(laden_gguf_dequantize(4, q8, 34, y, 32), LADEN_E_DTYPE);
+}

@@ -231,6 +231,8 @@ _SIGNATURES = {
     "laden_gguf_metadata_count": (c_size_t, [p]),
     "laden_gguf_metadata_at": (status_t, [p, c_size_t, P(GgufKv)]),
     "laden_gguf_type_name": (c_char_p, [c_uint32]),
+    "laden_gguf_dequantize": (status_t, [c_uint32, c_void_p, c_uint64,
+                                         c_void_p, c_uint64]),
     "laden_st_close": (None, [p]),
     "laden_st_count": (c_size_t, [p]),
     "laden_st_tensor_at": (status_t, [p, c_size_t, P(StTensor)]),

@@ -80,3 +80,37 @@ def test_cli_inspect_gguf(tmp_path, capsys):
     assert cli.main(["inspect", str(out / "k.gguf.cut20")]) == 2
     err = capsys.readouterr().err
     assert "k.gguf.cut20" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
+                                  "Q5_0", "Q5_1"])
+def test_dequantize_bit_for_bit_with_the_reference(name):
+    """laden's CPU expansion (C) equals gguf.quants.dequantize bit for bit:
+    on values the gguf package quantized, and on random bytes (every bit
+    pattern of the scales, NaN and infinity included: NaN where it has
+    NaN)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGML_QUANT_SIZES, quants
+
+    t = Q[name]
+    blk, size = GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((4, 256)) * 3).astype(np.float32)
+    cases = [quants.quantize(x, t)]
+    cases.append(rng.integers(0, 256, (8, 256 // blk * size), dtype=np.uint8))
+    for q in cases:
+        q = np.ascontiguousarray(q)
+        if q.dtype != np.uint8:
+            q = q.view(np.uint8)
+        want = quants.dequantize(q, t).astype(np.float32).reshape(-1)
+        got = np.empty(want.size, dtype=np.float32)
+        check(lib.laden_gguf_dequantize(
+            t.value, q.ctypes.data, q.nbytes, got.ctypes.data, got.size))
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32),
+                              want[~nan].view(np.uint32))
+    with pytest.raises(Exception):
+        check(lib.laden_gguf_dequantize(t.value, q.ctypes.data, q.nbytes - 1,
+                                        got.ctypes.data, got.size))

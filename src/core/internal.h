@@ -47,6 +47,9 @@ uint64_t laden__thread_id(void);
 /* Monotonic clock in nanoseconds. */
 uint64_t laden__now_ns(void);
 
+/* IEEE half to float, exactly (src/stream/convert.c). */
+float laden__f32_of_f16(uint16_t h);
+
 #define LADEN__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
 #endif

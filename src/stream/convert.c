@@ -29,7 +29,7 @@ static uint16_t bf16_of_f32(float f)
     return (uint16_t)(u >> 16);
 }
 
-static float f32_of_f16(uint16_t h)
+float laden__f32_of_f16(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -78,7 +78,7 @@ static float f32_of_e4m3(uint8_t v)
 static float f32_of_e5m2(uint8_t v)
 {
     uint16_t h = (uint16_t)(v << 8); /* e5m2 is the top byte of a half */
-    return f32_of_f16(h);
+    return laden__f32_of_f16(h);
 }
 
 /* Round to nearest even, saturating to +-448 (as a scaled quantization
@@ -123,7 +123,7 @@ static float load_f(laden_dtype d, const void *p, uint64_t i)
     case LADEN_DTYPE_F16: {
         uint16_t h;
         memcpy(&h, (const char *)p + 2 * i, 2);
-        return f32_of_f16(h);
+        return laden__f32_of_f16(h);
     }
     default: {
         uint16_t h;
