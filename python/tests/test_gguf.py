@@ -83,7 +83,7 @@ def test_cli_inspect_gguf(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
-                                  "Q5_0", "Q5_1"])
+                                  "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_dequantize_bit_for_bit_with_the_reference(name):
     """laden's CPU expansion (C) equals gguf.quants.dequantize bit for bit:
     on values the gguf package quantized, and on random bytes (every bit
@@ -97,7 +97,11 @@ def test_dequantize_bit_for_bit_with_the_reference(name):
     blk, size = GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((4, 256)) * 3).astype(np.float32)
-    cases = [quants.quantize(x, t)]
+    cases = []
+    try:
+        cases.append(quants.quantize(x, t))
+    except NotImplementedError:  # the package quantizes no K-quants
+        pass
     cases.append(rng.integers(0, 256, (8, 256 // blk * size), dtype=np.uint8))
     for q in cases:
         q = np.ascontiguousarray(q)

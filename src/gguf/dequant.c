@@ -67,6 +67,55 @@ static void block32(uint32_t type, const uint8_t *b, float *y)
     }
 }
 
+/* The 6-bit scales and mins of Q4_K and Q5_K sub-blocks j = 0..7, as
+ * packed in 12 bytes. */
+static void scale_min(const uint8_t *s, unsigned j, unsigned *sc, unsigned *mn)
+{
+    if (j < 4) {
+        *sc = s[j] & 63u;
+        *mn = s[4 + j] & 63u;
+    } else {
+        *sc = (s[4 + j] & 0x0fu) | ((s[j - 4] >> 2) & 0x30u);
+        *mn = (s[4 + j] >> 4) | ((s[j] >> 2) & 0x30u);
+    }
+}
+
+/* Q4_K (144 bytes) and Q5_K (176): d, dmin, 12 bytes of scales, [32
+ * bytes of high bits,] 128 bytes of nibbles; 8 sub-blocks of 32. */
+static void block_k45(uint32_t type, const uint8_t *b, float *y)
+{
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *sc6 = b + 4, *qh = b + 16;
+    const uint8_t *qs = type == 13 ? b + 48 : b + 16;
+    for (unsigned j = 0; j < 8; j++) {
+        unsigned sc, mn;
+        scale_min(sc6, j, &sc, &mn);
+        float dd = d * (float)sc, dm = dmin * (float)mn;
+        for (unsigned i = 0; i < 32; i++) {
+            uint8_t byte = qs[(j / 2) * 32 + i];
+            unsigned q = j % 2 ? byte >> 4 : byte & 0x0fu;
+            if (type == 13)
+                q |= ((qh[i] >> j) & 1u) << 4;
+            y[j * 32 + i] = dd * (float)q - dm;
+        }
+    }
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16
+ * int8 scales, d; 16 sub-blocks of 16. */
+static void block_q6k(const uint8_t *b, float *y)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    float d = f16(b + 208);
+    for (unsigned e = 0; e < 256; e++) {
+        unsigned h = e / 128, w = e % 128;
+        unsigned lo = (ql[h * 64 + w % 64] >> (4 * (w / 64))) & 0x0fu;
+        unsigned hi = (qh[h * 32 + w % 32] >> (2 * (w / 32))) & 3u;
+        float ds = d * (float)(int8_t)b[192 + e / 16];
+        y[e] = ds * (float)((int)(lo | hi << 4) - 32);
+    }
+}
+
 laden_status laden_gguf_dequantize(uint32_t type, const void *src,
                                    uint64_t src_bytes, float *dst,
                                    uint64_t n_elems)
@@ -101,9 +150,18 @@ laden_status laden_gguf_dequantize(uint32_t type, const void *src,
         for (uint64_t k = 0; k < n_elems / 32; k++)
             block32(type, p + k * bb, dst + k * 32);
         return LADEN_OK;
+    case 12: case 13:
+        for (uint64_t k = 0; k < n_elems / 256; k++)
+            block_k45(type, p + k * bb, dst + k * 256);
+        return LADEN_OK;
+    case 14:
+        for (uint64_t k = 0; k < n_elems / 256; k++)
+            block_q6k(p + k * bb, dst + k * 256);
+        return LADEN_OK;
     default:
         return laden__fail(LADEN_E_UNSUPPORTED, "expanding %s on the CPU is "
                            "not built yet (F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
-                           "Q5_0 and Q5_1 are)", laden_gguf_type_name(type));
+                           "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are)",
+                           laden_gguf_type_name(type));
     }
 }
