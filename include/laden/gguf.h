@@ -106,8 +106,8 @@ LADEN_API laden_status laden_gguf_type_block(uint32_t type,
  * the CPU, with the reference's arithmetic (float32, one rounding per
  * operation, as ggml and the gguf package compute it): bit for bit
  * equal to gguf.quants.dequantize.  Types: F32, F16, BF16, Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; another known type is
- * LADEN_E_UNSUPPORTED. */
+ * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; another known type
+ * is LADEN_E_UNSUPPORTED. */
 LADEN_API laden_status laden_gguf_dequantize(uint32_t type, const void *src,
                                              uint64_t src_bytes, float *dst,
                                              uint64_t n_elems);

@@ -83,7 +83,8 @@ def test_cli_inspect_gguf(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
-                                  "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+                                  "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                                  "Q5_K", "Q6_K"])
 def test_dequantize_bit_for_bit_with_the_reference(name):
     """laden's CPU expansion (C) equals gguf.quants.dequantize bit for bit:
     on values the gguf package quantized, and on random bytes (every bit

@@ -116,6 +116,39 @@ static void block_q6k(const uint8_t *b, float *y)
     }
 }
 
+/* Q2_K (84 bytes): 16 bytes of 4-bit scale and min, 64 of 2-bit
+ * values, d, dmin; 16 sub-blocks of 16. */
+static void block_q2k(const uint8_t *b, float *y)
+{
+    const uint8_t *sc = b, *qs = b + 16;
+    float d = f16(b + 80), dmin = f16(b + 82);
+    for (unsigned e = 0; e < 256; e++) {
+        unsigned g = e / 128, w = e % 128, k = e / 16;
+        unsigned q = (qs[g * 32 + w % 32] >> (2 * (w / 32))) & 3u;
+        float dl = d * (float)(sc[k] & 0x0fu), ml = dmin * (float)(sc[k] >> 4);
+        y[e] = dl * (float)q - ml;
+    }
+}
+
+/* Q3_K (110 bytes): 32 bytes of high-bit mask, 64 of 2-bit values, 12 of
+ * 6-bit signed scales, d; 16 sub-blocks of 16.  A mask bit of 0 takes 4
+ * off the value. */
+static void block_q3k(const uint8_t *b, float *y)
+{
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    float d = f16(b + 108);
+    for (unsigned e = 0; e < 256; e++) {
+        unsigned k = e / 16;
+        unsigned ls = (k < 8 ? sc[k] : sc[k - 8] >> 4) & 0x0fu;
+        unsigned hs = (sc[8 + k % 4] >> (2 * (k / 4))) & 3u;
+        float dl = d * (float)((int)(ls | hs << 4) - 32);
+        unsigned g = e / 128, w = e % 128;
+        int ql = (qs[g * 32 + w % 32] >> (2 * (w / 32))) & 3;
+        int qh = ((hm[e % 32] >> (e / 32)) & 1) ^ 1;
+        y[e] = dl * (float)(ql - (qh << 2));
+    }
+}
+
 laden_status laden_gguf_dequantize(uint32_t type, const void *src,
                                    uint64_t src_bytes, float *dst,
                                    uint64_t n_elems)
@@ -158,10 +191,14 @@ laden_status laden_gguf_dequantize(uint32_t type, const void *src,
         for (uint64_t k = 0; k < n_elems / 256; k++)
             block_q6k(p + k * bb, dst + k * 256);
         return LADEN_OK;
+    case 10: case 11:
+        for (uint64_t k = 0; k < n_elems / 256; k++)
+            (type == 10 ? block_q2k : block_q3k)(p + k * bb, dst + k * 256);
+        return LADEN_OK;
     default:
         return laden__fail(LADEN_E_UNSUPPORTED, "expanding %s on the CPU is "
                            "not built yet (F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
-                           "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are)",
+                           "Q5_0, Q5_1 and Q2_K to Q6_K are)",
                            laden_gguf_type_name(type));
     }
 }
