@@ -319,24 +319,10 @@ class _Adapters:
     def after_enter(self, c_block: int) -> None:
         """A streamed block just entered: its adapters merged into its slot
         unless they are already (the slot was not filled since)."""
-        todo = self.merges.get(c_block)
-        if not todo:
-            return
-        o = self.handle.state.live("forward")
-        fills = ctypes.c_uint64()
-        check(lib.laden_sched_slot_fills(o.h, c_block, ctypes.byref(fills)))
-        have = self.merged_at.get(c_block)
-        if have == fills.value:
-            return
-        if have is _HALF:
-            raise StateError(
-                f"block {c_block}: merging an adapter into it failed half "
-                "way and it has not been filled again since; call "
-                "set_adapters again", "E_STATE")
-        self.merged_at[c_block] = _HALF
-        for W, tg, s in todo:
-            _add(W, tg, s)
-        self.merged_at[c_block] = fills.value
+        if self.merges.get(c_block):
+            _merge_slot(self.handle.state.live("forward").h, c_block,
+                        self.merges[c_block], self.merged_at,
+                        f"block {c_block}", "call set_adapters again")
 
     def clear(self) -> None:
         """Every update undone: hooks removed, slots to be filled again,
@@ -358,6 +344,26 @@ class _Adapters:
             check(lib.laden_sched_reread(o.h, c_block, c_index))
         self.reread.clear()
         self.mode = None
+
+
+def _merge_slot(h, c_block: int, todo: list, merged_at: dict, what: str,
+                mend: str) -> None:
+    """Merges `todo` into a streamed block's slot, unless this fill of the
+    slot has them already (C's fill number); a merge that failed half way
+    is refused until the slot is filled again."""
+    fills = ctypes.c_uint64()
+    check(lib.laden_sched_slot_fills(h, c_block, ctypes.byref(fills)))
+    have = merged_at.get(c_block)
+    if have == fills.value:
+        return
+    if have is _HALF:
+        raise StateError(f"{what}: merging an adapter into it failed half "
+                         f"way and it has not been filled again since; "
+                         f"{mend}", "E_STATE")
+    merged_at[c_block] = _HALF
+    for W, tg, s in todo:
+        _add(W, tg, s)
+    merged_at[c_block] = fills.value
 
 
 def _add(W, tg: _Target, s: float) -> None:
@@ -624,24 +630,11 @@ class _CacheAdapters:
         self.resolved: Dict[tuple, List[_Target]] = {}
 
     def after_enter(self, c_block: int) -> None:
-        todo = self.merges.get(c_block)
-        if not todo:
-            return
-        fills = ctypes.c_uint64()
-        check(lib.laden_sched_slot_fills(self.rt.sched, c_block,
-                                         ctypes.byref(fills)))
-        have = self.merged_at.get(c_block)
-        if have == fills.value:
-            return
-        if have is _HALF:
-            raise StateError(
-                f"model '{self.rt.spec.key}', block {c_block}: merging an "
-                "adapter into it failed half way; use the model again",
-                "E_STATE")
-        self.merged_at[c_block] = _HALF
-        for W, tg, s in todo:
-            _add(W, tg, s)
-        self.merged_at[c_block] = fills.value
+        if self.merges.get(c_block):
+            _merge_slot(self.rt.sched, c_block, self.merges[c_block],
+                        self.merged_at,
+                        f"model '{self.rt.spec.key}', block {c_block}",
+                        "use the model again")
 
     def apply(self, adapters, strengths, mode: str) -> None:
         """Makes the model, active now, run with exactly these adapters."""

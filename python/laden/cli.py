@@ -177,6 +177,23 @@ def _table(rows: List[List[str]], right: Sequence[int] = ()) -> str:
     return "\n".join(out)
 
 
+def _print_by_type(label: str, items, total: int) -> None:
+    """Tensors and bytes per dtype (or ggml type), largest first."""
+    by: Dict[str, List[int]] = OrderedDict()
+    for d, nbytes in items:
+        e = by.setdefault(d, [0, 0])
+        e[0] += 1
+        e[1] += nbytes
+    if not by:
+        return
+    print()
+    rows = [[label, "tensors", "bytes", "share"]]
+    for d, (n, b) in sorted(by.items(), key=lambda x: -x[1][1]):
+        share = 100.0 * b / total if total else 0.0
+        rows.append([d, str(n), fmt_bytes(b), f"{share:.1f}%"])
+    print(_table(rows, right=(1, 2, 3)))
+
+
 def _inspect_gguf(args) -> int:
     from .gguf import GgufFile
 
@@ -196,18 +213,8 @@ def _inspect_gguf(args) -> int:
         if len(shown) < len(g.tensors):
             print(f"... {len(g.tensors) - len(shown)} more (--limit 0 shows "
                   "all)")
-    by_type: Dict[str, List[int]] = OrderedDict()
-    for t in g.tensors:
-        e = by_type.setdefault(t.type, [0, 0])
-        e[0] += 1
-        e[1] += t.nbytes
-    if by_type:
-        print()
-        rows = [["type", "tensors", "bytes", "share"]]
-        for d, (n, b) in sorted(by_type.items(), key=lambda x: -x[1][1]):
-            share = 100.0 * b / g.total_bytes if g.total_bytes else 0.0
-            rows.append([d, str(n), fmt_bytes(b), f"{share:.1f}%"])
-        print(_table(rows, right=(1, 2, 3)))
+    _print_by_type("type", [(t.type, t.nbytes) for t in g.tensors],
+                   g.total_bytes)
     print("\n(loading GGUF weights into a model is not built yet)")
     return 0
 
@@ -238,18 +245,8 @@ def cmd_inspect(args) -> int:
             if len(shown) < len(tensors):
                 print(f"... {len(tensors) - len(shown)} more "
                       "(--limit 0 shows all)")
-        by_dtype: Dict[str, List[int]] = OrderedDict()
-        for t in tensors:
-            e = by_dtype.setdefault(t.dtype, [0, 0])
-            e[0] += 1
-            e[1] += t.nbytes
-        if by_dtype:
-            print()
-            rows = [["dtype", "tensors", "bytes", "share"]]
-            for d, (n, b) in sorted(by_dtype.items(), key=lambda x: -x[1][1]):
-                share = 100.0 * b / ck.total_bytes if ck.total_bytes else 0.0
-                rows.append([d, str(n), fmt_bytes(b), f"{share:.1f}%"])
-            print(_table(rows, right=(1, 2, 3)))
+        _print_by_type("dtype", [(t.dtype, t.nbytes) for t in tensors],
+                       ck.total_bytes)
         groups = block_groups([(t.name, t.nbytes) for t in tensors])
         print()
         if not groups:
