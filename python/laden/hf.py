@@ -145,6 +145,32 @@ def _check_dir(path: str) -> None:
                "safe_serialization=True))" if other else ""), "E_INVAL")
 
 
+def _weights(path: str, variant: Optional[str]) -> str:
+    """The checkpoint in a model directory: the file of the `variant`
+    (``model.fp16.safetensors``, ``diffusion_pytorch_model.fp16.safetensors``)
+    when one is asked for; else the index, or the one file without a
+    variant, beside variant files the libraries also write."""
+    names = os.listdir(path)
+    files = sorted(n for n in names if n.endswith(".safetensors"))
+    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    if variant:
+        want = [n for n in files if n.endswith(f".{variant}.safetensors")]
+        if len(want) == 1:
+            return os.path.join(path, want[0])
+        raise InvalidArgumentError(
+            f"laden.from_pretrained: {path} has "
+            + (f"{len(want)} files of variant '{variant}' (sharded variants "
+               "are not supported)" if want else
+               f"no variant '{variant}' (*.{variant}.safetensors); its "
+               f"weights: {', '.join(files) or 'none'}"), "E_INVAL")
+    if len(indexes) == 1:
+        return os.path.join(path, indexes[0])
+    plain = [n for n in files if n.count(".") == 1]
+    if not indexes and len(plain) == 1:
+        return os.path.join(path, plain[0])
+    return path  # laden_st_open says what it finds there
+
+
 def _dtype_of(name):
     import torch
 
@@ -171,7 +197,7 @@ def _checkpoint_dtype(path: str):
     return max(by, key=by.get) if by else None
 
 
-def _build(model_cls, lib: str, path: str, dtype, kwargs):
+def _build(model_cls, lib: str, path: str, dtype, kwargs, weights=None):
     """The config read, the model built with empty_weights; returns
     (model, dtype)."""
     if lib == "transformers":
@@ -205,7 +231,7 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs):
         if dtype is None:
             dtype = _dtype_of(getattr(cfg, "dtype", None) or
                               getattr(cfg, "torch_dtype", None))
-        dtype = dtype or _checkpoint_dtype(path)
+        dtype = dtype or _checkpoint_dtype(weights or path)
         for attr in ("dtype", "torch_dtype"):  # the library builds in it
             if hasattr(cfg, attr):
                 setattr(cfg, attr, dtype)
@@ -241,7 +267,7 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs):
             f"{model_cls.__name__}'s config nor an argument of "
             "from_pretrained", "E_INVAL")
     cfg.update(kwargs)
-    dtype = dtype or _checkpoint_dtype(path)
+    dtype = dtype or _checkpoint_dtype(weights or path)
     with empty_weights(dtype):
         model = model_cls.from_config(cfg)
     _keep_in_fp32(model, dtype)
@@ -479,7 +505,8 @@ def unguard_moves(model) -> None:
 def from_pretrained(model_cls, path: PathLike, *, device=None,
                     vram_budget=None, ram_budget=None, dtype=None, plan=None,
                     lookahead: int = 2, progress: Optional[bool] = None,
-                    subfolder: Optional[str] = None, **kwargs):
+                    subfolder: Optional[str] = None,
+                    variant: Optional[str] = None, **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -490,7 +517,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     its parameters on ``meta``, its repeated blocks found by structure
     (``find_blocks``), planned under ``vram_budget`` / ``ram_budget`` (see
     ``laden.stream_load``), loaded from its safetensors (one file, or
-    shards with their index) in the checkpoint's dtype or ``dtype``, and
+    shards with their index; ``variant="fp16"`` picks
+    ``*.fp16.safetensors``) in the checkpoint's dtype or ``dtype``, and
     returned installed: call it, or ``generate()``, as the plain model.
     ``laden.release(model)`` frees everything.  Other keyword arguments
     override the config.  ``model.to(...)`` to another device or dtype
@@ -512,19 +540,21 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                 "one", "E_INVAL")
         dtype = dtype if dtype is not None else td
     _check_dir(path)
+    weights = _weights(path, variant)
     dtype = _dtype_of(dtype)
-    model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs))
+    model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs),
+                          weights)
     model.eval()
     blocks = find_blocks(model)
     resident = _called_from_outside(model)
     dev = streaming._device(device)
     try:
         streaming.stream_load(
-            model, path, plan=plan,
+            model, weights, plan=plan,
             offload_prefixes=None if plan is not None else blocks,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
-            key_map=_key_map(model, path), lookahead=lookahead,
+            key_map=_key_map(model, weights), lookahead=lookahead,
             progress=progress)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:

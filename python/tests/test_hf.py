@@ -494,3 +494,33 @@ def test_renamed_by_transformers(tmp_path):
                               device="cpu", ram_budget=0)
     assert torch.equal(_greedy_cpu(m), _greedy_cpu(plain))
     laden.release(m)
+
+
+def test_variants(tmp_path):
+    """A directory holding the weights and their fp16 variant (as the
+    libraries write them): the plain file by default, the variant when
+    asked for, an unknown variant named with what there is."""
+    import copy
+
+    ref = tiny_llama()
+    d = save(ref, tmp_path, "v")
+    rounded = copy.deepcopy(ref).half().float()
+    copy.deepcopy(ref).half().save_pretrained(d, variant="fp16")
+    assert sorted(n for n in os.listdir(d) if n.endswith(".safetensors")) \
+        == ["model.fp16.safetensors", "model.safetensors"]
+    ids = torch.randint(0, 128, (1, 6))
+
+    def out(m):
+        with torch.no_grad():
+            return m(ids).logits
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d, device="cpu",
+                              dtype=torch.float32)
+    assert torch.equal(out(m), out(ref))  # the float32 file
+    laden.release(m)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d, device="cpu",
+                              variant="fp16", dtype=torch.float32)
+    assert not torch.equal(out(m), out(ref))  # the fp16 one: rounded
+    torch.testing.assert_close(out(m), out(rounded), atol=1e-4, rtol=1e-3)
+    laden.release(m)
+    with pytest.raises(laden.InvalidArgumentError, match="no variant 'bf16'"):
+        laden.from_pretrained(transformers.LlamaForCausalLM, d, variant="bf16")
