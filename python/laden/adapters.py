@@ -387,12 +387,9 @@ def _add(W, tg: _Target, s: float) -> None:
         W.add_(tg.update(W, s).to(W.dtype))
 
 
-def _tensors_by_name(state) -> Dict[str, Any]:
-    out = {}
-    for t in state.tensors:
-        for n in t.names:
-            out[n] = t
-    return out
+def _by_name(tensors) -> Dict[str, Any]:
+    """Each of laden's tensors under every name it has (tied aliases)."""
+    return {n: t for t in tensors for n in t.names}
 
 
 def set_adapters(handle, adapters: Sequence[AdapterSpec],
@@ -422,7 +419,7 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
     ad = handle.adapters
     # All checked before anything changes.
     resolved = _resolved(ad.resolved, adapters, model, st.device)
-    by_name = _tensors_by_name(st)
+    by_name = _by_name(st.tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
     _check_targets(resolved, mode, model, by_name)
     for tg_list in resolved:
@@ -583,7 +580,7 @@ def _merge_for_good(model, st, o, h, adapter, strength) -> None:
     from ._model import _tensor_view
 
     targets = resolve(adapter, model)
-    by_name = _tensors_by_name(st)
+    by_name = _by_name(st.tensors)
     plan = []
     for tg in targets:
         t = by_name.get(tg.name)
@@ -647,7 +644,7 @@ class _CacheAdapters:
         key = _merge_key(adapters, strengths, mode)
         model = rt.model
         resolved = _resolved(self.resolved, adapters, model, rt.device)
-        by_name = {n: t for t in rt.tensors for n in t.names}
+        by_name = _by_name(rt.tensors)
         params = dict(model.named_parameters(remove_duplicate=False))
         _check_targets(resolved, mode, model, by_name)
         if rt.device.type == "cuda":

@@ -568,7 +568,7 @@ class ModelCache:
             self._deactivate(rt)
 
     def _activate(self, spec, device, lookahead: int,
-                  adopt=None, adapters=None) -> _Runtime:
+                  adopt=None, adapters=((), None, "merge")) -> _Runtime:
         if isinstance(spec, str):
             spec = self._spec(spec)
         else:
@@ -600,8 +600,6 @@ class ModelCache:
                 self._failed.discard(spec.key)
                 self._built.add(spec.key)
             self._run(rt, lookahead)
-            if adapters is None:  # ModelOffloader.activate: none
-                adapters = ((), None, "merge")
             if adapters[0] or rt.adapters is not None:
                 try:
                     if rt.adapters is None:

@@ -12,13 +12,12 @@ diffusers are optional: imported only when a class of theirs is given.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from typing import List, Optional
 
 from ._model import find_blocks
-from .checkpoint import PathLike
+from .checkpoint import Checkpoint, PathLike
 from .errors import (InvalidArgumentError, LadenError, MismatchError,
                      StateError)
 
@@ -27,11 +26,6 @@ __all__ = ["from_pretrained", "find_blocks", "empty_weights"]
 
 # ---- building on meta ----------------------------------------------------------
 
-_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
-          "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_",
-          "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
-
-
 _building = threading.local()   # this thread is inside empty_weights
 _build_lock = threading.RLock()  # one build at a time: the default dtype
                                  # is the process's
@@ -39,10 +33,12 @@ _patched = False
 
 
 def _patch_once() -> None:
-    """Wraps nn.Module.register_parameter and torch.nn.init's functions,
-    once for the process: they change behaviour only on a thread inside
-    empty_weights, so another thread building a module meanwhile gets
-    ordinary parameters, and no order of exits can leave torch patched."""
+    """Wraps nn.Module.register_parameter once for the process: it
+    changes behaviour only on a thread inside empty_weights, so another
+    thread building a module meanwhile gets ordinary parameters, and no
+    order of exits can leave torch patched.  torch.nn.init is left alone:
+    a registered parameter is on meta already, where initialising costs
+    nothing."""
     global _patched
     if _patched:
         return
@@ -65,19 +61,7 @@ def _patch_once() -> None:
             setattr(q, k, v)
         self._parameters[name] = q
 
-    def quiet(f):
-        @functools.wraps(f)
-        def init(tensor, *args, **kwargs):
-            if getattr(_building, "on", False) and \
-                    isinstance(tensor, nn.Parameter):
-                return tensor  # a parameter: read from the checkpoint
-            return f(tensor, *args, **kwargs)
-        return init
-
     nn.Module.register_parameter = register_parameter
-    for n in _INITS:
-        if hasattr(nn.init, n):
-            setattr(nn.init, n, quiet(getattr(nn.init, n)))
     _patched = True
 
 
@@ -85,9 +69,8 @@ def _patch_once() -> None:
 def empty_weights(dtype=None):
     """Builds modules with their parameters on ``meta`` and their buffers
     where the code puts them (the CPU): a parameter is moved to ``meta`` as
-    it is registered, and ``torch.nn.init`` leaves parameters alone
-    meanwhile (the weights come from the checkpoint), so building costs no
-    memory and no time.  Buffers computed in ``__init__`` (rotary
+    it is registered (the weights come from the checkpoint), so building
+    costs no memory and initialising it no time.  Buffers computed in ``__init__`` (rotary
     ``inv_freq``, causal masks, position ids) keep their values, and a
     buffer filled with ``nn.init`` is filled.  ``dtype``: the default
     dtype while building.  Only the calling thread is affected, and one
@@ -184,20 +167,18 @@ def _dtype_of(name):
                                "not a torch dtype", "E_INVAL")
 
 
-def _checkpoint_dtype(path: str):
-    """The dtype most of the checkpoint's floating bytes are stored in."""
-    from .checkpoint import Checkpoint
-
+def _checkpoint_dtype(table):
+    """The dtype most of the checkpoint's floating bytes are stored in
+    (`table`: its TensorInfos)."""
     by: dict = {}
-    with Checkpoint(path) as ck:
-        for t in ck.tensors():
-            d = t.torch_dtype
-            if d is not None and d.is_floating_point:
-                by[d] = by.get(d, 0) + t.nbytes
+    for t in table:
+        d = t.torch_dtype
+        if d is not None and d.is_floating_point:
+            by[d] = by.get(d, 0) + t.nbytes
     return max(by, key=by.get) if by else None
 
 
-def _build(model_cls, lib: str, path: str, dtype, kwargs, weights=None):
+def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
     """The config read, the model built with empty_weights; returns
     (model, dtype)."""
     if lib == "transformers":
@@ -231,7 +212,7 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, weights=None):
         if dtype is None:
             dtype = _dtype_of(getattr(cfg, "dtype", None) or
                               getattr(cfg, "torch_dtype", None))
-        dtype = dtype or _checkpoint_dtype(weights or path)
+        dtype = dtype or _checkpoint_dtype(table)
         for attr in ("dtype", "torch_dtype"):  # the library builds in it
             if hasattr(cfg, attr):
                 setattr(cfg, attr, dtype)
@@ -267,7 +248,7 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, weights=None):
             f"{model_cls.__name__}'s config nor an argument of "
             "from_pretrained", "E_INVAL")
     cfg.update(kwargs)
-    dtype = dtype or _checkpoint_dtype(weights or path)
+    dtype = dtype or _checkpoint_dtype(table)
     with empty_weights(dtype):
         model = model_cls.from_config(cfg)
     _keep_in_fp32(model, dtype)
@@ -364,16 +345,12 @@ def _renames(model, names: List[str]):
     return rename
 
 
-def _key_map(model, path: str):
-    """Checkpoint names to the model's: transformers' own renames
-    (_renames), then a checkpoint saved from the model with its head
-    loads into the base model and back: the base model's prefix
+def _key_map(model, names: List[str]):
+    """Checkpoint names (`names`) to the model's: transformers' own
+    renames (_renames), then a checkpoint saved from the model with its
+    head loads into the base model and back: the base model's prefix
     (``model.``, ``transformer.``) is taken off or put on when only one
     side has it."""
-    from .checkpoint import Checkpoint
-
-    with Checkpoint(path) as ck:
-        names = ck.names()
     want = set(model.state_dict().keys())
     ren = _renames(model, [n for n in names if n not in want])
     if ren is not None:
@@ -524,8 +501,6 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     override the config.  ``model.to(...)`` to another device or dtype
     raises (release first); ``eval()``, ``train()``, ``device``,
     ``dtype`` behave as usual."""
-    import torch
-
     from . import streaming
 
     path = os.fspath(path)
@@ -541,9 +516,10 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
         dtype = dtype if dtype is not None else td
     _check_dir(path)
     weights = _weights(path, variant)
+    with Checkpoint(weights) as ck:  # its table, read once here
+        table = ck.tensors()
     dtype = _dtype_of(dtype)
-    model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs),
-                          weights)
+    model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs), table)
     model.eval()
     blocks = find_blocks(model)
     resident = _called_from_outside(model)
@@ -554,7 +530,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             offload_prefixes=None if plan is not None else blocks,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
-            key_map=_key_map(model, weights), lookahead=lookahead,
+            key_map=_key_map(model, [t.name for t in table]),
+            lookahead=lookahead,
             progress=progress)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:

@@ -779,9 +779,8 @@ static void ended(laden_sched_t *sc, laden_status s)
         return;
     sc->load_err = s;
     snprintf(sc->load_msg, sizeof sc->load_msg, "%s", laden_last_error());
-    /* The memory stays (its addresses were handed out) until
-     * laden_sched_load_wait or destroy frees it; the calls that need a
-     * block return the failure meanwhile. */
+    /* The memory stays (its addresses were handed out) until destroy;
+     * the calls that need a block return the failure meanwhile. */
     sc->loading = true;
     sc->broken = true;
 }
@@ -843,9 +842,22 @@ laden_status laden__sched_load_begin(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
+/* Steps the load (sc->ld) on this thread until block `block` is in place
+ * (-1: all of it), and ends it once it failed or is done: the load's
+ * failure, if any. */
+static laden_status drive(laden_sched_t *sc, int64_t block)
 {
     laden_status s = LADEN_OK;
+    while (!s && !loader_done(sc->ld) &&
+           (block < 0 || !sc->b[block].ready))
+        s = step(sc->ld);
+    if (s || loader_done(sc->ld))
+        ended(sc, s);
+    return sc->load_err ? laden__sched_load_failure(sc) : LADEN_OK;
+}
+
+laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
+{
     if (block >= sc->nb)
         return laden__fail(LADEN_E_INVAL, "no block %u (%u blocks)", block,
                            sc->nb);
@@ -855,24 +867,13 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
         return LADEN_OK;
     if (!sc->ld)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
-    while (!s && !sc->b[block].ready && !loader_done(sc->ld))
-        s = step(sc->ld);
-    if (s || loader_done(sc->ld)) {
-        ended(sc, s);
-        if (sc->load_err)
-            return laden__sched_load_failure(sc);
-    }
-    return LADEN_OK;
+    return drive(sc, block);
 }
 
 laden_status laden__sched_load_wait(laden_sched_t *sc)
 {
-    laden_status s = LADEN_OK;
     if (sc->ld)
-        while (!s && !loader_done(sc->ld))
-            s = step(sc->ld);
-    if (sc->ld)
-        ended(sc, s);
+        (void)drive(sc, -1);
     laden__sched_join_loader(sc);
     if (sc->load_err) /* the memory stays: its addresses were handed out */
         return laden__sched_load_failure(sc);
