@@ -330,7 +330,7 @@ def _renames(model, names: List[str]):
         hit = [n for n in names if any(p_.search(n) for p_ in pats)]
         if hit:
             raise InvalidArgumentError(
-                f"laden.from_pretrained: {type(model).__name__}'s checkpoint "
+                f"{type(model).__name__}'s checkpoint "
                 f"stores tensors transformers merges or splits on load "
                 f"({', '.join(hit[:3])}{' ...' if len(hit) > 3 else ''}: "
                 f"{type(r).__name__}); laden loads tensors as stored and "
