@@ -441,7 +441,7 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
             for tg in tg_list:
                 mod = _owner(model, tg.name)
                 ad.hooks.append(mod.register_forward_hook(
-                    _route(tg, s, params[tg.name])))
+                    _route(tg, s)))
         return
     for tg_list, s in zip(resolved, strengths):
         for tg in tg_list:
@@ -527,7 +527,7 @@ def _owner(model, name: str):
     return mod
 
 
-def _route(tg: _Target, s: float, W):
+def _route(tg: _Target, s: float):
     import torch.nn.functional as F
 
     cache = {}
@@ -664,7 +664,7 @@ class _CacheAdapters:
                 for tg in tg_list:
                     self.hooks.append(_owner(model, tg.name)
                                       .register_forward_hook(
-                                          _route(tg, s, params[tg.name])))
+                                          _route(tg, s)))
         if key != self.key or _HALF in self.merged_at.values():
             check(lib.laden_sched_refill(h))  # slots: filled again
             self.merged_at.clear()
