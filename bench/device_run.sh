@@ -14,6 +14,7 @@
 #   stream: bench/stream.py without peers (STREAM_ARGS are passed to it)
 #   load:  bench/load.py, cold and warm (LOAD_ARGS are passed to it)
 #   hf:    bench/hf.py (HF_ARGS are passed to it)
+#   adapters: bench/adapters.py (ADAPTERS_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
 #   carried: the machine has no network) are installed into /tmp/hfsite
 #   first, for pytest's test_hf.py and bench/hf.py.
@@ -84,5 +85,9 @@ fi
 if want hf; then
   log "bench/hf.py"
   python3 bench/hf.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf.log"
+fi
+if want adapters; then
+  log "bench/adapters.py"
+  python3 bench/adapters.py ${ADAPTERS_ARGS:-} 2>&1 | tee "$OUT/adapters.log"
 fi
 log "done"

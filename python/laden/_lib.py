@@ -219,6 +219,10 @@ _SIGNATURES = {
     # st
     "laden_dtype_name": (c_char_p, [c_int]),
     "laden_dtype_bits": (c_uint32, [c_int]),
+    "laden_dtype_block": (status_t, [c_int, P(c_uint32), P(c_uint32)]),
+    "laden_dtype_of_ggml": (status_t, [c_uint32, P(c_int)]),
+    "laden_ggml_of_dtype": (c_uint32, [c_int]),
+    # expand (device expansion of compact weights): entries below
     "laden_st_open": (status_t, [c_char_p, P(p)]),
     # gguf
     "laden_gguf_open": (status_t, [c_char_p, P(p)]),

@@ -62,7 +62,9 @@ class AdapterSpec:
     """An adapter: ``source`` is a safetensors file, a directory peft wrote
     (``adapter_model.safetensors`` and ``adapter_config.json``, whose
     ``lora_alpha``, ``alpha_pattern`` and ``use_rslora`` give the scales),
-    or a function returning a state dict.  Keys: LoRA factors
+    or a function returning a state dict (called once: its result is kept
+    with the spec's, as a file's tensors are until the file changes; give
+    a new spec to read again).  Keys: LoRA factors
     (``X.lora_A.weight``/``X.lora_B.weight`` as peft writes them,
     ``lora_down``/``lora_up`` with ``X.alpha`` as kohya and diffusers do,
     ``lora_unet_``/``lora_te_`` names mapped to modules), full-rank deltas
@@ -182,11 +184,73 @@ def _alpha_from(cfg: dict, module: str, r: int) -> Optional[float]:
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
-def resolve(spec: AdapterSpec, model) -> List[_Target]:
-    """The adapter's targets in `model` (parameter names), checked."""
+# Host copies of idle adapters kept by a streamed model's handle (a cache
+# keeps its own under its ram_budget).
+IDLE_HOST_BYTES = 4 << 30
+
+
+def _nbytes(sd) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values()
+               if hasattr(t, "element_size"))
+
+
+class _HostAdapters:
+    """Adapters as read (CPU tensors and peft config), kept between uses
+    least recently used first: switching back to an adapter reads no file
+    and calls no function.  Entries are keyed by `_source_key`, which holds
+    the spec (so a function source, held with it, is never confused with
+    another)."""
+
+    def __init__(self):
+        from collections import OrderedDict
+
+        self.items: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.bytes = 0
+        self.reads = 0  # adapters read from their source (tests count)
+
+    def get(self, a: "AdapterSpec"):
+        k = _source_key(a)
+        hit = self.items.get(k)
+        if hit is not None:
+            self.items.move_to_end(k)
+            return hit[0], hit[1]
+        sd, cfg = _read(a)
+        self.reads += 1
+        n = _nbytes(sd)
+        self.items[k] = (sd, cfg, n)
+        self.bytes += n
+        return sd, cfg
+
+    def held(self, keep) -> int:
+        """Bytes of the entries of adapters `keep`."""
+        ks = {_source_key(a) for a in keep}
+        return sum(v[2] for k, v in self.items.items() if k in ks)
+
+    def trim(self, keep, idle_limit: int) -> None:
+        """Drops the least recently used entries not of `keep` until those
+        left hold at most `idle_limit` bytes."""
+        ks = {_source_key(a) for a in keep}
+        idle = self.bytes - self.held(keep)
+        for k in list(self.items):
+            if idle <= idle_limit:
+                break
+            if k not in ks:
+                n = self.items.pop(k)[2]
+                self.bytes -= n
+                idle -= n
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.bytes = 0
+
+
+def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
+            ) -> List[_Target]:
+    """The adapter's targets in `model` (parameter names), checked; its
+    tensors read through `store` when given."""
     import torch
 
-    sd, cfg = _read(spec)
+    sd, cfg = store.get(spec) if store is not None else _read(spec)
     if cfg.get("use_dora") or cfg.get("lora_bias"):
         raise AdapterError(
             f"adapter '{spec.key}': {'DoRA' if cfg.get('use_dora') else 'LoRA with bias'}"
@@ -315,6 +379,7 @@ class _Adapters:
         self.reread: list = []              # (c_block, c_index) changed
         self.hooks: list = []
         self.resolved: Dict[tuple, List[_Target]] = {}
+        self.host = _HostAdapters()
 
     def after_enter(self, c_block: int) -> None:
         """A streamed block just entered: its adapters merged into its slot
@@ -418,7 +483,8 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
 def _set(handle, st, o, model, adapters, strengths, mode) -> None:
     ad = handle.adapters
     # All checked before anything changes.
-    resolved = _resolved(ad.resolved, adapters, model, st.device)
+    resolved = _resolved(ad.resolved, adapters, model, st.device, ad.host)
+    ad.host.trim(adapters, IDLE_HOST_BYTES)
     by_name = _by_name(st.tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
     _check_targets(resolved, mode, model, by_name)
@@ -469,9 +535,10 @@ def _source_key(a: AdapterSpec):
     """What an adapter's resolved targets depend on: the spec itself (its
     dtype and allow_partial_targets too) and, for a path, the file's size
     and time (a file written again is read again).  A function source is
-    called again each time (None: not kept)."""
+    called once while its result is kept (the key holds the spec, and the
+    spec the function)."""
     if callable(a.source):
-        return None
+        return (a,)
     path = os.fspath(a.source)
     f = os.path.join(path, "adapter_model.safetensors") \
         if os.path.isdir(path) else path
@@ -482,17 +549,17 @@ def _source_key(a: AdapterSpec):
         return (a, None, None)
 
 
-def _resolved(cache: dict, adapters, model, device):
+def _resolved(cache: dict, adapters, model, device, store):
     """Each adapter's targets, on the device; the cache keeps only these
-    adapters' (switching adapters does not pile them up on the device)."""
+    adapters' (switching adapters does not pile them up on the device);
+    their tensors as read are kept in `store` (host memory)."""
     out, keep = [], {}
     for a in adapters:
         k = _source_key(a)
-        tg = cache.get(k) if k is not None else None
+        tg = cache.get(k)
         if tg is None:
-            tg = [_placed(t, device) for t in resolve(a, model)]
-        if k is not None:
-            keep[k] = tg
+            tg = [_placed(t, device) for t in resolve(a, model, store)]
+        keep[k] = tg
         out.append(tg)
     cache.clear()
     cache.update(keep)
@@ -503,7 +570,7 @@ def _merge_key(adapters, strengths, mode):
     """Names the merge the adapters make: equal keys, equal bytes."""
     if not adapters:
         return None
-    return (mode, tuple((_source_key(a) or object(), s)
+    return (mode, tuple((_source_key(a), s)
                         for a, s in zip(adapters, strengths)))
 
 
@@ -617,8 +684,10 @@ class _CacheAdapters:
     (kept with them between uses while the copies stay: C's upload count
     says when a copy was written again) and its slots, or routed."""
 
-    def __init__(self, rt):
+    def __init__(self, rt, host: _HostAdapters):
         self.rt = rt
+        self.host = host  # the cache's, shared by its models
+        self.current: tuple = ()  # the adapters applied now
         self.key = None
         self.merges: Dict[int, list] = {}
         self.merged_at: Dict[int, int] = {}
@@ -643,7 +712,8 @@ class _CacheAdapters:
                                     f"use('{rt.spec.key}')")
         key = _merge_key(adapters, strengths, mode)
         model = rt.model
-        resolved = _resolved(self.resolved, adapters, model, rt.device)
+        resolved = _resolved(self.resolved, adapters, model, rt.device,
+                             self.host)
         by_name = _by_name(rt.tensors)
         params = dict(model.named_parameters(remove_duplicate=False))
         _check_targets(resolved, mode, model, by_name)
@@ -696,6 +766,7 @@ class _CacheAdapters:
                 _add(W, tg, s)
             self.copies[b] = (want, fills.value)
         self.key = key
+        self.current = tuple(adapters)
 
 
 def _args(adapters, strengths, mode, call):

@@ -440,9 +440,11 @@ class ModelCache:
     and slots on each device (default: the free memory at the device's
     first use, less 1.5 GiB for activations).  ``pinned_budget`` counts
     pinned host copies (default: no limit).  ``ram_budget`` counts all
-    host copies of one device's models; beyond it idle models are dropped,
-    least recently used first, and rebuilt by their factory on their next
-    use (default: no limit).
+    host copies of one device's models and of the adapters read for them;
+    beyond it idle adapters, then idle models are dropped, least recently
+    used first, and read again or rebuilt by their factory on their next
+    use (default: no limit for models; idle adapters keep at most
+    ``laden.adapters.IDLE_HOST_BYTES``, 4 GiB).
 
     ``vram`` (a ``laden.vbar.VRAM``) keeps the models' device copies in
     VBARs of that context: a model the cache evicts is only unpinned, its
@@ -485,6 +487,8 @@ class ModelCache:
         if _USE_COUNT is None:
             _USE_COUNT = _find_use_count() or False
         self._lock = threading.RLock()
+        from .adapters import _HostAdapters
+        self._adapter_host = _HostAdapters()  # adapters as read, all models
         self._failed: set = set()  # keys whose build raised, never built
         self._built: set = set()   # keys built at least once
         self.builds = 0
@@ -604,8 +608,10 @@ class ModelCache:
                 try:
                     if rt.adapters is None:
                         from .adapters import _CacheAdapters
-                        rt.adapters = _CacheAdapters(rt)
+                        rt.adapters = _CacheAdapters(rt,
+                                                     self._adapter_host)
                     rt.adapters.apply(*adapters)
+                    self._fit_adapters(self._dc(dev), rt, 0)
                 except BaseException:
                     self._deactivate(rt)
                     raise
@@ -627,7 +633,8 @@ class ModelCache:
     def _build(self, spec: ModelSpec, dev, adopt) -> _Runtime:
         dc = self._dc(dev)
         need = self._known_size.get(spec.key, spec.estimated_bytes)
-        self._make_host_room(dc, None, need)
+        self._fit_adapters(dc, None, need)
+        self._make_host_room(dc, None, need + self._adapter_host.bytes)
         t0 = time.perf_counter()
         rt = _Runtime(spec, dev, dc)
         rt.build(adopt)
@@ -655,6 +662,28 @@ class ModelCache:
                   rt.fixed, time.perf_counter() - t0)
         self._make_host_room(dc, rt, 0)
         return rt
+
+    def _fit_adapters(self, dc: _DeviceCache, rt: Optional[_Runtime],
+                      need: int) -> None:
+        """Adapters' host copies count in ram_budget with the models': idle
+        adapters (cheap to read again) give way first, least recently used
+        first; those of models in use stay, and idle models give way to
+        them.  Without ram_budget, idle adapters keep at most
+        adapters.IDLE_HOST_BYTES."""
+        from .adapters import IDLE_HOST_BYTES
+
+        store = self._adapter_host
+        keep = [a for r in self._rt.values()
+                if r.adapters is not None and (r.in_use or r is rt)
+                for a in r.adapters.current]
+        if self.ram_budget is None:
+            store.trim(keep, IDLE_HOST_BYTES)
+            return
+        models = sum(r.size for r in self._rt.values())
+        store.trim(keep, max(0, self.ram_budget - models - need -
+                             store.held(keep)))
+        if models + need + store.bytes > self.ram_budget:
+            self._make_host_room(dc, rt, need + store.bytes)
 
     def _make_host_room(self, dc: _DeviceCache, rt: Optional[_Runtime],
                         need: int) -> None:
@@ -855,6 +884,7 @@ class ModelCache:
                 self._refuse_derived(self._rt.values(), "clear")
             for key in list(self._rt):
                 self._drop(key, "clear")
+            self._adapter_host.clear()
             for key in self._failed:
                 self._specs.pop(key, None)
                 self._known_size.pop(key, None)
@@ -888,6 +918,7 @@ class ModelCache:
         out = {"models": len(self._specs), "built": len(self._rt),
                "in_use": 0, "vram_bytes": 0, "pinned_bytes": 0,
                "host_bytes": sum(rt.size for rt in self._rt.values()),
+               "adapter_host_bytes": self._adapter_host.bytes,
                "vram_budget_bytes": 0, "pinned_budget_bytes":
                self.pinned_budget or 0, "ram_budget_bytes":
                self.ram_budget or 0, "activations": 0, "hits": 0,

@@ -358,7 +358,7 @@ def test_found_in_review(tmp_path, monkeypatch):
     m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
                               device="cpu", ram_budget=250_000)
     h = m._laden_stream.handle
-    # Function sources are read again each time (no stale tensors).
+    # A function source's state dict, as the merge's input.
     zero = {"model.layers.0.self_attn.q_proj.delta.weight":
             torch.zeros(64, 64)}
     h.set_adapters([laden.AdapterSpec("z", lambda: dict(zero))])
@@ -403,3 +403,90 @@ def test_found_in_review(tmp_path, monkeypatch):
 def on_meta_llama(ref):
     with laden.hf.empty_weights():
         return transformers.LlamaForCausalLM(ref.config).eval()
+
+
+def test_adapters_read_once(tmp_path):
+    """Adapters are read once and kept: switching back to one calls no
+    function and reads no file; two functions under one key are two
+    adapters; a cache's idle adapters count in its ram_budget and give
+    way, least recently used first, before models do."""
+    from laden import adapters as admod
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    b_dir, b_merged = lora(ref, tmp_path, "b", seed=3)
+    want_a, want_b = logits(a_merged, "cpu"), logits(b_merged, "cpu")
+    tol = dict(atol=2e-5, rtol=1e-4)
+    calls = []
+
+    def sd_of(path, tag):
+        def f():
+            calls.append(tag)
+            with laden.Checkpoint(path + "/adapter_model.safetensors") as c:
+                return {n: c.tensor(n) for n in c.names()}
+        return f
+
+    # peft's scale (alpha / r) comes from its config, which a function
+    # source lacks: compare with the files' own adapters' results instead.
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    h = m._laden_stream.handle
+    Fa = laden.AdapterSpec("x", sd_of(a_dir, "a"))
+    Fb = laden.AdapterSpec("x", sd_of(b_dir, "b"))  # same key, other source
+    h.set_adapters([Fa])
+    out_fa = logits(m, "cpu")
+    h.set_adapters([Fb])
+    out_fb = logits(m, "cpu")
+    assert not torch.equal(out_fa, out_fb)
+    for _ in range(2):
+        h.set_adapters([Fa])
+        assert torch.equal(logits(m, "cpu"), out_fa)
+        h.set_adapters([Fb])
+        assert torch.equal(logits(m, "cpu"), out_fb)
+    assert calls == ["a", "b"]
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+    reads = h.adapters.host.reads
+    for _ in range(2):
+        h.set_adapters([A])
+        torch.testing.assert_close(logits(m, "cpu"), want_a, **tol)
+        h.set_adapters([B])
+        torch.testing.assert_close(logits(m, "cpu"), want_b, **tol)
+    assert h.adapters.host.reads == reads + 2
+    # A file written again is read again.
+    import os
+    f = os.path.join(a_dir, "adapter_model.safetensors")
+    os.utime(f, ns=(os.stat(f).st_atime_ns, os.stat(f).st_mtime_ns + 10**9))
+    h.set_adapters([A])
+    assert h.adapters.host.reads == reads + 3
+    laden.release(m)
+
+    # A cache: both adapters kept without a RAM budget; with a budget
+    # that holds the model and one adapter, the idle one gives way (and
+    # is read again when asked), the model stays.
+    def build():
+        with laden.hf.empty_weights():
+            return transformers.LlamaForCausalLM(ref.config).eval()
+
+    spec = laden.ModelSpec("llama", build, checkpoint=d,
+                           block_paths=("model.layers",))
+    cache = laden.ModelCache()
+    for ad, want in ((A, want_a), (B, want_b), (A, want_a)):
+        with cache.use(spec, device="cpu", adapters=[ad]) as mm:
+            torch.testing.assert_close(logits(mm, "cpu"), want, **tol)
+    store = cache._adapter_host
+    assert store.reads == 2 and len(store.items) == 2
+    one = store.held([A])
+    assert cache.stats()["adapter_host_bytes"] == store.bytes == 2 * one
+    size = cache.stats()["host_bytes"]
+    cache.clear()
+    assert store.bytes == 0
+    tight = laden.ModelCache(ram_budget=size + one + one // 2)
+    store = tight._adapter_host
+    for ad, want in ((A, want_a), (B, want_b), (A, want_a)):
+        with tight.use(spec, device="cpu", adapters=[ad]) as mm:
+            torch.testing.assert_close(logits(mm, "cpu"), want, **tol)
+        assert len(store.items) == 1 and store.bytes == one
+    assert store.reads == 3 and tight.stats()["builds"] == 1
+    tight.clear()

@@ -6,6 +6,7 @@
  * end.  Strings are copied into one pool per file. */
 #define _GNU_SOURCE
 #include "laden/gguf.h"
+#include "laden/st.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -69,6 +70,63 @@ laden_status laden_gguf_type_block(uint32_t type, uint32_t *block_elems,
     *block_elems = TYPES[i].elems;
     *block_bytes = TYPES[i].bytes;
     return LADEN_OK;
+}
+
+/* ---- laden dtypes of ggml types --------------------------------------- */
+
+static const struct {
+    uint32_t ggml;
+    laden_dtype dtype;
+} AS_DTYPE[] = {
+    {0, LADEN_DTYPE_F32},   {1, LADEN_DTYPE_F16},   {2, LADEN_DTYPE_Q4_0},
+    {3, LADEN_DTYPE_Q4_1},  {6, LADEN_DTYPE_Q5_0},  {7, LADEN_DTYPE_Q5_1},
+    {8, LADEN_DTYPE_Q8_0},  {10, LADEN_DTYPE_Q2_K}, {11, LADEN_DTYPE_Q3_K},
+    {12, LADEN_DTYPE_Q4_K}, {13, LADEN_DTYPE_Q5_K}, {14, LADEN_DTYPE_Q6_K},
+    {24, LADEN_DTYPE_I8},   {25, LADEN_DTYPE_I16},  {26, LADEN_DTYPE_I32},
+    {27, LADEN_DTYPE_I64},  {28, LADEN_DTYPE_F64},  {30, LADEN_DTYPE_BF16},
+};
+
+laden_status laden_dtype_of_ggml(uint32_t ggml_type, laden_dtype *out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_dtype_of_ggml: NULL");
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(AS_DTYPE); i++)
+        if (AS_DTYPE[i].ggml == ggml_type) {
+            *out = AS_DTYPE[i].dtype;
+            return LADEN_OK;
+        }
+    const char *n = laden_gguf_type_name(ggml_type);
+    return laden__fail(LADEN_E_UNSUPPORTED,
+                       "ggml type %s (%u) is not one laden holds (F32, F16, "
+                       "BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and "
+                       "the integer types)",
+                       n ? n : "unknown", ggml_type);
+}
+
+uint32_t laden_ggml_of_dtype(laden_dtype dtype)
+{
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(AS_DTYPE); i++)
+        if (AS_DTYPE[i].dtype == dtype)
+            return AS_DTYPE[i].ggml;
+    return UINT32_MAX;
+}
+
+laden_status laden_dtype_block(laden_dtype dtype, uint32_t *block_elems,
+                               uint32_t *block_bytes)
+{
+    if (!block_elems || !block_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_dtype_block: NULL");
+    if ((unsigned)dtype >= LADEN_DTYPE_COUNT)
+        return laden__fail(LADEN_E_DTYPE, "dtype %d out of range",
+                           (int)dtype);
+    uint32_t bits = laden_dtype_bits(dtype);
+    if (bits) {
+        *block_elems = bits % 8 ? 8 : 1;
+        *block_bytes = bits % 8 ? bits : bits / 8;
+        return LADEN_OK;
+    }
+    return laden_gguf_type_block(laden_ggml_of_dtype(dtype), block_elems,
+                                 block_bytes);
 }
 
 /* ---- the cursor --------------------------------------------------------- */

@@ -71,7 +71,7 @@ uint32_t laden_dtype_bits(laden_dtype d)
 static bool dtype_from_name(const char *s, laden_dtype *out)
 {
     for (unsigned i = 0; i < LADEN_DTYPE_COUNT; i++)
-        if (strcmp(s, dtype_names[i]) == 0) {
+        if (dtype_bits[i] && strcmp(s, dtype_names[i]) == 0) {
             *out = (laden_dtype)i;
             return true;
         }
