@@ -2,12 +2,15 @@
  * from memory; every kind of bad header refused with its named error;
  * every prefix and every one-byte change of a valid file refused or read,
  * never a crash (ASan). */
+#define _GNU_SOURCE /* memmem */
 #include <stdlib.h>
 #include <string.h>
 
 #include "test.h"
 
 #include "laden/gguf.h"
+#include "laden/st.h"
+#include "laden/stream.h"
 
 typedef struct {
     uint8_t *p;
@@ -282,4 +285,135 @@ TEST(gguf_dequantize_blocks)
     CHECK_STATUS(laden_gguf_dequantize(8, q8, 33, y, 32), LADEN_E_INVAL);
     CHECK_STATUS(laden_gguf_dequantize(8, q8, 34, y, 31), LADEN_E_INVAL);
     CHECK_STATUS(laden_gguf_dequantize(4, q8, 34, y, 32), LADEN_E_DTYPE);
+}
+
+/* A GGUF file opened as a checkpoint (laden_st_open): its table in
+ * row-major shapes and laden dtypes, scalar metadata as strings; a
+ * schedule keeps a Q8_0 tensor as stored, converts it to F32 on load, and
+ * puts a Llama q projection's rows back in transformers' order; the disk
+ * tier refuses reordered rows; an unsupported type names the tensor. */
+TEST(gguf_as_checkpoint_loaded)
+{
+    enum { ROWS = 8, COLS = 32, RB = 34 }; /* Q8_0: one block per row */
+    buf b = {0};
+    put(&b, "GGUF", 4);
+    u32(&b, 3);
+    u64(&b, 2);
+    u64(&b, 2);
+    str(&b, "general.architecture");
+    u32(&b, LADEN_GGUF_STRING);
+    str(&b, "llama");
+    str(&b, "llama.attention.head_count");
+    u32(&b, LADEN_GGUF_U32);
+    u32(&b, 2);
+    str(&b, "blk.0.attn_q.weight");
+    u32(&b, 2);
+    u64(&b, COLS);
+    u64(&b, ROWS);
+    u32(&b, 8); /* Q8_0 */
+    u64(&b, 0);
+    str(&b, "output_norm.weight");
+    u32(&b, 1);
+    u64(&b, 4);
+    u32(&b, 1); /* F16 */
+    u64(&b, 288);
+    pad_to(&b, 32);
+    size_t data = b.n;
+    uint8_t rows[ROWS][RB];
+    for (int r = 0; r < ROWS; r++) {
+        rows[r][0] = 0x00;
+        rows[r][1] = (uint8_t)(0x30 + r); /* d: a finite f16 per row */
+        for (int k = 0; k < 32; k++)
+            rows[r][2 + k] = (uint8_t)(r * 16 + k - 64);
+    }
+    put(&b, rows, sizeof rows);
+    pad_to(&b, 32);
+    CHECK_EQ(b.n - data, 288);
+    static const uint16_t ones[4] = {0x3c00, 0x3c00, 0x3c00, 0x3c00};
+    put(&b, ones, sizeof ones);
+    char *p = test_path("q.gguf");
+    test_write_file(p, b.p, b.n);
+
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    CHECK_EQ(laden_st_count(st), 2);
+    laden_st_tensor_t t;
+    size_t qi, ni;
+    CHECK_OK(laden_st_find(st, "blk.0.attn_q.weight", &qi));
+    CHECK_OK(laden_st_find(st, "output_norm.weight", &ni));
+    CHECK_OK(laden_st_tensor_at(st, qi, &t));
+    CHECK(t.dtype == LADEN_DTYPE_Q8_0 && t.ndim == 2 && t.shape[0] == ROWS &&
+          t.shape[1] == COLS && t.size_bytes == sizeof rows &&
+          t.offset_bytes == data);
+    CHECK_OK(laden_st_tensor_at(st, ni, &t));
+    CHECK(t.dtype == LADEN_DTYPE_F16 && t.ndim == 1 && t.shape[0] == 4);
+    CHECK_EQ(laden_st_metadata_count(st), 2);
+    const char *k, *v;
+    CHECK_OK(laden_st_metadata_at(st, 1, &k, &v));
+    CHECK(!strcmp(k, "llama.attention.head_count") && !strcmp(v, "2"));
+
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t blk, i_raw, i_rope, i_f32, i_norm;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_Q8_0,
+                                    &i_raw));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_Q8_0,
+                                    &i_rope));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_F32,
+                                    &i_f32));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, ni, LADEN_DTYPE_BF16,
+                                    &i_norm));
+    CHECK_STATUS(laden_sched_set_rope_rows(sc, blk, i_rope, 3),
+                 LADEN_E_SHAPE);
+    CHECK_OK(laden_sched_set_rope_rows(sc, blk, i_rope, 2));
+    CHECK_OK(laden_sched_set_rope_rows(sc, blk, i_f32, 2));
+    uint32_t i_bad;
+    CHECK_STATUS(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_I8,
+                                        &i_bad),
+                 LADEN_E_UNSUPPORTED);
+    CHECK_OK(laden_sched_load(sc));
+    void *hp;
+    CHECK_OK(laden_sched_host_ptr(sc, blk, i_raw, &hp));
+    CHECK(memcmp(hp, rows, sizeof rows) == 0);
+    /* Head h's rows 0..3 come from its rows 0, 2, 1, 3. */
+    static const int from[ROWS] = {0, 2, 1, 3, 4, 6, 5, 7};
+    uint8_t want[ROWS][RB];
+    for (int r = 0; r < ROWS; r++)
+        memcpy(want[r], rows[from[r]], RB);
+    CHECK_OK(laden_sched_host_ptr(sc, blk, i_rope, &hp));
+    CHECK(memcmp(hp, want, sizeof want) == 0);
+    float wantf[ROWS * COLS];
+    CHECK_OK(laden_gguf_dequantize(8, want, sizeof want, wantf, ROWS * COLS));
+    CHECK_OK(laden_sched_host_ptr(sc, blk, i_f32, &hp));
+    CHECK(memcmp(hp, wantf, sizeof wantf) == 0);
+    CHECK_OK(laden_sched_host_ptr(sc, blk, i_norm, &hp));
+    CHECK(((uint16_t *)hp)[3] == 0x3f80); /* 1.0 in bf16 */
+    laden_sched_destroy(sc);
+
+    /* The disk tier reads the file as it is. */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_Q8_0,
+                                    &i_raw));
+    CHECK_STATUS(laden_sched_set_rope_rows(sc, blk, i_raw, 2),
+                 LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "reordered") != NULL);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+
+    /* A type laden does not hold (IQ4_NL: 18 bytes a block of 32, so the
+     * data still fits) names the tensor. */
+    const char *nm = "blk.0.attn_q.weight";
+    uint8_t *at = memmem(b.p, data, nm, strlen(nm));
+    CHECK(at != NULL);
+    at += strlen(nm) + 4 + 8 + 8;
+    at[0] = 20;
+    test_write_file(p, b.p, b.n);
+    st = NULL;
+    CHECK_STATUS(laden_st_open(p, &st), LADEN_E_UNSUPPORTED);
+    CHECK(st == NULL && strstr(laden_last_error(), nm) &&
+          strstr(laden_last_error(), "IQ4_NL"));
+    free(b.p);
 }

@@ -74,10 +74,11 @@ TEST(st_every_dtype)
                 {"C64", 64},     {"F64", 64},       {"I64", 64},
                 {"U64", 64},     {"F4", 4},         {"F6_E2M3", 6},
                 {"F6_E3M2", 6}};
-    CHECK_EQ(LADEN_DTYPE_COUNT, sizeof want / sizeof want[0]);
+    const size_t nst = sizeof want / sizeof want[0];
+    CHECK_EQ(LADEN_DTYPE_Q4_0, nst); /* GGUF's block types follow */
     char hdr[8192] = "{";
     uint64_t off = 0;
-    for (size_t i = 0; i < LADEN_DTYPE_COUNT; i++) {
+    for (size_t i = 0; i < nst; i++) {
         CHECK_EQ(strcmp(laden_dtype_name((laden_dtype)i), want[i].name), 0);
         CHECK_EQ(laden_dtype_bits((laden_dtype)i), want[i].bits);
         uint64_t bytes = 8 * want[i].bits / 8; /* 8 elements */
@@ -95,12 +96,52 @@ TEST(st_every_dtype)
     char *p = test_path("dtypes.safetensors");
     test_write_st(p, hdr, data, off);
     laden_st_t *st = open_ok(p);
-    CHECK_EQ(laden_st_count(st), LADEN_DTYPE_COUNT);
-    for (size_t i = 0; i < LADEN_DTYPE_COUNT; i++) {
+    CHECK_EQ(laden_st_count(st), nst);
+    for (size_t i = 0; i < nst; i++) {
         laden_st_tensor_t t;
         CHECK_OK(laden_st_tensor_at(st, i, &t));
         CHECK_EQ(t.dtype, (laden_dtype)i);
     }
+    /* Block types: no bits per element, blocks from GGUF's table, never
+     * accepted from a safetensors header. */
+    static const struct {
+        laden_dtype d;
+        const char *name;
+        uint32_t elems, bytes, ggml;
+    } blk[] = {{LADEN_DTYPE_Q4_0, "Q4_0", 32, 18, 2},
+               {LADEN_DTYPE_Q8_0, "Q8_0", 32, 34, 8},
+               {LADEN_DTYPE_Q4_K, "Q4_K", 256, 144, 12},
+               {LADEN_DTYPE_Q6_K, "Q6_K", 256, 210, 14}};
+    for (size_t i = 0; i < sizeof blk / sizeof blk[0]; i++) {
+        uint32_t e, by;
+        laden_dtype d;
+        CHECK_EQ(strcmp(laden_dtype_name(blk[i].d), blk[i].name), 0);
+        CHECK_EQ(laden_dtype_bits(blk[i].d), 0);
+        CHECK_OK(laden_dtype_block(blk[i].d, &e, &by));
+        CHECK(e == blk[i].elems && by == blk[i].bytes);
+        CHECK_EQ(laden_ggml_of_dtype(blk[i].d), blk[i].ggml);
+        CHECK_OK(laden_dtype_of_ggml(blk[i].ggml, &d));
+        CHECK_EQ(d, blk[i].d);
+    }
+    uint32_t e, by;
+    CHECK_OK(laden_dtype_block(LADEN_DTYPE_BF16, &e, &by));
+    CHECK(e == 1 && by == 2);
+    CHECK_OK(laden_dtype_block(LADEN_DTYPE_F4, &e, &by));
+    CHECK(e == 8 && by == 4);
+    laden_dtype d;
+    CHECK_STATUS(laden_dtype_of_ggml(9 /* Q8_1 */, &d), LADEN_E_UNSUPPORTED);
+    CHECK(strstr(laden_last_error(), "Q8_1") != NULL);
+    CHECK_EQ(laden_ggml_of_dtype(LADEN_DTYPE_U8), UINT32_MAX);
+    CHECK_STATUS(laden_dtype_block(LADEN_DTYPE_COUNT, &e, &by),
+                 LADEN_E_DTYPE);
+    const char *q = "{\"w\":{\"dtype\":\"Q4_K\",\"shape\":[256],"
+                    "\"data_offsets\":[0,144]}}";
+    char zeros[144] = {0};
+    char *qp = test_path("q4k.safetensors");
+    test_write_st(qp, q, zeros, sizeof zeros);
+    laden_st_t *bad = NULL;
+    CHECK(laden_st_open(qp, &bad) != LADEN_OK && bad == NULL);
+
     CHECK_EQ(laden_dtype_name(LADEN_DTYPE_COUNT), NULL);
     CHECK_EQ(laden_dtype_bits(LADEN_DTYPE_COUNT), 0);
     laden_st_close(st);

@@ -151,6 +151,18 @@ LADEN_API laden_status laden_sched_add_tensor(laden_sched_t *sched,
                                               laden_dtype dtype,
                                               uint32_t *out_index);
 
+/* Tensor `index` of `block` (a checkpoint tensor) has its rows in the
+ * order llama.cpp's converter writes a Llama-family q or k projection:
+ * within each of `heads` heads of d rows, row 2i + j holds row
+ * j * d/2 + i.  The load puts them back in transformers' order (whole
+ * rows move: block-quantized rows too), which makes the block one that
+ * cannot stream from disk.  LADEN_E_SHAPE unless the rows are `heads`
+ * heads of an even count; before the plan. */
+LADEN_API laden_status laden_sched_set_rope_rows(laden_sched_t *sched,
+                                                 uint32_t block,
+                                                 uint32_t index,
+                                                 uint64_t heads);
+
 /* Adds a tensor whose bytes are in host memory (a model built on the CPU):
  * n_elems elements of src_dtype at src, stored as dtype (converted as for
  * checkpoint tensors).  The bytes are copied at load; src must stay valid
@@ -457,8 +469,10 @@ LADEN_API laden_status laden_sched_ready(laden_sched_t *sched,
 LADEN_API laden_status laden_sched_fence(laden_sched_t *sched,
                                          uintptr_t compute_stream);
 
-/* Converts n elements between F32, F16 and BF16 (round to nearest even).
- * LADEN_E_UNSUPPORTED for other pairs. */
+/* Converts n elements of F32, F16, BF16, fp8 (F8_E4M3, F8_E5M2) or a GGUF
+ * block type (n whole blocks; the gguf reference's values) to F32, F16 or
+ * BF16, rounding once to nearest even.  LADEN_E_UNSUPPORTED for other
+ * pairs. */
 LADEN_API laden_status laden_sched_convert(laden_dtype from, const void *src,
                                            laden_dtype to, void *dst,
                                            uint64_t n);

@@ -5,6 +5,7 @@
  * section; together they must tile it exactly (no gaps, no overlap). */
 #define _GNU_SOURCE
 #include "laden/st.h"
+#include "laden/gguf.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -1135,6 +1136,122 @@ static laden_status pick_in_dir(const char *dir, char **out)
     return LADEN_OK;
 }
 
+/* ---- GGUF files as checkpoints ----------------------------------------- */
+
+/* A GGUF file's table as a checkpoint's: names, shapes in row-major order
+ * (GGUF lists dimensions innermost first), each tensor's ggml type as a
+ * laden dtype (block types stay as stored), offsets relative to the data
+ * section; scalar and string metadata as strings.  The GGUF reader has
+ * validated every field and range. */
+static laden_status open_gguf(laden_st_t *st, const char *path)
+{
+    laden_gguf_t *g = NULL;
+    laden_status s = laden_gguf_open(path, &g);
+    if (s)
+        return s;
+    size_t n = laden_gguf_count(g), nkv = laden_gguf_metadata_count(g);
+    size_t pool = 0;
+    laden_gguf_tensor_t t;
+    laden_gguf_kv_t kv;
+    for (size_t i = 0; i < n; i++) {
+        laden_gguf_tensor_at(g, i, &t);
+        pool += strlen(t.name) + 1;
+    }
+    for (size_t i = 0; i < nkv; i++) {
+        laden_gguf_metadata_at(g, i, &kv);
+        pool += strlen(kv.key) + 1 +
+                (kv.type == LADEN_GGUF_STRING ? (size_t)kv.count + 1 : 32);
+    }
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        laden_gguf_close(g);
+        return laden__fail(LADEN_E_IO, "%s: %s", path, strerror(errno));
+    }
+    uint32_t fi = 0;
+    if ((s = add_file(st, path, (uint64_t)sb.st_size, pool, &fi))) {
+        laden_gguf_close(g);
+        return s;
+    }
+    stfile *f = &st->files[fi];
+    f->data_start = laden_gguf_data_offset(g);
+    char *at = f->pool;
+    if (!grow((void **)&st->t, &st->cap, n + 1, sizeof *st->t) ||
+        !grow((void **)&st->dims, &st->dims_cap,
+              n * LADEN_GGUF_MAX_DIMS + 1,
+              sizeof *st->dims) ||
+        !grow((void **)&st->meta, &st->meta_cap, 2 * nkv + 1,
+              sizeof *st->meta)) {
+        laden_gguf_close(g);
+        return nomem("opening a GGUF file");
+    }
+    for (size_t i = 0; i < n && !s; i++) {
+        laden_gguf_tensor_at(g, i, &t);
+        entry *e = &st->t[st->n];
+        if ((s = laden_dtype_of_ggml(t.type, &e->dtype))) {
+            laden__error_prefix("tensor '%.200s'", t.name);
+            break;
+        }
+        size_t len = strlen(t.name) + 1;
+        memcpy(at, t.name, len);
+        e->name = at;
+        at += len;
+        e->file = fi;
+        e->ndim = t.ndim;
+        e->dims_at = st->ndims;
+        for (uint32_t d = 0; d < t.ndim; d++)
+            st->dims[st->ndims++] = t.dims[t.ndim - 1 - d];
+        e->begin = t.offset_bytes - f->data_start;
+        e->end = e->begin + t.size_bytes;
+        st->n++;
+    }
+    for (size_t i = 0; i < nkv && !s; i++) {
+        laden_gguf_metadata_at(g, i, &kv);
+        if (kv.type == LADEN_GGUF_ARRAY)
+            continue;
+        size_t len = strlen(kv.key) + 1;
+        memcpy(at, kv.key, len);
+        st->meta[st->nmeta++] = at;
+        at += len;
+        st->meta[st->nmeta++] = at;
+        switch (kv.type) {
+        case LADEN_GGUF_STRING:
+            memcpy(at, kv.str, (size_t)kv.count + 1);
+            at += kv.count + 1;
+            continue;
+        case LADEN_GGUF_F32:
+        case LADEN_GGUF_F64:
+            at += snprintf(at, 32, "%.17g", kv.f) + 1;
+            continue;
+        case LADEN_GGUF_I8:
+        case LADEN_GGUF_I16:
+        case LADEN_GGUF_I32:
+        case LADEN_GGUF_I64:
+            at += snprintf(at, 32, "%lld", (long long)kv.i) + 1;
+            continue;
+        case LADEN_GGUF_BOOL:
+            at += snprintf(at, 32, "%s", kv.u ? "true" : "false") + 1;
+            continue;
+        default:
+            at += snprintf(at, 32, "%llu", (unsigned long long)kv.u) + 1;
+        }
+    }
+    laden_gguf_close(g);
+    if (!s && st->n)
+        qsort(st->t, st->n, sizeof *st->t, cmp_offset);
+    return s ? s : finish(st);
+}
+
+static bool is_gguf(const char *path)
+{
+    char magic[4];
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return false;
+    bool yes = pread(fd, magic, 4, 0) == 4 && memcmp(magic, "GGUF", 4) == 0;
+    close(fd);
+    return yes;
+}
+
 laden_status laden_st_open(const char *path, laden_st_t **out)
 {
     laden_status s;
@@ -1162,6 +1279,8 @@ laden_status laden_st_open(const char *path, laden_st_t **out)
     }
     if (ends_with(path, ".json")) {
         s = open_index(st, path);
+    } else if (S_ISREG(sb.st_mode) && is_gguf(path)) {
+        s = open_gguf(st, path);
     } else {
         s = open_one(st, path, true);
         if (!s)

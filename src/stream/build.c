@@ -73,6 +73,12 @@ laden_status laden__sched_disk_check(const tref *r)
         return laden__fail(LADEN_E_INVAL,
                            "a tensor from host memory cannot be on the disk "
                            "tier");
+    if (r->rope_heads)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' has its rows reordered on load "
+                           "and cannot be on the disk tier, which reads the "
+                           "file as it is; put its block in RAM",
+                           r->name);
     return laden__fail(LADEN_E_INVAL,
                        "tensor '%.200s' is %s in the checkpoint and cannot "
                        "be stored as %s on the disk tier, which reads the "
@@ -194,6 +200,7 @@ static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
     r->src = t->dtype;
     r->dst = dtype;
     r->nelem = nelem;
+    r->nrows = t->ndim ? t->shape[0] : 1;
     r->dst_bytes = dtype == t->dtype ? t->size_bytes
                                      : nelem * (laden_dtype_bits(dtype) / 8);
     if (quantize) {
@@ -202,6 +209,42 @@ static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
         r->dst_bytes = ((nelem + 15) & ~(uint64_t)15) + 4 * r->rows;
     }
     r->name = t->name;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
+                                    uint32_t index, uint64_t heads)
+{
+    if (!sc || block >= sc->nb || index >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_set_rope_rows: bad schedule, block "
+                           "or tensor");
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_set_rope_rows: after load");
+    tref *r = &sc->b[block].t[index];
+    if (r->host || r->rows)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': rope rows are put back only for "
+                           "checkpoint tensors kept in their dtype or "
+                           "converted to F32/F16/BF16",
+                           r->name);
+    if (!heads || r->nrows % heads || (r->nrows / heads) % 2 ||
+        r->src_bytes % r->nrows)
+        return laden__fail(LADEN_E_SHAPE,
+                           "tensor '%.200s': %llu rows are not %llu heads of "
+                           "an even number of rows",
+                           r->name, (unsigned long long)r->nrows,
+                           (unsigned long long)heads);
+    r->rope_heads = heads;
+    laden_status s = sc->b[block].tier == LADEN_TIER_DISK
+                         ? laden__sched_disk_check(r)
+                         : LADEN_OK;
+    if (s) {
+        r->rope_heads = 0;
+        return s;
+    }
+    laden__sched_unplan(sc);
     return LADEN_OK;
 }
 

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "laden/gguf.h"
 #include "stream_internal.h"
 
 static float f32_of_bits(uint32_t u)
@@ -139,11 +140,47 @@ bool laden__convertible(laden_dtype d)
            d == LADEN_DTYPE_BF16;
 }
 
-/* Sources that decode exactly to float: the three floats and fp8. */
+static bool is_block(laden_dtype d)
+{
+    return d >= LADEN_DTYPE_Q4_0 && d <= LADEN_DTYPE_Q6_K;
+}
+
+/* Sources that decode to float: the three floats, fp8 and GGUF's block
+ * types (as the gguf reference dequantizes them). */
 bool laden__decodable(laden_dtype d)
 {
     return laden__convertible(d) || d == LADEN_DTYPE_F8_E4M3 ||
-           d == LADEN_DTYPE_F8_E5M2;
+           d == LADEN_DTYPE_F8_E5M2 || is_block(d);
+}
+
+/* A block type's n elements expanded to float32 a run of blocks at a
+ * time, then rounded once to `to`. */
+static laden_status convert_blocks(laden_dtype from, const void *src,
+                                   laden_dtype to, void *dst, uint64_t n)
+{
+    uint32_t be, bb;
+    laden_status s = laden_dtype_block(from, &be, &bb);
+    if (s)
+        return s;
+    if (n % be)
+        return laden__fail(LADEN_E_SHAPE,
+                           "%llu elements of %s are not whole blocks of %u",
+                           (unsigned long long)n, laden_dtype_name(from), be);
+    uint32_t ggml = laden_ggml_of_dtype(from);
+    if (to == LADEN_DTYPE_F32)
+        return laden_gguf_dequantize(ggml, src, n / be * bb, dst, n);
+    enum { RUN = 4096 }; /* a multiple of every block's elements */
+    float tmp[RUN];
+    for (uint64_t at = 0; at < n; at += RUN) {
+        uint64_t k = n - at < RUN ? n - at : RUN;
+        if ((s = laden_gguf_dequantize(ggml, (const char *)src + at / be * bb,
+                                       k / be * bb, tmp, k)))
+            return s;
+        if ((s = laden_sched_convert(LADEN_DTYPE_F32, tmp, to,
+                                     (char *)dst + 2 * at, k)))
+            return s;
+    }
+    return LADEN_OK;
 }
 
 /* Quantizes rows x cols floats to e4m3 with one float32 scale per row
@@ -172,8 +209,8 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
 {
     if (!laden__decodable(from) || !laden__convertible(to))
         return laden__fail(LADEN_E_UNSUPPORTED,
-                           "cannot convert %s to %s (F32, F16, BF16 and fp8 "
-                           "to F32, F16, BF16)",
+                           "cannot convert %s to %s (F32, F16, BF16, fp8 "
+                           "and GGUF's block types to F32, F16, BF16)",
                            laden_dtype_name(from) ? laden_dtype_name(from)
                                                   : "?",
                            laden_dtype_name(to) ? laden_dtype_name(to) : "?");
@@ -183,6 +220,8 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
         memcpy(dst, src, n * (laden_dtype_bits(from) / 8));
         return LADEN_OK;
     }
+    if (is_block(from))
+        return convert_blocks(from, src, to, dst, n);
     for (uint64_t i = 0; i < n; i++) {
         float f = load_f(from, src, i);
         if (to == LADEN_DTYPE_F32) {
@@ -193,4 +232,19 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
         }
     }
     return LADEN_OK;
+}
+
+/* GGUF's Llama q/k rows: head h's row 2i + j holds transformers' row
+ * j * d/2 + i (d rows per head): llama.cpp's converter interleaves the
+ * two rotary halves; this undoes it. */
+void laden__unrope_rows(const void *src, void *dst, uint64_t n_rows,
+                        uint64_t row_bytes, uint64_t heads)
+{
+    uint64_t d = n_rows / heads, half = d / 2;
+    for (uint64_t h = 0; h < heads; h++)
+        for (uint64_t i = 0; i < half; i++)
+            for (uint64_t j = 0; j < 2; j++)
+                memcpy((char *)dst + (h * d + j * half + i) * row_bytes,
+                       (const char *)src + (h * d + 2 * i + j) * row_bytes,
+                       row_bytes);
 }

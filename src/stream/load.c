@@ -26,6 +26,22 @@ static laden_status convert_then(void *arg)
 {
     const tread *c = arg;
     const tref *r = c->r;
+    if (r->rope_heads) {
+        uint64_t rb = r->src_bytes / r->nrows;
+        if (r->src == r->dst) {
+            laden__unrope_rows(c->tmp, c->to, r->nrows, rb, r->rope_heads);
+            return LADEN_OK;
+        }
+        void *t2 = malloc(r->src_bytes ? r->src_bytes : 1);
+        if (!t2)
+            return laden__fail(LADEN_E_NOMEM,
+                               "out of memory converting '%.200s'", r->name);
+        laden__unrope_rows(c->tmp, t2, r->nrows, rb, r->rope_heads);
+        laden_status s =
+            laden_sched_convert(r->src, t2, r->dst, c->to, r->nelem);
+        free(t2);
+        return s;
+    }
     if (!r->rows)
         return laden_sched_convert(r->src, c->tmp, r->dst, c->to, r->nelem);
     uint64_t scales = (r->nelem + 15) & ~(uint64_t)15;
@@ -49,7 +65,7 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
     }
     if (r->host)
         return laden_sched_convert(r->src, r->host, r->dst, to, r->nelem);
-    if (r->src == r->dst)
+    if (laden__sched_as_stored(r))
         return laden_io_submit(sc->io, sc->files[r->file], r->off,
                                r->src_bytes, to, req);
     if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))

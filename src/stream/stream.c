@@ -364,6 +364,13 @@ laden_status laden_sched_add_tensor(laden_sched_t *sc, uint32_t block,
          laden__sched_add_tensor(sc, block, st, st_index, dtype, out_index));
 }
 
+laden_status laden_sched_set_rope_rows(laden_sched_t *sc, uint32_t block,
+                                       uint32_t index, uint64_t heads)
+{
+    HELD("laden_sched_set_rope_rows",
+         laden__sched_rope_rows(sc, block, index, heads));
+}
+
 laden_status laden_sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
                                          const void *src,
                                          laden_dtype src_dtype,

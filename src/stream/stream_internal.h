@@ -33,13 +33,16 @@ typedef struct tref {
     const char *name;   /* for messages; copied */
     const void *host;   /* bytes in host memory instead of a file */
     uint64_t rows;      /* quantized to F8_E4M3: rows with one scale each */
+    uint64_t rope_heads; /* rows in GGUF's rope order over this many heads:
+                          * put back in transformers' order on load */
+    uint64_t nrows;     /* shape[0] (1 for a scalar) */
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
  * read straight into a slot: from the file, in the file's dtype. */
 static inline bool laden__sched_as_stored(const tref *r)
 {
-    return !r->host && r->src == r->dst;
+    return !r->host && r->src == r->dst && !r->rope_heads;
 }
 
 typedef struct blk {
@@ -166,6 +169,12 @@ void laden__sched_unplan(laden_sched_t *sc);
 void laden__sched_free_all(laden_sched_t *sc);
 laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
                                     uint32_t *out);
+laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
+                                    uint32_t index, uint64_t heads);
+/* Rows of n_rows x row_bytes at src, in GGUF's rope order over `heads`
+ * heads, written to dst in transformers' order. */
+void laden__unrope_rows(const void *src, void *dst, uint64_t n_rows,
+                        uint64_t row_bytes, uint64_t heads);
 laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
                                      const laden_st_t *st, size_t st_index,
                                      laden_dtype dtype, uint32_t *out);
