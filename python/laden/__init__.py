@@ -7,7 +7,7 @@ The engine is the C library libladen; this package attaches it to PyTorch.
 from __future__ import annotations
 
 from ._lib import lib as _clib
-from . import vbar
+from . import gguf, vbar
 from ._writer import save_file
 from .cache import (CacheInfo, ModelCache, ModelNotFoundError, ModelOffloader,
                     ModelSpec)

@@ -222,6 +222,7 @@ _SIGNATURES = {
     "laden_dtype_block": (status_t, [c_int, P(c_uint32), P(c_uint32)]),
     "laden_dtype_of_ggml": (status_t, [c_uint32, P(c_int)]),
     "laden_ggml_of_dtype": (c_uint32, [c_int]),
+    "laden_sched_set_rope_rows": (status_t, [p, c_uint32, c_uint32, c_uint64]),
     # expand (device expansion of compact weights): entries below
     "laden_st_open": (status_t, [c_char_p, P(p)]),
     # gguf

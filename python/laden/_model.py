@@ -10,13 +10,14 @@ in C (``laden_sched_plan``), never here.
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
 from . import _lib
-from ._dtypes import checkpoint_dtype
+from ._dtypes import GGUF_BLOCK_TYPES, checkpoint_dtype
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
 
@@ -149,13 +150,15 @@ class _Tensor:
     # "q8": quantized by laden to e4m3 with a float32 scale per row;
     # "ck8": fp8 as in the checkpoint, with its scale tensor (scale_name)
     # of kind "tensor", "row" or "block" (128 x 128 tiles), or none;
-    # "c16": stored in bf16, run in another compute dtype.
+    # "c16": stored in bf16, run in another compute dtype;
+    # "gq": a GGUF block type (store_dtype) as stored, expanded in C.
     store: str = "plain"
     store_dtype: Optional[str] = None  # checkpoint dtype name stored
     scale_name: Optional[str] = None
     scale_kind: Optional[str] = None
     scale_index: int = -1
     persistent: bool = True            # False: a buffer no checkpoint holds
+    rope_heads: int = 0                # GGUF Llama q/k: rows put back on load
     source: Optional[object] = None    # built, not in the checkpoint: the
                                        # host copy laden copies at load
 
@@ -347,6 +350,62 @@ def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
         out.mul_(full)
 
 
+_NVRTC_SET = False
+
+
+def _nvrtc_path() -> Optional[str]:
+    """The NVRTC library that torch's CUDA wheels bring, if any: in
+    nvidia/*/lib beside torch (CUDA 12: cuda_nvrtc, 13: cu13) or in
+    torch/lib; the one of torch's CUDA major version first."""
+    import glob
+    import sys
+
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    found = []
+    for root in sys.path:
+        found += glob.glob(os.path.join(root, "nvidia", "*", "lib",
+                                        "libnvrtc.so*"))
+    found += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                    "libnvrtc*.so*"))
+    found = [f for f in found if "builtins" not in os.path.basename(f)]
+    found.sort(key=lambda f: (f".so.{major}" not in f, len(f)))
+    return found[0] if found else None
+
+
+def expand_unavailable(device) -> Optional[str]:
+    """None if compact tensors (GGUF block types) can be expanded where
+    `device` runs blocks, else why not (they are then expanded on load)."""
+    global _NVRTC_SET
+    if device.type != "cuda":
+        return None
+    if not hasattr(lib, "laden_expand_ready"):
+        return "this libladen has no device expansion"
+    if not _NVRTC_SET:
+        _NVRTC_SET = True
+        path = _nvrtc_path()
+        if path:
+            lib.laden_expand_set_nvrtc(path.encode())
+    s = lib.laden_expand_ready(device.index or 0)
+    return str(error_for(s)) if s else None
+
+
+def expand_blocks(out, q, code: int, dcode: int, device) -> None:
+    """out (the block's workspace, a float dtype) = the GGUF blocks in q
+    expanded (C: laden_expand on the device's current stream; on the CPU
+    the same values from the reference's arithmetic)."""
+    n = out.numel()
+    if device.type != "cuda":
+        check(lib.laden_sched_convert(code, ctypes.c_void_p(q.data_ptr()),
+                                      dcode, ctypes.c_void_p(out.data_ptr()),
+                                      n))
+        return
+    check(lib.laden_expand(device.index or 0, _compute_stream(device), code,
+                           q.data_ptr(), q.numel(), n, out.shape[-1], 0, 0,
+                           dcode, out.data_ptr()))
+
+
 def _nbytes(t: _Tensor) -> int:
     """Bytes as expanded for compute."""
     import torch
@@ -524,8 +583,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             raise error_for(s)
         inside[0] += 1
         try:
-            for buf, q, sc, kind in expansions:
-                expand_fp8(buf, q, sc, kind)
+            for fn, a in expansions:
+                fn(*a)
             if after_enter is not None:
                 after_enter(c_block)
             if hooks is not None and grad_on():
@@ -760,7 +819,7 @@ def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
 
 
 def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
-                  compact: bool) -> None:
+                  compact: bool, expand_blocks: bool = True) -> None:
     """Shapes (every difference in one MismatchError) and the dtype each
     tensor is kept in: the model's, or cdt for floating tensors."""
     bad = []
@@ -789,6 +848,16 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
             if compact:
                 t.store, t.store_dtype = "ck8", info.dtype
             # else decoded on load (libladen converts fp8 to F32/F16/BF16)
+        elif info.dtype in GGUF_BLOCK_TYPES:
+            if not want.is_floating_point:
+                raise MismatchError(
+                    f"tensor '{t.names[0]}': the checkpoint's "
+                    f"'{t.ckpt_name}' is {info.dtype} (GGUF block "
+                    f"quantized), {label} wants {want}; it expands only "
+                    "to a floating dtype", mismatched=[t.names[0]])
+            if compact and expand_blocks:
+                t.store, t.store_dtype = "gq", info.dtype
+            # else expanded on load by libladen, to `want`
         elif info.torch_dtype != want and not (
                 {info.dtype, checkpoint_dtype(want)} <= _CONVERTIBLE):
             raise MismatchError(
@@ -808,7 +877,9 @@ def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
     for t in desc.tensors:
         if t.ckpt_name is None:
             continue
-        if t.store == "ck8":
+        if t.store == "gq" and t.block < 0:
+            t.store = "plain"  # no hook runs outside blocks: on load
+        elif t.store == "ck8":
             t.scale_kind = _scale_kind(t, ck)
             if t.block < 0:  # no hook runs outside blocks: decode on load
                 if t.scale_name:
@@ -830,6 +901,7 @@ def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
 def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
              skip_prefixes: Optional[Sequence[str]] = None, cdt=None,
              storage: Optional[str] = None, compact: bool = True,
+             expand_blocks: bool = True,
              label: str = "the model") -> Description:
     """The description of `model` (built on meta or not) for checkpoint
     `ck` (a Checkpoint, or None: every tensor as built).  Tensors the
@@ -837,7 +909,10 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     memory as they are, with the rest of the model.  `compact`: the caller
     expands compact forms when a block runs (streaming); without it fp8
     checkpoint tensors are decoded on load and a scale tensor is a
-    mismatch.  Raises before anything is allocated: MismatchError naming
+    mismatch.  GGUF block-quantized tensors stay compact when `compact`
+    and `expand_blocks` (the device can expand them), else are expanded
+    on load; a Llama GGUF file's q/k rows are put back in transformers'
+    order on load.  Raises before anything is allocated: MismatchError naming
     every name or shape that does not match, InvalidArgumentError for a bad
     prefix or a tensor with nothing to fill it."""
     blocks = _find_blocks(model, list(prefixes))
@@ -854,7 +929,14 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
                 "build the model on the CPU, or on meta with a checkpoint",
                 "E_INVAL")
     if ck is not None:
-        _check_dtypes(ck, tensors, cdt, label, compact)
+        _check_dtypes(ck, tensors, cdt, label, compact, expand_blocks)
+        if getattr(ck, "format", "") == "gguf":
+            from .gguf import rope_heads, rope_heads_of
+
+            heads = rope_heads(ck.metadata)
+            for t in tensors:
+                if t.ckpt_name is not None:
+                    t.rope_heads = rope_heads_of(t.ckpt_name, heads)
     _assign_blocks(model, blocks, tensors, built_in_rest=ck is not None)
     desc = Description(tensors, blocks)
     if ck is not None:
@@ -911,7 +993,7 @@ def _store_code(t: _Tensor) -> int:
         return _DTYPE_CODE["F8_E4M3"]
     if t.store == "c16":
         return _DTYPE_CODE["BF16"]
-    if t.store == "ck8":
+    if t.store in ("ck8", "gq"):
         return _DTYPE_CODE[t.store_dtype]
     return _dtype_code(t.dtype, t)
 
@@ -965,6 +1047,9 @@ def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
                                          ck._index[t.ckpt_name],
                                          _store_code(t), ctypes.byref(ci)))
         t.c_block, t.c_index = block, ci.value
+        if t.rope_heads:
+            check(lib.laden_sched_set_rope_rows(h, block, ci.value,
+                                                t.rope_heads))
         if t.store == "ck8" and t.scale_name:
             sinfo = ck.info(t.scale_name)
             check(lib.laden_sched_add_tensor(

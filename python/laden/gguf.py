@@ -1,7 +1,14 @@
-"""GGUF files (llama.cpp's format) as laden's C reader sees them: the
-tensor table and the metadata, validated when the file opens (see
-include/laden/gguf.h).  Loading GGUF weights into a model is not built yet
-(issue 16); this is the table ``laden inspect`` prints."""
+"""GGUF files (llama.cpp's format): the table ``laden inspect`` prints
+(``GgufFile``), and what loading one into a model needs.  A GGUF file is a
+checkpoint like a safetensors file (``stream_load(model, "m.gguf",
+key_map=laden.gguf.llama_key_map)``): its block-quantized tensors stay in
+their bytes in RAM, on disk and on the link, and are expanded where their
+block runs (see include/laden/expand.h); tensors outside the streamed
+blocks are expanded once, on load.  ``llama_key_map`` maps llama.cpp's
+names (``blk.N.attn_q.weight``) to transformers' Llama names; for a file
+whose ``general.architecture`` is ``llama`` laden also puts the q and k
+rows back in transformers' order (llama.cpp's converter interleaves each
+head's two rotary halves)."""
 
 from __future__ import annotations
 
@@ -14,7 +21,66 @@ from . import _lib
 from ._lib import check, lib
 from .checkpoint import PathLike
 
-__all__ = ["GgufFile", "GgufTensor"]
+__all__ = ["GgufFile", "GgufTensor", "llama_key_map", "LLAMA_NAMES",
+           "rope_heads"]
+
+# llama.cpp's tensor names -> transformers' Llama names ("{}": the layer).
+LLAMA_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_norm.weight":
+        "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+# Tensors llama.cpp writes that a transformers model computes itself.
+_LLAMA_DROPPED = ("rope_freqs.weight",)
+
+
+def llama_key_map(name: str):
+    """The transformers Llama name of a llama.cpp tensor name (None for
+    the ones transformers computes: ``rope_freqs.weight``); a name it does
+    not know is returned as is, so that a mismatch lists it."""
+    if name in _LLAMA_DROPPED:
+        return None
+    if name in LLAMA_NAMES:
+        return LLAMA_NAMES[name]
+    if name.startswith("blk."):
+        layer, _, rest = name[4:].partition(".")
+        hf = LLAMA_NAMES.get("blk.{}." + rest)
+        if hf is not None and layer.isdigit():
+            return hf.format(layer)
+    return name
+
+
+def rope_heads(metadata) -> Dict[str, int]:
+    """For a Llama-architecture GGUF file: the heads over which each q and
+    k projection's rows were interleaved by llama.cpp's converter, by
+    tensor name pattern ("attn_q" / "attn_k"); {} for other files."""
+    if metadata.get("general.architecture") != "llama":
+        return {}
+    try:
+        heads = int(metadata["llama.attention.head_count"])
+    except (KeyError, ValueError):
+        return {}
+    kv = int(metadata.get("llama.attention.head_count_kv", heads))
+    return {"attn_q": heads, "attn_k": kv}
+
+
+def rope_heads_of(name: str, heads: Dict[str, int]) -> int:
+    """The heads of tensor `name` (``blk.N.attn_q.weight``), or 0."""
+    if not heads or not name.startswith("blk.") or \
+            not name.endswith(".weight"):
+        return 0
+    kind = name.split(".")[2] if name.count(".") >= 3 else ""
+    return heads.get(kind, 0)
 
 _SCALARS = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32",
             6: "f32", 7: "bool", 8: "string", 9: "array", 10: "u64",

@@ -22,12 +22,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _lib, planning
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (TIER_NAMES, BlockInfo, KeyMap, _destroy_schedule,
+from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
+                     _destroy_schedule, _dtype_code,
                      _dev_index, _device, _fp8_dtype, _matches, _meta,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _unwrap_all, _view, _wrap_forward, check_lookahead,
-                     describe, expand_fp8, fill, new_schedule, progress_to)
+                     describe, expand_blocks, expand_fp8, expand_unavailable,
+                     fill, new_schedule, progress_to)
 from ._units import fmt_bytes
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
@@ -199,6 +201,9 @@ class _Stream:
         on meta outside install_offload (a view of the checkpoint's pages
         would raise SIGBUS once the file is truncated)."""
         o = self.live("bind")
+        if t.store == "gq":  # no view of its blocks has the tensor's shape
+            _set_tensor(t, _meta(t))
+            return
         if t.store != "plain":
             q, _ = _compact_views(self, t, "home")
             _set_tensor(t, q if q is not None else _meta(t))
@@ -236,6 +241,9 @@ def _compact_views(state, t: _Tensor, where: str):
     if not base:
         return None, None
     n = _numel(t)
+    if t.store == "gq":  # the blocks as stored
+        nb = state.ckpt.info(t.ckpt_name).nbytes
+        return _view(base, nb, torch.uint8, (nb,), dev, o, track), None
     if t.store == "c16":
         return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o, track), None
     q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
@@ -360,9 +368,14 @@ def stream_load(model, path: PathLike, *, plan=None,
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
+        why = expand_unavailable(dev) if ck.format == "gguf" else None
+        if why:
+            log.warning("laden: %s: GGUF blocks expanded on load, not on the "
+                        "device (%s): they take their expanded size in RAM "
+                        "and on the link", ck.path, why)
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
-                        storage=storage)
+                        storage=storage, expand_blocks=not why)
         # Blocks asked for the device take it in a VRAM context only if it
         # has room at load (TIER_VRAM); the others are the planner's.
         on_dev = _lib.TIER_VRAM if vram is not None else _lib.TIER_GPU
@@ -830,7 +843,12 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             # The workspace is the next block's too.
             state.gone[out.untyped_storage().data_ptr()] = b.name
             _set_tensor(t, out, b.name)
-            expansions.append((out, q, sc, t.scale_kind))
+            if t.store == "gq":
+                expansions.append((expand_blocks, (
+                    out, q, _DTYPE_CODE[t.store_dtype],
+                    _dtype_code(t.dtype, t), state.device)))
+            else:
+                expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
 
 
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
