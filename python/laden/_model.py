@@ -18,6 +18,7 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
 
 from . import _lib
 from ._dtypes import GGUF_BLOCK_TYPES, checkpoint_dtype
+from ._wrapped import attach, is_wrapped, refresh
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
 
@@ -264,6 +265,7 @@ def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
         t.param = new
         for mod, attr in t.aliases:
             mod._parameters[attr] = new
+            refresh(mod)  # a quantized wrapper's inner tensor: rebuilt
     else:
         # A fresh alias to swap, not `value`: callers keep using theirs.
         if t.param is not None and _swap(t.param, value.detach()):
@@ -478,8 +480,8 @@ def _collect(model) -> List[_Tensor]:
         for is_param, table in ((True, mod._parameters),
                                 (False, mod._buffers)):
             for attr, v in table.items():
-                if v is None:
-                    continue
+                if v is None or (is_param and is_wrapped(mod, attr)):
+                    continue  # a quantized wrapper: its holder's tensors
                 t = by_id.get(id(v))
                 if t is None:
                     t = _Tensor([], [], is_param, tuple(v.shape), v.dtype,
@@ -915,6 +917,7 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     order on load.  Raises before anything is allocated: MismatchError naming
     every name or shape that does not match, InvalidArgumentError for a bad
     prefix or a tensor with nothing to fill it."""
+    attach(model)  # quantized wrappers: their inner tensors, held apart
     blocks = _find_blocks(model, list(prefixes))
     tensors = _collect(model)
     if ck is not None:

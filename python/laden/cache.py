@@ -367,6 +367,9 @@ class _Runtime:
         self.gone.clear()
         for t in self.tensors:
             _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))
+        if restore and self.model is not None:
+            from ._wrapped import detach_all
+            detach_all(self.model)  # handed back: plain wrappers again
         if self.device.type == "cuda":
             # Its kernels must be done with the memory before it goes (a
             # VBAR's pages are unmapped without the wait of a free).

@@ -31,6 +31,7 @@ from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      describe, expand_blocks, expand_fp8, expand_unavailable,
                      fill, new_schedule, progress_to)
 from ._units import fmt_bytes
+from ._wrapped import detach_all
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 
@@ -934,6 +935,8 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
             t.param is not None and t.param.device.type != "meta"
         _set_tensor(t, t.param.detach().to("cpu", copy=True) if built
                    else _meta(t))
+    if isinstance(model, torch.nn.Module):
+        detach_all(model)  # quantized wrappers rebuilt, holders gone
     if state.device.type == "cuda":
         # The model's kernels must be done with its memory before it goes
         # (a VBAR's pages are unmapped without the wait of a device free).

@@ -1,0 +1,256 @@
+"""Quantized tensor subclasses (torchao's quantized tensors, quanto's
+QTensors, bitsandbytes' Params4bit and Int8Params) held by laden as their
+inner tensors: each wrapped parameter's plain inner tensors (packed data,
+scales, zero points) become parameters of a small holder module beside
+it, so laden moves them as compact bytes like any other tensor; each time
+laden points them somewhere (a slot, the device, host RAM) the wrapper is
+rebuilt around them, so the backend's own kernels run on it.
+
+Only the Python side of the protocol is here: which tensors a wrapper
+holds (``__tensor_flatten__`` / ``__tensor_unflatten__`` for torchao and
+quanto; bitsandbytes' data, absmax and SCB by hand) and how to make the
+wrapper again.  The bytes move in C like every other tensor's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .errors import InvalidArgumentError
+
+HOLDER_PREFIX = "_laden_q_"
+
+
+def _plain(t) -> bool:
+    import torch
+
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _flatten(v, where: str):
+    """(inner tensors by dotted attribute, rebuild(inner) -> wrapper) of a
+    wrapper tensor, or None for a plain one."""
+    import torch
+
+    if _plain(v) or not isinstance(v, torch.Tensor):
+        return None
+    cls = type(v)
+    mod = cls.__module__ or ""
+    if mod.startswith("bitsandbytes"):
+        return _flatten_bnb(v, where)
+    if not hasattr(v, "__tensor_flatten__"):
+        raise InvalidArgumentError(
+            f"{where}: a {cls.__module__}.{cls.__name__} tensor, which "
+            "laden cannot take apart (it has no __tensor_flatten__); "
+            "supported: torchao and quanto tensors, bitsandbytes "
+            "Params4bit and Int8Params", "E_INVAL")
+    attrs, ctx = v.__tensor_flatten__()
+    inner: Dict[str, object] = {}
+    subs: Dict[str, Tuple[List[str], Callable]] = {}
+    for a in attrs:
+        t = getattr(v, a)
+        f = _flatten(t, f"{where}.{a}")
+        if f is None:
+            inner[a] = t
+        else:
+            sub_inner, sub_rebuild = f
+            subs[a] = (list(sub_inner), sub_rebuild)
+            for k, x in sub_inner.items():
+                inner[f"{a}.{k}"] = x
+    size, stride = tuple(v.shape), tuple(v.stride())
+
+    def rebuild(vals: Dict[str, object]):
+        d = {}
+        for a in attrs:
+            if a in subs:
+                keys, rb = subs[a]
+                d[a] = rb({k: vals[f"{a}.{k}"] for k in keys})
+            else:
+                d[a] = vals[a]
+        return cls.__tensor_unflatten__(d, ctx, size, stride)
+
+    return inner, rebuild
+
+
+def _flatten_bnb(v, where: str):
+    import torch
+
+    name = type(v).__name__
+    if name == "Params4bit":
+        qs = v.quant_state
+        if qs is None:
+            raise InvalidArgumentError(
+                f"{where}: a bitsandbytes Params4bit not quantized yet "
+                "(move the model to its device once, or quantize it, "
+                "before laden takes it)", "E_INVAL")
+        inner = {"data": v.data, "absmax": qs.absmax}
+        if getattr(qs, "nested", False):
+            inner["state2.absmax"] = qs.state2.absmax
+            inner["offset"] = qs.offset
+        keep = {k: getattr(v, k) for k in ("blocksize", "compress_statistics",
+                                           "quant_type", "quant_storage",
+                                           "bnb_quantized", "module")
+                if hasattr(v, k)}
+        cls = type(v)
+
+        def rebuild(vals):
+            q = copy.copy(qs)
+            q.absmax = vals["absmax"]
+            if getattr(qs, "nested", False):
+                q.state2 = copy.copy(qs.state2)
+                q.state2.absmax = vals["state2.absmax"]
+                q.offset = vals["offset"]
+            if getattr(q, "code", None) is not None:
+                q.code = q.code.to(vals["absmax"].device)
+            if getattr(q, "state2", None) is not None and \
+                    getattr(q.state2, "code", None) is not None:
+                q.state2.code = q.state2.code.to(vals["absmax"].device)
+            p = torch.Tensor._make_subclass(cls, vals["data"], False)
+            for k, x in keep.items():
+                setattr(p, k, x)
+            p.quant_state = q
+            return p
+
+        return inner, rebuild
+    if name == "Int8Params":
+        inner = {"data": v.data}
+        if getattr(v, "SCB", None) is not None:
+            inner["SCB"] = v.SCB
+        keep = {k: getattr(v, k) for k in ("has_fp16_weights",)
+                if hasattr(v, k)}
+        cls = type(v)
+
+        def rebuild(vals):
+            p = torch.Tensor._make_subclass(cls, vals["data"], False)
+            for k, x in keep.items():
+                setattr(p, k, x)
+            p.CB = None
+            p.SCB = vals.get("SCB")
+            return p
+
+        return inner, rebuild
+    raise InvalidArgumentError(
+        f"{where}: bitsandbytes {name} is not supported (Params4bit and "
+        "Int8Params are)", "E_INVAL")
+
+
+def _holder_cls():
+    import torch
+
+    class InnerTensors(torch.nn.Module):
+        """The inner tensors of one quantized parameter (laden's)."""
+
+        def __init__(self, owner, attr: str, names: Dict[str, str],
+                     rebuild: Callable):
+            super().__init__()
+            object.__setattr__(self, "_owner", owner)
+            object.__setattr__(self, "_attr", attr)
+            object.__setattr__(self, "_names", names)  # param -> inner key
+            object.__setattr__(self, "_rebuild", rebuild)
+
+        def forward(self, *a, **k):
+            raise RuntimeError("holds tensors; not called")
+
+        def refresh(self) -> None:
+            """The owner's parameter, rebuilt around the inner tensors as
+            they are now (where laden put them, or meta: never around
+            memory laden gave back)."""
+            vals = {}
+            for pname, key in self._names.items():
+                vals[key] = self._parameters[pname].detach()
+            devs = {v.device for v in vals.values()}
+            if len(devs) > 1:
+                # Half moved (laden sets them one at a time): never a
+                # wrapper over memory that may be given back meanwhile.
+                old = self._owner._parameters[self._attr]
+                self._owner._parameters[self._attr] = torch.nn.Parameter(
+                    torch.empty(old.shape, dtype=old.dtype, device="meta"),
+                    requires_grad=False)
+                return
+            w = self._rebuild(vals)
+            if isinstance(w, torch.nn.Parameter):
+                w.requires_grad_(False)
+                new = w
+            else:
+                new = torch.nn.Parameter(w, requires_grad=False)
+            self._owner._parameters[self._attr] = new
+
+    return InnerTensors
+
+
+_HOLDER = None
+
+
+def attach(model) -> int:
+    """Gives every quantized parameter of `model` a holder of its inner
+    tensors (once); returns how many it holds.  The wrapped parameters
+    stay on their modules: laden rebuilds them whenever it moves the
+    inner tensors."""
+    import torch
+
+    global _HOLDER
+    n = 0
+    for mod_name, mod in list(model.named_modules()):
+        for attr, v in list(mod._parameters.items()):
+            if v is None or _plain(v) or \
+                    hasattr(mod, HOLDER_PREFIX + attr):
+                continue
+            where = f"parameter '{mod_name + '.' if mod_name else ''}{attr}'"
+            f = _flatten(v, where)
+            if f is None:
+                continue
+            inner, rebuild = f
+            if _HOLDER is None:
+                _HOLDER = _holder_cls()
+            names = {k.replace(".", "__"): k for k in inner}
+            h = _HOLDER(mod, attr, names, rebuild)
+            for pname, key in names.items():
+                t = inner[key]
+                if not _plain(t):
+                    raise InvalidArgumentError(
+                        f"{where}: its inner tensor '{key}' is a "
+                        f"{type(t).__name__}, which laden cannot hold",
+                        "E_INVAL")
+                h._parameters[pname] = torch.nn.Parameter(
+                    t.detach(), requires_grad=False)
+            mod.add_module(HOLDER_PREFIX + attr, h)
+            n += 1
+    return n
+
+
+def is_wrapped(mod, attr: str) -> bool:
+    """Whether mod.attr is a quantized parameter laden holds apart."""
+    return hasattr(mod, HOLDER_PREFIX + attr)
+
+
+def refresh(mod) -> None:
+    """After laden pointed a holder's tensors somewhere: its owner's
+    parameter rebuilt around them."""
+    r = getattr(mod, "refresh", None)
+    if r is not None and type(mod).__name__ == "InnerTensors":
+        r()
+
+
+def detach_all(model) -> None:
+    """Removes the holders, leaving each owner's parameter rebuilt around
+    the inner tensors as they are now."""
+    for mod in list(model.modules()):
+        for name, child in list(mod._modules.items()):
+            if name.startswith(HOLDER_PREFIX) and \
+                    type(child).__name__ == "InnerTensors":
+                child.refresh()
+                del mod._modules[name]
+
+
+def holders(model) -> List[object]:
+    return [m for m in model.modules() if type(m).__name__ == "InnerTensors"]
+
+
+def wrapped_names(model) -> Optional[List[str]]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name in mod._modules:
+            if name.startswith(HOLDER_PREFIX):
+                out.append(f"{mod_name + '.' if mod_name else ''}"
+                           f"{name[len(HOLDER_PREFIX):]}")
+    return out

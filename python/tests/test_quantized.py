@@ -1,0 +1,177 @@
+"""Quantized tensor subclasses under laden: torchao, quanto and
+bitsandbytes weights held as their inner tensors (packed data, scales),
+moved as compact bytes, the wrapper rebuilt where the block runs; the
+outputs equal the same quantized model run plainly.  CPU here (each
+backend's CPU kernels); the same tests run on CUDA on the GPU machine."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import laden
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=256, n=4):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def torchao_int8(m):
+    ao = pytest.importorskip("torchao.quantization")
+    ao.quantize_(m, ao.Int8WeightOnlyConfig())
+    return m
+
+
+def quanto_int4(m):
+    q = pytest.importorskip("optimum.quanto")
+    q.quantize(m, weights=q.qint4)
+    q.freeze(m)
+    return m
+
+
+def quanto_int8(m):
+    q = pytest.importorskip("optimum.quanto")
+    q.quantize(m, weights=q.qint8)
+    q.freeze(m)
+    return m
+
+
+def bnb_nf4(m, device):
+    bnb = pytest.importorskip("bitsandbytes")
+    for blk in m.blocks:
+        for name in ("up", "down"):
+            lin = getattr(blk, name)
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features,
+                                  quant_type="nf4",
+                                  compute_dtype=torch.float32)
+            q.load_state_dict(lin.state_dict())
+            setattr(blk, name, q.to(device))  # quantized when moved
+    return m.to(device)
+
+
+QUANTIZERS = {"torchao-int8": torchao_int8, "quanto-int4": quanto_int4,
+              "quanto-int8": quanto_int8, "bnb-nf4": None}
+
+
+def build(kind, device):
+    torch.manual_seed(0)
+    m = Net().eval()
+    if kind == "bnb-nf4":
+        return bnb_nf4(m, device).to("cpu") if device == "cpu" else \
+            bnb_nf4(m, device)
+    return QUANTIZERS[kind](m)
+
+
+def inner_bytes(m):
+    from laden import _wrapped
+
+    return sum(p.numel() * p.element_size()
+               for h in _wrapped.holders(m) for p in h.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
+def test_quantized_cached_and_streamed(kind, device):
+    ref = build(kind, device).to(device)
+    x = torch.randn(3, 256, device=device)
+    with torch.no_grad():
+        want = ref(x)
+    for mode in ("resident", "streaming"):
+        cache = laden.ModelCache()
+        spec = laden.ModelSpec("q", lambda: build(kind, device).to("cpu"),
+                               block_paths=("blocks",), block_mode=mode)
+        for _ in range(2):  # built, then from the cache
+            with cache.use(spec, device=device) as m:
+                with torch.no_grad():
+                    got = m(x)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                w = m.blocks[1].up.weight
+                assert type(w) is type(ref.blocks[1].up.weight)
+                assert w.device.type == torch.device(device).type
+        # The host copies are the compact inner tensors, not floats.
+        st = cache.stats()
+        dense = sum(p.numel() * 4 for p in Net().parameters())
+        assert st["host_bytes"] < dense * 0.6
+        cache.clear()
+
+
+def test_quantized_offloader_gives_back_wrappers():
+    """ModelOffloader over a quantized model: uses run from laden's memory,
+    close() hands the model back with plain quantized weights that still
+    compute the same."""
+    pytest.importorskip("optimum.quanto")
+    m = build("quanto-int4", "cpu")
+    ref = build("quanto-int4", "cpu")  # the same seed: the same model
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        want = ref(x)
+    off = laden.ModelOffloader(m, block_paths=("blocks",))
+    with torch.no_grad():
+        got = off.activate("cpu")(x)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert inner_bytes(m) > 0
+    off.deactivate()
+    off.close()
+    from laden import _wrapped
+    assert not _wrapped.holders(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, atol=0, rtol=0)
+
+
+def test_unknown_subclass_refused():
+    class Odd(torch.Tensor):
+        pass
+
+    m = Net(n=2)
+    m.blocks[0].up.weight = nn.Parameter(
+        torch.Tensor._make_subclass(Odd, m.blocks[0].up.weight.data),
+        requires_grad=False)
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("odd", lambda: m, block_paths=("blocks",))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="blocks.0.up.*Odd.*__tensor_flatten__"):
+        with cache.use(spec, device="cpu"):
+            pass
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_offload_blocks(device):
+    """offload_blocks over torchao-quantized blocks: streamed through the
+    device with their int8 data and scales, the same outputs; release
+    leaves plain wrappers (on meta: offload_blocks takes the tensors
+    over)."""
+    pytest.importorskip("torchao.quantization")
+    ref = build("torchao-int8", "cpu").to(device)
+    m = build("torchao-int8", "cpu")
+    m.inp.to(device)
+    x = torch.randn(3, 256, device=device)
+    with torch.no_grad():
+        want = ref(x)
+    h = laden.offload_blocks(list(m.blocks), device=device)
+    with torch.no_grad():
+        got = m(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    laden.release(m, h)
+    from laden import _wrapped
+    assert not _wrapped.holders(m)
+    assert m.blocks[0].up.weight.device.type == "meta"
