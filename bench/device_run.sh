@@ -15,6 +15,9 @@
 #   load:  bench/load.py, cold and warm (LOAD_ARGS are passed to it)
 #   hf:    bench/hf.py (HF_ARGS are passed to it)
 #   adapters: bench/adapters.py (ADAPTERS_ARGS are passed to it)
+#   expand: bench/expand.py (device expansion GB/s per format)
+#   quant: bench/quant.py (bf16, fp8, GGUF Q8_0/Q4_K streamed and resident;
+#          QUANT_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
 #   carried: the machine has no network) are installed into /tmp/hfsite
 #   first, for pytest's test_hf.py and bench/hf.py.
@@ -89,5 +92,13 @@ fi
 if want adapters; then
   log "bench/adapters.py"
   python3 bench/adapters.py ${ADAPTERS_ARGS:-} 2>&1 | tee "$OUT/adapters.log"
+fi
+if want expand; then
+  log "bench/expand.py"
+  python3 bench/expand.py 2>&1 | tee "$OUT/expand.log"
+fi
+if want quant; then
+  log "bench/quant.py"
+  python3 bench/quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
 fi
 log "done"
