@@ -879,8 +879,9 @@ def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
     for t in desc.tensors:
         if t.ckpt_name is None:
             continue
-        if t.store == "gq" and t.block < 0:
-            t.store = "plain"  # no hook runs outside blocks: on load
+        if t.store == "gq":
+            if t.block < 0:
+                t.store = "plain"  # no hook runs outside blocks: on load
         elif t.store == "ck8":
             t.scale_kind = _scale_kind(t, ck)
             if t.block < 0:  # no hook runs outside blocks: decode on load

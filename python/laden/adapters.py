@@ -798,12 +798,13 @@ def _check_targets(resolved, mode, model, by_name) -> None:
             if t is None:
                 raise AdapterError(f"target '{tg.name}' is not held by "
                                    "laden", "E_INVAL")
-            if t.store != "plain":
+            if t.store != "plain" and mode == "merge":
                 raise AdapterError(
                     f"target '{tg.name}' is stored compact ({t.store}: fp8 "
-                    "or bf16 storage expanded when its block runs); "
-                    "adapters merge into weights stored as they run (load "
-                    "without storage_dtype)", "E_INVAL")
+                    "or bf16 storage, or GGUF blocks, expanded when its "
+                    "block runs); merge adapters into weights stored as "
+                    "they run (load without storage_dtype), or use "
+                    "mode='routed'", "E_INVAL")
             if mode == "routed" and not isinstance(
                     _owner(model, tg.name), torch.nn.Linear):
                 raise AdapterError(

@@ -223,3 +223,31 @@ def test_cache_and_plan_from_gguf(tmp_path, capsys):
         m = transformers.LlamaForCausalLM(ref.config).eval()
     pl = laden.plan(m, p, device="cpu", key_map=laden.gguf.llama_key_map)
     assert len(pl.blocks) == 2
+
+
+def test_adapters_on_gguf_blocks(tmp_path):
+    """A LoRA on a GGUF model's quantized weights: merge is refused (the
+    weights are expanded anew each time the block runs) naming GGUF,
+    routed mode runs on the expanded weights and gives the merged
+    model's outputs."""
+    ref = tiny_llama(layers=2)
+    p = tmp_path / "m.gguf"
+    want = write_gguf(ref, p, Q.Q8_0)
+    torch.manual_seed(5)
+    A, B = torch.randn(4, 256) * 0.05, torch.randn(256, 4) * 0.05
+    want["model.layers.1.self_attn.q_proj.weight"] += B @ A
+    ref.load_state_dict(want)
+    base = logits(ref, "cpu")
+    with laden.hf.empty_weights():
+        m = transformers.LlamaForCausalLM(ref.config).eval()
+    laden.stream_load(m, p, offload_prefixes=["model.layers."],
+                      device="cpu", key_map=laden.gguf.llama_key_map)
+    h = laden.install_offload(m)
+    lora = laden.AdapterSpec("l", lambda: {
+        "model.layers.1.self_attn.q_proj.lora_A.weight": A,
+        "model.layers.1.self_attn.q_proj.lora_B.weight": B})
+    with pytest.raises(laden.AdapterError, match="GGUF"):
+        h.set_adapters([lora], mode="merge")
+    h.set_adapters([lora], mode="routed")
+    torch.testing.assert_close(logits(m, "cpu"), base, atol=1e-4, rtol=1e-4)
+    laden.release(m, h)
