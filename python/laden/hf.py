@@ -188,7 +188,7 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
         auto = cfg_cls is None or model_cls.__module__.startswith(
             "transformers.models.auto")
         cfg_kw = {k: kwargs.pop(k) for k in list(kwargs)
-                  if k in ("trust_remote_code", "revision")}
+                  if k in ("trust_remote_code", "revision", "gguf_file")}
         try:
             cfg = (transformers.AutoConfig.from_pretrained(path, **cfg_kw)
                    if auto else cfg_cls.from_pretrained(path, **cfg_kw))
@@ -496,7 +496,11 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     ``laden.stream_load``), loaded from its safetensors (one file, or
     shards with their index; ``variant="fp16"`` picks
     ``*.fp16.safetensors``) in the checkpoint's dtype or ``dtype``, and
-    returned installed: call it, or ``generate()``, as the plain model.
+    returned installed.  ``path`` may also be a GGUF file (llama.cpp's
+    format: the config from its metadata as transformers reads it, its
+    Llama-family names mapped, its quantized blocks kept compact and
+    expanded where they run; float32 unless ``dtype``).  Returned
+    installed: call it, or ``generate()``, as the plain model.
     ``laden.release(model)`` frees everything.  Other keyword arguments
     override the config.  ``model.to(...)`` to another device or dtype
     raises (release first); ``eval()``, ``train()``, ``device``,
@@ -514,12 +518,24 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                 "laden.from_pretrained: dtype and torch_dtype differ; give "
                 "one", "E_INVAL")
         dtype = dtype if dtype is not None else td
-    _check_dir(path)
-    weights = _weights(path, variant)
+    gguf = path.endswith(".gguf") and os.path.isfile(path)
+    if gguf:
+        weights, kwargs = path, dict(kwargs, gguf_file=os.path.basename(path))
+        path = os.path.dirname(path) or "."
+        if lib != "transformers":
+            raise InvalidArgumentError(
+                f"laden.from_pretrained: {weights}: GGUF files load into "
+                "transformers models", "E_INVAL")
+        dtype = dtype if dtype is not None else "float32"  # as transformers
+    else:
+        _check_dir(path)
+        weights = _weights(path, variant)
     with Checkpoint(weights) as ck:  # its table, read once here
         table = ck.tensors()
     dtype = _dtype_of(dtype)
     model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs), table)
+    key_map = _gguf_key_map(model, weights) if gguf else \
+        _key_map(model, [t.name for t in table])
     model.eval()
     blocks = find_blocks(model)
     resident = _called_from_outside(model)
@@ -530,8 +546,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             offload_prefixes=None if plan is not None else blocks,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
-            key_map=_key_map(model, [t.name for t in table]),
-            lookahead=lookahead,
+            key_map=key_map, lookahead=lookahead,
             progress=progress)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
@@ -543,6 +558,23 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                       f"{e}", e.status, e.code) from None
     _guard_moves(model, dev)
     return model
+
+
+# Architectures whose llama.cpp names laden.gguf.llama_key_map maps.
+_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+def _gguf_key_map(model, path: str):
+    from .gguf import llama_key_map
+
+    mt = getattr(model.config, "model_type", "?")
+    if mt not in _GGUF_ARCHS:
+        raise InvalidArgumentError(
+            f"laden.from_pretrained: {path}: GGUF tensor names of "
+            f"architecture '{mt}' are not mapped yet (mapped: "
+            f"{', '.join(_GGUF_ARCHS)}); load it with laden.stream_load "
+            "and a key_map", "E_INVAL")
+    return llama_key_map
 
 
 # ---- diffusers pipelines ---------------------------------------------------------

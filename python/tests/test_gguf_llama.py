@@ -72,6 +72,11 @@ def write_gguf(model, path, qt, seed=0):
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
     want = {}
     for name, t in model.state_dict().items():
         a = t.float().numpy()
@@ -251,3 +256,18 @@ def test_adapters_on_gguf_blocks(tmp_path):
     h.set_adapters([lora], mode="routed")
     torch.testing.assert_close(logits(m, "cpu"), base, atol=1e-4, rtol=1e-4)
     laden.release(m, h)
+
+
+def test_from_pretrained_gguf(tmp_path):
+    """laden.from_pretrained(LlamaForCausalLM, "m.gguf"): the config from
+    the file's metadata (as transformers reads it), the same logits."""
+    ref = tiny_llama(layers=2)
+    p = tmp_path / "m.gguf"
+    want = write_gguf(ref, p, Q.Q5_K)
+    ref.load_state_dict(want)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, p,
+                              device="cpu")
+    assert m.config.hidden_size == 256 and m.config.vocab_size == 256
+    assert any(t.store == "gq" for t in m._laden_stream.tensors)
+    assert torch.equal(logits(m, "cpu"), logits(ref, "cpu"))
+    laden.release(m)
