@@ -29,6 +29,10 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
+# NVRTC from torch's CUDA wheels, for the C tests of device expansion
+# (Python finds it by itself).
+LADEN_NVRTC=$(python3 -c 'import glob,site,sys; f=sorted(g for p in site.getsitepackages()+sys.path for g in glob.glob(p+"/nvidia/*/lib/libnvrtc.so.*") if "builtins" not in g); print(f[0] if f else "")' 2>/dev/null)
+[ -n "$LADEN_NVRTC" ] && export LADEN_NVRTC
 if [ -d .whl/hf ]; then
   python3 -m pip install -q --no-deps --target /tmp/hfsite .whl/hf/*.whl 2>&1 | grep -v WARNING | tail -2
   export PYTHONPATH=/tmp/hfsite${PYTHONPATH:+:$PYTHONPATH}
@@ -52,7 +56,7 @@ else
   log "C tests under ASan+UBSan"
   ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
     cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ ) \
+    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ expand_ ) \
     2>&1 | tee "$OUT/asan.log" | tail -12
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3

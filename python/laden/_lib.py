@@ -224,6 +224,12 @@ _SIGNATURES = {
     "laden_ggml_of_dtype": (c_uint32, [c_int]),
     "laden_sched_set_rope_rows": (status_t, [p, c_uint32, c_uint32, c_uint64]),
     # expand (device expansion of compact weights): entries below
+    "laden_expand": (status_t, [c_int32, ctypes.c_size_t, c_int, c_uint64,
+                                c_uint64, c_uint64, c_uint64, c_uint64, c_int,
+                                c_int, c_uint64]),
+    "laden_expand_ready": (status_t, [c_int32]),
+    "laden_expand_set_nvrtc": (status_t, [c_char_p]),
+    "laden_expand_describe": (status_t, [c_int32, c_char_p, c_uint64]),
     "laden_st_open": (status_t, [c_char_p, P(p)]),
     # gguf
     "laden_gguf_open": (status_t, [c_char_p, P(p)]),

@@ -108,4 +108,27 @@ typedef struct CUmemAccessDesc_st {
     X(cuMemSetAccess,                                                         \
       (CUdeviceptr p, size_t n, const CUmemAccessDesc *desc, size_t count))
 
+/* Device expansion (src/dev/expand.c): kernels compiled by NVRTC, loaded
+ * and launched.  Resolved apart from LADEN_CUDA_FUNCS, only when expansion
+ * is first used, so that a driver (or tests/fake_cuda) without them runs
+ * everything else. */
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+
+#define LADEN_CUDA_KERNEL_FUNCS(X)                                            \
+    X(cuDeviceGet, (CUdevice * dev, int ordinal))                             \
+    X(cuDeviceGetAttribute, (int *v, int attr, CUdevice dev))                 \
+    X(cuGetErrorName, (CUresult r, const char **name))                        \
+    X(cuModuleLoadData, (CUmodule * m, const void *image))                    \
+    X(cuModuleGetFunction, (CUfunction * f, CUmodule m, const char *name))    \
+    X(cuModuleUnload, (CUmodule m))                                           \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessor,                            \
+      (int *blocks, CUfunction f, int block_threads, size_t shared_bytes))    \
+    X(cuLaunchKernel,                                                         \
+      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,       \
+       unsigned int bx, unsigned int by, unsigned int bz,                     \
+       unsigned int shared_bytes, CUstream s, void **params, void **extra))
+
 #endif
