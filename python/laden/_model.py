@@ -408,6 +408,22 @@ def expand_blocks(out, q, code: int, dcode: int, device) -> None:
                            dcode, out.data_ptr()))
 
 
+_SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
+
+
+def expand_fused(out, q, scale, kind: Optional[str], code: int, dcode: int,
+                 device) -> None:
+    """expand_fp8 (and bf16 storage widened) in one C kernel on the
+    device's current stream: the same values, read once, written once."""
+    check(lib.laden_expand(
+        device.index or 0, _compute_stream(device), code, q.data_ptr(),
+        q.numel() * q.element_size(), out.numel(),
+        out.shape[-1] if out.dim() else 1,
+        scale.data_ptr() if scale is not None else 0,
+        _SCALE_KIND[kind] if scale is not None else 0, dcode,
+        out.data_ptr()))
+
+
 def _nbytes(t: _Tensor) -> int:
     """Bytes as expanded for compute."""
     import torch

@@ -28,7 +28,8 @@ from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _unwrap_all, _view, _wrap_forward, check_lookahead,
-                     describe, expand_blocks, expand_fp8, expand_unavailable,
+                     describe, expand_blocks, expand_fp8, expand_fused,
+                     expand_unavailable,
                      fill, new_schedule, progress_to)
 from ._units import fmt_bytes
 from ._wrapped import detach_all
@@ -808,6 +809,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
     """Wraps the blocks that stream or expand compact tensors, then points
     their tensors where they run (wrapped first: another thread calling a
     block meanwhile is refused, not run on half-bound weights)."""
+    import torch
+
     # One workspace, the size of the largest block's expanded compact
     # tensors: blocks run one after another on one stream.
     ws = 0
@@ -820,6 +823,10 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         dev = _dev_index(state.device)
         check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
         handle.workspace = _Owned(p.value, _free_device_memory, dev)
+    # fp8 and bf16 storage: one fused C kernel on CUDA where it can be had
+    # (torch's two kernels otherwise; GGUF blocks were decoded on load).
+    fused = ws and state.device.type == "cuda" and \
+        expand_unavailable(state.device) is None
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
         compact = any(t.store != "plain" for t in b.tensors)
@@ -847,6 +854,10 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             if t.store == "gq":
                 expansions.append((expand_blocks, (
                     out, q, _DTYPE_CODE[t.store_dtype],
+                    _dtype_code(t.dtype, t), state.device)))
+            elif fused and (sc is None or sc.dtype == torch.float32):
+                expansions.append((expand_fused, (
+                    out, q, sc, t.scale_kind, _dtype_code(q.dtype, t),
                     _dtype_code(t.dtype, t), state.device)))
             else:
                 expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
