@@ -562,6 +562,11 @@ static void gpu_case(gpu *g, laden_dtype t, const uint8_t *src,
     CHECK_OK(laden_dev_copy_h2d(g->s, dsrc + src_off, src, src_bytes));
     memset(got, 0x5a, out_bytes);
     CHECK_OK(laden_dev_copy_h2d(g->s, ddst + dst_off, got, out_bytes));
+    if (getenv("LADEN_TEST_TRACE"))
+        fprintf(stderr, "case %s n %llu cols %llu scale %d src+%u dst+%u to %s\n",
+                laden_dtype_name(t), (unsigned long long)n,
+                (unsigned long long)cols, (int)kind, src_off, dst_off,
+                laden_dtype_name(to));
     CHECK_OK(laden_expand(g->dev, 0, t, dsrc + src_off, src_bytes, n, cols,
                           dscale, kind, to, ddst + dst_off));
     CHECK_OK(laden_dev_copy_d2h(g->s, got, ddst + dst_off, out_bytes));
@@ -637,7 +642,7 @@ TEST(expand_cuda_gguf_matches_cpu)
         gpu_case(&g, LADEN_DTYPE_Q8_0, b, sizeof b, 128, 0, NULL, 0,
                  LADEN_SCALE_NONE, OUTS[o], 0, 0);
         gpu_case(&g, LADEN_DTYPE_Q8_0, b, sizeof b, 128, 0, NULL, 0,
-                 LADEN_SCALE_NONE, OUTS[o], 1, 2);
+                 LADEN_SCALE_NONE, OUTS[o], 1, out_size(OUTS[o]));
     }
     laden_dev_stream_destroy(g.s);
 }

@@ -414,13 +414,14 @@ _SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
 def expand_fused(out, q, scale, kind: Optional[str], code: int, dcode: int,
                  device) -> None:
     """expand_fp8 (and bf16 storage widened) in one C kernel on the
-    device's current stream: the same values, read once, written once."""
+    device's current stream: the same values, read once, written once.
+    A scale without a kind is one per row (laden's own fp8 storage)."""
     check(lib.laden_expand(
         device.index or 0, _compute_stream(device), code, q.data_ptr(),
         q.numel() * q.element_size(), out.numel(),
         out.shape[-1] if out.dim() else 1,
         scale.data_ptr() if scale is not None else 0,
-        _SCALE_KIND[kind] if scale is not None else 0, dcode,
+        _SCALE_KIND[kind or "row"] if scale is not None else 0, dcode,
         out.data_ptr()))
 
 
