@@ -111,18 +111,18 @@ static const char cuda_prologue[] =
     "typedef unsigned long long u64;\n"
     "#define EX_FN static __device__ __forceinline__\n"
     "#define EX_UNROLL _Pragma(\"unroll\")\n"
-    "EX_FN u32 ex_ld8(u64 a) { unsigned short x; asm(\"ld.global.nc.u8 %0, "
-    "[%1];\" : \"=h\"(x) : \"l\"(a)); return x; }\n"
+    /* Loads through __ldg (ld.global.nc), never inline asm: an asm
+     * statement is pure to the compiler, which may then issue it before
+     * the branch that guards it (found on the H200: the scale pointer,
+     * NULL without a scale, read at the top of the fp8 kernel). */
+    "EX_FN u32 ex_ld8(u64 a) { return __ldg((const unsigned char *)a); }\n"
     "EX_FN u32 ex_ld16(u64 a, u32 vec) { if (!vec) return ex_ld8(a) | "
-    "ex_ld8(a + 1u) << 8; unsigned short x; asm(\"ld.global.nc.u16 %0, "
-    "[%1];\" : \"=h\"(x) : \"l\"(a)); return x; }\n"
+    "ex_ld8(a + 1u) << 8; return __ldg((const unsigned short *)a); }\n"
     "EX_FN u32 ex_ld32(u64 a, u32 vec) { if (!vec) return ex_ld16(a, 0u) | "
-    "ex_ld16(a + 2u, 0u) << 16; u32 x; asm(\"ld.global.nc.u32 %0, [%1];\" "
-    ": \"=r\"(x) : \"l\"(a)); return x; }\n"
+    "ex_ld16(a + 2u, 0u) << 16; return __ldg((const unsigned int *)a); }\n"
     "EX_FN void ex_ld2x32(u64 a, u32 vec, u32 *x, u32 *y) { if (!vec) { *x "
-    "= ex_ld32(a, 0u); *y = ex_ld32(a + 4u, 0u); return; } u32 s, t; "
-    "asm(\"ld.global.nc.v2.u32 {%0, %1}, [%2];\" : \"=r\"(s), \"=r\"(t) : "
-    "\"l\"(a)); *x = s; *y = t; }\n"
+    "= ex_ld32(a, 0u); *y = ex_ld32(a + 4u, 0u); return; } uint2 v = "
+    "__ldg((const uint2 *)a); *x = v.x; *y = v.y; }\n"
     "EX_FN void ex_st16(u64 a, u32 h) { asm volatile(\"st.global.u16 [%0], "
     "%1;\" :: \"l\"(a), \"h\"((unsigned short)h)); }\n"
     "EX_FN void ex_st32(u64 a, u32 w) { asm volatile(\"st.global.u32 [%0], "
