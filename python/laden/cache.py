@@ -303,6 +303,7 @@ class _Runtime:
         o = self.owner
         self.gone.clear()
         self.dev_refs.clear()
+        counted = []
         for t in self.tensors:
             streamed = started and lib.laden_sched_is_streamed(o.h,
                                                                 t.c_block)
@@ -317,7 +318,11 @@ class _Runtime:
             _set_tensor(t, value, block)
             del value  # counted otherwise
             if on_dev and _USE_COUNT:
-                self.dev_refs[id(t)] = _storage_refs(t.param)
+                counted.append(t)
+        # Counted once every tensor is in place: a quantized wrapper,
+        # rebuilt as its inner tensors move, holds each of them too.
+        for t in counted:
+            self.dev_refs[id(t)] = _storage_refs(t.param)
         self.gen = st.generation
         return True
 
