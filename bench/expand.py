@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
-import os
 import statistics
 import sys
 import time
@@ -54,28 +52,16 @@ SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_TILE128 = 0, 1, 2, 3
 
 
 def dtype_codes() -> dict:
-    codes, i = {}, 0
-    while True:
-        name = lib.laden_dtype_name(i)
-        if not name:
-            return codes
-        codes[name.decode()] = i
-        i += 1
+    from laden._model import _DTYPE_CODE
+
+    return dict(_DTYPE_CODE)
 
 
 def nvrtc_path():
-    """The NVRTC that torch's CUDA wheels bring (nvidia/*/lib beside torch),
-    the one of torch's CUDA major version first; None if there is none."""
-    major = (torch.version.cuda or "").split(".")[0]
-    found = []
-    for root in sys.path:
-        found += glob.glob(os.path.join(root, "nvidia", "*", "lib",
-                                        "libnvrtc.so*"))
-    found += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                    "libnvrtc*.so*"))
-    found = [f for f in found if "builtins" not in os.path.basename(f)]
-    found.sort(key=lambda f: (f".so.{major}" not in f, len(f)))
-    return found[0] if found else None
+    """The NVRTC that torch's CUDA wheels bring, as laden finds it."""
+    from laden._model import _nvrtc_path
+
+    return _nvrtc_path()
 
 
 def block(code: int):
