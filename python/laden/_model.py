@@ -10,7 +10,9 @@ in C (``laden_sched_plan``), never here.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
@@ -18,9 +20,11 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
 
 from . import _lib
 from ._dtypes import GGUF_BLOCK_TYPES, checkpoint_dtype
-from ._wrapped import attach, is_wrapped, refresh
+from ._wrapped import attach, detach_all, holders, is_wrapped, refresh
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
+
+log = logging.getLogger("laden")
 
 TIER_NAMES = {_lib.TIER_GPU: "resident", _lib.TIER_RAM: "ram",
               _lib.TIER_DISK: "disk"}
@@ -353,6 +357,7 @@ def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
 
 
 _NVRTC_SET = False
+_NVRTC_LOCK = threading.Lock()
 
 
 def _nvrtc_path() -> Optional[str]:
@@ -384,11 +389,14 @@ def expand_unavailable(device) -> Optional[str]:
         return None
     if not hasattr(lib, "laden_expand_ready"):
         return "this libladen has no device expansion"
-    if not _NVRTC_SET:
-        _NVRTC_SET = True
-        path = _nvrtc_path()
-        if path:
-            lib.laden_expand_set_nvrtc(path.encode())
+    with _NVRTC_LOCK:  # the path set before any thread's first compile
+        if not _NVRTC_SET:
+            path = _nvrtc_path()
+            if path:
+                s = lib.laden_expand_set_nvrtc(path.encode())
+                if s:
+                    log.warning("laden: NVRTC %s: %s", path, error_for(s))
+            _NVRTC_SET = True
     s = lib.laden_expand_ready(device.index or 0)
     return str(error_for(s)) if s else None
 
@@ -934,8 +942,22 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     on load; a Llama GGUF file's q/k rows are put back in transformers'
     order on load.  Raises before anything is allocated: MismatchError naming
     every name or shape that does not match, InvalidArgumentError for a bad
-    prefix or a tensor with nothing to fill it."""
+    prefix or a tensor with nothing to fill it.  Quantized tensor
+    subclasses get holders of their inner tensors (laden._wrapped); a
+    description that fails takes them off again."""
+    had = bool(holders(model))
     attach(model)  # quantized wrappers: their inner tensors, held apart
+    try:
+        return _describe(model, ck, prefixes, key_map, skip_prefixes, cdt,
+                         storage, compact, expand_blocks, label)
+    except BaseException:
+        if not had:
+            detach_all(model)
+        raise
+
+
+def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
+              compact, expand_blocks, label) -> Description:
     blocks = _find_blocks(model, list(prefixes))
     tensors = _collect(model)
     if ck is not None:

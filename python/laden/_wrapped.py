@@ -14,6 +14,7 @@ wrapper again.  The bytes move in C like every other tensor's."""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .errors import InvalidArgumentError
@@ -158,27 +159,37 @@ def _holder_cls():
             vals = {}
             for pname, key in self._names.items():
                 vals[key] = self._parameters[pname].detach()
-            devs = {v.device for v in vals.values()}
-            if len(devs) > 1:
-                # Half moved (laden sets them one at a time): never a
-                # wrapper over memory that may be given back meanwhile.
-                old = self._owner._parameters[self._attr]
-                self._owner._parameters[self._attr] = torch.nn.Parameter(
-                    torch.empty(old.shape, dtype=old.dtype, device="meta"),
-                    requires_grad=False)
-                return
+            if len({v.device for v in vals.values()}) > 1:
+                return  # half moved (laden sets them one at a time)
             w = self._rebuild(vals)
-            if isinstance(w, torch.nn.Parameter):
-                w.requires_grad_(False)
-                new = w
-            else:
-                new = torch.nn.Parameter(w, requires_grad=False)
+            new = w if isinstance(w, torch.nn.Parameter) else \
+                torch.nn.Parameter(w, requires_grad=False)
+            new.requires_grad_(False)
+            old = self._owner._parameters.get(self._attr)
+            if old is not None and type(old) is type(new):
+                try:
+                    # The object the user may hold follows, as laden's
+                    # plain tensors do: never a wrapper over memory that
+                    # was given back.
+                    torch.utils.swap_tensors(old, new)
+                    return
+                except (RuntimeError, TypeError, AttributeError):
+                    pass
             self._owner._parameters[self._attr] = new
 
     return InnerTensors
 
 
 _HOLDER = None
+_HOLDER_LOCK = threading.Lock()
+
+
+def _holder():
+    global _HOLDER
+    with _HOLDER_LOCK:  # one class, or refresh() misses another's holders
+        if _HOLDER is None:
+            _HOLDER = _holder_cls()
+        return _HOLDER
 
 
 def attach(model) -> int:
@@ -188,7 +199,6 @@ def attach(model) -> int:
     inner tensors."""
     import torch
 
-    global _HOLDER
     n = 0
     for mod_name, mod in list(model.named_modules()):
         for attr, v in list(mod._parameters.items()):
@@ -200,10 +210,8 @@ def attach(model) -> int:
             if f is None:
                 continue
             inner, rebuild = f
-            if _HOLDER is None:
-                _HOLDER = _holder_cls()
             names = {k.replace(".", "__"): k for k in inner}
-            h = _HOLDER(mod, attr, names, rebuild)
+            h = _holder()(mod, attr, names, rebuild)
             for pname, key in names.items():
                 t = inner[key]
                 if not _plain(t):

@@ -63,8 +63,9 @@ class AdapterSpec:
     (``adapter_model.safetensors`` and ``adapter_config.json``, whose
     ``lora_alpha``, ``alpha_pattern`` and ``use_rslora`` give the scales),
     or a function returning a state dict (called once: its result is kept
-    with the spec's, as a file's tensors are until the file changes; give
-    a new spec to read again).  Keys: LoRA factors
+    with the spec, as a file's tensors are until the file changes; an
+    equal spec -- same key, the same function object -- is the same
+    adapter: pass a new function to read again).  Keys: LoRA factors
     (``X.lora_A.weight``/``X.lora_B.weight`` as peft writes them,
     ``lora_down``/``lora_up`` with ``X.alpha`` as kohya and diffusers do,
     ``lora_unet_``/``lora_te_`` names mapped to modules), full-rank deltas

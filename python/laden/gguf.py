@@ -34,6 +34,9 @@ LLAMA_NAMES = {
     "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
     "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
     "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
     "blk.{}.ffn_norm.weight":
         "model.layers.{}.post_attention_layernorm.weight",
     "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
@@ -63,15 +66,29 @@ def llama_key_map(name: str):
 def rope_heads(metadata) -> Dict[str, int]:
     """For a Llama-architecture GGUF file: the heads over which each q and
     k projection's rows were interleaved by llama.cpp's converter, by
-    tensor name pattern ("attn_q" / "attn_k"); {} for other files."""
+    tensor name pattern ("attn_q" / "attn_k"); {} for other files.  A
+    Llama file without readable head counts raises FormatError naming the
+    key (its q/k rows cannot be put back in order without them)."""
+    from .errors import FormatError
+
     if metadata.get("general.architecture") != "llama":
         return {}
-    try:
-        heads = int(metadata["llama.attention.head_count"])
-    except (KeyError, ValueError):
-        return {}
-    kv = int(metadata.get("llama.attention.head_count_kv", heads))
-    return {"attn_q": heads, "attn_k": kv}
+    out = {}
+    for kind, key in (("attn_q", "llama.attention.head_count"),
+                      ("attn_k", "llama.attention.head_count_kv")):
+        v = metadata.get(key, metadata.get("llama.attention.head_count")
+                         if kind == "attn_k" else None)
+        try:
+            out[kind] = int(v)
+        except (TypeError, ValueError):
+            raise FormatError(
+                f"GGUF file of architecture llama: metadata '{key}' is "
+                f"{'missing' if v is None else repr(v)}; laden needs it to "
+                "put the q and k rows back in transformers' order",
+                "E_SCHEMA") from None
+        if out[kind] <= 0:
+            raise FormatError(f"GGUF metadata '{key}' is {v}", "E_SCHEMA")
+    return out
 
 
 def rope_heads_of(name: str, heads: Dict[str, int]) -> int:

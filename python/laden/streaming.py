@@ -678,6 +678,7 @@ class OffloadHandle:
             return
         with _pass(st, o, "OffloadHandle.remove"):
             self.adapters.clear()  # the base weights back first
+            self.adapters.host.clear()  # and the adapters read for it
             st.gone.clear()
             # Weights first, while the blocks are still wrapped: another
             # thread calling a block meanwhile is refused, not run on
@@ -936,6 +937,7 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     h = state.handle
     if h is not None:
         h._unwrap()
+        h.adapters.host.clear()
     state.gone.clear()
     for t in state.tensors:
         # What the model was built with and the checkpoint lacks goes

@@ -62,15 +62,16 @@ def _quantize(w: np.ndarray, qt, rng):
     return q, gguf.quants.dequantize(q, qt).astype(np.float32)
 
 
-def write_gguf(model, path, qt, seed=0):
+def write_gguf(model, path, qt, seed=0, arch="llama", heads=True):
     """The model as llama.cpp writes it; returns the state dict of the
     values laden should load (dequantized, rows in transformers' order)."""
     rng = np.random.default_rng(seed)
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if heads:
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_context_length(cfg.max_position_embeddings)
@@ -83,6 +84,8 @@ def write_gguf(model, path, qt, seed=0):
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") \
             else cfg.num_key_value_heads if name.endswith("k_proj.weight") \
             else 0
+        if arch != "llama":
+            heads = 0  # llama.cpp reorders q/k rows of Llama files only
         if heads:
             a = _permute(a, heads)
         if a.ndim == 2:
@@ -271,3 +274,32 @@ def test_from_pretrained_gguf(tmp_path):
     assert any(t.store == "gq" for t in m._laden_stream.tensors)
     assert torch.equal(logits(m, "cpu"), logits(ref, "cpu"))
     laden.release(m)
+
+
+def test_qwen2_and_missing_heads(tmp_path):
+    """A Qwen2 GGUF (q/k/v biases, rows as transformers has them) through
+    from_pretrained; a Llama file without its head counts is refused
+    naming the key (its q/k rows could not be put back)."""
+    c = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(c).eval()
+    p = tmp_path / "q.gguf"
+    want = write_gguf(ref, p, Q.Q8_0, arch="qwen2")
+    ref.load_state_dict(want)
+    m = laden.from_pretrained(transformers.Qwen2ForCausalLM, p,
+                              device="cpu")
+    assert torch.equal(logits(m, "cpu"), logits(ref, "cpu"))
+    laden.release(m)
+
+    ref = tiny_llama(layers=1)
+    p = tmp_path / "nohead.gguf"
+    write_gguf(ref, p, Q.Q8_0, heads=False)
+    with laden.hf.empty_weights():
+        m = transformers.LlamaForCausalLM(ref.config).eval()
+    with pytest.raises(laden.FormatError,
+                       match="llama.attention.head_count"):
+        laden.stream_load(m, p, offload_prefixes=["model.layers."],
+                          device="cpu", key_map=laden.gguf.llama_key_map)

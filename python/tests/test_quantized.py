@@ -115,7 +115,7 @@ def test_quantized_cached_and_streamed(kind, device):
         cache.clear()
 
 
-def test_quantized_offloader_gives_back_wrappers():
+def test_quantized_offloader_gives_back_wrappers(tmp_path):
     """ModelOffloader over a quantized model: uses run from laden's memory,
     close() hands the model back with plain quantized weights that still
     compute the same."""
@@ -125,14 +125,34 @@ def test_quantized_offloader_gives_back_wrappers():
     x = torch.randn(2, 256)
     with torch.no_grad():
         want = ref(x)
+    from laden import _wrapped
+
+    # A block path that does not exist: refused, the model left as it was
+    # (no holders in its modules or its state_dict).
+    keys = set(m.state_dict())
+    with pytest.raises(laden.InvalidArgumentError):
+        laden.ModelOffloader(m, block_paths=("nope",)).activate("cpu")
+    assert not _wrapped.holders(m) and set(m.state_dict()) == keys
+    # laden.plan neither.
+    p = str(tmp_path / "unused.safetensors")
+    laden.save_file({"unused": torch.zeros(1)}, p)
+    with pytest.raises(laden.MismatchError):
+        laden.plan(m, p, device="cpu")
+    assert not _wrapped.holders(m)
+
     off = laden.ModelOffloader(m, block_paths=("blocks",))
     with torch.no_grad():
         got = off.activate("cpu")(x)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert inner_bytes(m) > 0
-    off.deactivate()
+    # A weight taken from the model follows laden's memory as it moves
+    # (found in review: it kept the address of the evicted copy).
+    w = m.blocks[0].up.weight
+    want_w = ref.blocks[0].up.weight.dequantize()
+    off.deactivate(evict=True)
+    assert torch.equal(w.dequantize(), want_w)
     off.close()
-    from laden import _wrapped
+    assert torch.equal(w.dequantize(), want_w)
     assert not _wrapped.holders(m)
     with torch.no_grad():
         torch.testing.assert_close(m(x), want, atol=0, rtol=0)
