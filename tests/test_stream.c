@@ -157,6 +157,7 @@ static void orders(int32_t dev)
         CHECK_OK(laden_sched_load(m.sc));
         CHECK_OK(laden_sched_start(m.sc, 0));
         laden_sched_stats_t st;
+        uint64_t misses_turn = 0;
         /* In order, several passes: every block prefetched in time. */
         for (int pass = 0; pass < 3; pass++) {
             run_block(&m, NB);
@@ -165,6 +166,27 @@ static void orders(int32_t dev)
         }
         CHECK_OK(laden_sched_stats(m.sc, &st));
         CHECK_EQ(st.misses, 0);
+        /* In reverse (a backward's recomputation), several passes: the
+         * prefetches turn with the order; only the turn itself may miss. */
+        for (int pass = 0; pass < 3; pass++) {
+            for (int i = NB - 1; i >= 0; i--)
+                run_block(&m, i);
+            run_block(&m, NB);
+            CHECK_OK(laden_sched_stats(m.sc, &st));
+            if (pass == 0)
+                CHECK(st.misses <= 1);
+            else
+                CHECK_EQ(st.misses, misses_turn);
+            misses_turn = st.misses;
+        }
+        /* And forward again. */
+        for (int pass = 0; pass < 2; pass++) {
+            run_block(&m, NB);
+            for (int i = 0; i < NB; i++)
+                run_block(&m, i);
+        }
+        CHECK_OK(laden_sched_stats(m.sc, &st));
+        CHECK(st.misses <= misses_turn + 1);
         uint64_t misses_before = st.misses;
         /* Reversed, repeated, skipping, random: correct, only slower. */
         for (int i = NB - 1; i >= 0; i--)

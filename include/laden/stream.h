@@ -25,7 +25,10 @@
  * laden_sched_enter(b) before a block runs makes the compute stream wait
  * until b's bytes are in its slot (loading them now if no prefetch did:
  * blocks called out of schedule order are correct, only slower), then
- * prefetches the next `lookahead` blocks of the schedule, cyclically.
+ * prefetches the next `lookahead` blocks of the schedule, cyclically, in
+ * the direction blocks are being entered: in order, or in reverse once a
+ * block is entered right after the one behind it (a backward pass
+ * recomputing blocks last to first streams as well as a forward).
  * laden_sched_exit(b) after it has been enqueued records that the slot may
  * be overwritten once the compute stream has passed that point.  Neither
  * blocks the host in the steady state; neither allocates.

@@ -242,15 +242,24 @@ static laden_status poll_reads(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-/* Loads the blocks at positions pos..pos+count-1 (cyclically) into their
- * slots.  A slot wanted by a nearer block of the window is left to it: at
- * the wrap of the schedule two blocks of one window can share a slot. */
+/* The position `k` steps from `pos` in the direction blocks are entered
+ * in (cyclically). */
+static uint32_t step_pos(const laden_sched_t *sc, uint32_t pos, uint32_t k)
+{
+    uint32_t n = sc->nstreamed;
+    return sc->dir < 0 ? (pos + n - k % n) % n : (pos + k) % n;
+}
+
+/* Loads the blocks at positions pos, pos+1, ..., count of them (pos-1, ...
+ * when blocks are entered in reverse; cyclically) into their slots.  A
+ * slot wanted by a nearer block of the window is left to it: at the wrap
+ * of the schedule two blocks of one window can share a slot. */
 static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
                                   uint32_t count)
 {
     uint64_t claimed = 0;
     for (uint32_t k = 0; k < count && k < sc->nstreamed; k++) {
-        uint32_t p = (pos + k) % sc->nstreamed;
+        uint32_t p = step_pos(sc, pos, k);
         uint32_t bi = sc->order[p];
         uint32_t si = p % sc->nslots;
         slot *sl = &sc->slots[si];
@@ -316,6 +325,8 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     }
     sc->started = true;
     sc->st.generation++; /* the slots' addresses */
+    sc->dir = 1;
+    sc->last_pos = -1;
     return prefetch_from(sc, 0, sc->nslots);
 fail:
     laden__sched_free_slots(sc);
@@ -384,6 +395,22 @@ static laden_status block_slot(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* A block at `pos` entered: the direction is reverse when it is the
+ * position before the last one entered, forward when after (with two
+ * streamed blocks both are; the direction stays). */
+static void note_direction(laden_sched_t *sc, uint32_t pos)
+{
+    uint32_t n = sc->nstreamed;
+    if (sc->last_pos >= 0 && n > 2) {
+        uint32_t last = (uint32_t)sc->last_pos;
+        if (pos == (last + n - 1) % n)
+            sc->dir = -1;
+        else if (pos == (last + 1) % n)
+            sc->dir = 1;
+    }
+    sc->last_pos = pos;
+}
+
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                                 uintptr_t handle)
 {
@@ -419,7 +446,9 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         (s = laden_dev_event_synchronize(sl->ready)))
         return s; /* the CPU device's copy worker */
     sl->in_use = true;
-    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
+    note_direction(sc, (uint32_t)b->pos);
+    return prefetch_from(sc, step_pos(sc, (uint32_t)b->pos, 1),
+                         sc->cfg.lookahead);
 }
 
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
@@ -441,7 +470,8 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     /* The slot just freed may be the one a block ahead needs: when the
      * schedule's length is not a multiple of nslots, the first blocks of the
      * next pass share slots with the last of this one. */
-    return prefetch_from(sc, (uint32_t)b->pos + 1, sc->cfg.lookahead);
+    return prefetch_from(sc, step_pos(sc, (uint32_t)b->pos, 1),
+                         sc->cfg.lookahead);
 }
 
 laden_status laden__sched_synchronize(laden_sched_t *sc)

@@ -95,6 +95,11 @@ struct laden_sched {
     uint32_t nb, bcap;
     uint32_t *order; /* position -> block */
     uint32_t nstreamed;
+    /* The direction blocks are entered in, from the last two streamed
+     * positions entered: +1 in order (a forward), -1 in reverse (a
+     * backward's recomputation); prefetches follow it. */
+    int32_t dir;
+    int64_t last_pos; /* -1: none yet */
     slot *slots;
     uint32_t nslots;
     uint64_t slot_bytes;
