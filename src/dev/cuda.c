@@ -27,6 +27,8 @@ static struct {
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static int32_t device_count;
 char laden__cuda_error[512];
+laden__cuda_kernel_fns laden__cuk;
+char laden__cuda_kernel_error[256] = "the CUDA driver is not loaded";
 
 static struct cuda_dev {
     atomic_int ready;
@@ -62,12 +64,17 @@ static void load(void)
                  "CUDA 12 or newer is needed)");
         return;
     }
+#define PROC(name, fn, r)                                                   \
+    do {                                                                    \
+        int qs = 0;                                                         \
+        r = gpa2 ? gpa2(name, &fn, LADEN_CUDA_API_VERSION, 0, &qs)          \
+                 : gpa1(name, &fn, LADEN_CUDA_API_VERSION, 0);              \
+    } while (0)
 #define RESOLVE_ONE(name, ptr)                                              \
     do {                                                                    \
         void *fn = NULL;                                                    \
-        int qs = 0;                                                         \
-        CUresult r = gpa2 ? gpa2(#name, &fn, LADEN_CUDA_API_VERSION, 0, &qs) \
-                          : gpa1(#name, &fn, LADEN_CUDA_API_VERSION, 0);    \
+        CUresult r;                                                         \
+        PROC(#name, fn, r);                                                 \
         if (r != CUDA_SUCCESS || !fn) {                                     \
             snprintf(laden__cuda_error, sizeof laden__cuda_error,           \
                      "the CUDA driver lacks %s (error %d)", #name, r);      \
@@ -81,6 +88,24 @@ static void load(void)
     RESOLVE_ONE(cuGetErrorName, cu.cuGetErrorName);
     RESOLVE_ONE(cuGetErrorString, cu.cuGetErrorString);
 #undef RESOLVE_ONE
+    /* Optional: the first one missing is the reason expansion cannot run. */
+    laden__cuda_kernel_error[0] = 0;
+#define RESOLVE_KERNEL(name, args)                                          \
+    if (!laden__cuda_kernel_error[0]) {                                     \
+        void *fn = NULL;                                                    \
+        CUresult r;                                                         \
+        PROC(#name, fn, r);                                                 \
+        if (r != CUDA_SUCCESS || !fn)                                       \
+            snprintf(laden__cuda_kernel_error,                              \
+                     sizeof laden__cuda_kernel_error,                       \
+                     "the CUDA driver lacks %s (error %d), which device "   \
+                     "expansion needs", #name, r);                          \
+        else                                                                \
+            memcpy(&laden__cuk.name, &fn, sizeof fn);                       \
+    }
+    LADEN_CUDA_KERNEL_FUNCS(RESOLVE_KERNEL)
+#undef RESOLVE_KERNEL
+#undef PROC
     CUresult r = cu.cuInit(0);
     int n = 0;
     if (r == CUDA_SUCCESS)

@@ -109,9 +109,9 @@ typedef struct CUmemAccessDesc_st {
       (CUdeviceptr p, size_t n, const CUmemAccessDesc *desc, size_t count))
 
 /* Device expansion (src/dev/expand.c): kernels compiled by NVRTC, loaded
- * and launched.  Resolved apart from LADEN_CUDA_FUNCS, only when expansion
- * is first used, so that a driver (or tests/fake_cuda) without them runs
- * everything else. */
+ * and launched.  Resolved by cuda.c with LADEN_CUDA_FUNCS but optional, so
+ * that a driver (or tests/fake_cuda) without them runs everything else:
+ * laden__cuk holds them once laden__cuda_kernel_error is "". */
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 
@@ -130,5 +130,13 @@ typedef struct CUfunc_st *CUfunction;
       (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,       \
        unsigned int bx, unsigned int by, unsigned int bz,                     \
        unsigned int shared_bytes, CUstream s, void **params, void **extra))
+
+typedef struct laden__cuda_kernel_fns {
+#define LADEN__CUK_FIELD(name, args) CUresult (*name) args;
+    LADEN_CUDA_KERNEL_FUNCS(LADEN__CUK_FIELD)
+#undef LADEN__CUK_FIELD
+} laden__cuda_kernel_fns;
+extern laden__cuda_kernel_fns laden__cuk;
+extern char laden__cuda_kernel_error[256];
 
 #endif

@@ -18,7 +18,7 @@ struct laden_event {
     void *impl;
 };
 
-static laden_status resolve(int32_t dev, const laden__dev_ops **ops)
+laden_status laden__dev_resolve(int32_t dev, const laden__dev_ops **ops)
 {
     *ops = NULL;
     if (dev == LADEN_DEVICE_CPU) {
@@ -44,7 +44,7 @@ static laden_status resolve(int32_t dev, const laden__dev_ops **ops)
 #define RESOLVE(dev)                        \
     const laden__dev_ops *ops;              \
     do {                                    \
-        laden_status rs = resolve(dev, &ops); \
+        laden_status rs = laden__dev_resolve(dev, &ops); \
         if (rs)                             \
             return rs;                      \
     } while (0)

@@ -44,6 +44,10 @@ typedef struct laden__dev_ops {
 extern const laden__dev_ops laden__dev_cpu_ops;
 extern const laden__dev_ops laden__dev_cuda_ops;
 
+/* The implementation of device `dev`, or LADEN_E_NODEVICE saying why
+ * there is none (CUDA unavailable, or no such device). */
+laden_status laden__dev_resolve(int32_t dev, const laden__dev_ops **ops);
+
 /* Loads the CUDA driver once; returns the device count (0 if unusable) and
  * leaves the reason in laden__cuda_error. */
 int32_t laden__cuda_load(void);

@@ -331,63 +331,21 @@ static laden_status prepare(laden_dtype src_dtype, laden_devptr_t src,
 
 static pthread_mutex_t ex_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static struct {
-#define FIELD(name, args) CUresult (*name) args;
-    LADEN_CUDA_KERNEL_FUNCS(FIELD)
-#undef FIELD
-} kd;
-static int kd_state; /* 0 not tried, 1 resolved, -1 failed (kd_error) */
-static char kd_error[256];
-
-/* Under ex_mu.  cuda.c has opened the driver (laden__cuda_load). */
+/* Under ex_mu.  cuda.c has opened the driver (laden__cuda_load) and
+ * resolved the module and launch calls if the driver has them. */
 static laden_status resolve_driver(void)
 {
-    if (kd_state == 0) {
-        kd_state = -1;
-        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-        if (!lib)
-            lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-        typedef CUresult (*gpa2_t)(const char *, void **, int, uint64_t,
-                                   int *);
-        typedef CUresult (*gpa1_t)(const char *, void **, int, uint64_t);
-        gpa2_t gpa2 = lib ? (gpa2_t)(uintptr_t)dlsym(lib, "cuGetProcAddress_v2")
-                          : NULL;
-        gpa1_t gpa1 = lib ? (gpa1_t)(uintptr_t)dlsym(lib, "cuGetProcAddress")
-                          : NULL;
-        if (!gpa2 && !gpa1) {
-            snprintf(kd_error, sizeof kd_error,
-                     "cannot reach the CUDA driver's cuGetProcAddress");
-            goto done;
-        }
-#define RESOLVE(name, args)                                                 \
-    {                                                                       \
-        void *fn = NULL;                                                    \
-        int qs = 0;                                                         \
-        CUresult r = gpa2 ? gpa2(#name, &fn, 12000, 0, &qs)                 \
-                          : gpa1(#name, &fn, 12000, 0);                     \
-        if (r != CUDA_SUCCESS || !fn) {                                     \
-            snprintf(kd_error, sizeof kd_error,                             \
-                     "the CUDA driver lacks %s (error %d), which device "    \
-                     "expansion needs", #name, r);                          \
-            goto done;                                                      \
-        }                                                                   \
-        memcpy(&kd.name, &fn, sizeof fn);                                   \
-    }
-        LADEN_CUDA_KERNEL_FUNCS(RESOLVE)
-#undef RESOLVE
-        kd_state = 1;
-    }
-done:
-    if (kd_state < 0)
-        return laden__fail(LADEN_E_UNSUPPORTED, "%s", kd_error);
+    if (laden__cuda_kernel_error[0])
+        return laden__fail(LADEN_E_UNSUPPORTED, "%s",
+                           laden__cuda_kernel_error);
     return LADEN_OK;
 }
 
 static const char *cu_name(CUresult r)
 {
     const char *s = "CUDA_ERROR_UNKNOWN";
-    if (kd.cuGetErrorName)
-        kd.cuGetErrorName(r, &s);
+    if (laden__cuk.cuGetErrorName)
+        laden__cuk.cuGetErrorName(r, &s);
     return s ? s : "CUDA_ERROR_UNKNOWN";
 }
 
@@ -722,8 +680,8 @@ static laden_status load_device(int32_t dev)
         return st;
     CUdevice cud = 0;
     int sms = 0;
-    if (kd.cuDeviceGet(&cud, dev) != CUDA_SUCCESS ||
-        kd.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    if (laden__cuk.cuDeviceGet(&cud, dev) != CUDA_SUCCESS ||
+        laden__cuk.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                 cud) != CUDA_SUCCESS ||
         sms <= 0)
         sms = 16;
@@ -734,7 +692,7 @@ static laden_status load_device(int32_t dev)
     if ((st = compile(dev, info.cc_major * 10 + info.cc_minor, &reused)))
         return st;
     CUmodule mod = NULL;
-    CUresult r = kd.cuModuleLoadData(&mod, img.image);
+    CUresult r = laden__cuk.cuModuleLoadData(&mod, img.image);
     if (r != CUDA_SUCCESS)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "cuda:%d: cuModuleLoadData failed for the expand "
@@ -746,9 +704,9 @@ static laden_status load_device(int32_t dev)
             char name[64];
             snprintf(name, sizeof name, "laden_ex_%s_%c", formats[f].name,
                      v ? 'v' : 'b');
-            r = kd.cuModuleGetFunction(&d->fn[f][v], mod, name);
+            r = laden__cuk.cuModuleGetFunction(&d->fn[f][v], mod, name);
             if (r != CUDA_SUCCESS) {
-                kd.cuModuleUnload(mod);
+                laden__cuk.cuModuleUnload(mod);
                 return laden__fail(LADEN_E_UNSUPPORTED,
                                    "cuda:%d: cuModuleGetFunction(%s) failed: "
                                    "%s",
@@ -758,7 +716,7 @@ static laden_status load_device(int32_t dev)
              * SMs hold at once (so no wave runs part-empty at the end);
              * more work than that loops inside the threads. */
             int per_sm = 0;
-            if (kd.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            if (laden__cuk.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                     &per_sm, d->fn[f][v], (int)THREADS, 0) != CUDA_SUCCESS ||
                 per_sm <= 0)
                 per_sm = 4;
@@ -777,27 +735,12 @@ static laden_status load_device(int32_t dev)
     return LADEN_OK;
 }
 
-static laden_status check_cuda_device(int32_t dev)
-{
-    int32_t n = laden__cuda_load();
-    if (dev >= 0 && dev < n)
-        return LADEN_OK;
-    if (n == 0)
-        return laden__fail(LADEN_E_NODEVICE,
-                           "CUDA device %d asked for, but CUDA is "
-                           "unavailable: %s",
-                           dev, laden__cuda_error);
-    return laden__fail(LADEN_E_NODEVICE,
-                       "device %d does not exist (%d CUDA device%s; the CPU "
-                       "device is %d)",
-                       dev, n, n == 1 ? "" : "s", LADEN_DEVICE_CPU);
-}
-
 laden_status laden_expand_ready(int32_t device)
 {
     if (device == LADEN_DEVICE_CPU)
         return LADEN_OK;
-    laden_status st = check_cuda_device(device);
+    const laden__dev_ops *ops;
+    laden_status st = laden__dev_resolve(device, &ops);
     if (st)
         return st;
     struct ex_dev *d = &exdevs[device];
@@ -897,7 +840,7 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
     if (blocks > d->max_blocks[p.fmt][vec])
         blocks = d->max_blocks[p.fmt][vec];
     void *args[] = {&p};
-    CUresult r = kd.cuLaunchKernel(d->fn[p.fmt][vec], (unsigned int)blocks, 1,
+    CUresult r = laden__cuk.cuLaunchKernel(d->fn[p.fmt][vec], (unsigned int)blocks, 1,
                                    1, THREADS, 1, 1, 0, (CUstream)s, args,
                                    NULL);
     if (r != CUDA_SUCCESS)
