@@ -397,23 +397,8 @@ def expand_unavailable(device) -> Optional[str]:
                 if s:
                     log.warning("laden: NVRTC %s: %s", path, error_for(s))
             _NVRTC_SET = True
-    s = lib.laden_expand_ready(device.index or 0)
+    s = lib.laden_expand_ready(_dev_index(device))
     return str(error_for(s)) if s else None
-
-
-def expand_blocks(out, q, code: int, dcode: int, device) -> None:
-    """out (the block's workspace, a float dtype) = the GGUF blocks in q
-    expanded (C: laden_expand on the device's current stream; on the CPU
-    the same values from the reference's arithmetic)."""
-    n = out.numel()
-    if device.type != "cuda":
-        check(lib.laden_sched_convert(code, ctypes.c_void_p(q.data_ptr()),
-                                      dcode, ctypes.c_void_p(out.data_ptr()),
-                                      n))
-        return
-    check(lib.laden_expand(device.index or 0, _compute_stream(device), code,
-                           q.data_ptr(), q.numel(), n, out.shape[-1], 0, 0,
-                           dcode, out.data_ptr()))
 
 
 _SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
@@ -421,11 +406,13 @@ _SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
 
 def expand_fused(out, q, scale, kind: Optional[str], code: int, dcode: int,
                  device) -> None:
-    """expand_fp8 (and bf16 storage widened) in one C kernel on the
-    device's current stream: the same values, read once, written once.
-    A scale without a kind is one per row (laden's own fp8 storage)."""
+    """out (the block's workspace) = the compact tensor q expanded by C in
+    one pass on the device's current stream (laden_expand): GGUF blocks,
+    fp8 times its scale (a scale without a kind is one per row: laden's
+    own fp8 storage), bf16 widened.  On the CPU device the same C code
+    runs in the calling thread."""
     check(lib.laden_expand(
-        device.index or 0, _compute_stream(device), code, q.data_ptr(),
+        _dev_index(device), _compute_stream(device), code, q.data_ptr(),
         q.numel() * q.element_size(), out.numel(),
         out.shape[-1] if out.dim() else 1,
         scale.data_ptr() if scale is not None else 0,

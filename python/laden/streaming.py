@@ -28,7 +28,7 @@ from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_tensor, _Tensor, _tensor_view,
                      _unwrap_all, _view, _wrap_forward, check_lookahead,
-                     describe, expand_blocks, expand_fp8, expand_fused,
+                     describe, expand_fp8, expand_fused,
                      expand_unavailable,
                      fill, new_schedule, progress_to)
 from ._units import fmt_bytes
@@ -824,8 +824,9 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         dev = _dev_index(state.device)
         check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
         handle.workspace = _Owned(p.value, _free_device_memory, dev)
-    # fp8 and bf16 storage: one fused C kernel on CUDA where it can be had
-    # (torch's two kernels otherwise; GGUF blocks were decoded on load).
+    # GGUF blocks (compact only where they can be expanded: C, on the CPU
+    # or in a kernel) and, on CUDA with the kernels, fp8 and bf16 storage
+    # go through laden_expand; fp8 otherwise through torch's two kernels.
     fused = ws and state.device.type == "cuda" and \
         expand_unavailable(state.device) is None
     for b in state.blocks:
@@ -852,14 +853,13 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             # The workspace is the next block's too.
             state.gone[out.untyped_storage().data_ptr()] = b.name
             _set_tensor(t, out, b.name)
-            if t.store == "gq":
-                expansions.append((expand_blocks, (
-                    out, q, _DTYPE_CODE[t.store_dtype],
-                    _dtype_code(t.dtype, t), state.device)))
-            elif fused and (sc is None or sc.dtype == torch.float32):
+            if t.store == "gq" or (fused and (sc is None or
+                                              sc.dtype == torch.float32)):
+                code = _DTYPE_CODE[t.store_dtype] if t.store == "gq" \
+                    else _dtype_code(q.dtype, t)
                 expansions.append((expand_fused, (
-                    out, q, sc, t.scale_kind, _dtype_code(q.dtype, t),
-                    _dtype_code(t.dtype, t), state.device)))
+                    out, q, sc, t.scale_kind, code, _dtype_code(t.dtype, t),
+                    state.device)))
             else:
                 expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
 
