@@ -916,7 +916,7 @@ def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
 def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
              skip_prefixes: Optional[Sequence[str]] = None, cdt=None,
              storage: Optional[str] = None, compact: bool = True,
-             expand_blocks: bool = True,
+             device=None, transient: bool = False,
              label: str = "the model") -> Description:
     """The description of `model` (built on meta or not) for checkpoint
     `ck` (a Checkpoint, or None: every tensor as built).  Tensors the
@@ -925,26 +925,39 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     expands compact forms when a block runs (streaming); without it fp8
     checkpoint tensors are decoded on load and a scale tensor is a
     mismatch.  GGUF block-quantized tensors stay compact when `compact`
-    and `expand_blocks` (the device can expand them), else are expanded
-    on load; a Llama GGUF file's q/k rows are put back in transformers'
+    and `device` can expand them (else they are expanded on load, with a
+    warning); a Llama GGUF file's q/k rows are put back in transformers'
     order on load.  Raises before anything is allocated: MismatchError naming
     every name or shape that does not match, InvalidArgumentError for a bad
     prefix or a tensor with nothing to fill it.  Quantized tensor
     subclasses get holders of their inner tensors (laden._wrapped); a
-    description that fails takes them off again."""
+    description that fails, or a `transient` one (a plan), takes them off
+    again."""
     had = bool(holders(model))
     attach(model)  # quantized wrappers: their inner tensors, held apart
     try:
-        return _describe(model, ck, prefixes, key_map, skip_prefixes, cdt,
-                         storage, compact, expand_blocks, label)
+        desc = _describe(model, ck, prefixes, key_map, skip_prefixes, cdt,
+                         storage, compact, device, label)
     except BaseException:
         if not had:
             detach_all(model)
         raise
+    if transient and not had:
+        detach_all(model)
+    return desc
 
 
 def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
-              compact, expand_blocks, label) -> Description:
+              compact, device, label) -> Description:
+    expand_blocks = True
+    if compact and ck is not None and ck.format == "gguf" and \
+            device is not None:
+        why = expand_unavailable(device)
+        if why:
+            log.warning("laden: %s: GGUF blocks expanded on load, not where "
+                        "they run (%s): they take their expanded size in "
+                        "RAM and on the link", ck.path, why)
+            expand_blocks = False
     blocks = _find_blocks(model, list(prefixes))
     tensors = _collect(model)
     if ck is not None:
@@ -960,7 +973,7 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
                 "E_INVAL")
     if ck is not None:
         _check_dtypes(ck, tensors, cdt, label, compact, expand_blocks)
-        if getattr(ck, "format", "") == "gguf":
+        if ck.format == "gguf":
             from .gguf import rope_heads, rope_heads_of
 
             heads = rope_heads(ck.metadata)

@@ -488,18 +488,9 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
     prefixes = list(offload_prefixes) if offload_prefixes is not None \
         else find_blocks(model)
     with Checkpoint(path) as ck:
-        from ._model import expand_unavailable
-        from ._wrapped import detach_all, holders
-
-        had = bool(holders(model))
-        why = expand_unavailable(dev) if ck.format == "gguf" else None
-        try:
-            desc = describe(model, ck, prefixes, key_map=key_map,
-                            skip_prefixes=skip_prefixes, cdt=cdt,
-                            storage=storage, expand_blocks=not why)
-        finally:
-            if not had:
-                detach_all(model)  # a plan leaves the model as it was
+        desc = describe(model, ck, prefixes, key_map=key_map,
+                        skip_prefixes=skip_prefixes, cdt=cdt,
+                        storage=storage, device=dev, transient=True)
         p = plan_description(desc, ck, dev, max_vram=max_vram,
                              headroom_vram=headroom_vram,
                              activation_vram=activation_vram,

@@ -370,14 +370,9 @@ def stream_load(model, path: PathLike, *, plan=None,
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
-        why = expand_unavailable(dev) if ck.format == "gguf" else None
-        if why:
-            log.warning("laden: %s: GGUF blocks expanded on load, not on the "
-                        "device (%s): they take their expanded size in RAM "
-                        "and on the link", ck.path, why)
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
-                        storage=storage, expand_blocks=not why)
+                        storage=storage, device=dev)
         # Blocks asked for the device take it in a VRAM context only if it
         # has room at load (TIER_VRAM); the others are the planner's.
         on_dev = _lib.TIER_VRAM if vram is not None else _lib.TIER_GPU
