@@ -14,12 +14,6 @@ _TORCH_NAMES = {
 }
 
 
-# GGUF's block-quantized types: elements come in blocks of bytes (laden
-# keeps them as stored and expands them to a float dtype).
-GGUF_BLOCK_TYPES = frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
-
-
 def torch_dtype(name: str):
     """The torch dtype for a checkpoint dtype name, or None if this torch
     has none."""

@@ -19,7 +19,7 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
 from . import _lib
-from ._dtypes import GGUF_BLOCK_TYPES, checkpoint_dtype
+from ._dtypes import checkpoint_dtype
 from ._wrapped import attach, detach_all, holders, is_wrapped, refresh
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
@@ -35,6 +35,9 @@ for _i in range(64):
     if _n is None:
         break
     _DTYPE_CODE[_n.decode()] = _i
+# GGUF's block-quantized types: C sizes them by block, not by element.
+GGUF_BLOCK_TYPES = frozenset(n for n, c in _DTYPE_CODE.items()
+                             if lib.laden_dtype_bits(c) == 0)
 
 
 # ---- small helpers ---------------------------------------------------------

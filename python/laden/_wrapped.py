@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from .errors import InvalidArgumentError
 
@@ -244,21 +244,11 @@ def detach_all(model) -> None:
     the inner tensors as they are now."""
     for mod in list(model.modules()):
         for name, child in list(mod._modules.items()):
-            if name.startswith(HOLDER_PREFIX) and \
-                    type(child).__name__ == "InnerTensors":
+            if name.startswith(HOLDER_PREFIX) and type(child) is _HOLDER:
                 child.refresh()
                 del mod._modules[name]
 
 
 def holders(model) -> List[object]:
-    return [m for m in model.modules() if type(m).__name__ == "InnerTensors"]
-
-
-def wrapped_names(model) -> Optional[List[str]]:
-    out = []
-    for mod_name, mod in model.named_modules():
-        for name in mod._modules:
-            if name.startswith(HOLDER_PREFIX):
-                out.append(f"{mod_name + '.' if mod_name else ''}"
-                           f"{name[len(HOLDER_PREFIX):]}")
-    return out
+    return [m for m in model.modules()
+            if _HOLDER is not None and type(m) is _HOLDER]
