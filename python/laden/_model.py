@@ -408,19 +408,28 @@ _SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
 
 
 def expand_fused(out, q, scale, kind: Optional[str], code: int, dcode: int,
-                 device) -> None:
-    """out (the block's workspace) = the compact tensor q expanded by C in
-    one pass on the device's current stream (laden_expand): GGUF blocks,
-    fp8 times its scale (a scale without a kind is one per row: laden's
-    own fp8 storage), bf16 widened.  On the CPU device the same C code
-    runs in the calling thread."""
-    check(lib.laden_expand(
-        _dev_index(device), _compute_stream(device), code, q.data_ptr(),
-        q.numel() * q.element_size(), out.numel(),
-        out.shape[-1] if out.dim() else 1,
-        scale.data_ptr() if scale is not None else 0,
-        _SCALE_KIND[kind or "row"] if scale is not None else 0, dcode,
-        out.data_ptr()))
+                 device) -> Callable[[], None]:
+    """What fills out (the block's workspace) with the compact tensor q
+    expanded by C in one pass on the device's current stream
+    (laden_expand): GGUF blocks, fp8 times its scale (a scale without a
+    kind is one per row: laden's own fp8 storage), bf16 widened.  On the
+    CPU device the same C code runs in the calling thread.  The arguments
+    are worked out once here; each call reads only the current stream."""
+    expand, stream = lib.laden_expand, _compute_stream
+    dev = _dev_index(device)
+    args = (code, q.data_ptr(), q.numel() * q.element_size(), out.numel(),
+            out.shape[-1] if out.dim() else 1,
+            scale.data_ptr() if scale is not None else 0,
+            _SCALE_KIND[kind or "row"] if scale is not None else 0, dcode,
+            out.data_ptr())
+
+    def run() -> None:
+        s = expand(dev, stream(device), *args)
+        if s:
+            raise error_for(s) from None
+
+    run.keep = (out, q, scale)  # the memory the pointers are in
+    return run
 
 
 def _nbytes(t: _Tensor) -> int:

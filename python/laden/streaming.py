@@ -852,9 +852,9 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                                               sc.dtype == torch.float32)):
                 code = _DTYPE_CODE[t.store_dtype] if t.store == "gq" \
                     else _dtype_code(q.dtype, t)
-                expansions.append((expand_fused, (
+                expansions.append((expand_fused(
                     out, q, sc, t.scale_kind, code, _dtype_code(t.dtype, t),
-                    state.device)))
+                    state.device), ()))
             else:
                 expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
 
