@@ -303,3 +303,13 @@ def test_qwen2_and_missing_heads(tmp_path):
                        match="llama.attention.head_count"):
         laden.stream_load(m, p, offload_prefixes=["model.layers."],
                           device="cpu", key_map=laden.gguf.llama_key_map)
+
+
+def test_unmapped_architecture_refused():
+    """from_pretrained on a GGUF file of an architecture whose llama.cpp
+    names laden does not map: refused naming it and the mapped ones."""
+    g = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=32, n_embd=32, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="'gpt2'.*llama, mistral, qwen2"):
+        laden.hf._gguf_key_map(g, "m.gguf")

@@ -195,3 +195,19 @@ def test_quantized_offload_blocks(device):
     from laden import _wrapped
     assert not _wrapped.holders(m)
     assert m.blocks[0].up.weight.device.type == "meta"
+
+
+def test_bnb_not_quantized_yet_refused():
+    """A bitsandbytes Linear4bit never moved (its weight not quantized
+    yet) is refused naming the parameter, not held half-made."""
+    bnb = pytest.importorskip("bitsandbytes")
+    m = Net(n=2)
+    m.blocks[0].up = bnb.nn.Linear4bit(256, 512, quant_type="nf4")
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("raw", lambda: m, block_paths=("blocks",))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="blocks.0.up.weight.*not quantized yet"):
+        with cache.use(spec, device="cpu"):
+            pass
+    from laden import _wrapped
+    assert not _wrapped.holders(m)
