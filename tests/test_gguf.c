@@ -337,6 +337,8 @@ TEST(gguf_as_checkpoint_loaded)
     laden_st_t *st;
     CHECK_OK(laden_st_open(p, &st));
     CHECK_EQ(laden_st_count(st), 2);
+    CHECK(strcmp(laden_st_format(st), "gguf") == 0);
+    CHECK_EQ(laden_st_format(NULL), NULL);
     laden_st_tensor_t t;
     size_t qi, ni;
     CHECK_OK(laden_st_find(st, "blk.0.attn_q.weight", &qi));

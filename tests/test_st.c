@@ -54,6 +54,7 @@ TEST(st_single_file_table)
     CHECK_CONTAINS(laden_last_error(), "nope");
     CHECK_STATUS(laden_st_tensor_at(st, 4, &t), LADEN_E_INVAL);
     CHECK_EQ(laden_st_metadata_count(st), 2);
+    CHECK(strcmp(laden_st_format(st), "safetensors") == 0);
     const char *k, *v;
     CHECK_OK(laden_st_metadata_at(st, 1, &k, &v));
     CHECK(strcmp(k, "note") == 0 && strcmp(v, "h\xc3\xa9") == 0);

@@ -147,6 +147,10 @@ LADEN_API laden_status laden_st_metadata_at(const laden_st_t *st, size_t i,
                                             const char **key,
                                             const char **value);
 
+/* "gguf" for a checkpoint opened from a GGUF file (its names and q/k rows
+ * are llama.cpp's), else "safetensors"; NULL for NULL.  Static storage. */
+LADEN_API const char *laden_st_format(const laden_st_t *st);
+
 /* Total bytes of tensor data over all files. */
 LADEN_API uint64_t laden_st_total_bytes(const laden_st_t *st);
 

@@ -231,6 +231,7 @@ _SIGNATURES = {
     "laden_expand_set_nvrtc": (status_t, [c_char_p]),
     "laden_expand_describe": (status_t, [c_int32, c_char_p, c_uint64]),
     "laden_st_open": (status_t, [c_char_p, P(p)]),
+    "laden_st_format": (c_char_p, [p]),
     # gguf
     "laden_gguf_open": (status_t, [c_char_p, P(p)]),
     "laden_gguf_close": (None, [p]),

@@ -3,7 +3,6 @@ reads through the C reader pool."""
 
 from __future__ import annotations
 
-import builtins
 import ctypes
 import logging
 import os
@@ -159,14 +158,7 @@ class Checkpoint:
         self.total_bytes: int = lib.laden_st_total_bytes(h)
         # "gguf" for a GGUF file (its tensors' names and q/k rows are
         # llama.cpp's), else "safetensors".
-        self.format = "safetensors"
-        if len(self.files) == 1:
-            try:
-                with builtins.open(self.files[0], "rb") as f:
-                    if f.read(4) == b"GGUF":
-                        self.format = "gguf"
-            except OSError:
-                pass
+        self.format: str = lib.laden_st_format(h).decode()
         self._files: Dict[int, _File] = {}
         self._lock = threading.Lock()
         log.debug("opened %s: %d tensors, %d bytes in %d file(s)", self.path,

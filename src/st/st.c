@@ -46,6 +46,7 @@ struct laden_st {
     const char **meta; /* key, value, key, value ... */
     size_t nmeta, meta_cap;
     uint64_t total_bytes;
+    bool gguf; /* opened from a GGUF file */
 };
 
 static const char *const dtype_names[] = {
@@ -1280,6 +1281,7 @@ laden_status laden_st_open(const char *path, laden_st_t **out)
     if (ends_with(path, ".json")) {
         s = open_index(st, path);
     } else if (S_ISREG(sb.st_mode) && is_gguf(path)) {
+        st->gguf = true;
         s = open_gguf(st, path);
     } else {
         s = open_one(st, path, true);
@@ -1401,6 +1403,11 @@ laden_status laden_st_file_open(const laden_st_t *st, size_t i,
     }
     *out = f;
     return LADEN_OK;
+}
+
+const char *laden_st_format(const laden_st_t *st)
+{
+    return !st ? NULL : st->gguf ? "gguf" : "safetensors";
 }
 
 uint64_t laden_st_total_bytes(const laden_st_t *st)
