@@ -6,7 +6,10 @@ from randn), expanded --repeats times on torch's current stream, timed with
 CUDA events (median).  Prints per format: bytes read + written per second,
 that over a device-to-device copy measured by torch in the same run
 (dst.copy_(src), same bytes read and written), and over the device's peak
-(--peak-tbs, 4.8 TB/s for an H200); and whether the device result equals
+(--peak-tbs, 4.8 TB/s for an H200); the time torch takes to only write
+the output's bytes (dst.fill_) over the kernel's time (the low-bit formats
+read a fraction of what they write, so their bound is the write, and
+"/copy" understates them); and whether the device result equals
 laden's CPU result for the same bytes (a prefix and a suffix of the tensor,
 compared with torch.equal).  Prints; asserts nothing.  Exits 1 without CUDA
 or when the device cannot expand (saying why).
@@ -203,15 +206,18 @@ def main() -> int:
     x.random_(0, 256)
     t = timed(lambda: y.copy_(x), a.repeats)
     copy_bps = 2 * nbytes / t
+    t_fill = timed(lambda: y.fill_(1), a.repeats)
     del x, y
     peak = a.peak_tbs * 1e12
     print(f"torch copy_ of {a.mib} MiB device to device: "
           f"{copy_bps / 1e9:.0f} GB/s read+written "
           f"({copy_bps / peak:.0%} of {a.peak_tbs} TB/s)")
+    print(f"torch fill_ of {a.mib} MiB (only written): {t_fill * 1e3:.3f} ms, "
+          f"{nbytes / t_fill / 1e9:.0f} GB/s")
     print(f"laden_expand, {a.mib} MiB of output each, median of "
           f"{a.repeats}:")
     print(f"{'format':<30} {'to':<5} {'read MiB':>9} {'time ms':>8} "
-          f"{'GB/s':>6} {'/copy':>6} {'/peak':>6}  check")
+          f"{'GB/s':>6} {'/copy':>6} {'/peak':>6} {'fill/t':>6}  check")
     rows = [(f, "BF16") for f in FORMATS]
     rows.append((FORMATS[10], "F16"))  # Q4_K to F16
     rows.append((FORMATS[0], "F16"))   # fp8 row to F16
@@ -232,6 +238,7 @@ def main() -> int:
                            tdt, (a.check_mib << 20) // 2)
         print(f"{fmt[0]:<30} {dname:<5} {read / 2**20:>9.1f} {t * 1e3:>8.3f} "
               f"{bps / 1e9:>6.0f} {bps / copy_bps:>6.0%} {bps / peak:>6.0%}"
+              f" {t_fill * dst.numel() * dst.element_size() / nbytes / t:>6.0%}"
               f"  {check}")
         del src, dst, scale
         torch.cuda.empty_cache()

@@ -42,6 +42,7 @@ typedef uint32_t u32;
 typedef uint64_t u64;
 #define EX_FN static inline
 #define EX_UNROLL
+#define EX_BATCH 1u
 
 static inline u32 ex_ld8(u64 a)
 {
@@ -100,6 +101,14 @@ static inline u32 ex_f2u(float f)
 
 /* ---- the kernels as text ----------------------------------------------- */
 
+/* Units a CUDA thread has in flight (the kernels' EX_BATCH, see ex_loop).
+ * 4 was measured against 2 on the H200 (2026-12-01, BENCHMARK.md): no
+ * format faster, Q3_K/Q5_0/Q6_K 10-16 % slower (fewer threads resident
+ * for the registers), so 2. */
+#define EX_CUDA_BATCH 2u
+#define EX_STR2(x) #x
+#define EX_STR(x) EX_STR2(x)
+
 /* What NVRTC sees before the shared code: the device's loads and stores
  * (global memory, read-only loads through the non-coherent path: src and
  * scale are not written while a kernel runs), bit casts, and the paired
@@ -111,6 +120,7 @@ static const char cuda_prologue[] =
     "typedef unsigned long long u64;\n"
     "#define EX_FN static __device__ __forceinline__\n"
     "#define EX_UNROLL _Pragma(\"unroll\")\n"
+    "#define EX_BATCH " EX_STR(EX_CUDA_BATCH) "\n"
     /* Loads through __ldg (ld.global.nc), never inline asm: an asm
      * statement is pure to the compiler, which may then issue it before
      * the branch that guards it (found on the H200: the scale pointer,
@@ -835,7 +845,7 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
     if ((st = laden__dev_cuda_ops.stream_wrap(device, stream, &s)))
         return st; /* makes the primary context current */
     struct ex_dev *d = &exdevs[device];
-    uint64_t threads = p.units / 2 + (p.units % 2);
+    uint64_t threads = p.units / EX_CUDA_BATCH + (p.units % EX_CUDA_BATCH != 0);
     uint64_t blocks = threads / THREADS + (threads % THREADS != 0);
     if (blocks > d->max_blocks[p.fmt][vec])
         blocks = d->max_blocks[p.fmt][vec];

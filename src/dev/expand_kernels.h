@@ -12,9 +12,9 @@
  *  - the code is C11 and C++17 at once (no bool, casts written out).
  *
  * The work: unit u is output elements [8u, 8u + 8): one 16-byte store of
- * F16/BF16 (two of F32).  A CUDA thread takes units u and u + stride
- * (grid-stride loop): loads for both first, then both results, so each
- * thread has two sets of loads in flight.  Consecutive threads write
+ * F16/BF16 (two of F32).  A CUDA thread takes units u, u + stride, ...
+ * (grid-stride loop), EX_BATCH of them at once: loads for all first, then
+ * the results, so each thread has EX_BATCH sets of loads in flight.  Consecutive threads write
  * consecutive 16 bytes: a warp's stores fill whole lines.
  *
  * Exactness: every float operation is the reference's, in its order
@@ -586,20 +586,25 @@ EX_FN void ex_emit(const ex_params *p, u32 fmt, u64 u, u32 vec,
     }
 }
 
-/* Units first, first + stride, ...: two at a time, loads of both before
- * the work of either. */
+/* Units first, first + stride, ...: EX_BATCH at a time, the loads of all
+ * before the work of any, so each thread has EX_BATCH units' loads in
+ * flight. */
 EX_FN void ex_loop(const ex_params *p, u64 first, u64 stride, u32 fmt,
                    u32 vec)
 {
-    for (u64 u = first; u < p->units; u += 2u * stride) {
-        ex_raw a = {{0}}, b = {{0}};
-        u64 u2 = u + stride;
-        ex_load(p, fmt, u, vec, &a);
-        if (u2 < p->units)
-            ex_load(p, fmt, u2, vec, &b);
-        ex_emit(p, fmt, u, vec, &a);
-        if (u2 < p->units)
-            ex_emit(p, fmt, u2, vec, &b);
+    for (u64 u = first; u < p->units; u += EX_BATCH * stride) {
+        ex_raw r[EX_BATCH], zero = {{0}};
+        EX_UNROLL for (u32 k = 0; k < EX_BATCH; k++) {
+            u64 uk = u + k * stride;
+            r[k] = zero;
+            if (uk < p->units)
+                ex_load(p, fmt, uk, vec, &r[k]);
+        }
+        EX_UNROLL for (u32 k = 0; k < EX_BATCH; k++) {
+            u64 uk = u + k * stride;
+            if (uk < p->units)
+                ex_emit(p, fmt, uk, vec, &r[k]);
+        }
     }
 }
 )
