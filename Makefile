@@ -108,7 +108,7 @@ test-fake-cuda: lib
 	mkdir -p build/fake_cuda
 	$(CC) -std=c11 -Wall -Wextra -Werror -Wno-unused-parameter -O1 -shared \
 	  -fPIC -o build/fake_cuda/libcuda.so.1 tests/fake_cuda/fake_cuda.c -lpthread
-	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_
+	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

@@ -63,6 +63,10 @@ LADEN_API laden_status laden_dev_stream_create(int32_t device,
 LADEN_API laden_status laden_dev_stream_wrap(int32_t device, uintptr_t handle,
                                              laden_dev_stream_t **out);
 LADEN_API void laden_dev_stream_destroy(laden_dev_stream_t *stream);
+
+/* The stream's CUDA handle (a CUstream), for a caller that orders its own
+ * work after it; 0 on the CPU device. */
+LADEN_API uintptr_t laden_dev_stream_handle(laden_dev_stream_t *stream);
 /* Blocks the calling thread until the stream's queued work is done. */
 LADEN_API laden_status laden_dev_stream_synchronize(laden_dev_stream_t *stream);
 /* Makes the stream wait for the event's last record; does not block. */

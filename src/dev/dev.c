@@ -126,6 +126,13 @@ void laden_dev_stream_destroy(laden_dev_stream_t *s)
     free(s);
 }
 
+uintptr_t laden_dev_stream_handle(laden_dev_stream_t *s)
+{
+    if (!s || s->device == LADEN_DEVICE_CPU)
+        return 0;
+    return (uintptr_t)s->impl;
+}
+
 laden_status laden_dev_stream_synchronize(laden_dev_stream_t *s)
 {
     if (!s)

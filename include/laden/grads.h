@@ -1,0 +1,68 @@
+/* Gradients leaving the device (issue 17): a streamed block's parameter
+ * gradients are produced in device memory by its backward; the block's
+ * weights live on the host, and so must their gradients, or device memory
+ * would grow by the model's size over a backward.
+ *
+ * laden_grads_push enqueues, after the work already on the caller's
+ * compute stream, a device-to-host copy of one gradient into a pinned
+ * staging ring on the sink's own copy stream (so it overlaps the next
+ * block's compute and the host-to-device prefetches, PCIe being full
+ * duplex), and returns; the values reach their host destination, converted
+ * and added there (an optimizer's .grad, fp32 or the parameter's dtype),
+ * when the ring needs the space or at laden_grads_flush, which waits for
+ * every push.  The device gradient must stay allocated until its copy has
+ * run: the caller orders its release after the sink's stream
+ * (laden_grads_stream).  On the CPU device a push is done at once.
+ *
+ * The sink may be used from several threads (calls are serialized). */
+#ifndef LADEN_GRADS_H
+#define LADEN_GRADS_H
+
+#include "dev.h"
+#include "st.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct laden_grads laden_grads_t;
+
+/* A sink for `device` with staging_bytes of pinned staging (1 MiB at
+ * least; a gradient larger than the ring moves in parts). */
+LADEN_API laden_status laden_grads_create(int32_t device,
+                                          uint64_t staging_bytes,
+                                          laden_grads_t **out);
+
+/* Waits for every push (what they were to write is written), then frees.
+ * NULL is a no-op. */
+LADEN_API void laden_grads_destroy(laden_grads_t *g);
+
+/* n elements of src_dtype at device address src go to dst (host memory of
+ * dst_dtype, n elements): dst = value (accumulate 0) or dst + value
+ * (accumulate 1), in fp32 arithmetic, rounded to nearest even.  Dtypes:
+ * F32, F16, BF16.  compute_stream: the CUDA stream the gradient was
+ * written on (0: the legacy default stream; ignored on the CPU). */
+LADEN_API laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
+                                        laden_dtype src_dtype, uint64_t n,
+                                        void *dst, laden_dtype dst_dtype,
+                                        int accumulate,
+                                        uintptr_t compute_stream);
+
+/* Waits for every push so far and writes their values to their
+ * destinations.  The first error of a push since the last flush is
+ * returned here (and the pushes after it are still written). */
+LADEN_API laden_status laden_grads_flush(laden_grads_t *g);
+
+/* The sink's copy stream (a CUstream), 0 on the CPU device. */
+LADEN_API uintptr_t laden_grads_stream(laden_grads_t *g);
+
+/* Bytes copied off the device and pushes since the sink was made. */
+LADEN_API laden_status laden_grads_stats(laden_grads_t *g,
+                                         uint64_t *out_bytes,
+                                         uint64_t *out_pushes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

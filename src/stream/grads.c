@@ -1,0 +1,370 @@
+/* Gradients leaving the device (laden/grads.h).
+ *
+ * A pinned staging ring on the host, filled by device-to-host copies on
+ * the sink's copy stream; a FIFO of jobs (where in the ring, where to, how
+ * to convert), each with the event recorded after its copy.  A job lands
+ * (its values converted and written or added to the destination) when the
+ * ring needs its space, when its copy is seen done at a later push, or at
+ * flush: jobs land in the order they were pushed, so two pushes to one
+ * destination add up in that order.
+ *
+ * The ring: jobs occupy [head_off, tail) or, wrapped, [head_off, end) and
+ * [0, tail).  A new part goes at tail, or at 0 when it does not fit before
+ * the end; never up to head_off exactly (tail == head_off would be both
+ * full and empty). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "laden/grads.h"
+#include "stream_internal.h"
+
+#define MIN_STAGING (1u << 20)
+#define LAND_CHUNK 2048 /* elements converted through a stack buffer */
+
+typedef struct gjob {
+    uint64_t off, bytes; /* in the ring */
+    char *dst;
+    uint64_t n;
+    laden_dtype sd, dd;
+    int acc;
+    laden_event_t *ev;
+} gjob;
+
+struct laden_grads {
+    int32_t device;
+    pthread_mutex_t mu;
+    char *staging;
+    uint64_t size, tail;
+    laden_dev_stream_t *copy;
+    laden_event_t *after; /* recorded on the caller's stream per push */
+    gjob *jobs;
+    uint32_t head, njobs, cap;
+    laden_event_t **spare; /* events of landed jobs */
+    uint32_t nspare, spare_cap;
+    laden_status err; /* the first since the last flush */
+    char msg[256];
+    uint64_t bytes, pushes;
+};
+
+static uint32_t esize(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F32 ? 4u : 2u;
+}
+
+static bool grad_dtype(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F32 || d == LADEN_DTYPE_F16 ||
+           d == LADEN_DTYPE_BF16;
+}
+
+/* k values of dtype d at p (element i0 on) as floats. */
+static void load_f32(laden_dtype d, const char *p, uint64_t i0, float *out,
+                     uint32_t k)
+{
+    if (d == LADEN_DTYPE_F32) {
+        memcpy(out, p + 4 * i0, 4 * (size_t)k);
+        return;
+    }
+    const char *q = p + 2 * i0;
+    for (uint32_t j = 0; j < k; j++) {
+        uint16_t h;
+        memcpy(&h, q + 2 * j, 2);
+        if (d == LADEN_DTYPE_BF16) {
+            uint32_t u = (uint32_t)h << 16;
+            memcpy(&out[j], &u, 4);
+        } else {
+            out[j] = laden__f32_of_f16(h);
+        }
+    }
+}
+
+static void store_f32(laden_dtype d, char *p, uint64_t i0, const float *v,
+                      uint32_t k)
+{
+    if (d == LADEN_DTYPE_F32) {
+        memcpy(p + 4 * i0, v, 4 * (size_t)k);
+        return;
+    }
+    char *q = p + 2 * i0;
+    for (uint32_t j = 0; j < k; j++) {
+        uint16_t h = d == LADEN_DTYPE_BF16 ? laden__bf16_of_f32(v[j])
+                                           : laden__f16_of_f32(v[j]);
+        memcpy(q + 2 * j, &h, 2);
+    }
+}
+
+/* dst = src or dst + src, n elements, through floats. */
+static void land_values(const char *src, laden_dtype sd, char *dst,
+                        laden_dtype dd, uint64_t n, int acc)
+{
+    if (!acc && sd == dd) {
+        memcpy(dst, src, n * esize(sd));
+        return;
+    }
+    float a[LAND_CHUNK], b[LAND_CHUNK];
+    for (uint64_t i = 0; i < n; i += LAND_CHUNK) {
+        uint32_t k = (uint32_t)(n - i < LAND_CHUNK ? n - i : LAND_CHUNK);
+        load_f32(sd, src, i, a, k);
+        if (acc) {
+            load_f32(dd, dst, i, b, k);
+            for (uint32_t j = 0; j < k; j++)
+                a[j] = b[j] + a[j];
+        }
+        store_f32(dd, dst, i, a, k);
+    }
+}
+
+static void note_error(laden_grads_t *g, laden_status st)
+{
+    if (st && !g->err) {
+        g->err = st;
+        snprintf(g->msg, sizeof g->msg, "%s", laden_last_error());
+    }
+}
+
+/* The oldest job: waits for its copy, lands it, frees its space. */
+static void land_one(laden_grads_t *g)
+{
+    gjob *j = &g->jobs[g->head];
+    laden_status st = laden_dev_event_synchronize(j->ev);
+    if (st)
+        note_error(g, st);
+    else
+        land_values(g->staging + j->off, j->sd, j->dst, j->dd, j->n, j->acc);
+    g->spare[g->nspare++] = j->ev; /* room: spare_cap >= cap */
+    g->head = (g->head + 1) % g->cap;
+    g->njobs--;
+}
+
+/* Jobs whose copies are done, from the oldest, without waiting. */
+static void land_done(laden_grads_t *g)
+{
+    while (g->njobs) {
+        int done = 0;
+        if (laden_dev_event_query(g->jobs[g->head].ev, &done) || !done)
+            return;
+        land_one(g);
+    }
+}
+
+/* Where a part of `bytes` goes in the ring (landing old jobs for room). */
+static uint64_t reserve(laden_grads_t *g, uint64_t bytes)
+{
+    for (;;) {
+        if (!g->njobs)
+            g->tail = 0;
+        if (!g->njobs)
+            break;
+        uint64_t h = g->jobs[g->head].off;
+        if (g->tail > h) {
+            if (g->size - g->tail >= bytes)
+                break;
+            if (h > bytes) {
+                g->tail = 0;
+                break;
+            }
+        } else if (h - g->tail > bytes) {
+            break;
+        }
+        land_one(g);
+    }
+    uint64_t off = g->tail;
+    g->tail += bytes;
+    return off;
+}
+
+static laden_status grow_jobs(laden_grads_t *g)
+{
+    if (g->njobs < g->cap)
+        return LADEN_OK;
+    uint32_t cap = g->cap ? 2 * g->cap : 64;
+    gjob *jobs = malloc(sizeof *jobs * cap);
+    laden_event_t **spare = realloc(g->spare, sizeof *spare * cap);
+    if (!jobs || !spare) {
+        free(jobs);
+        if (spare)
+            g->spare = spare;
+        return laden__fail(LADEN_E_NOMEM, "laden_grads_push: out of memory");
+    }
+    g->spare = spare;
+    g->spare_cap = cap;
+    for (uint32_t i = 0; i < g->njobs; i++)
+        jobs[i] = g->jobs[(g->head + i) % g->cap];
+    free(g->jobs);
+    g->jobs = jobs;
+    g->head = 0;
+    g->cap = cap;
+    return LADEN_OK;
+}
+
+laden_status laden_grads_create(int32_t device, uint64_t staging_bytes,
+                                laden_grads_t **out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_create: NULL out");
+    *out = NULL;
+    laden_grads_t *g = calloc(1, sizeof *g);
+    if (!g)
+        return laden__fail(LADEN_E_NOMEM, "laden_grads_create: out of memory");
+    g->device = device;
+    pthread_mutex_init(&g->mu, NULL);
+    laden_status st = LADEN_OK;
+    if (device != LADEN_DEVICE_CPU) {
+        if (staging_bytes < MIN_STAGING)
+            staging_bytes = MIN_STAGING;
+        g->size = (staging_bytes + 15) & ~(uint64_t)15;
+        void *p = NULL;
+        if (!(st = laden_dev_host_alloc(device, g->size, &p)))
+            g->staging = p;
+        if (!st)
+            st = laden_dev_stream_create(device, &g->copy);
+        if (!st)
+            st = laden_dev_event_create(device, 0, &g->after);
+    } else {
+        /* Validates the device as the others do. */
+        laden_dev_info_t info;
+        st = laden_dev_info(device, &info);
+    }
+    if (st) {
+        laden_grads_destroy(g);
+        return st;
+    }
+    *out = g;
+    return LADEN_OK;
+}
+
+void laden_grads_destroy(laden_grads_t *g)
+{
+    if (!g)
+        return;
+    pthread_mutex_lock(&g->mu);
+    while (g->njobs)
+        land_one(g);
+    pthread_mutex_unlock(&g->mu);
+    for (uint32_t i = 0; i < g->nspare; i++)
+        laden_dev_event_destroy(g->spare[i]);
+    laden_dev_event_destroy(g->after);
+    laden_dev_stream_destroy(g->copy);
+    if (g->staging)
+        laden_dev_host_free(g->device, g->staging);
+    free(g->jobs);
+    free(g->spare);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
+                              laden_dtype sd, uint64_t n, char *dst,
+                              laden_dtype dd, int acc, uintptr_t stream)
+{
+    laden_dev_stream_t *cs = NULL;
+    laden_status st = laden_dev_stream_wrap(g->device, stream, &cs);
+    if (!st)
+        st = laden_dev_event_record(g->after, cs);
+    laden_dev_stream_destroy(cs);
+    if (!st)
+        st = laden_dev_stream_wait_event(g->copy, g->after);
+    if (st)
+        return st;
+    uint64_t es = esize(sd), total = n * es, done = 0;
+    uint64_t part_max = (g->size / 2) / es * es; /* two parts in flight */
+    while (done < total) {
+        uint64_t bytes = total - done < part_max ? total - done : part_max;
+        if ((st = grow_jobs(g)))
+            return st;
+        uint64_t off = reserve(g, bytes);
+        laden_event_t *ev = NULL;
+        if (g->nspare)
+            ev = g->spare[--g->nspare];
+        else if ((st = laden_dev_event_create(g->device, 0, &ev)))
+            return st;
+        st = laden_dev_copy_d2h(g->copy, g->staging + off, src + done, bytes);
+        if (!st)
+            st = laden_dev_event_record(ev, g->copy);
+        if (st) {
+            g->spare[g->nspare++] = ev;
+            g->tail = off; /* the part is not there */
+            return st;
+        }
+        gjob *j = &g->jobs[(g->head + g->njobs) % g->cap];
+        *j = (gjob){off, bytes, dst + done / es * esize(dd), bytes / es,
+                    sd, dd, acc, ev};
+        g->njobs++;
+        done += bytes;
+        g->bytes += bytes;
+    }
+    land_done(g);
+    return LADEN_OK;
+}
+
+laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
+                              laden_dtype src_dtype, uint64_t n, void *dst,
+                              laden_dtype dst_dtype, int accumulate,
+                              uintptr_t compute_stream)
+{
+    if (!g)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_push: NULL sink");
+    if (!grad_dtype(src_dtype) || !grad_dtype(dst_dtype))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_grads_push: gradients are F32, F16 or "
+                           "BF16; got %s to %s",
+                           laden_dtype_name(src_dtype),
+                           laden_dtype_name(dst_dtype));
+    if (!n)
+        return LADEN_OK;
+    if (!src || !dst)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_grads_push: NULL source or destination");
+    if (n > UINT64_MAX / 4)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_push: %llu elements",
+                           (unsigned long long)n);
+    pthread_mutex_lock(&g->mu);
+    laden_status st = LADEN_OK;
+    g->pushes++;
+    if (g->device == LADEN_DEVICE_CPU) {
+        land_values((const char *)(uintptr_t)src, src_dtype, dst, dst_dtype,
+                    n, accumulate != 0);
+        g->bytes += n * esize(src_dtype);
+    } else {
+        st = push_cuda(g, src, src_dtype, n, dst, dst_dtype, accumulate != 0,
+                       compute_stream);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+laden_status laden_grads_flush(laden_grads_t *g)
+{
+    if (!g)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_flush: NULL sink");
+    pthread_mutex_lock(&g->mu);
+    while (g->njobs)
+        land_one(g);
+    laden_status st = g->err;
+    char msg[sizeof g->msg];
+    memcpy(msg, g->msg, sizeof msg);
+    g->err = LADEN_OK;
+    pthread_mutex_unlock(&g->mu);
+    if (st)
+        return laden__fail(st, "laden_grads_flush: a gradient's copy failed: "
+                           "%s", msg);
+    return LADEN_OK;
+}
+
+uintptr_t laden_grads_stream(laden_grads_t *g)
+{
+    return g ? laden_dev_stream_handle(g->copy) : 0;
+}
+
+laden_status laden_grads_stats(laden_grads_t *g, uint64_t *out_bytes,
+                               uint64_t *out_pushes)
+{
+    if (!g || !out_bytes || !out_pushes)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_stats: NULL argument");
+    pthread_mutex_lock(&g->mu);
+    *out_bytes = g->bytes;
+    *out_pushes = g->pushes;
+    pthread_mutex_unlock(&g->mu);
+    return LADEN_OK;
+}

@@ -1,0 +1,212 @@
+/* The gradient sink (laden/grads.h): values land converted and added in
+ * push order, through a ring smaller than what passes through it, on the
+ * CPU device and on CUDA (tests/fake_cuda too); bad arguments name what is
+ * wrong. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test.h"
+
+#include "laden/dev.h"
+#include "laden/grads.h"
+#include "laden/stream.h"
+
+static const laden_dtype GD[] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                                 LADEN_DTYPE_BF16};
+
+static uint32_t gsize(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F32 ? 4u : 2u;
+}
+
+static uint64_t seed = 0x2545f4914f6cdd1dull;
+static float rndf(void)
+{
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return (float)((int64_t)(seed >> 40) - (1 << 23)) / (float)(1 << 20);
+}
+
+/* n values of dtype d (random, rounded by laden_sched_convert). */
+static void *values(laden_dtype d, uint64_t n)
+{
+    float *f = malloc(4 * n);
+    void *out = malloc(4 * n);
+    CHECK(f && out);
+    for (uint64_t i = 0; i < n; i++)
+        f[i] = rndf();
+    CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, f, d, out, n));
+    free(f);
+    return out;
+}
+
+static float at(laden_dtype d, const void *p, uint64_t i)
+{
+    float f;
+    CHECK_OK(laden_sched_convert(d, (const char *)p + i * gsize(d),
+                                 LADEN_DTYPE_F32, &f, 1));
+    return f;
+}
+
+/* expected[i] = round_dd(expected[i] + src[i]) or round_dd(src[i]). */
+static void expect(laden_dtype sd, const void *src, laden_dtype dd,
+                   void *exp, uint64_t n, int acc)
+{
+    for (uint64_t i = 0; i < n; i++) {
+        float v = at(sd, src, i);
+        if (acc)
+            v = at(dd, exp, i) + v;
+        CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, &v, dd,
+                                     (char *)exp + i * gsize(dd), 1));
+    }
+}
+
+/* Device copies of host values, written on `s`. */
+static laden_devptr_t on_device(int32_t dev, laden_dev_stream_t *s,
+                                const void *host, uint64_t bytes)
+{
+    laden_devptr_t p = 0;
+    CHECK_OK(laden_dev_mem_alloc(dev, bytes, &p));
+    CHECK_OK(laden_dev_copy_h2d(s, p, host, bytes));
+    return p;
+}
+
+static void land_every_dtype(int32_t dev)
+{
+    const uint64_t n = 5003; /* not a multiple of the landing chunk */
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(dev, 0, &g));
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &s));
+    uintptr_t h = laden_dev_stream_handle(s);
+    CHECK(dev == LADEN_DEVICE_CPU ? laden_grads_stream(g) == 0
+                                  : laden_grads_stream(g) != 0);
+    for (size_t a = 0; a < 3; a++)
+        for (size_t b = 0; b < 3; b++) {
+            laden_dtype sd = GD[a], dd = GD[b];
+            void *x = values(sd, n), *y = values(sd, n);
+            void *dst = malloc(n * gsize(dd)), *exp = malloc(n * gsize(dd));
+            CHECK(dst && exp);
+            memset(dst, 0x7f, n * gsize(dd)); /* overwritten, not added */
+            laden_devptr_t dx = on_device(dev, s, x, n * gsize(sd));
+            laden_devptr_t dy = on_device(dev, s, y, n * gsize(sd));
+            if (dev == LADEN_DEVICE_CPU)
+                CHECK_OK(laden_dev_stream_synchronize(s));
+            CHECK_OK(laden_grads_push(g, dx, sd, n, dst, dd, 0, h));
+            CHECK_OK(laden_grads_push(g, dy, sd, n, dst, dd, 1, h));
+            CHECK_OK(laden_grads_flush(g));
+            expect(sd, x, dd, exp, n, 0);
+            expect(sd, y, dd, exp, n, 1);
+            CHECK(memcmp(dst, exp, n * gsize(dd)) == 0);
+            CHECK_OK(laden_dev_mem_free(dev, dx));
+            CHECK_OK(laden_dev_mem_free(dev, dy));
+            free(x);
+            free(y);
+            free(dst);
+            free(exp);
+        }
+    uint64_t bytes = 0, pushes = 0;
+    CHECK_OK(laden_grads_stats(g, &bytes, &pushes));
+    CHECK_EQ(pushes, 18);
+    CHECK_EQ(bytes, (uint64_t)2 * n * (4 + 2 + 2) * 3);
+    laden_dev_stream_destroy(s);
+    laden_grads_destroy(g);
+}
+
+TEST(grads_land_every_dtype)
+{
+    test_on_every_device(land_every_dtype);
+}
+
+/* More passes through the ring than it holds, in parts, to a few
+ * destinations added to many times: every value lands, in order. */
+static void ring_wraps(int32_t dev)
+{
+    const uint64_t big = 700000, small = 90001; /* F32: 2.8 MB, 360 kB */
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(dev, 1, &g)); /* raised to 1 MiB */
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &s));
+    uintptr_t h = laden_dev_stream_handle(s);
+    float *dst[3], *exp[3];
+    uint64_t len[3] = {big, small, small};
+    for (int k = 0; k < 3; k++) {
+        dst[k] = calloc(len[k], 4);
+        exp[k] = calloc(len[k], 4);
+        CHECK(dst[k] && exp[k]);
+    }
+    void *src[12];
+    laden_devptr_t dsrc[12];
+    for (int r = 0; r < 12; r++) {
+        int k = r % 3;
+        src[r] = values(k == 2 ? LADEN_DTYPE_BF16 : LADEN_DTYPE_F32, len[k]);
+        dsrc[r] = on_device(dev, s, src[r],
+                            len[k] * (k == 2 ? 2u : 4u));
+    }
+    if (dev == LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_synchronize(s));
+    for (int r = 0; r < 12; r++) {
+        int k = r % 3;
+        laden_dtype sd = k == 2 ? LADEN_DTYPE_BF16 : LADEN_DTYPE_F32;
+        CHECK_OK(laden_grads_push(g, dsrc[r], sd, len[k], dst[k],
+                                  LADEN_DTYPE_F32, r >= 3, h));
+        expect(sd, src[r], LADEN_DTYPE_F32, exp[k], len[k], r >= 3);
+    }
+    CHECK_OK(laden_grads_flush(g));
+    for (int k = 0; k < 3; k++)
+        CHECK(memcmp(dst[k], exp[k], len[k] * 4) == 0);
+    for (int r = 0; r < 12; r++) {
+        CHECK_OK(laden_dev_mem_free(dev, dsrc[r]));
+        free(src[r]);
+    }
+    for (int k = 0; k < 3; k++) {
+        free(dst[k]);
+        free(exp[k]);
+    }
+    laden_dev_stream_destroy(s);
+    laden_grads_destroy(g); /* nothing pending: returns at once */
+}
+
+TEST(grads_ring_wraps_in_order)
+{
+    test_on_every_device(ring_wraps);
+}
+
+TEST(grads_bad_arguments)
+{
+    laden_grads_t *g = NULL;
+    CHECK_STATUS(laden_grads_create(LADEN_DEVICE_CPU, 0, NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_create(99, 0, &g), LADEN_E_NODEVICE);
+    CHECK(g == NULL);
+    CHECK_OK(laden_grads_create(LADEN_DEVICE_CPU, 0, &g));
+    float src[4] = {1, 2, 3, 4}, dst[4] = {0};
+    laden_devptr_t p = (laden_devptr_t)(uintptr_t)src;
+    CHECK_STATUS(laden_grads_push(g, p, LADEN_DTYPE_F8_E4M3, 4, dst,
+                                  LADEN_DTYPE_F32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "F8_E4M3");
+    CHECK_STATUS(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, dst,
+                                  LADEN_DTYPE_I32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "I32");
+    CHECK_STATUS(laden_grads_push(g, 0, LADEN_DTYPE_F32, 4, dst,
+                                  LADEN_DTYPE_F32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, NULL,
+                                  LADEN_DTYPE_F32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_grads_push(g, p, LADEN_DTYPE_F32, 0, NULL,
+                              LADEN_DTYPE_F32, 0, 0)); /* nothing */
+    CHECK_STATUS(laden_grads_push(NULL, p, LADEN_DTYPE_F32, 4, dst,
+                                  LADEN_DTYPE_F32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_flush(NULL), LADEN_E_INVAL);
+    CHECK_OK(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, dst, LADEN_DTYPE_F32,
+                              1, 0));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(dst[3] == 4.0f);
+    laden_grads_destroy(g);
+    laden_grads_destroy(NULL);
+}
