@@ -16,6 +16,7 @@
 #   hf:    bench/hf.py (HF_ARGS are passed to it)
 #   adapters: bench/adapters.py (ADAPTERS_ARGS are passed to it)
 #   expand: bench/expand.py (device expansion GB/s per format)
+#   train: bench/train.py (training through streamed blocks; TRAIN_ARGS)
 #   quant: bench/quant.py (bf16, fp8, GGUF Q8_0/Q4_K streamed and resident;
 #          QUANT_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
@@ -56,7 +57,7 @@ else
   log "C tests under ASan+UBSan"
   ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
     cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
-    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ expand_ ) \
+    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ expand_ grads_ ) \
     2>&1 | tee "$OUT/asan.log" | tail -12
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
@@ -104,5 +105,9 @@ fi
 if want quant; then
   log "bench/quant.py"
   python3 bench/quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
+fi
+if want train; then
+  log "bench/train.py"
+  python3 bench/train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"
 fi
 log "done"

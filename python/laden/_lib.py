@@ -271,6 +271,14 @@ _SIGNATURES = {
     "laden_io_drop_cache": (status_t, [p]),
     "laden_io_measure_read": (status_t, [c_char_p, c_uint64, P(c_double)]),
     "laden_io_measure_file": (status_t, [c_char_p, c_uint64, P(c_double)]),
+    # grads
+    "laden_grads_create": (status_t, [c_int32, c_uint64, P(p)]),
+    "laden_grads_destroy": (None, [p]),
+    "laden_grads_push": (status_t, [p, c_uint64, c_int, c_uint64, c_void_p,
+                                    c_int, c_int, c_size_t]),
+    "laden_grads_flush": (status_t, [p]),
+    "laden_grads_stream": (c_size_t, [p]),
+    "laden_grads_stats": (status_t, [p, P(c_uint64), P(c_uint64)]),
     # dev
     "laden_dev_count": (status_t, [P(c_int32)]),
     "laden_dev_cuda_error": (c_char_p, []),

@@ -578,7 +578,7 @@ def _resolve_dtype(x):
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   expansions=(), guard=None, gone=None, after_enter=None,
-                  slot_tensors=()):
+                  slot_tensors=(), trainer=None):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
     can be undone.  `guard()`, if given, runs first (it may raise).  With
@@ -588,7 +588,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     `after_enter(c_block)` runs once the block's bytes are in place (an
     adapter merged into its slot).  The parts of mod that hold
     `slot_tensors` (the block's tensors in its slot) refuse to run outside
-    its forward."""
+    its forward.  With `trainer` (install_offload(train=True)), a call
+    with gradients enabled is a checkpointed node (laden.training) that
+    enters the block again in backward."""
     import torch
 
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
@@ -600,9 +602,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
     inside = [0]
 
-    def forward(*args, **kwargs):
-        if guard is not None:
-            guard()
+    def do_enter() -> int:
         stream = _compute_stream(device)  # once: enter and exit share it
         s = enter(owner.h, c_block, stream)
         if s:
@@ -613,6 +613,31 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                 fn(*a)
             if after_enter is not None:
                 after_enter(c_block)
+        except BaseException:
+            inside[0] -= 1
+            leave(owner.h, c_block, stream)
+            raise
+        return stream
+
+    def do_leave(stream: int) -> None:
+        inside[0] -= 1
+        s = leave(owner.h, c_block, stream)
+        if s:
+            raise error_for(s)
+
+    def forward(*args, **kwargs):
+        if guard is not None:
+            guard()
+        if trainer is not None:
+            if grad_on():
+                from .training import train_call
+                return train_call(trainer, c_block, do_enter, do_leave,
+                                  orig, args, kwargs)
+            # An optimizer may have changed the host copies: a forward
+            # without gradients must not run the slots' old bytes.
+            trainer.refresh(c_block)
+        stream = do_enter()
+        try:
             if hooks is not None and grad_on():
                 with saved(*hooks):
                     out = orig(*args, **kwargs)
@@ -622,10 +647,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             inside[0] -= 1
             leave(owner.h, c_block, stream)
             raise
-        inside[0] -= 1
-        s = leave(owner.h, c_block, stream)
-        if s:
-            raise error_for(s)
+        do_leave(stream)
         return out
 
     def outside(part, args):

@@ -157,6 +157,7 @@ class _Stream:
         self.awaiting = False
         self.load_t0 = 0.0
         self.load_seconds: Optional[float] = None
+        self.training = False  # install_offload(train=True) is bound
 
     def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
@@ -220,7 +221,10 @@ class _Stream:
         block = self.blocks[t.block].name if t.block >= 0 else ""
         if streamed:
             self.gone[value.untyped_storage().data_ptr()] = block
-        _set_tensor(t, value, block if streamed else None)
+        # In training, backward enters the block again (laden.training):
+        # its gradients are right, so nothing refuses them.
+        _set_tensor(t, value,
+                    block if streamed and not self.training else None)
 
 
 def _compact_views(state, t: _Tensor, where: str):
@@ -636,8 +640,27 @@ class OffloadHandle:
         self._wrapped: List[Tuple[object, object, bool]] = []
         self.active = False
         self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
+        self.trainer = None  # laden.training._Trainer with train=True
         from .adapters import _Adapters
         self.adapters = _Adapters(self)
+
+    def named_parameters(self):
+        """(name, parameter) for what an optimizer steps after
+        ``install_offload(train=True)``: for a streamed parameter its host
+        copy (whose ``.grad`` backward fills; the next forward streams
+        what the optimizer wrote), for any other its parameter as it is;
+        only those with ``requires_grad``."""
+        self.state.live("OffloadHandle.named_parameters")
+        if self.trainer is None or not self.active:
+            raise StateError(
+                "OffloadHandle.named_parameters: only for a handle made by "
+                "install_offload(..., train=True) and not removed",
+                "E_STATE")
+        return self.trainer.named_parameters()
+
+    def parameters(self):
+        """The parameters of ``named_parameters()``, for an optimizer."""
+        return (p for _, p in self.named_parameters())
 
     def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
         """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,
@@ -674,6 +697,9 @@ class OffloadHandle:
         with _pass(st, o, "OffloadHandle.remove"):
             self.adapters.clear()  # the base weights back first
             self.adapters.host.clear()  # and the adapters read for it
+            if self.trainer is not None:
+                self.trainer.close()  # pending gradients land first
+            st.training = False
             st.gone.clear()
             # Weights first, while the blocks are still wrapped: another
             # thread calling a block meanwhile is refused, not run on
@@ -690,6 +716,9 @@ class OffloadHandle:
 
     def _unwrap(self) -> None:
         _unwrap_all(self._wrapped)
+        if self.trainer is not None:
+            self.trainer.close()
+        self.state.training = False
         self.active = False
         if self.state.handle is self:
             self.state.handle = None
@@ -744,13 +773,25 @@ def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
     return True
 
 
-def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD) -> OffloadHandle:
+def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
+                    train: bool = False, grad_dtype=None) -> OffloadHandle:
     """Makes the streamed blocks of a model loaded with ``stream_load`` run
     from device slots: allocates ``lookahead + 1`` slots, points the
     blocks' parameters at them (for good: a block always runs from the
     same slot) and wraps each streamed block's forward with one C call
     before and one after.  Returns a handle; ``handle.remove()`` undoes
-    it."""
+    it.
+
+    ``train=True``: backward through streamed blocks works (without it, it
+    raises).  Each wrapped block is checkpointed: backward streams the
+    blocks again, last to first, recomputes each and runs its backward
+    before its slot is reused.  Gradients of streamed parameters go to the
+    host as each block's backward ends, into the ``.grad`` of their host
+    copies (``grad_dtype``: ``torch.float32``, or None for the parameter's
+    dtype); ``handle.parameters()`` is what an optimizer steps, and the
+    next forward streams what it wrote.  Streamed parameters that train
+    need a copy in RAM (not the disk tier) and plain storage (not fp8 or
+    GGUF): others must be frozen (``requires_grad_(False)``)."""
     state = getattr(model, "_laden_stream", None)
     if state is None:
         why = ("was released (laden.release); load it again with "
@@ -767,10 +808,25 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD) -> Offloa
         raise StateError("install_offload: already installed; remove() the "
                          "handle first", "E_STATE")
     check_lookahead(lookahead)
-    return _start(state, lookahead)
+    if not isinstance(train, bool):
+        raise InvalidArgumentError(
+            f"install_offload: train must be True or False, not {train!r}",
+            "E_INVAL")
+    if grad_dtype is not None:
+        import torch
+
+        if not train:
+            raise InvalidArgumentError(
+                "install_offload: grad_dtype is for train=True", "E_INVAL")
+        if grad_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidArgumentError(
+                f"install_offload: grad_dtype must be torch.float32, "
+                f"float16 or bfloat16, not {grad_dtype}", "E_INVAL")
+    return _start(state, lookahead, train, grad_dtype)
 
 
-def _start(state: _Stream, lookahead: int) -> OffloadHandle:
+def _start(state: _Stream, lookahead: int, train: bool = False,
+           grad_dtype=None) -> OffloadHandle:
     o = state.live("install_offload")
     with _pass(state, o, "install_offload"):
         kept = state.kept_lookahead
@@ -791,7 +847,13 @@ def _start(state: _Stream, lookahead: int) -> OffloadHandle:
         state.handle = handle
         handle.active = True
         try:
+            if train:
+                from .training import _Trainer
+                handle.trainer = _Trainer(state, handle, grad_dtype)
+                state.training = True
             _bind_slots(state, o, handle)
+            if train:
+                handle.trainer.attach(o)
         except BaseException:
             try:
                 handle.remove()
@@ -833,7 +895,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           handle._wrapped, expansions, gone=state.gone,
                           after_enter=handle.adapters.after_enter
                           if streamed else None,
-                          slot_tensors=b.tensors if streamed else ())
+                          slot_tensors=b.tensors if streamed else (),
+                          trainer=handle.trainer)
         off = 0
         for t in b.tensors:
             if t.store == "plain":

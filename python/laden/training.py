@@ -1,0 +1,362 @@
+"""Training through streamed blocks (``install_offload(..., train=True)``).
+
+What Python does here is what only PyTorch can: an autograd node per block
+call and hooks on parameters.  Moving gradients off the device (the copy,
+its ordering after the compute stream, the staging ring, conversion and
+accumulation into the optimizer's ``.grad``) is C (``laden/grads.h``);
+which block is where is the schedule's.
+
+- **Each wrapped block is checkpointed**: its forward runs without keeping
+  anything for backward (its weights are in a slot or the workspace that
+  later blocks reuse); in backward the block is entered again (the
+  prefetch window turns with the reverse order), run again under the RNG
+  and autocast state of the forward, its backward run inside that same
+  enter/exit, and only then exited.  So the slot is never marked free
+  before the kernels that read it are enqueued, and enter and exit happen
+  on one thread (autograd's device thread on CUDA).
+- **Gradients of streamed parameters** are handed to the C sink as soon as
+  autograd accumulates them (a post-accumulate hook) and the device copy
+  is let go; they land in the ``.grad`` of the parameter's host copy
+  (``handle.parameters()``), in its dtype or fp32 (``grad_dtype``), added
+  to what is there as torch adds micro-batches.  The sink is flushed when
+  the backward pass ends.
+- **Optimizers step the host copies**; a block whose host copy changed is
+  filled again before it next runs (``_version`` counters, checked at
+  every block call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ._lib import check, lib
+from ._model import _DTYPE_CODE, _tensor_view
+from .errors import InvalidArgumentError, StateError
+
+_GRAD_DTYPES = {"torch.float32": "F32", "torch.float16": "F16",
+                "torch.bfloat16": "BF16"}
+STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
+
+
+def _code(dtype) -> int:
+    name = _GRAD_DTYPES.get(str(dtype))
+    if name is None:
+        raise InvalidArgumentError(
+            f"training: gradients are float32, float16 or bfloat16, not "
+            f"{dtype}", "E_INVAL")
+    return _DTYPE_CODE[name]
+
+
+class _Trainer:
+    """One handle's training state: host copies of the streamed trainable
+    parameters, the C gradient sink, the hooks."""
+
+    def __init__(self, state, handle, grad_dtype):
+        import torch
+
+        self.state = state
+        self.handle = handle
+        self.grad_dtype = grad_dtype
+        self.device = state.device
+        self.cuda = state.device.type == "cuda"
+        self.host: Dict[int, object] = {}   # id(_Tensor) -> host Parameter
+        self.by_block: Dict[int, List[object]] = {}  # c_block -> host params
+        self.versions: Dict[int, int] = {}  # c_block -> sum of _version
+        self.hooks: list = []
+        self.keep: list = []   # host .grad tensors written by pending pushes
+        self.armed = False     # a flush is queued for this backward
+        self.sink = None
+        self.copy_stream = None
+        # An input that requires grad, so every block call is a node of
+        # the graph even when only its parameters train.
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    # -- set up ----------------------------------------------------------------
+    def attach(self, o) -> None:
+        """After the blocks are bound where they run: checks what trains,
+        makes the host copies and the hooks."""
+        import torch
+
+        largest = 0
+        st = self.state
+        for b in st.blocks:
+            streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
+            for t in b.tensors:
+                p = t.param
+                if not t.is_param or p is None or not p.requires_grad:
+                    continue
+                where = f"parameter '{t.names[0]}' of block '{b.name}'"
+                if t.store != "plain":
+                    raise InvalidArgumentError(
+                        f"install_offload(train=True): {where} is kept "
+                        f"compact ({t.store_dtype or t.store}) and expanded "
+                        "where it runs; it cannot be trained: freeze it "
+                        "(requires_grad_(False)) and train adapters, or load "
+                        "it without storage_dtype", "E_INVAL")
+                if not streamed:
+                    continue  # runs from memory of its own: ordinary .grad
+                home = _tensor_view(o, t, "home", None)
+                if home is None:
+                    raise InvalidArgumentError(
+                        f"install_offload(train=True): {where} streams from "
+                        "the disk tier, which has no copy in memory for an "
+                        "optimizer to update: freeze it "
+                        "(requires_grad_(False)), or give the model a RAM "
+                        "budget that holds it", "E_INVAL")
+                hp = torch.nn.Parameter(home, requires_grad=True)
+                self.host[id(t)] = hp
+                self.by_block.setdefault(b.c_block, []).append(hp)
+                largest = max(largest, home.numel() * 4)
+                self.hooks.append(p.register_post_accumulate_grad_hook(
+                    self._pusher(t)))
+        if not self.host:
+            return
+        staging = min(STAGING_BYTES, max(2 * largest, 1 << 20))
+        dev = -1 if not self.cuda else (self.device.index or 0)
+        h = ctypes.c_void_p()
+        check(lib.laden_grads_create(dev, staging, ctypes.byref(h)))
+        self.sink = h.value
+        if self.cuda:
+            self.copy_stream = torch.cuda.ExternalStream(
+                lib.laden_grads_stream(self.sink), device=self.device)
+        for c_block in self.by_block:
+            self.versions[c_block] = self._version(c_block)
+
+    def close(self) -> None:
+        """Flushes what is pending (the .grad values are kept) and frees
+        the sink; the host parameters stay valid while referenced."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        if self.sink is not None:
+            sink, self.sink = self.sink, None
+            try:
+                check(lib.laden_grads_flush(sink))
+            finally:
+                lib.laden_grads_destroy(sink)
+        self.keep.clear()
+
+    # -- gradients ---------------------------------------------------------------
+    def _pusher(self, t):
+        def hook(p) -> None:
+            g = p.grad
+            p.grad = None  # the device copy goes as soon as it is copied
+            if g is not None:
+                self._push(t, g)
+        return hook
+
+    def _push(self, t, g) -> None:
+        import torch
+
+        if self.sink is None:
+            raise StateError(
+                f"backward through '{t.names[0]}' after its handle was "
+                "removed", "E_STATE")
+        hp = self.host[id(t)]
+        acc = hp.grad
+        fresh = acc is None
+        if fresh:
+            acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype)
+            hp.grad = acc
+        g = g.contiguous()
+        stream = torch.cuda.current_stream(self.device).cuda_stream \
+            if self.cuda else 0
+        self.keep.append(acc)
+        check(lib.laden_grads_push(
+            self.sink, g.data_ptr(), _code(g.dtype), g.numel(),
+            acc.data_ptr(), _code(acc.dtype), 0 if fresh else 1, stream))
+        if self.cuda:
+            # Freed for reuse only after the copy stream read it.
+            g.record_stream(self.copy_stream)
+
+    def arm(self) -> None:
+        """Inside a backward pass: the sink is flushed when it ends."""
+        import torch
+
+        if self.sink is None or self.armed:
+            return
+        self.armed = True
+        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        self.armed = False
+        if self.sink is not None:
+            try:
+                check(lib.laden_grads_flush(self.sink))
+            finally:
+                self.keep.clear()
+
+    # -- host copies that an optimizer changed --------------------------------
+    def _version(self, c_block: int) -> int:
+        return sum(p._version for p in self.by_block.get(c_block, ()))
+
+    def refresh(self, c_block: int) -> None:
+        """Before block c_block runs: if an optimizer changed a host copy
+        since the slots were filled, every slot is filled again."""
+        if self.armed:
+            # A backward that failed never ran its callback.
+            self.flush()
+        if c_block not in self.versions or \
+                self._version(c_block) == self.versions[c_block]:
+            return
+        o = self.state.live("training")
+        check(lib.laden_sched_refill(o.h))
+        for b in self.versions:
+            self.versions[b] = self._version(b)
+
+    # -- the parameters an optimizer steps ---------------------------------------
+    def named_parameters(self) -> Iterator[Tuple[str, object]]:
+        for t in self.state.tensors:
+            if not t.is_param:
+                continue
+            hp = self.host.get(id(t))
+            if hp is not None:
+                yield t.names[0], hp
+            elif t.param is not None and t.param.requires_grad:
+                yield t.names[0], t.param
+
+
+def _rng_state(device):
+    import torch
+
+    cpu = torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, gpu
+
+
+def _autocast_state(device):
+    import torch
+
+    kind = device.type
+    try:
+        return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    except TypeError:  # torch before 2.4 has no device argument here
+        return False, None
+
+
+def _block_function():
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    class _StreamedBlock(torch.autograd.Function):
+        """One call of a wrapped block: forward without keeping
+        activations; backward enters the block again, recomputes it and
+        runs its backward before it exits."""
+
+        @staticmethod
+        def forward(ctx, call, anchor, *tensors):
+            ctx.call = call
+            ctx.rng = _rng_state(call.device)
+            ctx.autocast = _autocast_state(call.device)
+            ctx.save_for_backward(*tensors)
+            with torch.no_grad():
+                out = call.run(tensors)
+            leaves, spec = tree_flatten(out)
+            call.out_spec = spec
+            call.out_leaves = leaves
+            outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+            ctx.mark_non_differentiable(
+                *[x for x in outs if not x.is_floating_point()])
+            return outs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            call = ctx.call
+            call.trainer.arm()
+            saved = ctx.saved_tensors
+            inputs = [x.detach().requires_grad_(x.requires_grad)
+                      if x.is_floating_point() else x.detach()
+                      for x in saved]
+            cpu, gpu = ctx.rng
+            dev = call.device
+            devices = [dev] if dev.type == "cuda" else []
+            on, dtype = ctx.autocast
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu)
+                if gpu is not None:
+                    torch.cuda.set_rng_state(gpu, dev)
+                with torch.enable_grad(), torch.autocast(
+                        dev.type, dtype=dtype, enabled=on):
+                    call.recompute_and_backward(inputs, grads)
+            return (None, None) + tuple(
+                x.grad if isinstance(x, torch.Tensor) and x.requires_grad
+                else None for x in inputs)
+
+    return _StreamedBlock
+
+
+_FUNCTION = None
+
+
+class _Call:
+    """What one call of a wrapped block needs in both passes."""
+
+    __slots__ = ("trainer", "device", "enter", "leave", "orig", "flat",
+                 "spec", "index", "out_spec", "out_leaves")
+
+    def run(self, tensors):
+        """Enter, the block's forward, exit (the forward pass)."""
+        from torch.utils._pytree import tree_unflatten
+
+        flat = list(self.flat)
+        for i, t in zip(self.index, tensors):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        stream = self.enter()
+        try:
+            out = self.orig(*args, **kwargs)
+        finally:
+            self.leave(stream)
+        return out
+
+    def recompute_and_backward(self, inputs, grads) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat = list(self.flat)
+        for i, t in zip(self.index, inputs):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        stream = self.enter()
+        try:
+            out = self.orig(*args, **kwargs)
+            leaves = [x for x in tree_flatten(out)[0]
+                      if isinstance(x, torch.Tensor)]
+            outs, gs = [], []
+            for x, g in zip(leaves, grads):
+                if g is not None and x.requires_grad:
+                    outs.append(x)
+                    gs.append(g)
+            if outs:
+                torch.autograd.backward(outs, gs)
+        finally:
+            # Only now: the backward's kernels that read the block's
+            # weights are enqueued on this stream before "free" is.
+            self.leave(stream)
+
+
+def train_call(trainer: _Trainer, c_block: int, enter, leave, orig, args,
+               kwargs):
+    """A wrapped block called with gradients enabled in training."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    global _FUNCTION
+    if _FUNCTION is None:
+        _FUNCTION = _block_function()
+    trainer.refresh(c_block)
+    flat, spec = tree_flatten((args, kwargs))
+    index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    call = _Call()
+    call.trainer, call.device = trainer, trainer.device
+    call.enter, call.leave, call.orig = enter, leave, orig
+    call.flat, call.spec, call.index = flat, spec, index
+    outs = _FUNCTION.apply(call, trainer.anchor, *[flat[i] for i in index])
+    for i in index:  # saved by the node; not held a second time
+        flat[i] = None
+    it = iter(outs)
+    leaves = [next(it) if isinstance(x, torch.Tensor) else x
+              for x in call.out_leaves]
+    call.out_leaves = None  # the forward's outputs are not kept twice
+    return tree_unflatten(leaves, call.out_spec)

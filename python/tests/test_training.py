@@ -1,0 +1,235 @@
+"""Training through streamed blocks (install_offload(train=True)):
+gradients of every trainable parameter and of the input equal the plain
+model's; AdamW steps over handle.parameters() give the plain model's
+weights (the next forward streams the updated host copies); dropout is
+recomputed with the forward's random state; what cannot train is refused
+by name.  Streamed blocks on the CPU device are the disk tier (frozen);
+on CUDA the RAM tier streams too, and its parameters train through the
+gradient sink (device memory stays slots + activations)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import laden
+from models import PREFIXES, on_meta, reference
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def ids(n=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (2, n), generator=g)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    ref = reference()
+    path = str(tmp_path / "tiny.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    return ref, path
+
+
+def freeze_blocks(m):
+    for n, p in m.named_parameters():
+        if n.startswith(("blocks.", "stages.")):
+            p.requires_grad_(False)
+
+
+def loss(m, device, seed=1):
+    return m(ids(seed=seed).to(device)).float().pow(2).mean()
+
+
+def assert_grads_equal(named, ref, atol):
+    named = dict(named)
+    want = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    assert set(named) == set(want)
+    for n, p in named.items():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad.cpu(), want[n].grad.cpu(),
+                                   atol=atol, rtol=1e-4, msg=n)
+
+
+TIERS = {"disk": dict(ram_budget=0), "mixed": dict(ram_budget="40kB")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiers", list(TIERS))
+def test_frozen_streamed_blocks_pass_gradients(ckpt, device, tiers):
+    """The common case (adapters, a prompt, the input): streamed weights
+    frozen, gradients flow through the blocks to what trains."""
+    ref, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      **TIERS[tiers])
+    freeze_blocks(m)
+    h = laden.install_offload(m, train=True, lookahead=1)
+    r = copy.deepcopy(ref).to(device)
+    freeze_blocks(r)
+    for _ in range(2):  # the second pass adds to the first
+        loss(m, device).backward()
+        loss(r, device).backward()
+    assert_grads_equal(h.named_parameters(), r, 1e-6)
+    st = h.stats()
+    # Forward and recomputation each enter every streamed block; the
+    # reverse pass misses only where it turns.
+    assert st["enters"] > 0 and st["misses"] <= 2 * 2 + 2
+    with torch.no_grad():  # no recomputation, the same output
+        torch.testing.assert_close(m(ids().to(device)), r(ids().to(device)))
+    h.remove()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_steps_match_the_plain_model(ckpt, device):
+    """Every weight trains (on CUDA the streamed ones through their host
+    copies and the gradient sink): three AdamW steps, each over two
+    micro-batches, give the plain model's weights."""
+    ref, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      resident_prefixes=["blocks.1."])
+    h = laden.install_offload(m, train=True, lookahead=1)
+    r = copy.deepcopy(ref).to(device)
+    names = [n for n, _ in h.named_parameters()]
+    assert names == [n for n, _ in r.named_parameters()]
+    if device == "cuda":  # streamed weights step on the host
+        hp = dict(h.named_parameters())
+        assert hp["blocks.0.up.weight"].device.type == "cpu"
+        assert hp["blocks.1.up.weight"].device.type == "cuda"
+    opt = torch.optim.AdamW(h.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(r.parameters(), lr=1e-2)
+    for step in range(3):
+        for mm, o in ((m, opt), (r, ropt)):
+            o.zero_grad()
+            for mb in range(2):
+                loss(mm, device, seed=10 * step + mb).backward()
+        assert_grads_equal(h.named_parameters(), r, 1e-5)
+        opt.step()
+        ropt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids().to(device)), r(ids().to(device)),
+                                   atol=1e-5, rtol=1e-4)
+    h.remove()
+    # Removed: the weights the optimizer wrote are the model's.
+    for (n, p), (_, q) in zip(m.named_parameters(), r.named_parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(),
+                                   atol=1e-5, rtol=1e-4, msg=n)
+
+
+class DropBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, *, scale=1.0):
+        return x + self.drop(F.gelu(self.lin(x))) * scale
+
+
+class DropNet(nn.Module):
+    def __init__(self, d=32, n=5):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(DropBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            x = b(x, scale=0.5 + 0.1 * i)  # a keyword argument
+        return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_recomputed_with_the_forwards_random_state(tmp_path,
+                                                           device):
+    torch.manual_seed(0)
+    ref = DropNet().train()
+    path = str(tmp_path / "drop.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet().train()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device=device,
+                      ram_budget=0)
+    for n, p in m.named_parameters():
+        p.requires_grad_(not n.startswith("blocks."))
+    r = copy.deepcopy(ref).to(device)
+    for n, p in r.named_parameters():
+        p.requires_grad_(not n.startswith("blocks."))
+    h = laden.install_offload(m, train=True)
+    x = torch.randn(4, 32, device=device)
+    torch.manual_seed(5)
+    y = m(x)
+    y.pow(2).sum().backward()
+    torch.manual_seed(5)
+    ry = r(x)
+    ry.pow(2).sum().backward()
+    torch.testing.assert_close(y, ry)
+    assert_grads_equal(h.named_parameters(), r, 1e-6)
+    h.remove()
+
+
+def test_what_cannot_train_is_refused_by_name(ckpt):
+    _, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      ram_budget=0)
+    with pytest.raises(laden.InvalidArgumentError,
+                       match=r"'blocks\.0\.norm\.weight'.*disk tier"):
+        laden.install_offload(m, train=True)
+    # Nothing was left installed: a plain install works.
+    h = laden.install_offload(m)
+    with pytest.raises(laden.StateError, match="train=True"):
+        h.named_parameters()
+    h.remove()
+    with pytest.raises(laden.InvalidArgumentError, match="grad_dtype"):
+        laden.install_offload(m, grad_dtype=torch.float32)
+    with pytest.raises(laden.InvalidArgumentError, match="train must be"):
+        laden.install_offload(m, train="yes")
+    freeze_blocks(m)
+    with pytest.raises(laden.InvalidArgumentError, match="grad_dtype must"):
+        laden.install_offload(m, train=True, grad_dtype=torch.int8)
+    # Without train=True backward still refuses (tests/test_hardening.py).
+    h = laden.install_offload(m)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    with pytest.raises(laden.StateError, match="backward through"):
+        loss(m, "cpu").backward()
+    h.remove()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_device_memory_stays_slots_and_activations(tmp_path):
+    """Gradients of streamed weights leave the device block by block:
+    torch's peak during backward stays far below the weights' bytes."""
+    torch.manual_seed(0)
+    d = 512
+    ref = DropNet(d=d, n=12).eval()
+    path = str(tmp_path / "big.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=d, n=12).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=2,
+                              grad_dtype=torch.float32)
+    streamed = sum(p.numel() * 4 for n, p in h.named_parameters()
+                   if n.startswith("blocks."))
+    x = torch.randn(8, d, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    m(x).pow(2).sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    block = streamed // 12
+    assert peak < 3 * block + (1 << 20), (peak, block)
+    r = copy.deepcopy(ref).cuda()
+    xr = x.detach().clone().requires_grad_(True)
+    r(xr).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
+    assert_grads_equal(h.named_parameters(), r, 1e-5)
+    h.remove()
