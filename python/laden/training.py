@@ -295,14 +295,18 @@ class _Call:
     __slots__ = ("trainer", "device", "enter", "leave", "orig", "flat",
                  "spec", "index", "out_spec", "out_leaves")
 
-    def run(self, tensors):
-        """Enter, the block's forward, exit (the forward pass)."""
+    def args(self, tensors):
+        """The call's (args, kwargs) with `tensors` in the tensors' places."""
         from torch.utils._pytree import tree_unflatten
 
         flat = list(self.flat)
         for i, t in zip(self.index, tensors):
             flat[i] = t
-        args, kwargs = tree_unflatten(flat, self.spec)
+        return tree_unflatten(flat, self.spec)
+
+    def run(self, tensors):
+        """Enter, the block's forward, exit (the forward pass)."""
+        args, kwargs = self.args(tensors)
         stream = self.enter()
         try:
             out = self.orig(*args, **kwargs)
@@ -312,12 +316,9 @@ class _Call:
 
     def recompute_and_backward(self, inputs, grads) -> None:
         import torch
-        from torch.utils._pytree import tree_flatten, tree_unflatten
+        from torch.utils._pytree import tree_flatten
 
-        flat = list(self.flat)
-        for i, t in zip(self.index, inputs):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, self.spec)
+        args, kwargs = self.args(inputs)
         stream = self.enter()
         try:
             out = self.orig(*args, **kwargs)
