@@ -2,6 +2,7 @@
  * push order, through a ring smaller than what passes through it, on the
  * CPU device and on CUDA (tests/fake_cuda too); bad arguments name what is
  * wrong. */
+#define _GNU_SOURCE /* setenv */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -203,10 +204,63 @@ TEST(grads_bad_arguments)
                                   LADEN_DTYPE_F32, 0, 0),
                  LADEN_E_INVAL);
     CHECK_STATUS(laden_grads_flush(NULL), LADEN_E_INVAL);
+    uint64_t b = 0, np = 0;
+    CHECK_STATUS(laden_grads_stats(g, NULL, &np), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_stats(NULL, &b, &np), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_push(g, p, LADEN_DTYPE_F32, UINT64_MAX / 2,
+                                  dst, LADEN_DTYPE_F32, 0, 0),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "elements");
     CHECK_OK(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, dst, LADEN_DTYPE_F32,
                               1, 0));
     CHECK_OK(laden_grads_flush(g));
     CHECK(dst[3] == 4.0f);
     laden_grads_destroy(g);
     laden_grads_destroy(NULL);
+}
+
+/* A copy that cannot be enqueued fails its push (nothing of it is
+ * pending); one whose completion fails is the error of the next flush,
+ * naming the sink; the sink works again after either.  Under
+ * tests/fake_cuda only (it fails on demand). */
+TEST(grads_copy_failures_reported)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    laden_dev_info_t info;
+    if (n == 0 || laden_dev_info(0, &info) || !strstr(info.name, "fake"))
+        SKIP("needs tests/fake_cuda (failures on demand)");
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(0, 0, &g));
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(0, &s));
+    float src[256], dst[256];
+    for (int i = 0; i < 256; i++)
+        src[i] = (float)i;
+    laden_devptr_t d = on_device(0, s, src, sizeof src);
+    uintptr_t h = laden_dev_stream_handle(s);
+
+    setenv("FAKE_CUDA_FAIL_D2H", "1", 1);
+    laden_status st = laden_grads_push(g, d, LADEN_DTYPE_F32, 256, dst,
+                                       LADEN_DTYPE_F32, 0, h);
+    unsetenv("FAKE_CUDA_FAIL_D2H");
+    CHECK(st != LADEN_OK);
+    CHECK_OK(laden_grads_flush(g)); /* nothing was pending */
+
+    setenv("FAKE_CUDA_FAIL_EVENT_SYNC", "1", 1); /* never seen done */
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, 256, dst,
+                              LADEN_DTYPE_F32, 0, h));
+    st = laden_grads_flush(g);
+    unsetenv("FAKE_CUDA_FAIL_EVENT_SYNC");
+    CHECK(st != LADEN_OK);
+    CHECK_CONTAINS(laden_last_error(), "laden_grads_flush");
+
+    memset(dst, 0, sizeof dst);
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, 256, dst,
+                              LADEN_DTYPE_F32, 0, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(dst, src, sizeof src) == 0);
+    CHECK_OK(laden_dev_mem_free(0, d));
+    laden_dev_stream_destroy(s);
+    laden_grads_destroy(g);
 }

@@ -68,6 +68,7 @@ class _Trainer:
         self.armed = False     # a flush is queued for this backward
         self.sink = None
         self.copy_stream = None
+        self.closed = False  # the handle was removed
         # An input that requires grad, so every block call is a node of
         # the graph even when only its parameters train.
         self.anchor = torch.zeros((), requires_grad=True)
@@ -104,6 +105,11 @@ class _Trainer:
                         "optimizer to update: freeze it "
                         "(requires_grad_(False)), or give the model a RAM "
                         "budget that holds it", "E_INVAL")
+                if str(p.dtype) not in _GRAD_DTYPES:
+                    raise InvalidArgumentError(
+                        f"install_offload(train=True): {where} is {p.dtype}; "
+                        "streamed parameters train in float32, float16 or "
+                        "bfloat16", "E_INVAL")
                 hp = torch.nn.Parameter(home, requires_grad=True)
                 self.host[id(t)] = hp
                 self.by_block.setdefault(b.c_block, []).append(hp)
@@ -126,6 +132,7 @@ class _Trainer:
     def close(self) -> None:
         """Flushes what is pending (the .grad values are kept) and frees
         the sink; the host parameters stay valid while referenced."""
+        self.closed = True
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
@@ -149,10 +156,6 @@ class _Trainer:
     def _push(self, t, g) -> None:
         import torch
 
-        if self.sink is None:
-            raise StateError(
-                f"backward through '{t.names[0]}' after its handle was "
-                "removed", "E_STATE")
         hp = self.host[id(t)]
         acc = hp.grad
         fresh = acc is None
@@ -263,7 +266,16 @@ def _block_function():
         @staticmethod
         def backward(ctx, *grads):
             call = ctx.call
-            call.trainer.arm()
+            tr = call.trainer
+            if tr.closed:
+                name = next((b.name for b in tr.state.blocks
+                             if b.c_block == call.block), "?")
+                raise StateError(
+                    f"backward through streamed block '{name}' after its "
+                    "install_offload handle was removed (or the model "
+                    "released): its weights are no longer streamed for "
+                    "it; run backward before remove()", "E_STATE")
+            tr.arm()
             saved = ctx.saved_tensors
             inputs = [x.detach().requires_grad_(x.requires_grad)
                       if x.is_floating_point() else x.detach()
@@ -292,8 +304,8 @@ _FUNCTION = None
 class _Call:
     """What one call of a wrapped block needs in both passes."""
 
-    __slots__ = ("trainer", "device", "enter", "leave", "orig", "flat",
-                 "spec", "index", "out_spec", "out_leaves")
+    __slots__ = ("trainer", "device", "block", "enter", "leave", "orig",
+                 "flat", "spec", "index", "out_spec", "out_leaves")
 
     def args(self, tensors):
         """The call's (args, kwargs) with `tensors` in the tensors' places."""
@@ -350,7 +362,7 @@ def train_call(trainer: _Trainer, c_block: int, enter, leave, orig, args,
     flat, spec = tree_flatten((args, kwargs))
     index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     call = _Call()
-    call.trainer, call.device = trainer, trainer.device
+    call.trainer, call.device, call.block = trainer, trainer.device, c_block
     call.enter, call.leave, call.orig = enter, leave, orig
     call.flat, call.spec, call.index = flat, spec, index
     outs = _FUNCTION.apply(call, trainer.anchor, *[flat[i] for i in index])

@@ -192,6 +192,14 @@ def test_what_cannot_train_is_refused_by_name(ckpt):
     freeze_blocks(m)
     with pytest.raises(laden.InvalidArgumentError, match="grad_dtype must"):
         laden.install_offload(m, train=True, grad_dtype=torch.int8)
+    # A graph built before remove() cannot run its backward after it.
+    h = laden.install_offload(m, train=True)
+    pending = loss(m, "cpu")
+    h.remove()
+    with pytest.raises(laden.StateError,
+                       match=r"streamed block 'stages\.1\.2\.'.*removed"):
+        # (the last block: backward runs last to first)
+        pending.backward()
     # Without train=True backward still refuses (tests/test_hardening.py).
     h = laden.install_offload(m)
     for p in m.parameters():
@@ -233,3 +241,18 @@ def test_device_memory_stays_slots_and_activations(tmp_path):
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
     assert_grads_equal(h.named_parameters(), r, 1e-5)
     h.remove()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_streamed_float64_parameters_are_refused(tmp_path):
+    ref = DropNet(d=16, n=2).double()
+    path = str(tmp_path / "f64.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=16, n=2).double()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    with pytest.raises(laden.InvalidArgumentError,
+                       match=r"'blocks\.0\.lin\.weight'.*float64"):
+        laden.install_offload(m, train=True)
+    laden.install_offload(m).remove()  # nothing was left installed

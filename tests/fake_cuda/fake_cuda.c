@@ -11,7 +11,10 @@
  *  - Events, streams, device and pinned allocations left at exit make the
  *    process exit with status 3 (a leak).
  * VMM entry points are not emulated (they fail): run only the tests that
- * do not use VRAM contexts (see the Makefile's test-fake-cuda). */
+ * do not use VRAM contexts (see the Makefile's test-fake-cuda).
+ * Failures on demand, while the variable is set in the environment:
+ * FAKE_CUDA_FAIL_D2H (cuMemcpyDtoHAsync), FAKE_CUDA_FAIL_EVENT_SYNC
+ * (cuEventSynchronize and cuEventQuery). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -24,6 +27,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
 #define NOT_SUPPORTED 801
+#define FAKE_ERROR 999 /* a failure asked for by the environment */
 #define INVALID_HANDLE 400
 
 enum { DEVICE = 0, PINNED = 1 };
@@ -249,8 +253,18 @@ static CUresult cuStreamWaitEvent(void *s, void *e, unsigned f)
     (void)f;
     LOCKED(event_wait(e));
 }
-static CUresult cuEventSynchronize(void *e) { LOCKED(event_wait(e)); }
-static CUresult cuEventQuery(void *e) { LOCKED(event_wait(e)); }
+static CUresult cuEventSynchronize(void *e)
+{
+    if (getenv("FAKE_CUDA_FAIL_EVENT_SYNC"))
+        return FAKE_ERROR;
+    LOCKED(event_wait(e));
+}
+static CUresult cuEventQuery(void *e)
+{
+    if (getenv("FAKE_CUDA_FAIL_EVENT_SYNC"))
+        return FAKE_ERROR;
+    LOCKED(event_wait(e));
+}
 
 static CUresult event_create(void **out)
 {
@@ -303,6 +317,8 @@ static CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *src, size_t n,
 static CUresult cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n,
                                   void *s)
 {
+    if (getenv("FAKE_CUDA_FAIL_D2H"))
+        return FAKE_ERROR;
     LOCKED(enqueue(dst, (void *)(uintptr_t)src, n, s, pinned(dst, n)));
 }
 static CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr src, size_t n,
