@@ -625,17 +625,10 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         if s:
             raise error_for(s)
 
-    def forward(*args, **kwargs):
-        if guard is not None:
-            guard()
-        if trainer is not None:
-            if grad_on():
-                from .training import train_call
-                return train_call(trainer, c_block, do_enter, do_leave,
-                                  orig, args, kwargs)
-            # An optimizer may have changed the host copies: a forward
-            # without gradients must not run the slots' old bytes.
-            trainer.refresh(c_block)
+    if trainer is not None:
+        from .training import train_call
+
+    def plain(args, kwargs):
         stream = do_enter()
         try:
             if hooks is not None and grad_on():
@@ -649,6 +642,18 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             raise
         do_leave(stream)
         return out
+
+    def forward(*args, **kwargs):
+        if guard is not None:
+            guard()
+        if trainer is not None:
+            if grad_on():
+                return train_call(trainer, mod, c_block, do_enter, do_leave,
+                                  orig, plain, args, kwargs)
+            # An optimizer may have changed the host copies: a forward
+            # without gradients must not run the slots' old bytes.
+            trainer.refresh(c_block)
+        return plain(args, kwargs)
 
     def outside(part, args):
         if not inside[0]:

@@ -697,9 +697,6 @@ class OffloadHandle:
         with _pass(st, o, "OffloadHandle.remove"):
             self.adapters.clear()  # the base weights back first
             self.adapters.host.clear()  # and the adapters read for it
-            if self.trainer is not None:
-                self.trainer.close()  # pending gradients land first
-            st.training = False
             st.gone.clear()
             # Weights first, while the blocks are still wrapped: another
             # thread calling a block meanwhile is refused, not run on
@@ -813,12 +810,12 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
             f"install_offload: train must be True or False, not {train!r}",
             "E_INVAL")
     if grad_dtype is not None:
-        import torch
+        from .training import grad_code
 
         if not train:
             raise InvalidArgumentError(
                 "install_offload: grad_dtype is for train=True", "E_INVAL")
-        if grad_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if grad_code(grad_dtype) is None:
             raise InvalidArgumentError(
                 f"install_offload: grad_dtype must be torch.float32, "
                 f"float16 or bfloat16, not {grad_dtype}", "E_INVAL")
@@ -849,7 +846,7 @@ def _start(state: _Stream, lookahead: int, train: bool = False,
         try:
             if train:
                 from .training import _Trainer
-                handle.trainer = _Trainer(state, handle, grad_dtype)
+                handle.trainer = _Trainer(state, grad_dtype)
                 state.training = True
             _bind_slots(state, o, handle)
             if train:

@@ -30,33 +30,38 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from ._dtypes import checkpoint_dtype
 from ._lib import check, lib
-from ._model import _DTYPE_CODE, _tensor_view
-from .errors import InvalidArgumentError, StateError
+from ._model import _DTYPE_CODE, _compute_stream, _dev_index, _tensor_view
+from .errors import InvalidArgumentError, LadenError, StateError
 
-_GRAD_DTYPES = {"torch.float32": "F32", "torch.float16": "F16",
-                "torch.bfloat16": "BF16"}
 STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
 
 
-def _code(dtype) -> int:
-    name = _GRAD_DTYPES.get(str(dtype))
-    if name is None:
-        raise InvalidArgumentError(
-            f"training: gradients are float32, float16 or bfloat16, not "
-            f"{dtype}", "E_INVAL")
-    return _DTYPE_CODE[name]
+def grad_code(dtype) -> Optional[int]:
+    """laden's code for a dtype gradients may have (float32, float16,
+    bfloat16: what the C sink converts), or None."""
+    import torch
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    return _DTYPE_CODE[checkpoint_dtype(dtype)]
+
+
+def _is_kv_cache(x) -> bool:
+    """A transformers key/value cache (updated in place by each call)."""
+    return type(x).__module__.startswith("transformers") and \
+        any(c.__name__ == "Cache" for c in type(x).__mro__)
 
 
 class _Trainer:
     """One handle's training state: host copies of the streamed trainable
     parameters, the C gradient sink, the hooks."""
 
-    def __init__(self, state, handle, grad_dtype):
+    def __init__(self, state, grad_dtype):
         import torch
 
         self.state = state
-        self.handle = handle
         self.grad_dtype = grad_dtype
         self.device = state.device
         self.cuda = state.device.type == "cuda"
@@ -105,7 +110,7 @@ class _Trainer:
                         "optimizer to update: freeze it "
                         "(requires_grad_(False)), or give the model a RAM "
                         "budget that holds it", "E_INVAL")
-                if str(p.dtype) not in _GRAD_DTYPES:
+                if grad_code(p.dtype) is None:
                     raise InvalidArgumentError(
                         f"install_offload(train=True): {where} is {p.dtype}; "
                         "streamed parameters train in float32, float16 or "
@@ -113,15 +118,15 @@ class _Trainer:
                 hp = torch.nn.Parameter(home, requires_grad=True)
                 self.host[id(t)] = hp
                 self.by_block.setdefault(b.c_block, []).append(hp)
-                largest = max(largest, home.numel() * 4)
+                largest = max(largest, home.numel() * home.element_size())
                 self.hooks.append(p.register_post_accumulate_grad_hook(
                     self._pusher(t)))
         if not self.host:
             return
         staging = min(STAGING_BYTES, max(2 * largest, 1 << 20))
-        dev = -1 if not self.cuda else (self.device.index or 0)
         h = ctypes.c_void_p()
-        check(lib.laden_grads_create(dev, staging, ctypes.byref(h)))
+        check(lib.laden_grads_create(_dev_index(self.device), staging,
+                                     ctypes.byref(h)))
         self.sink = h.value
         if self.cuda:
             self.copy_stream = torch.cuda.ExternalStream(
@@ -162,13 +167,17 @@ class _Trainer:
         if fresh:
             acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype)
             hp.grad = acc
+        dst = grad_code(acc.dtype)
+        if dst is None:
+            raise InvalidArgumentError(
+                f"the .grad of '{t.names[0]}' is {acc.dtype}; laden adds "
+                "gradients into float32, float16 or bfloat16", "E_INVAL")
         g = g.contiguous()
-        stream = torch.cuda.current_stream(self.device).cuda_stream \
-            if self.cuda else 0
         self.keep.append(acc)
         check(lib.laden_grads_push(
-            self.sink, g.data_ptr(), _code(g.dtype), g.numel(),
-            acc.data_ptr(), _code(acc.dtype), 0 if fresh else 1, stream))
+            self.sink, g.data_ptr(), grad_code(g.dtype), g.numel(),
+            acc.data_ptr(), dst, 0 if fresh else 1,
+            _compute_stream(self.device)))
         if self.cuda:
             # Freed for reuse only after the copy stream read it.
             g.record_stream(self.copy_stream)
@@ -208,6 +217,10 @@ class _Trainer:
         for b in self.versions:
             self.versions[b] = self._version(b)
 
+    def block_name(self, c_block: int) -> str:
+        return next((b.name for b in self.state.blocks
+                     if b.c_block == c_block), "?")
+
     # -- the parameters an optimizer steps ---------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, object]]:
         for t in self.state.tensors:
@@ -232,10 +245,7 @@ def _autocast_state(device):
     import torch
 
     kind = device.type
-    try:
-        return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-    except TypeError:  # torch before 2.4 has no device argument here
-        return False, None
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
 
 def _block_function():
@@ -268,10 +278,9 @@ def _block_function():
             call = ctx.call
             tr = call.trainer
             if tr.closed:
-                name = next((b.name for b in tr.state.blocks
-                             if b.c_block == call.block), "?")
                 raise StateError(
-                    f"backward through streamed block '{name}' after its "
+                    f"backward through streamed block "
+                    f"'{tr.block_name(call.block)}' after its "
                     "install_offload handle was removed (or the model "
                     "released): its weights are no longer streamed for "
                     "it; run backward before remove()", "E_STATE")
@@ -316,42 +325,49 @@ class _Call:
             flat[i] = t
         return tree_unflatten(flat, self.spec)
 
-    def run(self, tensors):
-        """Enter, the block's forward, exit (the forward pass)."""
+    def run(self, tensors, then=None):
+        """Enter, the block's forward on `tensors`, then(output) if given,
+        exit.  An error inside exits quietly: the block's own error is the
+        one raised."""
         args, kwargs = self.args(tensors)
         stream = self.enter()
         try:
             out = self.orig(*args, **kwargs)
-        finally:
-            self.leave(stream)
+            if then is not None:
+                then(out)
+        except BaseException:
+            try:
+                self.leave(stream)
+            except LadenError:
+                pass
+            raise
+        self.leave(stream)
         return out
 
     def recompute_and_backward(self, inputs, grads) -> None:
+        """The block entered again, run on `inputs` and its backward run
+        for `grads`, before it exits: the backward's kernels that read the
+        block's weights are enqueued on the stream before "free" is."""
         import torch
         from torch.utils._pytree import tree_flatten
 
-        args, kwargs = self.args(inputs)
-        stream = self.enter()
-        try:
-            out = self.orig(*args, **kwargs)
+        def backward(out) -> None:
             leaves = [x for x in tree_flatten(out)[0]
                       if isinstance(x, torch.Tensor)]
-            outs, gs = [], []
-            for x, g in zip(leaves, grads):
-                if g is not None and x.requires_grad:
-                    outs.append(x)
-                    gs.append(g)
-            if outs:
-                torch.autograd.backward(outs, gs)
-        finally:
-            # Only now: the backward's kernels that read the block's
-            # weights are enqueued on this stream before "free" is.
-            self.leave(stream)
+            pairs = [(x, g) for x, g in zip(leaves, grads)
+                     if g is not None and x.requires_grad]
+            if pairs:
+                torch.autograd.backward([x for x, _ in pairs],
+                                        [g for _, g in pairs])
+
+        self.run(inputs, backward)
 
 
-def train_call(trainer: _Trainer, c_block: int, enter, leave, orig, args,
-               kwargs):
-    """A wrapped block called with gradients enabled in training."""
+def train_call(trainer: _Trainer, mod, c_block: int, enter, leave, orig,
+               plain, args, kwargs):
+    """A wrapped block called with gradients enabled in training: a node
+    of the graph, or plain(args, kwargs) when nothing in the call needs a
+    gradient (no input requires one, no parameter of the block trains)."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -361,6 +377,17 @@ def train_call(trainer: _Trainer, c_block: int, enter, leave, orig, args,
     trainer.refresh(c_block)
     flat, spec = tree_flatten((args, kwargs))
     index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    if not any(flat[i].requires_grad for i in index) and \
+            not any(p.requires_grad for p in mod.parameters()):
+        return plain(args, kwargs)
+    for x in flat:
+        if _is_kv_cache(x):
+            raise InvalidArgumentError(
+                f"block '{trainer.block_name(c_block)}' was called with a "
+                f"{type(x).__name__} (a key/value cache): in training each "
+                "block runs twice (forward, then again in backward), which "
+                "would add to the cache twice; call the model with "
+                "use_cache=False", "E_INVAL")
     call = _Call()
     call.trainer, call.device, call.block = trainer, trainer.device, c_block
     call.enter, call.leave, call.orig = enter, leave, orig

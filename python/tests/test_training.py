@@ -120,6 +120,53 @@ def test_adamw_steps_match_the_plain_model(ckpt, device):
                                    atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_that_need_no_gradient_are_not_recomputed(ckpt, device):
+    """Only the head trains: no block's input or weight needs a gradient,
+    so backward enters no block again."""
+    ref, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      ram_budget=0)
+    for n, p in m.named_parameters():
+        p.requires_grad_(n.startswith("norm."))
+    h = laden.install_offload(m, train=True)
+    out = loss(m, device)
+    enters = h.stats()["enters"]
+    out.backward()
+    assert h.stats()["enters"] == enters
+    r = copy.deepcopy(ref).to(device)
+    for n, p in r.named_parameters():
+        p.requires_grad_(n.startswith("norm."))
+    loss(r, device).backward()
+    assert_grads_equal(h.named_parameters(), r, 1e-6)
+    h.remove()
+
+
+def test_a_key_value_cache_is_refused_in_training(tmp_path):
+    """A transformers cache passed to a block would be added to twice (the
+    forward, then the recomputation): refused, naming use_cache."""
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    torch.manual_seed(0)
+    ref = DropNet()
+    path = str(tmp_path / "drop.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cpu",
+                      ram_budget=0)
+    for p in m.blocks.parameters():
+        p.requires_grad_(False)
+    h = laden.install_offload(m, train=True)
+    x = torch.randn(2, 32, requires_grad=True)
+    with pytest.raises(laden.InvalidArgumentError,
+                       match=r"'blocks\.0\.'.*DynamicCache.*use_cache=False"):
+        m.blocks[0](x, cache=cache_utils.DynamicCache())
+    with torch.no_grad():  # run once: allowed
+        m.blocks[0](x, scale=1.0)
+    h.remove()
+
+
 class DropBlock(nn.Module):
     def __init__(self, d):
         super().__init__()
