@@ -41,7 +41,10 @@ LADEN_API void laden_grads_destroy(laden_grads_t *g);
  * dst_dtype, n elements): dst = value (accumulate 0) or dst + value
  * (accumulate 1), in fp32 arithmetic, rounded to nearest even.  Dtypes:
  * F32, F16, BF16.  compute_stream: the CUDA stream the gradient was
- * written on (0: the legacy default stream; ignored on the CPU). */
+ * written on (0: the legacy default stream; ignored on the CPU).  A
+ * gradient larger than half the ring moves in parts; if enqueuing a later
+ * part fails, the push returns the error and the parts before it still
+ * land: the destination is then not whole. */
 LADEN_API laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
                                         laden_dtype src_dtype, uint64_t n,
                                         void *dst, laden_dtype dst_dtype,

@@ -49,9 +49,6 @@ uint64_t laden__now_ns(void);
 
 /* IEEE half to float, exactly (src/stream/convert.c). */
 float laden__f32_of_f16(uint16_t h);
-/* float to bf16 / half, round to nearest even (src/stream/convert.c). */
-uint16_t laden__bf16_of_f32(float f);
-uint16_t laden__f16_of_f32(float f);
 
 #define LADEN__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 

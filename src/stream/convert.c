@@ -109,16 +109,6 @@ static uint8_t e4m3_of_f32(float x)
     return (uint8_t)(sign | (uint8_t)(exp << 3) | (uint8_t)m);
 }
 
-uint16_t laden__bf16_of_f32(float f)
-{
-    return bf16_of_f32(f);
-}
-
-uint16_t laden__f16_of_f32(float f)
-{
-    return f16_of_f32(f);
-}
-
 static float load_f(laden_dtype d, const void *p, uint64_t i)
 {
     switch (d) {

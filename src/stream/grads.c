@@ -20,7 +20,7 @@
 #include "stream_internal.h"
 
 #define MIN_STAGING (1u << 20)
-#define LAND_CHUNK 2048 /* elements converted through a stack buffer */
+#define LAND_CHUNK 2048 /* elements added through stack buffers */
 
 typedef struct gjob {
     uint64_t off, bytes; /* in the ring */
@@ -38,6 +38,8 @@ struct laden_grads {
     uint64_t size, tail;
     laden_dev_stream_t *copy;
     laden_event_t *after; /* recorded on the caller's stream per push */
+    laden_dev_stream_t *caller; /* that stream, wrapped once per handle */
+    uintptr_t caller_handle;
     gjob *jobs;
     uint32_t head, njobs, cap;
     laden_event_t **spare; /* events of landed jobs */
@@ -49,7 +51,7 @@ struct laden_grads {
 
 static uint32_t esize(laden_dtype d)
 {
-    return d == LADEN_DTYPE_F32 ? 4u : 2u;
+    return laden_dtype_bits(d) / 8;
 }
 
 static bool grad_dtype(laden_dtype d)
@@ -58,60 +60,27 @@ static bool grad_dtype(laden_dtype d)
            d == LADEN_DTYPE_BF16;
 }
 
-/* k values of dtype d at p (element i0 on) as floats. */
-static void load_f32(laden_dtype d, const char *p, uint64_t i0, float *out,
-                     uint32_t k)
-{
-    if (d == LADEN_DTYPE_F32) {
-        memcpy(out, p + 4 * i0, 4 * (size_t)k);
-        return;
-    }
-    const char *q = p + 2 * i0;
-    for (uint32_t j = 0; j < k; j++) {
-        uint16_t h;
-        memcpy(&h, q + 2 * j, 2);
-        if (d == LADEN_DTYPE_BF16) {
-            uint32_t u = (uint32_t)h << 16;
-            memcpy(&out[j], &u, 4);
-        } else {
-            out[j] = laden__f32_of_f16(h);
-        }
-    }
-}
-
-static void store_f32(laden_dtype d, char *p, uint64_t i0, const float *v,
-                      uint32_t k)
-{
-    if (d == LADEN_DTYPE_F32) {
-        memcpy(p + 4 * i0, v, 4 * (size_t)k);
-        return;
-    }
-    char *q = p + 2 * i0;
-    for (uint32_t j = 0; j < k; j++) {
-        uint16_t h = d == LADEN_DTYPE_BF16 ? laden__bf16_of_f32(v[j])
-                                           : laden__f16_of_f32(v[j]);
-        memcpy(q + 2 * j, &h, 2);
-    }
-}
-
-/* dst = src or dst + src, n elements, through floats. */
+/* dst = src or dst + src, n elements, in fp32 with the converter's
+ * rounding (laden_sched_convert: these dtype pairs cannot fail). */
 static void land_values(const char *src, laden_dtype sd, char *dst,
                         laden_dtype dd, uint64_t n, int acc)
 {
-    if (!acc && sd == dd) {
-        memcpy(dst, src, n * esize(sd));
+    if (!acc) {
+        if (sd == dd)
+            memcpy(dst, src, n * esize(sd));
+        else
+            laden_sched_convert(sd, src, dd, dst, n);
         return;
     }
     float a[LAND_CHUNK], b[LAND_CHUNK];
+    uint32_t ss = esize(sd), ds = esize(dd);
     for (uint64_t i = 0; i < n; i += LAND_CHUNK) {
         uint32_t k = (uint32_t)(n - i < LAND_CHUNK ? n - i : LAND_CHUNK);
-        load_f32(sd, src, i, a, k);
-        if (acc) {
-            load_f32(dd, dst, i, b, k);
-            for (uint32_t j = 0; j < k; j++)
-                a[j] = b[j] + a[j];
-        }
-        store_f32(dd, dst, i, a, k);
+        laden_sched_convert(sd, src + i * ss, LADEN_DTYPE_F32, a, k);
+        laden_sched_convert(dd, dst + i * ds, LADEN_DTYPE_F32, b, k);
+        for (uint32_t j = 0; j < k; j++)
+            a[j] = b[j] + a[j];
+        laden_sched_convert(LADEN_DTYPE_F32, a, dd, dst + i * ds, k);
     }
 }
 
@@ -152,10 +121,10 @@ static void land_done(laden_grads_t *g)
 static uint64_t reserve(laden_grads_t *g, uint64_t bytes)
 {
     for (;;) {
-        if (!g->njobs)
+        if (!g->njobs) {
             g->tail = 0;
-        if (!g->njobs)
             break;
+        }
         uint64_t h = g->jobs[g->head].off;
         if (g->tail > h) {
             if (g->size - g->tail >= bytes)
@@ -245,6 +214,7 @@ void laden_grads_destroy(laden_grads_t *g)
     for (uint32_t i = 0; i < g->nspare; i++)
         laden_dev_event_destroy(g->spare[i]);
     laden_dev_event_destroy(g->after);
+    laden_dev_stream_destroy(g->caller);
     laden_dev_stream_destroy(g->copy);
     if (g->staging)
         laden_dev_host_free(g->device, g->staging);
@@ -258,11 +228,15 @@ static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
                               laden_dtype sd, uint64_t n, char *dst,
                               laden_dtype dd, int acc, uintptr_t stream)
 {
-    laden_dev_stream_t *cs = NULL;
-    laden_status st = laden_dev_stream_wrap(g->device, stream, &cs);
-    if (!st)
-        st = laden_dev_event_record(g->after, cs);
-    laden_dev_stream_destroy(cs);
+    laden_status st = LADEN_OK;
+    if (!g->caller || g->caller_handle != stream) {
+        laden_dev_stream_destroy(g->caller);
+        g->caller = NULL;
+        if ((st = laden_dev_stream_wrap(g->device, stream, &g->caller)))
+            return st;
+        g->caller_handle = stream;
+    }
+    st = laden_dev_event_record(g->after, g->caller);
     if (!st)
         st = laden_dev_stream_wait_event(g->copy, g->after);
     if (st)
