@@ -403,6 +403,20 @@ TEST(gguf_as_checkpoint_loaded)
                  LADEN_E_INVAL);
     CHECK(strstr(laden_last_error(), "reordered") != NULL);
     laden_sched_destroy(sc);
+    /* A block left to the planner, which put it on the disk, is planned
+     * again instead: only one asked for the disk is refused. */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, qi, LADEN_DTYPE_Q8_0,
+                                    &i_raw));
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    in.resident_blocks = 0; /* and no RAM tier: the disk */
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+    CHECK_EQ(laden_sched_block_tier(sc, blk), LADEN_TIER_DISK);
+    CHECK_OK(laden_sched_set_rope_rows(sc, blk, i_raw, 2));
+    CHECK_EQ(laden_sched_block_tier(sc, blk), LADEN_TIER_AUTO);
+    laden_sched_destroy(sc);
     laden_st_close(st);
 
     /* A type laden does not hold (IQ4_NL: 18 bytes a block of 32, so the

@@ -237,7 +237,10 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
                            r->name, (unsigned long long)r->nrows,
                            (unsigned long long)heads);
     r->rope_heads = heads;
-    laden_status s = sc->b[block].tier == LADEN_TIER_DISK
+    /* The tier asked, as push_tensor checks: a planned one is planned
+     * again (laden__sched_unplan below; the planner keeps such blocks off
+     * the disk). */
+    laden_status s = sc->b[block].asked == LADEN_TIER_DISK
                          ? laden__sched_disk_check(r)
                          : LADEN_OK;
     if (s) {
