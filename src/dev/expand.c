@@ -563,11 +563,14 @@ static laden_status compile(int32_t dev, int cc, bool *reused)
     if (nv.nvrtcGetNumSupportedArchs && nv.nvrtcGetSupportedArchs &&
         nv.nvrtcGetNumSupportedArchs(&n) == 0 && n > 0 && n < 1024) {
         int archs[1024];
-        best = -1;
-        if (nv.nvrtcGetSupportedArchs(archs) == 0)
+        /* The list unread (the call failed): compile for the device and
+         * let NVRTC say whether it can. */
+        if (nv.nvrtcGetSupportedArchs(archs) == 0) {
+            best = -1;
             for (int i = 0; i < n; i++)
                 if (archs[i] <= cc && archs[i] > best)
                     best = archs[i];
+        }
         if (best < 0)
             return laden__fail(LADEN_E_UNSUPPORTED,
                                "cuda:%d: NVRTC %d.%d (%s) cannot compile for "
