@@ -687,7 +687,7 @@ class ModelCache:
         if self.ram_budget is None:
             store.trim(keep, IDLE_HOST_BYTES)
             return
-        models = sum(r.size for r in self._rt.values())
+        models = sum(r.size for r in dc.by_id.values())  # this device's
         store.trim(keep, max(0, self.ram_budget - models - need -
                              store.held(keep)))
         if models + need + store.bytes > self.ram_budget:

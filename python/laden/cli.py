@@ -215,7 +215,6 @@ def _inspect_gguf(args) -> int:
                   "all)")
     _print_by_type("type", [(t.type, t.nbytes) for t in g.tensors],
                    g.total_bytes)
-    print("\n(loading GGUF weights into a model is not built yet)")
     return 0
 
 
