@@ -185,29 +185,22 @@ static const char *const kernel_text[] = {
 #define THREADS 256u /* per block, as __launch_bounds__ says */
 #define WAVES 4u      /* at most, see load_device */
 
+/* Sizes of blocks come from the dtype table (laden_dtype_block). */
 typedef struct format {
     laden_dtype dtype;
     const char *name; /* the kernels' names: laden_ex_<name>_<v|b> */
-    uint32_t block_elems, block_bytes;
 } format;
 
 /* In EX_* order. */
 static const format formats[EX_NFMT] = {
-    {LADEN_DTYPE_Q4_0, "q4_0", 32, 18},
-    {LADEN_DTYPE_Q4_1, "q4_1", 32, 20},
-    {LADEN_DTYPE_Q5_0, "q5_0", 32, 22},
-    {LADEN_DTYPE_Q5_1, "q5_1", 32, 24},
-    {LADEN_DTYPE_Q8_0, "q8_0", 32, 34},
-    {LADEN_DTYPE_Q2_K, "q2_k", 256, 84},
-    {LADEN_DTYPE_Q3_K, "q3_k", 256, 110},
-    {LADEN_DTYPE_Q4_K, "q4_k", 256, 144},
-    {LADEN_DTYPE_Q5_K, "q5_k", 256, 176},
-    {LADEN_DTYPE_Q6_K, "q6_k", 256, 210},
-    {LADEN_DTYPE_F8_E4M3, "e4m3", 1, 1},
-    {LADEN_DTYPE_F8_E5M2, "e5m2", 1, 1},
-    {LADEN_DTYPE_F16, "f16", 1, 2},
-    {LADEN_DTYPE_BF16, "bf16", 1, 2},
-    {LADEN_DTYPE_F32, "f32", 1, 4},
+    {LADEN_DTYPE_Q4_0, "q4_0"},     {LADEN_DTYPE_Q4_1, "q4_1"},
+    {LADEN_DTYPE_Q5_0, "q5_0"},     {LADEN_DTYPE_Q5_1, "q5_1"},
+    {LADEN_DTYPE_Q8_0, "q8_0"},     {LADEN_DTYPE_Q2_K, "q2_k"},
+    {LADEN_DTYPE_Q3_K, "q3_k"},     {LADEN_DTYPE_Q4_K, "q4_k"},
+    {LADEN_DTYPE_Q5_K, "q5_k"},     {LADEN_DTYPE_Q6_K, "q6_k"},
+    {LADEN_DTYPE_F8_E4M3, "e4m3"},  {LADEN_DTYPE_F8_E5M2, "e5m2"},
+    {LADEN_DTYPE_F16, "f16"},       {LADEN_DTYPE_BF16, "bf16"},
+    {LADEN_DTYPE_F32, "f32"},
 };
 
 static int format_of(laden_dtype d)
@@ -252,14 +245,16 @@ static laden_status prepare(laden_dtype src_dtype, laden_devptr_t src,
     if (n == 0)
         return laden__fail(LADEN_E_INVAL, "laden_expand: n_elems is 0");
     const format *fm = &formats[f];
-    if (n % fm->block_elems)
+    uint32_t block_elems = 1, block_bytes = 1;
+    laden_dtype_block(src_dtype, &block_elems, &block_bytes);
+    if (n % block_elems)
         return laden__fail(LADEN_E_INVAL,
                            "laden_expand: %llu elements are not a multiple "
                            "of %s's %u-element blocks",
-                           (unsigned long long)n, fm->name, fm->block_elems);
+                           (unsigned long long)n, fm->name, block_elems);
     uint64_t want = 0, dst_bytes = 0;
-    uint32_t out_size = out == EX_OUT_F32 ? 4u : 2u;
-    if (!laden__mul_u64(n / fm->block_elems, fm->block_bytes, &want) ||
+    uint32_t out_size = laden_dtype_bits(dst_dtype) / 8;
+    if (!laden__mul_u64(n / block_elems, block_bytes, &want) ||
         !laden__mul_u64(n, out_size, &dst_bytes))
         return laden__fail(LADEN_E_INVAL,
                            "laden_expand: %llu elements overflow the address "
