@@ -208,7 +208,7 @@ static laden_status skip(cursor *c, uint64_t n, const char *field)
 
 static laden_status u32(cursor *c, uint32_t *v, const char *f)
 {
-    uint8_t b[4];
+    uint8_t b[4] = {0}; /* gcc -O2 cannot see take() fill it */
     laden_status s = take(c, b, 4, f);
     if (!s)
         *v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
@@ -218,7 +218,7 @@ static laden_status u32(cursor *c, uint32_t *v, const char *f)
 
 static laden_status u64(cursor *c, uint64_t *v, const char *f)
 {
-    uint8_t b[8];
+    uint8_t b[8] = {0}; /* as in u32 */
     laden_status s = take(c, b, 8, f);
     if (!s) {
         *v = 0;
