@@ -175,6 +175,76 @@ TEST(grads_ring_wraps_in_order)
     test_on_every_device(ring_wraps);
 }
 
+/* Into page-locked memory: a copy with nothing to add or convert goes
+ * straight there (no ring); one that adds, or converts, goes through the
+ * ring and lands after the direct copy to the same place; the bytes count
+ * both. */
+static void direct_into_pinned(int32_t dev)
+{
+    const uint64_t n = 300001; /* F32: 1.2 MB, more than half the ring */
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(dev, 0, &g));
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &s));
+    uintptr_t h = laden_dev_stream_handle(s);
+    void *pinned = NULL, *half = NULL;
+    CHECK_OK(laden_dev_host_alloc(dev, n * 4, &pinned));
+    CHECK_OK(laden_dev_host_alloc(dev, n * 2, &half));
+    void *x = values(LADEN_DTYPE_F32, n), *y = values(LADEN_DTYPE_F32, n);
+    void *z = values(LADEN_DTYPE_BF16, n);
+    laden_devptr_t dx = on_device(dev, s, x, n * 4);
+    laden_devptr_t dy = on_device(dev, s, y, n * 4);
+    laden_devptr_t dz = on_device(dev, s, z, n * 2);
+    if (dev == LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_synchronize(s));
+    float *exp = malloc(n * 4);
+    uint16_t *exph = malloc(n * 2);
+    CHECK(exp && exph);
+    for (int round = 0; round < 2; round++) { /* the buffer reused */
+        memset(pinned, 0x7f, n * 4);
+        CHECK_OK(laden_grads_push(g, dx, LADEN_DTYPE_F32, n, pinned,
+                                  LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
+        CHECK_OK(laden_grads_push(g, dy, LADEN_DTYPE_F32, n, pinned,
+                                  LADEN_DTYPE_F32,
+                                  LADEN_GRADS_PINNED | LADEN_GRADS_ADD, h));
+        /* F32 into BF16: converted, so through the ring */
+        CHECK_OK(laden_grads_push(g, dx, LADEN_DTYPE_F32, n, half,
+                                  LADEN_DTYPE_BF16, LADEN_GRADS_PINNED, h));
+        CHECK_OK(laden_grads_flush(g));
+        expect(LADEN_DTYPE_F32, x, LADEN_DTYPE_F32, exp, n, 0);
+        expect(LADEN_DTYPE_F32, y, LADEN_DTYPE_F32, exp, n, 1);
+        CHECK(memcmp(pinned, exp, n * 4) == 0);
+        expect(LADEN_DTYPE_F32, x, LADEN_DTYPE_BF16, exph, n, 0);
+        CHECK(memcmp(half, exph, n * 2) == 0);
+    }
+    /* BF16 into BF16, direct, after the ring's pushes */
+    CHECK_OK(laden_grads_push(g, dz, LADEN_DTYPE_BF16, n, half,
+                              LADEN_DTYPE_BF16, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(half, z, n * 2) == 0);
+    uint64_t bytes = 0, pushes = 0;
+    CHECK_OK(laden_grads_stats(g, &bytes, &pushes));
+    CHECK_EQ(pushes, 7);
+    CHECK_EQ(bytes, 2 * (3 * n * 4) + n * 2);
+    CHECK_OK(laden_dev_mem_free(dev, dx));
+    CHECK_OK(laden_dev_mem_free(dev, dy));
+    CHECK_OK(laden_dev_mem_free(dev, dz));
+    CHECK_OK(laden_dev_host_free(dev, pinned));
+    CHECK_OK(laden_dev_host_free(dev, half));
+    free(x);
+    free(y);
+    free(z);
+    free(exp);
+    free(exph);
+    laden_dev_stream_destroy(s);
+    laden_grads_destroy(g);
+}
+
+TEST(grads_direct_into_pinned)
+{
+    test_on_every_device(direct_into_pinned);
+}
+
 TEST(grads_bad_arguments)
 {
     laden_grads_t *g = NULL;
@@ -211,6 +281,10 @@ TEST(grads_bad_arguments)
                                   dst, LADEN_DTYPE_F32, 0, 0),
                  LADEN_E_INVAL);
     CHECK_CONTAINS(laden_last_error(), "elements");
+    CHECK_STATUS(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, dst,
+                                  LADEN_DTYPE_F32, 4, 0),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "flags");
     CHECK_OK(laden_grads_push(g, p, LADEN_DTYPE_F32, 4, dst, LADEN_DTYPE_F32,
                               1, 0));
     CHECK_OK(laden_grads_flush(g));
@@ -254,6 +328,21 @@ TEST(grads_copy_failures_reported)
     unsetenv("FAKE_CUDA_FAIL_EVENT_SYNC");
     CHECK(st != LADEN_OK);
     CHECK_CONTAINS(laden_last_error(), "laden_grads_flush");
+
+    /* the direct path: a copy that cannot be enqueued fails its push */
+    void *pinned = NULL;
+    CHECK_OK(laden_dev_host_alloc(0, sizeof src, &pinned));
+    setenv("FAKE_CUDA_FAIL_D2H", "1", 1);
+    st = laden_grads_push(g, d, LADEN_DTYPE_F32, 256, pinned,
+                          LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h);
+    unsetenv("FAKE_CUDA_FAIL_D2H");
+    CHECK(st != LADEN_OK);
+    CHECK_OK(laden_grads_flush(g));
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, 256, pinned,
+                              LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(pinned, src, sizeof src) == 0);
+    CHECK_OK(laden_dev_host_free(0, pinned));
 
     memset(dst, 0, sizeof dst);
     CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, 256, dst,

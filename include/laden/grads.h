@@ -10,7 +10,9 @@
  * duplex), and returns; the values reach their host destination, converted
  * and added there (an optimizer's .grad, fp32 or the parameter's dtype),
  * when the ring needs the space or at laden_grads_flush, which waits for
- * every push.  The device gradient must stay allocated until its copy has
+ * every push.  A copy into page-locked memory that needs no conversion
+ * and adds nothing skips the ring (LADEN_GRADS_PINNED): the common case
+ * of a training step, whose .grad buffers are reused from step to step.  The device gradient must stay allocated until its copy has
  * run: the caller orders its release after the sink's stream
  * (laden_grads_stream).  On the CPU device a push is done at once.
  *
@@ -37,19 +39,30 @@ LADEN_API laden_status laden_grads_create(int32_t device,
  * NULL is a no-op. */
 LADEN_API void laden_grads_destroy(laden_grads_t *g);
 
+/* What laden_grads_push does with the destination (bits of `flags`). */
+enum {
+    /* dst + value; without it dst = value. */
+    LADEN_GRADS_ADD = 1,
+    /* dst is page-locked host memory (cuMemHostAlloc'd or registered,
+     * e.g. a tensor with pin_memory=True): when nothing is added and the
+     * dtypes are equal, the copy goes straight into it, with no staging
+     * and no host work at all.  Wrong, the copy is still correct, but the
+     * driver then copies synchronously through its own staging. */
+    LADEN_GRADS_PINNED = 2
+};
+
 /* n elements of src_dtype at device address src go to dst (host memory of
- * dst_dtype, n elements): dst = value (accumulate 0) or dst + value
- * (accumulate 1), in fp32 arithmetic, rounded to nearest even.  Dtypes:
- * F32, F16, BF16.  compute_stream: the CUDA stream the gradient was
- * written on (0: the legacy default stream; ignored on the CPU).  A
- * gradient larger than half the ring moves in parts; if enqueuing a later
+ * dst_dtype, n elements): dst = value, or dst + value with LADEN_GRADS_ADD
+ * in `flags`, in fp32 arithmetic, rounded to nearest even.  Dtypes: F32,
+ * F16, BF16.  compute_stream: the CUDA stream the gradient was written on
+ * (0: the legacy default stream; ignored on the CPU).  Through the ring, a
+ * gradient larger than half of it moves in parts; if enqueuing a later
  * part fails, the push returns the error and the parts before it still
- * land: the destination is then not whole. */
+ * land: the destination is then not whole.  Unknown flag bits: E_INVAL. */
 LADEN_API laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
                                         laden_dtype src_dtype, uint64_t n,
                                         void *dst, laden_dtype dst_dtype,
-                                        int accumulate,
-                                        uintptr_t compute_stream);
+                                        int flags, uintptr_t compute_stream);
 
 /* Waits for every push so far and writes their values to their
  * destinations.  The first error of a push since the last flush is
@@ -59,7 +72,8 @@ LADEN_API laden_status laden_grads_flush(laden_grads_t *g);
 /* The sink's copy stream (a CUstream), 0 on the CPU device. */
 LADEN_API uintptr_t laden_grads_stream(laden_grads_t *g);
 
-/* Bytes copied off the device and pushes since the sink was made. */
+/* Bytes copied off the device and pushes since the sink was made (both
+ * paths). */
 LADEN_API laden_status laden_grads_stats(laden_grads_t *g,
                                          uint64_t *out_bytes,
                                          uint64_t *out_pushes);

@@ -788,7 +788,14 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
     dtype); ``handle.parameters()`` is what an optimizer steps, and the
     next forward streams what it wrote.  Streamed parameters that train
     need a copy in RAM (not the disk tier) and plain storage (not fp8 or
-    GGUF): others must be frozen (``requires_grad_(False)``)."""
+    GGUF): others must be frozen (``requires_grad_(False)``).
+
+    peft adapters added after ``stream_load`` (``get_peft_model``) inside
+    streamed blocks are made here on the model's device (peft put them on
+    the streamed weights' ``meta``) and initialized by peft; pass the
+    ``PeftModel`` so its ``init_lora_weights`` is used.  They stay
+    resident and train as ordinary parameters: LoRA over a streamed,
+    frozen base."""
     state = getattr(model, "_laden_stream", None)
     if state is None:
         why = ("was released (laden.release); load it again with "
@@ -819,6 +826,9 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
             raise InvalidArgumentError(
                 f"install_offload: grad_dtype must be torch.float32, "
                 f"float16 or bfloat16, not {grad_dtype}", "E_INVAL")
+    from .training import materialize_adapters
+
+    materialize_adapters(state, getattr(model, "peft_config", None))
     return _start(state, lookahead, train, grad_dtype)
 
 

@@ -19,7 +19,9 @@ which block is where is the schedule's.
   is let go; they land in the ``.grad`` of the parameter's host copy
   (``handle.parameters()``), in its dtype or fp32 (``grad_dtype``), added
   to what is there as torch adds micro-batches.  The sink is flushed when
-  the backward pass ends.
+  the backward pass ends.  On CUDA the ``.grad`` buffers are page-locked
+  and reused from step to step (after ``zero_grad()`` the next backward
+  writes into the same buffer), so the copy goes straight into them.
 - **Optimizers step the host copies**; a block whose host copy changed is
   filled again before it next runs (``_version`` counters, checked at
   every block call).
@@ -36,6 +38,7 @@ from ._model import _DTYPE_CODE, _compute_stream, _dev_index, _tensor_view
 from .errors import InvalidArgumentError, LadenError, StateError
 
 STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
+GRADS_ADD, GRADS_PINNED = 1, 2  # laden/grads.h's flags
 
 
 def grad_code(dtype) -> Optional[int]:
@@ -70,6 +73,7 @@ class _Trainer:
         self.versions: Dict[int, int] = {}  # c_block -> sum of _version
         self.hooks: list = []
         self.keep: list = []   # host .grad tensors written by pending pushes
+        self.bufs: Dict[int, object] = {}  # id(_Tensor) -> reused .grad
         self.armed = False     # a flush is queued for this backward
         self.sink = None
         self.copy_stream = None
@@ -116,6 +120,17 @@ class _Trainer:
                         "streamed parameters train in float32, float16 or "
                         "bfloat16", "E_INVAL")
                 hp = torch.nn.Parameter(home, requires_grad=True)
+                want = self.grad_dtype or p.dtype
+                if want != p.dtype:
+                    if not hasattr(hp, "grad_dtype"):
+                        raise InvalidArgumentError(
+                            f"install_offload(train=True, grad_dtype="
+                            f"{want}): {where} is {p.dtype}, and this "
+                            f"torch ({torch.__version__}) cannot hold a "
+                            "gradient of another dtype than its parameter "
+                            "(Tensor.grad_dtype came later); leave "
+                            "grad_dtype out", "E_INVAL")
+                    hp.grad_dtype = want
                 self.host[id(t)] = hp
                 self.by_block.setdefault(b.c_block, []).append(hp)
                 largest = max(largest, home.numel() * home.element_size())
@@ -148,6 +163,7 @@ class _Trainer:
             finally:
                 lib.laden_grads_destroy(sink)
         self.keep.clear()
+        self.bufs.clear()  # the host parameters' .grad keep theirs
 
     # -- gradients ---------------------------------------------------------------
     def _pusher(self, t):
@@ -163,21 +179,34 @@ class _Trainer:
 
         hp = self.host[id(t)]
         acc = hp.grad
-        fresh = acc is None
-        if fresh:
-            acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype)
+        flags = 0
+        if acc is None:
+            # The buffer of the last step, reused: page-locked on CUDA, so
+            # the copy goes straight into it (allocating and first-touching
+            # the model's size of new host memory every step cost seconds).
+            acc = self.bufs.get(id(t))
+            if acc is None:
+                acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype,
+                                  pin_memory=self.cuda)
+                self.bufs[id(t)] = acc
             hp.grad = acc
+            if acc.dtype != g.dtype:
+                # Converted on the device: the host then does nothing.
+                g = g.to(acc.dtype)
+        else:
+            flags |= GRADS_ADD
         dst = grad_code(acc.dtype)
         if dst is None:
             raise InvalidArgumentError(
                 f"the .grad of '{t.names[0]}' is {acc.dtype}; laden adds "
                 "gradients into float32, float16 or bfloat16", "E_INVAL")
+        if self.cuda and acc is self.bufs.get(id(t)):
+            flags |= GRADS_PINNED
         g = g.contiguous()
         self.keep.append(acc)
         check(lib.laden_grads_push(
             self.sink, g.data_ptr(), grad_code(g.dtype), g.numel(),
-            acc.data_ptr(), dst, 0 if fresh else 1,
-            _compute_stream(self.device)))
+            acc.data_ptr(), dst, flags, _compute_stream(self.device)))
         if self.cuda:
             # Freed for reuse only after the copy stream read it.
             g.record_stream(self.copy_stream)
@@ -223,14 +252,86 @@ class _Trainer:
 
     # -- the parameters an optimizer steps ---------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, object]]:
-        for t in self.state.tensors:
-            if not t.is_param:
-                continue
-            hp = self.host.get(id(t))
+        """The model's parameters in its order and with its names (peft's
+        adapters included), a streamed one as its host copy."""
+        host = {id(t.param): self.host[id(t)] for t in self.state.tensors
+                if id(t) in self.host}
+        root = self.state.root[0] if self.state.root is not None else None
+        if root is None:
+            items = [(t.names[0], t.param) for t in self.state.tensors
+                     if t.is_param and t.param is not None]
+        else:
+            items = list(root.named_parameters())
+        for n, p in items:
+            hp = host.get(id(p))
             if hp is not None:
-                yield t.names[0], hp
-            elif t.param is not None and t.param.requires_grad:
-                yield t.names[0], t.param
+                yield n, hp
+            elif p.requires_grad:
+                yield n, p
+
+
+def materialize_adapters(state, configs=None) -> None:
+    """Parameters made after stream_load inside streamed blocks: peft
+    places a LoRA layer's new factors on its base weight's device, which
+    for a streamed weight outside its block's call is ``meta`` -- so they
+    hold no values.  They are made on the model's device here and
+    initialized by peft's own ``reset_lora_parameters`` with the
+    adapter's ``init_lora_weights`` (``configs``: a PeftModel's
+    ``peft_config``; True when not given).  Anything else on ``meta`` in a
+    streamed block that laden does not load is refused by name."""
+    import torch
+
+    managed = {id(t.param) for t in state.tensors if t.param is not None}
+    dev = state.device
+    for b in state.blocks:
+        pre = b.name.rstrip(".")
+        for mname, mod in b.module.named_modules():
+            if not (hasattr(mod, "reset_lora_parameters") and
+                    isinstance(getattr(mod, "lora_A", None),
+                               torch.nn.ModuleDict)):
+                continue
+            _materialize_lora(mod, f"{pre}.{mname}" if mname else pre,
+                              dev, configs)
+        for n, p in b.module.named_parameters():
+            if p.is_meta and id(p) not in managed:
+                raise InvalidArgumentError(
+                    f"parameter '{pre}.{n}' of streamed block "
+                    f"'{pre}' is on meta and laden does not load it: "
+                    "made after stream_load on the device of a streamed "
+                    "weight (meta outside its block's call), it has no "
+                    "values; make it on the model's device, or before "
+                    "stream_load and in the checkpoint", "E_INVAL")
+
+
+def _materialize_lora(mod, where: str, dev, configs) -> None:
+    for name in list(mod.lora_A.keys()):
+        parts = [mod.lora_A[name], mod.lora_B[name]]
+        if not any(p.is_meta for m in parts for p in m.parameters()):
+            continue
+        mag = getattr(mod, "lora_magnitude_vector", None)
+        if mag is not None and name in mag:
+            raise InvalidArgumentError(
+                f"peft adapter '{name}' of '{where}' is DoRA, made after "
+                "stream_load: its magnitude is computed from the base "
+                "weight, which is not in memory there; apply it to the "
+                "model before laden loads it", "E_INVAL")
+        cfg = configs.get(name) if configs is not None else None
+        init = getattr(cfg, "init_lora_weights", True)
+        if not (init is True or init is False or
+                (isinstance(init, str) and init.lower() == "gaussian")):
+            raise InvalidArgumentError(
+                f"peft adapter '{name}' of '{where}' was made after "
+                f"stream_load with init_lora_weights={init!r}, which is "
+                "computed from the base weight; laden makes such adapters "
+                "on the device only with True, False or 'gaussian'",
+                "E_INVAL")
+        for m in parts:
+            m.to_empty(device=dev)
+        if init is False:  # what peft leaves: nn.Linear's own init
+            for m in parts:
+                m.reset_parameters()
+        else:
+            mod.reset_lora_parameters(name, init)
 
 
 def _rng_state(device):

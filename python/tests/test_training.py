@@ -108,6 +108,14 @@ def test_adamw_steps_match_the_plain_model(ckpt, device):
             for mb in range(2):
                 loss(mm, device, seed=10 * step + mb).backward()
         assert_grads_equal(h.named_parameters(), r, 1e-5)
+        if device == "cuda":
+            # zero_grad() let the .grad go; the next backward wrote into
+            # the same page-locked buffer (the copy goes straight there).
+            g = hp["blocks.0.up.weight"].grad
+            assert g.is_pinned()
+            if step == 0:
+                first = g.data_ptr()
+            assert g.data_ptr() == first
         opt.step()
         ropt.step()
     with torch.no_grad():
@@ -292,6 +300,39 @@ def test_device_memory_stays_slots_and_activations(tmp_path):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
                     "only there")
+def test_float32_gradients_of_bfloat16_weights(tmp_path):
+    """grad_dtype=torch.float32 on a bfloat16 model: the host copies'
+    .grad are float32 (converted on the device before the copy), equal to
+    the plain bfloat16 model's gradients within bfloat16's rounding."""
+    torch.manual_seed(0)
+    ref = DropNet(d=64, n=4).eval().to(torch.bfloat16)
+    path = str(tmp_path / "bf16.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=64, n=4).eval().to(torch.bfloat16)
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        with pytest.raises(laden.InvalidArgumentError, match="grad_dtype"):
+            laden.install_offload(m, train=True, grad_dtype=torch.float32)
+        return
+    h = laden.install_offload(m, train=True, lookahead=1,
+                              grad_dtype=torch.float32)
+    r = copy.deepcopy(ref).cuda()
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # fresh, then added on the host
+        m(x).float().pow(2).sum().backward()
+        r(x).float().pow(2).sum().backward()
+    hp = dict(h.named_parameters())
+    assert hp["blocks.0.lin.weight"].grad.dtype == torch.float32
+    for n, q in r.named_parameters():
+        torch.testing.assert_close(hp[n].grad.float().cpu(),
+                                   q.grad.float().cpu(), atol=2e-2,
+                                   rtol=2e-2, msg=n)
+    h.remove()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
 def test_streamed_float64_parameters_are_refused(tmp_path):
     ref = DropNet(d=16, n=2).double()
     path = str(tmp_path / "f64.safetensors")
@@ -303,3 +344,56 @@ def test_streamed_float64_parameters_are_refused(tmp_path):
                        match=r"'blocks\.0\.lin\.weight'.*float64"):
         laden.install_offload(m, train=True)
     laden.install_offload(m).remove()  # nothing was left installed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peft_lora_over_a_streamed_frozen_base(ckpt, device):
+    """peft's get_peft_model after stream_load (the base on the disk tier):
+    the LoRA factors peft put on meta are made on the device and
+    initialized by peft; three AdamW steps of the adapters equal peft on
+    the plain model started from the same factors."""
+    peft = pytest.importorskip("peft")
+    ref, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      ram_budget=0)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"],
+                          init_lora_weights="gaussian")
+    pm = peft.get_peft_model(m, cfg)
+    h = laden.install_offload(pm, train=True, lookahead=1)
+    lora = {n: p for n, p in h.named_parameters()}
+    assert lora and all("lora_" in n for n in lora)
+    a = lora["blocks.0.up.lora_A.default.weight"]
+    assert a.device.type == device and a.std() > 0  # made, "gaussian"
+    assert not lora["blocks.0.up.lora_B.default.weight"].any()
+    r = peft.get_peft_model(copy.deepcopy(ref).to(device), cfg)
+    rp = dict(r.base_model.model.named_parameters())
+    with torch.no_grad():
+        for n, p in lora.items():
+            rp[n].copy_(p)
+    opt = torch.optim.AdamW(h.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW([p for p in r.parameters() if p.requires_grad],
+                             lr=1e-2)
+    for step in range(3):
+        for mm, o in ((pm, opt), (r, ropt)):
+            o.zero_grad()
+            loss(mm, device, seed=step).backward()
+            o.step()
+    for n, p in lora.items():
+        torch.testing.assert_close(p, rp[n], atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids().to(device)),
+                                   r(ids().to(device)), atol=1e-5, rtol=1e-4)
+    h.remove()
+
+
+def test_new_parameters_on_meta_in_streamed_blocks_are_refused(ckpt):
+    """A parameter added to a streamed block after stream_load and left on
+    meta (no values) is named, not run."""
+    _, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, ram_budget=0)
+    m.blocks[2].extra = nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="'blocks.2.extra'.*meta"):
+        laden.install_offload(m)

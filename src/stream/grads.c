@@ -8,6 +8,12 @@
  * flush: jobs land in the order they were pushed, so two pushes to one
  * destination add up in that order.
  *
+ * A push into page-locked memory with nothing to add or convert is no
+ * job: its copy goes straight to the destination on the same copy stream
+ * (so after any earlier push's copy, and before any later one's: a later
+ * job adding to that destination lands after it), and flush waits for the
+ * stream.
+ *
  * The ring: jobs occupy [head_off, tail) or, wrapped, [head_off, end) and
  * [0, tail).  A new part goes at tail, or at 0 when it does not fit before
  * the end; never up to head_off exactly (tail == head_off would be both
@@ -47,6 +53,7 @@ struct laden_grads {
     laden_status err; /* the first since the last flush */
     char msg[256];
     uint64_t bytes, pushes;
+    bool direct; /* copies outside the ring since the last flush */
 };
 
 static uint32_t esize(laden_dtype d)
@@ -210,6 +217,8 @@ void laden_grads_destroy(laden_grads_t *g)
     pthread_mutex_lock(&g->mu);
     while (g->njobs)
         land_one(g);
+    if (g->direct)
+        (void)laden_dev_stream_synchronize(g->copy);
     pthread_mutex_unlock(&g->mu);
     for (uint32_t i = 0; i < g->nspare; i++)
         laden_dev_event_destroy(g->spare[i]);
@@ -226,8 +235,9 @@ void laden_grads_destroy(laden_grads_t *g)
 
 static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
                               laden_dtype sd, uint64_t n, char *dst,
-                              laden_dtype dd, int acc, uintptr_t stream)
+                              laden_dtype dd, int flags, uintptr_t stream)
 {
+    int acc = (flags & LADEN_GRADS_ADD) != 0;
     laden_status st = LADEN_OK;
     if (!g->caller || g->caller_handle != stream) {
         laden_dev_stream_destroy(g->caller);
@@ -242,6 +252,14 @@ static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
     if (st)
         return st;
     uint64_t es = esize(sd), total = n * es, done = 0;
+    if ((flags & LADEN_GRADS_PINNED) && !acc && sd == dd) {
+        if ((st = laden_dev_copy_d2h(g->copy, dst, src, total)))
+            return st;
+        g->direct = true;
+        g->bytes += total;
+        land_done(g);
+        return LADEN_OK;
+    }
     uint64_t part_max = (g->size / 2) / es * es; /* two parts in flight */
     while (done < total) {
         uint64_t bytes = total - done < part_max ? total - done : part_max;
@@ -274,7 +292,7 @@ static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
 
 laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
                               laden_dtype src_dtype, uint64_t n, void *dst,
-                              laden_dtype dst_dtype, int accumulate,
+                              laden_dtype dst_dtype, int flags,
                               uintptr_t compute_stream)
 {
     if (!g)
@@ -285,6 +303,9 @@ laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
                            "BF16; got %s to %s",
                            laden_dtype_name(src_dtype),
                            laden_dtype_name(dst_dtype));
+    if (flags & ~(LADEN_GRADS_ADD | LADEN_GRADS_PINNED))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_grads_push: unknown flags 0x%x", flags);
     if (!n)
         return LADEN_OK;
     if (!src || !dst)
@@ -298,10 +319,10 @@ laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
     g->pushes++;
     if (g->device == LADEN_DEVICE_CPU) {
         land_values((const char *)(uintptr_t)src, src_dtype, dst, dst_dtype,
-                    n, accumulate != 0);
+                    n, (flags & LADEN_GRADS_ADD) != 0);
         g->bytes += n * esize(src_dtype);
     } else {
-        st = push_cuda(g, src, src_dtype, n, dst, dst_dtype, accumulate != 0,
+        st = push_cuda(g, src, src_dtype, n, dst, dst_dtype, flags,
                        compute_stream);
     }
     pthread_mutex_unlock(&g->mu);
@@ -315,6 +336,10 @@ laden_status laden_grads_flush(laden_grads_t *g)
     pthread_mutex_lock(&g->mu);
     while (g->njobs)
         land_one(g);
+    if (g->direct) {
+        g->direct = false;
+        note_error(g, laden_dev_stream_synchronize(g->copy));
+    }
     laden_status st = g->err;
     char msg[sizeof g->msg];
     memcpy(msg, g->msg, sizeof msg);
