@@ -9,9 +9,17 @@ autograd) in the same process, and the ideal: max(the resident forward x 2
 + backward (the recomputation), the bytes over the link: the weights go up
 twice (forward, then backward in reverse), their gradients come down once,
 at the copy rates measured here).  Also the LoRA-style case: streamed
-weights frozen, gradients only for the input.  Prints; asserts nothing.
+weights frozen, gradients only for the input.
+
+Whole steps (forward + backward + optimizer): every weight training with
+torch's CPU AdamW over handle.parameters() (the host copies; foreach and
+fused); a peft LoRA (r 16 on qkv, out, up, down) over the streamed frozen
+base with AdamW on the device; and, side by side in the same process,
+PyTorch FSDP2 with CPUOffloadPolicy on this one GPU (fully_shard per block,
+its CPU AdamW).  Prints; asserts nothing.
 
     python bench/train.py [--blocks 24 --hidden 4096] [--tokens 2048]
+                          [--no-fsdp] [--no-lora]
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(HERE, "out"))
+    ap.add_argument("--no-fsdp", action="store_true")
+    ap.add_argument("--no-lora", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -99,7 +109,7 @@ def main() -> int:
     gc.collect()
     torch.cuda.empty_cache()
 
-    rows = []
+    rows, steps = [], []
     for frozen in (False, True):
         m = sb.build_meta(a)
         laden.stream_load(m, path, offload_prefixes=["blocks."],
@@ -130,10 +140,59 @@ def main() -> int:
         rows.append(("frozen weights (LoRA-style)" if frozen
                      else "all weights train", t, ideal, up, down, peak,
                      s1["device_bytes"], s1["misses"] - s0["misses"]))
+        if not frozen:
+            for kind in ("foreach", "fused"):
+                opt = torch.optim.AdamW(params, lr=1e-5, **{kind: True})
+                try:
+                    tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
+                except Exception as e:  # e.g. fused not on this build
+                    print(f"AdamW({kind}=True) on the host: {e}")
+                    continue
+                steps.append((f"laden, all train, CPU AdamW {kind}", tw, f,
+                              o, peak, _rss()))
+                del opt
+                gc.collect()
+            # AdamW on the device inside backward: the state goes up and
+            # comes home with the weights; no gradient leaves the device.
+            opt = torch.optim.AdamW(params, lr=1e-5)
+            h.step_in_backward(opt)
+            g0 = _sink_bytes(h)
+            s0 = h.stats()
+            tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
+            n = a.repeats + 1
+            up = (h.stats()["h2d_bytes"] - s0["h2d_bytes"]) / n
+            state = 2 * wbytes  # exp_avg, exp_avg_sq in bf16
+            down = (_sink_bytes(h) - g0) / n
+            ideal_f = max(2 * t_fwd + (t_res - t_fwd),
+                          1e3 * (wbytes / h2d + max((wbytes + state) / h2d,
+                                                    down / d2h)))
+            steps.append(("laden, all train, AdamW on GPU in backward", tw,
+                          f, o, torch.cuda.max_memory_allocated() - base,
+                          _rss()))
+            print(f"step_in_backward: weights up {up / 1e9:.2f} GB + state "
+                  f"up {state / 1e9:.2f} GB, home {down / 1e9:.2f} GB per "
+                  f"step; ideal {ideal_f:.1f} ms, measured {tw:.1f} ms "
+                  f"({tw / ideal_f:.2f}x)")
+            h.step_in_backward(None)
+            del opt
+            gc.collect()
         laden.release(m, h)
         del m, h, params
         gc.collect()
         torch.cuda.empty_cache()
+
+    if not a.no_lora:
+        try:
+            steps.append(lora_step(a, path, xr))
+        except Exception as e:
+            print(f"LoRA step: {type(e).__name__}: {e}")
+        gc.collect()
+        torch.cuda.empty_cache()
+    if not a.no_fsdp:
+        try:
+            steps.append(fsdp2_step(a, xr))
+        except Exception as e:
+            print(f"FSDP2 CPUOffloadPolicy: {type(e).__name__}: {e}")
 
     print(f"resident forward {t_fwd:.1f} ms, forward+backward "
           f"{t_res:.1f} ms; weights {wbytes / 1e9:.2f} GB")
@@ -144,7 +203,122 @@ def main() -> int:
         print(f"{name:<30} {t:>8.1f} {ideal:>8.1f} {t / ideal:>6.2f} "
               f"{up / 1e9:>7.2f} {down / 1e9:>8.2f} {peak / 1e9:>14.2f} "
               f"{dev / 1e9:>13.2f} {miss / (a.repeats + 1):>7.1f}")
+    print()
+    print(f"{'whole step':<42} {'ms':>8} {'fwd+bwd':>8} {'optim':>8} "
+          f"{'torch peak GB':>14} {'host RSS GB':>12}")
+    for name, t, fb, st, peak, rss in steps:
+        print(f"{name:<42} {t:>8.1f} {fb:>8.1f} {st:>8.1f} "
+              f"{peak / 1e9:>14.2f} {rss / 1e9:>12.2f}")
+    fs = [x for x in steps if x[0].startswith("FSDP2")]
+    for x in steps:
+        if fs and x is not fs[0]:
+            print(f"  {x[0]}: FSDP2 offload's step / this = "
+                  f"{fs[0][1] / x[1]:.2f}x")
     return 0
+
+
+def _sink_bytes(h) -> int:
+    import ctypes
+    from laden._lib import lib
+
+    b, n = ctypes.c_uint64(), ctypes.c_uint64()
+    lib.laden_grads_stats(h.trainer.sink, ctypes.byref(b), ctypes.byref(n))
+    return b.value
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _median_split(fn, repeats):
+    fb, st = [], []
+
+    def whole():
+        t0 = time.perf_counter()
+        fn[0]()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        fn[1]()
+        torch.cuda.synchronize()
+        fb.append((t1 - t0) * 1e3)
+        st.append((time.perf_counter() - t1) * 1e3)
+
+    t = step_ms(whole, repeats)
+    med = lambda v: sorted(v[1:])[len(v[1:]) // 2]  # noqa: E731
+    return t, med(fb), med(st)
+
+
+def lora_step(a, path, xr):
+    """peft LoRA r 16 on every linear of the streamed, frozen base; AdamW
+    on the device over the adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    m = sb.build_meta(a)
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device=a.device,
+                      lookahead=2, progress=False)
+    pm = get_peft_model(m, LoraConfig(
+        r=16, lora_alpha=16, target_modules=["qkv", "out", "up", "down"]))
+    h = laden.install_offload(pm, train=True)
+    opt = torch.optim.AdamW(h.parameters(), lr=1e-4)
+    x = xr.detach()
+
+    def fb():
+        opt.zero_grad()
+        pm(x).float().pow(2).mean().backward()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t, f, s = _median_split((fb, opt.step), a.repeats)
+    peak = torch.cuda.max_memory_allocated() - base
+    n = sum(p.numel() for p in h.parameters())
+    laden.release(m, h)
+    return (f"laden, peft LoRA ({n / 1e6:.0f}M), AdamW on GPU", t, f, s,
+            peak, _rss())
+
+
+def fsdp2_step(a, xr):
+    """PyTorch FSDP2 on this one GPU with CPUOffloadPolicy: parameters,
+    gradients and AdamW on the host, each block's all-gather a copy up."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1,
+                            device_id=a.device)
+    try:
+        m = sb.build_meta(a)
+        for b in m.blocks:
+            fully_shard(b, offload_policy=CPUOffloadPolicy())
+        fully_shard(m, offload_policy=CPUOffloadPolicy())
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.to_local().normal_(0, 0.02)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        x = xr.detach().requires_grad_(True)
+
+        def fb():
+            opt.zero_grad()
+            m(x).float().pow(2).mean().backward()
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t, f, s = _median_split((fb, opt.step), a.repeats)
+        peak = torch.cuda.max_memory_allocated() - base
+        rss = _rss()
+        del m, opt
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ("FSDP2 CPUOffloadPolicy (CPU AdamW)", t, f, s, peak, rss)
 
 
 if __name__ == "__main__":

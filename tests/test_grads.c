@@ -245,6 +245,47 @@ TEST(grads_direct_into_pinned)
     test_on_every_device(direct_into_pinned);
 }
 
+/* An optimizer's state brought up (fetch) and its result sent home
+ * (push) around work on the caller's stream; wait orders the sink's
+ * stream after that stream. */
+static void fetch_and_wait(int32_t dev)
+{
+    const uint64_t n = 70001;
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(dev, 0, &g));
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &s));
+    uintptr_t h = laden_dev_stream_handle(s);
+    void *host = NULL, *back = NULL;
+    CHECK_OK(laden_dev_host_alloc(dev, n * 4, &host));
+    CHECK_OK(laden_dev_host_alloc(dev, n * 4, &back));
+    void *x = values(LADEN_DTYPE_F32, n);
+    memcpy(host, x, n * 4);
+    laden_devptr_t d = 0;
+    CHECK_OK(laden_dev_mem_alloc(dev, n * 4, &d));
+    CHECK_OK(laden_grads_fetch(g, d, host, n * 4, h));
+    CHECK_OK(laden_grads_wait(g, h));
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, n, back,
+                              LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(back, x, n * 4) == 0);
+    CHECK_OK(laden_grads_fetch(g, d, host, 0, h)); /* nothing */
+    CHECK_STATUS(laden_grads_fetch(g, 0, host, 4, h), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_fetch(NULL, d, host, 4, h), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_wait(NULL, h), LADEN_E_INVAL);
+    CHECK_OK(laden_dev_mem_free(dev, d));
+    CHECK_OK(laden_dev_host_free(dev, host));
+    CHECK_OK(laden_dev_host_free(dev, back));
+    free(x);
+    laden_dev_stream_destroy(s);
+    laden_grads_destroy(g);
+}
+
+TEST(grads_fetch_and_wait)
+{
+    test_on_every_device(fetch_and_wait);
+}
+
 TEST(grads_bad_arguments)
 {
     laden_grads_t *g = NULL;

@@ -111,8 +111,8 @@ static void destroy(model *m)
 }
 
 /* Runs model block i as a kernel would: enter, read its bytes where the
- * schedule says they are, check them, exit. */
-static void run_block(model *m, int i)
+ * schedule says they are, check them, exit (on stream exit_on). */
+static void run_block_exit_on(model *m, int i, uintptr_t exit_on)
 {
     uint32_t b = m->block_of[i];
     CHECK_OK(laden_sched_enter(m->sc, b, 0));
@@ -134,7 +134,12 @@ static void run_block(model *m, int i)
                 exit(1);
             }
     }
-    CHECK_OK(laden_sched_exit(m->sc, b, 0));
+    CHECK_OK(laden_sched_exit(m->sc, b, exit_on));
+}
+
+static void run_block(model *m, int i)
+{
+    run_block_exit_on(m, i, 0);
 }
 
 
@@ -213,6 +218,40 @@ static void orders(int32_t dev)
 }
 
 TEST(stream_any_call_order) { test_on_every_device(orders); }
+
+/* Blocks exited on another stream than they were entered on (a training
+ * step exits on the gradient sink's stream), forward and in reverse: the
+ * bytes are right; the schedule lets that stream go when told, and works
+ * on after it is destroyed. */
+static void exit_elsewhere(int32_t dev)
+{
+    static const laden_tier ALL[NB] = {
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
+    model m;
+    build(&m, dev, ALL, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 1));
+    laden_dev_stream_t *other = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &other));
+    uintptr_t h = laden_dev_stream_handle(other);
+    for (int pass = 0; pass < 3; pass++) {
+        for (int i = 0; i < NB; i++)
+            run_block_exit_on(&m, i, h);
+        for (int i = NB - 1; i >= 0; i--)
+            run_block_exit_on(&m, i, i % 2 ? h : 0);
+    }
+    CHECK_OK(laden_sched_forget_stream(m.sc, h));
+    CHECK_OK(laden_sched_forget_stream(m.sc, h)); /* not held: no-op */
+    laden_dev_stream_destroy(other);
+    for (int i = 0; i < NB; i++)
+        run_block(&m, i);
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    CHECK_STATUS(laden_sched_forget_stream(NULL, 0), LADEN_E_INVAL);
+    destroy(&m);
+}
+
+TEST(stream_exit_on_another_stream) { test_on_every_device(exit_elsewhere); }
 
 static void misuse(int32_t dev)
 {

@@ -69,6 +69,20 @@ LADEN_API laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
  * returned here (and the pushes after it are still written). */
 LADEN_API laden_status laden_grads_flush(laden_grads_t *g);
 
+/* The work enqueued on compute_stream so far comes before anything
+ * enqueued on the sink's stream from now on.  A block whose weights were
+ * pushed (an optimizer stepped them in its slot) exits on the sink's
+ * stream after this, so its slot is refilled only after they are copied. */
+LADEN_API laden_status laden_grads_wait(laden_grads_t *g,
+                                        uintptr_t compute_stream);
+
+/* bytes of host memory at src to device memory at dst, on compute_stream
+ * after its work so far (an optimizer's state brought up for a step);
+ * asynchronous when src is page-locked.  On the CPU device, at once. */
+LADEN_API laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
+                                         const void *src, uint64_t bytes,
+                                         uintptr_t compute_stream);
+
 /* The sink's copy stream (a CUstream), 0 on the CPU device. */
 LADEN_API uintptr_t laden_grads_stream(laden_grads_t *g);
 

@@ -319,6 +319,12 @@ LADEN_API laden_status laden_sched_enter(laden_sched_t *sched, uint32_t block,
 LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
                                         uintptr_t compute_stream);
 
+/* The CUDA stream `handle` is about to be destroyed: if the schedule holds
+ * it (from an enter or exit on it) it waits for its work and lets it go.
+ * No-op on the CPU device and for a stream it does not hold. */
+LADEN_API laden_status laden_sched_forget_stream(laden_sched_t *sched,
+                                                 uintptr_t handle);
+
 /* Waits for every copy and read the schedule has in flight. */
 LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 

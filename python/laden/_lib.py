@@ -279,6 +279,9 @@ _SIGNATURES = {
     "laden_grads_flush": (status_t, [p]),
     "laden_grads_stream": (c_size_t, [p]),
     "laden_grads_stats": (status_t, [p, P(c_uint64), P(c_uint64)]),
+    "laden_grads_wait": (status_t, [p, c_size_t]),
+    "laden_grads_fetch": (status_t, [p, c_uint64, c_void_p, c_uint64,
+                                     c_size_t]),
     # dev
     "laden_dev_count": (status_t, [P(c_int32)]),
     "laden_dev_cuda_error": (c_char_p, []),
@@ -321,6 +324,7 @@ _SIGNATURES = {
     "laden_sched_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_sched_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_sched_synchronize": (status_t, [p]),
+    "laden_sched_forget_stream": (status_t, [p, c_size_t]),
     "laden_sched_slot_fills": (status_t, [p, c_uint32, P(c_uint64)]),
     "laden_sched_refill": (status_t, [p]),
     "laden_sched_copy_fills": (status_t, [p, c_uint32, P(c_uint64)]),

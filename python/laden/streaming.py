@@ -662,6 +662,29 @@ class OffloadHandle:
         """The parameters of ``named_parameters()``, for an optimizer."""
         return (p for _, p in self.named_parameters())
 
+    def step_in_backward(self, optimizer) -> None:
+        """From the next backward on, ``optimizer`` (built over
+        ``parameters()``) steps the streamed parameters it holds on the
+        device, inside backward, as each one's gradient is ready: its
+        state comes up from ``optimizer.state`` (kept in page-locked host
+        memory), a one-parameter optimizer of its class and group settings
+        steps the weights in their slot, and weights and state go home.
+        Their gradients never leave the device (no ``.grad`` on the host
+        copies), so ``optimizer.step()`` after backward steps only the
+        other parameters.  Each backward is then one step: no accumulation
+        over micro-batches, no clipping by the global norm.  ``None``
+        turns it off."""
+        self.state.live("OffloadHandle.step_in_backward")
+        if self.trainer is None or not self.active:
+            raise StateError(
+                "OffloadHandle.step_in_backward: only for a handle made by "
+                "install_offload(..., train=True) and not removed",
+                "E_STATE")
+        from .training import _Fused
+
+        self.trainer.fused = None if optimizer is None else \
+            _Fused(self.trainer, optimizer)
+
     def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
         """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,
         replacement values) with their ``strengths`` (default 1.0 each),

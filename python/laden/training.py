@@ -78,6 +78,8 @@ class _Trainer:
         self.sink = None
         self.copy_stream = None
         self.closed = False  # the handle was removed
+        self.fused = None      # _Fused: an optimizer stepping in backward
+        self.stepped = False   # it stepped weights of the block running
         # An input that requires grad, so every block call is a node of
         # the graph even when only its parameters train.
         self.anchor = torch.zeros((), requires_grad=True)
@@ -156,11 +158,18 @@ class _Trainer:
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
+        self.fused = None
         if self.sink is not None:
             sink, self.sink = self.sink, None
             try:
                 check(lib.laden_grads_flush(sink))
             finally:
+                o = self.state.owner
+                if o is not None and self.cuda:
+                    # Blocks left on the sink's stream: the schedule lets
+                    # go of it before it is destroyed.
+                    lib.laden_sched_forget_stream(
+                        o.h, lib.laden_grads_stream(sink))
                 lib.laden_grads_destroy(sink)
         self.keep.clear()
         self.bufs.clear()  # the host parameters' .grad keep theirs
@@ -170,9 +179,25 @@ class _Trainer:
         def hook(p) -> None:
             g = p.grad
             p.grad = None  # the device copy goes as soon as it is copied
-            if g is not None:
+            if g is None:
+                return
+            f = self.fused
+            if f is not None and id(self.host[id(t)]) in f.groups:
+                f.step(t, p, g)
+            else:
                 self._push(t, g)
         return hook
+
+    def exit_stream(self, stream: int) -> int:
+        """The stream a block leaves on after its backward: the sink's,
+        after it waited for `stream`, when an optimizer stepped weights in
+        the block's slot (the slot is refilled only once they are copied
+        home); else `stream`."""
+        if not self.stepped:
+            return stream
+        self.stepped = False
+        check(lib.laden_grads_wait(self.sink, stream))
+        return lib.laden_grads_stream(self.sink)
 
     def _push(self, t, g) -> None:
         import torch
@@ -218,6 +243,8 @@ class _Trainer:
         if self.sink is None or self.armed:
             return
         self.armed = True
+        if self.fused is not None:
+            self.fused.regroup()
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
     def flush(self) -> None:
@@ -270,11 +297,128 @@ class _Trainer:
                 yield n, p
 
 
+class _Fused:
+    """An optimizer stepping the streamed parameters in backward
+    (``handle.step_in_backward``): as a streamed parameter's gradient is
+    accumulated, its optimizer state (page-locked, in ``optimizer.state``
+    of its host copy) comes up, a one-parameter optimizer of the same
+    class and hyperparameters steps it in its slot, and the weights and
+    the state go home; the block leaves on the sink's stream so its slot
+    is refilled only after that.  The gradient never leaves the device."""
+
+    def __init__(self, trainer: _Trainer, opt):
+        self.tr = trainer
+        self.opt = opt
+        self.groups: Dict[int, dict] = {}
+        self.shadow: Dict[int, object] = {}  # id(_Tensor) -> optimizer
+        import inspect
+
+        try:
+            sig = inspect.signature(type(opt).__init__).parameters
+        except (TypeError, ValueError):
+            sig = {}
+        self.kwargs = set(sig) - {"self", "params"}
+        self.regroup()
+        if not self.groups:
+            raise InvalidArgumentError(
+                f"step_in_backward: the {type(opt).__name__} holds none of "
+                "the host copies of streamed parameters (build it over "
+                "handle.parameters())", "E_INVAL")
+
+    def regroup(self) -> None:
+        ours = {id(hp) for hp in self.tr.host.values()}
+        self.groups = {id(p): g for g in self.opt.param_groups
+                       for p in g["params"] if id(p) in ours}
+
+    def _shadow(self, t, p, group):
+        sh = self.shadow.get(id(t))
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if sh is None:
+            try:
+                sh = type(self.opt)(
+                    [p], **{k: v for k, v in hyper.items()
+                            if k in self.kwargs})
+            except Exception as e:
+                raise InvalidArgumentError(
+                    f"step_in_backward: cannot make a {type(self.opt).__name__}"
+                    f" for one parameter with the group's settings: {e}",
+                    "E_INVAL") from e
+            self.shadow[id(t)] = sh
+        sh.param_groups[0].update(hyper)  # a scheduler's lr, each step
+        return sh
+
+    def step(self, t, p, g) -> None:
+        import torch
+
+        tr = self.tr
+        hp = tr.host[id(t)]
+        sh = self._shadow(t, p, self.groups[id(hp)])
+        stream = _compute_stream(tr.device)
+        hs = self.opt.state[hp]
+        ds = {}
+        for k, v in list(hs.items()):
+            if k == "step" or not _per_element(v, hp):
+                ds[k] = v  # a step count: shared, updated in place
+                continue
+            if tr.cuda and not v.is_pinned():
+                v = hs[k] = v.pin_memory()  # e.g. after load_state_dict
+            d = torch.empty(v.shape, dtype=v.dtype, device=tr.device)
+            check(lib.laden_grads_fetch(tr.sink, d.data_ptr(), v.data_ptr(),
+                                        v.numel() * v.element_size(),
+                                        stream))
+            ds[k] = d
+        sh.state[p] = ds
+        p.grad = g
+        try:
+            sh.step()
+        finally:
+            p.grad = None
+            ds = sh.state.pop(p, {})
+        for k, d in ds.items():
+            if k == "step" or not (_per_element(d, hp) and
+                                   d.device == tr.device):
+                hs[k] = d
+                continue
+            h = hs.get(k)
+            if h is None or not _per_element(h, hp) or h.dtype != d.dtype \
+                    or (tr.cuda and not h.is_pinned()):
+                h = hs[k] = torch.empty(d.shape, dtype=d.dtype,
+                                        pin_memory=tr.cuda)
+            self._home(d, h, stream)
+        # The weights, from the slot (not torch's memory: nothing to keep)
+        self._home(p.detach(), hp.detach(), stream, owned=False)
+        tr.stepped = True
+
+    def _home(self, d, h, stream, owned=True) -> None:
+        code = grad_code(d.dtype)
+        if code is None or d.dtype != h.dtype:
+            raise InvalidArgumentError(
+                f"step_in_backward: a {d.dtype} tensor of the optimizer "
+                "state cannot go home (float32, float16 or bfloat16 only)",
+                "E_INVAL")
+        tr = self.tr
+        tr.keep.append(h)
+        check(lib.laden_grads_push(
+            tr.sink, d.data_ptr(), code, d.numel(), h.data_ptr(), code,
+            GRADS_PINNED if tr.cuda else 0, stream))
+        if tr.cuda and owned:
+            d.record_stream(tr.copy_stream)
+
+
+def _per_element(v, hp) -> bool:
+    """A state tensor with one value per element of the parameter."""
+    import torch
+
+    return isinstance(v, torch.Tensor) and v.is_floating_point() and \
+        v.shape == hp.shape
+
+
 def materialize_adapters(state, configs=None) -> None:
     """Parameters made after stream_load inside streamed blocks: peft
     places a LoRA layer's new factors on its base weight's device, which
-    for a streamed weight outside its block's call is ``meta`` -- so they
-    hold no values.  They are made on the model's device here and
+    for a streamed weight outside its block's call is ``meta`` (the disk
+    tier: no values) or the CPU (the RAM tier's host copy: moved to the
+    model's device here).  They are made on the model's device here and
     initialized by peft's own ``reset_lora_parameters`` with the
     adapter's ``init_lora_weights`` (``configs``: a PeftModel's
     ``peft_config``; True when not given).  Anything else on ``meta`` in a
@@ -307,6 +451,11 @@ def _materialize_lora(mod, where: str, dev, configs) -> None:
     for name in list(mod.lora_A.keys()):
         parts = [mod.lora_A[name], mod.lora_B[name]]
         if not any(p.is_meta for m in parts for p in m.parameters()):
+            # On the RAM tier peft saw the host copy's device (the CPU):
+            # the factors, with their values, go where the model runs.
+            for m in parts:
+                if any(p.device != dev for p in m.parameters()):
+                    m.to(dev)
             continue
         mag = getattr(mod, "lora_magnitude_vector", None)
         if mag is not None and name in mag:
@@ -437,12 +586,13 @@ class _Call:
             if then is not None:
                 then(out)
         except BaseException:
+            self.trainer.stepped = False
             try:
                 self.leave(stream)
             except LadenError:
                 pass
             raise
-        self.leave(stream)
+        self.leave(self.trainer.exit_stream(stream))
         return out
 
     def recompute_and_backward(self, inputs, grads) -> None:

@@ -347,16 +347,18 @@ def test_streamed_float64_parameters_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_peft_lora_over_a_streamed_frozen_base(ckpt, device):
-    """peft's get_peft_model after stream_load (the base on the disk tier):
-    the LoRA factors peft put on meta are made on the device and
-    initialized by peft; three AdamW steps of the adapters equal peft on
-    the plain model started from the same factors."""
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_peft_lora_over_a_streamed_frozen_base(ckpt, device, tier):
+    """peft's get_peft_model after stream_load: the LoRA factors peft put
+    on meta (disk tier) are made on the device and initialized by peft,
+    those it put on the CPU (RAM tier's host copies) moved to the device;
+    three AdamW steps of the adapters equal peft on the plain model
+    started from the same factors."""
     peft = pytest.importorskip("peft")
     ref, path = ckpt
     m = on_meta()
     laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
-                      ram_budget=0)
+                      **({"ram_budget": 0} if tier == "disk" else {}))
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"],
                           init_lora_weights="gaussian")
     pm = peft.get_peft_model(m, cfg)
@@ -365,6 +367,7 @@ def test_peft_lora_over_a_streamed_frozen_base(ckpt, device):
     assert lora and all("lora_" in n for n in lora)
     a = lora["blocks.0.up.lora_A.default.weight"]
     assert a.device.type == device and a.std() > 0  # made, "gaussian"
+    assert all(p.device.type == device for p in lora.values())
     assert not lora["blocks.0.up.lora_B.default.weight"].any()
     r = peft.get_peft_model(copy.deepcopy(ref).to(device), cfg)
     rp = dict(r.base_model.model.named_parameters())
@@ -397,3 +400,70 @@ def test_new_parameters_on_meta_in_streamed_blocks_are_refused(ckpt):
     with pytest.raises(laden.InvalidArgumentError,
                        match="'blocks.2.extra'.*meta"):
         laden.install_offload(m)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_step_in_backward_matches_adamw_on_the_plain_model(tmp_path):
+    """handle.step_in_backward(AdamW): streamed weights step on the device
+    inside backward (state up from the host, weights and state home);
+    opt.step() after backward steps the rest.  Three steps, the learning
+    rate changed between two of them, equal the plain model's AdamW: the
+    weights, the state, the output; no gradient reaches the host copies."""
+    torch.manual_seed(0)
+    ref = DropNet(d=64, n=5).eval()
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=64, n=5).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=1)
+    opt = torch.optim.AdamW(h.parameters(), lr=1e-2, weight_decay=0.1)
+    h.step_in_backward(opt)
+    r = copy.deepcopy(ref).cuda()
+    ropt = torch.optim.AdamW(r.parameters(), lr=1e-2, weight_decay=0.1)
+    hp = dict(h.named_parameters())
+    for step in range(3):
+        if step == 2:
+            for o in (opt, ropt):
+                o.param_groups[0]["lr"] = 3e-3
+        x = torch.randn(6, 64, device="cuda", generator=torch.Generator(
+            "cuda").manual_seed(step))
+        for mm, o in ((m, opt), (r, ropt)):
+            o.zero_grad()
+            mm(x).pow(2).mean().backward()
+            o.step()
+        assert hp["blocks.0.lin.weight"].grad is None
+        assert hp["inp.weight"].grad is not None  # resident: ordinary
+    for n, q in r.named_parameters():
+        torch.testing.assert_close(hp[n].detach().cpu(), q.detach().cpu(),
+                                   atol=1e-5, rtol=1e-4, msg=n)
+    st, rst = opt.state[hp["blocks.3.lin.weight"]], \
+        ropt.state[dict(r.named_parameters())["blocks.3.lin.weight"]]
+    assert st["exp_avg"].is_pinned() and st["exp_avg"].device.type == "cpu"
+    torch.testing.assert_close(st["exp_avg_sq"].cuda(), rst["exp_avg_sq"],
+                               atol=1e-7, rtol=1e-4)
+    assert float(st["step"]) == 3
+    with torch.no_grad():
+        x = torch.randn(6, 64, device="cuda")
+        torch.testing.assert_close(m(x), r(x), atol=1e-5, rtol=1e-4)
+    h.step_in_backward(None)  # off: gradients go to the host again
+    m(x).pow(2).mean().backward()
+    assert hp["blocks.0.lin.weight"].grad is not None
+    h.remove()
+
+
+def test_step_in_backward_refusals(ckpt):
+    ref, path = ckpt
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, ram_budget=0)
+    freeze_blocks(m)
+    h = laden.install_offload(m)
+    with pytest.raises(laden.StateError, match="train=True"):
+        h.step_in_backward(torch.optim.SGD([torch.zeros(1,
+                                            requires_grad=True)], lr=1))
+    h.remove()
+    h = laden.install_offload(m, train=True)
+    with pytest.raises(laden.InvalidArgumentError, match="none of the host"):
+        h.step_in_backward(torch.optim.SGD(h.parameters(), lr=1))
+    h.remove()

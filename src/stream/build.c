@@ -510,6 +510,8 @@ void laden_sched_destroy(laden_sched_t *sc)
      * unmapped without the implicit wait of a device free. */
     if (sc->cuda && sc->compute)
         laden_dev_stream_synchronize(sc->compute);
+    if (sc->cuda && sc->compute_alt)
+        laden_dev_stream_synchronize(sc->compute_alt);
     laden__sched_free_all(sc);
     for (uint32_t i = 0; i < sc->nb; i++) {
         for (uint32_t k = 0; k < sc->b[i].nt; k++)

@@ -233,22 +233,36 @@ void laden_grads_destroy(laden_grads_t *g)
     free(g);
 }
 
+/* The caller's stream, wrapped once per handle. */
+static laden_status wrap_caller(laden_grads_t *g, uintptr_t stream)
+{
+    if (g->caller && g->caller_handle == stream)
+        return LADEN_OK;
+    laden_dev_stream_destroy(g->caller);
+    g->caller = NULL;
+    laden_status st = laden_dev_stream_wrap(g->device, stream, &g->caller);
+    if (!st)
+        g->caller_handle = stream;
+    return st;
+}
+
+/* The copy stream waits for the caller's work so far. */
+static laden_status copy_waits(laden_grads_t *g, uintptr_t stream)
+{
+    laden_status st = wrap_caller(g, stream);
+    if (!st)
+        st = laden_dev_event_record(g->after, g->caller);
+    if (!st)
+        st = laden_dev_stream_wait_event(g->copy, g->after);
+    return st;
+}
+
 static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
                               laden_dtype sd, uint64_t n, char *dst,
                               laden_dtype dd, int flags, uintptr_t stream)
 {
     int acc = (flags & LADEN_GRADS_ADD) != 0;
-    laden_status st = LADEN_OK;
-    if (!g->caller || g->caller_handle != stream) {
-        laden_dev_stream_destroy(g->caller);
-        g->caller = NULL;
-        if ((st = laden_dev_stream_wrap(g->device, stream, &g->caller)))
-            return st;
-        g->caller_handle = stream;
-    }
-    st = laden_dev_event_record(g->after, g->caller);
-    if (!st)
-        st = laden_dev_stream_wait_event(g->copy, g->after);
+    laden_status st = copy_waits(g, stream);
     if (st)
         return st;
     uint64_t es = esize(sd), total = n * es, done = 0;
@@ -366,4 +380,39 @@ laden_status laden_grads_stats(laden_grads_t *g, uint64_t *out_bytes,
     *out_pushes = g->pushes;
     pthread_mutex_unlock(&g->mu);
     return LADEN_OK;
+}
+
+laden_status laden_grads_wait(laden_grads_t *g, uintptr_t compute_stream)
+{
+    if (!g)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_wait: NULL sink");
+    if (g->device == LADEN_DEVICE_CPU)
+        return LADEN_OK;
+    pthread_mutex_lock(&g->mu);
+    laden_status st = copy_waits(g, compute_stream);
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
+                               const void *src, uint64_t bytes,
+                               uintptr_t compute_stream)
+{
+    if (!g)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_fetch: NULL sink");
+    if (!bytes)
+        return LADEN_OK;
+    if (!dst || !src)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_grads_fetch: NULL source or destination");
+    if (g->device == LADEN_DEVICE_CPU) {
+        memmove((void *)(uintptr_t)dst, src, bytes);
+        return LADEN_OK;
+    }
+    pthread_mutex_lock(&g->mu);
+    laden_status st = wrap_caller(g, compute_stream);
+    if (!st)
+        st = laden_dev_copy_h2d(g->caller, dst, src, bytes);
+    pthread_mutex_unlock(&g->mu);
+    return st;
 }

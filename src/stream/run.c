@@ -92,7 +92,8 @@ void laden__sched_free_slots(laden_sched_t *sc)
     sc->nslots = 0;
     laden__sched_charge_slots(sc, 0);
     laden_dev_stream_destroy(sc->compute);
-    sc->compute = NULL;
+    laden_dev_stream_destroy(sc->compute_alt);
+    sc->compute = sc->compute_alt = NULL;
     if (sc->started)
         sc->st.generation++;
     sc->started = false;
@@ -352,7 +353,18 @@ laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle)
 {
     if (sc->compute && sc->compute_handle == handle)
         return LADEN_OK;
-    laden_dev_stream_destroy(sc->compute);
+    laden_dev_stream_t *t = sc->compute;
+    uintptr_t th = sc->compute_handle;
+    if (sc->compute_alt && sc->compute_alt_handle == handle) {
+        sc->compute = sc->compute_alt; /* swapped, not wrapped again */
+        sc->compute_handle = handle;
+        sc->compute_alt = t;
+        sc->compute_alt_handle = th;
+        return LADEN_OK;
+    }
+    laden_dev_stream_destroy(sc->compute_alt);
+    sc->compute_alt = t;
+    sc->compute_alt_handle = th;
     sc->compute = NULL;
     laden_status s =
         laden_dev_stream_wrap(sc->cfg.device, handle, &sc->compute);
@@ -472,6 +484,24 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
      * next pass share slots with the last of this one. */
     return prefetch_from(sc, step_pos(sc, (uint32_t)b->pos, 1),
                          sc->cfg.lookahead);
+}
+
+laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
+{
+    laden_status s = LADEN_OK;
+    if (sc->compute && sc->compute_handle == handle) {
+        s = laden_dev_stream_synchronize(sc->compute);
+        laden_dev_stream_destroy(sc->compute);
+        sc->compute = sc->compute_alt;
+        sc->compute_handle = sc->compute_alt_handle;
+        sc->compute_alt = NULL;
+    }
+    if (sc->compute_alt && sc->compute_alt_handle == handle) {
+        s = laden_dev_stream_synchronize(sc->compute_alt);
+        laden_dev_stream_destroy(sc->compute_alt);
+        sc->compute_alt = NULL;
+    }
+    return s;
 }
 
 laden_status laden__sched_synchronize(laden_sched_t *sc)

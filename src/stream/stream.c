@@ -474,6 +474,14 @@ laden_status laden_sched_set_progress(laden_sched_t *sc,
     HELD("laden_sched_set_progress", set_progress(sc, fn, arg));
 }
 
+laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_forget_stream: NULL schedule");
+    HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
+}
+
 laden_status laden_sched_synchronize(laden_sched_t *sc)
 {
     HELD("laden_sched_synchronize", laden__sched_synchronize(sc));

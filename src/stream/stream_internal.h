@@ -106,8 +106,11 @@ struct laden_sched {
     uint32_t max_nt;
     laden_host_t *host;
     laden_dev_stream_t *copy;
-    laden_dev_stream_t *compute;
-    uintptr_t compute_handle;
+    /* The compute stream of the last enter or exit, wrapped, and the one
+     * before it (a training step exits blocks on the gradient sink's
+     * stream: two handles alternate without wrapping again). */
+    laden_dev_stream_t *compute, *compute_alt;
+    uintptr_t compute_handle, compute_alt_handle;
     bool cache;                 /* LADEN_SCHED_CACHE */
     bool laid_out;
     uint32_t nfilled;           /* cache: blocks whose host copy is loaded */
@@ -233,6 +236,7 @@ laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
 void laden__sched_free_slots(laden_sched_t *sc);
 /* The compute stream of CUDA handle `handle`, wrapped once. */
 laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle);
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
                                       const char *call);
