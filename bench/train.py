@@ -154,28 +154,37 @@ def main() -> int:
                 gc.collect()
             # AdamW on the device inside backward: the state goes up and
             # comes home with the weights; no gradient leaves the device.
-            opt = torch.optim.AdamW(params, lr=1e-5)
-            h.step_in_backward(opt)
-            g0 = _sink_bytes(h)
-            s0 = h.stats()
-            tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
-            n = a.repeats + 1
-            up = (h.stats()["h2d_bytes"] - s0["h2d_bytes"]) / n
-            state = 2 * wbytes  # exp_avg, exp_avg_sq in bf16
-            down = (_sink_bytes(h) - g0) / n
-            ideal_f = max(2 * t_fwd + (t_res - t_fwd),
-                          1e3 * (wbytes / h2d + max((wbytes + state) / h2d,
-                                                    down / d2h)))
-            steps.append(("laden, all train, AdamW on GPU in backward", tw,
-                          f, o, torch.cuda.max_memory_allocated() - base,
-                          _rss()))
-            print(f"step_in_backward: weights up {up / 1e9:.2f} GB + state "
-                  f"up {state / 1e9:.2f} GB, home {down / 1e9:.2f} GB per "
-                  f"step; ideal {ideal_f:.1f} ms, measured {tw:.1f} ms "
-                  f"({tw / ideal_f:.2f}x)")
-            h.step_in_backward(None)
-            del opt
-            gc.collect()
+            for look in (2, 4):
+                if look != 2:
+                    h.remove()
+                    h = laden.install_offload(m, train=True, lookahead=look)
+                    params = list(h.parameters())
+                opt = torch.optim.AdamW(params, lr=1e-5)
+                h.step_in_backward(opt)
+                g0 = _sink_bytes(h)
+                s0 = h.stats()
+                torch.cuda.reset_peak_memory_stats()
+                tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
+                n = a.repeats + 1
+                up = (h.stats()["h2d_bytes"] - s0["h2d_bytes"]) / n
+                state = 2 * wbytes  # exp_avg, exp_avg_sq in bf16
+                down = (_sink_bytes(h) - g0) / n
+                ideal_f = max(2 * t_fwd + (t_res - t_fwd),
+                              1e3 * (wbytes / h2d +
+                                     max((wbytes + state) / h2d,
+                                         down / d2h)))
+                steps.append((f"laden, all train, AdamW on GPU in backward"
+                               f" (lookahead {look})", tw, f, o,
+                               torch.cuda.max_memory_allocated() - base,
+                               _rss()))
+                print(f"step_in_backward, lookahead {look}: weights up "
+                      f"{up / 1e9:.2f} GB + state up {state / 1e9:.2f} GB, "
+                      f"home {down / 1e9:.2f} GB per step; ideal "
+                      f"{ideal_f:.1f} ms, measured {tw:.1f} ms "
+                      f"({tw / ideal_f:.2f}x)")
+                h.step_in_backward(None)
+                del opt
+                gc.collect()
         laden.release(m, h)
         del m, h, params
         gc.collect()
@@ -204,10 +213,10 @@ def main() -> int:
               f"{up / 1e9:>7.2f} {down / 1e9:>8.2f} {peak / 1e9:>14.2f} "
               f"{dev / 1e9:>13.2f} {miss / (a.repeats + 1):>7.1f}")
     print()
-    print(f"{'whole step':<42} {'ms':>8} {'fwd+bwd':>8} {'optim':>8} "
+    print(f"{'whole step':<56} {'ms':>8} {'fwd+bwd':>8} {'optim':>8} "
           f"{'torch peak GB':>14} {'host RSS GB':>12}")
     for name, t, fb, st, peak, rss in steps:
-        print(f"{name:<42} {t:>8.1f} {fb:>8.1f} {st:>8.1f} "
+        print(f"{name:<56} {t:>8.1f} {fb:>8.1f} {st:>8.1f} "
               f"{peak / 1e9:>14.2f} {rss / 1e9:>12.2f}")
     fs = [x for x in steps if x[0].startswith("FSDP2")]
     for x in steps:

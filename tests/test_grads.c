@@ -245,9 +245,9 @@ TEST(grads_direct_into_pinned)
     test_on_every_device(direct_into_pinned);
 }
 
-/* An optimizer's state brought up (fetch) and its result sent home
- * (push) around work on the caller's stream; wait orders the sink's
- * stream after that stream. */
+/* An optimizer's state brought up (fetch, on the sink's upload stream;
+ * fetched orders the caller's stream after it) and sent home (push);
+ * wait orders the sink's copy stream after the caller's. */
 static void fetch_and_wait(int32_t dev)
 {
     const uint64_t n = 70001;
@@ -263,15 +263,19 @@ static void fetch_and_wait(int32_t dev)
     memcpy(host, x, n * 4);
     laden_devptr_t d = 0;
     CHECK_OK(laden_dev_mem_alloc(dev, n * 4, &d));
-    CHECK_OK(laden_grads_fetch(g, d, host, n * 4, h));
+    CHECK(dev == LADEN_DEVICE_CPU ? laden_grads_upload_stream(g) == 0
+                                  : laden_grads_upload_stream(g) != 0);
+    CHECK_OK(laden_grads_fetch(g, d, host, n * 4));
+    CHECK_OK(laden_grads_fetched(g, h));
     CHECK_OK(laden_grads_wait(g, h));
     CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, n, back,
                               LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
     CHECK_OK(laden_grads_flush(g));
     CHECK(memcmp(back, x, n * 4) == 0);
-    CHECK_OK(laden_grads_fetch(g, d, host, 0, h)); /* nothing */
-    CHECK_STATUS(laden_grads_fetch(g, 0, host, 4, h), LADEN_E_INVAL);
-    CHECK_STATUS(laden_grads_fetch(NULL, d, host, 4, h), LADEN_E_INVAL);
+    CHECK_OK(laden_grads_fetch(g, d, host, 0)); /* nothing */
+    CHECK_STATUS(laden_grads_fetch(g, 0, host, 4), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_fetch(NULL, d, host, 4), LADEN_E_INVAL);
+    CHECK_STATUS(laden_grads_fetched(NULL, h), LADEN_E_INVAL);
     CHECK_STATUS(laden_grads_wait(NULL, h), LADEN_E_INVAL);
     CHECK_OK(laden_dev_mem_free(dev, d));
     CHECK_OK(laden_dev_host_free(dev, host));

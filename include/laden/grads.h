@@ -76,12 +76,21 @@ LADEN_API laden_status laden_grads_flush(laden_grads_t *g);
 LADEN_API laden_status laden_grads_wait(laden_grads_t *g,
                                         uintptr_t compute_stream);
 
-/* bytes of host memory at src to device memory at dst, on compute_stream
- * after its work so far (an optimizer's state brought up for a step);
- * asynchronous when src is page-locked.  On the CPU device, at once. */
+/* bytes of host memory at src to device memory at dst, on the sink's
+ * upload stream (an optimizer's state brought up for a step while the
+ * compute stream works); asynchronous when src is page-locked.  dst must
+ * be free for that stream to write (e.g. allocated on it).  On the CPU
+ * device, at once. */
 LADEN_API laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
-                                         const void *src, uint64_t bytes,
-                                         uintptr_t compute_stream);
+                                         const void *src, uint64_t bytes);
+
+/* The work enqueued on compute_stream from now on comes after every fetch
+ * so far. */
+LADEN_API laden_status laden_grads_fetched(laden_grads_t *g,
+                                           uintptr_t compute_stream);
+
+/* The sink's upload stream (a CUstream), 0 on the CPU device. */
+LADEN_API uintptr_t laden_grads_upload_stream(laden_grads_t *g);
 
 /* The sink's copy stream (a CUstream), 0 on the CPU device. */
 LADEN_API uintptr_t laden_grads_stream(laden_grads_t *g);

@@ -280,8 +280,9 @@ _SIGNATURES = {
     "laden_grads_stream": (c_size_t, [p]),
     "laden_grads_stats": (status_t, [p, P(c_uint64), P(c_uint64)]),
     "laden_grads_wait": (status_t, [p, c_size_t]),
-    "laden_grads_fetch": (status_t, [p, c_uint64, c_void_p, c_uint64,
-                                     c_size_t]),
+    "laden_grads_fetch": (status_t, [p, c_uint64, c_void_p, c_uint64]),
+    "laden_grads_fetched": (status_t, [p, c_size_t]),
+    "laden_grads_upload_stream": (c_size_t, [p]),
     # dev
     "laden_dev_count": (status_t, [P(c_int32)]),
     "laden_dev_cuda_error": (c_char_p, []),

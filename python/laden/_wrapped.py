@@ -28,9 +28,10 @@ def _plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-def _flatten(v, where: str):
+def _flatten(v, where: str, owner=None):
     """(inner tensors by dotted attribute, rebuild(inner) -> wrapper) of a
-    wrapper tensor, or None for a plain one."""
+    wrapper tensor, or None for a plain one.  owner: the module holding it
+    (bitsandbytes keeps an Int8Params' scales there after a forward)."""
     import torch
 
     if _plain(v) or not isinstance(v, torch.Tensor):
@@ -38,7 +39,7 @@ def _flatten(v, where: str):
     cls = type(v)
     mod = cls.__module__ or ""
     if mod.startswith("bitsandbytes"):
-        return _flatten_bnb(v, where)
+        return _flatten_bnb(v, where, owner)
     if not hasattr(v, "__tensor_flatten__"):
         raise InvalidArgumentError(
             f"{where}: a {cls.__module__}.{cls.__name__} tensor, which "
@@ -73,7 +74,7 @@ def _flatten(v, where: str):
     return inner, rebuild
 
 
-def _flatten_bnb(v, where: str):
+def _flatten_bnb(v, where: str, owner=None):
     import torch
 
     name = type(v).__name__
@@ -114,9 +115,19 @@ def _flatten_bnb(v, where: str):
 
         return inner, rebuild
     if name == "Int8Params":
-        inner = {"data": v.data}
-        if getattr(v, "SCB", None) is not None:
-            inner["SCB"] = v.SCB
+        # Quantized: int8 data with a scale per row (SCB), which the first
+        # forward moves from the parameter to its module's state.
+        scb = getattr(v, "SCB", None)
+        if scb is None:
+            scb = getattr(getattr(owner, "state", None), "SCB", None)
+        if v.dtype != torch.int8 or scb is None:
+            raise InvalidArgumentError(
+                f"{where}: a bitsandbytes Int8Params not quantized yet "
+                "(move the model to its device once before laden takes "
+                "it)" if v.dtype != torch.int8 else
+                f"{where}: a bitsandbytes Int8Params without its scales "
+                "(SCB)", "E_INVAL")
+        inner = {"data": v.data, "SCB": scb}
         keep = {k: getattr(v, k) for k in ("has_fp16_weights",)
                 if hasattr(v, k)}
         cls = type(v)
@@ -125,8 +136,10 @@ def _flatten_bnb(v, where: str):
             p = torch.Tensor._make_subclass(cls, vals["data"], False)
             for k, x in keep.items():
                 setattr(p, k, x)
-            p.CB = None
-            p.SCB = vals.get("SCB")
+            # As bitsandbytes leaves a quantized one: its next forward
+            # takes CB and SCB into the module's state.
+            p.CB = vals["data"]
+            p.SCB = vals["SCB"]
             return p
 
         return inner, rebuild
@@ -206,7 +219,7 @@ def attach(model) -> int:
                     hasattr(mod, HOLDER_PREFIX + attr):
                 continue
             where = f"parameter '{mod_name + '.' if mod_name else ''}{attr}'"
-            f = _flatten(v, where)
+            f = _flatten(v, where, mod)
             if f is None:
                 continue
             inner, rebuild = f

@@ -311,6 +311,8 @@ class _Fused:
         self.opt = opt
         self.groups: Dict[int, dict] = {}
         self.shadow: Dict[int, object] = {}  # id(_Tensor) -> optimizer
+        self.ready: Dict[int, dict] = {}  # id(host param) -> fetched state
+        self._up = None
         import inspect
 
         try:
@@ -347,6 +349,49 @@ class _Fused:
         sh.param_groups[0].update(hyper)  # a scheduler's lr, each step
         return sh
 
+    def prefetch(self, c_block: int) -> None:
+        """As block c_block is entered in backward: the optimizer state of
+        its parameters starts up on the sink's upload stream, in memory of
+        that stream, while the block is recomputed."""
+        self.ready.clear()  # what an earlier block did not use
+        for hp in self.tr.by_block.get(c_block, ()):
+            if id(hp) in self.groups and self.opt.state.get(hp):
+                self.ready[id(hp)] = self._fetch(hp, self.opt.state[hp])
+
+    def _fetch(self, hp, hs) -> dict:
+        """hp's per-element state, fetched into memory of the upload
+        stream."""
+        import contextlib
+
+        import torch
+
+        tr = self.tr
+        up = self.up_stream()
+        got = {}
+        for k, v in list(hs.items()):
+            if k == "step" or not _per_element(v, hp):
+                continue
+            if tr.cuda and not v.is_pinned():
+                v = hs[k] = v.pin_memory()  # e.g. after load_state_dict
+            with torch.cuda.stream(up) if up is not None else \
+                    contextlib.nullcontext():
+                d = torch.empty(v.shape, dtype=v.dtype, device=tr.device)
+            check(lib.laden_grads_fetch(tr.sink, d.data_ptr(), v.data_ptr(),
+                                        v.numel() * v.element_size()))
+            got[k] = d
+        return got
+
+    def up_stream(self):
+        import torch
+
+        tr = self.tr
+        if not tr.cuda:
+            return None
+        if self._up is None:
+            self._up = torch.cuda.ExternalStream(
+                lib.laden_grads_upload_stream(tr.sink), device=tr.device)
+        return self._up
+
     def step(self, t, p, g) -> None:
         import torch
 
@@ -355,18 +400,20 @@ class _Fused:
         sh = self._shadow(t, p, self.groups[id(hp)])
         stream = _compute_stream(tr.device)
         hs = self.opt.state[hp]
+        got = self.ready.pop(id(hp), None)
+        if got is None:  # not prefetched: fetched now
+            got = self._fetch(hp, hs) if hs else {}
+        check(lib.laden_grads_fetched(tr.sink, stream))
+        cur = torch.cuda.current_stream(tr.device) if tr.cuda else None
         ds = {}
-        for k, v in list(hs.items()):
-            if k == "step" or not _per_element(v, hp):
+        for k, v in hs.items():
+            d = got.get(k)
+            if d is None:
                 ds[k] = v  # a step count: shared, updated in place
-                continue
-            if tr.cuda and not v.is_pinned():
-                v = hs[k] = v.pin_memory()  # e.g. after load_state_dict
-            d = torch.empty(v.shape, dtype=v.dtype, device=tr.device)
-            check(lib.laden_grads_fetch(tr.sink, d.data_ptr(), v.data_ptr(),
-                                        v.numel() * v.element_size(),
-                                        stream))
-            ds[k] = d
+            else:
+                if cur is not None:
+                    d.record_stream(cur)  # from the upload stream's memory
+                ds[k] = d
         sh.state[p] = ds
         p.grad = g
         try:
@@ -582,6 +629,9 @@ class _Call:
         args, kwargs = self.args(tensors)
         stream = self.enter()
         try:
+            f = self.trainer.fused
+            if then is not None and f is not None:
+                f.prefetch(self.block)
             out = self.orig(*args, **kwargs)
             if then is not None:
                 then(out)

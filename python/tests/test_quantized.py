@@ -69,16 +69,29 @@ def bnb_nf4(m, device):
     return m.to(device)
 
 
+def bnb_int8(m, device):
+    bnb = pytest.importorskip("bitsandbytes")
+    for blk in m.blocks:
+        for name in ("up", "down"):
+            lin = getattr(blk, name)
+            q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features,
+                                    has_fp16_weights=False)
+            q.load_state_dict(lin.state_dict())
+            setattr(blk, name, q.to(device))  # quantized when moved
+    return m.to(device)
+
+
 QUANTIZERS = {"torchao-int8": torchao_int8, "quanto-int4": quanto_int4,
-              "quanto-int8": quanto_int8, "bnb-nf4": None}
+              "quanto-int8": quanto_int8, "bnb-nf4": None, "bnb-int8": None}
 
 
 def build(kind, device):
     torch.manual_seed(0)
     m = Net().eval()
-    if kind == "bnb-nf4":
-        return bnb_nf4(m, device).to("cpu") if device == "cpu" else \
-            bnb_nf4(m, device)
+    if kind.startswith("bnb-"):
+        make = bnb_nf4 if kind == "bnb-nf4" else bnb_int8
+        return make(m, device).to("cpu") if device == "cpu" else \
+            make(m, device)
     return QUANTIZERS[kind](m)
 
 
@@ -211,3 +224,23 @@ def test_bnb_not_quantized_yet_refused():
             pass
     from laden import _wrapped
     assert not _wrapped.holders(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bnb_int8_run_before_laden_takes_it(device):
+    """A bitsandbytes Linear8bitLt keeps its scales (SCB) in its module's
+    state after its first forward: a model run once before laden takes it
+    streams with those scales, the same outputs."""
+    ref = build("bnb-int8", device).to(device)
+    x = torch.randn(3, 256, device=device)
+    with torch.no_grad():
+        want = ref(x)  # the scales move to each module's state here
+    assert ref.blocks[0].up.weight.SCB is None
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("q8", lambda: ref.to("cpu"),
+                           block_paths=("blocks",), block_mode="streaming")
+    with cache.use(spec, device=device) as m:
+        with torch.no_grad():
+            got = m(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    cache.clear()

@@ -43,6 +43,7 @@ typedef uint64_t u64;
 #define EX_FN static inline
 #define EX_UNROLL
 #define EX_BATCH 1u
+#define EX_KBATCH 1u
 
 static inline u32 ex_ld8(u64 a)
 {
@@ -121,6 +122,7 @@ static const char cuda_prologue[] =
     "#define EX_FN static __device__ __forceinline__\n"
     "#define EX_UNROLL _Pragma(\"unroll\")\n"
     "#define EX_BATCH " EX_STR(EX_CUDA_BATCH) "\n"
+    "#ifndef EX_KBATCH\n#define EX_KBATCH EX_BATCH\n#endif\n"
     /* Loads through __ldg (ld.global.nc), never inline asm: an asm
      * statement is pure to the compiler, which may then issue it before
      * the branch that guards it (found on the H200: the scale pointer,
@@ -591,12 +593,15 @@ static laden_status compile(int32_t dev, int cc, bool *reused)
      * --split-compile=0 (NVRTC 12.1 on) compiles the kernels on all cores:
      * some seconds become a fraction of one. */
     const char *soft = getenv("LADEN_EXPAND_SOFT_CVT");
-    const char *opts[8] = {arch, "--fmad=false", "--ftz=false",
+    const char *kb = getenv("LADEN_EXPAND_KBATCH"); /* experiment */
+    const char *opts[10] = {arch, "--fmad=false", "--ftz=false",
                            "--prec-div=true", "--prec-sqrt=true",
                            "-default-device"};
     int nopts = 6, split = nv.major > 12 || (nv.major == 12 && nv.minor >= 1);
     if (soft && *soft && strcmp(soft, "0") != 0)
         opts[nopts++] = "-DEX_SOFT_CVT";
+    if (kb && strcmp(kb, "1") == 0)
+        opts[nopts++] = "-DEX_KBATCH=1u";
     nvrtcProgram prog = NULL;
     nvrtcResult r;
     for (;;) {

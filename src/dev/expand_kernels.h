@@ -586,23 +586,25 @@ EX_FN void ex_emit(const ex_params *p, u32 fmt, u64 u, u32 vec,
     }
 }
 
-/* Units first, first + stride, ...: EX_BATCH at a time, the loads of all
- * before the work of any, so each thread has EX_BATCH units' loads in
- * flight. */
+/* Units first, first + stride, ...: nb at a time (EX_BATCH, or EX_KBATCH
+ * for the K-quants: at most EX_BATCH), the loads of all before the work of
+ * any, so each thread has nb units' loads in flight.  fmt is a constant
+ * in each kernel: nb is too. */
 EX_FN void ex_loop(const ex_params *p, u64 first, u64 stride, u32 fmt,
                    u32 vec)
 {
-    for (u64 u = first; u < p->units; u += EX_BATCH * stride) {
+    u32 nb = fmt >= EX_Q2_K && fmt <= EX_Q6_K ? EX_KBATCH : EX_BATCH;
+    for (u64 u = first; u < p->units; u += nb * stride) {
         ex_raw r[EX_BATCH], zero = {{0}};
         EX_UNROLL for (u32 k = 0; k < EX_BATCH; k++) {
             u64 uk = u + k * stride;
             r[k] = zero;
-            if (uk < p->units)
+            if (k < nb && uk < p->units)
                 ex_load(p, fmt, uk, vec, &r[k]);
         }
         EX_UNROLL for (u32 k = 0; k < EX_BATCH; k++) {
             u64 uk = u + k * stride;
-            if (uk < p->units)
+            if (k < nb && uk < p->units)
                 ex_emit(p, fmt, uk, vec, &r[k]);
         }
     }

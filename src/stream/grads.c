@@ -54,6 +54,9 @@ struct laden_grads {
     char msg[256];
     uint64_t bytes, pushes;
     bool direct; /* copies outside the ring since the last flush */
+    laden_dev_stream_t *up; /* fetches */
+    laden_event_t *fetched; /* after the last fetch */
+    bool fetching;          /* fetches since the last flush */
 };
 
 static uint32_t esize(laden_dtype d)
@@ -197,6 +200,10 @@ laden_status laden_grads_create(int32_t device, uint64_t staging_bytes,
             st = laden_dev_stream_create(device, &g->copy);
         if (!st)
             st = laden_dev_event_create(device, 0, &g->after);
+        if (!st)
+            st = laden_dev_stream_create(device, &g->up);
+        if (!st)
+            st = laden_dev_event_create(device, 0, &g->fetched);
     } else {
         /* Validates the device as the others do. */
         laden_dev_info_t info;
@@ -219,10 +226,14 @@ void laden_grads_destroy(laden_grads_t *g)
         land_one(g);
     if (g->direct)
         (void)laden_dev_stream_synchronize(g->copy);
+    if (g->fetching)
+        (void)laden_dev_stream_synchronize(g->up);
     pthread_mutex_unlock(&g->mu);
     for (uint32_t i = 0; i < g->nspare; i++)
         laden_dev_event_destroy(g->spare[i]);
     laden_dev_event_destroy(g->after);
+    laden_dev_event_destroy(g->fetched);
+    laden_dev_stream_destroy(g->up);
     laden_dev_stream_destroy(g->caller);
     laden_dev_stream_destroy(g->copy);
     if (g->staging)
@@ -354,6 +365,10 @@ laden_status laden_grads_flush(laden_grads_t *g)
         g->direct = false;
         note_error(g, laden_dev_stream_synchronize(g->copy));
     }
+    if (g->fetching) {
+        g->fetching = false;
+        note_error(g, laden_dev_stream_synchronize(g->up));
+    }
     laden_status st = g->err;
     char msg[sizeof g->msg];
     memcpy(msg, g->msg, sizeof msg);
@@ -395,8 +410,7 @@ laden_status laden_grads_wait(laden_grads_t *g, uintptr_t compute_stream)
 }
 
 laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
-                               const void *src, uint64_t bytes,
-                               uintptr_t compute_stream)
+                               const void *src, uint64_t bytes)
 {
     if (!g)
         return laden__fail(LADEN_E_INVAL, "laden_grads_fetch: NULL sink");
@@ -410,9 +424,33 @@ laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
         return LADEN_OK;
     }
     pthread_mutex_lock(&g->mu);
-    laden_status st = wrap_caller(g, compute_stream);
+    laden_status st = laden_dev_copy_h2d(g->up, dst, src, bytes);
     if (!st)
-        st = laden_dev_copy_h2d(g->caller, dst, src, bytes);
+        st = laden_dev_event_record(g->fetched, g->up);
+    if (!st)
+        g->fetching = true;
     pthread_mutex_unlock(&g->mu);
     return st;
+}
+
+laden_status laden_grads_fetched(laden_grads_t *g, uintptr_t compute_stream)
+{
+    if (!g)
+        return laden__fail(LADEN_E_INVAL, "laden_grads_fetched: NULL sink");
+    if (g->device == LADEN_DEVICE_CPU)
+        return LADEN_OK;
+    pthread_mutex_lock(&g->mu);
+    laden_status st = LADEN_OK;
+    if (g->fetching) {
+        st = wrap_caller(g, compute_stream);
+        if (!st)
+            st = laden_dev_stream_wait_event(g->caller, g->fetched);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+uintptr_t laden_grads_upload_stream(laden_grads_t *g)
+{
+    return g ? laden_dev_stream_handle(g->up) : 0;
 }
