@@ -51,6 +51,20 @@ def grad_code(dtype) -> Optional[int]:
     return _DTYPE_CODE[checkpoint_dtype(dtype)]
 
 
+def post_accumulate_hook(p, fn):
+    """p.register_post_accumulate_grad_hook(fn), also for a parameter
+    whose contents laden swapped (torch.utils.swap_tensors) since a hook
+    was first registered on it: torch registers its hook table with the
+    tensor of that moment and, the table existing, not again -- the hook
+    would never run (found on the H200: after remove() and a second
+    install_offload(train=True), no gradient left the device and no
+    weight was updated).  Assigning the table again registers it with the
+    tensor p holds now."""
+    if getattr(p, "_post_accumulate_grad_hooks", None) is not None:
+        p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+    return p.register_post_accumulate_grad_hook(fn)
+
+
 def _is_kv_cache(x) -> bool:
     """A transformers key/value cache (updated in place by each call)."""
     return type(x).__module__.startswith("transformers") and \
@@ -136,8 +150,7 @@ class _Trainer:
                 self.host[id(t)] = hp
                 self.by_block.setdefault(b.c_block, []).append(hp)
                 largest = max(largest, home.numel() * home.element_size())
-                self.hooks.append(p.register_post_accumulate_grad_hook(
-                    self._pusher(t)))
+                self.hooks.append(post_accumulate_hook(p, self._pusher(t)))
         if not self.host:
             return
         staging = min(STAGING_BYTES, max(2 * largest, 1 << 20))

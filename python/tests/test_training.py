@@ -467,3 +467,62 @@ def test_step_in_backward_refusals(ckpt):
     with pytest.raises(laden.InvalidArgumentError, match="none of the host"):
         h.step_in_backward(torch.optim.SGD(h.parameters(), lr=1))
     h.remove()
+
+
+def test_gradient_hooks_run_after_the_parameter_was_swapped():
+    """laden swaps a parameter's contents as it binds it (slot, home): a
+    post-accumulate hook registered after such swaps still runs (torch
+    alone would register it with a tensor the parameter no longer
+    holds)."""
+    from laden.training import post_accumulate_hook
+
+    p = nn.Parameter(torch.ones(3))
+    fired = []
+    h = post_accumulate_hook(p, lambda t: fired.append(1))
+    (p * 2).sum().backward()
+    h.remove()
+    for v in (3.0, 4.0):
+        torch.utils.swap_tensors(p, nn.Parameter(torch.full((3,), v)))
+    post_accumulate_hook(p, lambda t: fired.append(2))
+    p.grad = None
+    (p * 2).sum().backward()
+    assert fired == [1, 2]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_training_again_after_remove(tmp_path):
+    """remove() then install_offload(train=True) again (another
+    lookahead): gradients still reach the host copies, and
+    step_in_backward still steps the weights."""
+    torch.manual_seed(0)
+    ref = DropNet(d=64, n=4).eval()
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=64, n=4).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    x = torch.randn(4, 64, device="cuda")
+    r = copy.deepcopy(ref).cuda()
+    r(x).pow(2).sum().backward()
+    rg = {n: q.grad for n, q in r.named_parameters()}
+    for look in (1, 3):
+        h = laden.install_offload(m, train=True, lookahead=look)
+        hp = dict(h.named_parameters())
+        for q in hp.values():
+            q.grad = None
+        m(x).pow(2).sum().backward()
+        for n, q in hp.items():
+            torch.testing.assert_close(q.grad.cuda(), rg[n], atol=1e-5,
+                                       rtol=1e-4, msg=f"{look} {n}")
+        h.remove()
+    h = laden.install_offload(m, train=True, lookahead=2)
+    opt = torch.optim.SGD(h.parameters(), lr=0.1)
+    h.step_in_backward(opt)
+    hp = dict(h.named_parameters())
+    before = hp["blocks.1.lin.weight"].detach().clone()
+    m(x).pow(2).sum().backward()
+    torch.testing.assert_close(hp["blocks.1.lin.weight"].detach(),
+                               before - 0.1 * rg["blocks.1.lin.weight"].cpu(),
+                               atol=1e-5, rtol=1e-4)
+    h.remove()
