@@ -43,7 +43,6 @@ typedef uint64_t u64;
 #define EX_FN static inline
 #define EX_UNROLL
 #define EX_BATCH 1u
-#define EX_KBATCH 1u
 
 static inline u32 ex_ld8(u64 a)
 {
@@ -65,6 +64,11 @@ static inline void ex_ld2x32(u64 a, u32 vec, u32 *x, u32 *y)
 {
     *x = ex_ld32(a, vec);
     *y = ex_ld32(a + 4u, vec);
+}
+static inline void ex_ld4x32(u64 a, u32 vec, u32 *w)
+{
+    for (u32 i = 0; i < 4u; i++)
+        w[i] = ex_ld32(a + 4u * i, vec);
 }
 static inline void ex_st16(u64 a, u32 h)
 {
@@ -122,7 +126,7 @@ static const char cuda_prologue[] =
     "#define EX_FN static __device__ __forceinline__\n"
     "#define EX_UNROLL _Pragma(\"unroll\")\n"
     "#define EX_BATCH " EX_STR(EX_CUDA_BATCH) "\n"
-    "#ifndef EX_KBATCH\n#define EX_KBATCH EX_BATCH\n#endif\n"
+
     /* Loads through __ldg (ld.global.nc), never inline asm: an asm
      * statement is pure to the compiler, which may then issue it before
      * the branch that guards it (found on the H200: the scale pointer,
@@ -135,6 +139,10 @@ static const char cuda_prologue[] =
     "EX_FN void ex_ld2x32(u64 a, u32 vec, u32 *x, u32 *y) { if (!vec) { *x "
     "= ex_ld32(a, 0u); *y = ex_ld32(a + 4u, 0u); return; } uint2 v = "
     "__ldg((const uint2 *)a); *x = v.x; *y = v.y; }\n"
+    "EX_FN void ex_ld4x32(u64 a, u32 vec, u32 *w) { if (!vec) { for (u32 i "
+    "= 0; i < 4u; i++) w[i] = ex_ld32(a + 4u * i, 0u); return; } uint4 v = "
+    "__ldg((const uint4 *)a); w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = "
+    "v.w; }\n"
     "EX_FN void ex_st16(u64 a, u32 h) { asm volatile(\"st.global.u16 [%0], "
     "%1;\" :: \"l\"(a), \"h\"((unsigned short)h)); }\n"
     "EX_FN void ex_st32(u64 a, u32 w) { asm volatile(\"st.global.u32 [%0], "
@@ -593,15 +601,12 @@ static laden_status compile(int32_t dev, int cc, bool *reused)
      * --split-compile=0 (NVRTC 12.1 on) compiles the kernels on all cores:
      * some seconds become a fraction of one. */
     const char *soft = getenv("LADEN_EXPAND_SOFT_CVT");
-    const char *kb = getenv("LADEN_EXPAND_KBATCH"); /* experiment */
-    const char *opts[10] = {arch, "--fmad=false", "--ftz=false",
+    const char *opts[8] = {arch, "--fmad=false", "--ftz=false",
                            "--prec-div=true", "--prec-sqrt=true",
                            "-default-device"};
     int nopts = 6, split = nv.major > 12 || (nv.major == 12 && nv.minor >= 1);
     if (soft && *soft && strcmp(soft, "0") != 0)
         opts[nopts++] = "-DEX_SOFT_CVT";
-    if (kb && strcmp(kb, "1") == 0)
-        opts[nopts++] = "-DEX_KBATCH=1u";
     nvrtcProgram prog = NULL;
     nvrtcResult r;
     for (;;) {
