@@ -65,11 +65,6 @@ static inline void ex_ld2x32(u64 a, u32 vec, u32 *x, u32 *y)
     *x = ex_ld32(a, vec);
     *y = ex_ld32(a + 4u, vec);
 }
-static inline void ex_ld4x32(u64 a, u32 vec, u32 *w)
-{
-    for (u32 i = 0; i < 4u; i++)
-        w[i] = ex_ld32(a + 4u * i, vec);
-}
 static inline void ex_st16(u64 a, u32 h)
 {
     uint16_t x = (uint16_t)h;
@@ -109,7 +104,10 @@ static inline u32 ex_f2u(float f)
 /* Units a CUDA thread has in flight (the kernels' EX_BATCH, see ex_loop).
  * 4 was measured against 2 on the H200 (2026-12-01, BENCHMARK.md): no
  * format faster, Q3_K/Q5_0/Q6_K 10-16 % slower (fewer threads resident
- * for the registers), so 2. */
+ * for the registers), so 2; 1 for the K-quants only: within noise but
+ * Q6_K (7 % faster) and Q4_K (3 % slower).  Loading a Q4_K/Q5_K block's
+ * 16 header bytes at once instead of four loads made them 7-9 % slower
+ * (second session of 2026-12-01). */
 #define EX_CUDA_BATCH 2u
 #define EX_STR2(x) #x
 #define EX_STR(x) EX_STR2(x)
@@ -126,7 +124,6 @@ static const char cuda_prologue[] =
     "#define EX_FN static __device__ __forceinline__\n"
     "#define EX_UNROLL _Pragma(\"unroll\")\n"
     "#define EX_BATCH " EX_STR(EX_CUDA_BATCH) "\n"
-
     /* Loads through __ldg (ld.global.nc), never inline asm: an asm
      * statement is pure to the compiler, which may then issue it before
      * the branch that guards it (found on the H200: the scale pointer,
@@ -139,10 +136,6 @@ static const char cuda_prologue[] =
     "EX_FN void ex_ld2x32(u64 a, u32 vec, u32 *x, u32 *y) { if (!vec) { *x "
     "= ex_ld32(a, 0u); *y = ex_ld32(a + 4u, 0u); return; } uint2 v = "
     "__ldg((const uint2 *)a); *x = v.x; *y = v.y; }\n"
-    "EX_FN void ex_ld4x32(u64 a, u32 vec, u32 *w) { if (!vec) { for (u32 i "
-    "= 0; i < 4u; i++) w[i] = ex_ld32(a + 4u * i, 0u); return; } uint4 v = "
-    "__ldg((const uint4 *)a); w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = "
-    "v.w; }\n"
     "EX_FN void ex_st16(u64 a, u32 h) { asm volatile(\"st.global.u16 [%0], "
     "%1;\" :: \"l\"(a), \"h\"((unsigned short)h)); }\n"
     "EX_FN void ex_st32(u64 a, u32 w) { asm volatile(\"st.global.u32 [%0], "

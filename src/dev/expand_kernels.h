@@ -356,40 +356,34 @@ EX_FN void ex_emit_q3_k(const ex_params *p, u64 u, u32 vec, const ex_raw *r)
 EX(
 /* Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, 128 of
  * nibbles) and Q5_K (176: the same with 32 bytes of high bits before the
- * nibbles); 16-byte aligned.  w0 d | dmin << 16, w1..3 the 12 scale bytes
- * (the block's first 16 bytes: one load), w4..5 nibble bytes, w6..7
- * high-bit bytes (Q5_K). */
+ * nibbles); 16-byte aligned.  w0 d | dmin << 16, w1..3 the scale bytes of
+ * the unit's sub-block (see dequant.c's scale_min), w4..5 nibble bytes,
+ * w6..7 high-bit bytes (Q5_K). */
 EX_FN void ex_load_q45_k(const ex_params *p, u64 u, u32 vec, ex_raw *r,
                          u32 q5)
 {
     u32 part = (u32)u & 31u, j = part >> 2, i0 = 8u * (part & 3u);
-    u64 b = p->src + (u >> 5) * (q5 ? 176u : 144u);
-    ex_ld4x32(b, vec, r->w);
+    u64 b = p->src + (u >> 5) * (q5 ? 176u : 144u), s = b + 4u;
+    r->w[0] = ex_ld32(b, vec);
+    r->w[1] = ex_ld8(s + (j & 3u));
+    r->w[2] = ex_ld8(s + 4u + j);
+    r->w[3] = j < 4u ? 0u : ex_ld8(s + j);
     ex_ld2x32(b + (q5 ? 48u : 16u) + 32u * (j >> 1) + i0, vec, &r->w[4],
               &r->w[5]);
     if (q5)
         ex_ld2x32(b + 16u + i0, vec, &r->w[6], &r->w[7]);
 }
 
-/* Scale byte k (0..11) of a K-quant block held in w1..3. */
-EX_FN u32 ex_kscale(const ex_raw *r, u32 k)
-{
-    u32 w = k < 4u ? r->w[1] : k < 8u ? r->w[2] : r->w[3];
-    return (w >> (8u * (k & 3u))) & 0xffu;
-}
-
 EX_FN void ex_emit_q45_k(const ex_params *p, u64 u, u32 vec,
                          const ex_raw *r, u32 q5)
 {
     u32 part = (u32)u & 31u, j = part >> 2, sh = 4u * (j & 1u), sc, mn;
-    /* dequant.c's scale_min */
     if (j < 4u) {
-        sc = ex_kscale(r, j) & 63u;
-        mn = ex_kscale(r, j + 4u) & 63u;
+        sc = r->w[1] & 63u;
+        mn = r->w[2] & 63u;
     } else {
-        u32 hi = ex_kscale(r, j + 4u);
-        sc = (hi & 15u) | ((ex_kscale(r, j - 4u) >> 2) & 0x30u);
-        mn = (hi >> 4) | ((ex_kscale(r, j) >> 2) & 0x30u);
+        sc = (r->w[2] & 15u) | ((r->w[1] >> 2) & 0x30u);
+        mn = (r->w[2] >> 4) | ((r->w[3] >> 2) & 0x30u);
     }
     float d = ex_f16f(r->w[0] & 0xffffu), dmin = ex_f16f(r->w[0] >> 16);
     float dd = d * ex_i2f(sc), dm = dmin * ex_i2f(mn), v[8];
