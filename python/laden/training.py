@@ -262,8 +262,6 @@ class _Trainer:
 
     def flush(self) -> None:
         self.armed = False
-        if self.fused is not None:
-            self.fused.drop()
         if self.sink is not None:
             try:
                 check(lib.laden_grads_flush(self.sink))
@@ -327,12 +325,6 @@ class _Fused:
         self.groups: Dict[int, dict] = {}
         self.shadow: Dict[int, object] = {}  # id(_Tensor) -> optimizer
         self.ready: Dict[int, dict] = {}  # id(host param) -> fetched state
-        self.ahead: Dict[int, dict] = {}  # c_block -> its ready, fetched
-        # c_block -> the streamed block before it in the model (entered
-        # next by backward)
-        order = [b.c_block for b in trainer.state.blocks
-                 if b.c_block in trainer.by_block]
-        self.before = dict(zip(order[1:], order[:-1]))
         self._up = None
         import inspect
 
@@ -371,29 +363,13 @@ class _Fused:
         return sh
 
     def prefetch(self, c_block: int) -> None:
-        """As block c_block is entered in backward: its parameters'
-        optimizer state (unless it started up one block ago), and that of
-        the block backward enters next (the one before it in the model),
-        start up on the sink's upload stream, in memory of that stream,
-        while the block is recomputed and run backward.  A block entered
-        out of that order only fetches its own, later."""
-        ahead = self.ahead
-        self.ahead = {}
-        self.ready = ahead.get(c_block) or self._fetch_block(c_block)
-        nxt = self.before.get(c_block)
-        if nxt is not None:
-            self.ahead = {nxt: self._fetch_block(nxt)}
-
-    def _fetch_block(self, c_block: int) -> dict:
-        out = {}
+        """As block c_block is entered in backward: the optimizer state of
+        its parameters starts up on the sink's upload stream, in memory of
+        that stream, while the block is recomputed."""
+        self.ready.clear()  # what an earlier block did not use
         for hp in self.tr.by_block.get(c_block, ()):
             if id(hp) in self.groups and self.opt.state.get(hp):
-                out[id(hp)] = self._fetch(hp, self.opt.state[hp])
-        return out
-
-    def drop(self) -> None:
-        """At the end of backward: what was fetched and not used goes."""
-        self.ready, self.ahead = {}, {}
+                self.ready[id(hp)] = self._fetch(hp, self.opt.state[hp])
 
     def _fetch(self, hp, hs) -> dict:
         """hp's per-element state, fetched into memory of the upload
