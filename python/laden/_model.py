@@ -295,9 +295,11 @@ def _training_error(what: str) -> StateError:
     return StateError(
         f"backward through {what}: laden streamed its weights through "
         "device memory that later blocks have overwritten, so its gradient "
-        "would be wrong; training through streamed blocks is not supported "
-        "yet: run the forward under torch.no_grad() or "
-        "torch.inference_mode(), or keep the blocks that need gradients "
+        "would be wrong. To train through streamed blocks, load the model "
+        "with laden.stream_load and call laden.install_offload(model, "
+        "train=True) (a ModelCache model has no training mode yet); for "
+        "inference run the forward under torch.no_grad() or "
+        "torch.inference_mode(); or keep the blocks that need gradients "
         "resident (resident_prefixes)", "E_STATE")
 
 
