@@ -217,6 +217,15 @@ static void direct_into_pinned(int32_t dev)
         expect(LADEN_DTYPE_F32, x, LADEN_DTYPE_BF16, exph, n, 0);
         CHECK(memcmp(half, exph, n * 2) == 0);
     }
+    /* Converted into `half` through the ring, then the same place
+     * direct: the ring's job is pending, so the second goes through the
+     * ring too and lands after it (the last push wins). */
+    CHECK_OK(laden_grads_push(g, dx, LADEN_DTYPE_F32, n, half,
+                              LADEN_DTYPE_BF16, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_push(g, dz, LADEN_DTYPE_BF16, n, half,
+                              LADEN_DTYPE_BF16, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(half, z, n * 2) == 0);
     /* BF16 into BF16, direct, after the ring's pushes */
     CHECK_OK(laden_grads_push(g, dz, LADEN_DTYPE_BF16, n, half,
                               LADEN_DTYPE_BF16, LADEN_GRADS_PINNED, h));
@@ -224,8 +233,8 @@ static void direct_into_pinned(int32_t dev)
     CHECK(memcmp(half, z, n * 2) == 0);
     uint64_t bytes = 0, pushes = 0;
     CHECK_OK(laden_grads_stats(g, &bytes, &pushes));
-    CHECK_EQ(pushes, 7);
-    CHECK_EQ(bytes, 2 * (3 * n * 4) + n * 2);
+    CHECK_EQ(pushes, 9);
+    CHECK_EQ(bytes, 2 * (3 * n * 4) + n * 4 + 2 * n * 2);
     CHECK_OK(laden_dev_mem_free(dev, dx));
     CHECK_OK(laden_dev_mem_free(dev, dy));
     CHECK_OK(laden_dev_mem_free(dev, dz));

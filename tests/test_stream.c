@@ -248,6 +248,14 @@ static void exit_elsewhere(int32_t dev)
         run_block(&m, i);
     CHECK_OK(laden_sched_synchronize(m.sc));
     CHECK_STATUS(laden_sched_forget_stream(NULL, 0), LADEN_E_INVAL);
+    /* Closed (a model's release) before the stream goes: forget still
+     * lets it go, so destroy does not touch a destroyed stream. */
+    CHECK_OK(laden_dev_stream_create(dev, &other));
+    h = laden_dev_stream_handle(other);
+    run_block_exit_on(&m, 0, h);
+    CHECK_OK(laden_sched_close(m.sc));
+    CHECK_OK(laden_sched_forget_stream(m.sc, h));
+    laden_dev_stream_destroy(other);
     destroy(&m);
 }
 

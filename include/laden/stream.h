@@ -321,7 +321,8 @@ LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
 
 /* The CUDA stream `handle` is about to be destroyed: if the schedule holds
  * it (from an enter or exit on it) it waits for its work and lets it go.
- * No-op on the CPU device and for a stream it does not hold. */
+ * No-op on the CPU device and for a stream it does not hold.  Works on a
+ * closed schedule too (laden_sched_close), before it is destroyed. */
 LADEN_API laden_status laden_sched_forget_stream(laden_sched_t *sched,
                                                  uintptr_t handle);
 

@@ -115,6 +115,17 @@ def _flatten_bnb(v, where: str, owner=None):
 
         return inner, rebuild
     if name == "Int8Params":
+        cls = type(v)
+        if getattr(v, "has_fp16_weights", False):
+            # Kept in 16 bits (bitsandbytes quantizes on each forward).
+            def rebuild16(vals):
+                p = torch.Tensor._make_subclass(cls, vals["data"], False)
+                p.has_fp16_weights = True
+                p.CB = None
+                p.SCB = None
+                return p
+
+            return {"data": v.data}, rebuild16
         # Quantized: int8 data with a scale per row (SCB), which the first
         # forward moves from the parameter to its module's state.
         scb = getattr(v, "SCB", None)
@@ -127,22 +138,22 @@ def _flatten_bnb(v, where: str, owner=None):
                 "it)" if v.dtype != torch.int8 else
                 f"{where}: a bitsandbytes Int8Params without its scales "
                 "(SCB)", "E_INVAL")
-        inner = {"data": v.data, "SCB": scb}
-        keep = {k: getattr(v, k) for k in ("has_fp16_weights",)
-                if hasattr(v, k)}
-        cls = type(v)
 
         def rebuild(vals):
             p = torch.Tensor._make_subclass(cls, vals["data"], False)
-            for k, x in keep.items():
-                setattr(p, k, x)
+            p.has_fp16_weights = False
             # As bitsandbytes leaves a quantized one: its next forward
-            # takes CB and SCB into the module's state.
+            # takes CB and SCB into the module's state.  What the state
+            # holds now (laden memory that moves or goes) is let go.
             p.CB = vals["data"]
             p.SCB = vals["SCB"]
+            st = getattr(owner, "state", None)
+            if st is not None:
+                st.CB = None
+                st.SCB = None
             return p
 
-        return inner, rebuild
+        return {"data": v.data, "SCB": scb}, rebuild
     raise InvalidArgumentError(
         f"{where}: bitsandbytes {name} is not supported (Params4bit and "
         "Int8Params are)", "E_INVAL")

@@ -672,8 +672,12 @@ class OffloadHandle:
         Their gradients never leave the device (no ``.grad`` on the host
         copies), so ``optimizer.step()`` after backward steps only the
         other parameters.  Each backward is then one step: no accumulation
-        over micro-batches, no clipping by the global norm.  ``None``
-        turns it off."""
+        over micro-batches, no clipping by the global norm, and no
+        ``torch.amp.GradScaler`` (the gradients would step scaled and
+        unchecked); a weight that gets two gradients in one backward (its
+        block ran twice) and optimizer state that is not one float per
+        weight (8-bit optimizers) are refused by name.  ``None`` turns it
+        off."""
         self.state.live("OffloadHandle.step_in_backward")
         if self.trainer is None or not self.active:
             raise StateError(

@@ -30,6 +30,7 @@ which block is where is the schedule's.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ._dtypes import checkpoint_dtype
@@ -178,12 +179,22 @@ class _Trainer:
                 check(lib.laden_grads_flush(sink))
             finally:
                 o = self.state.owner
-                if o is not None and self.cuda:
-                    # Blocks left on the sink's stream: the schedule lets
-                    # go of it before it is destroyed.
-                    lib.laden_sched_forget_stream(
-                        o.h, lib.laden_grads_stream(sink))
-                lib.laden_grads_destroy(sink)
+                if o is not None and self.cuda and \
+                        lib.laden_sched_forget_stream(
+                            o.h, lib.laden_grads_stream(sink)):
+                    # Blocks left on the sink's stream and the schedule
+                    # still holds it: its stream must outlive the
+                    # schedule, so the sink is kept (a leak, not a crash).
+                    import logging
+
+                    logging.getLogger("laden").warning(
+                        "laden: the gradient sink is kept: the schedule "
+                        "could not let go of its stream: %s",
+                        (lib.laden_last_error() or b"").decode(
+                            "utf-8", "replace"))
+                    self.leaked_sink = sink
+                else:
+                    lib.laden_grads_destroy(sink)
         self.keep.clear()
         self.bufs.clear()  # the host parameters' .grad keep theirs
 
@@ -201,16 +212,26 @@ class _Trainer:
                 self._push(t, g)
         return hook
 
-    def exit_stream(self, stream: int) -> int:
+    def leave_stream(self, stream: int):
         """The stream a block leaves on after its backward: the sink's,
         after it waited for `stream`, when an optimizer stepped weights in
         the block's slot (the slot is refilled only once they are copied
-        home); else `stream`."""
+        home, also when the block's backward failed half-way); else
+        `stream`.  If the sink cannot be ordered after `stream`, its
+        copies are waited for here, and the error returned to be raised
+        once the block has left: (stream, error or None)."""
         if not self.stepped:
-            return stream
+            return stream, None
         self.stepped = False
-        check(lib.laden_grads_wait(self.sink, stream))
-        return lib.laden_grads_stream(self.sink)
+        try:
+            check(lib.laden_grads_wait(self.sink, stream))
+        except LadenError as e:
+            import torch
+
+            if self.cuda:  # the slot waits for nothing: the copies done
+                torch.cuda.synchronize(self.device)
+            return stream, e
+        return lib.laden_grads_stream(self.sink), None
 
     def _push(self, t, g) -> None:
         import torch
@@ -223,6 +244,11 @@ class _Trainer:
             # the copy goes straight into it (allocating and first-touching
             # the model's size of new host memory every step cost seconds).
             acc = self.bufs.get(id(t))
+            # Reused only if nothing else holds it (the dict, this frame,
+            # getrefcount's argument): a .grad the user kept from an
+            # earlier step must not change under them.
+            if acc is not None and sys.getrefcount(acc) > 3:
+                acc = None
             if acc is None:
                 acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype,
                                   pin_memory=self.cuda)
@@ -257,11 +283,13 @@ class _Trainer:
             return
         self.armed = True
         if self.fused is not None:
-            self.fused.regroup()
+            self.fused.begin()
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
     def flush(self) -> None:
         self.armed = False
+        if self.fused is not None:
+            self.fused.ready = {}  # fetched for a block that did not step
         if self.sink is not None:
             try:
                 check(lib.laden_grads_flush(self.sink))
@@ -325,6 +353,7 @@ class _Fused:
         self.groups: Dict[int, dict] = {}
         self.shadow: Dict[int, object] = {}  # id(_Tensor) -> optimizer
         self.ready: Dict[int, dict] = {}  # id(host param) -> fetched state
+        self.done: set = set()  # id(host param) stepped in this backward
         self._up = None
         import inspect
 
@@ -339,6 +368,12 @@ class _Fused:
                 f"step_in_backward: the {type(opt).__name__} holds none of "
                 "the host copies of streamed parameters (build it over "
                 "handle.parameters())", "E_INVAL")
+
+    def begin(self) -> None:
+        """At the start of a backward."""
+        self.regroup()
+        self.ready = {}
+        self.done = set()
 
     def regroup(self) -> None:
         ours = {id(hp) for hp in self.tr.host.values()}
@@ -355,8 +390,9 @@ class _Fused:
                             if k in self.kwargs})
             except Exception as e:
                 raise InvalidArgumentError(
-                    f"step_in_backward: cannot make a {type(self.opt).__name__}"
-                    f" for one parameter with the group's settings: {e}",
+                    "step_in_backward: cannot make a "
+                    f"{type(self.opt).__name__} for one parameter with the "
+                    f"group's settings: {e}",
                     "E_INVAL") from e
             self.shadow[id(t)] = sh
         sh.param_groups[0].update(hyper)  # a scheduler's lr, each step
@@ -410,6 +446,12 @@ class _Fused:
 
         tr = self.tr
         hp = tr.host[id(t)]
+        if id(hp) in self.done:
+            raise InvalidArgumentError(
+                f"step_in_backward: '{t.names[0]}' got a second gradient in "
+                "one backward (its block ran twice in the forward): each "
+                "weight steps once per backward; turn step_in_backward off "
+                "(None) for this model", "E_INVAL")
         sh = self._shadow(t, p, self.groups[id(hp)])
         stream = _compute_stream(tr.device)
         hs = self.opt.state[hp]
@@ -434,11 +476,25 @@ class _Fused:
         finally:
             p.grad = None
             ds = sh.state.pop(p, {})
+        home, kept = {}, {}
         for k, d in ds.items():
-            if k == "step" or not (_per_element(d, hp) and
-                                   d.device == tr.device):
-                hs[k] = d
-                continue
+            if k != "step" and _per_element(d, hp) and d.device == tr.device:
+                home[k] = d
+            elif k != "step" and isinstance(d, torch.Tensor) and \
+                    d.device == tr.device and d.numel() > 1:
+                # State that cannot go home (e.g. 8-bit): the weights in
+                # the slot go back to their host copy, and it is refused.
+                p.detach().copy_(hp.detach(), non_blocking=True)
+                raise InvalidArgumentError(
+                    f"step_in_backward: the {type(self.opt).__name__}'s "
+                    f"state '{k}' of '{t.names[0]}' is {d.dtype} "
+                    f"{tuple(d.shape)}; only float32, float16 or bfloat16 "
+                    "state with one value per weight is kept on the host",
+                    "E_INVAL")
+            else:
+                kept[k] = d
+        hs.update(kept)
+        for k, d in home.items():
             h = hs.get(k)
             if h is None or not _per_element(h, hp) or h.dtype != d.dtype \
                     or (tr.cuda and not h.is_pinned()):
@@ -447,6 +503,7 @@ class _Fused:
             self._home(d, h, stream)
         # The weights, from the slot (not torch's memory: nothing to keep)
         self._home(p.detach(), hp.detach(), stream, owned=False)
+        self.done.add(id(hp))
         tr.stepped = True
 
     def _home(self, d, h, stream, owned=True) -> None:
@@ -508,6 +565,22 @@ def materialize_adapters(state, configs=None) -> None:
 
 
 def _materialize_lora(mod, where: str, dev, configs) -> None:
+    import torch
+
+    # Embedding LoRA (factors as parameters): moved, or refused on meta.
+    for dname in ("lora_embedding_A", "lora_embedding_B"):
+        pd = getattr(mod, dname, None) or {}
+        for name in list(pd.keys()):
+            q = pd[name]
+            if q.is_meta:
+                raise InvalidArgumentError(
+                    f"peft adapter '{name}' of '{where}' is an embedding "
+                    "LoRA made after stream_load on the disk tier (no "
+                    "values); apply it before laden loads the model, or "
+                    "keep the embedding resident", "E_INVAL")
+            if q.device != dev:
+                pd[name] = torch.nn.Parameter(q.detach().to(dev),
+                                              requires_grad=q.requires_grad)
     for name in list(mod.lora_A.keys()):
         parts = [mod.lora_A[name], mod.lora_B[name]]
         if not any(p.is_meta for m in parts for p in m.parameters()):
@@ -649,13 +722,15 @@ class _Call:
             if then is not None:
                 then(out)
         except BaseException:
-            self.trainer.stepped = False
             try:
-                self.leave(stream)
+                self.leave(self.trainer.leave_stream(stream)[0])
             except LadenError:
                 pass
             raise
-        self.leave(self.trainer.exit_stream(stream))
+        s, err = self.trainer.leave_stream(stream)
+        self.leave(s)
+        if err is not None:
+            raise err
         return out
 
     def recompute_and_backward(self, inputs, grads) -> None:

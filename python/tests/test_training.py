@@ -116,6 +116,7 @@ def test_adamw_steps_match_the_plain_model(ckpt, device):
             if step == 0:
                 first = g.data_ptr()
             assert g.data_ptr() == first
+            del g  # a .grad kept across zero_grad() is not written into
         opt.step()
         ropt.step()
     with torch.no_grad():
@@ -525,4 +526,99 @@ def test_training_again_after_remove(tmp_path):
     torch.testing.assert_close(hp["blocks.1.lin.weight"].detach(),
                                before - 0.1 * rg["blocks.1.lin.weight"].cpu(),
                                atol=1e-5, rtol=1e-4)
+    h.remove()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_a_kept_grad_is_not_overwritten(tmp_path):
+    """The .grad buffers are reused from step to step only when nothing
+    else holds them: a gradient the user kept across zero_grad() stays as
+    it was."""
+    torch.manual_seed(0)
+    ref = DropNet(d=32, n=3).eval()
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=32, n=3).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=1)
+    hp = dict(h.named_parameters())["blocks.1.lin.weight"]
+    m(torch.randn(4, 32, device="cuda")).pow(2).sum().backward()
+    kept = hp.grad
+    snapshot = kept.clone()
+    hp.grad = None
+    m(torch.randn(4, 32, device="cuda") * 3).pow(2).sum().backward()
+    assert hp.grad is not kept
+    assert not torch.equal(hp.grad, snapshot)
+    torch.testing.assert_close(kept, snapshot, atol=0, rtol=0)
+    h.remove()
+
+
+class TwiceNet(nn.Module):
+    """Block 0 runs twice in each forward."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.blocks = nn.ModuleList(DropBlock(d) for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Int8State(torch.optim.Optimizer):
+    """SGD that keeps an int8 copy per weight as state (as 8-bit
+    optimizers do)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["q"] = torch.zeros_like(p, dtype=torch.int8)
+                p.add_(p.grad, alpha=-g["lr"])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
+def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
+    """A weight with two gradients in one backward, and optimizer state
+    that is not one float per weight, are refused by name; the refused
+    step leaves the model's output as it was."""
+    torch.manual_seed(0)
+    ref = TwiceNet().eval()
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = TwiceNet().eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=1)
+    h.step_in_backward(torch.optim.SGD(h.parameters(), lr=0.1))
+    x = torch.randn(4, 32, device="cuda")
+    with pytest.raises(laden.InvalidArgumentError, match="second gradient"):
+        m(x).pow(2).sum().backward()
+    h.remove()
+
+    torch.manual_seed(0)
+    ref = DropNet(d=32, n=3).eval()
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=32, n=3).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=1)
+    with torch.no_grad():
+        before = m(x)
+    h.step_in_backward(Int8State(h.parameters()))
+    with pytest.raises(laden.InvalidArgumentError, match="int8"):
+        m(x).pow(2).sum().backward()
+    h.step_in_backward(None)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), before, atol=0, rtol=0)
     h.remove()

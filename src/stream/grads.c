@@ -244,6 +244,21 @@ void laden_grads_destroy(laden_grads_t *g)
     free(g);
 }
 
+/* A job not landed yet writes into [dst, dst + bytes): a direct copy
+ * there would land before it, so that push goes through the ring too. */
+static bool pending_into(const laden_grads_t *g, const char *dst,
+                         uint64_t bytes)
+{
+    for (uint32_t i = 0; i < g->njobs; i++) {
+        const gjob *j = &g->jobs[(g->head + i) % g->cap];
+        const char *b = j->dst;
+        uint64_t len = j->n * esize(j->dd);
+        if (b < dst + bytes && dst < b + len)
+            return true;
+    }
+    return false;
+}
+
 /* The caller's stream, wrapped once per handle. */
 static laden_status wrap_caller(laden_grads_t *g, uintptr_t stream)
 {
@@ -277,7 +292,8 @@ static laden_status push_cuda(laden_grads_t *g, laden_devptr_t src,
     if (st)
         return st;
     uint64_t es = esize(sd), total = n * es, done = 0;
-    if ((flags & LADEN_GRADS_PINNED) && !acc && sd == dd) {
+    if ((flags & LADEN_GRADS_PINNED) && !acc && sd == dd &&
+        !pending_into(g, dst, n * esize(dd))) {
         if ((st = laden_dev_copy_d2h(g->copy, dst, src, total)))
             return st;
         g->direct = true;

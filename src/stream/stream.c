@@ -479,6 +479,10 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
     if (!sc)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_forget_stream: NULL schedule");
+    /* Also once closed (release closes before its trainer goes): no call
+     * can hold it then, and destroy would synchronize the stream. */
+    if (atomic_load(&sc->holder) == CLOSED)
+        return laden__sched_forget_stream(sc, handle);
     HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
 }
 
