@@ -299,6 +299,52 @@ TEST(grads_fetch_and_wait)
     test_on_every_device(fetch_and_wait);
 }
 
+/* Gradients large enough to land on several threads (each a disjoint
+ * range): the same values as one at a time, added and converted. */
+TEST(grads_large_land_on_threads)
+{
+    const uint64_t n = (5u << 21) + 777; /* over the per-thread size */
+    laden_grads_t *g = NULL;
+    CHECK_OK(laden_grads_create(LADEN_DEVICE_CPU, 0, &g));
+    void *x = values(LADEN_DTYPE_BF16, n), *y = values(LADEN_DTYPE_F32, n);
+    float *dst = malloc(n * 4), *exp = malloc(n * 4);
+    uint16_t *half = malloc(n * 2), *exph = malloc(n * 2);
+    CHECK(dst && exp && half && exph);
+    CHECK_OK(laden_grads_push(g, (laden_devptr_t)(uintptr_t)x,
+                              LADEN_DTYPE_BF16, n, dst, LADEN_DTYPE_F32, 0,
+                              0));
+    CHECK_OK(laden_grads_push(g, (laden_devptr_t)(uintptr_t)y,
+                              LADEN_DTYPE_F32, n, dst, LADEN_DTYPE_F32,
+                              LADEN_GRADS_ADD, 0));
+    CHECK_OK(laden_grads_push(g, (laden_devptr_t)(uintptr_t)y,
+                              LADEN_DTYPE_F32, n, half, LADEN_DTYPE_BF16, 0,
+                              0));
+    CHECK_OK(laden_grads_push(g, (laden_devptr_t)(uintptr_t)x,
+                              LADEN_DTYPE_BF16, n, half, LADEN_DTYPE_BF16,
+                              LADEN_GRADS_ADD, 0));
+    CHECK_OK(laden_grads_flush(g));
+    for (uint64_t i = 0; i < n; i++) {
+        float v = at(LADEN_DTYPE_BF16, x, i) + at(LADEN_DTYPE_F32, y, i);
+        exp[i] = v;
+        float w = at(LADEN_DTYPE_F32, y, i);
+        uint16_t hw;
+        CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, &w, LADEN_DTYPE_BF16,
+                                     &hw, 1));
+        w = at(LADEN_DTYPE_BF16, &hw, 0) + at(LADEN_DTYPE_BF16, x, i);
+        CHECK_OK(laden_sched_convert(LADEN_DTYPE_F32, &w, LADEN_DTYPE_BF16,
+                                     &exph[i], 1));
+    }
+    CHECK(memcmp(dst, exp, n * 4) == 0);
+    CHECK(memcmp(half, exph, n * 2) == 0);
+    free(x);
+    free(y);
+    free(dst);
+    free(exp);
+    free(half);
+    free(exph);
+    laden_grads_destroy(g);
+}
+
 TEST(grads_bad_arguments)
 {
     laden_grads_t *g = NULL;
