@@ -580,7 +580,7 @@ def _resolve_dtype(x):
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   expansions=(), guard=None, gone=None, after_enter=None,
-                  slot_tensors=(), trainer=None):
+                  slot_tensors=(), trainer=None, compiler=None):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
     can be undone.  `guard()`, if given, runs first (it may raise).  With
@@ -592,12 +592,16 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     `slot_tensors` (the block's tensors in its slot) refuse to run outside
     its forward.  With `trainer` (install_offload(train=True)), a call
     with gradients enabled is a checkpointed node (laden.training) that
-    enters the block again in backward."""
+    enters the block again in backward.  With `compiler`
+    (laden.compile.BlockCompiler), the block's own forward runs compiled
+    between enter and exit."""
     import torch
 
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
     had = "forward" in mod.__dict__
     orig = mod.forward
+    if compiler is not None:
+        orig = compiler.forward_of(mod, orig, had)
     grad_on = torch.is_grad_enabled
     hooks = _saved_hooks(gone) if gone is not None else None
     saved = torch.autograd.graph.saved_tensors_hooks

@@ -641,6 +641,7 @@ class OffloadHandle:
         self.active = False
         self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
         self.trainer = None  # laden.training._Trainer with train=True
+        self.compiler = None  # laden.compile.BlockCompiler with compile=
         from .adapters import _Adapters
         self.adapters = _Adapters(self)
 
@@ -798,7 +799,8 @@ def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
 
 
 def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
-                    train: bool = False, grad_dtype=None) -> OffloadHandle:
+                    train: bool = False, grad_dtype=None,
+                    compile=None) -> OffloadHandle:
     """Makes the streamed blocks of a model loaded with ``stream_load`` run
     from device slots: allocates ``lookahead + 1`` slots, points the
     blocks' parameters at them (for good: a block always runs from the
@@ -822,7 +824,15 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
     the streamed weights' ``meta``) and initialized by peft; pass the
     ``PeftModel`` so its ``init_lora_weights`` is used.  They stay
     resident and train as ordinary parameters: LoRA over a streamed,
-    frozen base."""
+    frozen base.
+
+    ``compile=laden.BlockCompile(...)`` (or True for its defaults)
+    compiles each block's forward with ``torch.compile``, once per block
+    class and shape, laden's enter and exit staying outside the compiled
+    code."""
+    from .compile import check as check_compile
+
+    block_compile = check_compile(compile)
     state = getattr(model, "_laden_stream", None)
     if state is None:
         why = ("was released (laden.release); load it again with "
@@ -856,11 +866,11 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
     from .training import materialize_adapters
 
     materialize_adapters(state, getattr(model, "peft_config", None))
-    return _start(state, lookahead, train, grad_dtype)
+    return _start(state, lookahead, train, grad_dtype, block_compile)
 
 
 def _start(state: _Stream, lookahead: int, train: bool = False,
-           grad_dtype=None) -> OffloadHandle:
+           grad_dtype=None, block_compile=None) -> OffloadHandle:
     o = state.live("install_offload")
     with _pass(state, o, "install_offload"):
         kept = state.kept_lookahead
@@ -878,6 +888,9 @@ def _start(state: _Stream, lookahead: int, train: bool = False,
                 "lookahead", "E_STATE")
         state.kept_lookahead = None
         handle = OffloadHandle(state, lookahead)
+        if block_compile is not None:
+            from .compile import BlockCompiler
+            handle.compiler = BlockCompiler(block_compile)
         state.handle = handle
         handle.active = True
         try:
@@ -930,7 +943,9 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           after_enter=handle.adapters.after_enter
                           if streamed else None,
                           slot_tensors=b.tensors if streamed else (),
-                          trainer=handle.trainer)
+                          trainer=handle.trainer, compiler=handle.compiler)
+        elif handle.compiler is not None:
+            handle.compiler.install(b.module, handle._wrapped)
         off = 0
         for t in b.tensors:
             if t.store == "plain":
