@@ -117,15 +117,14 @@ def _flatten_bnb(v, where: str, owner=None):
     if name == "Int8Params":
         cls = type(v)
         if getattr(v, "has_fp16_weights", False):
-            # Kept in 16 bits (bitsandbytes quantizes on each forward).
-            def rebuild16(vals):
-                p = torch.Tensor._make_subclass(cls, vals["data"], False)
-                p.has_fp16_weights = True
-                p.CB = None
-                p.SCB = None
-                return p
-
-            return {"data": v.data}, rebuild16
+            # 16-bit weights that bitsandbytes quantizes on each forward
+            # into an int8 copy it keeps on the module: that copy would
+            # stay on the device and go stale as the weights move.
+            raise InvalidArgumentError(
+                f"{where}: a bitsandbytes Int8Params with "
+                "has_fp16_weights=True (16-bit weights, an int8 copy kept "
+                "by the module) cannot be held by laden; quantize it "
+                "(Linear8bitLt(..., has_fp16_weights=False))", "E_INVAL")
         # Quantized: int8 data with a scale per row (SCB), which the first
         # forward moves from the parameter to its module's state.
         scb = getattr(v, "SCB", None)

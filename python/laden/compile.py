@@ -19,8 +19,10 @@ from typing import Any, Dict, Optional
 
 from .errors import InvalidArgumentError
 
-MODES = (None, "default", "reduce-overhead", "max-autotune",
-         "max-autotune-no-cudagraphs")
+# Modes without CUDA graphs: one captured graph replayed over streamed
+# weights whose slots change is not supported yet ("reduce-overhead" and
+# "max-autotune" capture).
+MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,11 @@ class BlockCompile:
                 f"BlockCompile: fullgraph must be True or False, not "
                 f"{self.fullgraph!r}", "E_INVAL")
         if self.mode not in MODES:
+            why = " (it captures CUDA graphs, which laden does not support " \
+                "over streamed blocks yet)" if self.mode in (
+                    "reduce-overhead", "max-autotune") else ""
             raise InvalidArgumentError(
-                f"BlockCompile: mode {self.mode!r}; use one of "
+                f"BlockCompile: mode {self.mode!r}{why}; use one of "
                 f"{', '.join(repr(m) for m in MODES)}", "E_INVAL")
         if self.mode is not None and self.options is not None:
             raise InvalidArgumentError(
@@ -57,6 +62,11 @@ class BlockCompile:
             raise InvalidArgumentError(
                 f"BlockCompile: options must be a dict, not "
                 f"{type(self.options).__name__}", "E_INVAL")
+        if self.options and self.options.get("triton.cudagraphs"):
+            raise InvalidArgumentError(
+                "BlockCompile: options['triton.cudagraphs'] captures CUDA "
+                "graphs, which laden does not support over streamed blocks "
+                "yet", "E_INVAL")
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise InvalidArgumentError(
                 f"BlockCompile: backend must be a name or a callable, not "
@@ -69,11 +79,21 @@ def check(compile) -> Optional[BlockCompile]:
     if compile is None or compile is False:
         return None
     if compile is True:
-        return BlockCompile()
+        compile = BlockCompile()
     if not isinstance(compile, BlockCompile):
         raise InvalidArgumentError(
             f"install_offload: compile must be a laden.BlockCompile, True or "
             f"None, not {type(compile).__name__}", "E_INVAL")
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 5):
+        # Before 2.5 Dynamo guarded on each module's identity: every block
+        # compiled again, and past its cache limit ran uncompiled.
+        raise InvalidArgumentError(
+            f"install_offload(compile=...) needs torch 2.5 or later (this "
+            f"is {torch.__version__}): before it every block compiled "
+            "apart", "E_INVAL")
     return compile
 
 

@@ -677,8 +677,10 @@ class OffloadHandle:
         ``torch.amp.GradScaler`` (the gradients would step scaled and
         unchecked); a weight that gets two gradients in one backward (its
         block ran twice) and optimizer state that is not one float per
-        weight (8-bit optimizers) are refused by name.  ``None`` turns it
-        off."""
+        weight (8-bit optimizers) are refused by name: the refused
+        weight is put back, but other weights of its block may have
+        stepped already, and a step count kept as a tensor may have
+        advanced.  ``None`` turns it off."""
         self.state.live("OffloadHandle.step_in_backward")
         if self.trainer is None or not self.active:
             raise StateError(

@@ -228,10 +228,38 @@ class _Trainer:
         except LadenError as e:
             import torch
 
-            if self.cuda:  # the slot waits for nothing: the copies done
-                torch.cuda.synchronize(self.device)
+            try:  # the slot waits for nothing: the copies done
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+            except RuntimeError as e2:  # a sticky CUDA error
+                return stream, e2
             return stream, e
         return lib.laden_grads_stream(self.sink), None
+
+    # A .grad buffer is reused only while nothing but laden holds it: not
+    # the tensor object (sys.getrefcount, against what it was when laden
+    # stored it) and not its memory (a .detach() or .data the user kept:
+    # the storage's use count), so a gradient kept from an earlier step
+    # never changes under the user.
+    def _new_buffer(self, key: int, shape, dtype):
+        import torch
+
+        buf = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+        # As _reusable counts: this frame's name, getrefcount's argument,
+        # and (+1) the entry that is about to hold it.
+        rc = sys.getrefcount(buf) + 1
+        uses = _storage_uses(buf)
+        self.bufs[key] = (buf, rc, uses)
+        return buf
+
+    def _reusable(self, key: int):
+        ent = self.bufs.get(key)
+        if ent is None:
+            return None
+        buf = ent[0]
+        if sys.getrefcount(buf) > ent[1] or _storage_uses(buf) > ent[2]:
+            return None
+        return buf
 
     def _push(self, t, g) -> None:
         import torch
@@ -243,16 +271,10 @@ class _Trainer:
             # The buffer of the last step, reused: page-locked on CUDA, so
             # the copy goes straight into it (allocating and first-touching
             # the model's size of new host memory every step cost seconds).
-            acc = self.bufs.get(id(t))
-            # Reused only if nothing else holds it (the dict, this frame,
-            # getrefcount's argument): a .grad the user kept from an
-            # earlier step must not change under them.
-            if acc is not None and sys.getrefcount(acc) > 3:
-                acc = None
+            acc = self._reusable(id(t))
             if acc is None:
-                acc = torch.empty(hp.shape, dtype=self.grad_dtype or hp.dtype,
-                                  pin_memory=self.cuda)
-                self.bufs[id(t)] = acc
+                acc = self._new_buffer(id(t), hp.shape,
+                                       self.grad_dtype or hp.dtype)
             hp.grad = acc
             if acc.dtype != g.dtype:
                 # Converted on the device: the host then does nothing.
@@ -264,7 +286,8 @@ class _Trainer:
             raise InvalidArgumentError(
                 f"the .grad of '{t.names[0]}' is {acc.dtype}; laden adds "
                 "gradients into float32, float16 or bfloat16", "E_INVAL")
-        if self.cuda and acc is self.bufs.get(id(t)):
+        ent = self.bufs.get(id(t))
+        if self.cuda and ent is not None and acc is ent[0]:
             flags |= GRADS_PINNED
         g = g.contiguous()
         self.keep.append(acc)
@@ -520,6 +543,16 @@ class _Fused:
             GRADS_PINNED if tr.cuda else 0, stream))
         if tr.cuda and owned:
             d.record_stream(tr.copy_stream)
+
+
+def _storage_uses(t) -> int:
+    """How many tensors share t's memory (0 where torch cannot say)."""
+    import torch
+
+    f = getattr(torch._C, "_storage_Use_Count", None)
+    if f is None:
+        return 0
+    return f(t.untyped_storage()._cdata)
 
 
 def _per_element(v, hp) -> bool:

@@ -123,9 +123,13 @@ def test_training_through_compiled_blocks(tmp_path):
 
 def test_block_compile_arguments_checked(tmp_path):
     with pytest.raises(laden.InvalidArgumentError, match="mode or options"):
-        laden.BlockCompile(mode="max-autotune", options={"a": 1})
+        laden.BlockCompile(mode="default", options={"a": 1})
     with pytest.raises(laden.InvalidArgumentError, match="mode"):
         laden.BlockCompile(mode="fastest")
+    with pytest.raises(laden.InvalidArgumentError, match="CUDA graphs"):
+        laden.BlockCompile(mode="reduce-overhead")
+    with pytest.raises(laden.InvalidArgumentError, match="CUDA graphs"):
+        laden.BlockCompile(options={"triton.cudagraphs": True})
     with pytest.raises(laden.InvalidArgumentError, match="dynamic"):
         laden.BlockCompile(dynamic="yes")
     _, m = load(tmp_path, ram_budget=0)

@@ -622,3 +622,28 @@ def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(m(x), before, atol=0, rtol=0)
     h.remove()
+
+
+def test_grad_buffers_reused_only_when_nothing_else_holds_them():
+    """The trainer's .grad buffers (reused from step to step) are taken
+    again only while neither the tensor nor its memory is held elsewhere:
+    not as a .grad, a kept reference, or a .detach() view."""
+    from laden.training import _Trainer
+
+    tr = _Trainer.__new__(_Trainer)
+    tr.bufs, tr.cuda = {}, False
+    b = tr._new_buffer(1, (4,), torch.float32)
+    del b
+    assert tr._reusable(1) is not None
+    p = nn.Parameter(torch.zeros(4))
+    p.grad = tr._reusable(1)
+    assert tr._reusable(1) is None
+    p.grad = None
+    assert tr._reusable(1) is not None
+    kept = tr._reusable(1)
+    assert tr._reusable(1) is None
+    del kept
+    view = tr.bufs[1][0].detach()
+    assert tr._reusable(1) is None
+    del view
+    assert tr._reusable(1) is not None

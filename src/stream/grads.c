@@ -18,7 +18,10 @@
  * [0, tail).  A new part goes at tail, or at 0 when it does not fit before
  * the end; never up to head_off exactly (tail == head_off would be both
  * full and empty). */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,7 +97,9 @@ static inline uint16_t bf16_round(float f)
 
 /* dst += src for F32 and BF16 (the dtypes of training), one element at a
  * time without the converter's per-element dispatch (it landed 0.42 GB/s
- * of BF16 on this machine's core); false for other pairs. */
+ * of BF16 on this machine's core); false for other pairs.  The same values
+ * as the converter's path, but for which NaN's payload a NaN + NaN keeps
+ * (the compiler may order the operands). */
 static bool add_plain(const char *src, laden_dtype sd, char *dst,
                       laden_dtype dd, uint64_t n)
 {
@@ -171,21 +176,28 @@ static void *land_part_run(void *arg)
  * host's bandwidth, one does not). */
 static uint32_t land_threads(uint64_t n)
 {
-    static long ncpu;
-    if (!ncpu) {
-        long c = sysconf(_SC_NPROCESSORS_ONLN);
-        ncpu = c > 0 ? c : 1;
+    static atomic_long ncpu; /* the CPUs this process may run on */
+    long c = atomic_load_explicit(&ncpu, memory_order_relaxed);
+    if (!c) {
+        cpu_set_t set;
+        c = sched_getaffinity(0, sizeof set, &set) == 0
+                ? CPU_COUNT(&set)
+                : sysconf(_SC_NPROCESSORS_ONLN);
+        if (c < 1)
+            c = 1;
+        atomic_store_explicit(&ncpu, c, memory_order_relaxed);
     }
     uint64_t t = n / LAND_PER_THREAD;
-    if (t > (uint64_t)ncpu)
-        t = (uint64_t)ncpu;
+    if (t > (uint64_t)c)
+        t = (uint64_t)c;
     if (t > LAND_THREADS)
         t = LAND_THREADS;
     return t ? (uint32_t)t : 1;
 }
 
 /* land_range over n elements, split in disjoint ranges over threads
- * (the same values: each element is computed alone).  A thread that
+ * (the same values: each element is computed alone).  The threads take
+ * no lock (the caller may hold the sink's).  A thread that
  * cannot be started has its range done here. */
 static void land_values(const char *src, laden_dtype sd, char *dst,
                         laden_dtype dd, uint64_t n, int acc)

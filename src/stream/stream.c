@@ -481,8 +481,12 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
                            "laden_sched_forget_stream: NULL schedule");
     /* Also once closed (release closes before its trainer goes): no call
      * can hold it then, and destroy would synchronize the stream. */
-    if (atomic_load(&sc->holder) == CLOSED)
-        return laden__sched_forget_stream(sc, handle);
+    if (atomic_load(&sc->holder) == CLOSED) {
+        pthread_mutex_lock(&sc->mu);
+        laden_status s = laden__sched_forget_stream(sc, handle);
+        pthread_mutex_unlock(&sc->mu);
+        return s;
+    }
     HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
 }
 
