@@ -11,6 +11,9 @@ twice (forward, then backward in reverse), their gradients come down once,
 at the copy rates measured here).  Also the LoRA-style case: streamed
 weights frozen, gradients only for the input.
 
+Every weight training over two micro-batches of half the tokens (the
+second's gradients added into the host .grad).
+
 Whole steps (forward + backward + optimizer): every weight training with
 torch's CPU AdamW over handle.parameters() (the host copies; foreach and
 fused); a peft LoRA (r 16 on qkv, out, up, down) over the streamed frozen
@@ -141,6 +144,20 @@ def main() -> int:
                      else "all weights train", t, ideal, up, down, peak,
                      s1["device_bytes"], s1["misses"] - s0["misses"]))
         if not frozen:
+            # Two micro-batches of half the tokens: the second adds its
+            # gradients into the host .grad (landed on the host, threads).
+            half = xr[:, : a.tokens // 2].detach().requires_grad_(True)
+
+            def two_micro():
+                for p in params:
+                    p.grad = None
+                for _ in range(2):
+                    m(half).float().pow(2).mean().backward()
+
+            tm = step_ms(two_micro, a.repeats)
+            print(f"every weight, 2 micro-batches of {a.tokens // 2} tokens "
+                  f"(the second added on the host): {tm:.1f} ms, against "
+                  f"{t:.1f} ms for one batch of {a.tokens}")
             for kind in ("foreach", "fused"):
                 opt = torch.optim.AdamW(params, lr=1e-5, **{kind: True})
                 try:
