@@ -21,15 +21,6 @@ static uint32_t bits_of_f32(float f)
     return u;
 }
 
-static uint16_t bf16_of_f32(float f)
-{
-    uint32_t u = bits_of_f32(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 float laden__f32_of_f16(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -227,7 +218,8 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
         if (to == LADEN_DTYPE_F32) {
             memcpy((char *)dst + 4 * i, &f, 4);
         } else {
-            uint16_t h = to == LADEN_DTYPE_F16 ? f16_of_f32(f) : bf16_of_f32(f);
+            uint16_t h = to == LADEN_DTYPE_F16 ? f16_of_f32(f)
+                                               : laden__bf16_of_f32(f);
             memcpy((char *)dst + 2 * i, &h, 2);
         }
     }

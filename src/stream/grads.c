@@ -84,17 +84,6 @@ static inline float f32_of(uint32_t u)
     return f;
 }
 
-/* float to bf16 as laden_sched_convert rounds it (nearest even; a NaN
- * kept, made quiet). */
-static inline uint16_t bf16_round(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* dst += src for F32 and BF16 (the dtypes of training), one element at a
  * time without the converter's per-element dispatch (it landed 0.42 GB/s
  * of BF16 on this machine's core); false for other pairs.  The same values
@@ -119,7 +108,7 @@ static bool add_plain(const char *src, laden_dtype sd, char *dst,
             uint16_t h;
             memcpy(&h, dst + 2 * i, 2);
             b = f32_of((uint32_t)h << 16);
-            h = bf16_round(b + a);
+            h = laden__bf16_of_f32(b + a);
             memcpy(dst + 2 * i, &h, 2);
         } else {
             memcpy(&b, dst + 4 * i, 4);
