@@ -161,12 +161,12 @@ def main() -> int:
             for kind in ("foreach", "fused"):
                 opt = torch.optim.AdamW(params, lr=1e-5, **{kind: True})
                 try:
-                    tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
+                    tw, f, o, pk = _whole_step(fwd_bwd, opt.step, a.repeats)
                 except Exception as e:  # e.g. fused not on this build
                     print(f"AdamW({kind}=True) on the host: {e}")
                     continue
                 steps.append((f"laden, all train, CPU AdamW {kind}", tw, f,
-                              o, peak, _rss()))
+                              o, pk, sb.rss()))
                 del opt
                 gc.collect()
             # AdamW on the device inside backward: the state goes up and
@@ -180,8 +180,7 @@ def main() -> int:
                 h.step_in_backward(opt)
                 g0 = _sink_bytes(h)
                 s0 = h.stats()
-                torch.cuda.reset_peak_memory_stats()
-                tw, f, o = _median_split((fwd_bwd, opt.step), a.repeats)
+                tw, f, o, pk = _whole_step(fwd_bwd, opt.step, a.repeats)
                 n = a.repeats + 1
                 up = (h.stats()["h2d_bytes"] - s0["h2d_bytes"]) / n
                 state = 2 * wbytes  # exp_avg, exp_avg_sq in bf16
@@ -191,9 +190,8 @@ def main() -> int:
                                      max((wbytes + state) / h2d,
                                          down / d2h)))
                 steps.append((f"laden, all train, AdamW on GPU in backward"
-                               f" (lookahead {look})", tw, f, o,
-                               torch.cuda.max_memory_allocated() - base,
-                               _rss()))
+                               f" (lookahead {look})", tw, f, o, pk,
+                               sb.rss()))
                 print(f"step_in_backward, lookahead {look}: weights up "
                       f"{up / 1e9:.2f} GB + state up {state / 1e9:.2f} GB, "
                       f"home {down / 1e9:.2f} GB per step; ideal "
@@ -252,30 +250,27 @@ def _sink_bytes(h) -> int:
     return b.value
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _median_split(fn, repeats):
-    fb, st = [], []
+def _whole_step(fb, step, repeats):
+    """Median ms of fb() + step(), of fb() and of step() alone, and torch's
+    device peak over what was allocated when it began."""
+    fbs, steps = [], []
 
     def whole():
         t0 = time.perf_counter()
-        fn[0]()
+        fb()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        fn[1]()
+        step()
         torch.cuda.synchronize()
-        fb.append((t1 - t0) * 1e3)
-        st.append((time.perf_counter() - t1) * 1e3)
+        fbs.append((t1 - t0) * 1e3)
+        steps.append((time.perf_counter() - t1) * 1e3)
 
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     t = step_ms(whole, repeats)
     med = lambda v: sorted(v[1:])[len(v[1:]) // 2]  # noqa: E731
-    return t, med(fb), med(st)
+    return t, med(fbs), med(steps), torch.cuda.max_memory_allocated() - base
 
 
 def lora_step(a, path, xr):
@@ -296,15 +291,11 @@ def lora_step(a, path, xr):
         opt.zero_grad()
         pm(x).float().pow(2).mean().backward()
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    t, f, s = _median_split((fb, opt.step), a.repeats)
-    peak = torch.cuda.max_memory_allocated() - base
+    t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
     n = sum(p.numel() for p in h.parameters())
     laden.release(m, h)
     return (f"laden, peft LoRA ({n / 1e6:.0f}M), AdamW on GPU", t, f, s,
-            peak, _rss())
+            peak, sb.rss())
 
 
 def fsdp2_step(a, xr):
@@ -333,12 +324,8 @@ def fsdp2_step(a, xr):
             opt.zero_grad()
             m(x).float().pow(2).mean().backward()
 
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t, f, s = _median_split((fb, opt.step), a.repeats)
-        peak = torch.cuda.max_memory_allocated() - base
-        rss = _rss()
+        t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
+        rss = sb.rss()
         del m, opt
     finally:
         dist.destroy_process_group()

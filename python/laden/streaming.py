@@ -651,13 +651,18 @@ class OffloadHandle:
         copy (whose ``.grad`` backward fills; the next forward streams
         what the optimizer wrote), for any other its parameter as it is;
         only those with ``requires_grad``."""
-        self.state.live("OffloadHandle.named_parameters")
+        return self._trainer("named_parameters").named_parameters()
+
+    def _trainer(self, what: str):
+        """The training state, for OffloadHandle.<what>; StateError unless
+        made with train=True and not removed."""
+        self.state.live(f"OffloadHandle.{what}")
         if self.trainer is None or not self.active:
             raise StateError(
-                "OffloadHandle.named_parameters: only for a handle made by "
+                f"OffloadHandle.{what}: only for a handle made by "
                 "install_offload(..., train=True) and not removed",
                 "E_STATE")
-        return self.trainer.named_parameters()
+        return self.trainer
 
     def parameters(self):
         """The parameters of ``named_parameters()``, for an optimizer."""
@@ -681,16 +686,10 @@ class OffloadHandle:
         weight is put back, but other weights of its block may have
         stepped already, and a step count kept as a tensor may have
         advanced.  ``None`` turns it off."""
-        self.state.live("OffloadHandle.step_in_backward")
-        if self.trainer is None or not self.active:
-            raise StateError(
-                "OffloadHandle.step_in_backward: only for a handle made by "
-                "install_offload(..., train=True) and not removed",
-                "E_STATE")
+        tr = self._trainer("step_in_backward")
         from .training import _Fused
 
-        self.trainer.fused = None if optimizer is None else \
-            _Fused(self.trainer, optimizer)
+        tr.fused = None if optimizer is None else _Fused(tr, optimizer)
 
     def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
         """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,

@@ -262,8 +262,6 @@ class _Trainer:
         return buf
 
     def _push(self, t, g) -> None:
-        import torch
-
         hp = self.host[id(t)]
         acc = hp.grad
         flags = 0
@@ -501,10 +499,11 @@ class _Fused:
             ds = sh.state.pop(p, {})
         home, kept = {}, {}
         for k, d in ds.items():
-            if k != "step" and _per_element(d, hp) and d.device == tr.device:
+            on_dev = k != "step" and isinstance(d, torch.Tensor) and \
+                d.device == tr.device
+            if on_dev and _per_element(d, hp) and grad_code(d.dtype):
                 home[k] = d
-            elif k != "step" and isinstance(d, torch.Tensor) and \
-                    d.device == tr.device and d.numel() > 1:
+            elif on_dev and d.numel() > 1:
                 # State that cannot go home (e.g. 8-bit): the weights in
                 # the slot go back to their host copy, and it is refused.
                 p.detach().copy_(hp.detach(), non_blocking=True)
@@ -530,12 +529,9 @@ class _Fused:
         tr.stepped = True
 
     def _home(self, d, h, stream, owned=True) -> None:
+        """d (on the device) to h (page-locked, the same dtype: step
+        checked it can go)."""
         code = grad_code(d.dtype)
-        if code is None or d.dtype != h.dtype:
-            raise InvalidArgumentError(
-                f"step_in_backward: a {d.dtype} tensor of the optimizer "
-                "state cannot go home (float32, float16 or bfloat16 only)",
-                "E_INVAL")
         tr = self.tr
         tr.keep.append(h)
         check(lib.laden_grads_push(
