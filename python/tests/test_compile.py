@@ -135,3 +135,16 @@ def test_block_compile_arguments_checked(tmp_path):
     _, m = load(tmp_path, ram_budget=0)
     with pytest.raises(laden.InvalidArgumentError, match="BlockCompile"):
         laden.install_offload(m, compile="inductor")
+
+
+def test_block_compile_refused_before_torch_2_5(tmp_path, monkeypatch):
+    """Before torch 2.5 Dynamo compiled every block apart: refused by
+    name, the model left as it was."""
+    _, m = load(tmp_path, ram_budget=0)
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    with pytest.raises(laden.InvalidArgumentError, match="torch 2.5"):
+        laden.install_offload(m, compile=True)
+    monkeypatch.undo()
+    assert not any("forward" in b.__dict__ for b in m.blocks)
+    h = laden.install_offload(m, lookahead=1)
+    h.remove()

@@ -281,3 +281,23 @@ def test_bnb_int8_lets_go_of_laden_memory_and_fp16_weights_refused():
         with cache.use(spec, device="cpu"):
             pass
     cache.clear()
+
+
+def test_bnb_int8_not_quantized_yet_refused():
+    """A Linear8bitLt never moved (its weight still floats) is refused
+    naming the parameter."""
+    bnb = pytest.importorskip("bitsandbytes")
+    m = Net(n=2)
+    lin = m.blocks[0].up
+    q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features,
+                            has_fp16_weights=False)
+    q.load_state_dict(lin.state_dict())
+    m.blocks[0].up = q
+    assert q.weight.dtype != torch.int8
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("raw8", lambda: m, block_paths=("blocks",))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="blocks.0.up.weight.*not quantized yet"):
+        with cache.use(spec, device="cpu"):
+            pass
+    cache.clear()

@@ -586,6 +586,13 @@ class Int8State(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-g["lr"])
 
 
+class Needy(torch.optim.SGD):
+    """An optimizer whose constructor takes what its groups do not hold."""
+
+    def __init__(self, params, lr, extra):
+        super().__init__(params, lr=lr)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
                     "only there")
 def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
@@ -617,6 +624,10 @@ def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
         before = m(x)
     h.step_in_backward(Int8State(h.parameters()))
     with pytest.raises(laden.InvalidArgumentError, match="int8"):
+        m(x).pow(2).sum().backward()
+    h.step_in_backward(Needy(h.parameters(), lr=0.1, extra=1))
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="cannot make a Needy for one parameter"):
         m(x).pow(2).sum().backward()
     h.step_in_backward(None)
     with torch.no_grad():
