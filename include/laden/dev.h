@@ -73,6 +73,21 @@ LADEN_API laden_status laden_dev_stream_synchronize(laden_dev_stream_t *stream);
 LADEN_API laden_status laden_dev_stream_wait_event(laden_dev_stream_t *stream,
                                                    laden_event_t *event);
 
+/* CUDA graphs.  capturing: *out 1 while the stream is capturing a graph
+ * (always 0 on the CPU device).  capture_begin starts capturing the stream's
+ * work (thread-local mode: other threads' calls are not refused), and
+ * capture_end ends it and instantiates the graph, which graph_launch
+ * replays on a stream.  The CPU device: LADEN_E_UNSUPPORTED. */
+typedef struct laden_dev_graph laden_dev_graph_t;
+LADEN_API laden_status laden_dev_stream_capturing(laden_dev_stream_t *stream,
+                                                  int *out);
+LADEN_API laden_status laden_dev_graph_capture_begin(laden_dev_stream_t *stream);
+LADEN_API laden_status laden_dev_graph_capture_end(laden_dev_stream_t *stream,
+                                                   laden_dev_graph_t **out);
+LADEN_API laden_status laden_dev_graph_launch(laden_dev_graph_t *graph,
+                                              laden_dev_stream_t *stream);
+LADEN_API void laden_dev_graph_destroy(laden_dev_graph_t *graph);
+
 /* Events.  timing != 0 allows laden_dev_event_elapsed_ms. */
 LADEN_API laden_status laden_dev_event_create(int32_t device, int timing,
                                               laden_event_t **out);

@@ -273,6 +273,54 @@ static laden_status cuda_stream_wait_event(int32_t dev, void *s, void *e)
     return check(cu.cuStreamWaitEvent(s, e, 0), dev, "cuStreamWaitEvent");
 }
 
+static laden_status cuda_stream_capturing(int32_t dev, void *s, int *out)
+{
+    int st = CU_STREAM_CAPTURE_STATUS_NONE;
+    ENTER(dev);
+    laden_status r = check(cu.cuStreamIsCapturing(s, &st), dev,
+                           "cuStreamIsCapturing");
+    *out = st != CU_STREAM_CAPTURE_STATUS_NONE;
+    return r;
+}
+
+/* Thread-local mode: other threads' calls (the reader pool, the gradient
+ * sink's workers) are not part of the capture and are not refused. */
+static laden_status cuda_capture_begin(int32_t dev, void *s)
+{
+    ENTER(dev);
+    return check(cu.cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                 dev, "cuStreamBeginCapture");
+}
+
+/* The graph of a capture, instantiated: *out is its executable. */
+static laden_status cuda_capture_end(int32_t dev, void *s, void **out)
+{
+    CUgraph g = NULL;
+    CUgraphExec e = NULL;
+    ENTER(dev);
+    laden_status r = check(cu.cuStreamEndCapture(s, &g), dev,
+                           "cuStreamEndCapture");
+    if (!r)
+        r = check(cu.cuGraphInstantiateWithFlags(&e, g, 0), dev,
+                  "cuGraphInstantiateWithFlags");
+    if (g)
+        cu.cuGraphDestroy(g); /* the executable keeps what it needs */
+    *out = r ? NULL : e;
+    return r;
+}
+
+static laden_status cuda_graph_launch(int32_t dev, void *g, void *s)
+{
+    ENTER(dev);
+    return check(cu.cuGraphLaunch(g, s), dev, "cuGraphLaunch");
+}
+
+static void cuda_graph_destroy(int32_t dev, void *g)
+{
+    if (enter(dev) == LADEN_OK)
+        cu.cuGraphExecDestroy(g);
+}
+
 static laden_status cuda_event_create(int32_t dev, int timing, void **out)
 {
     CUevent e = NULL;
@@ -476,6 +524,11 @@ const laden__dev_ops laden__dev_cuda_ops = {
     .stream_destroy = cuda_stream_destroy,
     .stream_sync = cuda_stream_sync,
     .stream_wait_event = cuda_stream_wait_event,
+    .stream_capturing = cuda_stream_capturing,
+    .capture_begin = cuda_capture_begin,
+    .capture_end = cuda_capture_end,
+    .graph_launch = cuda_graph_launch,
+    .graph_destroy = cuda_graph_destroy,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,

@@ -14,6 +14,8 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -21,6 +23,8 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 #define CUDA_ERROR_NOT_READY 600
 
 #define CU_STREAM_NON_BLOCKING 0x1
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_EVENT_DEFAULT 0x0
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_MEMHOSTALLOC_PORTABLE 0x1
@@ -76,6 +80,14 @@ typedef struct CUmemAccessDesc_st {
     X(cuStreamDestroy, (CUstream s))                                          \
     X(cuStreamSynchronize, (CUstream s))                                      \
     X(cuStreamWaitEvent, (CUstream s, CUevent e, unsigned int flags))         \
+    X(cuStreamIsCapturing, (CUstream s, int *status))                         \
+    X(cuStreamBeginCapture, (CUstream s, int mode))                           \
+    X(cuStreamEndCapture, (CUstream s, CUgraph * g))                          \
+    X(cuGraphInstantiateWithFlags,                                            \
+      (CUgraphExec * e, CUgraph g, unsigned long long flags))                 \
+    X(cuGraphLaunch, (CUgraphExec e, CUstream s))                             \
+    X(cuGraphExecDestroy, (CUgraphExec e))                                    \
+    X(cuGraphDestroy, (CUgraph g))                                            \
     X(cuEventCreate, (CUevent * e, unsigned int flags))                       \
     X(cuEventDestroy, (CUevent e))                                            \
     X(cuEventRecord, (CUevent e, CUstream s))                                 \

@@ -158,6 +158,91 @@ laden_status laden_dev_stream_wait_event(laden_dev_stream_t *s, laden_event_t *e
     return st ? st : s->ops->stream_wait_event(s->device, s->impl, e->impl);
 }
 
+/* ---- CUDA graphs ------------------------------------------------------- */
+
+struct laden_dev_graph {
+    int32_t device;
+    const laden__dev_ops *ops;
+    void *impl;
+};
+
+laden_status laden_dev_stream_capturing(laden_dev_stream_t *s, int *out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "stream_capturing: out is NULL");
+    *out = 0;
+    if (!s)
+        return laden__fail(LADEN_E_INVAL, "stream_capturing: NULL stream");
+    if (!s->ops->stream_capturing)
+        return LADEN_OK; /* the CPU device captures nothing */
+    return s->ops->stream_capturing(s->device, s->impl, out);
+}
+
+static laden_status graphs_of(laden_dev_stream_t *s, const char *call)
+{
+    if (!s)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL stream", call);
+    if (!s->ops->capture_begin)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "%s: CUDA graphs need a CUDA device", call);
+    return LADEN_OK;
+}
+
+laden_status laden_dev_graph_capture_begin(laden_dev_stream_t *s)
+{
+    laden_status st = graphs_of(s, "graph_capture_begin");
+    return st ? st : s->ops->capture_begin(s->device, s->impl);
+}
+
+laden_status laden_dev_graph_capture_end(laden_dev_stream_t *s,
+                                         laden_dev_graph_t **out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "graph_capture_end: out is NULL");
+    *out = NULL;
+    laden_status st = graphs_of(s, "graph_capture_end");
+    if (st)
+        return st;
+    laden_dev_graph_t *g = calloc(1, sizeof *g);
+    void *impl = NULL;
+    st = s->ops->capture_end(s->device, s->impl, &impl);
+    if (!g) {
+        if (impl)
+            s->ops->graph_destroy(s->device, impl);
+        return laden__fail(LADEN_E_NOMEM, "out of memory ending a capture");
+    }
+    if (st) {
+        free(g);
+        return st;
+    }
+    g->device = s->device;
+    g->ops = s->ops;
+    g->impl = impl;
+    *out = g;
+    return LADEN_OK;
+}
+
+laden_status laden_dev_graph_launch(laden_dev_graph_t *g,
+                                    laden_dev_stream_t *s)
+{
+    if (!g || !s)
+        return laden__fail(LADEN_E_INVAL, "graph_launch: NULL graph or "
+                                          "stream");
+    if (g->device != s->device)
+        return laden__fail(LADEN_E_INVAL,
+                           "graph_launch: graph is on device %d, stream on "
+                           "device %d", g->device, s->device);
+    return g->ops->graph_launch(g->device, g->impl, s->impl);
+}
+
+void laden_dev_graph_destroy(laden_dev_graph_t *g)
+{
+    if (!g)
+        return;
+    g->ops->graph_destroy(g->device, g->impl);
+    free(g);
+}
+
 laden_status laden_dev_event_create(int32_t dev, int timing,
                                     laden_event_t **out)
 {

@@ -14,6 +14,12 @@ typedef struct laden__dev_ops {
     void (*stream_destroy)(int32_t dev, void *s, bool owned);
     laden_status (*stream_sync)(int32_t dev, void *s);
     laden_status (*stream_wait_event)(int32_t dev, void *s, void *e);
+    /* CUDA graphs (NULL on the CPU device). */
+    laden_status (*stream_capturing)(int32_t dev, void *s, int *out);
+    laden_status (*capture_begin)(int32_t dev, void *s);
+    laden_status (*capture_end)(int32_t dev, void *s, void **out);
+    laden_status (*graph_launch)(int32_t dev, void *g, void *s);
+    void (*graph_destroy)(int32_t dev, void *g);
     laden_status (*event_create)(int32_t dev, int timing, void **out);
     void (*event_destroy)(int32_t dev, void *e);
     laden_status (*event_record)(int32_t dev, void *e, void *s);

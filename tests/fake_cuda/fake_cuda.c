@@ -380,6 +380,12 @@ static CUresult host_unregister(void *p)
 static CUresult cuMemHostUnregister(void *p) { LOCKED(host_unregister(p)); }
 
 static CUresult not_supported(void) { return NOT_SUPPORTED; }
+static CUresult cuStreamIsCapturing(void *s, int *status)
+{
+    (void)s;
+    *status = 0; /* never capturing: graphs are not emulated */
+    return 0;
+}
 static CUresult cuGetErrorName(CUresult r, const char **s)
 {
     *s = r == NOT_SUPPORTED ? "CUDA_ERROR_NOT_SUPPORTED" : "CUDA_ERROR_FAKE";
@@ -417,7 +423,7 @@ CUresult cuGetProcAddress_v2(const char *name, void **fn, int version,
     ENTRY(cuMemcpyDtoHAsync) ENTRY(cuMemcpyDtoDAsync) ENTRY(cuMemAlloc)
     ENTRY(cuMemFree) ENTRY(cuMemHostAlloc) ENTRY(cuMemFreeHost)
     ENTRY(cuMemHostRegister) ENTRY(cuMemHostUnregister)
-    ENTRY(cuGetErrorName) ENTRY(cuGetErrorString)
+    ENTRY(cuGetErrorName) ENTRY(cuGetErrorString) ENTRY(cuStreamIsCapturing)
 #undef ENTRY
     *fn = (void *)(uintptr_t)not_supported; /* VMM: not emulated */
     return 0;
