@@ -219,6 +219,150 @@ static void orders(int32_t dev)
 
 TEST(stream_any_call_order) { test_on_every_device(orders); }
 
+/* A pass captured into a CUDA graph (laden_sched_capture_begin/_end) and
+ * replayed, with eager passes between: each replay copies every block in
+ * (nothing at capture), the bytes are the blocks' own, the copies move
+ * each block once (no wrapped prefetch), a capture laden did not begin is
+ * refused at enter, and a graph over replaced slots is refused.  The CPU
+ * device and disk-tier blocks: refused. */
+static uint64_t total_block_bytes(void)
+{
+    uint64_t n = 0;
+    for (int t = 0; t < 2 * NB; t++)
+        n += sz(t);
+    return n;
+}
+
+static void check_pass_out(unsigned char *got)
+{
+    uint64_t at = 0;
+    for (int t = 0; t < 2 * NB; t++)
+        for (uint64_t j = 0; j < sz(t); j++, at++)
+            if (got[at] != val(t, j)) {
+                fprintf(stderr, "replay: tensor %d byte %llu wrong\n", t,
+                        (unsigned long long)j);
+                exit(1);
+            }
+}
+
+static void captured(int32_t dev)
+{
+    static const laden_tier RAM[NB] = {LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                       LADEN_TIER_RAM};
+    model m;
+    build(&m, dev, dev == LADEN_DEVICE_CPU ? RAM : MIXED, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    if (dev == LADEN_DEVICE_CPU) {
+        CHECK_STATUS(laden_sched_capture_begin(m.sc, 0), LADEN_E_UNSUPPORTED);
+        laden_dev_stream_t *c;
+        CHECK_OK(laden_dev_stream_create(dev, &c));
+        CHECK_STATUS(laden_dev_graph_capture_begin(c), LADEN_E_UNSUPPORTED);
+        laden_dev_stream_destroy(c);
+        destroy(&m);
+        return;
+    }
+    /* Disk-tier blocks cannot be captured. */
+    laden_dev_stream_t *cs;
+    CHECK_OK(laden_dev_stream_create(dev, &cs));
+    uintptr_t h = laden_dev_stream_handle(cs);
+    laden_status began = laden_dev_graph_capture_begin(cs);
+    if (began && strstr(laden_last_error(), "not emulated")) {
+        fprintf(stderr, "(CUDA graphs: %s)\n", laden_last_error());
+        laden_dev_stream_destroy(cs);
+        destroy(&m);
+        return; /* tests/fake_cuda */
+    }
+    CHECK_OK(began);
+    CHECK_STATUS(laden_sched_capture_begin(m.sc, h), LADEN_E_UNSUPPORTED);
+    laden_dev_graph_t *g = NULL;
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g));
+    laden_dev_graph_destroy(g);
+    destroy(&m);
+
+    build(&m, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    /* Not capturing: refused. */
+    CHECK_STATUS(laden_sched_capture_begin(m.sc, h), LADEN_E_STATE);
+    uint64_t total = total_block_bytes();
+    laden_devptr_t out;
+    CHECK_OK(laden_dev_mem_alloc(dev, total, &out));
+    unsigned char *zero = calloc(1, total), *got = malloc(total);
+    CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
+    CHECK_OK(laden_dev_stream_synchronize(cs));
+    /* An eager pass first: the slots hold blocks when the capture begins. */
+    for (int i = 0; i < NB; i++)
+        run_block(&m, i);
+    laden_sched_stats_t st0, st1;
+    CHECK_OK(laden_sched_stats(m.sc, &st0));
+    CHECK_OK(laden_dev_graph_capture_begin(cs));
+    CHECK_OK(laden_sched_capture_begin(m.sc, h));
+    uint64_t at = 0;
+    for (int i = 0; i < NB; i++) {
+        uint32_t b = m.block_of[i];
+        CHECK_OK(laden_sched_enter(m.sc, b, h));
+        for (uint32_t k = 0; k < 2; k++) {
+            laden_devptr_t p;
+            CHECK_OK(laden_sched_tensor_ptr(m.sc, b, k, &p));
+            CHECK_OK(laden_dev_copy_d2d(cs, out + at, p, sz(2 * i + (int)k)));
+            at += sz(2 * i + (int)k);
+        }
+        CHECK_OK(laden_sched_exit(m.sc, b, h));
+    }
+    uint64_t gen = 0, bytes = 0;
+    CHECK_OK(laden_sched_capture_end(m.sc, h, &gen, &bytes));
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g));
+    CHECK_OK(laden_sched_stats(m.sc, &st1));
+    /* Every block once, from its own slot fill. */
+    CHECK_EQ(st1.h2d_bytes - st0.h2d_bytes, bytes);
+    uint64_t block_bytes = 0;
+    for (int i = 0; i < NB; i++)
+        block_bytes += laden_sched_block_bytes(m.sc, m.block_of[i]);
+    CHECK_EQ(bytes, block_bytes);
+    CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
+    CHECK_OK(laden_dev_stream_synchronize(cs));
+    CHECK_EQ(memcmp(got, zero, total), 0); /* nothing ran at capture */
+    for (int round = 0; round < 3; round++) {
+        CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
+        CHECK_OK(laden_sched_replay_begin(m.sc, h, gen));
+        CHECK_OK(laden_dev_graph_launch(g, cs));
+        CHECK_OK(laden_sched_replay_end(m.sc, h, bytes));
+        CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
+        CHECK_OK(laden_dev_stream_synchronize(cs));
+        check_pass_out(got);
+        /* Eager passes between replays, on another stream: right bytes. */
+        for (int i = round; i < NB; i++)
+            run_block(&m, i);
+        run_block(&m, 0);
+    }
+    /* A capture laden did not begin: refused at enter, nothing enqueued. */
+    CHECK_OK(laden_dev_graph_capture_begin(cs));
+    CHECK_STATUS(laden_sched_enter(m.sc, m.block_of[0], h), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "capturing"));
+    laden_dev_graph_t *g2 = NULL;
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g2));
+    laden_dev_graph_destroy(g2);
+    run_block(&m, 1);
+    /* Slots replaced: the old graph is refused. */
+    CHECK_OK(laden_sched_stop(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    CHECK_STATUS(laden_sched_replay_begin(m.sc, h, gen), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_capture_end(m.sc, h, &gen, &bytes),
+                 LADEN_E_STATE);
+    laden_dev_graph_destroy(g);
+    CHECK_OK(laden_sched_forget_stream(m.sc, h));
+    laden_dev_stream_destroy(cs);
+    CHECK_OK(laden_dev_mem_free(dev, out));
+    free(zero);
+    free(got);
+    destroy(&m);
+}
+
+TEST(stream_capture_replay) { test_on_every_device(captured); }
+
 /* Blocks exited on another stream than they were entered on (a training
  * step exits on the gradient sink's stream), forward and in reverse: the
  * bytes are right; the schedule lets that stream go when told, and works

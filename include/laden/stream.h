@@ -326,6 +326,36 @@ LADEN_API laden_status laden_sched_exit(laden_sched_t *sched, uint32_t block,
 LADEN_API laden_status laden_sched_forget_stream(laden_sched_t *sched,
                                                  uintptr_t handle);
 
+/* CUDA graphs of a streamed pass.  laden_sched_capture_begin, on a stream
+ * that is capturing (the caller began it: laden_dev_graph_capture_begin,
+ * or torch.cuda.graph), starts a pass that a graph can replay on its own:
+ * the slots are taken as empty, so every block the pass enters is copied
+ * in by the graph, the copy stream joins the capture (an event forks it
+ * from compute_stream), and prefetches stop at the schedule's end.  Enter
+ * and exit the blocks as usual, then laden_sched_capture_end joins the
+ * copy stream back (before the caller ends the capture) and gives the
+ * schedule's generation and the bytes the pass copies.  Around each
+ * launch of the graph on a stream: laden_sched_replay_begin(stream,
+ * generation) orders it after the slots' earlier work (LADEN_E_STATE if
+ * the slots were replaced since: capture again), laden_sched_replay_end
+ * (stream, bytes) orders later work after it.  Refused with
+ * LADEN_E_UNSUPPORTED on the CPU device, for cached models and for
+ * disk-tier blocks (their reads are threads); a block entered on a stream
+ * that is capturing outside laden_sched_capture_begin is refused with
+ * LADEN_E_STATE (the graph would lack its copies). */
+LADEN_API laden_status laden_sched_capture_begin(laden_sched_t *sched,
+                                                 uintptr_t compute_stream);
+LADEN_API laden_status laden_sched_capture_end(laden_sched_t *sched,
+                                               uintptr_t compute_stream,
+                                               uint64_t *out_generation,
+                                               uint64_t *out_bytes);
+LADEN_API laden_status laden_sched_replay_begin(laden_sched_t *sched,
+                                                uintptr_t compute_stream,
+                                                uint64_t generation);
+LADEN_API laden_status laden_sched_replay_end(laden_sched_t *sched,
+                                              uintptr_t compute_stream,
+                                              uint64_t bytes);
+
 /* Waits for every copy and read the schedule has in flight. */
 LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);
 

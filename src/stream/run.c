@@ -84,12 +84,16 @@ void laden__sched_free_slots(laden_sched_t *sc)
         laden_dev_event_destroy(sl->free);
         laden_dev_event_destroy(sl->staging_free);
         laden_dev_mem_free(sc->cfg.device, sl->ptr);
+        sl->ready = sl->free = sl->staging_free = NULL;
         if (sl->staging)
             laden_host_free(sc->host, sl->staging);
     }
     free(sc->slots);
     sc->slots = NULL;
     sc->nslots = 0;
+    laden_dev_event_destroy(sc->fork);
+    sc->fork = NULL;
+    sc->capturing = sc->captured_events = false;
     laden__sched_charge_slots(sc, 0);
     laden_dev_stream_destroy(sc->compute);
     laden_dev_stream_destroy(sc->compute_alt);
@@ -192,13 +196,19 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
     sl->err = LADEN_OK;
     sl->fills = ++sc->fill_seq; /* never repeats, across stop and start */
     if (b->tier == LADEN_TIER_RAM) {
-        if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+        /* In a capture the slot's last use before it is ordered by the
+         * fork (laden_sched_capture_begin); a record from outside the
+         * capture cannot be waited for inside it. */
+        bool wait = !sc->capturing || sl->free_captured;
+        if ((wait && (s = laden_dev_stream_wait_event(sc->copy, sl->free))) ||
             (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||
             (s = laden_dev_event_record(sl->ready, sc->copy))) {
             sl->block = -1;
             return s;
         }
         sc->st.h2d_bytes += b->bytes;
+        if (sc->capturing)
+            sc->capture_h2d += b->bytes;
         return LADEN_OK;
     }
     char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
@@ -278,6 +288,42 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
     return poll_reads(sc);
 }
 
+/* The prefetch after the block at `pos` entered or exited: the lookahead
+ * window past it.  A captured pass stops at the schedule's end: a
+ * prefetch wrapped to the first blocks would copy them at the end of
+ * every replay, and the next replay copies them again. */
+static laden_status prefetch_after(laden_sched_t *sc, uint32_t pos)
+{
+    uint32_t count = sc->cfg.lookahead;
+    if (sc->capturing) {
+        uint32_t left = sc->dir < 0 ? pos : sc->nstreamed - 1 - pos;
+        if (count > left)
+            count = left;
+    }
+    return prefetch_from(sc, step_pos(sc, pos, 1), count);
+}
+
+/* Events last recorded inside a capture are graph nodes, not events a
+ * stream outside it can wait for: after a capture they are recorded
+ * again on the copy stream (which then is no longer capturing) before
+ * anything waits for them. */
+static laden_status settle(laden_sched_t *sc)
+{
+    if (!sc->captured_events)
+        return LADEN_OK;
+    laden_status s;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if ((s = laden_dev_event_record(sl->free, sc->copy)) ||
+            (s = laden_dev_event_record(sl->ready, sc->copy)))
+            return s;
+    }
+    if ((s = laden_dev_event_record(sc->fork, sc->copy)))
+        return s;
+    sc->captured_events = false;
+    return LADEN_OK;
+}
+
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
 {
     laden_status s = LADEN_OK;
@@ -314,6 +360,9 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
         }
         if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
                                      &sl->ptr)))
+            goto fail;
+        if (sc->cuda && !sc->fork &&
+            (s = laden_dev_event_create(dev, 0, &sc->fork)))
             goto fail;
         if ((sc->cuda || sc->cache) &&
             ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
@@ -430,6 +479,8 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s || !sl)
         return s;
+    if (!sc->capturing && (s = settle(sc)))
+        return s;
     blk *b = &sc->b[block];
     if (sl->in_use)
         return laden__fail(LADEN_E_STATE,
@@ -451,16 +502,29 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         sl->block = -1; /* the next enter reads again */
         return laden__fail(s, "%s", sl->errmsg);
     }
-    if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
-                     (s = laden_dev_stream_wait_event(sc->compute, sl->ready))))
+    if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
+        return s;
+    if (sc->cuda && !sc->capturing) {
+        int cap = 0;
+        if ((s = laden_dev_stream_capturing(sc->compute, &cap)))
+            return s;
+        if (cap)
+            return laden__fail(
+                LADEN_E_STATE,
+                "block %u entered on a stream that is capturing a CUDA "
+                "graph that laden did not begin: the graph would not hold "
+                "the copies into its slot (capture through "
+                "laden_sched_capture_begin: OffloadHandle.capture)",
+                block);
+    }
+    if (sc->cuda && (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
         return s;
     if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
         (s = laden_dev_event_synchronize(sl->ready)))
         return s; /* the CPU device's copy worker */
     sl->in_use = true;
     note_direction(sc, (uint32_t)b->pos);
-    return prefetch_from(sc, step_pos(sc, (uint32_t)b->pos, 1),
-                         sc->cfg.lookahead);
+    return prefetch_after(sc, (uint32_t)b->pos);
 }
 
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
@@ -479,11 +543,12 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
                      (s = laden_dev_event_record(sl->free, sc->compute))))
         return s;
+    if (sc->capturing)
+        sl->free_captured = true;
     /* The slot just freed may be the one a block ahead needs: when the
      * schedule's length is not a multiple of nslots, the first blocks of the
      * next pass share slots with the last of this one. */
-    return prefetch_from(sc, step_pos(sc, (uint32_t)b->pos, 1),
-                         sc->cfg.lookahead);
+    return prefetch_after(sc, (uint32_t)b->pos);
 }
 
 laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
@@ -544,5 +609,163 @@ laden_status laden__sched_refill(laden_sched_t *sc)
             finish_reads(sc, sl, true);
         sl->block = -1;
     }
+    return LADEN_OK;
+}
+
+/* ---- CUDA graphs of a pass ----------------------------------------------
+ *
+ * A captured pass is self-contained: capture_begin forgets what the slots
+ * hold, so the graph fills every slot it reads (from pinned RAM: disk
+ * reads are threads, which a graph cannot replay), and prefetches stop at
+ * the schedule's end.  Its copies run on the copy stream, forked from the
+ * capturing stream by an event and joined back at capture_end.  Around a
+ * replay, replay_begin orders the graph after the slots' eager work and
+ * replay_end orders later eager work after the graph. */
+
+static laden_status graph_usable(laden_sched_t *sc, const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (sc->load_err)
+        return laden__sched_load_failure(sc);
+    if (!sc->cuda)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "%s: CUDA graphs need a CUDA device", call);
+    if (!sc->started)
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not started",
+                           call);
+    if (!sc->loaded)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: the model is still loading (wait for it)",
+                           call);
+    if (sc->cache)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "%s: a cached model's blocks move between tiers, "
+                           "which a graph cannot follow", call);
+    if (sc->any_disk)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "%s: blocks on the disk tier are read by threads, "
+                           "which a graph cannot replay; give them RAM "
+                           "(ram_budget) or keep them on the device", call);
+    for (uint32_t i = 0; i < sc->nslots; i++)
+        if (sc->slots[i].in_use)
+            return laden__fail(LADEN_E_STATE, "%s: block %lld is running",
+                               call, (long long)sc->slots[i].block);
+    return LADEN_OK;
+}
+
+laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle)
+{
+    const char *call = "laden_sched_capture_begin";
+    laden_status s = graph_usable(sc, call);
+    if (s)
+        return s;
+    if (sc->capturing)
+        return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
+                           call);
+    int cap = 0;
+    if ((s = laden__sched_compute_stream(sc, handle)) ||
+        (s = laden_dev_stream_capturing(sc->compute, &cap)))
+        return s;
+    if (!cap)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: the stream is not capturing (begin the "
+                           "capture first)", call);
+    if ((s = settle(sc)))
+        return s;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        sc->slots[i].block = -1;
+        sc->slots[i].free_captured = false;
+    }
+    if ((s = laden_dev_event_record(sc->fork, sc->compute)) ||
+        (s = laden_dev_stream_wait_event(sc->copy, sc->fork)))
+        return s;
+    sc->capturing = true;
+    sc->capture_h2d = 0;
+    sc->dir = 1;
+    sc->last_pos = -1;
+    return prefetch_from(sc, 0, sc->nslots);
+}
+
+laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
+                                      uint64_t *gen, uint64_t *bytes)
+{
+    const char *call = "laden_sched_capture_end";
+    *gen = *bytes = 0;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (!sc->capturing)
+        return laden__fail(LADEN_E_STATE, "%s: no capture in progress", call);
+    bool running = false;
+    for (uint32_t i = 0; i < sc->nslots; i++)
+        running |= sc->slots[i].in_use;
+    /* Joined and ended even when a block is still running, so that the
+     * capture can be ended; the graph is refused then. */
+    laden_status s = laden__sched_compute_stream(sc, handle);
+    if (!s && !(s = laden_dev_event_record(sc->fork, sc->copy)))
+        s = laden_dev_stream_wait_event(sc->compute, sc->fork);
+    sc->capturing = false;
+    sc->captured_events = true;
+    for (uint32_t i = 0; i < sc->nslots; i++)
+        sc->slots[i].block = -1; /* filled when the graph is replayed */
+    sc->last_pos = -1;
+    if (s)
+        return s;
+    if (running)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: a block entered in the capture has not "
+                           "exited", call);
+    *gen = sc->st.generation;
+    *bytes = sc->capture_h2d;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
+                                       uint64_t gen)
+{
+    const char *call = "laden_sched_replay_begin";
+    laden_status s = graph_usable(sc, call);
+    if (s)
+        return s;
+    if (sc->capturing)
+        return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
+                           call);
+    if (gen != sc->st.generation)
+        return laden__fail(LADEN_E_STATE,
+                           "%s: the graph was captured over slots that have "
+                           "since been replaced (the schedule was stopped "
+                           "and started again); capture it again", call);
+    if ((s = settle(sc)) ||
+        (s = laden__sched_compute_stream(sc, handle)) ||
+        (s = laden_dev_event_record(sc->fork, sc->copy)) ||
+        (s = laden_dev_stream_wait_event(sc->compute, sc->fork)))
+        return s;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if ((s = laden_dev_stream_wait_event(sc->compute, sl->free)))
+            return s;
+        sl->block = -1; /* the graph overwrites it */
+    }
+    sc->last_pos = -1;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
+                                     uint64_t bytes)
+{
+    const char *call = "laden_sched_replay_end";
+    laden_status s = graph_usable(sc, call);
+    if (s)
+        return s;
+    if ((s = laden__sched_compute_stream(sc, handle)))
+        return s;
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if ((s = laden_dev_event_record(sl->free, sc->compute)) ||
+            (s = laden_dev_event_record(sl->ready, sc->compute)))
+            return s;
+        sl->block = -1;
+    }
+    sc->st.h2d_bytes += bytes;
     return LADEN_OK;
 }

@@ -490,6 +490,44 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
     HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
 }
 
+laden_status laden_sched_capture_begin(laden_sched_t *sc,
+                                      uintptr_t compute_stream)
+{
+    HELD("laden_sched_capture_begin",
+         laden__sched_capture_begin(sc, compute_stream));
+}
+
+laden_status laden_sched_capture_end(laden_sched_t *sc,
+                                    uintptr_t compute_stream,
+                                    uint64_t *out_generation,
+                                    uint64_t *out_bytes)
+{
+    uint64_t g, b;
+    if (!out_generation)
+        out_generation = &g;
+    if (!out_bytes)
+        out_bytes = &b;
+    *out_generation = *out_bytes = 0;
+    HELD("laden_sched_capture_end",
+         laden__sched_capture_end(sc, compute_stream, out_generation,
+                                  out_bytes));
+}
+
+laden_status laden_sched_replay_begin(laden_sched_t *sc,
+                                     uintptr_t compute_stream,
+                                     uint64_t generation)
+{
+    HELD("laden_sched_replay_begin",
+         laden__sched_replay_begin(sc, compute_stream, generation));
+}
+
+laden_status laden_sched_replay_end(laden_sched_t *sc,
+                                   uintptr_t compute_stream, uint64_t bytes)
+{
+    HELD("laden_sched_replay_end",
+         laden__sched_replay_end(sc, compute_stream, bytes));
+}
+
 laden_status laden_sched_synchronize(laden_sched_t *sc)
 {
     HELD("laden_sched_synchronize", laden__sched_synchronize(sc));

@@ -81,6 +81,7 @@ typedef struct slot {
     laden_status err;
     char errmsg[512];
     uint64_t fills; /* the schedule's fill_seq when last filled */
+    bool free_captured; /* capturing: `free` was recorded in this capture */
 } slot;
 
 struct laden_sched {
@@ -111,6 +112,13 @@ struct laden_sched {
      * stream: two handles alternate without wrapping again). */
     laden_dev_stream_t *compute, *compute_alt;
     uintptr_t compute_handle, compute_alt_handle;
+    /* A pass being captured into a CUDA graph (laden_sched_capture_begin):
+     * the copy stream is forked from the capturing stream and joined back
+     * through `fork`; the bytes its copies move. */
+    bool capturing;
+    bool captured_events; /* slot events last recorded in a capture */
+    laden_event_t *fork;
+    uint64_t capture_h2d;
     bool cache;                 /* LADEN_SCHED_CACHE */
     bool laid_out;
     uint32_t nfilled;           /* cache: blocks whose host copy is loaded */
@@ -237,6 +245,13 @@ void laden__sched_free_slots(laden_sched_t *sc);
 /* The compute stream of CUDA handle `handle`, wrapped once. */
 laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
 laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
+                                      uint64_t *gen, uint64_t *bytes);
+laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
+                                       uint64_t gen);
+laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
+                                     uint64_t bytes);
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
                                       const char *call);
