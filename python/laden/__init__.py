@@ -13,6 +13,7 @@ from .cache import (CacheInfo, ModelCache, ModelNotFoundError, ModelOffloader,
                     ModelSpec)
 from .checkpoint import Checkpoint, Reader, TensorInfo, default_reader, open
 from .compile import BlockCompile
+from .graphs import CapturedForward
 from .errors import (BudgetError, CheckpointNotFoundError, DeviceError,
                      FormatError, InvalidArgumentError, LadenError,
                      MismatchError, OutOfMemoryError, ReadError, StateError,
@@ -27,7 +28,7 @@ from .streaming import (LoadReport, OffloadHandle, install_offload,
 __version__ = _clib.laden_version().decode()
 
 __all__ = [
-    "BlockCompile",
+    "BlockCompile", "CapturedForward",
     "Checkpoint", "Reader", "TensorInfo", "default_reader", "open",
     "save_file", "from_pretrained", "find_blocks",
     "AdapterSpec", "AdapterError", "merge_adapter",

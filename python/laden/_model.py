@@ -597,11 +597,17 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     between enter and exit."""
     import torch
 
+    from . import compile as _compile
+
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
     had = "forward" in mod.__dict__
-    orig = mod.forward
+    orig = raw = mod.forward
     if compiler is not None:
         orig = compiler.forward_of(mod, orig, had)
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling",
+                        None) or (lambda: False)
+    traced_ops = _compile.ops() if guard is None and trainer is None \
+        else None
     grad_on = torch.is_grad_enabled
     hooks = _saved_hooks(gone) if gone is not None else None
     saved = torch.autograd.graph.saved_tensors_hooks
@@ -649,7 +655,22 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         do_leave(stream)
         return out
 
+    key = _compile.register(do_enter, do_leave) if traced_ops else 0
+
+    def traced(args, kwargs):
+        # Under torch.compile, without gradients: enter and exit are ops
+        # in the graph (laden.compile); the block's own forward is traced
+        # between them.
+        xs = _compile.tensors_of((args, kwargs))
+        traced_ops[0](xs, key)
+        out = raw(*args, **kwargs)
+        traced_ops[1](_compile.tensors_of(out), key)
+        return out
+
     def forward(*args, **kwargs):
+        if traced_ops and compiling() and not grad_on() and \
+                _compile.tensors_of((args, kwargs)):
+            return traced(args, kwargs)
         if guard is not None:
             guard()
         if trainer is not None:
@@ -662,6 +683,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         return plain(args, kwargs)
 
     def outside(part, args):
+        if compiling():
+            return  # traced: the ops order the block's work
         if not inside[0]:
             raise StateError(
                 f"a {type(part).__name__} inside streamed block {c_block} "
@@ -671,6 +694,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                 "block resident (resident_prefixes) or call it through "
                 "the block", "E_STATE")
 
+    if key:
+        wrapped.append(("key", key, None))
     wrapped.append((mod, mod.__dict__.get("forward"), had))
     mod.forward = forward
     # Parts of the block with weights of their own run only inside it
@@ -685,9 +710,13 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
 def _unwrap_all(wrapped: list) -> None:
     """Undoes _wrap_forward: forwards restored, guards removed."""
+    from . import compile as _compile
+
     for mod, prev, had in reversed(wrapped):
         if isinstance(mod, str) and mod == "hook":
             prev.remove()
+        elif isinstance(mod, str) and mod == "key":
+            _compile.forget(prev)
         elif had:
             mod.forward = prev
         else:

@@ -381,6 +381,7 @@ class _Adapters:
         self.hooks: list = []
         self.resolved: Dict[tuple, List[_Target]] = {}
         self.host = _HostAdapters()
+        self.version = 0  # grows whenever the adapters change
 
     def after_enter(self, c_block: int) -> None:
         """A streamed block just entered: its adapters merged into its slot
@@ -397,6 +398,7 @@ class _Adapters:
 
         st = self.handle.state
         o = st.live("set_adapters")
+        self.version += 1
         for h in self.hooks:
             h.remove()
         self.hooks.clear()

@@ -1,4 +1,5 @@
-"""Compiling the blocks laden runs (issue 18, first step):
+"""Compiling the blocks laden runs (issue 18).
+
 ``install_offload(..., compile=laden.BlockCompile())`` compiles each
 distinct block forward once with ``torch.compile`` -- blocks of one class
 share the compiled code (Dynamo guards on their parameters' shapes, not on
@@ -7,15 +8,21 @@ enter and exit stay outside it, in eager Python around the compiled call.
 Streamed weights are graph inputs like any parameter: their slot addresses
 change nothing in the guards.
 
-What this does not do yet: ``torch.compile(model)`` of the whole model
-still breaks the graph at every block laden wraps (its enter and exit are
-C calls Dynamo cannot trace)."""
+``torch.compile(model)`` of the whole model: without gradients, a wrapped
+block's enter and exit are the custom ops ``laden::enter`` and
+``laden::exit`` (below), so Dynamo traces through laden's wrappers without
+a graph break.  Each op declares the tensors it is given as mutated -- the
+block's tensor inputs for enter, its tensor outputs for exit -- which
+orders the block's work on its inputs after enter and exit after the
+work that made its outputs.  With gradients the wrappers stay eager (a
+graph break each), as training needs them."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .errors import InvalidArgumentError
 
@@ -48,8 +55,9 @@ class BlockCompile:
                 f"BlockCompile: fullgraph must be True or False, not "
                 f"{self.fullgraph!r}", "E_INVAL")
         if self.mode not in MODES:
-            why = " (it captures CUDA graphs, which laden does not support " \
-                "over streamed blocks yet)" if self.mode in (
+            why = " (it captures CUDA graphs of each block apart, without " \
+                "the copies into its slot: capture the whole streamed " \
+                "forward with OffloadHandle.capture)" if self.mode in (
                     "reduce-overhead", "max-autotune") else ""
             raise InvalidArgumentError(
                 f"BlockCompile: mode {self.mode!r}{why}; use one of "
@@ -65,8 +73,9 @@ class BlockCompile:
         if self.options and self.options.get("triton.cudagraphs"):
             raise InvalidArgumentError(
                 "BlockCompile: options['triton.cudagraphs'] captures CUDA "
-                "graphs, which laden does not support over streamed blocks "
-                "yet", "E_INVAL")
+                "graphs of each block apart, without the copies into its "
+                "slot: capture the whole streamed forward with "
+                "OffloadHandle.capture", "E_INVAL")
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise InvalidArgumentError(
                 f"BlockCompile: backend must be a name or a callable, not "
@@ -136,3 +145,110 @@ class BlockCompiler:
         f = self.forward_of(mod, mod.forward, had)
         wrapped.append((mod, mod.__dict__.get("forward"), had))
         mod.forward = f
+
+
+# ---- enter and exit as operators torch.compile traces --------------------
+
+# key -> the wrapped block's [enter, exit, stream]: the ops find the block
+# by a number (Dynamo keeps it in the graph as a constant).  Weak: the
+# block's wrapper holds its enter and exit, and a model dropped without
+# remove() must free its schedule (descriptors, threads, memory).
+_BLOCKS: Dict[int, list] = {}
+_keys = itertools.count(1)
+_ops = None
+
+
+def register(enter: Callable[[], int], leave: Callable[[int], None]) -> int:
+    """A wrapped block's enter (returns the stream) and exit, under a new
+    key for the ops; forget(key) when the block is unwrapped."""
+    import weakref
+
+    for k in [k for k, b in _BLOCKS.items() if b[0]() is None]:
+        del _BLOCKS[k]
+    key = next(_keys)
+    _BLOCKS[key] = [weakref.ref(enter), weakref.ref(leave), None]
+    return key
+
+
+def forget(key: int) -> None:
+    _BLOCKS.pop(key, None)
+
+
+def _block(key: int, what: str) -> list:
+    b = _BLOCKS.get(key)
+    if b is None or b[0]() is None or b[1]() is None:
+        from .errors import StateError
+
+        raise StateError(
+            f"laden::{what}: a compiled graph ran a streamed block whose "
+            "offload was removed or released; compile the model again "
+            "(torch._dynamo.reset()) after install_offload", "E_STATE")
+    return b
+
+
+def ops():
+    """torch.ops.laden.enter / exit, defined once (torch 2.4's
+    torch.library.custom_op); None where torch lacks it."""
+    global _ops
+    if _ops is not None:
+        return _ops or None
+    import torch
+
+    if not hasattr(torch, "library") or \
+            not hasattr(torch.library, "custom_op"):
+        _ops = False
+        return None
+    import inspect
+
+    kw = {}
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is not None and \
+            "tags" in inspect.signature(torch.library.custom_op).parameters:
+        # Inductor's CUDA graphs (mode="reduce-overhead") must not capture
+        # them: their copies are captured only through handle.capture.
+        kw["tags"] = (tag,)
+
+    # The schema is given: this module's annotations are strings.
+    kw["schema"] = "(Tensor(a!)[] xs, int key) -> ()"
+
+    @torch.library.custom_op("laden::enter", mutates_args=("xs",), **kw)
+    def enter(xs, key):
+        b = _block(key, "enter")
+        b[2] = b[0]()()
+
+    @enter.register_fake
+    def _(xs, key):
+        return None
+
+    @torch.library.custom_op("laden::exit", mutates_args=("xs",), **kw)
+    def leave(xs, key):
+        b = _block(key, "exit")
+        stream, b[2] = b[2], None
+        b[1]()(stream)
+
+    @leave.register_fake
+    def _(xs, key):
+        return None
+
+    _ops = (enter, leave)
+    return _ops
+
+
+def tensors_of(tree) -> list:
+    """The distinct tensors in a (nested) structure of arguments or
+    outputs, for the ops to mark."""
+    import torch
+    from torch.utils import _pytree
+
+    out = []
+    for t in _pytree.tree_leaves(tree):
+        # By identity, without id(): Dynamo traces this (torch 2.11 breaks
+        # the graph at id() of a tensor made in it).
+        if not isinstance(t, torch.Tensor):
+            continue
+        for u in out:
+            if u is t:
+                break
+        else:
+            out.append(t)
+    return out

@@ -552,8 +552,17 @@ def _wrap_root(model, state: _Stream) -> None:
     had = "forward" in model.__dict__
     orig = model.forward
 
+    import torch
+
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling",
+                        None) or (lambda: False)
+
     @functools.wraps(orig)
     def forward(*args, **kwargs):
+        if compiling() and not torch.is_grad_enabled():
+            # Traced by torch.compile: each block's enter op holds the
+            # schedule while the block runs (laden.compile).
+            return orig(*args, **kwargs)
         tl = state.passes
         depth = getattr(tl, "n", 0)
         o = None
@@ -690,6 +699,24 @@ class OffloadHandle:
         from .training import _Fused
 
         tr.fused = None if optimizer is None else _Fused(tr, optimizer)
+
+    def capture(self, fn, *example_inputs, warmup: int = 2):
+        """Captures ``fn(*example_inputs)`` -- a forward of the streamed
+        model, run without gradients -- into a CUDA graph and returns a
+        ``laden.CapturedForward``: calling it with inputs of the same
+        shapes, dtypes and devices replays the whole streamed forward
+        (the copies into the slots, the event waits and the kernels) with
+        no host work per block, and returns the captured outputs, which
+        the next call overwrites.  Inputs that differ run ``fn`` eagerly
+        (a warning says so once).  ``fn`` runs ``warmup`` times first, on
+        a side stream.  The captured forward copies every streamed block
+        it reads, from pinned RAM: blocks on the disk tier (read by
+        threads) cannot be captured, nor a handle made with train=True;
+        after remove(), release() or set_adapters() the captured forward
+        raises StateError (capture again).  CUDA only."""
+        from .graphs import capture
+
+        return capture(self, fn, example_inputs, warmup)
 
     def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
         """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,

@@ -1,8 +1,12 @@
 """Compiling the blocks laden runs (install_offload(compile=...)): each
 block class is compiled once, laden's enter and exit stay outside the
-compiled code, outputs and gradients are the eager model's."""
+compiled code, outputs and gradients are the eager model's.  The whole
+model under torch.compile: laden's enter and exit are ops in the graph (no
+graph break), the blocks' weight reads stay after enter.  On CUDA: a
+streamed forward captured into a CUDA graph and replayed."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -10,6 +14,10 @@ import torch.nn as nn
 
 import laden
 from models import Block
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="CUDA graphs need a GPU")
 
 
 class Uniform(nn.Module):
@@ -38,15 +46,25 @@ class Counting:
         return gm.forward
 
 
-def load(tmp_path, **kw):
+def load(tmp_path, cls=Uniform, device="cpu", **kw):
+    """The reference on `device` and the same model streamed there: on
+    the CPU device blocks stream from disk (ram_budget=0), on CUDA from
+    pinned RAM unless the caller says."""
     torch.manual_seed(0)
-    ref = Uniform().eval()
+    ref = cls().eval()
     path = str(tmp_path / "u.safetensors")
     laden.save_file(ref.state_dict(), path)
     with torch.device("meta"):
-        m = Uniform().eval()
-    laden.stream_load(m, path, offload_prefixes=["blocks."], **kw)
-    return ref, m
+        m = cls().eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device=device,
+                      **kw)
+    return ref.to(device), m
+
+
+def streamed(tmp_path, device, cls=Uniform, **kw):
+    tiers = dict(ram_budget=0) if device == "cpu" else {}
+    tiers.update(kw)
+    return load(tmp_path, cls, device, **tiers)
 
 
 @pytest.fixture(autouse=True)
@@ -56,30 +74,31 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tiers", [dict(ram_budget=0), {}])
-def test_each_block_class_compiled_once(tmp_path, tiers):
+def test_each_block_class_compiled_once(tmp_path, tiers, device):
     """Streamed from disk (or RAM) and two blocks kept resident: one graph
     per block layout -- a streamed block's parts carry laden's guard
     against calls from outside it, a resident block's do not, and Dynamo
     guards on hooks -- for all six blocks, none more on later calls or
     other lengths; the outputs are the eager model's; remove() gives the
     blocks their own forward back."""
-    ref, m = load(tmp_path, resident_prefixes=["blocks.2.", "blocks.4."],
-                  **tiers)
+    ref, m = load(tmp_path, device=device,
+                  resident_prefixes=["blocks.2.", "blocks.4."], **tiers)
     be = Counting()
     h = laden.install_offload(m, lookahead=1,
                               compile=laden.BlockCompile(backend=be))
     with torch.no_grad():
         for t in (5, 9, 5):
-            x = torch.randn(2, t, 32)
-            torch.testing.assert_close(m(x), ref(x), atol=1e-6, rtol=1e-5)
+            x = torch.randn(2, t, 32, device=device)
+            torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
     layouts = {tuple(len(p._forward_pre_hooks) for p in b.modules())
                for b in m.blocks}
     assert be.graphs == len(layouts) <= 2
     assert all("forward" in b.__dict__ for b in m.blocks)
     h.remove()
     assert not any("forward" in b.__dict__ for b in m.blocks)
-    if tiers:  # disk-tier blocks refuse to run without install_offload
+    if tiers or device == "cuda":  # streamed blocks refuse to run then
         return
     with torch.no_grad():
         x = torch.randn(2, 7, 32)
@@ -87,21 +106,23 @@ def test_each_block_class_compiled_once(tmp_path, tiers):
     assert be.graphs == len(layouts)  # not compiled any more
 
 
-def test_inductor_output_matches_eager(tmp_path):
-    """The default backend (inductor, on the CPU here): the same outputs
-    within float tolerance."""
-    ref, m = load(tmp_path, ram_budget=0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_inductor_output_matches_eager(tmp_path, device):
+    """The default backend (inductor): the same outputs within float
+    tolerance."""
+    ref, m = streamed(tmp_path, device)
     h = laden.install_offload(m, lookahead=1, compile=True)
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, device=device)
     with torch.no_grad():
         torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
     h.remove()
 
 
-def test_training_through_compiled_blocks(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_through_compiled_blocks(tmp_path, device):
     """train=True with compiled blocks: the recomputation in backward runs
     the compiled forward; gradients equal the eager model's."""
-    ref, m = load(tmp_path, ram_budget=0)
+    ref, m = streamed(tmp_path, device)
     for p in m.blocks.parameters():
         p.requires_grad_(False)
     r = copy.deepcopy(ref)
@@ -110,7 +131,7 @@ def test_training_through_compiled_blocks(tmp_path):
     be = Counting()
     h = laden.install_offload(m, train=True, lookahead=1,
                               compile=laden.BlockCompile(backend=be))
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, device=device)
     xm, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     m(xm).pow(2).sum().backward()
     r(xr).pow(2).sum().backward()
@@ -126,7 +147,7 @@ def test_block_compile_arguments_checked(tmp_path):
         laden.BlockCompile(mode="default", options={"a": 1})
     with pytest.raises(laden.InvalidArgumentError, match="mode"):
         laden.BlockCompile(mode="fastest")
-    with pytest.raises(laden.InvalidArgumentError, match="CUDA graphs"):
+    with pytest.raises(laden.InvalidArgumentError, match="capture"):
         laden.BlockCompile(mode="reduce-overhead")
     with pytest.raises(laden.InvalidArgumentError, match="CUDA graphs"):
         laden.BlockCompile(options={"triton.cudagraphs": True})
@@ -147,4 +168,208 @@ def test_block_compile_refused_before_torch_2_5(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert not any("forward" in b.__dict__ for b in m.blocks)
     h = laden.install_offload(m, lookahead=1)
+    h.remove()
+
+
+class WeightOps(nn.Module):
+    """A block that computes from its weights alone before touching its
+    input: if a compiled graph ran those ops before laden's enter, they
+    would read the slot's previous block."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.g = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        w = (self.lin.weight * 2).t()
+        g = self.g.float().exp()
+        return torch.tanh(x @ w + self.lin.bias) * g + x
+
+
+class WeightOpsModel(nn.Module):
+    def __init__(self, n=6):
+        super().__init__()
+        self.blocks = nn.ModuleList(WeightOps() for _ in range(n))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_model_compiles_without_graph_breaks(tmp_path, device):
+    """torch.compile of the whole streamed model, without gradients:
+    torch._dynamo.explain reports no graph break and one graph; the
+    compiled model's outputs equal the resident model's, over lengths,
+    the blocks entered and exited through laden's ops."""
+    ref, m = streamed(tmp_path, device)
+    h = laden.install_offload(m, lookahead=1)
+    x = torch.randn(2, 5, 32, device=device)
+    with torch.no_grad():
+        ex = torch._dynamo.explain(m)(x)
+        assert ex.graph_break_count == 0, ex.break_reasons
+        assert ex.graph_count == 1
+        torch._dynamo.reset()
+        cm = torch.compile(m)
+        before = h.stats()["enters"]
+        for t in (5, 9, 5):
+            x = torch.randn(2, t, 32, device=device)
+            torch.testing.assert_close(cm(x), ref(x), atol=1e-5, rtol=1e-5)
+        assert h.stats()["enters"] - before == 3 * 6
+    h.remove()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_weight_reads_stay_after_enter(tmp_path, device):
+    """Blocks whose first ops read only their weights, six blocks over
+    two slots: inductor's code reads each block's own weights (it would
+    read the slot's previous block had it hoisted them above enter)."""
+    ref, m = streamed(tmp_path, device, cls=WeightOpsModel)
+    h = laden.install_offload(m, lookahead=1)
+    assert h.stats()["nslots"] < 6
+    cm = torch.compile(m)
+    with torch.no_grad():
+        for t in (3, 7):
+            x = torch.randn(2, t, 32, device=device)
+            torch.testing.assert_close(cm(x), ref(x), atol=1e-5, rtol=1e-5)
+    h.remove()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_model_compile_with_gradients(tmp_path, device):
+    """With gradients on (no train=True), laden's wrappers stay eager
+    under torch.compile (graph breaks): outputs still equal."""
+    ref, m = streamed(tmp_path, device)
+    h = laden.install_offload(m, lookahead=1)
+    cm = torch.compile(m)
+    x = torch.randn(2, 5, 32, device=device)
+    torch.testing.assert_close(cm(x), ref(x), atol=1e-5, rtol=1e-5)
+    h.remove()
+
+
+def test_stale_block_key_refused():
+    """A compiled graph that outlived its offload: the op names it."""
+    laden.compile.ops()
+    with pytest.raises(laden.StateError, match="removed or released"):
+        torch.ops.laden.enter([torch.zeros(1)], 10 ** 9)
+
+
+def test_capture_refused_on_the_cpu(tmp_path):
+    _, m = load(tmp_path, ram_budget=0)
+    h = laden.install_offload(m, lookahead=1)
+    with pytest.raises(laden.DeviceError, match="CUDA device"):
+        h.capture(m, torch.randn(2, 5, 32))
+    h.remove()
+
+
+@cuda_only
+def test_capture_replays_the_streamed_forward(tmp_path, caplog):
+    """A captured streamed forward replays the copies and kernels: its
+    outputs equal eager streaming's for new inputs, eager passes between
+    replays stay right, each replay copies every streamed block once; a
+    new shape runs eagerly with one warning; after set_adapters, remove
+    and release it refuses."""
+    ref, m = streamed(tmp_path, "cuda")
+    h = laden.install_offload(m, lookahead=1)
+    x0 = torch.randn(2, 5, 32, device="cuda")
+    step = h.capture(m, x0)
+    assert isinstance(step, laden.CapturedForward)
+    h2d = h.stats()["h2d_bytes"]
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(2, 5, 32, device="cuda")
+            torch.testing.assert_close(step(x), ref(x), atol=1e-5,
+                                       rtol=1e-5)
+            y = torch.randn(2, 3, 32, device="cuda")
+            torch.testing.assert_close(m(y), ref(y), atol=1e-5, rtol=1e-5)
+        assert step.replays == 3
+        assert step.bytes_per_replay > 0
+        caplog.set_level(logging.WARNING, logger="laden")
+        y = torch.randn(2, 7, 32, device="cuda")
+        torch.testing.assert_close(step(y), ref(y), atol=1e-5, rtol=1e-5)
+        step(y)
+        assert sum("unlike the captured" in r.message
+                   for r in caplog.records) == 1
+        assert h.stats()["h2d_bytes"] > h2d
+    h.set_adapters([])
+    with pytest.raises(laden.StateError, match="adapters changed"):
+        step(x0)
+    step = h.capture(m, x0)
+    h.remove()
+    with pytest.raises(laden.StateError, match="removed"):
+        step(x0)
+    h = laden.install_offload(m, lookahead=1)
+    step = h.capture(m, x0)
+    laden.release(m)
+    with pytest.raises(laden.StateError):
+        step(x0)
+    with pytest.raises(laden.StateError):
+        h.capture(m, x0)
+
+
+@cuda_only
+def test_capture_refuses_what_it_cannot_replay(tmp_path):
+    """Disk-tier blocks (threads read them) and train=True are refused by
+    name; a CUDA graph captured around the model without laden is
+    refused at the first streamed block instead of replaying stale
+    slots."""
+    ref, m = load(tmp_path, device="cuda", ram_budget=0)
+    h = laden.install_offload(m, lookahead=1)
+    x = torch.randn(2, 5, 32, device="cuda")
+    with pytest.raises(laden.DeviceError, match="disk tier"):
+        h.capture(m, x)
+    with torch.no_grad():  # still usable
+        torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
+    h.remove()
+    laden.release(m)
+    ref, m = streamed(tmp_path, "cuda")
+    h = laden.install_offload(m, lookahead=1, train=True)
+    with pytest.raises(laden.StateError, match="train=True"):
+        h.capture(m, x)
+    h.remove()
+    h = laden.install_offload(m, lookahead=1)
+    with torch.no_grad():
+        m(x)  # warm
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(laden.StateError, match="capturing"):
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                m(x)
+        torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
+    h.remove()
+
+
+@cuda_only
+def test_compiled_model_captured(tmp_path):
+    """The whole model compiled (laden's ops in the graph), then captured
+    with handle.capture: replays equal eager streaming."""
+    ref, m = streamed(tmp_path, "cuda")
+    h = laden.install_offload(m, lookahead=1)
+    cm = torch.compile(m)
+    x = torch.randn(2, 5, 32, device="cuda")
+    step = h.capture(cm, x)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 5, 32, device="cuda")
+            torch.testing.assert_close(step(x), ref(x), atol=1e-5,
+                                       rtol=1e-5)
+    h.remove()
+
+
+@cuda_only
+def test_reduce_overhead_mode_works(tmp_path):
+    """torch.compile(mode="reduce-overhead") on a streamed model: laden's
+    ops are marked unsafe for inductor's CUDA graphs, so their copies are
+    never captured behind laden's back; outputs equal eager streaming's
+    over repeated calls."""
+    ref, m = streamed(tmp_path, "cuda")
+    h = laden.install_offload(m, lookahead=1)
+    cm = torch.compile(m, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 5, 32, device="cuda")
+            torch.testing.assert_close(cm(x).clone(), ref(x), atol=1e-5,
+                                       rtol=1e-5)
     h.remove()

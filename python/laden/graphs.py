@@ -1,0 +1,189 @@
+"""CUDA graphs over streamed blocks (issue 18): ``OffloadHandle.capture``.
+
+A streamed forward whose slots, pinned host copies and event pattern are
+fixed is captured once and replayed: the graph holds the copies into the
+slots (on laden's copy stream, forked from the capturing stream and joined
+back), the event waits and the kernels, so a replay does no host work per
+block.  The C side (``laden_sched_capture_begin``/``_end``,
+``laden_sched_replay_begin``/``_end``) makes the captured pass
+self-contained -- it fills every slot it reads and prefetches nothing past
+the schedule's end -- and orders each replay against the slots' eager use
+before and after it.  torch's ``CUDAGraph`` records the kernels and keeps
+the memory of the pass's activations in its pool."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any, Callable, Tuple
+
+from ._lib import check, error_for, lib
+from .errors import DeviceError, InvalidArgumentError, StateError
+
+log = logging.getLogger("laden")
+
+
+def _signature(x) -> Tuple:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device, x.stride())
+    return ("value", x)
+
+
+class CapturedForward:
+    """A streamed forward captured into a CUDA graph
+    (``OffloadHandle.capture``).  Calling it with inputs of the captured
+    shapes, dtypes and devices (and equal non-tensor arguments) copies
+    the tensors into the captured inputs and replays the graph; it
+    returns the captured outputs, which the next call overwrites (clone
+    what you keep).  Other inputs run ``fn`` eagerly, said once in a
+    warning.  After the handle is removed or the model released, or once
+    the adapters changed, calling it raises StateError."""
+
+    def __init__(self, handle, fn, static, out, graph, generation: int,
+                 nbytes: int, adapters: int):
+        self._handle = handle
+        self._fn = fn
+        self._static = static
+        self._sig = tuple(_signature(x) for x in static)
+        self.outputs = out
+        self._graph = graph
+        self._gen = generation
+        self.bytes_per_replay = nbytes
+        self._adapters = adapters
+        self._warned = False
+        self.replays = 0
+
+    def _check(self):
+        h = self._handle
+        o = h.state.live("captured forward")
+        if not h.active or h.state.handle is not h:
+            raise StateError(
+                "captured forward: the OffloadHandle it was captured from "
+                "was removed; install_offload and capture again", "E_STATE")
+        if h.adapters.version != self._adapters:
+            raise StateError(
+                "captured forward: the adapters changed since it was "
+                "captured (set_adapters); capture again", "E_STATE")
+        return o
+
+    def __call__(self, *inputs):
+        import torch
+
+        o = self._check()
+        if len(inputs) != len(self._static) or \
+                tuple(_signature(x) for x in inputs) != self._sig:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "laden: a captured forward was called with inputs "
+                    "unlike the captured ones (%s); running it without the "
+                    "graph (said once)", _difference(self._sig, inputs))
+            with torch.no_grad():
+                return self._fn(*inputs)
+        for s, x in zip(self._static, inputs):
+            if isinstance(s, torch.Tensor) and x is not s:
+                s.copy_(x)
+        st = self._handle.state
+        stream = torch.cuda.current_stream(st.device).cuda_stream
+        from .streaming import _pass
+
+        with _pass(st, o, "captured forward"):
+            _call(lib.laden_sched_replay_begin(o.h, stream, self._gen),
+                  "captured forward")
+            try:
+                self._graph.replay()
+            finally:
+                _call(lib.laden_sched_replay_end(
+                    o.h, stream, self.bytes_per_replay), "captured forward")
+        self.replays += 1
+        return self.outputs
+
+
+def _difference(sig, inputs) -> str:
+    got = tuple(_signature(x) for x in inputs)
+    if len(got) != len(sig):
+        return f"{len(inputs)} arguments, captured with {len(sig)}"
+    for i, (a, b) in enumerate(zip(sig, got)):
+        if a != b:
+            return f"argument {i}: {_describe(b)}, captured {_describe(a)}"
+    return "?"
+
+
+def _describe(s) -> str:
+    if s[0] == "tensor":
+        return f"shape {list(s[1])} {s[2]} on {s[3]}"
+    return repr(s[1])
+
+
+def _call(status: int, what: str) -> None:
+    if status:
+        err = error_for(status)
+        raise type(err)(f"{what}: {err}", err.status, err.code)
+
+
+def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
+            warmup: int = 2) -> CapturedForward:
+    """OffloadHandle.capture: see there."""
+    import torch
+
+    st = handle.state
+    what = "OffloadHandle.capture"
+    o = st.live(what)
+    if not handle.active:
+        raise StateError(f"{what}: the handle was removed", "E_STATE")
+    if not callable(fn):
+        raise InvalidArgumentError(
+            f"{what}: fn must be callable, not {type(fn).__name__}",
+            "E_INVAL")
+    if st.device.type != "cuda":
+        raise DeviceError(
+            f"{what}: CUDA graphs need a CUDA device; {st.name} runs on "
+            f"{st.device}", "E_UNSUPPORTED")
+    if handle.trainer is not None:
+        raise StateError(
+            f"{what}: a captured forward runs without gradients; this "
+            "handle was made with train=True (install_offload without it "
+            "to capture inference)", "E_STATE")
+    if not isinstance(warmup, int) or warmup < 1:
+        raise InvalidArgumentError(
+            f"{what}: warmup must be a positive int, not {warmup!r}",
+            "E_INVAL")
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.device != st.device:
+            raise InvalidArgumentError(
+                f"{what}: input {i} is on {x.device}, the model on "
+                f"{st.device}; a graph reads its inputs where they were "
+                "captured", "E_INVAL")
+    static = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x
+                   for x in example_inputs)
+    dev = st.device
+    # Warm up on a side stream, as torch asks before a capture (libraries'
+    # workspaces, kernels loaded and compiled).
+    cur = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(warmup):
+            fn(*static)
+    cur.wait_stream(side)
+    check(lib.laden_sched_synchronize(o.h))
+    graph = torch.cuda.CUDAGraph()
+    gen, nbytes = ctypes.c_uint64(), ctypes.c_uint64()
+    from .streaming import _pass
+
+    with _pass(st, o, what):
+        with torch.no_grad(), \
+                torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            _call(lib.laden_sched_capture_begin(o.h, stream), what)
+            try:
+                out = fn(*static)
+            finally:
+                s = lib.laden_sched_capture_end(o.h, stream,
+                                                ctypes.byref(gen),
+                                                ctypes.byref(nbytes))
+            _call(s, what)
+    return CapturedForward(handle, fn, static, out, graph, gen.value,
+                           nbytes.value, handle.adapters.version)
