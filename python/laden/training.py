@@ -94,6 +94,8 @@ class _Trainer:
         self.copy_stream = None
         self.closed = False  # the handle was removed
         self.fused = None      # _Fused: an optimizer stepping in backward
+        self._up = None        # the sink's upload stream (torch's view)
+        self.sent: set = set()  # id(.grad) with a copy pending (till flush)
         self.stepped = False   # it stepped weights of the block running
         # An input that requires grad, so every block call is a node of
         # the graph even when only its parameters train.
@@ -277,6 +279,14 @@ class _Trainer:
             if acc.dtype != g.dtype:
                 # Converted on the device: the host then does nothing.
                 g = g.to(acc.dtype)
+        elif self.cuda and id(acc) not in self.sent and \
+                self.bufs.get(id(t), (None,))[0] is acc:
+            # A later micro-batch, into laden's page-locked buffer: the sum
+            # so far comes up on the sink's upload stream, is added on the
+            # device, and goes down into the same buffer.  9.66 GB added
+            # on the host took the backward from 0.38 to 1.9 s on the H200;
+            # the link carries it in a fraction of that.
+            g = self._sum_on_device(acc, g)
         else:
             flags |= GRADS_ADD
         dst = grad_code(acc.dtype)
@@ -289,12 +299,40 @@ class _Trainer:
             flags |= GRADS_PINNED
         g = g.contiguous()
         self.keep.append(acc)
+        # Its copy is pending until the flush: a second gradient for it in
+        # this backward is added on the host, after that copy.
+        self.sent.add(id(acc))
         check(lib.laden_grads_push(
             self.sink, g.data_ptr(), grad_code(g.dtype), g.numel(),
             acc.data_ptr(), dst, flags, _compute_stream(self.device)))
         if self.cuda:
             # Freed for reuse only after the copy stream read it.
             g.record_stream(self.copy_stream)
+
+    def up_stream(self):
+        """The sink's upload stream, as a torch stream (CUDA)."""
+        import torch
+
+        if self._up is None:
+            self._up = torch.cuda.ExternalStream(
+                lib.laden_grads_upload_stream(self.sink), device=self.device)
+        return self._up
+
+    def _sum_on_device(self, acc, g):
+        """acc (page-locked host) + g, on the device in acc's dtype (as the
+        host adds: in float32, rounded once)."""
+        import torch
+
+        with torch.cuda.stream(self.up_stream()):
+            d = torch.empty(acc.shape, dtype=acc.dtype, device=self.device)
+        check(lib.laden_grads_fetch(self.sink, d.data_ptr(), acc.data_ptr(),
+                                    acc.numel() * acc.element_size()))
+        check(lib.laden_grads_fetched(self.sink,
+                                      _compute_stream(self.device)))
+        d.record_stream(torch.cuda.current_stream(self.device))
+        if d.dtype == torch.float32 or d.dtype == g.dtype:
+            return d.add_(g)
+        return d.float().add_(g.float()).to(d.dtype)
 
     def arm(self) -> None:
         """Inside a backward pass: the sink is flushed when it ends."""
@@ -316,6 +354,7 @@ class _Trainer:
                 check(lib.laden_grads_flush(self.sink))
             finally:
                 self.keep.clear()
+                self.sent.clear()
 
     # -- host copies that an optimizer changed --------------------------------
     def _version(self, c_block: int) -> int:
@@ -375,7 +414,6 @@ class _Fused:
         self.shadow: Dict[int, object] = {}  # id(_Tensor) -> optimizer
         self.ready: Dict[int, dict] = {}  # id(host param) -> fetched state
         self.done: set = set()  # id(host param) stepped in this backward
-        self._up = None
         import inspect
 
         try:
@@ -452,15 +490,7 @@ class _Fused:
         return got
 
     def up_stream(self):
-        import torch
-
-        tr = self.tr
-        if not tr.cuda:
-            return None
-        if self._up is None:
-            self._up = torch.cuda.ExternalStream(
-                lib.laden_grads_upload_stream(tr.sink), device=tr.device)
-        return self._up
+        return self.tr.up_stream() if self.tr.cuda else None
 
     def step(self, t, p, g) -> None:
         import torch

@@ -595,6 +595,40 @@ class Needy(torch.optim.SGD):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
                     "only there")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_add_up_over_micro_batches(tmp_path, dtype):
+    """Three micro-batches through a model whose block 0 runs twice per
+    forward: later micro-batches are added on the device into the
+    page-locked .grad, the second gradient of one backward on the host
+    after the first's copy; the sums are the plain model's."""
+    torch.manual_seed(0)
+    ref = TwiceNet().eval().to(dtype)
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = TwiceNet().eval().to(dtype)
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda")
+    h = laden.install_offload(m, train=True, lookahead=1)
+    r = copy.deepcopy(ref).cuda()
+    for mb in range(3):
+        x = torch.randn(4, 32, device="cuda", dtype=dtype,
+                        generator=torch.Generator("cuda").manual_seed(mb))
+        m(x).float().pow(2).sum().backward()
+        r(x).float().pow(2).sum().backward()
+    if dtype == torch.float32:
+        assert_grads_equal(h.named_parameters(), r, 1e-5)
+    else:  # bf16 sums rounded in another order: within bf16's precision
+        want = dict(r.named_parameters())
+        for n, p in h.named_parameters():
+            scale = want[n].grad.float().abs().max().item() + 1e-6
+            torch.testing.assert_close(p.grad.float().cpu() / scale,
+                                       want[n].grad.float().cpu() / scale,
+                                       atol=3e-2, rtol=0, msg=n)
+    h.remove()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the RAM tier streams "
+                    "only there")
 def test_step_in_backward_refuses_what_it_cannot_do(tmp_path):
     """A weight with two gradients in one backward, and optimizer state
     that is not one float per weight, are refused by name; the refused
