@@ -373,3 +373,23 @@ def test_reduce_overhead_mode_works(tmp_path):
             torch.testing.assert_close(cm(x).clone(), ref(x), atol=1e-5,
                                        rtol=1e-5)
     h.remove()
+
+
+@cuda_only
+def test_max_autotune_no_cudagraphs(tmp_path):
+    """mode="max-autotune-no-cudagraphs", for the whole model and block by
+    block: outputs equal eager streaming's."""
+    ref, m = streamed(tmp_path, "cuda")
+    h = laden.install_offload(m, lookahead=1)
+    cm = torch.compile(m, mode="max-autotune-no-cudagraphs")
+    with torch.no_grad():
+        x = torch.randn(2, 5, 32, device="cuda")
+        torch.testing.assert_close(cm(x), ref(x), atol=1e-4, rtol=1e-4)
+    h.remove()
+    torch._dynamo.reset()
+    h = laden.install_offload(m, lookahead=1, compile=laden.BlockCompile(
+        mode="max-autotune-no-cudagraphs"))
+    with torch.no_grad():
+        x = torch.randn(2, 5, 32, device="cuda")
+        torch.testing.assert_close(m(x), ref(x), atol=1e-4, rtol=1e-4)
+    h.remove()
