@@ -245,6 +245,95 @@ static void check_pass_out(unsigned char *got)
             }
 }
 
+/* One captured pass over a started RAM-tier model (flags: standalone or
+ * not): the replays' bytes, eager passes between them, the bytes one
+ * replay copies.  Returns that count. */
+static uint64_t capture_and_replay(model *m, laden_dev_stream_t *cs,
+                                   uint32_t flags)
+{
+    int32_t dev = m->dev;
+    uintptr_t h = laden_dev_stream_handle(cs);
+    uint64_t total = total_block_bytes();
+    laden_devptr_t out;
+    CHECK_OK(laden_dev_mem_alloc(dev, total, &out));
+    unsigned char *zero = calloc(1, total), *got = malloc(total);
+    CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
+    CHECK_OK(laden_dev_stream_synchronize(cs));
+    /* An eager pass first: the slots hold blocks when the capture begins
+     * (the first ones again, prefetched for the next pass). */
+    for (int i = 0; i < NB; i++)
+        run_block(m, i);
+    CHECK_OK(laden_sched_synchronize(m->sc));
+    laden_sched_stats_t st0, st1;
+    CHECK_OK(laden_sched_stats(m->sc, &st0));
+    laden_dev_graph_t *g = NULL;
+    CHECK_OK(laden_dev_graph_capture_begin(cs));
+    CHECK_OK(laden_sched_capture_begin(m->sc, h, flags));
+    uint64_t at = 0;
+    for (int i = 0; i < NB; i++) {
+        uint32_t b = m->block_of[i];
+        CHECK_OK(laden_sched_enter(m->sc, b, h));
+        for (uint32_t k = 0; k < 2; k++) {
+            laden_devptr_t p;
+            CHECK_OK(laden_sched_tensor_ptr(m->sc, b, k, &p));
+            CHECK_OK(laden_dev_copy_d2d(cs, out + at, p, sz(2 * i + (int)k)));
+            at += sz(2 * i + (int)k);
+        }
+        CHECK_OK(laden_sched_exit(m->sc, b, h));
+    }
+    laden_sched_capture_t *cap = NULL;
+    CHECK_OK(laden_sched_capture_end(m->sc, h, &cap));
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g));
+    CHECK_OK(laden_sched_stats(m->sc, &st1));
+    uint64_t bytes = laden_sched_capture_bytes(cap);
+    CHECK_EQ(st1.h2d_bytes - st0.h2d_bytes, bytes);
+    CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
+    CHECK_OK(laden_dev_stream_synchronize(cs));
+    CHECK_EQ(memcmp(got, zero, total), 0); /* nothing ran at capture */
+    for (int round = 0; round < 4; round++) {
+        CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
+        laden_sched_stats_t r0, r1;
+        CHECK_OK(laden_sched_stats(m->sc, &r0));
+        CHECK_OK(laden_sched_replay_begin(m->sc, h, cap));
+        CHECK_OK(laden_dev_graph_launch(g, cs));
+        CHECK_OK(laden_sched_replay_end(m->sc, h, cap));
+        CHECK_OK(laden_sched_stats(m->sc, &r1));
+        if (round == 1) /* after a replay: nothing to restore first */
+            CHECK_EQ(r1.h2d_bytes - r0.h2d_bytes, bytes);
+        CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
+        CHECK_OK(laden_dev_stream_synchronize(cs));
+        check_pass_out(got);
+        /* Eager passes between some replays, partial ones too: right
+         * bytes there, and the next replay restores what it expects. */
+        if (round != 0) {
+            for (int i = round; i < NB; i++)
+                run_block(m, i);
+            run_block(m, 0);
+        }
+    }
+    /* A capture laden did not begin: refused at enter, nothing enqueued. */
+    CHECK_OK(laden_dev_graph_capture_begin(cs));
+    CHECK_STATUS(laden_sched_enter(m->sc, m->block_of[0], h), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "capturing"));
+    laden_dev_graph_t *g2 = NULL;
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g2));
+    laden_dev_graph_destroy(g2);
+    run_block(m, 1);
+    /* Slots replaced: the old graph is refused. */
+    CHECK_OK(laden_sched_stop(m->sc));
+    CHECK_OK(laden_sched_start(m->sc, 0));
+    CHECK_STATUS(laden_sched_replay_begin(m->sc, h, cap), LADEN_E_STATE);
+    laden_sched_capture_t *none = NULL;
+    CHECK_STATUS(laden_sched_capture_end(m->sc, h, &none), LADEN_E_STATE);
+    CHECK(!none);
+    laden_sched_capture_free(cap);
+    laden_dev_graph_destroy(g);
+    CHECK_OK(laden_dev_mem_free(dev, out));
+    free(zero);
+    free(got);
+    return bytes;
+}
+
 static void captured(int32_t dev)
 {
     static const laden_tier RAM[NB] = {LADEN_TIER_RAM, LADEN_TIER_RAM,
@@ -256,7 +345,8 @@ static void captured(int32_t dev)
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 0));
     if (dev == LADEN_DEVICE_CPU) {
-        CHECK_STATUS(laden_sched_capture_begin(m.sc, 0), LADEN_E_UNSUPPORTED);
+        CHECK_STATUS(laden_sched_capture_begin(m.sc, 0, 0),
+                     LADEN_E_UNSUPPORTED);
         laden_dev_stream_t *c;
         CHECK_OK(laden_dev_stream_create(dev, &c));
         CHECK_STATUS(laden_dev_graph_capture_begin(c), LADEN_E_UNSUPPORTED);
@@ -276,7 +366,7 @@ static void captured(int32_t dev)
         return; /* tests/fake_cuda */
     }
     CHECK_OK(began);
-    CHECK_STATUS(laden_sched_capture_begin(m.sc, h), LADEN_E_UNSUPPORTED);
+    CHECK_STATUS(laden_sched_capture_begin(m.sc, h, 0), LADEN_E_UNSUPPORTED);
     laden_dev_graph_t *g = NULL;
     CHECK_OK(laden_dev_graph_capture_end(cs, &g));
     laden_dev_graph_destroy(g);
@@ -285,79 +375,23 @@ static void captured(int32_t dev)
     build(&m, dev, RAM, 0);
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 0));
-    /* Not capturing: refused. */
-    CHECK_STATUS(laden_sched_capture_begin(m.sc, h), LADEN_E_STATE);
-    uint64_t total = total_block_bytes();
-    laden_devptr_t out;
-    CHECK_OK(laden_dev_mem_alloc(dev, total, &out));
-    unsigned char *zero = calloc(1, total), *got = malloc(total);
-    CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
-    CHECK_OK(laden_dev_stream_synchronize(cs));
-    /* An eager pass first: the slots hold blocks when the capture begins. */
-    for (int i = 0; i < NB; i++)
-        run_block(&m, i);
-    laden_sched_stats_t st0, st1;
-    CHECK_OK(laden_sched_stats(m.sc, &st0));
+    /* Not capturing, or unknown flags: refused. */
+    CHECK_STATUS(laden_sched_capture_begin(m.sc, h, 0), LADEN_E_STATE);
     CHECK_OK(laden_dev_graph_capture_begin(cs));
-    CHECK_OK(laden_sched_capture_begin(m.sc, h));
-    uint64_t at = 0;
-    for (int i = 0; i < NB; i++) {
-        uint32_t b = m.block_of[i];
-        CHECK_OK(laden_sched_enter(m.sc, b, h));
-        for (uint32_t k = 0; k < 2; k++) {
-            laden_devptr_t p;
-            CHECK_OK(laden_sched_tensor_ptr(m.sc, b, k, &p));
-            CHECK_OK(laden_dev_copy_d2d(cs, out + at, p, sz(2 * i + (int)k)));
-            at += sz(2 * i + (int)k);
-        }
-        CHECK_OK(laden_sched_exit(m.sc, b, h));
-    }
-    uint64_t gen = 0, bytes = 0;
-    CHECK_OK(laden_sched_capture_end(m.sc, h, &gen, &bytes));
+    CHECK_STATUS(laden_sched_capture_begin(m.sc, h, 8), LADEN_E_INVAL);
     CHECK_OK(laden_dev_graph_capture_end(cs, &g));
-    CHECK_OK(laden_sched_stats(m.sc, &st1));
-    /* Every block once, from its own slot fill. */
-    CHECK_EQ(st1.h2d_bytes - st0.h2d_bytes, bytes);
+    laden_dev_graph_destroy(g);
+    /* Each replay moves every block once in either mode (more blocks than
+     * slots): standalone copies them all itself, the default leaves the
+     * first ones for the next replay as an eager pass does. */
     uint64_t block_bytes = 0;
     for (int i = 0; i < NB; i++)
         block_bytes += laden_sched_block_bytes(m.sc, m.block_of[i]);
-    CHECK_EQ(bytes, block_bytes);
-    CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
-    CHECK_OK(laden_dev_stream_synchronize(cs));
-    CHECK_EQ(memcmp(got, zero, total), 0); /* nothing ran at capture */
-    for (int round = 0; round < 3; round++) {
-        CHECK_OK(laden_dev_copy_h2d(cs, out, zero, total));
-        CHECK_OK(laden_sched_replay_begin(m.sc, h, gen));
-        CHECK_OK(laden_dev_graph_launch(g, cs));
-        CHECK_OK(laden_sched_replay_end(m.sc, h, bytes));
-        CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
-        CHECK_OK(laden_dev_stream_synchronize(cs));
-        check_pass_out(got);
-        /* Eager passes between replays, on another stream: right bytes. */
-        for (int i = round; i < NB; i++)
-            run_block(&m, i);
-        run_block(&m, 0);
-    }
-    /* A capture laden did not begin: refused at enter, nothing enqueued. */
-    CHECK_OK(laden_dev_graph_capture_begin(cs));
-    CHECK_STATUS(laden_sched_enter(m.sc, m.block_of[0], h), LADEN_E_STATE);
-    CHECK(strstr(laden_last_error(), "capturing"));
-    laden_dev_graph_t *g2 = NULL;
-    CHECK_OK(laden_dev_graph_capture_end(cs, &g2));
-    laden_dev_graph_destroy(g2);
-    run_block(&m, 1);
-    /* Slots replaced: the old graph is refused. */
-    CHECK_OK(laden_sched_stop(m.sc));
-    CHECK_OK(laden_sched_start(m.sc, 0));
-    CHECK_STATUS(laden_sched_replay_begin(m.sc, h, gen), LADEN_E_STATE);
-    CHECK_STATUS(laden_sched_capture_end(m.sc, h, &gen, &bytes),
-                 LADEN_E_STATE);
-    laden_dev_graph_destroy(g);
+    CHECK_EQ(capture_and_replay(&m, cs, LADEN_CAPTURE_STANDALONE),
+             block_bytes);
+    CHECK_EQ(capture_and_replay(&m, cs, 0), block_bytes);
     CHECK_OK(laden_sched_forget_stream(m.sc, h));
     laden_dev_stream_destroy(cs);
-    CHECK_OK(laden_dev_mem_free(dev, out));
-    free(zero);
-    free(got);
     destroy(&m);
 }
 

@@ -328,33 +328,47 @@ LADEN_API laden_status laden_sched_forget_stream(laden_sched_t *sched,
 
 /* CUDA graphs of a streamed pass.  laden_sched_capture_begin, on a stream
  * that is capturing (the caller began it: laden_dev_graph_capture_begin,
- * or torch.cuda.graph), starts a pass that a graph can replay on its own:
- * the slots are taken as empty, so every block the pass enters is copied
- * in by the graph, the copy stream joins the capture (an event forks it
- * from compute_stream), and prefetches stop at the schedule's end.  Enter
- * and exit the blocks as usual, then laden_sched_capture_end joins the
- * copy stream back (before the caller ends the capture) and gives the
- * schedule's generation and the bytes the pass copies.  Around each
- * launch of the graph on a stream: laden_sched_replay_begin(stream,
- * generation) orders it after the slots' earlier work (LADEN_E_STATE if
- * the slots were replaced since: capture again), laden_sched_replay_end
- * (stream, bytes) orders later work after it.  Refused with
- * LADEN_E_UNSUPPORTED on the CPU device, for cached models and for
- * disk-tier blocks (their reads are threads); a block entered on a stream
- * that is capturing outside laden_sched_capture_begin is refused with
- * LADEN_E_STATE (the graph would lack its copies). */
+ * or torch.cuda.graph), starts a pass that a graph can replay: the copy
+ * stream joins the capture (an event forks it from compute_stream) and
+ * the copies of the blocks the pass enters are captured.  The graph is
+ * valid from the slot contents it was captured over: by default those
+ * the slots hold at capture_begin (after an eager pass of the same order,
+ * the first blocks are already there, as the pass leaves them for the
+ * next), or with LADEN_CAPTURE_STANDALONE none (every block is copied by
+ * the graph and prefetches stop at the schedule's end: slower when the
+ * link is the bottleneck, but nothing in place is assumed; needed when
+ * something changes a slot's bytes after it is filled, as merged
+ * adapters do).  Enter and exit the blocks as usual, then
+ * laden_sched_capture_end joins the copy stream back (before the caller
+ * ends the capture) and returns the capture's description (free it with
+ * laden_sched_capture_free).  Around each launch of the graph on a
+ * stream: laden_sched_replay_begin copies in what the slots lack of the
+ * graph's starting contents and orders the launch after the slots'
+ * earlier work (LADEN_E_STATE if the slots were replaced since: capture
+ * again), laden_sched_replay_end orders later work after it and takes the
+ * slots as the graph leaves them.  Refused with LADEN_E_UNSUPPORTED on
+ * the CPU device, for cached models and for disk-tier blocks (their reads
+ * are threads); a block entered on a stream that is capturing outside
+ * laden_sched_capture_begin is refused with LADEN_E_STATE (the graph
+ * would lack its copies). */
+#define LADEN_CAPTURE_STANDALONE 1u
+typedef struct laden_sched_capture laden_sched_capture_t;
 LADEN_API laden_status laden_sched_capture_begin(laden_sched_t *sched,
-                                                 uintptr_t compute_stream);
+                                                 uintptr_t compute_stream,
+                                                 uint32_t flags);
 LADEN_API laden_status laden_sched_capture_end(laden_sched_t *sched,
                                                uintptr_t compute_stream,
-                                               uint64_t *out_generation,
-                                               uint64_t *out_bytes);
-LADEN_API laden_status laden_sched_replay_begin(laden_sched_t *sched,
-                                                uintptr_t compute_stream,
-                                                uint64_t generation);
-LADEN_API laden_status laden_sched_replay_end(laden_sched_t *sched,
-                                              uintptr_t compute_stream,
-                                              uint64_t bytes);
+                                               laden_sched_capture_t **out);
+LADEN_API laden_status laden_sched_replay_begin(
+    laden_sched_t *sched, uintptr_t compute_stream,
+    const laden_sched_capture_t *capture);
+LADEN_API laden_status laden_sched_replay_end(
+    laden_sched_t *sched, uintptr_t compute_stream,
+    const laden_sched_capture_t *capture);
+/* Bytes one replay copies into the slots (0 for NULL). */
+LADEN_API uint64_t laden_sched_capture_bytes(
+    const laden_sched_capture_t *capture);
+LADEN_API void laden_sched_capture_free(laden_sched_capture_t *capture);
 
 /* Waits for every copy and read the schedule has in flight. */
 LADEN_API laden_status laden_sched_synchronize(laden_sched_t *sched);

@@ -5,11 +5,14 @@ fixed is captured once and replayed: the graph holds the copies into the
 slots (on laden's copy stream, forked from the capturing stream and joined
 back), the event waits and the kernels, so a replay does no host work per
 block.  The C side (``laden_sched_capture_begin``/``_end``,
-``laden_sched_replay_begin``/``_end``) makes the captured pass
-self-contained -- it fills every slot it reads and prefetches nothing past
-the schedule's end -- and orders each replay against the slots' eager use
-before and after it.  torch's ``CUDAGraph`` records the kernels and keeps
-the memory of the pass's activations in its pool."""
+``laden_sched_replay_begin``/``_end``) captures the pass over the slots as
+the warm-up left them -- the first blocks already there, as each pass
+leaves them for the next -- and before each replay copies in what they
+lack of that; with adapters merged into the slots the pass is captured
+standalone instead (it fills every slot it reads: the merges are in the
+graph).  It orders each replay against the slots' eager use before and
+after it.  torch's ``CUDAGraph`` records the kernels and keeps the memory
+of the pass's activations in its pool."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from ._lib import check, error_for, lib
 from .errors import DeviceError, InvalidArgumentError, StateError
 
 log = logging.getLogger("laden")
+
+STANDALONE = 1  # LADEN_CAPTURE_STANDALONE
 
 
 def _signature(x) -> Tuple:
@@ -41,19 +46,25 @@ class CapturedForward:
     warning.  After the handle is removed or the model released, or once
     the adapters changed, calling it raises StateError."""
 
-    def __init__(self, handle, fn, static, out, graph, generation: int,
-                 nbytes: int, adapters: int):
+    def __init__(self, handle, fn, static, out, graph, cap: int,
+                 adapters: int):
         self._handle = handle
         self._fn = fn
         self._static = static
         self._sig = tuple(_signature(x) for x in static)
         self.outputs = out
         self._graph = graph
-        self._gen = generation
-        self.bytes_per_replay = nbytes
+        self._cap = cap  # laden_sched_capture_t
+        self._free = lib.laden_sched_capture_free
+        self.bytes_per_replay = lib.laden_sched_capture_bytes(cap)
         self._adapters = adapters
         self._warned = False
         self.replays = 0
+
+    def __del__(self):
+        cap, self._cap = getattr(self, "_cap", None), None
+        if cap:
+            self._free(cap)
 
     def _check(self):
         h = self._handle
@@ -90,13 +101,13 @@ class CapturedForward:
         from .streaming import _pass
 
         with _pass(st, o, "captured forward"):
-            _call(lib.laden_sched_replay_begin(o.h, stream, self._gen),
+            _call(lib.laden_sched_replay_begin(o.h, stream, self._cap),
                   "captured forward")
             try:
                 self._graph.replay()
             finally:
-                _call(lib.laden_sched_replay_end(
-                    o.h, stream, self.bytes_per_replay), "captured forward")
+                _call(lib.laden_sched_replay_end(o.h, stream, self._cap),
+                      "captured forward")
         self.replays += 1
         return self.outputs
 
@@ -170,20 +181,20 @@ def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
     cur.wait_stream(side)
     check(lib.laden_sched_synchronize(o.h))
     graph = torch.cuda.CUDAGraph()
-    gen, nbytes = ctypes.c_uint64(), ctypes.c_uint64()
+    cap = ctypes.c_void_p()
+    flags = STANDALONE if handle.adapters.merges else 0
     from .streaming import _pass
 
     with _pass(st, o, what):
         with torch.no_grad(), \
                 torch.cuda.graph(graph, capture_error_mode="thread_local"):
             stream = torch.cuda.current_stream(dev).cuda_stream
-            _call(lib.laden_sched_capture_begin(o.h, stream), what)
+            _call(lib.laden_sched_capture_begin(o.h, stream, flags), what)
             try:
                 out = fn(*static)
             finally:
                 s = lib.laden_sched_capture_end(o.h, stream,
-                                                ctypes.byref(gen),
-                                                ctypes.byref(nbytes))
+                                                ctypes.byref(cap))
             _call(s, what)
-    return CapturedForward(handle, fn, static, out, graph, gen.value,
-                           nbytes.value, handle.adapters.version)
+    return CapturedForward(handle, fn, static, out, graph, cap.value,
+                           handle.adapters.version)

@@ -207,8 +207,10 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
             return s;
         }
         sc->st.h2d_bytes += b->bytes;
-        if (sc->capturing)
+        if (sc->capturing) {
             sc->capture_h2d += b->bytes;
+            sl->ready_captured = true;
+        }
         return LADEN_OK;
     }
     char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
@@ -289,13 +291,13 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
 }
 
 /* The prefetch after the block at `pos` entered or exited: the lookahead
- * window past it.  A captured pass stops at the schedule's end: a
- * prefetch wrapped to the first blocks would copy them at the end of
- * every replay, and the next replay copies them again. */
+ * window past it.  A standalone captured pass stops at the schedule's
+ * end: a prefetch wrapped to the first blocks would copy them at the end
+ * of every replay, and the next replay copies them again. */
 static laden_status prefetch_after(laden_sched_t *sc, uint32_t pos)
 {
     uint32_t count = sc->cfg.lookahead;
-    if (sc->capturing) {
+    if (sc->capturing && sc->capture_alone) {
         uint32_t left = sc->dir < 0 ? pos : sc->nstreamed - 1 - pos;
         if (count > left)
             count = left;
@@ -517,7 +519,10 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                 "laden_sched_capture_begin: OffloadHandle.capture)",
                 block);
     }
-    if (sc->cuda && (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
+    /* In a capture, a block already in its slot when it began was put
+     * there before it: ordered by the fork (replay_begin at replays). */
+    if (sc->cuda && (!sc->capturing || sl->ready_captured) &&
+        (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
         return s;
     if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
         (s = laden_dev_event_synchronize(sl->ready)))
@@ -614,13 +619,28 @@ laden_status laden__sched_refill(laden_sched_t *sc)
 
 /* ---- CUDA graphs of a pass ----------------------------------------------
  *
- * A captured pass is self-contained: capture_begin forgets what the slots
- * hold, so the graph fills every slot it reads (from pinned RAM: disk
- * reads are threads, which a graph cannot replay), and prefetches stop at
- * the schedule's end.  Its copies run on the copy stream, forked from the
- * capturing stream by an event and joined back at capture_end.  Around a
- * replay, replay_begin orders the graph after the slots' eager work and
- * replay_end orders later eager work after the graph. */
+ * A graph replays the copies it captured, so it is valid only from the slot
+ * contents it was captured over.  capture_begin takes them as they are
+ * (after an eager pass: the steady state, with the first blocks already
+ * prefetched) or, with LADEN_CAPTURE_STANDALONE, as empty (every block the
+ * pass reads is copied by the graph, and prefetches stop at the schedule's
+ * end).  The capture remembers both the contents it started from and the
+ * ones it leaves; replay_begin copies in, eagerly, whatever the slots lack
+ * of the former (nothing after the same pass or a replay), and replay_end
+ * records the latter.  Copies run on the copy stream, forked from the
+ * capturing stream by an event and joined back at capture_end; events
+ * recorded before the capture are not waited for inside it (the fork and
+ * replay_begin order them).  Disk reads are threads: refused. */
+
+struct laden_sched_capture {
+    uint64_t generation; /* the slots it was captured over */
+    uint64_t bytes;      /* copied into slots by one replay */
+    uint32_t nslots;
+    int64_t *start, *end; /* block in each slot before and after */
+    int64_t end_pos;
+    int32_t end_dir;
+    bool alone; /* LADEN_CAPTURE_STANDALONE */
+};
 
 static laden_status graph_usable(laden_sched_t *sc, const char *call)
 {
@@ -654,7 +674,8 @@ static laden_status graph_usable(laden_sched_t *sc, const char *call)
     return LADEN_OK;
 }
 
-laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle)
+laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
+                                        uint32_t flags)
 {
     const char *call = "laden_sched_capture_begin";
     laden_status s = graph_usable(sc, call);
@@ -663,6 +684,9 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle)
     if (sc->capturing)
         return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
                            call);
+    if (flags & ~LADEN_CAPTURE_STANDALONE)
+        return laden__fail(LADEN_E_INVAL, "%s: unknown flags 0x%x", call,
+                           flags);
     int cap = 0;
     if ((s = laden__sched_compute_stream(sc, handle)) ||
         (s = laden_dev_stream_capturing(sc->compute, &cap)))
@@ -673,25 +697,47 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle)
                            "capture first)", call);
     if ((s = settle(sc)))
         return s;
+    bool alone = flags & LADEN_CAPTURE_STANDALONE;
     for (uint32_t i = 0; i < sc->nslots; i++) {
-        sc->slots[i].block = -1;
-        sc->slots[i].free_captured = false;
+        slot *sl = &sc->slots[i];
+        if (alone)
+            sl->block = -1;
+        sl->at_capture = sl->block;
+        sl->free_captured = sl->ready_captured = false;
     }
     if ((s = laden_dev_event_record(sc->fork, sc->compute)) ||
         (s = laden_dev_stream_wait_event(sc->copy, sc->fork)))
         return s;
     sc->capturing = true;
+    sc->capture_alone = alone;
     sc->capture_h2d = 0;
+    sc->cap_pos = sc->last_pos;
+    sc->cap_dir = sc->dir;
+    if (!alone)
+        return LADEN_OK;
     sc->dir = 1;
     sc->last_pos = -1;
     return prefetch_from(sc, 0, sc->nslots);
 }
 
+void laden_sched_capture_free(laden_sched_capture_t *c)
+{
+    if (!c)
+        return;
+    free(c->start);
+    free(c->end);
+    free(c);
+}
+
+uint64_t laden_sched_capture_bytes(const laden_sched_capture_t *c)
+{
+    return c ? c->bytes : 0;
+}
+
 laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
-                                      uint64_t *gen, uint64_t *bytes)
+                                      laden_sched_capture_t **out)
 {
     const char *call = "laden_sched_capture_end";
-    *gen = *bytes = 0;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
     if (!sc->capturing)
@@ -704,68 +750,115 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     laden_status s = laden__sched_compute_stream(sc, handle);
     if (!s && !(s = laden_dev_event_record(sc->fork, sc->copy)))
         s = laden_dev_stream_wait_event(sc->compute, sc->fork);
+    laden_sched_capture_t *c = calloc(1, sizeof *c);
+    if (c) {
+        c->start = calloc(sc->nslots ? sc->nslots : 1, sizeof *c->start);
+        c->end = calloc(sc->nslots ? sc->nslots : 1, sizeof *c->end);
+    }
+    if (c && c->start && c->end) {
+        c->generation = sc->st.generation;
+        c->bytes = sc->capture_h2d;
+        c->nslots = sc->nslots;
+        c->end_pos = sc->last_pos;
+        c->end_dir = sc->dir;
+        c->alone = sc->capture_alone;
+    }
+    /* Nothing ran: the slots hold what they held at capture_begin. */
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if (c && c->start && c->end) {
+            c->start[i] = sl->at_capture;
+            c->end[i] = sl->block;
+        }
+        sl->block = sl->at_capture;
+    }
+    sc->last_pos = sc->cap_pos;
+    sc->dir = sc->cap_dir;
     sc->capturing = false;
     sc->captured_events = true;
-    for (uint32_t i = 0; i < sc->nslots; i++)
-        sc->slots[i].block = -1; /* filled when the graph is replayed */
-    sc->last_pos = -1;
-    if (s)
+    if (!s && (!c || !c->start || !c->end))
+        s = laden__fail(LADEN_E_NOMEM, "%s: out of memory", call);
+    if (!s && running)
+        s = laden__fail(LADEN_E_STATE,
+                        "%s: a block entered in the capture has not exited",
+                        call);
+    if (s) {
+        laden_sched_capture_free(c);
         return s;
-    if (running)
-        return laden__fail(LADEN_E_STATE,
-                           "%s: a block entered in the capture has not "
-                           "exited", call);
-    *gen = sc->st.generation;
-    *bytes = sc->capture_h2d;
+    }
+    *out = c;
     return LADEN_OK;
 }
 
-laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
-                                       uint64_t gen)
+static laden_status replay_check(laden_sched_t *sc,
+                                 const laden_sched_capture_t *c,
+                                 const char *call)
 {
-    const char *call = "laden_sched_replay_begin";
     laden_status s = graph_usable(sc, call);
     if (s)
         return s;
+    if (!c)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL capture", call);
     if (sc->capturing)
         return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
                            call);
-    if (gen != sc->st.generation)
+    if (c->generation != sc->st.generation || c->nslots != sc->nslots)
         return laden__fail(LADEN_E_STATE,
                            "%s: the graph was captured over slots that have "
                            "since been replaced (the schedule was stopped "
                            "and started again); capture it again", call);
-    if ((s = settle(sc)) ||
-        (s = laden__sched_compute_stream(sc, handle)) ||
-        (s = laden_dev_event_record(sc->fork, sc->copy)) ||
+    return LADEN_OK;
+}
+
+laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
+                                       const laden_sched_capture_t *c)
+{
+    const char *call = "laden_sched_replay_begin";
+    laden_status s = replay_check(sc, c, call);
+    if (s || (s = settle(sc)) ||
+        (s = laden__sched_compute_stream(sc, handle)))
+        return s;
+    /* What the graph expects in the slots: copied in now where missing. */
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if (c->start[i] >= 0 && sl->block != c->start[i] &&
+            (s = issue_load(sc, sl, (uint32_t)c->start[i])))
+            return s;
+    }
+    if ((s = laden_dev_event_record(sc->fork, sc->copy)) ||
         (s = laden_dev_stream_wait_event(sc->compute, sc->fork)))
         return s;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
         if ((s = laden_dev_stream_wait_event(sc->compute, sl->free)))
             return s;
-        sl->block = -1; /* the graph overwrites it */
+        sl->block = -1; /* until replay_end: the graph writes it */
     }
     sc->last_pos = -1;
     return LADEN_OK;
 }
 
 laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
-                                     uint64_t bytes)
+                                     const laden_sched_capture_t *c)
 {
     const char *call = "laden_sched_replay_end";
-    laden_status s = graph_usable(sc, call);
-    if (s)
-        return s;
-    if ((s = laden__sched_compute_stream(sc, handle)))
+    laden_status s = replay_check(sc, c, call);
+    if (s || (s = laden__sched_compute_stream(sc, handle)))
         return s;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
         if ((s = laden_dev_event_record(sl->free, sc->compute)) ||
             (s = laden_dev_event_record(sl->ready, sc->compute)))
             return s;
-        sl->block = -1;
+        /* Standalone graphs may have changed their slots in place after
+         * filling them (merged adapters): the slots are taken as empty, so
+         * that an eager pass fills them again. */
+        sl->block = c->alone ? -1 : c->end[i];
+        if (!c->alone)
+            sl->fills = ++sc->fill_seq;
     }
-    sc->st.h2d_bytes += bytes;
+    sc->last_pos = c->alone ? -1 : c->end_pos;
+    sc->dir = c->alone ? 1 : c->end_dir;
+    sc->st.h2d_bytes += c->bytes;
     return LADEN_OK;
 }

@@ -491,41 +491,38 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
 }
 
 laden_status laden_sched_capture_begin(laden_sched_t *sc,
-                                      uintptr_t compute_stream)
+                                      uintptr_t compute_stream, uint32_t flags)
 {
     HELD("laden_sched_capture_begin",
-         laden__sched_capture_begin(sc, compute_stream));
+         laden__sched_capture_begin(sc, compute_stream, flags));
 }
 
 laden_status laden_sched_capture_end(laden_sched_t *sc,
                                     uintptr_t compute_stream,
-                                    uint64_t *out_generation,
-                                    uint64_t *out_bytes)
+                                    laden_sched_capture_t **out)
 {
-    uint64_t g, b;
-    if (!out_generation)
-        out_generation = &g;
-    if (!out_bytes)
-        out_bytes = &b;
-    *out_generation = *out_bytes = 0;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_capture_end: out is "
+                                          "NULL");
+    *out = NULL;
     HELD("laden_sched_capture_end",
-         laden__sched_capture_end(sc, compute_stream, out_generation,
-                                  out_bytes));
+         laden__sched_capture_end(sc, compute_stream, out));
 }
 
 laden_status laden_sched_replay_begin(laden_sched_t *sc,
                                      uintptr_t compute_stream,
-                                     uint64_t generation)
+                                     const laden_sched_capture_t *capture)
 {
     HELD("laden_sched_replay_begin",
-         laden__sched_replay_begin(sc, compute_stream, generation));
+         laden__sched_replay_begin(sc, compute_stream, capture));
 }
 
 laden_status laden_sched_replay_end(laden_sched_t *sc,
-                                   uintptr_t compute_stream, uint64_t bytes)
+                                   uintptr_t compute_stream,
+                                   const laden_sched_capture_t *capture)
 {
     HELD("laden_sched_replay_end",
-         laden__sched_replay_end(sc, compute_stream, bytes));
+         laden__sched_replay_end(sc, compute_stream, capture));
 }
 
 laden_status laden_sched_synchronize(laden_sched_t *sc)

@@ -81,7 +81,9 @@ typedef struct slot {
     laden_status err;
     char errmsg[512];
     uint64_t fills; /* the schedule's fill_seq when last filled */
-    bool free_captured; /* capturing: `free` was recorded in this capture */
+    bool free_captured;  /* capturing: `free` was recorded in this capture */
+    bool ready_captured; /* and `ready` */
+    int64_t at_capture;  /* block held when the capture began */
 } slot;
 
 struct laden_sched {
@@ -116,7 +118,10 @@ struct laden_sched {
      * the copy stream is forked from the capturing stream and joined back
      * through `fork`; the bytes its copies move. */
     bool capturing;
+    bool capture_alone;   /* LADEN_CAPTURE_STANDALONE */
     bool captured_events; /* slot events last recorded in a capture */
+    int64_t cap_pos;      /* last_pos and dir when the capture began */
+    int32_t cap_dir;
     laden_event_t *fork;
     uint64_t capture_h2d;
     bool cache;                 /* LADEN_SCHED_CACHE */
@@ -245,13 +250,14 @@ void laden__sched_free_slots(laden_sched_t *sc);
 /* The compute stream of CUDA handle `handle`, wrapped once. */
 laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
 laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle);
-laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
+                                        uint32_t flags);
 laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
-                                      uint64_t *gen, uint64_t *bytes);
+                                      laden_sched_capture_t **out);
 laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
-                                       uint64_t gen);
+                                       const laden_sched_capture_t *c);
 laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
-                                     uint64_t bytes);
+                                     const laden_sched_capture_t *c);
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
                                       const char *call);
