@@ -269,6 +269,9 @@ static uint64_t capture_and_replay(model *m, laden_dev_stream_t *cs,
     laden_dev_graph_t *g = NULL;
     CHECK_OK(laden_dev_graph_capture_begin(cs));
     CHECK_OK(laden_sched_capture_begin(m->sc, h, flags));
+    /* Only on the capturing stream. */
+    CHECK_STATUS(laden_sched_enter(m->sc, m->block_of[0], 0), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "another stream"));
     uint64_t at = 0;
     for (int i = 0; i < NB; i++) {
         uint32_t b = m->block_of[i];

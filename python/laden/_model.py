@@ -657,14 +657,22 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
     key = _compile.register(do_enter, do_leave) if traced_ops else 0
 
+    tracing = [0]  # inside traced(), as Dynamo traces it
+
     def traced(args, kwargs):
         # Under torch.compile, without gradients: enter and exit are ops
         # in the graph (laden.compile); the block's own forward is traced
-        # between them.
+        # between them.  Exit takes the inputs too: a block that returns
+        # nothing still has its exit ordered after its in-place writes
+        # (and not dropped as dead code).
         xs = _compile.tensors_of((args, kwargs))
         traced_ops[0](xs, key)
-        out = raw(*args, **kwargs)
-        traced_ops[1](_compile.tensors_of(out), key)
+        tracing[0] += 1
+        try:
+            out = raw(*args, **kwargs)
+        finally:
+            tracing[0] -= 1
+        traced_ops[1](_compile.tensors_of((args, kwargs, out)), key)
         return out
 
     def forward(*args, **kwargs):
@@ -683,9 +691,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         return plain(args, kwargs)
 
     def outside(part, args):
-        if compiling():
-            return  # traced: the ops order the block's work
-        if not inside[0]:
+        # Inside: between the block's enter and exit (eager, or around a
+        # BlockCompile call), or traced between its enter and exit ops.
+        if not inside[0] and not tracing[0]:
             raise StateError(
                 f"a {type(part).__name__} inside streamed block {c_block} "
                 f"({type(mod).__name__}) was called outside the block's "

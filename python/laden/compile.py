@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -174,6 +175,41 @@ def forget(key: int) -> None:
     _BLOCKS.pop(key, None)
 
 
+# The blocks this thread entered through the ops and has not exited: a
+# compiled graph that raised between a block's enter and exit (an
+# out-of-memory error, KeyboardInterrupt) leaves one here, and its hold
+# on the schedule with it.  laden's blocks never nest, so one still open
+# at the next enter is such a leftover: it is exited first.
+_open = threading.local()
+
+
+def _stack() -> list:
+    st = getattr(_open, "keys", None)
+    if st is None:
+        st = _open.keys = []
+    return st
+
+
+def open_here() -> bool:
+    return bool(getattr(_open, "keys", None))
+
+
+def close_open() -> None:
+    """Exits what a failed compiled run left entered on this thread."""
+    st = _stack()
+    while st:
+        b = _BLOCKS.get(st.pop())
+        if b is None:
+            continue
+        stream, b[2] = b[2], None
+        leave = b[1]()
+        if leave is not None and stream is not None:
+            try:
+                leave(stream)
+            except Exception:  # the block's schedule may be gone
+                pass
+
+
 def _block(key: int, what: str) -> list:
     b = _BLOCKS.get(key)
     if b is None or b[0]() is None or b[1]() is None:
@@ -213,8 +249,11 @@ def ops():
 
     @torch.library.custom_op("laden::enter", mutates_args=("xs",), **kw)
     def enter(xs, key):
+        if _stack():
+            close_open()
         b = _block(key, "enter")
         b[2] = b[0]()()
+        _stack().append(key)
 
     @enter.register_fake
     def _(xs, key):
@@ -223,6 +262,9 @@ def ops():
     @torch.library.custom_op("laden::exit", mutates_args=("xs",), **kw)
     def leave(xs, key):
         b = _block(key, "exit")
+        st = _stack()
+        if st and st[-1] == key:
+            st.pop()
         stream, b[2] = b[2], None
         b[1]()(stream)
 

@@ -93,21 +93,28 @@ class CapturedForward:
                     "graph (said once)", _difference(self._sig, inputs))
             with torch.no_grad():
                 return self._fn(*inputs)
-        for s, x in zip(self._static, inputs):
-            if isinstance(s, torch.Tensor) and x is not s:
-                s.copy_(x)
         st = self._handle.state
         stream = torch.cuda.current_stream(st.device).cuda_stream
         from .streaming import _pass
 
+        # Held from the inputs' copies on: another thread's call is
+        # refused, not run over these inputs.
         with _pass(st, o, "captured forward"):
+            for s, x in zip(self._static, inputs):
+                if isinstance(s, torch.Tensor) and x is not s:
+                    s.copy_(x)
             _call(lib.laden_sched_replay_begin(o.h, stream, self._cap),
                   "captured forward")
             try:
                 self._graph.replay()
-            finally:
-                _call(lib.laden_sched_replay_end(o.h, stream, self._cap),
-                      "captured forward")
+            except BaseException:
+                # Ordered as after a replay, but the slots hold what
+                # they hold: filled again by the next pass.
+                lib.laden_sched_replay_end(o.h, stream, self._cap)
+                lib.laden_sched_refill(o.h)
+                raise
+            _call(lib.laden_sched_replay_end(o.h, stream, self._cap),
+                  "captured forward")
         self.replays += 1
         return self.outputs
 
@@ -185,16 +192,22 @@ def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
     flags = STANDALONE if handle.adapters.merges else 0
     from .streaming import _pass
 
-    with _pass(st, o, what):
-        with torch.no_grad(), \
-                torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            stream = torch.cuda.current_stream(dev).cuda_stream
-            _call(lib.laden_sched_capture_begin(o.h, stream, flags), what)
-            try:
-                out = fn(*static)
-            finally:
-                s = lib.laden_sched_capture_end(o.h, stream,
-                                                ctypes.byref(cap))
-            _call(s, what)
+    try:
+        with _pass(st, o, what):
+            with torch.no_grad(), torch.cuda.graph(
+                    graph, capture_error_mode="thread_local"):
+                stream = torch.cuda.current_stream(dev).cuda_stream
+                _call(lib.laden_sched_capture_begin(o.h, stream, flags),
+                      what)
+                try:
+                    out = fn(*static)
+                finally:
+                    s = lib.laden_sched_capture_end(o.h, stream,
+                                                    ctypes.byref(cap))
+                _call(s, what)
+    except BaseException:
+        if cap.value:  # fn, or torch's end of the capture, failed
+            lib.laden_sched_capture_free(cap)
+        raise
     return CapturedForward(handle, fn, static, out, graph, cap.value,
                            handle.adapters.version)

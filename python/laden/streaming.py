@@ -557,12 +557,19 @@ def _wrap_root(model, state: _Stream) -> None:
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling",
                         None) or (lambda: False)
 
+    from . import compile as _compile
+
     @functools.wraps(orig)
     def forward(*args, **kwargs):
-        if compiling() and not torch.is_grad_enabled():
+        if compiling() and not torch.is_grad_enabled() and \
+                state.loading is None:
             # Traced by torch.compile: each block's enter op holds the
-            # schedule while the block runs (laden.compile).
+            # schedule while the block runs (laden.compile).  While a
+            # background load runs, the eager pass below (a graph break)
+            # waits for it and finishes it.
             return orig(*args, **kwargs)
+        if _compile.open_here():
+            _compile.close_open()  # a compiled run that raised
         tl = state.passes
         depth = getattr(tl, "n", 0)
         o = None
@@ -750,6 +757,9 @@ class OffloadHandle:
         o = st.live("OffloadHandle.remove")
         if not self.active:
             return
+        from .compile import close_open
+
+        close_open()  # what a compiled run that raised left entered
         with _pass(st, o, "OffloadHandle.remove"):
             self.adapters.clear()  # the base weights back first
             self.adapters.host.clear()  # and the adapters read for it
@@ -1053,6 +1063,9 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
     o = state.live("release")
+    from .compile import close_open
+
+    close_open()  # what a compiled run that raised left entered
     s = lib.laden_sched_close(o.h)  # stops a background load
     if s:
         err = error_for(s)

@@ -352,6 +352,10 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     if ((s = laden__sched_charge_slots(sc, (uint64_t)sc->nslots *
                                        sc->slot_bytes)))
         goto fail;
+    /* Also with no streamed block: a pass of resident blocks is captured
+     * through it too. */
+    if (sc->cuda && (s = laden_dev_event_create(dev, 0, &sc->fork)))
+        goto fail;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
         sl->block = -1;
@@ -362,9 +366,6 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
         }
         if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
                                      &sl->ptr)))
-            goto fail;
-        if (sc->cuda && !sc->fork &&
-            (s = laden_dev_event_create(dev, 0, &sc->fork)))
             goto fail;
         if ((sc->cuda || sc->cache) &&
             ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
@@ -504,6 +505,10 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         sl->block = -1; /* the next enter reads again */
         return laden__fail(s, "%s", sl->errmsg);
     }
+    if (sc->capturing && handle != sc->capture_handle)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u entered on another stream than the "
+                           "capture in progress", block);
     if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
         return s;
     if (sc->cuda && !sc->capturing) {
@@ -544,6 +549,10 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_exit: block %u is not running",
                            block);
+    if (sc->capturing && handle != sc->capture_handle)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_exit: block %u exited on another "
+                           "stream than the capture in progress", block);
     sl->in_use = false;
     if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
                      (s = laden_dev_event_record(sl->free, sc->compute))))
@@ -633,6 +642,7 @@ laden_status laden__sched_refill(laden_sched_t *sc)
  * replay_begin order them).  Disk reads are threads: refused. */
 
 struct laden_sched_capture {
+    const laden_sched_t *sched; /* captured on */
     uint64_t generation; /* the slots it was captured over */
     uint64_t bytes;      /* copied into slots by one replay */
     uint32_t nslots;
@@ -697,18 +707,29 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
                            "capture first)", call);
     if ((s = settle(sc)))
         return s;
+    /* Before the copy stream joins the capture: ordered after everything
+     * the slots were last used and filled by (events that settle, or a
+     * later one, records again on the copy stream keep that order). */
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+            (s = laden_dev_stream_wait_event(sc->copy, sl->ready)))
+            return s;
+    }
     bool alone = flags & LADEN_CAPTURE_STANDALONE;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
+        sl->at_capture = sl->block;
+        sl->fills_at_capture = sl->fills;
         if (alone)
             sl->block = -1;
-        sl->at_capture = sl->block;
         sl->free_captured = sl->ready_captured = false;
     }
     if ((s = laden_dev_event_record(sc->fork, sc->compute)) ||
         (s = laden_dev_stream_wait_event(sc->copy, sc->fork)))
-        return s;
+        goto undo;
     sc->capturing = true;
+    sc->capture_handle = handle;
     sc->capture_alone = alone;
     sc->capture_h2d = 0;
     sc->cap_pos = sc->last_pos;
@@ -717,7 +738,22 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
         return LADEN_OK;
     sc->dir = 1;
     sc->last_pos = -1;
-    return prefetch_from(sc, 0, sc->nslots);
+    if (!(s = prefetch_from(sc, 0, sc->nslots)))
+        return LADEN_OK;
+    /* Joined back and as before: the caller ends its capture. */
+    laden_dev_event_record(sc->fork, sc->copy);
+    laden_dev_stream_wait_event(sc->compute, sc->fork);
+    sc->capturing = false;
+    sc->captured_events = true;
+    sc->last_pos = sc->cap_pos;
+    sc->dir = sc->cap_dir;
+undo:
+    for (uint32_t i = 0; i < sc->nslots; i++) {
+        slot *sl = &sc->slots[i];
+        sl->block = sl->at_capture;
+        sl->fills = sl->fills_at_capture;
+    }
+    return s;
 }
 
 void laden_sched_capture_free(laden_sched_capture_t *c)
@@ -756,6 +792,7 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
         c->end = calloc(sc->nslots ? sc->nslots : 1, sizeof *c->end);
     }
     if (c && c->start && c->end) {
+        c->sched = sc;
         c->generation = sc->st.generation;
         c->bytes = sc->capture_h2d;
         c->nslots = sc->nslots;
@@ -771,6 +808,7 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
             c->end[i] = sl->block;
         }
         sl->block = sl->at_capture;
+        sl->fills = sl->fills_at_capture;
     }
     sc->last_pos = sc->cap_pos;
     sc->dir = sc->cap_dir;
@@ -801,6 +839,10 @@ static laden_status replay_check(laden_sched_t *sc,
         return laden__fail(LADEN_E_INVAL, "%s: NULL capture", call);
     if (sc->capturing)
         return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
+                           call);
+    if (c->sched != sc)
+        return laden__fail(LADEN_E_INVAL,
+                           "%s: the graph was captured on another schedule",
                            call);
     if (c->generation != sc->st.generation || c->nslots != sc->nslots)
         return laden__fail(LADEN_E_STATE,

@@ -490,11 +490,17 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
     HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
 }
 
+/* A capture holds the schedule from capture_begin to capture_end, as a
+ * pass does: another thread's enter would put its copies in the graph. */
 laden_status laden_sched_capture_begin(laden_sched_t *sc,
                                       uintptr_t compute_stream, uint32_t flags)
 {
-    HELD("laden_sched_capture_begin",
-         laden__sched_capture_begin(sc, compute_stream, flags));
+    laden_status s = hold(sc, "laden_sched_capture_begin");
+    if (s)
+        return s;
+    if ((s = laden__sched_capture_begin(sc, compute_stream, flags)))
+        unhold(sc);
+    return s;
 }
 
 laden_status laden_sched_capture_end(laden_sched_t *sc,
@@ -505,8 +511,15 @@ laden_status laden_sched_capture_end(laden_sched_t *sc,
         return laden__fail(LADEN_E_INVAL, "laden_sched_capture_end: out is "
                                           "NULL");
     *out = NULL;
-    HELD("laden_sched_capture_end",
-         laden__sched_capture_end(sc, compute_stream, out));
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_capture_end: NULL "
+                                          "schedule");
+    if (!holds(sc) || !sc->capturing)
+        return laden__fail(LADEN_E_STATE, "laden_sched_capture_end: no "
+                           "capture in progress on this thread");
+    laden_status s = laden__sched_capture_end(sc, compute_stream, out);
+    unhold(sc); /* capture_begin's */
+    return s;
 }
 
 laden_status laden_sched_replay_begin(laden_sched_t *sc,

@@ -84,6 +84,7 @@ typedef struct slot {
     bool free_captured;  /* capturing: `free` was recorded in this capture */
     bool ready_captured; /* and `ready` */
     int64_t at_capture;  /* block held when the capture began */
+    uint64_t fills_at_capture;
 } slot;
 
 struct laden_sched {
@@ -119,6 +120,7 @@ struct laden_sched {
      * through `fork`; the bytes its copies move. */
     bool capturing;
     bool capture_alone;   /* LADEN_CAPTURE_STANDALONE */
+    uintptr_t capture_handle; /* the capturing stream */
     bool captured_events; /* slot events last recorded in a capture */
     int64_t cap_pos;      /* last_pos and dir when the capture began */
     int32_t cap_dir;
