@@ -662,17 +662,20 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     def traced(args, kwargs):
         # Under torch.compile, without gradients: enter and exit are ops
         # in the graph (laden.compile); the block's own forward is traced
-        # between them.  Exit takes the inputs too: a block that returns
-        # nothing still has its exit ordered after its in-place writes
-        # (and not dropped as dead code).
-        xs = _compile.tensors_of((args, kwargs))
-        traced_ops[0](xs, key)
+        # between them.  Both take the block's weights, declared mutated:
+        # every read of them is ordered after enter and before exit, also
+        # work on weights alone that feeds no output.  Exit takes the
+        # inputs too: a block that returns nothing still has its exit
+        # ordered after its in-place writes (and not dropped as dead
+        # code).
+        ws = _compile.weights_of(mod)
+        traced_ops[0](_compile.tensors_of((args, kwargs)) + ws, key)
         tracing[0] += 1
         try:
             out = raw(*args, **kwargs)
         finally:
             tracing[0] -= 1
-        traced_ops[1](_compile.tensors_of((args, kwargs, out)), key)
+        traced_ops[1](_compile.tensors_of((args, kwargs, out)) + ws, key)
         return out
 
     def forward(*args, **kwargs):

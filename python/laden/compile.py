@@ -276,6 +276,26 @@ def ops():
     return _ops
 
 
+def weights_of(mod) -> list:
+    """The block's own parameters and buffers that are plain tensors (a
+    quantized wrapper is left out: the ops take plain tensors), for the
+    ops to mark."""
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) \
+        if hasattr(torch.nn, "Buffer") else (torch.Tensor, torch.nn.Parameter)
+    out = []
+    for t in list(mod.parameters()) + list(mod.buffers()):
+        if type(t) not in plain:
+            continue
+        for u in out:
+            if u is t:
+                break
+        else:
+            out.append(t)
+    return out
+
+
 def tensors_of(tree) -> list:
     """The distinct tensors in a (nested) structure of arguments or
     outputs, for the ops to mark."""
