@@ -182,7 +182,14 @@ TEST(shm_creator_ending_while_filling_is_noticed)
     CHECK_EQ(waitpid(p, &st, 0), p);
     CHECK_STATUS(laden_shm_wait_ready(s, 5000), LADEN_E_STATE);
     CHECK(strstr(laden_last_error(), "ended before it was ready"));
+    /* While it still holds the dead segment, a new open makes another. */
+    laden_shm_t *fresh;
+    CHECK_OK(laden_shm_open("half", BYTES, 0, &fresh, &created));
+    CHECK_EQ(created, 1);
+    CHECK_OK(laden_shm_set_ready(fresh, 1));
     laden_shm_close(s);
+    CHECK(exists("half")); /* the fresh one */
+    laden_shm_close(fresh);
     CHECK(!exists("half"));
     close(up[0]);
     close(up[1]);
@@ -253,4 +260,40 @@ TEST(shm_bad_arguments_and_no_room)
     int st;
     CHECK_EQ(waitpid(p, &st, 0), p);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+TEST(shm_forked_copies_and_other_owners)
+{
+    use_test_dir();
+    laden_shm_t *s;
+    int created;
+    CHECK_OK(laden_shm_open("forked", BYTES, 0, &s, &created));
+    CHECK_EQ(created, 1);
+    /* A child's copy of the handle (fork without exec) only lets go. */
+    pid_t p = fork();
+    if (p == 0) {
+        int bad = laden_shm_set_ready(s, 0) != LADEN_E_STATE;
+        laden_shm_close(s);
+        _exit(bad);
+    }
+    int st;
+    CHECK_EQ(waitpid(p, &st, 0), p);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(exists("forked"));
+    fill(laden_shm_data(s), BYTES, 5);
+    CHECK_OK(laden_shm_set_ready(s, 1));
+    laden_shm_close(s);
+    CHECK(!exists("forked"));
+    /* A file open to others under a laden name is not read. */
+    char path[512];
+    snprintf(path, sizeof path, "%s/laden-foreign", test_tmpdir());
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    fclose(f);
+    CHECK_EQ(chmod(path, 0644), 0);
+    CHECK_STATUS(laden_shm_open("foreign", BYTES, 0, &s, &created),
+                 LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "another user"));
+    CHECK(exists("foreign"));
+    unlink(path);
 }

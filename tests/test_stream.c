@@ -267,11 +267,20 @@ static uint64_t capture_and_replay(model *m, laden_dev_stream_t *cs,
     laden_sched_stats_t st0, st1;
     CHECK_OK(laden_sched_stats(m->sc, &st0));
     laden_dev_graph_t *g = NULL;
+    /* Only on the capturing stream: a capture with a refused enter is not
+     * kept. */
     CHECK_OK(laden_dev_graph_capture_begin(cs));
     CHECK_OK(laden_sched_capture_begin(m->sc, h, flags));
-    /* Only on the capturing stream. */
     CHECK_STATUS(laden_sched_enter(m->sc, m->block_of[0], 0), LADEN_E_STATE);
     CHECK(strstr(laden_last_error(), "another stream"));
+    laden_sched_capture_t *bad = NULL;
+    CHECK_STATUS(laden_sched_capture_end(m->sc, h, &bad), LADEN_E_STATE);
+    CHECK(!bad);
+    CHECK_OK(laden_dev_graph_capture_end(cs, &g));
+    laden_dev_graph_destroy(g);
+    g = NULL;
+    CHECK_OK(laden_dev_graph_capture_begin(cs));
+    CHECK_OK(laden_sched_capture_begin(m->sc, h, flags));
     uint64_t at = 0;
     for (int i = 0; i < NB; i++) {
         uint32_t b = m->block_of[i];

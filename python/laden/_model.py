@@ -615,6 +615,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     inside = [0]
 
     def do_enter() -> int:
+        if _compile.open_here() and not compiling():
+            _compile.close_open()  # what a compiled run that raised left
         stream = _compute_stream(device)  # once: enter and exit share it
         s = enter(owner.h, c_block, stream)
         if s:

@@ -183,10 +183,23 @@ def forget(key: int) -> None:
 _open = threading.local()
 
 
+class _Open(list):
+    """A thread's open blocks.  When the thread ends, torch's and Python's
+    thread state go on that thread, and so does this: what a failed
+    compiled run left entered is exited there (the schedule's hold is the
+    thread's own), not left to lock the model for every other thread."""
+
+    def __del__(self):
+        try:
+            _close(self)
+        except Exception:
+            pass
+
+
 def _stack() -> list:
     st = getattr(_open, "keys", None)
     if st is None:
-        st = _open.keys = []
+        st = _open.keys = _Open()
     return st
 
 
@@ -196,7 +209,10 @@ def open_here() -> bool:
 
 def close_open() -> None:
     """Exits what a failed compiled run left entered on this thread."""
-    st = _stack()
+    _close(_stack())
+
+
+def _close(st) -> None:
     while st:
         b = _BLOCKS.get(st.pop())
         if b is None:
@@ -307,6 +323,9 @@ def tensors_of(tree) -> list:
         # By identity, without id(): Dynamo traces this (torch 2.11 breaks
         # the graph at id() of a tensor made in it).
         if not isinstance(t, torch.Tensor):
+            continue
+        # An expanded tensor (a stride 0) cannot be declared written to.
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             continue
         for u in out:
             if u is t:

@@ -808,6 +808,10 @@ class _pass:
         self.state, self.owner, self.what = state, owner, what
 
     def __enter__(self):
+        from .compile import close_open, open_here
+
+        if open_here():
+            close_open()  # what a compiled run that raised left entered
         s = lib.laden_sched_begin(self.owner.h)
         if s:
             err = error_for(s)

@@ -457,28 +457,80 @@ def test_compiled_part_called_outside_its_block_refused(tmp_path, device):
     h.remove()
 
 
+FAIL = [False]
+
+
+@torch.library.custom_op("ladentest::maybe_fail", mutates_args=())
+def maybe_fail(x: torch.Tensor) -> torch.Tensor:
+    if FAIL[0]:
+        raise ValueError("told to fail")
+    return x.clone()
+
+
+@maybe_fail.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class FailingBlock(Block):
+    """Fails at run time, inside the compiled graph (an op the graph
+    calls), between laden's enter and exit ops."""
+
+    def forward(self, x):
+        return super().forward(maybe_fail(x))
+
+
+class FailingModel(Uniform):
+    def __init__(self, d=32, h=64, n=6):
+        super().__init__(d, h, n)
+        self.blocks = nn.ModuleList(FailingBlock(d, h) for _ in range(n))
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("then", ["compiled", "eager", "block", "thread",
+                                  "release"])
 def test_compiled_block_that_raises_leaves_the_model_usable(tmp_path,
-                                                            device):
-    """A compiled run that raises inside a streamed block (between its
-    enter and exit ops): the block is exited at the next call, which
-    gives the right outputs; release() works after a failed run."""
-    ref, m = streamed(tmp_path, device)
+                                                            device, then):
+    """A compiled run that raises inside a streamed block, between its
+    enter and exit ops, leaves the block entered; the next compiled or
+    eager call, a call of a block alone, release(), or the end of the
+    thread that failed, exits it: the model runs right again."""
+    import threading
+
+    ref, m = streamed(tmp_path, device, cls=FailingModel)
     h = laden.install_offload(m, lookahead=1)
     cm = torch.compile(m)
     x = torch.randn(2, 5, 32, device=device)
+
+    def fail():
+        FAIL[0] = True
+        try:
+            with torch.no_grad(), pytest.raises(ValueError,
+                                                match="told to fail"):
+                cm(x)
+        finally:
+            FAIL[0] = False
+
     with torch.no_grad():
         cm(x)
-        m.blocks[2].fail = True
-        with pytest.raises(ValueError, match="told to fail"):
-            cm(x)
-        m.blocks[2].fail = False
+        if then == "thread":
+            t = threading.Thread(target=fail)
+            t.start()
+            t.join()
+        else:
+            fail()
+        if then == "release":
+            laden.release(m)
+            return
+        if then == "block":
+            y = torch.randn(2, 5, 32, device=device)
+            torch.testing.assert_close(m.blocks[1](y), ref.blocks[1](y),
+                                       atol=1e-5, rtol=1e-5)
+        if then == "eager":
+            torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cm(x), ref(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(m(x), ref(x), atol=1e-5, rtol=1e-5)
-        m.blocks[4].fail = True
-        with pytest.raises(ValueError, match="told to fail"):
-            cm(x)
-    laden.release(m)
+    h.remove()
 
 
 

@@ -44,6 +44,8 @@ struct laden_shm {
     uint64_t bytes;
     bool created;
     bool filled; /* marked (ready or failed) by this creator */
+    pid_t owner; /* the process that opened it: a forked child's copy of
+                    the handle only unmaps and closes */
 };
 
 static const char *shm_dir(void)
@@ -161,11 +163,26 @@ fail:
 static laden_status attach(laden_shm_t *s, uint64_t bytes, int *done)
 {
     *done = 0;
-    int fd = open(s->path, O_RDWR | O_CLOEXEC);
+    int fd = open(s->path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) {
         if (errno == ENOENT)
             return LADEN_OK;
         return sys_fail("cannot open", s->path);
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        laden_status st = sys_fail("cannot stat", s->path);
+        close(fd);
+        return st;
+    }
+    /* Only this user's own segments: /dev/shm is writable by all, and
+     * the names are predictable. */
+    if (sb.st_uid != geteuid() || (sb.st_mode & 077) || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return laden__fail(LADEN_E_STATE,
+                           "shared memory %s belongs to another user or is "
+                           "open to others; laden does not read it",
+                           s->path);
     }
     if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
         /* No user: its processes ended without closing it. */
@@ -174,20 +191,31 @@ static laden_status attach(laden_shm_t *s, uint64_t bytes, int *done)
         close(fd);
         return LADEN_OK;
     }
-    if (errno != EWOULDBLOCK || flock(fd, LOCK_SH) != 0) {
-        laden_status st = sys_fail("cannot lock", s->path);
-        close(fd);
-        return st;
+    /* Users, or one process checking it or removing it for a moment (or a
+     * forked child that inherited such a lock): waited for, a while. */
+    for (int tries = 0;; tries++) {
+        if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+            break;
+        if (errno != EWOULDBLOCK || tries == 10000) {
+            laden_status st = errno == EWOULDBLOCK
+                                  ? laden__fail(LADEN_E_STATE,
+                                                "shared memory %s: locked "
+                                                "by another process for "
+                                                "10 s", s->path)
+                                  : sys_fail("cannot lock", s->path);
+            close(fd);
+            return st;
+        }
+        if (!same_file(fd, s->path)) {
+            close(fd);
+            return LADEN_OK; /* removed meanwhile */
+        }
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
     }
     if (!same_file(fd, s->path)) { /* removed meanwhile */
         close(fd);
         return LADEN_OK;
-    }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        laden_status st = sys_fail("cannot stat", s->path);
-        close(fd);
-        return st;
     }
     if ((uint64_t)sb.st_size != HEADER + bytes) {
         close(fd);
@@ -214,6 +242,21 @@ static laden_status attach(laden_shm_t *s, uint64_t bytes, int *done)
         close(fd);
         return laden__fail(LADEN_E_STATE,
                            "shared memory %s is not a laden segment", s->path);
+    }
+    /* Dead: its creator gave up, or ended while filling (while others
+     * still held it).  Removed (those who mapped it keep their mapping)
+     * and made again. */
+    uint32_t state = atomic_load(&h->state);
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0,
+                      .l_len = 1};
+    if (state == FAILED ||
+        (state == FILLING && fcntl(fd, F_OFD_GETLK, &l) == 0 &&
+         l.l_type == F_UNLCK && atomic_load(&h->state) == FILLING)) {
+        if (same_file(fd, s->path))
+            unlink(s->path);
+        munmap(m, HEADER + bytes);
+        close(fd);
+        return LADEN_OK;
     }
     s->fd = fd;
     s->h = h;
@@ -258,6 +301,7 @@ laden_status laden_shm_open(const char *name, uint64_t bytes, uint32_t flags,
         if ((st = attach(s, bytes, &done)))
             break;
         if (done) {
+            s->owner = getpid();
             *out = s;
             return LADEN_OK;
         }
@@ -270,6 +314,7 @@ laden_status laden_shm_open(const char *name, uint64_t bytes, uint32_t flags,
             break;
         if (done) {
             s->created = true;
+            s->owner = getpid();
             *out = s;
             *out_created = 1;
             return LADEN_OK;
@@ -297,7 +342,7 @@ laden_status laden_shm_set_ready(laden_shm_t *s, int ok)
 {
     if (!s)
         return laden__fail(LADEN_E_INVAL, "laden_shm_set_ready: NULL");
-    if (!s->created || s->filled)
+    if (!s->created || s->filled || s->owner != getpid())
         return laden__fail(LADEN_E_STATE,
                            "laden_shm_set_ready: %s", s->created
                                ? "already marked"
@@ -355,6 +400,14 @@ void laden_shm_close(laden_shm_t *s)
 {
     if (!s)
         return;
+    if (s->owner != getpid()) {
+        /* A forked child's copy: the segment stays its parent's. */
+        munmap(s->h, HEADER + s->bytes);
+        close(s->fd);
+        free(s->path);
+        free(s);
+        return;
+    }
     bool unfinished = s->created &&
                       atomic_load(&s->h->state) != READY;
     if (unfinished && !s->filled)

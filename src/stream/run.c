@@ -392,6 +392,9 @@ laden_status laden__sched_stop(laden_sched_t *sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_stop: NULL schedule");
     if (!sc->started)
         return LADEN_OK;
+    if (sc->capturing)
+        return laden__fail(LADEN_E_STATE, "laden_sched_stop: a capture is "
+                           "in progress (end it first)");
     if (sc->fenced) {
         laden_status s = laden_dev_event_synchronize(sc->last_use);
         if (s)
@@ -482,6 +485,12 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s || !sl)
         return s;
+    if (sc->capturing && handle != sc->capture_handle) {
+        sc->capture_broken = true;
+        return laden__fail(LADEN_E_STATE,
+                           "block %u entered on another stream than the "
+                           "capture in progress", block);
+    }
     if (!sc->capturing && (s = settle(sc)))
         return s;
     blk *b = &sc->b[block];
@@ -505,10 +514,6 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         sl->block = -1; /* the next enter reads again */
         return laden__fail(s, "%s", sl->errmsg);
     }
-    if (sc->capturing && handle != sc->capture_handle)
-        return laden__fail(LADEN_E_STATE,
-                           "block %u entered on another stream than the "
-                           "capture in progress", block);
     if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
         return s;
     if (sc->cuda && !sc->capturing) {
@@ -545,14 +550,20 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     if (s || !sl)
         return s;
     blk *b = &sc->b[block];
+    if (sc->capturing && handle != sc->capture_handle) {
+        /* The hold ends with this exit (stream.c): the slot too; the
+         * capture is refused at its end. */
+        if (sl->in_use && sl->block == (int64_t)block)
+            sl->in_use = false;
+        sc->capture_broken = true;
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_exit: block %u exited on another "
+                           "stream than the capture in progress", block);
+    }
     if (!sl->in_use || sl->block != (int64_t)block)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_exit: block %u is not running",
                            block);
-    if (sc->capturing && handle != sc->capture_handle)
-        return laden__fail(LADEN_E_STATE,
-                           "laden_sched_exit: block %u exited on another "
-                           "stream than the capture in progress", block);
     sl->in_use = false;
     if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
                      (s = laden_dev_event_record(sl->free, sc->compute))))
@@ -729,6 +740,7 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
         (s = laden_dev_stream_wait_event(sc->copy, sc->fork)))
         goto undo;
     sc->capturing = true;
+    sc->capture_broken = false;
     sc->capture_handle = handle;
     sc->capture_alone = alone;
     sc->capture_h2d = 0;
@@ -820,6 +832,10 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
         s = laden__fail(LADEN_E_STATE,
                         "%s: a block entered in the capture has not exited",
                         call);
+    if (!s && sc->capture_broken)
+        s = laden__fail(LADEN_E_STATE,
+                        "%s: an enter or exit on another stream was refused "
+                        "during the capture: its graph is not kept", call);
     if (s) {
         laden_sched_capture_free(c);
         return s;

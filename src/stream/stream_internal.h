@@ -120,6 +120,7 @@ struct laden_sched {
      * through `fork`; the bytes its copies move. */
     bool capturing;
     bool capture_alone;   /* LADEN_CAPTURE_STANDALONE */
+    bool capture_broken;  /* a call was refused during it */
     uintptr_t capture_handle; /* the capturing stream */
     bool captured_events; /* slot events last recorded in a capture */
     int64_t cap_pos;      /* last_pos and dir when the capture began */
