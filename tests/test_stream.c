@@ -281,6 +281,7 @@ static uint64_t capture_and_replay(model *m, laden_dev_stream_t *cs,
     g = NULL;
     CHECK_OK(laden_dev_graph_capture_begin(cs));
     CHECK_OK(laden_sched_capture_begin(m->sc, h, flags));
+    CHECK_STATUS(laden_sched_stop(m->sc), LADEN_E_STATE); /* not now */
     uint64_t at = 0;
     for (int i = 0; i < NB; i++) {
         uint32_t b = m->block_of[i];

@@ -604,8 +604,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     orig = raw = mod.forward
     if compiler is not None:
         orig = compiler.forward_of(mod, orig, had)
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling",
-                        None) or (lambda: False)
+    compiling = _compile.compiling
     traced_ops = _compile.ops() if guard is None and trainer is None \
         else None
     grad_on = torch.is_grad_enabled
@@ -615,8 +614,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     inside = [0]
 
     def do_enter() -> int:
-        if _compile.open_here() and not compiling():
-            _compile.close_open()  # what a compiled run that raised left
+        _compile.close_open()  # what a compiled run that raised left
         stream = _compute_stream(device)  # once: enter and exit share it
         s = enter(owner.h, c_block, stream)
         if s:
@@ -661,7 +659,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
     tracing = [0]  # inside traced(), as Dynamo traces it
 
-    def traced(args, kwargs):
+    def traced(xs, args, kwargs):
         # Under torch.compile, without gradients: enter and exit are ops
         # in the graph (laden.compile); the block's own forward is traced
         # between them.  Both take the block's weights, declared mutated:
@@ -671,7 +669,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         # ordered after its in-place writes (and not dropped as dead
         # code).
         ws = _compile.weights_of(mod)
-        traced_ops[0](_compile.tensors_of((args, kwargs)) + ws, key)
+        traced_ops[0](xs + ws, key)
         tracing[0] += 1
         try:
             out = raw(*args, **kwargs)
@@ -681,9 +679,10 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         return out
 
     def forward(*args, **kwargs):
-        if traced_ops and compiling() and not grad_on() and \
-                _compile.tensors_of((args, kwargs)):
-            return traced(args, kwargs)
+        if traced_ops and compiling() and not grad_on():
+            xs = _compile.tensors_of((args, kwargs))
+            if xs:
+                return traced(xs, args, kwargs)
         if guard is not None:
             guard()
         if trainer is not None:

@@ -23,7 +23,7 @@ import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .errors import InvalidArgumentError
 
@@ -203,13 +203,20 @@ def _stack() -> list:
     return st
 
 
-def open_here() -> bool:
-    return bool(getattr(_open, "keys", None))
-
-
 def close_open() -> None:
-    """Exits what a failed compiled run left entered on this thread."""
-    _close(_stack())
+    """Exits what a failed compiled run left entered on this thread (at
+    once when nothing is)."""
+    st = getattr(_open, "keys", None)
+    if st:
+        _close(st)
+
+
+def compiling() -> bool:
+    """True while torch.compile traces (torch.compiler.is_compiling)."""
+    import torch
+
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(f and f())
 
 
 def _close(st) -> None:
@@ -265,8 +272,7 @@ def ops():
 
     @torch.library.custom_op("laden::enter", mutates_args=("xs",), **kw)
     def enter(xs, key):
-        if _stack():
-            close_open()
+        close_open()
         b = _block(key, "enter")
         b[2] = b[0]()()
         _stack().append(key)

@@ -554,10 +554,7 @@ def _wrap_root(model, state: _Stream) -> None:
 
     import torch
 
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling",
-                        None) or (lambda: False)
-
-    from . import compile as _compile
+    from .compile import compiling
 
     @functools.wraps(orig)
     def forward(*args, **kwargs):
@@ -568,8 +565,6 @@ def _wrap_root(model, state: _Stream) -> None:
             # background load runs, the eager pass below (a graph break)
             # waits for it and finishes it.
             return orig(*args, **kwargs)
-        if _compile.open_here():
-            _compile.close_open()  # a compiled run that raised
         tl = state.passes
         depth = getattr(tl, "n", 0)
         o = None
@@ -757,9 +752,6 @@ class OffloadHandle:
         o = st.live("OffloadHandle.remove")
         if not self.active:
             return
-        from .compile import close_open
-
-        close_open()  # what a compiled run that raised left entered
         with _pass(st, o, "OffloadHandle.remove"):
             self.adapters.clear()  # the base weights back first
             self.adapters.host.clear()  # and the adapters read for it
@@ -808,10 +800,9 @@ class _pass:
         self.state, self.owner, self.what = state, owner, what
 
     def __enter__(self):
-        from .compile import close_open, open_here
+        from .compile import close_open
 
-        if open_here():
-            close_open()  # what a compiled run that raised left entered
+        close_open()  # what a compiled run that raised left entered
         s = lib.laden_sched_begin(self.owner.h)
         if s:
             err = error_for(s)

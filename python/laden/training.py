@@ -297,17 +297,23 @@ class _Trainer:
         ent = self.bufs.get(id(t))
         if self.cuda and ent is not None and acc is ent[0]:
             flags |= GRADS_PINNED
-        g = g.contiguous()
-        self.keep.append(acc)
         # Its copy is pending until the flush: a second gradient for it in
         # this backward is added on the host, after that copy.
         self.sent.add(id(acc))
+        self.send(g.contiguous(), acc, dst, flags,
+                  _compute_stream(self.device))
+
+    def send(self, d, h, dst: int, flags: int, stream: int,
+             owned: bool = True) -> None:
+        """d (on the device) into host tensor h through the sink, as dtype
+        code dst, after `stream`'s work; h kept alive until the flush, d
+        (when torch's memory: owned) until the copy stream read it."""
+        self.keep.append(h)
         check(lib.laden_grads_push(
-            self.sink, g.data_ptr(), grad_code(g.dtype), g.numel(),
-            acc.data_ptr(), dst, flags, _compute_stream(self.device)))
-        if self.cuda:
-            # Freed for reuse only after the copy stream read it.
-            g.record_stream(self.copy_stream)
+            self.sink, d.data_ptr(), grad_code(d.dtype), d.numel(),
+            h.data_ptr(), dst, flags, stream))
+        if self.cuda and owned:
+            d.record_stream(self.copy_stream)
 
     def up_stream(self):
         """The sink's upload stream, as a torch stream (CUDA)."""
@@ -318,15 +324,27 @@ class _Trainer:
                 lib.laden_grads_upload_stream(self.sink), device=self.device)
         return self._up
 
+    def fetch(self, v):
+        """A device copy of host tensor v (page-locked on CUDA), in memory
+        of the sink's upload stream, copied there by the sink; the compute
+        stream waits for it at laden_grads_fetched."""
+        import contextlib
+
+        import torch
+
+        with torch.cuda.stream(self.up_stream()) if self.cuda else \
+                contextlib.nullcontext():
+            d = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+        check(lib.laden_grads_fetch(self.sink, d.data_ptr(), v.data_ptr(),
+                                    v.numel() * v.element_size()))
+        return d
+
     def _sum_on_device(self, acc, g):
         """acc (page-locked host) + g, on the device in acc's dtype (as the
         host adds: in float32, rounded once)."""
         import torch
 
-        with torch.cuda.stream(self.up_stream()):
-            d = torch.empty(acc.shape, dtype=acc.dtype, device=self.device)
-        check(lib.laden_grads_fetch(self.sink, d.data_ptr(), acc.data_ptr(),
-                                    acc.numel() * acc.element_size()))
+        d = self.fetch(acc)
         check(lib.laden_grads_fetched(self.sink,
                                       _compute_stream(self.device)))
         d.record_stream(torch.cuda.current_stream(self.device))
@@ -469,28 +487,15 @@ class _Fused:
     def _fetch(self, hp, hs) -> dict:
         """hp's per-element state, fetched into memory of the upload
         stream."""
-        import contextlib
-
-        import torch
-
         tr = self.tr
-        up = self.up_stream()
         got = {}
         for k, v in list(hs.items()):
             if k == "step" or not _per_element(v, hp):
                 continue
             if tr.cuda and not v.is_pinned():
                 v = hs[k] = v.pin_memory()  # e.g. after load_state_dict
-            with torch.cuda.stream(up) if up is not None else \
-                    contextlib.nullcontext():
-                d = torch.empty(v.shape, dtype=v.dtype, device=tr.device)
-            check(lib.laden_grads_fetch(tr.sink, d.data_ptr(), v.data_ptr(),
-                                        v.numel() * v.element_size()))
-            got[k] = d
+            got[k] = tr.fetch(v)
         return got
-
-    def up_stream(self):
-        return self.tr.up_stream() if self.tr.cuda else None
 
     def step(self, t, p, g) -> None:
         import torch
@@ -561,14 +566,9 @@ class _Fused:
     def _home(self, d, h, stream, owned=True) -> None:
         """d (on the device) to h (page-locked, the same dtype: step
         checked it can go)."""
-        code = grad_code(d.dtype)
         tr = self.tr
-        tr.keep.append(h)
-        check(lib.laden_grads_push(
-            tr.sink, d.data_ptr(), code, d.numel(), h.data_ptr(), code,
-            GRADS_PINNED if tr.cuda else 0, stream))
-        if tr.cuda and owned:
-            d.record_stream(tr.copy_stream)
+        tr.send(d, h, grad_code(d.dtype), GRADS_PINNED if tr.cuda else 0,
+                stream, owned)
 
 
 def _storage_uses(t) -> int:

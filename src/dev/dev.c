@@ -203,17 +203,13 @@ laden_status laden_dev_graph_capture_end(laden_dev_stream_t *s,
     laden_status st = graphs_of(s, "graph_capture_end");
     if (st)
         return st;
-    laden_dev_graph_t *g = calloc(1, sizeof *g);
     void *impl = NULL;
-    st = s->ops->capture_end(s->device, s->impl, &impl);
-    if (!g) {
-        if (impl)
-            s->ops->graph_destroy(s->device, impl);
-        return laden__fail(LADEN_E_NOMEM, "out of memory ending a capture");
-    }
-    if (st) {
-        free(g);
+    if ((st = s->ops->capture_end(s->device, s->impl, &impl)))
         return st;
+    laden_dev_graph_t *g = calloc(1, sizeof *g);
+    if (!g) {
+        s->ops->graph_destroy(s->device, impl);
+        return laden__fail(LADEN_E_NOMEM, "out of memory ending a capture");
     }
     g->device = s->device;
     g->ops = s->ops;

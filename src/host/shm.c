@@ -90,6 +90,17 @@ static int filling_lock(int fd, short type, int cmd)
     return fcntl(fd, cmd, &l);
 }
 
+/* A segment still filling whose creator has ended (its lock went with
+ * it). */
+static bool creator_gone(int fd, const header *h)
+{
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0,
+                      .l_len = 1};
+    return atomic_load(&h->state) == FILLING &&
+           fcntl(fd, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK &&
+           atomic_load(&h->state) == FILLING;
+}
+
 /* Made whole under a temporary name, then linked in: 1 made, 0 another
  * process linked one first (attach to it), or a failure. */
 static laden_status create(laden_shm_t *s, uint64_t bytes, int *made)
@@ -246,12 +257,7 @@ static laden_status attach(laden_shm_t *s, uint64_t bytes, int *done)
     /* Dead: its creator gave up, or ended while filling (while others
      * still held it).  Removed (those who mapped it keep their mapping)
      * and made again. */
-    uint32_t state = atomic_load(&h->state);
-    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0,
-                      .l_len = 1};
-    if (state == FAILED ||
-        (state == FILLING && fcntl(fd, F_OFD_GETLK, &l) == 0 &&
-         l.l_type == F_UNLCK && atomic_load(&h->state) == FILLING)) {
+    if (atomic_load(&h->state) == FAILED || creator_gone(fd, h)) {
         if (same_file(fd, s->path))
             unlink(s->path);
         munmap(m, HEADER + bytes);
@@ -375,10 +381,7 @@ laden_status laden_shm_wait_ready(laden_shm_t *s, uint32_t timeout_ms)
                                "shared memory %s: not filled yet (this "
                                "process made it: laden_shm_set_ready)",
                                s->path);
-        struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
-                          .l_start = 0, .l_len = 1};
-        if (fcntl(s->fd, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK &&
-            atomic_load(&s->h->state) == FILLING)
+        if (creator_gone(s->fd, s->h))
             return laden__fail(LADEN_E_STATE,
                                "shared memory %s: the process filling it "
                                "(pid %d) ended before it was ready",

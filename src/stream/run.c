@@ -652,12 +652,21 @@ laden_status laden__sched_refill(laden_sched_t *sc)
  * recorded before the capture are not waited for inside it (the fork and
  * replay_begin order them).  Disk reads are threads: refused. */
 
+/* The compute stream waits for what the copy stream has enqueued (a
+ * capture's copies joined back; eager copies before a replay). */
+static laden_status join_copies(laden_sched_t *sc)
+{
+    laden_status s = laden_dev_event_record(sc->fork, sc->copy);
+    return s ? s : laden_dev_stream_wait_event(sc->compute, sc->fork);
+}
+
 struct laden_sched_capture {
     const laden_sched_t *sched; /* captured on */
     uint64_t generation; /* the slots it was captured over */
     uint64_t bytes;      /* copied into slots by one replay */
     uint32_t nslots;
-    int64_t *start, *end; /* block in each slot before and after */
+    int64_t *start, *end; /* block in each slot before and after (one
+                             allocation: end = start + nslots) */
     int64_t end_pos;
     int32_t end_dir;
     bool alone; /* LADEN_CAPTURE_STANDALONE */
@@ -753,8 +762,7 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     if (!(s = prefetch_from(sc, 0, sc->nslots)))
         return LADEN_OK;
     /* Joined back and as before: the caller ends its capture. */
-    laden_dev_event_record(sc->fork, sc->copy);
-    laden_dev_stream_wait_event(sc->compute, sc->fork);
+    join_copies(sc);
     sc->capturing = false;
     sc->captured_events = true;
     sc->last_pos = sc->cap_pos;
@@ -772,8 +780,7 @@ void laden_sched_capture_free(laden_sched_capture_t *c)
 {
     if (!c)
         return;
-    free(c->start);
-    free(c->end);
+    free(c->start); /* and end: one array */
     free(c);
 }
 
@@ -796,14 +803,16 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     /* Joined and ended even when a block is still running, so that the
      * capture can be ended; the graph is refused then. */
     laden_status s = laden__sched_compute_stream(sc, handle);
-    if (!s && !(s = laden_dev_event_record(sc->fork, sc->copy)))
-        s = laden_dev_stream_wait_event(sc->compute, sc->fork);
+    if (!s)
+        s = join_copies(sc);
     laden_sched_capture_t *c = calloc(1, sizeof *c);
-    if (c) {
-        c->start = calloc(sc->nslots ? sc->nslots : 1, sizeof *c->start);
-        c->end = calloc(sc->nslots ? sc->nslots : 1, sizeof *c->end);
+    if (c && !(c->start = calloc(2 * (size_t)sc->nslots + 1,
+                                 sizeof *c->start))) {
+        free(c);
+        c = NULL;
     }
-    if (c && c->start && c->end) {
+    if (c) {
+        c->end = c->start + sc->nslots;
         c->sched = sc;
         c->generation = sc->st.generation;
         c->bytes = sc->capture_h2d;
@@ -815,7 +824,7 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     /* Nothing ran: the slots hold what they held at capture_begin. */
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
-        if (c && c->start && c->end) {
+        if (c) {
             c->start[i] = sl->at_capture;
             c->end[i] = sl->block;
         }
@@ -826,7 +835,7 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     sc->dir = sc->cap_dir;
     sc->capturing = false;
     sc->captured_events = true;
-    if (!s && (!c || !c->start || !c->end))
+    if (!s && !c)
         s = laden__fail(LADEN_E_NOMEM, "%s: out of memory", call);
     if (!s && running)
         s = laden__fail(LADEN_E_STATE,
@@ -883,8 +892,7 @@ laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
             (s = issue_load(sc, sl, (uint32_t)c->start[i])))
             return s;
     }
-    if ((s = laden_dev_event_record(sc->fork, sc->copy)) ||
-        (s = laden_dev_stream_wait_event(sc->compute, sc->fork)))
+    if ((s = join_copies(sc)))
         return s;
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
