@@ -698,13 +698,13 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         # Inside: between the block's enter and exit (eager, or around a
         # BlockCompile call), or traced between its enter and exit ops.
         if not inside[0] and not tracing[0]:
-            raise StateError(
+            _compile.refuse(StateError(
                 f"a {type(part).__name__} inside streamed block {c_block} "
                 f"({type(mod).__name__}) was called outside the block's "
                 "forward: its weights live in a slot that other blocks "
                 "reuse, so they may be another block's by now; keep that "
                 "block resident (resident_prefixes) or call it through "
-                "the block", "E_STATE")
+                "the block", "E_STATE"))
 
     if key:
         wrapped.append(("key", key, None))

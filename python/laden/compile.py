@@ -211,6 +211,25 @@ def close_open() -> None:
         _close(st)
 
 
+def refuse(exc: BaseException) -> None:
+    """Raises `exc`, also from code Dynamo traces: some torch versions
+    (2.11) cannot trace raising laden's own errors and stop the compile
+    with Unsupported instead, so the raise runs eagerly (a graph break
+    on the error path only)."""
+    _refuse()(exc)
+
+
+@functools.lru_cache(maxsize=None)
+def _refuse():
+    import torch
+
+    def do_raise(exc):
+        raise exc
+
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(do_raise) if disable else do_raise
+
+
 def compiling() -> bool:
     """True while torch.compile traces (torch.compiler.is_compiling)."""
     import torch
