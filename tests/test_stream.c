@@ -314,7 +314,9 @@ static uint64_t capture_and_replay(model *m, laden_dev_stream_t *cs,
         CHECK_OK(laden_dev_graph_launch(g, cs));
         CHECK_OK(laden_sched_replay_end(m->sc, h, cap));
         CHECK_OK(laden_sched_stats(m->sc, &r1));
-        if (round == 1) /* after a replay: nothing to restore first */
+        /* After a replay, or from a standalone graph (which fills its
+         * slots itself): nothing to restore first. */
+        if (round == 1 || (flags & LADEN_CAPTURE_STANDALONE))
             CHECK_EQ(r1.h2d_bytes - r0.h2d_bytes, bytes);
         CHECK_OK(laden_dev_copy_d2h(cs, got, out, total));
         CHECK_OK(laden_dev_stream_synchronize(cs));

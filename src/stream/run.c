@@ -826,8 +826,8 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     /* Nothing ran: the slots hold what they held at capture_begin. */
     for (uint32_t i = 0; i < sc->nslots; i++) {
         slot *sl = &sc->slots[i];
-        if (c) {
-            c->start[i] = sl->at_capture;
+        if (c) { /* a standalone graph fills every slot itself */
+            c->start[i] = c->alone ? -1 : sl->at_capture;
             c->end[i] = sl->block;
         }
         sl->block = sl->at_capture;
