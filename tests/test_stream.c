@@ -2,9 +2,11 @@
  * bytes whatever the call order, prefetch hides the copies in order, errors
  * from the file come back at enter, and nothing leaks. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "test.h"
@@ -71,12 +73,12 @@ typedef struct {
     unsigned char *buf;
 } model;
 
-static void build(model *m, int32_t dev, const laden_tier tiers[NB],
-                  uint64_t ram_budget)
+static void build_from(model *m, const char *path, int32_t dev,
+                       const laden_tier tiers[NB], uint64_t ram_budget)
 {
     memset(m, 0, sizeof *m);
     m->dev = dev;
-    CHECK_OK(laden_st_open(write_model(), &m->st));
+    CHECK_OK(laden_st_open(path, &m->st));
     laden_sched_config cfg = {.device = dev, .lookahead = 2,
                               .ram_budget_bytes = ram_budget};
     CHECK_OK(laden_sched_create(&cfg, m->st, &m->sc));
@@ -100,6 +102,12 @@ static void build(model *m, int32_t dev, const laden_tier tiers[NB],
     if (dev != LADEN_DEVICE_CPU)
         CHECK_OK(laden_dev_stream_wrap(dev, 0, &m->rd));
     m->buf = malloc(1 << 20);
+}
+
+static void build(model *m, int32_t dev, const laden_tier tiers[NB],
+                  uint64_t ram_budget)
+{
+    build_from(m, write_model(), dev, tiers, ram_budget);
 }
 
 static void destroy(model *m)
@@ -2284,3 +2292,170 @@ static void copy_rewritten(int32_t dev)
 }
 
 TEST(stream_cache_copy_rewritten) { test_on_every_device(copy_rewritten); }
+
+/* ---- one host copy shared between schedules and processes ------------- */
+
+/* Segments in the test's shm directory. */
+static int segments(void)
+{
+    DIR *d = opendir(test_tmpdir());
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d));)
+        n += strncmp(e->d_name, "laden-", 6) == 0;
+    if (d)
+        closedir(d);
+    return n;
+}
+
+static void share_state(model *m, int32_t want, uint64_t *bytes)
+{
+    char name[64];
+    int32_t state = -1;
+    CHECK_OK(laden_sched_share_info(m->sc, name, sizeof name, bytes, &state));
+    CHECK_EQ(state, want);
+    CHECK(want == 0 || strlen(name) == 33);
+}
+
+static void run_all(model *m)
+{
+    CHECK_OK(laden_sched_start(m->sc, 0));
+    for (int pass = 0; pass < 2; pass++) {
+        run_block(m, NB);
+        for (int i = 0; i < NB; i++)
+            run_block(m, i);
+    }
+    CHECK_OK(laden_sched_synchronize(m->sc));
+    CHECK_OK(laden_sched_stop(m->sc));
+}
+
+/* Two schedules of one process (two devices would be the same): the
+ * second attaches to the first's segment and reads nothing of what is
+ * there; both run right; another key or a rewritten file is another
+ * segment; the last to go removes it; share after a load and a reread
+ * there are refused. */
+static void shared_copy(int32_t dev)
+{
+    setenv("LADEN_SHM_DIR", test_tmpdir(), 1);
+    CHECK_EQ(segments(), 0);
+    char *path = strdup(write_model());
+    model a, b, c;
+    build_from(&a, path, dev, MIXED, 0);
+    build_from(&b, path, dev, MIXED, 0);
+    build_from(&c, path, dev, MIXED, 0);
+    CHECK_OK(laden_sched_share(a.sc, "test"));
+    CHECK_OK(laden_sched_share(b.sc, "test"));
+    CHECK_OK(laden_sched_share(c.sc, "other"));
+    share_state(&a, 0, NULL);
+    CHECK_OK(laden_sched_load(a.sc));
+    uint64_t bytes = 0, bytes_b = 0;
+    share_state(&a, 1, &bytes);
+    /* RAM tier (blocks 0, 4, 6); on the CPU device the GPU tier too
+     * (block 2 and embed), which runs there in place. */
+    uint64_t want = 0;
+    for (int i = 0; i <= NB; i++) {
+        laden_tier t = i == NB ? LADEN_TIER_GPU : MIXED[i];
+        if (t == LADEN_TIER_RAM ||
+            (t == LADEN_TIER_GPU && dev == LADEN_DEVICE_CPU))
+            want += (laden_sched_block_bytes(a.sc, a.block_of[i]) + 4095) &
+                    ~4095ull;
+    }
+    CHECK_EQ(bytes, want);
+    CHECK_EQ(segments(), 1);
+    laden_sched_stats_t sa, sb;
+    CHECK_OK(laden_sched_load(b.sc));
+    share_state(&b, 2, &bytes_b);
+    CHECK_EQ(bytes_b, bytes);
+    CHECK_OK(laden_sched_stats(a.sc, &sa));
+    CHECK_OK(laden_sched_stats(b.sc, &sb));
+    /* b read only what is not in the segment. */
+    uint64_t in_seg = 0;
+    for (int i = 0; i <= NB; i++) {
+        laden_tier t = i == NB ? LADEN_TIER_GPU : MIXED[i];
+        if (t == LADEN_TIER_RAM ||
+            (t == LADEN_TIER_GPU && dev == LADEN_DEVICE_CPU))
+            in_seg += i == NB ? sz(2 * NB) : sz(2 * i) + sz(2 * i + 1);
+    }
+    CHECK_EQ(sa.load_read_bytes - sb.load_read_bytes, in_seg);
+    /* Where the host copy is, both see the same bytes (two mappings). */
+    void *ha = NULL, *hb = NULL;
+    CHECK_OK(laden_sched_host_ptr(a.sc, a.block_of[0], 0, &ha));
+    CHECK_OK(laden_sched_host_ptr(b.sc, b.block_of[0], 0, &hb));
+    CHECK(ha != hb);
+    CHECK_EQ(memcmp(ha, hb, sz(0)), 0);
+    CHECK_OK(laden_sched_load(c.sc));
+    share_state(&c, 1, NULL); /* another key: its own */
+    CHECK_EQ(segments(), 2);
+    run_all(&a);
+    run_all(&b);
+    run_all(&c);
+    CHECK_STATUS(laden_sched_share(a.sc, "late"), LADEN_E_STATE);
+    if (dev == LADEN_DEVICE_CPU) /* block 2: GPU tier, in the segment */
+        CHECK_STATUS(laden_sched_reread(a.sc, a.block_of[2], 0),
+                     LADEN_E_STATE);
+    destroy(&c);
+    CHECK_EQ(segments(), 1);
+    destroy(&a); /* the maker goes first: b keeps it */
+    run_all(&b);
+    CHECK_EQ(segments(), 1);
+    destroy(&b);
+    CHECK_EQ(segments(), 0);
+    /* The file rewritten (same bytes, new mtime): another segment. */
+    build_from(&a, path, dev, MIXED, 0);
+    CHECK_OK(laden_sched_share(a.sc, "test"));
+    CHECK_OK(laden_sched_load(a.sc));
+    char n1[64], n2[64];
+    CHECK_OK(laden_sched_share_info(a.sc, n1, sizeof n1, NULL, NULL));
+    struct timespec ts[2] = {{0, UTIME_NOW}, {1, 0}};
+    CHECK_EQ(utimensat(AT_FDCWD, path, ts, 0), 0);
+    build_from(&b, path, dev, MIXED, 0);
+    CHECK_OK(laden_sched_share(b.sc, "test"));
+    CHECK_OK(laden_sched_load(b.sc));
+    share_state(&b, 1, NULL);
+    CHECK_OK(laden_sched_share_info(b.sc, n2, sizeof n2, NULL, NULL));
+    CHECK(strcmp(n1, n2) != 0);
+    destroy(&a);
+    destroy(&b);
+    CHECK_EQ(segments(), 0);
+    free(path);
+}
+
+TEST(stream_shared_host_copy) { test_on_every_device(shared_copy); }
+
+/* Processes (the CPU device: a forked child cannot use its parent's CUDA
+ * context): children attach to the parent's copy and run on it; one
+ * whose load of the copy fails sees the maker's failure; the parent's
+ * segment goes when the last user does. */
+TEST(stream_shared_host_copy_processes)
+{
+    setenv("LADEN_SHM_DIR", test_tmpdir(), 1);
+    char *path = strdup(write_model());
+    model a;
+    build_from(&a, path, LADEN_DEVICE_CPU, MIXED, 0);
+    CHECK_OK(laden_sched_share(a.sc, NULL));
+    CHECK_OK(laden_sched_load(a.sc));
+    pid_t kids[3];
+    for (int k = 0; k < 3; k++) {
+        kids[k] = fork();
+        if (kids[k] == 0) {
+            model m;
+            build_from(&m, path, LADEN_DEVICE_CPU, MIXED, 0);
+            int32_t state = 0;
+            if (laden_sched_share(m.sc, NULL) || laden_sched_load(m.sc) ||
+                laden_sched_share_info(m.sc, NULL, 0, NULL, &state) ||
+                state != 2)
+                _exit(2);
+            run_all(&m); /* exits 1 on a wrong byte */
+            destroy(&m);
+            _exit(0);
+        }
+    }
+    for (int k = 0; k < 3; k++) {
+        int st = -1;
+        CHECK_EQ(waitpid(kids[k], &st, 0), kids[k]);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    CHECK_EQ(segments(), 1);
+    destroy(&a);
+    CHECK_EQ(segments(), 0);
+    free(path);
+}

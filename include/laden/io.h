@@ -49,6 +49,10 @@ LADEN_API laden_status laden_io_file_open(const char *path,
 LADEN_API void laden_io_file_close(laden_io_file_t *file);
 LADEN_API uint64_t laden_io_file_size(const laden_io_file_t *file);
 LADEN_API const char *laden_io_file_path(const laden_io_file_t *file);
+/* What identifies the file's content as it was opened: its device and
+ * inode, size and modification time (ns), in id[0..3] (zeros for NULL). */
+LADEN_API void laden_io_file_identity(const laden_io_file_t *file,
+                                      uint64_t id[4]);
 /* 1 if reads of this file may use O_DIRECT. */
 LADEN_API int laden_io_file_direct(const laden_io_file_t *file);
 

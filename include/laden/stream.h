@@ -204,6 +204,37 @@ LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
                                         const laden_plan_input *budgets,
                                         int32_t *why, laden_plan_result *out);
 
+/* One host copy for the processes of a host (issue 19): the blocks that
+ * live in host memory -- the RAM tier, and on the CPU device the GPU
+ * tier too, where they run in place -- go into one segment of shared
+ * memory (laden/shm.h) named from what determines their bytes: the
+ * checkpoint files' identities (device, inode, size, modification time),
+ * every such tensor's place, dtypes and conversion, and `key` (the
+ * caller's own text, may be NULL).  The first process to load it reads
+ * the checkpoint into the segment; the others that load the same layout
+ * attach to it and read nothing (each pins it with its own CUDA
+ * context); the last to destroy its schedule removes it, and one left by
+ * processes that died is made again by the next load.  A block with a
+ * tensor from host memory (laden_sched_add_host_tensor) keeps a copy of
+ * its own, as do VRAM-tier blocks a VRAM context had no room for.
+ * Blocks in the segment are read-only to laden: laden_sched_reread is
+ * refused there, and laden_sched_load_block (a cache schedule loads
+ * whole).  Call before the load.  An attaching load waits for the
+ * process filling the segment; LADEN_E_STATE if that process fails or
+ * ends first. */
+LADEN_API laden_status laden_sched_share(laden_sched_t *sched,
+                                         const char *key);
+
+/* Whether the schedule's host copy is shared: *out_state 0 not shared
+ * (or not loaded yet), 1 this process made and filled the segment, 2 it
+ * attached to one another process made; its name (without the
+ * directory, NUL-terminated in name_cap bytes; NULL: not wanted) and
+ * data bytes. */
+LADEN_API laden_status laden_sched_share_info(laden_sched_t *sched,
+                                              char *name, size_t name_cap,
+                                              uint64_t *out_bytes,
+                                              int32_t *out_state);
+
 /* Called by laden_sched_load and laden_sched_load_block on the loading
  * thread each time a block is in place: bytes of blocks done so far, and
  * of all the blocks being loaded.  Returns 0 to go on.  Anything else

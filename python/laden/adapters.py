@@ -477,6 +477,12 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
         raise StateError("set_adapters: the model is still loading in the "
                          "background; wait for it (report.wait()) first",
                          "E_STATE")
+    if mode == "merge" and adapters and st.device.type != "cuda":
+        # On the CPU the weights run from their host copy, in place.
+        from .sharing import refuse_writes
+
+        refuse_writes(st, "set_adapters(mode='merge') on the CPU (use "
+                      "mode='routed')")
     from .streaming import _pass
 
     with _pass(st, o, "set_adapters"):
@@ -630,6 +636,9 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
         raise StateError("merge_adapter: the model was not loaded by laden",
                          "E_STATE")
     o = st.live("merge_adapter")
+    from .sharing import refuse_writes
+
+    refuse_writes(st, "merge_adapter")
     h = st.handle
     if h is not None and h.adapters.mode is not None:
         raise StateError("merge_adapter: adapters are active "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
 
-from . import _lib
+from . import _lib, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
@@ -84,7 +84,10 @@ class ModelSpec:
     on the device when it fits the budget, else streaming), ``"resident"``
     or ``"streaming"`` (every block streamed, only the parts outside blocks
     resident).  ``estimated_bytes`` lets the cache make room in RAM before
-    the first build."""
+    the first build.  ``shared=True``: the model's host copy is shared
+    with the host's other processes that load the same checkpoint the same
+    way (see ``laden.stream_load``); every tensor must then come from
+    ``checkpoint``."""
 
     key: str
     factory: Callable[[], Any]
@@ -94,6 +97,7 @@ class ModelSpec:
     estimated_bytes: int = field(default=0, kw_only=True)
     key_map: KeyMap = field(default=None, kw_only=True)
     skip_prefixes: Sequence[str] = field(default=(), kw_only=True)
+    shared: bool = field(default=False, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.key, str) or not self.key:
@@ -124,6 +128,10 @@ class ModelSpec:
                 f"ModelSpec '{self.key}': skip_prefixes must be strings, "
                 f"got {self.skip_prefixes!r}", "E_INVAL")
         object.__setattr__(self, "skip_prefixes", skip)
+        if not isinstance(self.shared, bool):
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': shared must be True or False, got "
+                f"{self.shared!r}", "E_INVAL")
         km = self.key_map
         if km is not None and not callable(km):
             if not hasattr(km, "get"):
@@ -155,6 +163,8 @@ class CacheInfo:
     last_use: Optional[float]  # time.time() when its last use ended
     in_use: bool
     mode: Optional[str]     # "resident" or "streaming" at its last use
+    # A laden.sharing.Shared if its host copy is shared (ModelSpec shared)
+    shared: Optional[Any] = None
 
 
 def _budget(value, what: str) -> Optional[int]:
@@ -187,6 +197,7 @@ class _Runtime:
         self.tensors: List[_Tensor] = []
         self.fixed = 0
         self.gen = -1
+        self.shared = None  # a sharing.Shared once loaded shared
         self.id: Optional[int] = None
         self.wrapped: List[tuple] = []
         self.size = 0
@@ -253,9 +264,19 @@ class _Runtime:
             self.fixed = len(groups) - len(desc.blocks)
             total = sum(lib.laden_sched_block_bytes(self.sched, b)
                         for b in range(len(groups)))
+            from_ckpt = all(t.ckpt_name is not None for t in desc.tensors)
+            if self.spec.shared:
+                if not from_ckpt:
+                    raise InvalidArgumentError(
+                        f"model '{self.spec.key}': shared=True needs every "
+                        "tensor from the checkpoint (these are not in it: "
+                        + ", ".join(t.name for t in desc.tensors
+                                    if t.ckpt_name is None)[:300] + ")",
+                        "E_INVAL")
+                sharing.ask(self.sched, True, f"model '{self.spec.key}'")
             with progress_to(self.sched, total, self.spec.key,
                              None) as pt:
-                if all(t.ckpt_name is not None for t in desc.tensors):
+                if from_ckpt:
                     # All from the checkpoint: one load, several blocks'
                     # reads in flight.
                     check(lib.laden_sched_load(self.sched))
@@ -274,6 +295,7 @@ class _Runtime:
                             _set_tensor(t, self._host_view(t))
                         done = b + 1
                         pt.check()
+            self.shared = sharing.info(self.sched)
             if self.dc.vram is not None:
                 check(lib.laden_sched_use_vram(self.sched,
                                                self.dc.vram._h))
@@ -917,7 +939,8 @@ class ModelCache:
                 self._uses.get(key, 0) + rt.uses,
                 rt.last_use if rt.last_use is not None else
                 self._last.get(key), rt.in_use,
-                _MODE_NAMES.get(rt.mode) if rt.mode is not None else None)
+                _MODE_NAMES.get(rt.mode) if rt.mode is not None else None,
+                rt.shared)
 
     def stats(self) -> Dict[str, int]:
         """Totals over every device: bytes held and budgets, activations,

@@ -483,7 +483,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     vram_budget=None, ram_budget=None, dtype=None, plan=None,
                     lookahead: int = 2, progress: Optional[bool] = None,
                     subfolder: Optional[str] = None,
-                    variant: Optional[str] = None, **kwargs):
+                    variant: Optional[str] = None, shared=False,
+                    **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -502,7 +503,9 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     expanded where they run; float32 unless ``dtype``).  Returned
     installed: call it, or ``generate()``, as the plain model.
     ``laden.release(model)`` frees everything.  Other keyword arguments
-    override the config.  ``model.to(...)`` to another device or dtype
+    override the config; ``shared=True`` shares the host copy with the
+    host's other processes that load the same directory the same way (see
+    ``laden.stream_load``).  ``model.to(...)`` to another device or dtype
     raises (release first); ``eval()``, ``train()``, ``device``,
     ``dtype`` behave as usual."""
     from . import streaming
@@ -547,7 +550,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=key_map, lookahead=lookahead,
-            progress=progress)
+            progress=progress, shared=shared)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

@@ -19,7 +19,7 @@ import time
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _lib, planning
+from . import _lib, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
@@ -61,6 +61,8 @@ class LoadReport:
         # Blocks chosen for the device that the VRAM context had no room
         # for: they stream from RAM.
         self.offloaded = [b.name for b in state.blocks if b.offloaded]
+        # A laden.sharing.Shared when the host copy is shared (shared=True)
+        self.shared = state.shared
         self._state = state if state.loading is not None else None
         self._t0 = time.perf_counter() - seconds
 
@@ -117,6 +119,13 @@ class LoadReport:
                      f"{fmt_bytes(self.cached_bytes)} from the page cache, "
                      f"{fmt_bytes(self.read_bytes - self.cached_bytes)} "
                      "from the drive)")
+        if self.shared is not None:
+            sh = self.shared
+            lines.append(
+                f"  host copy shared with this host's processes "
+                f"({fmt_bytes(sh.nbytes)}, laden-{sh.name}): "
+                + ("this process read it" if sh.how == "made" else
+                   "attached to another process's, nothing of it read"))
         if self.kept:
             lines.append(f"  kept as built (not in the checkpoint): "
                          f"{', '.join(self.kept[:8])}"
@@ -158,6 +167,7 @@ class _Stream:
         self.load_t0 = 0.0
         self.load_seconds: Optional[float] = None
         self.training = False  # install_offload(train=True) is bound
+        self.shared = None  # a sharing.Shared: the host copy is shared
 
     def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
@@ -277,7 +287,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                 device=None, vram_budget=None, ram_budget=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
                 vram=None, progress: Optional[bool] = None,
-                background: bool = False) -> LoadReport:
+                background: bool = False, shared=False) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -318,6 +328,22 @@ def stream_load(model, path: PathLike, *, plan=None,
       it failed; a forward raises it too).  ``release()`` stops the load.
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
+    - ``shared``: one host copy for the processes of this host (data
+      parallel ranks, several workers): the model's host memory -- its
+      RAM-tier blocks, and on the CPU device its resident part, which
+      runs there in place -- goes into shared memory named from the
+      checkpoint's identity and the load's layout (``laden-<name>`` in
+      ``LADEN_SHM_DIR``, default ``/dev/shm``).  The first process to load
+      it reads the checkpoint; the others that load the same checkpoint
+      the same way attach and read nothing (waiting for the first if it
+      is still reading); the last to release it removes it.  Each pins it
+      with its own CUDA context.  ``report.shared`` says which it was.
+      The shared copy is never written: training, ``merge_adapter`` and
+      (on the CPU) merged ``set_adapters`` are refused.  A
+      ``torch.distributed`` process group instead of True also checks
+      that the group's ranks on one host share one copy (a collective:
+      every rank calls it), refusing mismatched checkpoints with
+      MismatchError.
     - ``plan``: a ``laden.Plan`` (from ``laden.plan`` or ``Plan.manual``),
       followed exactly: its blocks and tiers replace the prefixes and
       budgets.
@@ -355,6 +381,7 @@ def stream_load(model, path: PathLike, *, plan=None,
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
     check_lookahead(lookahead)
+    sharing.group_of(shared, "stream_load")
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.init()
@@ -392,7 +419,7 @@ def stream_load(model, path: PathLike, *, plan=None,
         state = _Stream(dev, ck.path)
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
-              background)
+              background, shared)
     except BaseException:
         ck.close()
         raise
@@ -405,7 +432,8 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
-          lookahead: int, progress=None, background: bool = False) -> None:
+          lookahead: int, progress=None, background: bool = False,
+          shared=False) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -428,11 +456,14 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         bar = progress_to(o.h, total, os.path.basename(state.path or
                                                        "laden load"),
                           progress)
+        sharing.ask(o.h, shared, "stream_load")
         if background:  # memory given, addresses known, nothing read yet
             check(lib.laden_sched_load_prepare(o.h))
         else:
             with bar:
                 check(lib.laden_sched_load(o.h))
+        state.shared = sharing.info(o.h)
+        sharing.check_group(shared, state.shared, "stream_load")
     except BaseException:
         state.destroy()
         raise
@@ -886,6 +917,8 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
         raise InvalidArgumentError(
             f"install_offload: train must be True or False, not {train!r}",
             "E_INVAL")
+    if train:
+        sharing.refuse_writes(state, "install_offload(train=True)")
     if grad_dtype is not None:
         from .training import grad_code
 

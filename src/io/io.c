@@ -47,6 +47,7 @@ struct laden_io_file {
     atomic_int direct_ok;
     uint64_t size;
     struct timespec mtime; /* size and mtime at open: see unchanged() */
+    uint64_t dev, ino;
     char *path;
 };
 
@@ -151,6 +152,8 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
     }
     f->size = (uint64_t)sb.st_size;
     f->mtime = sb.st_mtim;
+    f->dev = (uint64_t)sb.st_dev;
+    f->ino = (uint64_t)sb.st_ino;
     /* The direct descriptor must be the same file: the path may have been
      * replaced between the two opens. */
     f->dfd = open_regular(path, O_DIRECT, &dsb);
@@ -175,6 +178,15 @@ void laden_io_file_close(laden_io_file_t *f)
 }
 
 uint64_t laden_io_file_size(const laden_io_file_t *f) { return f ? f->size : 0; }
+void laden_io_file_identity(const laden_io_file_t *f, uint64_t id[4])
+{
+    id[0] = f ? f->dev : 0;
+    id[1] = f ? f->ino : 0;
+    id[2] = f ? f->size : 0;
+    id[3] = f ? (uint64_t)f->mtime.tv_sec * 1000000000u +
+                    (uint64_t)f->mtime.tv_nsec
+              : 0;
+}
 const char *laden_io_file_path(const laden_io_file_t *f)
 {
     return f ? f->path : NULL;

@@ -466,10 +466,15 @@ void laden__sched_free_all(laden_sched_t *sc)
         laden_dev_event_synchronize(sc->last_use);
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
+        bool in_segment = b->shared && b->tier == LADEN_TIER_GPU &&
+                          !b->resident; /* the CPU device (share.c) */
         if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
-            !sc->vbar)
+            !sc->vbar && !in_segment)
             laden_dev_mem_free(sc->cfg.device, b->region);
-        if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
+        if (b->shared) { /* in the segment, closed below */
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+        } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
             if (b->pinned)
                 laden_dev_host_unregister(sc->cfg.device, b->ram);
             munmap(b->ram, b->ram_len);
@@ -482,6 +487,7 @@ void laden__sched_free_all(laden_sched_t *sc)
         b->resident = b->pinned = b->ready = false;
     }
     sc->pinned_homes = 0;
+    laden__sched_share_close(sc);
     laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
     sc->vbar = NULL;
     laden_dev_stream_destroy(sc->copy);
@@ -522,6 +528,7 @@ void laden_sched_destroy(laden_sched_t *sc)
     for (uint32_t i = 0; i < sc->nfiles && sc->files; i++)
         laden_io_file_close(sc->files[i]);
     free(sc->files);
+    free(sc->share_key);
     laden_host_destroy(sc->host);
     if (sc->own_io)
         laden_io_destroy(sc->io);

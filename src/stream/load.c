@@ -222,7 +222,7 @@ static laden_status map_home(laden_sched_t *sc, blk *b)
 
 static void unmap_home(blk *b)
 {
-    if (b->ram)
+    if (b->ram && !b->shared)
         munmap(b->ram, b->ram_len);
     b->ram = NULL;
 }
@@ -284,6 +284,10 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
     if (sc->b[block].filled)
         return laden__fail(LADEN_E_STATE, "block %u is loaded already",
                            block);
+    if (sc->share)
+        return laden__fail(LADEN_E_STATE, "laden_sched_load_block: a "
+                           "schedule with a shared host copy loads whole "
+                           "(laden_sched_load)");
     if ((s = layout(sc))) {
         laden__sched_free_all(sc);
         sc->broken = true;
@@ -333,6 +337,11 @@ static laden_status place_block(laden_sched_t *sc, uint32_t i, bool *moved)
     blk *b = &sc->b[i];
     laden_status s = LADEN_OK;
     int res = 1;
+    if (b->shared) { /* the CPU device, in the segment (share.c) */
+        b->tier = LADEN_TIER_GPU;
+        sc->st.device_bytes += b->bytes;
+        return LADEN_OK;
+    }
     if (b->bytes && sc->vbar) {
         uint64_t sig;
         laden_vbar_alloc(sc->vbar, b->bytes, &b->voff); /* sized so */
@@ -458,7 +467,8 @@ static bool staged(const laden_sched_t *sc, const blk *b)
 static bool to_load(const laden_sched_t *sc, const blk *b)
 {
     return (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU) &&
-           b->bytes && b->nt && !(sc->cache && b->filled);
+           b->bytes && b->nt && !(sc->cache && b->filled) &&
+           !laden__sched_attached(sc, b);
 }
 
 /* The end of the piece of block b that starts at tensor t0: the tensors
@@ -491,7 +501,7 @@ static laden_status progress(loader *l, const inflight *f, bool last)
 /* A RAM-tier block of a CUDA streaming schedule, read: its pages were
  * made by the reads (in the reader threads, in parallel); pinning them in
  * place now costs a fraction of allocating pinned memory up front. */
-static laden_status pin_home(laden_sched_t *sc, blk *b)
+laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b)
 {
     laden_status s = laden_dev_host_register(sc->cfg.device, b->ram,
                                              b->ram_len);
@@ -526,7 +536,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
         last)
         s = laden_dev_event_synchronize(l->copied[f->staging]);
     if (!s && last && sc->cuda && !sc->cache && f->b->tier == LADEN_TIER_RAM)
-        s = pin_home(sc, f->b);
+        s = laden__sched_pin_home(sc, f->b);
     if (s && sc->cache)
         unmap_home(f->b);
     if (!s && last)
@@ -553,11 +563,13 @@ static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
                                (unsigned)(b - sc->b), laden__bytes(len).s,
                                laden__bytes(budget).s,
                                laden__bytes(*homes_bytes).s);
-        laden_status s = map_home(sc, b);
+        laden_status s = b->shared ? LADEN_OK : map_home(sc, b);
         if (!s)
             *homes_bytes += len;
         return s;
     }
+    if (b->shared) /* in the segment (share.c) */
+        return LADEN_OK;
     if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
         laden_status s = laden_host_alloc(sc->host, b->bytes, &b->ram);
         if (!s)
@@ -705,6 +717,7 @@ static laden_status loader_end(laden_sched_t *sc, laden_status s)
         s = finish_oldest(l, s);
     if (!s && !loader_done(l))
         s = laden__fail(LADEN_E_STATE, "the load was stopped");
+    s = laden__sched_share_end(sc, s);
     if (!s && (l->staging[0] || l->staging[1]))
         s = laden_dev_stream_synchronize(sc->copy);
     for (int k = 0; k < 2; k++) {
@@ -737,7 +750,8 @@ static laden_status may_load(const laden_sched_t *sc)
 static laden_status begin(laden_sched_t *sc)
 {
     laden_status s;
-    if ((s = layout(sc)) || (!sc->cache && (s = place_device_blocks(sc))) ||
+    if ((s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
+        (!sc->cache && (s = place_device_blocks(sc))) ||
         (s = loader_new(sc)))
         return s;
     sc->loading = true;
@@ -932,6 +946,11 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         return laden__fail(LADEN_E_STATE, "tensor '%.200s' was copied from "
                            "host memory at load: there is nothing to read it "
                            "again from", r->name);
+    if (b->shared)
+        return laden__fail(LADEN_E_STATE, "tensor '%.200s' is in the host "
+                           "copy shared with other processes "
+                           "(laden_sched_share), which laden never writes "
+                           "after the load", r->name);
     bool bounce = sc->cuda && b->tier == LADEN_TIER_GPU;
     char *to = NULL;
     laden_status s = LADEN_OK, w;

@@ -565,6 +565,19 @@ laden_status laden_sched_refill(laden_sched_t *sc)
     HELD("laden_sched_refill", laden__sched_refill(sc));
 }
 
+laden_status laden_sched_share(laden_sched_t *sc, const char *key)
+{
+    HELD("laden_sched_share", laden__sched_share(sc, key));
+}
+
+laden_status laden_sched_share_info(laden_sched_t *sc, char *name,
+                                    size_t name_cap, uint64_t *out_bytes,
+                                    int32_t *out_state)
+{
+    HELD("laden_sched_share_info",
+         laden__sched_share_info(sc, name, name_cap, out_bytes, out_state));
+}
+
 laden_status laden_sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 {
     HELD("laden_sched_reread", laden__sched_reread(sc, block, i));

@@ -65,6 +65,8 @@ typedef struct blk {
                               written from the host copy */
     bool ready;            /* its bytes are in place (a load in progress
                               marks the blocks as it goes: load.c) */
+    bool shared;           /* its host copy is in sc->shm (share.c) */
+    uint64_t share_off;    /* its place there */
 } blk;
 
 typedef struct laden_loader loader; /* a load in progress (load.c) */
@@ -138,6 +140,14 @@ struct laden_sched {
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
     uint64_t slot_charge;       /* bytes charged to vram for the slots */
     laden_sched_stats_t st;
+    /* One host copy shared between processes (share.c): asked for
+     * (share_key set), then the segment once the load began. */
+    char *share_key;
+    bool share;
+    struct laden_shm *shm;
+    bool share_created;
+    uint64_t share_bytes;
+    char share_name[64];
     uint64_t pinned_homes;      /* CUDA RAM-tier blocks pinned in place */
     uint64_t fill_seq;          /* slot fills so far (laden_sched_slot_fills) */
     uint64_t stage_bytes;       /* CUDA GPU-tier staging pieces; 0: default
@@ -222,6 +232,9 @@ laden_status laden__sched_load_wait(laden_sched_t *sc);
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
 laden_status laden__sched_load_prepare(laden_sched_t *sc);
+/* Pins RAM-tier block b's host copy in place (CUDA streaming
+ * schedules). */
+laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b);
 /* A background load's failure, as the error of the call that meets it. */
 laden_status laden__sched_load_failure(laden_sched_t *sc);
 bool laden__sched_on_loader(laden_sched_t *sc);
@@ -231,6 +244,29 @@ laden_status laden__sched_start_loader(laden_sched_t *sc,
 void laden__sched_join_loader(laden_sched_t *sc);
 bool laden__sched_hold_loader(laden_sched_t *sc);
 void laden__sched_unhold_loader(laden_sched_t *sc);
+
+/* ---- share.c ------------------------------------------------------------ */
+
+laden_status laden__sched_share(laden_sched_t *sc, const char *key);
+laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
+                                     size_t name_cap, uint64_t *out_bytes,
+                                     int32_t *out_state);
+/* At the start of a load, after layout and before device placement: the
+ * blocks that go into the shared segment chosen, the segment opened
+ * (made or attached to); nothing if sharing was not asked for. */
+laden_status laden__sched_share_open(laden_sched_t *sc);
+/* The load ended (ok or not): a segment this process made is marked
+ * ready or failed; one it attached to is waited for and its blocks
+ * pinned (CUDA).  Called by load.c once the reads are done. */
+laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s);
+/* Closes the segment (free_all). */
+void laden__sched_share_close(laden_sched_t *sc);
+/* Whether block b's host copy comes from another process's load. */
+static inline bool laden__sched_attached(const laden_sched_t *sc,
+                                         const blk *b)
+{
+    return b->shared && !sc->share_created;
+}
 
 /* ---- run.c -------------------------------------------------------------- */
 

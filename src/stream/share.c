@@ -1,0 +1,225 @@
+/* One host copy of a model for the processes of a host (issue 19).
+ *
+ * laden_sched_share asks for it before the load.  When the load begins
+ * (load.c: after the blocks are laid out, before the device blocks are
+ * placed) the blocks whose memory is host memory -- the RAM tier, and on
+ * the CPU device the GPU tier, which runs in place there -- are given
+ * places in one segment of shared memory (laden/shm.h), in block order,
+ * each at a page boundary.  The segment's name is a hash of everything
+ * that determines those bytes: the files' identities and, per tensor, its
+ * file, offset, sizes, dtypes, conversion and place.  So two processes
+ * share a segment exactly when they would have read the same bytes into
+ * the same places; any other difference (another checkpoint, a file
+ * rewritten, another dtype, another budget that moves a block to another
+ * tier) gives another name, and each goes its own way.
+ *
+ * The process that makes the segment loads into it as it would into
+ * memory of its own and marks it ready when its load ends (or failed);
+ * the others wait for that and read nothing.  Each pins the segment with
+ * its own CUDA context (a RAM-tier block: as its bytes arrive for the
+ * maker, at once for the others).  Blocks there are never written by
+ * laden after the load: rereads are refused, and so are the callers'
+ * writers in the Python package (adapters merged into host copies,
+ * training). */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "laden/io.h"
+#include "laden/shm.h"
+#include "stream_internal.h"
+
+/* Waiting for another process's load: until it ends (or dies: shm.c
+ * notices), with no limit of our own. */
+#define ATTACH_WAIT_MS UINT32_MAX
+#define PAGE 4096u
+
+/* A 128-bit hash of 64-bit words: two independent multiply-xorshift
+ * lanes.  Not cryptographic: names only need to differ for different
+ * layouts of one user's checkpoints. */
+typedef struct {
+    uint64_t a, b;
+} digest;
+
+static uint64_t fmix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+static void add(digest *d, uint64_t v)
+{
+    d->a = fmix(d->a ^ v) + 0x9e3779b97f4a7c15ull;
+    d->b = fmix(d->b + v * 0xbf58476d1ce4e5b9ull) ^ (d->a >> 7);
+}
+
+static void add_text(digest *d, const char *s)
+{
+    uint64_t n = s ? strlen(s) : 0, w = 0;
+    add(d, n);
+    for (uint64_t i = 0; i < n; i++) {
+        w = (w << 8) | (unsigned char)s[i];
+        if (i % 8 == 7 || i + 1 == n) {
+            add(d, w);
+            w = 0;
+        }
+    }
+}
+
+/* Whether block b's host copy may go into the segment. */
+static bool shareable(const laden_sched_t *sc, const blk *b)
+{
+    if (!b->bytes || !b->nt)
+        return false;
+    if (b->tier != LADEN_TIER_RAM && (sc->cuda || b->tier != LADEN_TIER_GPU))
+        return false;
+    for (uint32_t k = 0; k < b->nt; k++)
+        if (b->t[k].host)
+            return false; /* bytes from this process's memory */
+    return true;
+}
+
+laden_status laden__sched_share(laden_sched_t *sc, const char *key)
+{
+    if (sc->laid_out || sc->loaded || sc->loading || sc->broken)
+        return laden__fail(LADEN_E_STATE, "laden_sched_share: call it "
+                           "before the load");
+    if (key && strlen(key) > 4096)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_share: key of %zu "
+                           "characters (at most 4096)", strlen(key));
+    char *k = strdup(key ? key : "");
+    if (!k)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    free(sc->share_key);
+    sc->share_key = k;
+    sc->share = true;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
+                                     size_t name_cap, uint64_t *out_bytes,
+                                     int32_t *out_state)
+{
+    if (name && name_cap)
+        snprintf(name, name_cap, "%s", sc->shm ? sc->share_name : "");
+    if (out_bytes)
+        *out_bytes = sc->shm ? sc->share_bytes : 0;
+    if (out_state)
+        *out_state = !sc->shm ? 0 : sc->share_created ? 1 : 2;
+    return LADEN_OK;
+}
+
+/* The segment's name and size, and each shared block's place in it. */
+static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
+{
+    digest d = {0x6c6164656e2d3139ull, 0x73686172652d7631ull};
+    uint64_t off = 0, id[4];
+    add_text(&d, sc->share_key);
+    add(&d, sc->nfiles);
+    for (uint32_t f = 0; f < sc->nfiles; f++) {
+        laden_io_file_identity(sc->files[f], id);
+        for (int j = 0; j < 4; j++)
+            add(&d, id[j]);
+    }
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        b->shared = shareable(sc, b);
+        if (!b->shared)
+            continue;
+        b->share_off = off;
+        off += (b->bytes + PAGE - 1) & ~(uint64_t)(PAGE - 1);
+        add(&d, i);
+        add(&d, b->share_off);
+        add(&d, b->bytes);
+        add(&d, b->nt);
+        for (uint32_t k = 0; k < b->nt; k++) {
+            const tref *r = &b->t[k];
+            uint64_t w[] = {r->file,     r->off,       r->src_bytes,
+                            r->src,      r->dst,       r->nelem,
+                            r->dst_off,  r->dst_bytes, r->rows,
+                            r->rope_heads, r->nrows};
+            for (size_t j = 0; j < sizeof w / sizeof *w; j++)
+                add(&d, w[j]);
+        }
+    }
+    snprintf(name, cap, "m%016llx%016llx", (unsigned long long)d.a,
+             (unsigned long long)d.b);
+    return off;
+}
+
+laden_status laden__sched_share_open(laden_sched_t *sc)
+{
+    if (!sc->share || sc->shm)
+        return LADEN_OK;
+    char name[sizeof sc->share_name];
+    uint64_t bytes = lay_out_shared(sc, name, sizeof name);
+    if (!bytes)
+        return LADEN_OK; /* nothing lives in host memory */
+    laden_shm_t *shm = NULL;
+    int created = 0;
+    laden_status s = laden_shm_open(name, bytes, 0, &shm, &created);
+    if (!s && !created)
+        s = laden_shm_wait_ready(shm, ATTACH_WAIT_MS);
+    if (s) {
+        laden_shm_close(shm);
+        for (uint32_t i = 0; i < sc->nb; i++)
+            sc->b[i].shared = false;
+        laden__error_prefix("the shared host copy");
+        return s;
+    }
+    sc->shm = shm;
+    sc->share_created = created;
+    sc->share_bytes = bytes;
+    memcpy(sc->share_name, name, sizeof name);
+    char *data = laden_shm_data(shm);
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (!b->shared)
+            continue;
+        char *at = data + b->share_off;
+        if (b->tier == LADEN_TIER_GPU) { /* the CPU device: runs in place */
+            b->region = (laden_devptr_t)(uintptr_t)at;
+            continue;
+        }
+        b->ram = at;
+        b->ram_len = (b->bytes + PAGE - 1) & ~(uint64_t)(PAGE - 1);
+        if (!sc->cuda && !sc->cache)
+            b->region = (laden_devptr_t)(uintptr_t)at; /* runs in place */
+    }
+    if (created)
+        return LADEN_OK;
+    /* Attached: filled by the maker.  A cache schedule's blocks are then
+     * loaded; a streaming schedule's RAM-tier blocks are pinned by this
+     * process's context now (the maker pinned them as they arrived). */
+    for (uint32_t i = 0; i < sc->nb; i++) {
+        blk *b = &sc->b[i];
+        if (!b->shared)
+            continue;
+        if (sc->cache) {
+            b->filled = true;
+            sc->nfilled++;
+        } else if (sc->cuda && b->tier == LADEN_TIER_RAM &&
+                   (s = laden__sched_pin_home(sc, b))) {
+            return s; /* free_all unpins what was pinned */
+        }
+    }
+    return LADEN_OK;
+}
+
+laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s)
+{
+    if (sc->shm && sc->share_created)
+        laden_shm_set_ready(sc->shm, s == LADEN_OK);
+    return s;
+}
+
+void laden__sched_share_close(laden_sched_t *sc)
+{
+    laden_shm_close(sc->shm);
+    sc->shm = NULL;
+}
