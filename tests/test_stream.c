@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -2295,10 +2296,25 @@ TEST(stream_cache_copy_rewritten) { test_on_every_device(copy_rewritten); }
 
 /* ---- one host copy shared between schedules and processes ------------- */
 
+/* The segments' directory: in /dev/shm (tmpfs, which CUDA can pin; a
+ * regular file system's pages it cannot), else the test's own. */
+static const char *shm_test_dir(void)
+{
+    static char dir[64];
+    if (!dir[0]) {
+        snprintf(dir, sizeof dir, "/dev/shm/laden-test-XXXXXX");
+        if (!mkdtemp(dir))
+            snprintf(dir, sizeof dir, "%s", test_tmpdir());
+    }
+    (void)mkdir(dir, 0700); /* again after a variant removed it */
+    setenv("LADEN_SHM_DIR", dir, 1);
+    return dir;
+}
+
 /* Segments in the test's shm directory. */
 static int segments(void)
 {
-    DIR *d = opendir(test_tmpdir());
+    DIR *d = opendir(shm_test_dir());
     int n = 0;
     for (struct dirent *e; d && (e = readdir(d));)
         n += strncmp(e->d_name, "laden-", 6) == 0;
@@ -2335,7 +2351,6 @@ static void run_all(model *m)
  * there are refused. */
 static void shared_copy(int32_t dev)
 {
-    setenv("LADEN_SHM_DIR", test_tmpdir(), 1);
     CHECK_EQ(segments(), 0);
     char *path = strdup(write_model());
     model a, b, c;
@@ -2416,6 +2431,20 @@ static void shared_copy(int32_t dev)
     destroy(&a);
     destroy(&b);
     CHECK_EQ(segments(), 0);
+    /* CUDA cannot pin a segment on a regular file system: said at load. */
+    struct statfs sf;
+    if (dev != LADEN_DEVICE_CPU && statfs(test_tmpdir(), &sf) == 0 &&
+        sf.f_type != 0x01021994 /* tmpfs */) {
+        setenv("LADEN_SHM_DIR", test_tmpdir(), 1);
+        build_from(&a, path, dev, MIXED, 0);
+        CHECK_OK(laden_sched_share(a.sc, "test"));
+        CHECK_STATUS(laden_sched_load(a.sc), LADEN_E_INVAL);
+        CHECK(strstr(laden_last_error(), "LADEN_SHM_DIR"));
+        destroy(&a);
+        shm_test_dir();
+    }
+    CHECK_EQ(segments(), 0);
+    rmdir(shm_test_dir());
     free(path);
 }
 
@@ -2427,7 +2456,7 @@ TEST(stream_shared_host_copy) { test_on_every_device(shared_copy); }
  * segment goes when the last user does. */
 TEST(stream_shared_host_copy_processes)
 {
-    setenv("LADEN_SHM_DIR", test_tmpdir(), 1);
+    shm_test_dir();
     char *path = strdup(write_model());
     model a;
     build_from(&a, path, LADEN_DEVICE_CPU, MIXED, 0);
@@ -2457,5 +2486,6 @@ TEST(stream_shared_host_copy_processes)
     CHECK_EQ(segments(), 1);
     destroy(&a);
     CHECK_EQ(segments(), 0);
+    rmdir(shm_test_dir());
     free(path);
 }

@@ -58,6 +58,14 @@ LADEN_API laden_status laden_shm_set_ready(laden_shm_t *shm, int ok);
 LADEN_API laden_status laden_shm_wait_ready(laden_shm_t *shm,
                                             uint32_t timeout_ms);
 
+/* The segment's file. */
+LADEN_API const char *laden_shm_path(laden_shm_t *shm);
+
+/* 1 if the segment is memory a device driver may pin (tmpfs, hugetlbfs:
+ * /dev/shm); 0 on a regular file system, whose pages CUDA cannot
+ * register. */
+LADEN_API int laden_shm_pinnable(laden_shm_t *shm);
+
 /* Unmaps it; the last process to close a segment removes it, and so does
  * a creator closing one it did not mark ready.  NULL: no-op. */
 LADEN_API void laden_shm_close(laden_shm_t *shm);

@@ -35,10 +35,20 @@ class Net(nn.Module):
 
 @pytest.fixture
 def shm_dir(tmp_path, monkeypatch):
-    d = tmp_path / "shm"
-    d.mkdir()
+    """A directory for the segments in /dev/shm (tmpfs, which CUDA can
+    pin; a regular file system's pages it cannot), else under tmp_path."""
+    import pathlib
+    import shutil
+    import tempfile
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = pathlib.Path(tempfile.mkdtemp(prefix="laden-test-",
+                                          dir="/dev/shm"))
+    else:
+        d = tmp_path / "shm"
+        d.mkdir()
     monkeypatch.setenv("LADEN_SHM_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def segments(d):

@@ -17,6 +17,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -397,6 +398,25 @@ laden_status laden_shm_wait_ready(laden_shm_t *s, uint32_t timeout_ms)
         struct timespec nap = {0, spin < 100 ? 200000 : 2000000};
         nanosleep(&nap, NULL);
     }
+}
+
+/* tmpfs and hugetlbfs: memory the kernel lets a driver pin for long
+ * (FOLL_LONGTERM); a regular file system's pages it does not. */
+#define TMPFS_MAGIC_ 0x01021994
+#define HUGETLBFS_MAGIC_ 0x958458f6
+
+const char *laden_shm_path(laden_shm_t *s)
+{
+    return s ? s->path : NULL;
+}
+
+int laden_shm_pinnable(laden_shm_t *s)
+{
+    struct statfs sf;
+    if (!s || fstatfs(s->fd, &sf))
+        return 0;
+    return (unsigned long)sf.f_type == TMPFS_MAGIC_ ||
+           (unsigned long)sf.f_type == HUGETLBFS_MAGIC_;
 }
 
 void laden_shm_close(laden_shm_t *s)

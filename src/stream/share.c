@@ -163,6 +163,11 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
     laden_shm_t *shm = NULL;
     int created = 0;
     laden_status s = laden_shm_open(name, bytes, 0, &shm, &created);
+    if (!s && sc->cuda && !laden_shm_pinnable(shm))
+        s = laden__fail(LADEN_E_INVAL,
+                        "%s is not on tmpfs or hugetlbfs, so CUDA cannot "
+                        "pin it; point LADEN_SHM_DIR at /dev/shm or another "
+                        "tmpfs", laden_shm_path(shm));
     if (!s && !created)
         s = laden_shm_wait_ready(shm, ATTACH_WAIT_MS);
     if (s) {
