@@ -143,6 +143,19 @@ LADEN_API laden_status laden_sched_add_block(laden_sched_t *sched,
                                              laden_tier tier,
                                              uint32_t *out_block);
 
+/* Adds the part of checkpoint tensor `st_index` that one rank of a
+ * tensor-parallel group holds: along dimension `dim`, the `count` indices
+ * from `start`, the other dimensions whole -- a row-major tensor's local
+ * shard, packed.  Stored as `dtype` as by laden_sched_add_tensor.  Only
+ * the part is read: one range when the dimensions before `dim` are all 1
+ * (dimension 0 of a matrix: its rows), else one range per index of them
+ * (a column shard: a range per row), which the disk tier cannot stream
+ * (refused there).  Whole-byte dtypes only; no GGUF row reordering. */
+LADEN_API laden_status laden_sched_add_tensor_part(
+    laden_sched_t *sched, uint32_t block, const laden_st_t *st,
+    size_t st_index, laden_dtype dtype, uint32_t dim, uint64_t start,
+    uint64_t count, uint32_t *out_index);
+
 /* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
  * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on
  * load; disk-tier blocks must keep the checkpoint's dtype).  *out_index is

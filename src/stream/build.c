@@ -73,6 +73,13 @@ laden_status laden__sched_disk_check(const tref *r)
         return laden__fail(LADEN_E_INVAL,
                            "a tensor from host memory cannot be on the disk "
                            "tier");
+    if (r->pieces)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is a part of the checkpoint's "
+                           "tensor in %llu ranges and cannot be on the disk "
+                           "tier, which reads one range per tensor; put its "
+                           "block in RAM",
+                           r->name, (unsigned long long)r->pieces);
     if (r->rope_heads)
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s' has its rows reordered on load "
@@ -223,6 +230,10 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_rope_rows: after load");
     tref *r = &sc->b[block].t[index];
+    if (r->part && heads)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': a part of a tensor cannot have "
+                           "its rows reordered on load", r->name);
     if (r->host || r->rows)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': rope rows are put back only for "
@@ -273,6 +284,67 @@ laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
                            t.name);
     if ((s = tensor_ref(&t, dtype, &r)))
         return s;
+    return push_tensor(sc, block, &r, out);
+}
+
+laden_status laden__sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
+                                          const laden_st_t *st,
+                                          size_t st_index, laden_dtype dtype,
+                                          uint32_t dim, uint64_t start,
+                                          uint64_t count, uint32_t *out)
+{
+    laden_st_tensor_t t;
+    laden_status s;
+    tref r;
+    uint64_t shape[LADEN_ST_MAX_RANK];
+    if (out)
+        *out = 0;
+    if (!sc || !st || !out || block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_add_tensor_part: bad "
+                           "schedule or block");
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if ((s = laden_st_tensor_at(st, st_index, &t)))
+        return s;
+    if (t.file_index >= sc->nfiles)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is from another checkpoint",
+                           t.name);
+    uint32_t bits = laden_dtype_bits(t.dtype);
+    if (dim >= t.ndim || !bits || bits % 8) /* block types: 0 bits */
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': no part along dimension %u of a "
+                           "%u-dimensional %s tensor",
+                           t.name, dim, t.ndim,
+                           laden_dtype_name(t.dtype) ? laden_dtype_name(t.dtype)
+                                                     : "?");
+    if (start > t.shape[dim] || count > t.shape[dim] - start)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': part [%llu, %llu) of dimension "
+                           "%u, which has %llu",
+                           t.name, (unsigned long long)start,
+                           (unsigned long long)(start + count), dim,
+                           (unsigned long long)t.shape[dim]);
+    /* inner: the bytes of one index of `dim`; outer: how many ranges
+     * (the product of the dimensions before it). */
+    uint64_t inner = bits / 8, outer = 1, full = t.shape[dim];
+    for (uint32_t d = 0; d < t.ndim; d++) {
+        shape[d] = d == dim ? count : t.shape[d];
+        if (d > dim)
+            inner *= t.shape[d];
+        else if (d < dim)
+            outer *= t.shape[d];
+    }
+    t.shape = shape;
+    t.offset_bytes += start * inner;
+    t.size_bytes = outer * count * inner;
+    if ((s = tensor_ref(&t, dtype, &r)))
+        return s;
+    r.part = true;
+    if (outer > 1 && count && count < full) {
+        r.pieces = outer;
+        r.stride = full * inner;
+    }
     return push_tensor(sc, block, &r, out);
 }
 

@@ -51,6 +51,31 @@ static laden_status convert_then(void *arg)
     return LADEN_OK;
 }
 
+/* Reads part r of a checkpoint tensor that is several ranges (r->pieces)
+ * into dst, packed, and waits for it: all its ranges in flight at once. */
+static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst)
+{
+    uint64_t each = r->src_bytes / r->pieces;
+    laden_io_req_t **reqs = calloc(r->pieces, sizeof *reqs);
+    if (!reqs)
+        return laden__fail(LADEN_E_NOMEM, "out of memory reading '%.200s'",
+                           r->name);
+    laden_status s = LADEN_OK, w;
+    uint64_t n = 0;
+    for (; n < r->pieces && !s; n++)
+        s = laden_io_submit(sc->io, sc->files[r->file], r->off + n * r->stride,
+                            each, dst + n * each, &reqs[n]);
+    if (s)
+        n--; /* the failed submit made no request */
+    for (uint64_t i = 0; i < n; i++)
+        if ((w = laden_io_wait(sc->io, reqs[i])) && !s)
+            s = w;
+    free(reqs);
+    if (!s)
+        sc->st.load_read_bytes += r->src_bytes;
+    return s;
+}
+
 /* Starts putting tensor r at `to`, its place in the block: copied or
  * converted now from host memory, or a read submitted (c->req), into a
  * buffer of its own (c->tmp) and converted by the reader when it is
@@ -68,11 +93,17 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
     if (laden__sched_as_stored(r))
         return laden_io_submit(sc->io, sc->files[r->file], r->off,
                                r->src_bytes, to, req);
+    if (r->pieces && r->src == r->dst && !r->rope_heads)
+        return read_pieces(sc, r, to);
     if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
         return laden__fail(LADEN_E_NOMEM, "out of memory converting '%.200s'",
                            r->name);
     c->r = r;
     c->to = to;
+    if (r->pieces) { /* read, then converted here */
+        laden_status s = read_pieces(sc, r, c->tmp);
+        return s ? s : convert_then(c);
+    }
     return laden_io_submit_then(sc->io, sc->files[r->file], r->off,
                                 r->src_bytes, c->tmp, convert_then, c, req);
 }

@@ -142,7 +142,8 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
             uint64_t w[] = {r->file,     r->off,       r->src_bytes,
                             r->src,      r->dst,       r->nelem,
                             r->dst_off,  r->dst_bytes, r->rows,
-                            r->rope_heads, r->nrows};
+                            r->rope_heads, r->nrows,  r->pieces,
+                            r->stride};
             for (size_t j = 0; j < sizeof w / sizeof *w; j++)
                 add(&d, w[j]);
         }

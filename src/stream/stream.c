@@ -354,6 +354,19 @@ laden_status laden_sched_add_block(laden_sched_t *sc, laden_tier tier,
     HELD("laden_sched_add_block", laden__sched_add_block(sc, tier, out_block));
 }
 
+laden_status laden_sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
+                                         const laden_st_t *st,
+                                         size_t st_index, laden_dtype dtype,
+                                         uint32_t dim, uint64_t start,
+                                         uint64_t count, uint32_t *out_index)
+{
+    if (out_index)
+        *out_index = 0;
+    HELD("laden_sched_add_tensor_part",
+         laden__sched_add_tensor_part(sc, block, st, st_index, dtype, dim,
+                                      start, count, out_index));
+}
+
 laden_status laden_sched_add_tensor(laden_sched_t *sc, uint32_t block,
                                     const laden_st_t *st, size_t st_index,
                                     laden_dtype dtype, uint32_t *out_index)

@@ -36,13 +36,19 @@ typedef struct tref {
     uint64_t rope_heads; /* rows in GGUF's rope order over this many heads:
                           * put back in transformers' order on load */
     uint64_t nrows;     /* shape[0] (1 for a scalar) */
+    /* A part of a checkpoint tensor (laden_sched_add_tensor_part) that is
+     * not one range: `pieces` ranges of src_bytes / pieces bytes, the
+     * first at `off`, each `stride` bytes after the one before; 0: one
+     * range. */
+    uint64_t pieces, stride;
+    bool part;          /* laden_sched_add_tensor_part */
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
  * read straight into a slot: from the file, in the file's dtype. */
 static inline bool laden__sched_as_stored(const tref *r)
 {
-    return !r->host && r->src == r->dst && !r->rope_heads;
+    return !r->host && r->src == r->dst && !r->rope_heads && !r->pieces;
 }
 
 typedef struct blk {
@@ -212,6 +218,11 @@ void laden__unrope_rows(const void *src, void *dst, uint64_t n_rows,
 laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
                                      const laden_st_t *st, size_t st_index,
                                      laden_dtype dtype, uint32_t *out);
+laden_status laden__sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
+                                          const laden_st_t *st,
+                                          size_t st_index, laden_dtype dtype,
+                                          uint32_t dim, uint64_t start,
+                                          uint64_t count, uint32_t *out);
 laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
                                           const void *src, laden_dtype sdt,
                                           uint64_t n, laden_dtype dtype,
