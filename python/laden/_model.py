@@ -20,7 +20,8 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
 
 from . import _lib
 from ._dtypes import checkpoint_dtype
-from ._wrapped import attach, detach_all, holders, is_wrapped, refresh
+from ._wrapped import (attach, detach_all, holders, is_dtensor,
+                       is_wrapped, refresh)
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
 
@@ -169,6 +170,57 @@ class _Tensor:
     rope_heads: int = 0                # GGUF Llama q/k: rows put back on load
     source: Optional[object] = None    # built, not in the checkpoint: the
                                        # host copy laden copies at load
+    # A DTensor (tensor parallel): laden holds this rank's local shard
+    # (shape is the local one) and rebuilds the DTensor around it.
+    dist: Optional["_Dist"] = None
+
+
+@dataclass
+class _Dist:
+    """How a DTensor's local shard sits in the whole tensor: on `mesh` with
+    `placements`, the global shape and stride; the shard is indices
+    [start, start + count) of dimension `dim` (None: the whole tensor, a
+    replica)."""
+
+    mesh: object
+    placements: tuple
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dim: Optional[int]
+    start: int
+    count: int
+
+
+def _dist_of(v, name: str) -> _Dist:
+    """The _Dist of DTensor `v` (parameter or buffer `name`).  One sharded
+    dimension at most (Shard on a 1-D mesh, or shards of one dimension);
+    Partial placements are refused."""
+    try:
+        from torch.distributed.tensor._utils import \
+            compute_local_shape_and_global_offset as local_of
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import \
+            compute_local_shape_and_global_offset as local_of
+    placements = tuple(v.placements)
+    for p in placements:
+        if not (p.is_shard() or p.is_replicate()):
+            raise InvalidArgumentError(
+                f"'{name}': a DTensor placed {p}: laden loads Shard and "
+                "Replicate placements (a checkpoint holds whole tensors)",
+                "E_INVAL")
+    shape = tuple(v.shape)
+    local, offset = local_of(v.shape, v.device_mesh, placements)
+    local, offset = tuple(local), tuple(offset)
+    dims = [d for d in range(len(shape)) if local[d] != shape[d]]
+    if len(dims) > 1:
+        raise InvalidArgumentError(
+            f"'{name}': a DTensor sharded along {len(dims)} dimensions "
+            f"(local {list(local)} of {list(shape)}); laden reads a shard "
+            "along one dimension", "E_INVAL")
+    d = dims[0] if dims else None
+    return _Dist(v.device_mesh, placements, shape, tuple(v.stride()), d,
+                 offset[d] if d is not None else 0,
+                 local[d] if d is not None else 0)
 
 
 @dataclass
@@ -250,6 +302,14 @@ def _swap(old, new) -> bool:
         return False
 
 
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
 def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
                 ) -> None:
     """Points every alias of t at `value`.  The tensor object laden made
@@ -258,6 +318,11 @@ def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
     it would be wrong, so computing one raises."""
     import torch
 
+    if t.dist is not None and not is_dtensor(value):
+        d = t.dist
+        from_local = _dtensor_cls().from_local
+        value = from_local(value, d.mesh, d.placements, run_check=False,
+                           shape=torch.Size(d.shape), stride=d.stride)
     if t.is_param:
         # The user may have frozen or unfrozen it since it was loaded.
         rg = t.param.requires_grad if t.param is not None else \
@@ -510,8 +575,13 @@ def _collect(model) -> List[_Tensor]:
                     continue  # a quantized wrapper: its holder's tensors
                 t = by_id.get(id(v))
                 if t is None:
-                    t = _Tensor([], [], is_param, tuple(v.shape), v.dtype,
+                    dist = _dist_of(v, prefix + attr) if is_dtensor(v) \
+                        else None
+                    shape = tuple(v.shape) if dist is None else \
+                        tuple(v._local_tensor.shape)
+                    t = _Tensor([], [], is_param, shape, v.dtype,
                                 is_param and v.requires_grad)
+                    t.dist = dist
                     t.persistent = is_param or \
                         attr not in mod._non_persistent_buffers_set
                     by_id[id(v)] = t
@@ -927,9 +997,10 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
         if t.ckpt_name is None:
             continue
         info = ck.info(t.ckpt_name)
-        if tuple(info.shape) != tuple(t.shape):
+        whole = t.dist.shape if t.dist is not None else t.shape
+        if tuple(info.shape) != tuple(whole):
             bad.append(f"'{t.names[0]}' (checkpoint '{t.ckpt_name}' "
-                       f"{list(info.shape)}, model {list(t.shape)})")
+                       f"{list(info.shape)}, model {list(whole)})")
     if bad:
         raise MismatchError(_mismatch_text(ck.path, label, (
             ("shapes differ", bad),)), mismatched=[b.split("'")[1]
@@ -1171,6 +1242,19 @@ def fill(h, desc: Description, ck, rest_tier: int,
 def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
     ci = ctypes.c_uint32()
 
+    if t.dist is not None and t.dist.dim is not None and \
+            t.ckpt_name is not None:  # this rank's shard alone
+        if t.store not in ("plain", "c16"):
+            raise InvalidArgumentError(
+                f"'{t.names[0]}': a DTensor shard stored as {t.store}; "
+                "tensor-parallel tensors load in plain dtypes (no fp8 or "
+                "GGUF storage)", "E_INVAL")
+        d = t.dist
+        check(lib.laden_sched_add_tensor_part(
+            h, block, ck._h, ck._index[t.ckpt_name], _store_code(t), d.dim,
+            d.start, d.count, ctypes.byref(ci)))
+        t.c_block, t.c_index = block, ci.value
+        return
     if t.ckpt_name is not None:  # C names the checkpoint tensor
         check(lib.laden_sched_add_tensor(h, block, ck._h,
                                          ck._index[t.ckpt_name],
@@ -1187,6 +1271,8 @@ def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
             t.scale_index = ci.value
         return
     src = _current(t).detach()
+    if is_dtensor(src):
+        src = src.to_local()
     if src.device.type != "cpu":
         src = src.cpu()
     src = src.contiguous()

@@ -28,6 +28,14 @@ def _plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+def is_dtensor(t) -> bool:
+    """A torch.distributed DTensor (tensor parallel): laden holds its local
+    shard itself (laden._model), not as a wrapper's inner tensor."""
+    return any(c.__name__ == "DTensor" and
+               c.__module__.startswith("torch.distributed")
+               for c in type(t).__mro__)
+
+
 def _flatten(v, where: str, owner=None):
     """(inner tensors by dotted attribute, rebuild(inner) -> wrapper) of a
     wrapper tensor, or None for a plain one.  owner: the module holding it
@@ -225,7 +233,7 @@ def attach(model) -> int:
     n = 0
     for mod_name, mod in list(model.named_modules()):
         for attr, v in list(mod._parameters.items()):
-            if v is None or _plain(v) or \
+            if v is None or _plain(v) or is_dtensor(v) or \
                     hasattr(mod, HOLDER_PREFIX + attr):
                 continue
             where = f"parameter '{mod_name + '.' if mod_name else ''}{attr}'"
