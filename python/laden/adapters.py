@@ -319,6 +319,12 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
     for name, tg in targets.items():
         W = params[name]
         where = f"adapter '{spec.key}', target '{name}'"
+        from ._wrapped import is_dtensor
+        if is_dtensor(W):
+            raise AdapterError(
+                f"{where}: the weight is a DTensor (tensor parallel); "
+                "adapters on sharded weights are not supported yet (each "
+                "rank would need its slice of the update)", "E_INVAL")
         if not W.dtype.is_floating_point or W.element_size() < 2:
             raise AdapterError(
                 f"{where}: the weight is {W.dtype}; adapters merge into "

@@ -66,6 +66,12 @@ CHILD = textwrap.dedent("""
         with torch.no_grad():
             y = m(x.to(dev)).cpu()
             want = ref(x)
+        sd = {{"blocks.0.up.lora_A.weight": torch.randn(2, 48),
+               "blocks.0.up.lora_B.weight": torch.randn(64, 2)}}
+        try:
+            h.set_adapters([laden.AdapterSpec("l", lambda: dict(sd))])
+        except laden.LadenError as e:
+            out["adapters"] = str(e)
         w = m.blocks[1].down.weight
         out.update(read=rep.read_bytes, local=local,
                    diff=(y - want).abs().max().item(),
@@ -122,6 +128,7 @@ def test_each_rank_reads_and_streams_its_shard(tmp_path, checkpoint):
         # it runs in place; on a GPU it streams)
         # Only the shard was read: this rank's bytes, not the tensors'.
         assert o["read"] == o["local"] < whole
+        assert "DTensor" in o["adapters"]  # refused, not merged wrongly
         shapes.append(o["local_shape"])
     # 64 columns over 2 ranks.
     assert [s[1] for s in shapes] == [32, 32]
