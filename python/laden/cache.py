@@ -468,7 +468,12 @@ class ModelCache:
 
     Budgets take bytes or strings ("24GB").  ``vram_budget`` counts weights
     and slots on each device (default: the free memory at the device's
-    first use, less 1.5 GiB for activations).  ``pinned_budget`` counts
+    first use, less 1.5 GiB for activations); a dict gives each device its
+    own (``{"cuda:0": "20GB", "cuda:1": "60GB"}``).  Each device has a
+    cache of its own: ``use(spec, device="auto")`` runs a model where it
+    already is, else on the device with the most room left in its budget
+    (among those the dict names, or every GPU); ``stats(device)`` and
+    ``info(key).device`` report per device.  ``pinned_budget`` counts
     pinned host copies (default: no limit).  ``ram_budget`` counts all
     host copies of one device's models and of the adapters read for them;
     beyond it idle adapters, then idle models are dropped, least recently
@@ -503,6 +508,12 @@ class ModelCache:
 
     def __init__(self, *, vram_budget=None, ram_budget=None,
                  pinned_budget=None, vram=None):
+        self._vram_budgets = None  # per device, when given as a dict
+        if isinstance(vram_budget, dict):
+            self._vram_budgets = {
+                _device(d): _budget(v, f"vram_budget[{d!r}]")
+                for d, v in vram_budget.items()}
+            vram_budget = None
         self.vram_budget = _budget(vram_budget, "vram_budget")
         self.vram = vram
         self.ram_budget = _budget(ram_budget, "ram_budget")
@@ -608,7 +619,7 @@ class ModelCache:
         else:
             spec = self.register(spec)
         check_lookahead(lookahead)
-        dev = _device(device)
+        dev = self._place(spec) if device == "auto" else _device(device)
         if dev.type == "cuda":
             import torch
             torch.cuda.init()
@@ -647,6 +658,39 @@ class ModelCache:
                     raise
             return rt
 
+    def _place(self, spec: ModelSpec):
+        """device="auto": where the model is, else the device with the most
+        room left in its budget (the dict's devices, or every GPU; the CPU
+        without GPUs)."""
+        import torch
+
+        with self._lock:
+            rt = self._rt.get(spec.key)
+            if rt is not None:
+                return rt.device
+            if self._vram_budgets is not None:
+                devs = list(self._vram_budgets)
+            else:
+                devs = [torch.device("cuda", i)
+                        for i in range(torch.cuda.device_count())]
+            if not devs:
+                return torch.device("cpu")
+
+            def room(dev):
+                dc = self._dev.get(dev)
+                if dc is not None:
+                    st = dc.stats()
+                    return st.vram_budget_bytes - st.vram_bytes
+                b = (self._vram_budgets or {}).get(dev, self.vram_budget)
+                if b is not None or dev.type != "cuda":
+                    return b or 0
+                free, total = ctypes.c_uint64(), ctypes.c_uint64()
+                check(lib.laden_dev_mem_info(_dev_index(dev),
+                                             ctypes.byref(free),
+                                             ctypes.byref(total)))
+                return free.value - HEADROOM_BYTES
+            return max(devs, key=room)
+
     def _dc(self, dev) -> _DeviceCache:
         dc = self._dev.get(dev)
         if dc is None:
@@ -655,8 +699,15 @@ class ModelCache:
                 raise InvalidArgumentError(
                     f"the cache's VRAM context is for {vram.device}, not "
                     f"{dev}", "E_INVAL")
-            dc = _DeviceCache(dev, self.vram_budget, self.pinned_budget,
-                              vram)
+            budget = self.vram_budget
+            if self._vram_budgets is not None:
+                if dev not in self._vram_budgets:
+                    raise InvalidArgumentError(
+                        f"the cache's vram_budget names "
+                        f"{', '.join(map(str, self._vram_budgets))}, not "
+                        f"{dev}", "E_INVAL")
+                budget = self._vram_budgets[dev]
+            dc = _DeviceCache(dev, budget, self.pinned_budget, vram)
             self._dev[dev] = dc
         return dc
 
@@ -942,13 +993,17 @@ class ModelCache:
                 _MODE_NAMES.get(rt.mode) if rt.mode is not None else None,
                 rt.shared)
 
-    def stats(self) -> Dict[str, int]:
-        """Totals over every device: bytes held and budgets, activations,
-        hits (activations that copied nothing), bytes uploaded, evictions
-        and evicted bytes, bytes pinned and unpinned, builds and drops."""
-        out = {"models": len(self._specs), "built": len(self._rt),
+    def stats(self, device=None) -> Dict[str, int]:
+        """Totals over every device, or over `device` alone: bytes held
+        and budgets, activations, hits (activations that copied nothing),
+        bytes uploaded, evictions and evicted bytes, bytes pinned and
+        unpinned, builds and drops (of every device)."""
+        dev = _device(device) if device is not None else None
+        rts = [rt for rt in self._rt.values()
+               if dev is None or rt.device == dev]
+        out = {"models": len(self._specs), "built": len(rts),
                "in_use": 0, "vram_bytes": 0, "pinned_bytes": 0,
-               "host_bytes": sum(rt.size for rt in self._rt.values()),
+               "host_bytes": sum(rt.size for rt in rts),
                "adapter_host_bytes": self._adapter_host.bytes,
                "vram_budget_bytes": 0, "pinned_budget_bytes":
                self.pinned_budget or 0, "ram_budget_bytes":
@@ -957,7 +1012,9 @@ class ModelCache:
                "pin_bytes": 0, "unpin_bytes": 0, "builds": self.builds,
                "drops": self.drops}
         with self._lock:
-            for dc in self._dev.values():
+            for d, dc in self._dev.items():
+                if dev is not None and d != dev:
+                    continue
                 st = dc.stats()
                 out["in_use"] += st.in_use
                 out["vram_bytes"] += st.vram_bytes
