@@ -2448,13 +2448,13 @@ static void shared_copy(int32_t dev)
     free(path);
 }
 
-TEST(stream_shared_host_copy) { test_on_every_device(shared_copy); }
+TEST(stream_shared_copy) { test_on_every_device(shared_copy); }
 
 /* Processes (the CPU device: a forked child cannot use its parent's CUDA
  * context): children attach to the parent's copy and run on it; one
  * whose load of the copy fails sees the maker's failure; the parent's
  * segment goes when the last user does. */
-TEST(stream_shared_host_copy_processes)
+TEST(stream_shared_copy_processes)
 {
     shm_test_dir();
     char *path = strdup(write_model());
