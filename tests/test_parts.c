@@ -161,6 +161,12 @@ static void parts_on(int32_t dev)
         }
         /* Only the parts were read. */
         CHECK_EQ(s.load_read_bytes, read);
+        if (tiers[ti] == LADEN_TIER_GPU) { /* read again: counted once */
+            CHECK_OK(laden_sched_reread(sc, blk, 1));
+            laden_sched_stats_t s2;
+            CHECK_OK(laden_sched_stats(sc, &s2));
+            CHECK_EQ(s2.load_read_bytes - s.load_read_bytes, R * 4 * 4);
+        }
         laden_sched_destroy(sc);
         laden_st_close(st);
     }

@@ -4,6 +4,7 @@
  * dies while filling is noticed; a full directory is an error, not a
  * SIGBUS. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -296,4 +297,42 @@ TEST(shm_forked_copies_and_other_owners)
     CHECK(strstr(laden_last_error(), "another user"));
     CHECK(exists("foreign"));
     unlink(path);
+}
+
+/* Leftovers of dead processes under other names: a segment nobody holds
+ * and a maker's temporary file are removed when any segment is made; a
+ * segment a live process holds stays. */
+TEST(shm_leftovers_of_any_name_are_swept)
+{
+    use_test_dir();
+    pid_t p = fork();
+    if (p == 0) {
+        laden_shm_t *s;
+        int created;
+        if (laden_shm_open("left", BYTES, 0, &s, &created) || !created)
+            _exit(1);
+        laden_shm_set_ready(s, 1);
+        _exit(0); /* ends without closing it */
+    }
+    int st = -1;
+    CHECK_EQ(waitpid(p, &st, 0), p);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(exists("left"));
+    char tmp[512];
+    snprintf(tmp, sizeof tmp, "%s/.laden-gone.%d.0", test_tmpdir(),
+             (int)p); /* p has ended */
+    int fd = open(tmp, O_CREAT | O_RDWR, 0600);
+    CHECK(fd >= 0);
+    close(fd);
+    laden_shm_t *held, *s;
+    int created;
+    CHECK_OK(laden_shm_open("held", BYTES, 0, &held, &created));
+    CHECK_OK(laden_shm_set_ready(held, 1));
+    CHECK(!exists("left"));
+    CHECK(access(tmp, F_OK) != 0);
+    CHECK_OK(laden_shm_open("other", BYTES, 0, &s, &created));
+    CHECK(exists("held")); /* held by this process: kept */
+    laden_shm_close(s);
+    laden_shm_close(held);
+    CHECK(!exists("held"));
 }

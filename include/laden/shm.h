@@ -14,7 +14,11 @@
  *   - a segment whose users all died (the locks go with them) is found
  *     unused by the next open, removed and made again;
  *   - a creator that dies while filling it (it holds a lock on the header
- *     while filling) is noticed by those waiting, who get LADEN_E_STATE.
+ *     while filling; its pid is checked too) is noticed by those waiting,
+ *     who get LADEN_E_STATE;
+ *   - making a segment first removes this user's segments that nobody
+ *     holds and the temporary files of makers that died, whatever their
+ *     names. 
  * Names: 1 to 200 characters of [A-Za-z0-9._-]; the caller makes them
  * from what identifies the content (the checkpoint and the load's
  * options).  Thread-safe for distinct handles; one handle is used by one
@@ -61,9 +65,8 @@ LADEN_API laden_status laden_shm_wait_ready(laden_shm_t *shm,
 /* The segment's file. */
 LADEN_API const char *laden_shm_path(laden_shm_t *shm);
 
-/* 1 if the segment is memory a device driver may pin (tmpfs, hugetlbfs:
- * /dev/shm); 0 on a regular file system, whose pages CUDA cannot
- * register. */
+/* 1 if the segment is memory a device driver may pin (tmpfs: /dev/shm);
+ * 0 on a regular file system, whose pages CUDA cannot register. */
 LADEN_API int laden_shm_pinnable(laden_shm_t *shm);
 
 /* Unmaps it; the last process to close a segment removes it, and so does

@@ -203,6 +203,12 @@ def _dist_of(v, name: str) -> _Dist:
             compute_local_shape_and_global_offset as local_of
     placements = tuple(v.placements)
     for p in placements:
+        if type(p).__name__ not in ("Shard", "Replicate"):
+            # _StridedShard (FSDP2 with TP) and others: the local data is
+            # not one slice of the whole tensor.
+            raise InvalidArgumentError(
+                f"'{name}': a DTensor placed {p!r}: laden loads Shard and "
+                "Replicate placements", "E_INVAL")
         if not (p.is_shard() or p.is_replicate()):
             raise InvalidArgumentError(
                 f"'{name}': a DTensor placed {p}: laden loads Shard and "

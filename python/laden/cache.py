@@ -668,6 +668,8 @@ class ModelCache:
             rt = self._rt.get(spec.key)
             if rt is not None:
                 return rt.device
+            if self.vram is not None:  # the cache's VRAM context's device
+                return self.vram.device
             if self._vram_budgets is not None:
                 devs = list(self._vram_budgets)
             else:

@@ -352,7 +352,7 @@ def _plan_input(dev, *, max_vram=None, headroom_vram=None,
 
 
 def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
-                 lookahead: int) -> "_lib.PlanInput":
+                 lookahead: int, shared: bool = False) -> "_lib.PlanInput":
     """stream_load's budgets: ``vram_budget`` bounds the device bytes
     (rest, resident blocks, slots; nothing reserved, no reading), blocks
     stay resident while they fit it (or a VRAM context's budget: C caps
@@ -367,6 +367,10 @@ def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
     r = _readings(dev)
     if vram_budget is not None:
         r["vram_free"] = parse_size(vram_budget)
+    if shared and ram_budget is None:  # see sharing.segments_bytes
+        from .sharing import segments_bytes
+        r["ram_free"] = min(r["ram_free"] + segments_bytes(),
+                            r.get("ram_total", r["ram_free"]))
     inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,
                       readings=r, bandwidths={}, disk_staging=False,
                       lookahead=lookahead,

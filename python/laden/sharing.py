@@ -15,6 +15,7 @@ check across a process group.
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -74,22 +75,34 @@ def info(h) -> Optional[Shared]:
     return Shared(how, name.value.decode(), n.value) if how else None
 
 
-def check_group(shared, got: Optional[Shared], where: str) -> None:
+def check_group(shared, got: Optional[Shared], where: str,
+                failed: Optional[BaseException] = None) -> None:
     """With a process group: every rank of one host must have the same
     segment (the same checkpoint, loaded the same way); a rank that loaded
     another checkpoint, or the same one otherwise, is refused, on every
     rank, naming the ranks.  A collective call: every rank of the group
-    calls it."""
+    calls it -- also one whose load failed (`failed`: it takes part, then
+    raises its own error; the others raise naming it), so that no rank
+    waits for it forever."""
     group = group_of(shared, where)
     if group is None:
         return
     import torch.distributed as dist
 
-    mine = (socket.gethostname(), got.name if got else "")
+    mine = (socket.gethostname(), got.name if got else "",
+            f"{type(failed).__name__}: {failed}" if failed else "")
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
+    if failed is not None:
+        return
+    bad = [(r, e[2]) for r, e in enumerate(everyone) if e[2]]
+    if bad:
+        raise StateError(
+            f"{where}: rank(s) of the group failed to load: "
+            + "; ".join(f"rank {r}: {msg[:300]}" for r, msg in bad),
+            "E_STATE")
     by_host = {}
-    for rank, (host, name) in enumerate(everyone):
+    for rank, (host, name, _) in enumerate(everyone):
         by_host.setdefault(host, {}).setdefault(name, []).append(rank)
     for host, names in by_host.items():
         if len(names) > 1:
@@ -101,6 +114,30 @@ def check_group(shared, got: Optional[Shared], where: str) -> None:
                 f"checkpoint the same way, so they cannot share one host "
                 f"copy ({parts}); give every rank the same checkpoint, "
                 "dtypes and budgets")
+
+
+def segments_bytes() -> int:
+    """Bytes of this user's laden segments in LADEN_SHM_DIR (default
+    /dev/shm).  A later process plans its RAM tier with these counted as
+    free: the free-memory reading drops by a segment's size once the first
+    process made it, and without that credit a later process would plan
+    fewer RAM-tier blocks, get another layout and share nothing.  (An
+    explicit ram_budget gives every process the same plan anyway.)"""
+    d = os.environ.get("LADEN_SHM_DIR") or "/dev/shm"
+    total = 0
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if e.name.startswith("laden-"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if st.st_uid == os.geteuid():
+                        total += st.st_size
+    except OSError:
+        return 0
+    return total
 
 
 def refuse_writes(state, what: str) -> None:

@@ -381,7 +381,11 @@ def stream_load(model, path: PathLike, *, plan=None,
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
     check_lookahead(lookahead)
-    sharing.group_of(shared, "stream_load")
+    if sharing.group_of(shared, "stream_load") is not None and background:
+        raise InvalidArgumentError(
+            "stream_load: shared=<process group> checks the ranks' copies "
+            "when their loads end, which background=True does not wait "
+            "for; use shared=True with background=True", "E_INVAL")
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.init()
@@ -397,9 +401,14 @@ def stream_load(model, path: PathLike, *, plan=None,
     budgets = planning.load_budgets(dev, vram_budget, ram_budget,
                                     vram is not None and
                                     bool(vram.info()["budget_bytes"]),
-                                    lookahead)
+                                    lookahead, shared=bool(shared))
     t0 = time.perf_counter()
-    ck = Checkpoint(path)
+    group_checked = [False]
+    try:
+        ck = Checkpoint(path)
+    except BaseException as e:
+        sharing.check_group(shared, None, "stream_load", failed=e)
+        raise
     try:
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
@@ -419,9 +428,14 @@ def stream_load(model, path: PathLike, *, plan=None,
         state = _Stream(dev, ck.path)
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
-              background, shared)
-    except BaseException:
+              background, shared, group_checked)
+    except BaseException as e:
         ck.close()
+        if not group_checked[0]:  # the group's other ranks wait for this one
+            try:
+                sharing.check_group(shared, None, "stream_load", failed=e)
+            except Exception:
+                pass
         raise
     seconds = time.perf_counter() - t0
     st = state.stats()
@@ -433,7 +447,7 @@ def stream_load(model, path: PathLike, *, plan=None,
 
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None, background: bool = False,
-          shared=False) -> None:
+          shared=False, group_checked: Optional[list] = None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -463,6 +477,8 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
             with bar:
                 check(lib.laden_sched_load(o.h))
         state.shared = sharing.info(o.h)
+        if group_checked is not None:
+            group_checked[0] = True
         sharing.check_group(shared, state.shared, "stream_load")
     except BaseException:
         state.destroy()

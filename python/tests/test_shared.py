@@ -243,7 +243,10 @@ CHILD = textwrap.dedent("""
     rank = int(sys.argv[1]); world = int(sys.argv[2])
     dist.init_process_group("gloo", init_method="file://" + sys.argv[3],
                             rank=rank, world_size=world)
-    path = sys.argv[4 + (rank if len(sys.argv) > 5 else 0)]
+    if sys.argv[4] == "missing":  # rank 1 fails to load, rank 0 not
+        path = sys.argv[5] if rank == 0 else "/nonexistent/x.safetensors"
+    else:
+        path = sys.argv[4 + (rank if len(sys.argv) > 5 else 0)]
     with torch.device("meta"):
         m = Net(d=512, h=2048, n=6).eval()
     dist.barrier()
@@ -252,8 +255,9 @@ CHILD = textwrap.dedent("""
     try:
         rep = laden.stream_load(m, path, offload_prefixes=["blocks."],
                                 device="cpu", shared=dist.group.WORLD)
-    except laden.MismatchError as e:
-        out["error"] = str(e)
+    except (laden.MismatchError, laden.StateError,
+            laden.CheckpointNotFoundError) as e:
+        out["error"] = f"{{type(e).__name__}}: {{e}}"
     else:
         laden.install_offload(m)
         torch.manual_seed(0)
@@ -337,3 +341,31 @@ def test_group_refuses_mismatched_checkpoints(tmp_path, shm_dir):
         assert "did not load the same checkpoint" in o["error"]
         assert "ranks [0]" in o["error"] and "ranks [1]" in o["error"]
     assert segments(shm_dir) == []
+
+
+def test_group_rank_that_fails_does_not_hang_the_others(tmp_path, shm_dir):
+    torch.manual_seed(0)
+    ref = Net(d=512, h=2048, n=6).eval()
+    path = str(tmp_path / "ok.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    outs = run_group(tmp_path, ["missing", path], 2)
+    assert outs[1]["error"].startswith("CheckpointNotFoundError")
+    assert outs[0]["error"].startswith("StateError")
+    assert "rank 1" in outs[0]["error"]
+    assert segments(shm_dir) == []
+
+
+def test_group_with_background_is_refused(tmp_path, shm_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg1",
+                            rank=0, world_size=1)
+    try:
+        _, path = saved(tmp_path)
+        with torch.device("meta"):
+            m = Net()
+        with pytest.raises(laden.InvalidArgumentError, match="background"):
+            laden.stream_load(m, path, offload_prefixes=["blocks."],
+                              device="cpu", shared=dist.group.WORLD,
+                              background=True)
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,9 @@
  *     until it marks the segment ready: a waiter that finds the segment
  *     still filling and that lock gone knows the creator ended. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -97,9 +99,56 @@ static bool creator_gone(int fd, const header *h)
 {
     struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0,
                       .l_len = 1};
-    return atomic_load(&h->state) == FILLING &&
-           fcntl(fd, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK &&
-           atomic_load(&h->state) == FILLING;
+    if (atomic_load(&h->state) != FILLING)
+        return false;
+    /* Its lock is gone, or it is: a forked child of the maker inherits
+     * the lock's file description and would keep it held. */
+    bool unlocked = fcntl(fd, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK;
+    bool dead = h->creator_pid > 0 && kill(h->creator_pid, 0) != 0 &&
+                errno == ESRCH;
+    return (unlocked || dead) && atomic_load(&h->state) == FILLING;
+}
+
+/* Removes what dead processes left in the directory: segments nobody
+ * holds (every user holds a shared flock; the kernel drops a dead one's),
+ * and the temporary files of makers that died before linking theirs in.
+ * Only this user's files.  Called before making a segment. */
+static void sweep(void)
+{
+    DIR *d = opendir(shm_dir());
+    if (!d)
+        return;
+    char path[4096];
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *n = e->d_name;
+        bool seg = strncmp(n, "laden-", 6) == 0;
+        bool tmp = strncmp(n, ".laden-", 7) == 0;
+        if (!seg && !tmp)
+            continue;
+        snprintf(path, sizeof path, "%s/%s", shm_dir(), n);
+        if (tmp) { /* .laden-<name>.<pid>.<seq> */
+            const char *dot = strrchr(n, '.');
+            const char *p = dot;
+            while (p > n && p[-1] != '.')
+                p--;
+            long pid = p > n ? strtol(p, NULL, 10) : 0;
+            struct stat sb;
+            if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH &&
+                lstat(path, &sb) == 0 && sb.st_uid == geteuid())
+                unlink(path);
+            continue;
+        }
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (fd < 0)
+            continue;
+        struct stat sb;
+        if (fstat(fd, &sb) == 0 && sb.st_uid == geteuid() &&
+            S_ISREG(sb.st_mode) && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+            same_file(fd, path))
+            unlink(path);
+        close(fd);
+    }
+    closedir(d);
 }
 
 /* Made whole under a temporary name, then linked in: 1 made, 0 another
@@ -317,6 +366,8 @@ laden_status laden_shm_open(const char *name, uint64_t bytes, uint32_t flags,
                                             "made it", s->path);
             break;
         }
+        if (round == 0)
+            sweep();
         if ((st = create(s, bytes, &done)))
             break;
         if (done) {
@@ -400,10 +451,10 @@ laden_status laden_shm_wait_ready(laden_shm_t *s, uint32_t timeout_ms)
     }
 }
 
-/* tmpfs and hugetlbfs: memory the kernel lets a driver pin for long
- * (FOLL_LONGTERM); a regular file system's pages it does not. */
+/* tmpfs: memory the kernel lets a driver pin for long (FOLL_LONGTERM); a
+ * regular file system's pages it does not.  (hugetlbfs would be too, but
+ * the segments' sizes are not multiples of its pages.) */
 #define TMPFS_MAGIC_ 0x01021994
-#define HUGETLBFS_MAGIC_ 0x958458f6
 
 const char *laden_shm_path(laden_shm_t *s)
 {
@@ -415,8 +466,7 @@ int laden_shm_pinnable(laden_shm_t *s)
     struct statfs sf;
     if (!s || fstatfs(s->fd, &sf))
         return 0;
-    return (unsigned long)sf.f_type == TMPFS_MAGIC_ ||
-           (unsigned long)sf.f_type == HUGETLBFS_MAGIC_;
+    return (unsigned long)sf.f_type == TMPFS_MAGIC_;
 }
 
 void laden_shm_close(laden_shm_t *s)

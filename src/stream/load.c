@@ -17,6 +17,8 @@ typedef struct tread {
     laden_io_req_t *req;
     void *tmp;
     char *to;
+    bool read;       /* a part of several ranges read already (read_pieces) */
+    uint64_t cached; /* of its bytes, from the page cache */
 } tread;
 
 /* Converts tensor c->r, read into c->tmp, to its place: on the reader
@@ -53,7 +55,8 @@ static laden_status convert_then(void *arg)
 
 /* Reads part r of a checkpoint tensor that is several ranges (r->pieces)
  * into dst, packed, and waits for it: all its ranges in flight at once. */
-static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst)
+static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst,
+                                tread *c)
 {
     uint64_t each = r->src_bytes / r->pieces;
     laden_io_req_t **reqs = calloc(r->pieces, sizeof *reqs);
@@ -67,12 +70,17 @@ static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst)
                             each, dst + n * each, &reqs[n]);
     if (s)
         n--; /* the failed submit made no request */
+    uint64_t cached = 0, sum = 0;
     for (uint64_t i = 0; i < n; i++)
-        if ((w = laden_io_wait(sc->io, reqs[i])) && !s)
-            s = w;
+        if ((w = laden_io_wait_cached(sc->io, reqs[i], &cached))) {
+            if (!s)
+                s = w;
+        } else {
+            sum += cached;
+        }
     free(reqs);
-    if (!s)
-        sc->st.load_read_bytes += r->src_bytes;
+    c->read = !s; /* counted by the caller, as a request's bytes are */
+    c->cached = sum;
     return s;
 }
 
@@ -94,14 +102,14 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
         return laden_io_submit(sc->io, sc->files[r->file], r->off,
                                r->src_bytes, to, req);
     if (r->pieces && r->src == r->dst && !r->rope_heads)
-        return read_pieces(sc, r, to);
+        return read_pieces(sc, r, to, c);
     if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
         return laden__fail(LADEN_E_NOMEM, "out of memory converting '%.200s'",
                            r->name);
     c->r = r;
     c->to = to;
     if (r->pieces) { /* read, then converted here */
-        laden_status s = read_pieces(sc, r, c->tmp);
+        laden_status s = read_pieces(sc, r, c->tmp, c);
         return s ? s : convert_then(c);
     }
     return laden_io_submit_then(sc->io, sc->files[r->file], r->off,
@@ -154,6 +162,10 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
     laden_status w;
     uint64_t cached;
     for (uint32_t i = 0; i < f->n && f->tr; i++) {
+        if (f->tr[i].read) {
+            sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
+            sc->st.load_cached_bytes += f->tr[i].cached;
+        }
         if (!f->tr[i].req)
             continue;
         if ((w = laden_io_wait_cached(sc->io, f->tr[i].req, &cached)) && !s)
@@ -1002,7 +1014,9 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         s = laden_dev_stream_synchronize(sc->copy);
     if (bounce)
         laden_host_free(sc->host, to);
-    if (!s)
+    if (!s) {
         sc->st.load_read_bytes += r->src_bytes;
+        sc->st.load_cached_bytes += c.cached;
+    }
     return s;
 }

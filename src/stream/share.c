@@ -201,7 +201,16 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
         return LADEN_OK;
     /* Attached: filled by the maker.  A cache schedule's blocks are then
      * loaded; a streaming schedule's RAM-tier blocks are pinned by this
-     * process's context now (the maker pinned them as they arrived). */
+     * process's context now (the maker pinned them as they arrived),
+     * within this process's RAM budget as a load would be. */
+    uint64_t homes = 0, budget = sc->cfg.ram_budget_bytes;
+    for (uint32_t i = 0; i < sc->nb && !sc->cache; i++)
+        if (sc->b[i].shared && sc->b[i].tier == LADEN_TIER_RAM)
+            homes += sc->b[i].ram_len;
+    if (sc->cuda && budget && homes > budget)
+        return laden__fail(LADEN_E_BUDGET, "the shared host copy's %s of "
+                           "RAM-tier blocks do not fit the %s RAM budget",
+                           laden__bytes(homes).s, laden__bytes(budget).s);
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         if (!b->shared)

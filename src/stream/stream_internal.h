@@ -267,8 +267,9 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
  * (made or attached to); nothing if sharing was not asked for. */
 laden_status laden__sched_share_open(laden_sched_t *sc);
 /* The load ended (ok or not): a segment this process made is marked
- * ready or failed; one it attached to is waited for and its blocks
- * pinned (CUDA).  Called by load.c once the reads are done. */
+ * ready or failed (one it attached to was waited for, and its blocks
+ * pinned, in laden__sched_share_open).  Called by load.c once the reads
+ * are done. */
 laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s);
 /* Closes the segment (free_all). */
 void laden__sched_share_close(laden_sched_t *sc);
