@@ -22,6 +22,9 @@
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
 #   carried: the machine has no network) are installed into /tmp/hfsite
 #   first, for pytest's test_hf.py and bench/hf.py.
+#   multi: several GPUs (nvidia-h200-x2): pytest of test_shared.py,
+#          test_tensor_parallel.py, test_multi_device.py, then
+#          bench/shared.py and bench/tp.py over every GPU
 #   PYTEST_FILES="test_a.py test_b.py" runs only those pytest files.
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
@@ -109,5 +112,15 @@ fi
 if want train; then
   log "bench/train.py"
   python3 bench/train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"
+fi
+if want multi; then
+  NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  log "multi-GPU tests ($NG GPUs)"
+  (cd python/tests && python3 -m pytest -q -p no:cacheprovider test_shared.py \
+    test_tensor_parallel.py test_multi_device.py 2>&1) | tee "$OUT/pytest-multi.log" | tail -5
+  log "bench/shared.py"
+  python3 bench/shared.py --procs "$NG" 2>&1 | tee "$OUT/shared.log"
+  log "bench/tp.py"
+  python3 bench/tp.py --procs "$NG" 2>&1 | tee "$OUT/tp.log"
 fi
 log "done"
