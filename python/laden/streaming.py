@@ -360,6 +360,29 @@ def stream_load(model, path: PathLike, *, plan=None,
     unexpected names, before anything is allocated; a shape or dtype that
     cannot be loaded raises naming the tensor.  Then call install_offload.
     """
+    group_checked = [False]  # shared=<group>: the ranks' check took place
+    try:
+        return _stream_load(model, path, plan, offload_prefixes,
+                            resident_prefixes, disk_prefixes, compute_dtype,
+                            key_map, skip_prefixes, device, vram_budget,
+                            ram_budget, lookahead, storage_dtype, vram,
+                            progress, background, shared, group_checked)
+    except BaseException as e:
+        # The group's other ranks wait in its check for this one: it
+        # takes part, failed, so that they raise naming it.
+        if not group_checked[0]:
+            try:
+                sharing.check_group(shared, None, "stream_load", failed=e)
+            except Exception:
+                pass
+        raise
+
+
+def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
+                 disk_prefixes, compute_dtype, key_map, skip_prefixes,
+                 device, vram_budget, ram_budget, lookahead, storage_dtype,
+                 vram, progress, background, shared,
+                 group_checked) -> LoadReport:
     import torch
 
     plan_tiers = None
@@ -403,12 +426,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                                     bool(vram.info()["budget_bytes"]),
                                     lookahead, shared=bool(shared))
     t0 = time.perf_counter()
-    group_checked = [False]
-    try:
-        ck = Checkpoint(path)
-    except BaseException as e:
-        sharing.check_group(shared, None, "stream_load", failed=e)
-        raise
+    ck = Checkpoint(path)
     try:
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
@@ -429,13 +447,8 @@ def stream_load(model, path: PathLike, *, plan=None,
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
               background, shared, group_checked)
-    except BaseException as e:
+    except BaseException:
         ck.close()
-        if not group_checked[0]:  # the group's other ranks wait for this one
-            try:
-                sharing.check_group(shared, None, "stream_load", failed=e)
-            except Exception:
-                pass
         raise
     seconds = time.perf_counter() - t0
     st = state.stats()

@@ -38,7 +38,16 @@ typedef struct header {
     uint64_t bytes;
     _Atomic uint32_t state;
     int32_t creator_pid;
+    uint64_t creator_pid_ns; /* its pid namespace (inode): creator_pid
+                                means something only in that one */
 } header;
+
+/* This process's pid namespace, or 0 if unknown. */
+static uint64_t pid_ns(void)
+{
+    struct stat sb;
+    return stat("/proc/self/ns/pid", &sb) == 0 ? (uint64_t)sb.st_ino : 0;
+}
 
 struct laden_shm {
     int fd;
@@ -104,8 +113,9 @@ static bool creator_gone(int fd, const header *h)
     /* Its lock is gone, or it is: a forked child of the maker inherits
      * the lock's file description and would keep it held. */
     bool unlocked = fcntl(fd, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK;
-    bool dead = h->creator_pid > 0 && kill(h->creator_pid, 0) != 0 &&
-                errno == ESRCH;
+    bool dead = h->creator_pid > 0 && h->creator_pid_ns &&
+                h->creator_pid_ns == pid_ns() &&
+                kill(h->creator_pid, 0) != 0 && errno == ESRCH;
     return (unlocked || dead) && atomic_load(&h->state) == FILLING;
 }
 
@@ -126,25 +136,20 @@ static void sweep(void)
         if (!seg && !tmp)
             continue;
         snprintf(path, sizeof path, "%s/%s", shm_dir(), n);
-        if (tmp) { /* .laden-<name>.<pid>.<seq> */
-            const char *dot = strrchr(n, '.');
-            const char *p = dot;
-            while (p > n && p[-1] != '.')
-                p--;
-            long pid = p > n ? strtol(p, NULL, 10) : 0;
-            struct stat sb;
-            if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH &&
-                lstat(path, &sb) == 0 && sb.st_uid == geteuid())
-                unlink(path);
-            continue;
-        }
+        /* A temporary file's maker holds a shared flock on it from just
+         * after making it (a sweep in between makes its link fail with
+         * ENOENT, and it tries again); a pid in its name may be another
+         * pid namespace's, so it is not used. */
         int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0)
             continue;
         struct stat sb;
+        uint64_t magic = 0;
         if (fstat(fd, &sb) == 0 && sb.st_uid == geteuid() &&
-            S_ISREG(sb.st_mode) && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-            same_file(fd, path))
+            S_ISREG(sb.st_mode) &&
+            (tmp || (pread(fd, &magic, sizeof magic, 0) == sizeof magic &&
+                     magic == MAGIC)) &&
+            flock(fd, LOCK_EX | LOCK_NB) == 0 && same_file(fd, path))
             unlink(path);
         close(fd);
     }
@@ -197,12 +202,15 @@ static laden_status create(laden_shm_t *s, uint64_t bytes, int *made)
     header *h = m;
     h->bytes = bytes;
     h->creator_pid = (int32_t)getpid();
+    h->creator_pid_ns = pid_ns();
     atomic_store(&h->state, FILLING);
     h->magic = MAGIC;
     if (link(tmp, s->path) != 0) {
-        if (errno != EEXIST)
+        /* EEXIST: another process made it first; ENOENT: a sweep took
+         * the temporary file before its lock (shm_open tries again). */
+        if (errno != EEXIST && errno != ENOENT)
             st = sys_fail("cannot link", s->path);
-        goto fail; /* EEXIST: another process made it first */
+        goto fail;
     }
     unlink(tmp);
     free(tmp);
