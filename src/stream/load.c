@@ -728,7 +728,13 @@ static laden_status loader_new(laden_sched_t *sc)
         return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
     l->sc = sc;
     sc->ld = l;
+    /* Counted against the RAM budget with the homes read here: those an
+     * attached shared copy holds (share.c). */
     uint64_t homes_bytes = 0;
+    for (uint32_t i = 0; i < sc->nb; i++)
+        if (laden__sched_attached(sc, &sc->b[i]) &&
+            sc->b[i].tier == LADEN_TIER_RAM)
+            homes_bytes += sc->b[i].ram_len;
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         if (!to_load(sc, b))
