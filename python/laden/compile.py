@@ -325,10 +325,15 @@ def weights_of(mod) -> list:
 
     plain = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) \
         if hasattr(torch.nn, "Buffer") else (torch.Tensor, torch.nn.Parameter)
+    return _distinct([t for t in list(mod.parameters()) +
+                      list(mod.buffers()) if type(t) in plain])
+
+
+def _distinct(tensors) -> list:
+    """The tensors once each, by identity, without id(): Dynamo traces
+    this (torch 2.11 breaks the graph at id() of a tensor made in it)."""
     out = []
-    for t in list(mod.parameters()) + list(mod.buffers()):
-        if type(t) not in plain:
-            continue
+    for t in tensors:
         for u in out:
             if u is t:
                 break
@@ -343,18 +348,14 @@ def tensors_of(tree) -> list:
     import torch
     from torch.utils import _pytree
 
+    # An expanded tensor (a stride 0) cannot be declared written to.
     out = []
     for t in _pytree.tree_leaves(tree):
-        # By identity, without id(): Dynamo traces this (torch 2.11 breaks
-        # the graph at id() of a tensor made in it).
         if not isinstance(t, torch.Tensor):
             continue
-        # An expanded tensor (a stride 0) cannot be declared written to.
-        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            continue
-        for u in out:
-            if u is t:
+        for st, n in zip(t.stride(), t.shape):
+            if st == 0 and n > 1:
                 break
         else:
             out.append(t)
-    return out
+    return _distinct(out)

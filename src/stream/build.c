@@ -262,6 +262,26 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* Checkpoint tensor st_index, checked to be addable to `block` (the
+ * first steps of both ways to add one; `call` names the caller). */
+static laden_status checkpoint_tensor(laden_sched_t *sc, uint32_t block,
+                                      const laden_st_t *st, size_t st_index,
+                                      const char *call, laden_st_tensor_t *t)
+{
+    laden_status s;
+    if (!sc || !st || block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "%s: bad schedule or block", call);
+    if (sc->loaded || sc->laid_out)
+        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if ((s = laden_st_tensor_at(st, st_index, t)))
+        return s;
+    if (t->file_index >= sc->nfiles)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is from another checkpoint",
+                           t->name);
+    return LADEN_OK;
+}
+
 laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
                                      const laden_st_t *st, size_t st_index,
                                      laden_dtype dtype, uint32_t *out)
@@ -271,18 +291,11 @@ laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
     tref r;
     if (out)
         *out = 0;
-    if (!sc || !st || !out || block >= sc->nb)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_sched_add_tensor: bad schedule or block");
-    if (sc->loaded || sc->laid_out)
-        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
-    if ((s = laden_st_tensor_at(st, st_index, &t)))
-        return s;
-    if (t.file_index >= sc->nfiles)
-        return laden__fail(LADEN_E_INVAL,
-                           "tensor '%.200s' is from another checkpoint",
-                           t.name);
-    if ((s = tensor_ref(&t, dtype, &r)))
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_add_tensor: NULL");
+    if ((s = checkpoint_tensor(sc, block, st, st_index,
+                               "laden_sched_add_tensor", &t)) ||
+        (s = tensor_ref(&t, dtype, &r)))
         return s;
     return push_tensor(sc, block, &r, out);
 }
@@ -299,17 +312,11 @@ laden_status laden__sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
     uint64_t shape[LADEN_ST_MAX_RANK];
     if (out)
         *out = 0;
-    if (!sc || !st || !out || block >= sc->nb)
-        return laden__fail(LADEN_E_INVAL, "laden_sched_add_tensor_part: bad "
-                           "schedule or block");
-    if (sc->loaded || sc->laid_out)
-        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
-    if ((s = laden_st_tensor_at(st, st_index, &t)))
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_add_tensor_part: NULL");
+    if ((s = checkpoint_tensor(sc, block, st, st_index,
+                               "laden_sched_add_tensor_part", &t)))
         return s;
-    if (t.file_index >= sc->nfiles)
-        return laden__fail(LADEN_E_INVAL,
-                           "tensor '%.200s' is from another checkpoint",
-                           t.name);
     uint32_t bits = laden_dtype_bits(t.dtype);
     if (dim >= t.ndim || !bits || bits % 8) /* block types: 0 bits */
         return laden__fail(LADEN_E_INVAL,
