@@ -214,3 +214,28 @@ TEST(cache_random_invariants)
         laden_cache_destroy(c);
     }
 }
+
+/* A new model's device among several: the cache with the most room left
+ * (budget less what it holds), the first on a tie. */
+TEST(cache_roomiest_device)
+{
+    laden_cache_t *c[3];
+    uint32_t m, n, at = 99;
+    laden_cache_evict_t ev[4];
+    CHECK_OK(laden_cache_create(10, 0, &c[0]));
+    CHECK_OK(laden_cache_create(16, 0, &c[1]));
+    CHECK_OK(laden_cache_create(16, 0, &c[2]));
+    CHECK_OK(laden_cache_roomiest(c, 3, &at));
+    CHECK_EQ(at, 1); /* 16 free twice: the first of them */
+    CHECK_OK(laden_cache_add(c[1], "unet", 8, &m));
+    CHECK_OK(laden_cache_acquire(c[1], m, 8, ev, 4, &n));
+    CHECK_OK(laden_cache_set_vram(c[1], m, 8));
+    CHECK_OK(laden_cache_roomiest(c, 3, &at));
+    CHECK_EQ(at, 2); /* cuda:1 holds 8 of its 16 */
+    CHECK_STATUS(laden_cache_roomiest(c, 0, &at), LADEN_E_INVAL);
+    laden_cache_t *none[1] = {NULL};
+    CHECK_STATUS(laden_cache_roomiest(none, 1, &at), LADEN_E_INVAL);
+    CHECK_OK(laden_cache_release(c[1], m));
+    for (int i = 0; i < 3; i++)
+        laden_cache_destroy(c[i]);
+}

@@ -121,6 +121,13 @@ LADEN_API laden_status laden_cache_set_pinned(laden_cache_t *cache,
 
 LADEN_API laden_status laden_cache_info(laden_cache_t *cache, uint32_t model,
                                         laden_cache_info_t *out);
+/* Where a new model goes among the caches of several devices: the index
+ * (into caches[0..n)) of the one with the most room left in its VRAM
+ * budget, its budget less what it holds; ties go to the first.
+ * LADEN_E_INVAL for n == 0 or a NULL cache. */
+LADEN_API laden_status laden_cache_roomiest(laden_cache_t *const *caches,
+                                            uint32_t n, uint32_t *out_index);
+
 LADEN_API laden_status laden_cache_stats(laden_cache_t *cache,
                                          laden_cache_stats_t *out);
 

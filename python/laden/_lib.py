@@ -374,6 +374,7 @@ _SIGNATURES = {
                                          P(CacheEvict), c_uint32,
                                          P(c_uint32)]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
+    "laden_cache_roomiest": (status_t, [P(p), c_uint32, P(c_uint32)]),
     "laden_cache_stats": (status_t, [p, P(CacheStats)]),
     # vram
     "laden_vram_create": (status_t, [c_int32, c_uint64, c_uint64, P(p)]),

@@ -677,21 +677,12 @@ class ModelCache:
                         for i in range(torch.cuda.device_count())]
             if not devs:
                 return torch.device("cpu")
-
-            def room(dev):
-                dc = self._dev.get(dev)
-                if dc is not None:
-                    st = dc.stats()
-                    return st.vram_budget_bytes - st.vram_bytes
-                b = (self._vram_budgets or {}).get(dev, self.vram_budget)
-                if b is not None or dev.type != "cuda":
-                    return b or 0
-                free, total = ctypes.c_uint64(), ctypes.c_uint64()
-                check(lib.laden_dev_mem_info(_dev_index(dev),
-                                             ctypes.byref(free),
-                                             ctypes.byref(total)))
-                return free.value - HEADROOM_BYTES
-            return max(devs, key=room)
+            # C chooses among the devices' caches (made here if new).
+            cs = (ctypes.c_void_p * len(devs))(
+                *[self._dc(d).c.value for d in devs])
+            at = ctypes.c_uint32()
+            check(lib.laden_cache_roomiest(cs, len(devs), ctypes.byref(at)))
+            return devs[at.value]
 
     def _dc(self, dev) -> _DeviceCache:
         dc = self._dev.get(dev)

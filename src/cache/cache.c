@@ -338,6 +338,26 @@ laden_status laden_cache_info(laden_cache_t *c, uint32_t id,
     return LADEN_OK;
 }
 
+laden_status laden_cache_roomiest(laden_cache_t *const *caches, uint32_t n,
+                                  uint32_t *out)
+{
+    if (!caches || !n || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_cache_roomiest: no caches");
+    int64_t best = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!caches[i])
+            return laden__fail(LADEN_E_INVAL,
+                               "laden_cache_roomiest: cache %u is NULL", i);
+        int64_t room = (int64_t)caches[i]->vram_budget -
+                       (int64_t)caches[i]->vram;
+        if (!i || room > best) {
+            best = room;
+            *out = i;
+        }
+    }
+    return LADEN_OK;
+}
+
 laden_status laden_cache_stats(laden_cache_t *c, laden_cache_stats_t *out)
 {
     if (!c || !out)
