@@ -336,3 +336,21 @@ TEST(shm_leftovers_of_any_name_are_swept)
     laden_shm_close(held);
     CHECK(!exists("held"));
 }
+
+/* What a planning process counts as attachable: this user's segments. */
+TEST(shm_held_bytes_counts_segments)
+{
+    use_test_dir();
+    uint64_t n = 1;
+    CHECK_OK(laden_shm_held_bytes(&n));
+    CHECK_EQ(n, 0);
+    laden_shm_t *a;
+    int created;
+    CHECK_OK(laden_shm_open("counted", BYTES, 0, &a, &created));
+    CHECK_OK(laden_shm_held_bytes(&n));
+    CHECK(n >= BYTES && n <= BYTES + 65536); /* data and header */
+    laden_shm_close(a);
+    CHECK_OK(laden_shm_held_bytes(&n));
+    CHECK_EQ(n, 0);
+    CHECK_STATUS(laden_shm_held_bytes(NULL), LADEN_E_INVAL);
+}

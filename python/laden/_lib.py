@@ -341,6 +341,7 @@ _SIGNATURES = {
     "laden_sched_reupload": (status_t, [p, c_uint32]),
     "laden_sched_reread": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_share": (status_t, [p, c_char_p]),
+    "laden_shm_held_bytes": (status_t, [P(c_uint64)]),
     "laden_sched_share_info": (status_t, [p, c_char_p, c_size_t,
                                           P(c_uint64), P(c_int32)]),
     "laden_sched_begin": (status_t, [p]),

@@ -15,7 +15,6 @@ check across a process group.
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -118,26 +117,15 @@ def check_group(shared, got: Optional[Shared], where: str,
 
 def segments_bytes() -> int:
     """Bytes of this user's laden segments in LADEN_SHM_DIR (default
-    /dev/shm).  A later process plans its RAM tier with these counted as
-    free: the free-memory reading drops by a segment's size once the first
-    process made it, and without that credit a later process would plan
-    fewer RAM-tier blocks, get another layout and share nothing.  (An
-    explicit ram_budget gives every process the same plan anyway.)"""
-    d = os.environ.get("LADEN_SHM_DIR") or "/dev/shm"
-    total = 0
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                if e.name.startswith("laden-"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if st.st_uid == os.geteuid():
-                        total += st.st_size
-    except OSError:
-        return 0
-    return total
+    /dev/shm; laden_shm_held_bytes).  A later process plans its RAM tier
+    with these counted as free: the free-memory reading drops by a
+    segment's size once the first process made it, and without that
+    credit a later process would plan fewer RAM-tier blocks, get another
+    layout and share nothing.  (An explicit ram_budget gives every process
+    the same plan anyway.)"""
+    n = ctypes.c_uint64()
+    check(lib.laden_shm_held_bytes(ctypes.byref(n)))
+    return n.value
 
 
 def refuse_writes(state, what: str) -> None:

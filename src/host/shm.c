@@ -464,6 +464,28 @@ laden_status laden_shm_wait_ready(laden_shm_t *s, uint32_t timeout_ms)
  * the segments' sizes are not multiples of its pages.) */
 #define TMPFS_MAGIC_ 0x01021994
 
+laden_status laden_shm_held_bytes(uint64_t *out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_shm_held_bytes: NULL");
+    *out = 0;
+    DIR *d = opendir(shm_dir());
+    if (!d)
+        return LADEN_OK; /* no directory: no segments */
+    char path[4096];
+    for (struct dirent *e; (e = readdir(d));) {
+        struct stat sb;
+        if (strncmp(e->d_name, "laden-", 6) != 0)
+            continue;
+        snprintf(path, sizeof path, "%s/%s", shm_dir(), e->d_name);
+        if (lstat(path, &sb) == 0 && S_ISREG(sb.st_mode) &&
+            sb.st_uid == geteuid())
+            *out += (uint64_t)sb.st_size;
+    }
+    closedir(d);
+    return LADEN_OK;
+}
+
 const char *laden_shm_path(laden_shm_t *s)
 {
     return s ? s->path : NULL;
