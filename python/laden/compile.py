@@ -230,11 +230,20 @@ def _refuse():
     return disable(do_raise) if disable else do_raise
 
 
-def compiling() -> bool:
-    """True while torch.compile traces (torch.compiler.is_compiling)."""
-    import torch
+_IS_COMPILING = None  # torch.compiler.is_compiling, looked up once
 
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+def compiling() -> bool:
+    """True while torch.compile traces (torch.compiler.is_compiling).
+    Called on every wrapped block's call: the lookup is done once."""
+    global _IS_COMPILING
+    f = _IS_COMPILING
+    if f is None:
+        import torch
+
+        f = getattr(getattr(torch, "compiler", None), "is_compiling",
+                    None) or False
+        _IS_COMPILING = f
     return bool(f and f())
 
 

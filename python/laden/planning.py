@@ -270,6 +270,7 @@ def _readings(device) -> Dict[str, int]:
     check(lib.laden_dev_mem_info(_lib.DEVICE_CPU, ctypes.byref(fr),
                                  ctypes.byref(tot)))
     out["ram_free"] = fr.value // READING_STEP * READING_STEP
+    out["ram_free_exact"] = fr.value  # before rounding (shared loads)
     out["ram_total"] = tot.value
     return out
 
@@ -369,11 +370,8 @@ def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
         r["vram_free"] = parse_size(vram_budget)
     if shared and ram_budget is None:  # see sharing.segments_bytes
         from .sharing import segments_bytes
-        free = ctypes.c_uint64()
-        total = ctypes.c_uint64()
-        check(lib.laden_dev_mem_info(_lib.DEVICE_CPU, ctypes.byref(free),
-                                     ctypes.byref(total)))
-        credited = min(free.value + segments_bytes(), total.value)
+        credited = min(r["ram_free_exact"] + segments_bytes(),
+                       r["ram_total"])
         r["ram_free"] = credited // READING_STEP * READING_STEP
     inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,
                       readings=r, bandwidths={}, disk_staging=False,

@@ -327,7 +327,7 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
     if (sc->b[block].filled)
         return laden__fail(LADEN_E_STATE, "block %u is loaded already",
                            block);
-    if (sc->share)
+    if (sc->share_key)
         return laden__fail(LADEN_E_STATE, "laden_sched_load_block: a "
                            "schedule with a shared host copy loads whole "
                            "(laden_sched_load)");
@@ -381,7 +381,6 @@ static laden_status place_block(laden_sched_t *sc, uint32_t i, bool *moved)
     laden_status s = LADEN_OK;
     int res = 1;
     if (b->shared) { /* the CPU device, in the segment (share.c) */
-        b->tier = LADEN_TIER_GPU;
         sc->st.device_bytes += b->bytes;
         return LADEN_OK;
     }

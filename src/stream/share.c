@@ -97,7 +97,6 @@ laden_status laden__sched_share(laden_sched_t *sc, const char *key)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
     free(sc->share_key);
     sc->share_key = k;
-    sc->share = true;
     return LADEN_OK;
 }
 
@@ -108,7 +107,7 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
     if (name && name_cap)
         snprintf(name, name_cap, "%s", sc->shm ? sc->share_name : "");
     if (out_bytes)
-        *out_bytes = sc->shm ? sc->share_bytes : 0;
+        *out_bytes = sc->shm ? laden_shm_bytes(sc->shm) : 0;
     if (out_state)
         *out_state = !sc->shm ? 0 : sc->share_created ? 1 : 2;
     return LADEN_OK;
@@ -155,7 +154,7 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
 
 laden_status laden__sched_share_open(laden_sched_t *sc)
 {
-    if (!sc->share || sc->shm)
+    if (!sc->share_key || sc->shm)
         return LADEN_OK;
     char name[sizeof sc->share_name];
     uint64_t bytes = lay_out_shared(sc, name, sizeof name);
@@ -180,7 +179,6 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
     }
     sc->shm = shm;
     sc->share_created = created;
-    sc->share_bytes = bytes;
     memcpy(sc->share_name, name, sizeof name);
     char *data = laden_shm_data(shm);
     for (uint32_t i = 0; i < sc->nb; i++) {

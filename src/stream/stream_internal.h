@@ -148,11 +148,9 @@ struct laden_sched {
     laden_sched_stats_t st;
     /* One host copy shared between processes (share.c): asked for
      * (share_key set), then the segment once the load began. */
-    char *share_key;
-    bool share;
+    char *share_key;            /* asked for; NULL: not shared */
     struct laden_shm *shm;
     bool share_created;
-    uint64_t share_bytes;
     char share_name[64];
     uint64_t pinned_homes;      /* CUDA RAM-tier blocks pinned in place */
     uint64_t fill_seq;          /* slot fills so far (laden_sched_slot_fills) */
