@@ -2397,6 +2397,15 @@ static void shared_copy(int32_t dev)
     CHECK_OK(laden_sched_host_ptr(b.sc, b.block_of[0], 0, &hb));
     CHECK(ha != hb);
     CHECK_EQ(memcmp(ha, hb, sz(0)), 0);
+    if (dev != LADEN_DEVICE_CPU) {
+        /* Attaching counts the pinned copy in this schedule's RAM budget. */
+        model small;
+        build_from(&small, path, dev, MIXED, 4096);
+        CHECK_OK(laden_sched_share(small.sc, "test"));
+        CHECK_STATUS(laden_sched_load(small.sc), LADEN_E_BUDGET);
+        CHECK(strstr(laden_last_error(), "RAM budget"));
+        destroy(&small);
+    }
     CHECK_OK(laden_sched_load(c.sc));
     share_state(&c, 1, NULL); /* another key: its own */
     CHECK_EQ(segments(), 2);

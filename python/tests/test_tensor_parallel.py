@@ -167,3 +167,24 @@ def test_two_gpus_stream_their_shards(tmp_path, checkpoint):
         assert o["diff"] < 1e-4, o
         assert o["read"] == o["local"] < whole
         assert o["enters"] > 0  # streamed from pinned RAM on each GPU
+
+
+def test_placements_laden_cannot_read_are_refused():
+    """A Partial (or _StridedShard) placement: the checkpoint's whole
+    tensor is not what the rank holds; refused by name before anything is
+    read."""
+    from laden._model import _dist_of
+
+    class Partial:
+        def is_shard(self):
+            return False
+
+        def is_replicate(self):
+            return False
+
+    class V:
+        placements = (Partial(),)
+        shape = (4, 4)
+
+    with pytest.raises(laden.InvalidArgumentError, match="Partial"):
+        _dist_of(V(), "w")
