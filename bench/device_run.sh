@@ -22,6 +22,8 @@
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
 #   carried: the machine has no network) are installed into /tmp/hfsite
 #   first, for pytest's test_hf.py and bench/hf.py.
+#   trace: the trace's C tests and test_trace.py, then bench/trace.py
+#          (TRACE_ARGS are passed to it; the trace and picture in $OUT/trace)
 #   multi: several GPUs (nvidia-h200-x2): pytest of test_shared.py,
 #          test_tensor_parallel.py, test_multi_device.py, then
 #          bench/shared.py and bench/tp.py over every GPU
@@ -112,6 +114,14 @@ fi
 if want train; then
   log "bench/train.py"
   python3 bench/train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"
+fi
+if want trace; then
+  log "C trace tests (CUDA device included)"
+  ./build/laden_tests trace_ stream_trace 2>&1 | tee "$OUT/ctrace.log" | tail -8
+  log "pytest test_trace.py"
+  (cd python/tests && python3 -m pytest -q -p no:cacheprovider test_trace.py 2>&1) | tee "$OUT/pytest-trace.log" | tail -15
+  log "bench/trace.py"
+  python3 bench/trace.py --out "$OUT/trace" ${TRACE_ARGS:-} 2>&1 | tee "$OUT/trace.log"
 fi
 if want multi; then
   NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -11,6 +11,7 @@
 #include "laden/plan.h"
 #include "laden/st.h"
 #include "laden/stream.h"
+#include "laden/trace.h"
 #include "laden/vram.h"
 
 /* The structs the tables must describe, with the compiler's answers written
@@ -28,7 +29,7 @@ static const struct {
     ONE(laden_cache_stats),   ONE(laden_cache_activation),
     ONE(laden_plan_input),    ONE(laden_plan_result),
     ONE(laden_host_stats),    ONE(laden_gguf_tensor),
-    ONE(laden_gguf_kv),
+    ONE(laden_gguf_kv),       ONE(laden_trace_result),
 };
 #undef ONE
 

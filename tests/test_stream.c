@@ -14,6 +14,7 @@
 
 #include "laden/dev.h"
 #include "laden/stream.h"
+#include "laden/trace.h"
 #include "stream/stream_internal.h" /* stage_bytes, to stage in pieces */
 
 #define NB 7
@@ -2498,3 +2499,155 @@ TEST(stream_shared_copy_processes)
     rmdir(shm_test_dir());
     free(path);
 }
+
+/* ---- traces of a streamed pass (laden_trace_*) -------------------------- */
+
+typedef struct tline {
+    char cat[16], ph[4];
+    double ts, dur;
+    long long block, bytes;
+} tline;
+
+/* The events of a trace file, one per line as laden writes them. */
+static tline *read_trace(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    size_t cap = 1024;
+    tline *v = calloc(cap, sizeof *v);
+    char line[4096];
+    *n = 0;
+    bool opened = false, closed = false;
+    while (fgets(line, sizeof line, f)) {
+        if (strstr(line, "\"traceEvents\":["))
+            opened = true;
+        if (!strcmp(line, "]}\n"))
+            closed = true;
+        char *c = strstr(line, "\"cat\":\"");
+        char *p = strstr(line, "\"ph\":\"");
+        if (!c || !p)
+            continue;
+        if (*n == cap)
+            v = realloc(v, (cap *= 2) * sizeof *v);
+        tline *t = &v[(*n)++];
+        memset(t, 0, sizeof *t);
+        t->block = t->bytes = -1;
+        sscanf(c + 7, "%15[^\"]", t->cat);
+        sscanf(p + 6, "%3[^\"]", t->ph);
+        char *q;
+        if ((q = strstr(line, "\"ts\":")))
+            t->ts = strtod(q + 5, NULL);
+        if ((q = strstr(line, "\"dur\":")))
+            t->dur = strtod(q + 6, NULL);
+        if ((q = strstr(line, "\"block\":")))
+            t->block = strtoll(q + 8, NULL, 10);
+        if ((q = strstr(line, "\"bytes\":")))
+            t->bytes = strtoll(q + 8, NULL, 10);
+    }
+    fclose(f);
+    CHECK(opened && closed); /* the whole document was written */
+    return v;
+}
+
+static size_t count_cat(const tline *v, size_t n, const char *cat,
+                        const char *ph)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += !strcmp(v[i].cat, cat) && (!ph || !strcmp(v[i].ph, ph));
+    return k;
+}
+
+/* Enter and exit without reading back (a read-back would synchronize). */
+static void pass_plain(model *m)
+{
+    CHECK_OK(laden_sched_enter(m->sc, m->block_of[NB], 0));
+    CHECK_OK(laden_sched_exit(m->sc, m->block_of[NB], 0));
+    for (int i = 0; i < NB; i++) {
+        CHECK_OK(laden_sched_enter(m->sc, m->block_of[i], 0));
+        CHECK_OK(laden_sched_exit(m->sc, m->block_of[i], 0));
+    }
+}
+
+/* A traced steady-state pass: one enter/exit pair per block call, on a
+ * CUDA-like device exactly one copy per streamed block call, each before
+ * its block's compute on the stream, the bytes as the stats count them,
+ * and no host synchronization; tracing changes no counter. */
+static void traced_pass(int32_t dev)
+{
+    static const laden_tier RAM[NB] = {
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
+    model m;
+    build(&m, dev, RAM, 0);
+    CHECK_OK(laden_sched_set_name(m.sc, "traced \"model\""));
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    laden_sched_stats_t a, b, c;
+    for (int pass = 0; pass < 2; pass++)
+        pass_plain(&m); /* the steady state */
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    CHECK_OK(laden_sched_stats(m.sc, &a));
+    const int passes = 3;
+    for (int pass = 0; pass < passes; pass++)
+        pass_plain(&m); /* untraced, for the counters */
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    CHECK_OK(laden_sched_stats(m.sc, &b));
+    char *path = test_path("trace.json");
+    CHECK_OK(laden_trace_start(0));
+    for (int pass = 0; pass < passes; pass++)
+        pass_plain(&m);
+    laden_trace_result_t res;
+    CHECK_OK(laden_trace_stop(path, &res));
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    CHECK_OK(laden_sched_stats(m.sc, &c));
+    /* Tracing changed no counter. */
+    CHECK_EQ(c.enters - b.enters, b.enters - a.enters);
+    CHECK_EQ(c.misses - b.misses, b.misses - a.misses);
+    CHECK_EQ(c.h2d_bytes - b.h2d_bytes, b.h2d_bytes - a.h2d_bytes);
+    CHECK_EQ(res.dropped, 0);
+    CHECK_EQ(res.unresolved, 0);
+    size_t n;
+    tline *v = read_trace(path, &n);
+    CHECK_EQ(count_cat(v, n, "block", "B"), passes * (NB + 1));
+    CHECK_EQ(count_cat(v, n, "block", "E"), passes * (NB + 1));
+    if (dev != LADEN_DEVICE_CPU) {
+        /* Seven streamed blocks through three slots: every streamed call
+         * is one copy, no more. */
+        CHECK_EQ(count_cat(v, n, "h2d", "X"), passes * NB);
+        CHECK_EQ(count_cat(v, n, "compute", "X"), passes * NB);
+        CHECK_EQ(count_cat(v, n, "sync", NULL), 0);
+        long long bytes = 0;
+        for (size_t i = 0; i < n; i++)
+            if (!strcmp(v[i].cat, "h2d"))
+                bytes += v[i].bytes;
+        CHECK_EQ(bytes, c.h2d_bytes - b.h2d_bytes);
+        /* Each compute span starts after the latest copy of its block
+         * ended (the first blocks' copies may precede the trace). */
+        size_t checked = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (strcmp(v[i].cat, "compute"))
+                continue;
+            const tline *last = NULL;
+            for (size_t k = 0; k < n; k++)
+                if (!strcmp(v[k].cat, "h2d") && v[k].block == v[i].block &&
+                    v[k].ts <= v[i].ts && (!last || v[k].ts > last->ts))
+                    last = &v[k];
+            if (!last)
+                continue;
+            CHECK(last->ts + last->dur <= v[i].ts + 1.0);
+            checked++;
+        }
+        CHECK(checked >= (size_t)(passes - 1) * NB);
+    } else {
+        CHECK_EQ(count_cat(v, n, "h2d", NULL), 0); /* RAM runs in place */
+    }
+    free(v);
+    /* Off again: nothing is recorded. */
+    CHECK(!laden_trace_active());
+    pass_plain(&m);
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_trace_pass) { test_on_every_device(traced_pass); }

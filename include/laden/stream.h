@@ -258,6 +258,11 @@ LADEN_API laden_status laden_sched_share_info(laden_sched_t *sched,
 typedef int (*laden_sched_progress_fn)(void *arg, uint64_t done_bytes,
                                        uint64_t total_bytes);
 
+/* Names the schedule (its model) for traces (laden_trace_start); at most
+ * 63 bytes are kept. */
+LADEN_API laden_status laden_sched_set_name(laden_sched_t *sched,
+                                            const char *name);
+
 /* Sets (or, with NULL, clears) the load progress callback. */
 LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,
                                                 laden_sched_progress_fn fn,

@@ -24,6 +24,7 @@ from .hf import (PipelineHandle, find_blocks, from_pretrained,
 from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
 from .streaming import (LoadReport, OffloadHandle, install_offload,
                         offload_blocks, release, stage, stream_load)
+from .trace import Trace, trace
 
 __version__ = _clib.laden_version().decode()
 
@@ -37,5 +38,6 @@ __all__ = [
     "release", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
     "CacheInfo", "ModelNotFoundError", "vbar", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
-    "DeviceError", "InvalidArgumentError", "StateError", "__version__",
+    "DeviceError", "InvalidArgumentError", "StateError", "trace", "Trace",
+    "__version__",
 ]

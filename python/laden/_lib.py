@@ -203,6 +203,12 @@ class HostStats(Structure):
         "allocs", "reuses", "pins", "unpins")]
 
 
+class TraceResult(Structure):
+    _fields_ = [("events", c_uint64), ("dropped", c_uint64),
+                ("threads", c_uint64), ("streams", c_uint64),
+                ("unresolved", c_uint64), ("seconds", c_double)]
+
+
 P = POINTER
 # laden_sched_progress_fn: (arg, done_bytes, total_bytes) -> 0 to go on
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_uint64, c_uint64)
@@ -216,6 +222,13 @@ _SIGNATURES = {
     "laden_abi_struct": (status_t, [c_char_p, P(c_uint64), P(c_uint32)]),
     "laden_abi_field": (status_t, [c_char_p, c_uint32, P(c_char_p),
                                    P(c_uint64), P(c_uint64)]),
+    # trace
+    "laden_trace_start": (status_t, [c_uint64]),
+    "laden_trace_stop": (status_t, [c_char_p, P(TraceResult)]),
+    "laden_trace_active": (c_int, []),
+    "laden_trace_counter": (None, [c_char_p, c_int32, c_uint64]),
+    "laden_trace_range": (None, [c_char_p, c_int]),
+    "laden_sched_set_name": (status_t, [c_void_p, c_char_p]),
     # st
     "laden_dtype_name": (c_char_p, [c_int]),
     "laden_dtype_bits": (c_uint32, [c_int]),

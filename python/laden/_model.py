@@ -258,14 +258,18 @@ class _Owned:
         self._fin = weakref.finalize(self, destroy, h, *keep)
 
 
-def new_schedule(device, ck, lookahead: int = 0, flags: int = 0):
+def new_schedule(device, ck, lookahead: int = 0, flags: int = 0,
+                 name: str = ""):
     """A C schedule for `device` over checkpoint `ck` (a Checkpoint, or
-    None: every tensor from host memory); the caller owns the handle."""
+    None: every tensor from host memory), called `name` in traces; the
+    caller owns the handle."""
     cfg = _lib.SchedConfig(_dev_index(device), lookahead, 0, None, flags)
     h = ctypes.c_void_p()
     check(lib.laden_sched_create(ctypes.byref(cfg),
                                  ck._h if ck is not None else None,
                                  ctypes.byref(h)))
+    if name:
+        lib.laden_sched_set_name(h, name.encode("utf-8", "replace")[:63])
     return h
 
 
@@ -671,6 +675,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
     from . import compile as _compile
 
+    from .trace import ON as tracing_on, sample_torch_memory
+
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
     had = "forward" in mod.__dict__
     orig = raw = mod.forward
@@ -688,6 +694,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     def do_enter() -> int:
         _compile.close_open()  # what a compiled run that raised left
         stream = _compute_stream(device)  # once: enter and exit share it
+        if tracing_on[0]:
+            sample_torch_memory(device)
         s = enter(owner.h, c_block, stream)
         if s:
             raise error_for(s)
@@ -706,6 +714,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     def do_leave(stream: int) -> None:
         inside[0] -= 1
         s = leave(owner.h, c_block, stream)
+        if tracing_on[0]:
+            sample_torch_memory(device)
         if s:
             raise error_for(s)
 

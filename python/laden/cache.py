@@ -250,7 +250,8 @@ class _Runtime:
         return self.owner.h
 
     def _load(self, desc, ck) -> None:
-        h = new_schedule(self.device, ck, flags=_lib.SCHED_CACHE)
+        h = new_schedule(self.device, ck, flags=_lib.SCHED_CACHE,
+                         name=self.spec.key)
         # The VRAM context (if any) outlives the VBAR the schedule keeps
         # in it.
         self.owner = _Owned(h, _destroy_schedule, self.binding, self.dc.vram)

@@ -117,6 +117,21 @@ def _dir_arg(text: str) -> str:
     return text
 
 
+def _float_arg(opt: str):
+    """An argparse type: a positive number."""
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{opt} {text!r}: not a number") from None
+        if not v > 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{opt} {text}: give a "
+                                             "positive number")
+        return v
+    return conv
+
+
 def _output_arg(opt: str):
     """An argparse type: a file to be written.  Refuses what would fail
     only after the work (no directory there, not writable) or hang (a
@@ -611,7 +626,35 @@ def _parser() -> argparse.ArgumentParser:
                    type=_size_arg("--size"))
     p.add_argument("--hidden", type=_int_arg("--hidden", 1), default=256)
     p.set_defaults(fn=cmd_sample)
+    p = sub.add_parser("trace", help="read a trace written by laden.trace")
+    tsub = p.add_subparsers(dest="trace_cmd")
+    q = tsub.add_parser("show", help="print the summary of a trace (stalls, "
+                        "copy lane use, memory peaks) and draw its timeline")
+    q.add_argument("path", help="trace.json written by laden.trace")
+    q.add_argument("-o", "--output", default=None, type=_output_arg("-o"),
+                   help="write the timeline picture here (PNG; needs "
+                   "matplotlib)")
+    q.add_argument("--link", default=None, type=_float_arg("--link"),
+                   help="the link's rate in GB/s, to compare the copies "
+                   "with (laden probe measures it)")
+    q.add_argument("--top", default=5, type=_int_arg("--top", 0),
+                   help="how many of the longest stalls to list")
+    p.set_defaults(fn=cmd_trace)
     return ap
+
+
+def cmd_trace(args) -> int:
+    if getattr(args, "trace_cmd", None) != "show":
+        raise BadArgument("give a trace command: laden trace show "
+                          "trace.json [-o timeline.png]")
+    from .traceview import load, plot, summarize
+
+    t = load(args.path)
+    print(summarize(t, args.link, args.top).text())
+    if args.output:
+        plot(t, args.output, args.link)
+        print(f"timeline: {args.output}")
+    return 0
 
 
 def _sentence(e: BaseException) -> str:
@@ -636,7 +679,8 @@ def main(argv: Sequence[str] = None) -> int:
         return 0
     if not getattr(args, "fn", None):
         print("laden: error: give a command: inspect, probe, plan, demo, "
-              "generate or sample ('laden -h' says more)", file=sys.stderr)
+              "generate, sample or trace ('laden -h' says more)",
+              file=sys.stderr)
         return 2
     try:
         return args.fn(args)

@@ -173,7 +173,7 @@ class _Stream:
         """Creates the C schedule, destroyed when the last tensor over its
         memory (or this state) lets go of it; `vram` (the context its
         memory comes from) outlives it."""
-        h = new_schedule(self.device, ck, lookahead)
+        h = new_schedule(self.device, ck, lookahead, name=self.name)
         self.vram = vram
         # What C may call or read until the schedule is destroyed (a
         # background load's progress callback and host sources): held by
@@ -444,6 +444,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             if b.tier == _lib.TIER_GPU:
                 b.tier = on_dev
         state = _Stream(dev, ck.path)
+        state.name = f"model {type(model).__name__}"
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
               background, shared, group_checked)

@@ -31,6 +31,7 @@ C_NAMES = {
     "HostStats": "laden_host_stats",
     "GgufTensor": "laden_gguf_tensor",
     "GgufKv": "laden_gguf_kv",
+    "TraceResult": "laden_trace_result",
 }
 
 

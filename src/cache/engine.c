@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "../trace/trace_internal.h"
 #include "cache_internal.h"
 #include "laden/plan.h"
 
@@ -29,6 +30,13 @@ typedef struct pool {
     region *r;
     uint32_t n, cap;
 } pool;
+
+static void traced_evict(uint32_t id, uint64_t bytes)
+{
+    if (LADEN__TRACING())
+        laden__trace_point(LADEN__EV_EVICT, id, bytes, 0,
+                           "cache eviction");
+}
 
 static void pool_free(pool *p, int32_t dev)
 {
@@ -212,6 +220,7 @@ laden_status laden_cache_drop(laden_cache_t *c, uint32_t id, uint64_t bytes,
     if (freed) {
         c->st.evictions++;
         c->st.evicted_bytes += freed;
+        traced_evict(id, freed);
     }
     if (out_freed)
         *out_freed = freed;
@@ -263,6 +272,7 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
         if (shrink(c, i, UINT64_MAX, 0, &freed, NULL) == LADEN_OK && freed) {
             c->st.evictions++;
             c->st.evicted_bytes += freed;
+            traced_evict(i, freed);
             total += freed;
         }
     }
@@ -519,6 +529,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         memset(out, 0, sizeof *out);
     if (out_n)
         *out_n = 0;
+    uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     laden_status s = bound(c, id, &m, "laden_cache_activate");
     if (s)
         return s;
@@ -597,6 +608,9 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     c->st.upload_bytes += act.upload_bytes;
     if (!act.upload_bytes && !act.evicted_bytes)
         c->st.hits++;
+    if (t0 && LADEN__TRACING())
+        laden__trace_span(LADEN__EV_UPLOAD, t0, id, act.upload_bytes, 0,
+                          "cache activate");
     if (out)
         *out = act;
     free(res);

@@ -16,6 +16,7 @@
 #include "laden/plan.h"
 #include "laden/st.h"
 #include "laden/stream.h"
+#include "laden/trace.h"
 #include "laden/vram.h"
 
 /* The structs the Python binding mirrors, by C tag, in the order
@@ -37,7 +38,8 @@
     S(laden_plan_result)      \
     S(laden_host_stats)       \
     S(laden_gguf_tensor)      \
-    S(laden_gguf_kv)
+    S(laden_gguf_kv)          \
+    S(laden_trace_result)
 
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_st_tensor(F, T)                                       \
@@ -107,6 +109,10 @@
 #define FIELDS_laden_host_stats(F, T)                                      \
     F(T, budget_bytes) F(T, in_use_bytes) F(T, cached_bytes)               \
     F(T, peak_bytes) F(T, allocs) F(T, reuses) F(T, pins) F(T, unpins)
+
+#define FIELDS_laden_trace_result(F, T)                                    \
+    F(T, events) F(T, dropped) F(T, threads) F(T, streams)                 \
+    F(T, unresolved) F(T, seconds)
 
 typedef struct abi_field {
     const char *name;

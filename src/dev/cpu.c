@@ -67,6 +67,7 @@ static void event_wait_gen(cpu_event *e, uint64_t gen)
 static void *stream_main(void *arg)
 {
     cpu_stream *s = arg;
+    pthread_setname_np(pthread_self(), "laden-cpu-stream");
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (s->head == s->tail && !s->stop)
@@ -277,6 +278,15 @@ static laden_status cpu_event_query(int32_t dev, void *ei, int *done)
     *done = e->completed >= e->recorded;
     pthread_mutex_unlock(&e->mu);
     return LADEN_OK;
+}
+
+uint64_t laden__dev_cpu_event_ns(void *impl)
+{
+    cpu_event *e = impl;
+    pthread_mutex_lock(&e->mu);
+    uint64_t t = e->t_ns;
+    pthread_mutex_unlock(&e->mu);
+    return t;
 }
 
 static laden_status cpu_event_elapsed(int32_t dev, void *ai, void *bi,

@@ -1,8 +1,10 @@
 /* Device table and dispatch.  Validates arguments once here, so the two
  * implementations only see well-formed calls. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../trace/trace_internal.h"
 #include "dev_internal.h"
 
 struct laden_dev_stream {
@@ -48,6 +50,94 @@ laden_status laden__dev_resolve(int32_t dev, const laden__dev_ops **ops)
         if (rs)                             \
             return rs;                      \
     } while (0)
+
+/* ---- memory held, for the trace's counters -------------------------------
+ * Frees do not say their size: a small open-addressed table maps each live
+ * allocation (device memory, pinned host memory) to its size and gauge.
+ * Allocations are rare (never on the hot path), so one lock serves. */
+typedef struct held {
+    uintptr_t key; /* 0 empty, 1 deleted */
+    uint64_t n;
+    int32_t dev;
+    uint8_t gauge;
+} held;
+static pthread_mutex_t held_mu = PTHREAD_MUTEX_INITIALIZER;
+static held *held_tab;
+static size_t held_cap, held_used;
+
+static size_t held_hash(uintptr_t k, size_t cap)
+{
+    uint64_t h = (uint64_t)k * 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 17) & (cap - 1);
+}
+
+static bool held_grow(void)
+{
+    size_t cap = held_cap ? held_cap * 2 : 1024;
+    held *t = calloc(cap, sizeof *t);
+    if (!t)
+        return false;
+    for (size_t i = 0; i < held_cap; i++) {
+        if (held_tab[i].key <= 1)
+            continue;
+        size_t j = held_hash(held_tab[i].key, cap);
+        while (t[j].key)
+            j = (j + 1) & (cap - 1);
+        t[j] = held_tab[i];
+    }
+    free(held_tab);
+    held_tab = t;
+    held_cap = cap;
+    size_t live = 0;
+    for (size_t i = 0; i < cap; i++)
+        live += t[i].key > 1;
+    held_used = live;
+    return true;
+}
+
+static void held_add(uintptr_t key, uint64_t n, laden__gauge g, int32_t dev)
+{
+    if (key <= 1)
+        return;
+    pthread_mutex_lock(&held_mu);
+    if ((held_used + 1) * 2 > held_cap && !held_grow()) {
+        pthread_mutex_unlock(&held_mu); /* uncounted, never wrong */
+        return;
+    }
+    size_t j = held_hash(key, held_cap);
+    while (held_tab[j].key > 1)
+        j = (j + 1) & (held_cap - 1);
+    held_used += held_tab[j].key == 0;
+    held_tab[j] = (held){key, n, dev, (uint8_t)g};
+    pthread_mutex_unlock(&held_mu);
+    laden__gauge_add(g, dev, (int64_t)n);
+}
+
+static void held_drop(uintptr_t key)
+{
+    held h = {0};
+    pthread_mutex_lock(&held_mu);
+    if (held_cap) {
+        size_t j = held_hash(key, held_cap);
+        while (held_tab[j].key && held_tab[j].key != key)
+            j = (j + 1) & (held_cap - 1);
+        if (held_tab[j].key == key) {
+            h = held_tab[j];
+            held_tab[j].key = 1;
+        }
+    }
+    pthread_mutex_unlock(&held_mu);
+    if (h.key)
+        laden__gauge_add((laden__gauge)h.gauge, h.dev, -(int64_t)h.n);
+}
+
+static void traced_sync(uint64_t t0, int32_t dev, const char *what)
+{
+    uint64_t t1 = laden__now_ns();
+    laden__trace_rec r = {.t = t0, .dur = t1 - t0, .s = what,
+                          .ev = LADEN__EV_SYNC, .dev = (int16_t)dev};
+    laden__trace_emit(&r);
+}
 
 laden_status laden_dev_count(int32_t *out)
 {
@@ -137,7 +227,12 @@ laden_status laden_dev_stream_synchronize(laden_dev_stream_t *s)
 {
     if (!s)
         return laden__fail(LADEN_E_INVAL, "stream_synchronize: NULL stream");
-    return s->ops->stream_sync(s->device, s->impl);
+    if (!LADEN__TRACING())
+        return s->ops->stream_sync(s->device, s->impl);
+    uint64_t t0 = laden__now_ns();
+    laden_status st = s->ops->stream_sync(s->device, s->impl);
+    traced_sync(t0, s->device, "stream");
+    return st;
 }
 
 static laden_status same_device(laden_dev_stream_t *s, laden_event_t *e,
@@ -278,7 +373,12 @@ laden_status laden_dev_event_synchronize(laden_event_t *e)
 {
     if (!e)
         return laden__fail(LADEN_E_INVAL, "event_synchronize: NULL event");
-    return e->ops->event_sync(e->device, e->impl);
+    if (!LADEN__TRACING())
+        return e->ops->event_sync(e->device, e->impl);
+    uint64_t t0 = laden__now_ns();
+    laden_status st = e->ops->event_sync(e->device, e->impl);
+    traced_sync(t0, e->device, "event");
+    return st;
 }
 
 laden_status laden_dev_event_query(laden_event_t *e, int *done)
@@ -333,7 +433,10 @@ laden_status laden_dev_mem_alloc(int32_t dev, uint64_t n, laden_devptr_t *out)
     if (n == 0)
         return laden__fail(LADEN_E_INVAL, "mem_alloc: zero bytes");
     RESOLVE(dev);
-    return ops->mem_alloc(dev, n, out);
+    laden_status st = ops->mem_alloc(dev, n, out);
+    if (!st)
+        held_add(*out, n, LADEN__GAUGE_DEVICE, dev);
+    return st;
 }
 
 laden_status laden_dev_mem_free(int32_t dev, laden_devptr_t p)
@@ -341,7 +444,9 @@ laden_status laden_dev_mem_free(int32_t dev, laden_devptr_t p)
     if (!p)
         return LADEN_OK;
     RESOLVE(dev);
-    return ops->mem_free(dev, p);
+    laden_status st = ops->mem_free(dev, p);
+    held_drop(p);
+    return st;
 }
 
 laden_status laden_dev_host_alloc(int32_t dev, uint64_t n, void **out)
@@ -352,7 +457,10 @@ laden_status laden_dev_host_alloc(int32_t dev, uint64_t n, void **out)
     if (n == 0)
         return laden__fail(LADEN_E_INVAL, "host_alloc: zero bytes");
     RESOLVE(dev);
-    return ops->host_alloc(dev, n, out);
+    laden_status st = ops->host_alloc(dev, n, out);
+    if (!st)
+        held_add((uintptr_t)*out, n, LADEN__GAUGE_PINNED, dev);
+    return st;
 }
 
 laden_status laden_dev_host_free(int32_t dev, void *p)
@@ -360,7 +468,9 @@ laden_status laden_dev_host_free(int32_t dev, void *p)
     if (!p)
         return LADEN_OK;
     RESOLVE(dev);
-    return ops->host_free(dev, p);
+    laden_status st = ops->host_free(dev, p);
+    held_drop((uintptr_t)p);
+    return st;
 }
 
 laden_status laden_dev_host_register(int32_t dev, void *p, uint64_t n)
@@ -372,7 +482,10 @@ laden_status laden_dev_host_register(int32_t dev, void *p, uint64_t n)
                            "page-aligned range",
                            p, (unsigned long long)n);
     RESOLVE(dev);
-    return ops->host_register(dev, p, n);
+    laden_status st = ops->host_register(dev, p, n);
+    if (!st)
+        held_add((uintptr_t)p, n, LADEN__GAUGE_PINNED, dev);
+    return st;
 }
 
 laden_status laden_dev_host_unregister(int32_t dev, void *p)
@@ -380,7 +493,10 @@ laden_status laden_dev_host_unregister(int32_t dev, void *p)
     if (!p)
         return laden__fail(LADEN_E_INVAL, "host_unregister: NULL");
     RESOLVE(dev);
-    return ops->host_unregister(dev, p);
+    laden_status st = ops->host_unregister(dev, p);
+    if (!st)
+        held_drop((uintptr_t)p);
+    return st;
 }
 
 static laden_status check_gran(int32_t dev, const laden__dev_ops *ops,
@@ -442,14 +558,18 @@ laden_status laden_dev_map(int32_t dev, laden_devptr_t va, uint64_t n,
 {
     RESOLVE(dev);
     laden_status st = check_gran(dev, ops, va, n, "map");
-    return st ? st : ops->map(dev, va, n, p);
+    if (!st && !(st = ops->map(dev, va, n, p)))
+        laden__gauge_add(LADEN__GAUGE_VBAR, dev, (int64_t)n);
+    return st;
 }
 
 laden_status laden_dev_unmap(int32_t dev, laden_devptr_t va, uint64_t n)
 {
     RESOLVE(dev);
     laden_status st = check_gran(dev, ops, va, n, "unmap");
-    return st ? st : ops->unmap(dev, va, n);
+    if (!st && !(st = ops->unmap(dev, va, n)))
+        laden__gauge_add(LADEN__GAUGE_VBAR, dev, -(int64_t)n);
+    return st;
 }
 
 laden_status laden_dev_measure_copy(int32_t dev, laden_copy_kind kind,
@@ -502,4 +622,126 @@ out:
         free(h);
     laden_dev_mem_free(dev, d);
     return st;
+}
+
+/* ---- stream marks for the trace ----------------------------------------
+ * A mark is a timing event recorded on a stream.  Its time on the host
+ * clock is read when the trace is written: the elapsed time from the
+ * device's reference event, itself recorded on an empty stream and waited
+ * for once per trace (the first mark on the device), so nothing the
+ * caller queued is waited for. */
+typedef struct tmark {
+    struct tmark *next;
+    const laden__dev_ops *ops;
+    void *ev;
+    int32_t dev;
+    uint64_t track;
+} tmark;
+
+static pthread_mutex_t tm_mu = PTHREAD_MUTEX_INITIALIZER;
+static tmark *tm_all;
+static struct {
+    uint64_t session;
+    const laden__dev_ops *ops;
+    void *ev;
+    uint64_t t_ns;
+} tm_ref[LADEN__GAUGE_DEVICES + 1];
+
+static bool tm_resolve(void *p, uint64_t *t_ns, uint64_t *track)
+{
+    tmark *m = p;
+    int k = m->dev + 1;
+    float ms = 0;
+    if (!tm_ref[k].ev || m->ops->event_sync(m->dev, m->ev) ||
+        m->ops->event_elapsed(m->dev, tm_ref[k].ev, m->ev, &ms))
+        return false;
+    double t = (double)tm_ref[k].t_ns + (double)ms * 1e6;
+    *t_ns = t > 0 ? (uint64_t)t : 0;
+    *track = m->track;
+    return true;
+}
+
+static void tm_release_all(void)
+{
+    pthread_mutex_lock(&tm_mu);
+    for (tmark *m = tm_all, *nx; m; m = nx) {
+        nx = m->next;
+        m->ops->event_destroy(m->dev, m->ev);
+        free(m);
+    }
+    tm_all = NULL;
+    for (size_t k = 0; k < LADEN__ARRAY_LEN(tm_ref); k++) {
+        if (tm_ref[k].ev)
+            tm_ref[k].ops->event_destroy((int32_t)k - 1, tm_ref[k].ev);
+        tm_ref[k].ev = NULL;
+        tm_ref[k].session = 0;
+    }
+    pthread_mutex_unlock(&tm_mu);
+}
+
+/* The device's reference for this trace (tm_mu held). */
+static bool tm_reference(int32_t dev, const laden__dev_ops *ops)
+{
+    int k = dev + 1;
+    uint64_t sess = laden__trace_session();
+    if (tm_ref[k].session == sess && tm_ref[k].ev)
+        return true;
+    void *st = NULL, *ev = NULL;
+    if (ops->stream_create(dev, &st))
+        return false;
+    bool ok = false;
+    if (!ops->event_create(dev, 1, &ev)) {
+        uint64_t a = laden__now_ns();
+        if (!ops->event_record(dev, ev, st) && !ops->event_sync(dev, ev)) {
+            uint64_t b = laden__now_ns();
+            /* The CPU device's events carry their host time; a GPU's is
+             * between the record and the end of the wait. */
+            tm_ref[k].t_ns = dev == LADEN_DEVICE_CPU
+                                 ? laden__dev_cpu_event_ns(ev)
+                                 : a + (b - a) / 2;
+            tm_ref[k].ev = ev;
+            tm_ref[k].ops = ops;
+            tm_ref[k].session = sess;
+            ok = true;
+        } else {
+            ops->event_destroy(dev, ev);
+        }
+    }
+    ops->stream_destroy(dev, st, true);
+    return ok;
+}
+
+void *laden__dev_trace_mark(laden_dev_stream_t *s)
+{
+    static atomic_int registered;
+    if (!s || !LADEN__TRACING() || s->device < -1 ||
+        s->device >= LADEN__GAUGE_DEVICES)
+        return NULL;
+    if (!atomic_exchange(&registered, 1)) {
+        laden__trace_marks m = {tm_resolve, tm_release_all};
+        laden__trace_set_marks(&m);
+    }
+    tmark *m = calloc(1, sizeof *m);
+    if (!m)
+        return NULL;
+    m->ops = s->ops;
+    m->dev = s->device;
+    m->track = (uint64_t)(uintptr_t)s->impl;
+    pthread_mutex_lock(&tm_mu);
+    bool ok = tm_reference(s->device, s->ops);
+    pthread_mutex_unlock(&tm_mu);
+    if (!ok || s->ops->event_create(s->device, 1, &m->ev)) {
+        free(m);
+        return NULL;
+    }
+    if (s->ops->event_record(s->device, m->ev, s->impl)) {
+        s->ops->event_destroy(s->device, m->ev);
+        free(m);
+        return NULL;
+    }
+    pthread_mutex_lock(&tm_mu);
+    m->next = tm_all;
+    tm_all = m;
+    pthread_mutex_unlock(&tm_mu);
+    return m;
 }

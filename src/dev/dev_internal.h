@@ -48,6 +48,8 @@ typedef struct laden__dev_ops {
 } laden__dev_ops;
 
 extern const laden__dev_ops laden__dev_cpu_ops;
+/* When a completed CPU-device event completed (host monotonic ns). */
+uint64_t laden__dev_cpu_event_ns(void *impl);
 extern const laden__dev_ops laden__dev_cuda_ops;
 
 /* The implementation of device `dev`, or LADEN_E_NODEVICE saying why

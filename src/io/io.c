@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "../core/internal.h"
+#include "../trace/trace_internal.h"
 
 #define IO_ALIGN 4096u
 /* Threads: enough requests in flight for a drive (4), and for copies out
@@ -408,6 +409,7 @@ static void *worker_main(void *arg)
 {
     worker *w = arg;
     laden_io_t *io = w->io;
+    pthread_setname_np(pthread_self(), "laden-io");
     pthread_mutex_lock(&io->mu);
     for (;;) {
         while (!io->head && !io->stop)
@@ -423,9 +425,13 @@ static void *worker_main(void *arg)
         pthread_mutex_unlock(&io->mu);
         laden_status s = LADEN_OK;
         uint64_t n[3] = {0, 0, 0};
+        uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
                                       jb->dst, n)))
             s = unchanged(jb->file);
+        if (t0 && !skip)
+            laden__trace_span(LADEN__EV_READ, t0, jb->off, jb->len, n[1],
+                              laden__trace_intern(jb->file->path));
         pthread_mutex_lock(&io->mu);
         if (!s) {
             io->st.direct_bytes += n[0];

@@ -779,6 +779,11 @@ static laden_status loader_end(laden_sched_t *sc, laden_status s)
     sc->loading = false;
     if (!s)
         sc->loaded = true;
+    if (sc->trace_load_t0 && LADEN__TRACING())
+        laden__trace_span(LADEN__EV_LOAD, sc->trace_load_t0, 0,
+                          sc->st.load_read_bytes, (uintptr_t)sc,
+                          laden__sched_trace_name(sc));
+    sc->trace_load_t0 = 0;
     return s;
 }
 
@@ -798,6 +803,7 @@ static laden_status may_load(const laden_sched_t *sc)
 static laden_status begin(laden_sched_t *sc)
 {
     laden_status s;
+    sc->trace_load_t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     if ((s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
         (!sc->cache && (s = place_device_blocks(sc))) ||
         (s = loader_new(sc)))

@@ -91,6 +91,9 @@ void laden__sched_free_slots(laden_sched_t *sc)
     free(sc->slots);
     sc->slots = NULL;
     sc->nslots = 0;
+    laden__gauge_add(LADEN__GAUGE_SLOTS, sc->cfg.device,
+                     -(int64_t)sc->slot_gauge);
+    sc->slot_gauge = 0;
     laden_dev_event_destroy(sc->fork);
     sc->fork = NULL;
     sc->capturing = sc->captured_events = false;
@@ -155,15 +158,44 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* ---- the hot path ------------------------------------------------------- */
 
+/* Tracing: the host waited from t0 for block's reads, copy or staging
+ * buffer (recorded when it was long enough to matter). */
+static void host_stall(laden_sched_t *sc, uint64_t t0, int64_t block,
+                       laden__stall why)
+{
+    if (laden__now_ns() - t0 >= 2000)
+        laden__trace_span(LADEN__EV_STALL, t0, (uint64_t)block, why,
+                          (uintptr_t)sc, NULL);
+}
+
+/* The copy into a slot on the copy stream; while tracing (and not
+ * capturing) between two marks, m[0] and m[1], recorded before the slot's
+ * ready event so that the copy's end is timed, not the wake of whoever
+ * waits for it. */
+static laden_status traced_copy(laden_sched_t *sc, laden_devptr_t dst,
+                                const void *src, uint64_t n, void *m[2])
+{
+    bool traced = LADEN__TRACING() && !sc->capturing;
+    if (traced)
+        m[0] = laden__dev_trace_mark(sc->copy);
+    laden_status s = laden_dev_copy_h2d(sc->copy, dst, src, n);
+    if (!s && m[0])
+        m[1] = laden__dev_trace_mark(sc->copy);
+    return s;
+}
+
 /* Waits for the slot's reads; on success enqueues staging -> slot. */
 static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
 {
     laden_status s = LADEN_OK, w;
+    uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     for (uint32_t k = 0; k < sl->nreqs; k++)
         if ((w = laden_io_wait(sc->io, sl->reqs[k])) && !s) {
             s = w;
             snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
         }
+    if (t0)
+        host_stall(sc, t0, sl->block, LADEN__STALL_READS);
     sl->nreqs = 0;
     sl->reads_pending = false;
     if (discard || sl->err)
@@ -176,11 +208,14 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     sc->st.read_bytes += b->bytes;
     if (!sc->cuda)
         return LADEN_OK; /* read straight into the slot */
+    void *m[2] = {NULL, NULL};
     if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
-        (s = laden_dev_copy_h2d(sc->copy, sl->ptr, sl->staging, b->bytes)) ||
+        (s = traced_copy(sc, sl->ptr, sl->staging, b->bytes, m)) ||
         (s = laden_dev_event_record(sl->ready, sc->copy)) ||
         (s = laden_dev_event_record(sl->staging_free, sc->copy)))
         return s;
+    laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], sl->block,
+                        b->bytes, (uintptr_t)sc);
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
 }
@@ -200,12 +235,15 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
          * fork (laden_sched_capture_begin); a record from outside the
          * capture cannot be waited for inside it. */
         bool wait = !sc->capturing || sl->free_captured;
+        void *m[2] = {NULL, NULL};
         if ((wait && (s = laden_dev_stream_wait_event(sc->copy, sl->free))) ||
-            (s = laden_dev_copy_h2d(sc->copy, sl->ptr, b->ram, b->bytes)) ||
+            (s = traced_copy(sc, sl->ptr, b->ram, b->bytes, m)) ||
             (s = laden_dev_event_record(sl->ready, sc->copy))) {
             sl->block = -1;
             return s;
         }
+        laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], bi,
+                            b->bytes, (uintptr_t)sc);
         /* A captured copy runs at each replay, which counts it. */
         if (sc->capturing) {
             sc->capture_h2d += b->bytes;
@@ -216,10 +254,13 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         return LADEN_OK;
     }
     char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
+    uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free))) {
         sl->block = -1;
         return s;
     }
+    if (t0 && sc->cuda)
+        host_stall(sc, t0, bi, LADEN__STALL_STAGING);
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
         s = laden_io_submit(sc->io, sc->files[r->file], r->off, r->src_bytes,
@@ -379,6 +420,8 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
             goto fail;
     }
     sc->started = true;
+    sc->slot_gauge = (uint64_t)sc->nslots * sc->slot_bytes;
+    laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->slot_gauge);
     sc->st.generation++; /* the slots' addresses */
     sc->dir = 1;
     sc->last_pos = -1;
@@ -504,6 +547,9 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     sc->st.enters++;
     if (sl->block != (int64_t)block) {
         sc->st.misses++;
+        if (LADEN__TRACING())
+            laden__trace_point(LADEN__EV_MISS, block, 0, (uintptr_t)sc,
+                               NULL);
         if ((s = laden__sched_until(sc, block)) ||
             (s = issue_load(sc, sl, block)))
             return s;
@@ -533,12 +579,24 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     }
     /* In a capture, a block already in its slot when it began was put
      * there before it: ordered by the fork (replay_begin at replays). */
+    bool traced = LADEN__TRACING() && !sc->capturing;
+    void *m0 = traced && sc->cuda ? laden__dev_trace_mark(sc->compute) : NULL;
     if (sc->cuda && (!sc->capturing || sl->ready_captured) &&
         (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
         return s;
+    sl->trace_mark = NULL;
+    if (m0) {
+        sl->trace_mark = laden__dev_trace_mark(sc->compute);
+        laden__trace_stream(LADEN__EV_STALL, sc->cfg.device, m0,
+                            sl->trace_mark, block, LADEN__STALL_COPY,
+                            (uintptr_t)sc);
+    }
+    uint64_t t0 = traced ? laden__now_ns() : 0;
     if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
         (s = laden_dev_event_synchronize(sl->ready)))
         return s; /* the CPU device's copy worker */
+    if (t0 && !sc->cuda && b->tier == LADEN_TIER_RAM)
+        host_stall(sc, t0, block, LADEN__STALL_COPY);
     sl->in_use = true;
     note_direction(sc, (uint32_t)b->pos);
     return prefetch_after(sc, (uint32_t)b->pos);
@@ -567,8 +625,14 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
                            "laden_sched_exit: block %u is not running",
                            block);
     sl->in_use = false;
-    if (sc->cuda && ((s = laden__sched_compute_stream(sc, handle)) ||
-                     (s = laden_dev_event_record(sl->free, sc->compute))))
+    if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
+        return s;
+    if (sl->trace_mark && LADEN__TRACING() && !sc->capturing)
+        laden__trace_stream(LADEN__EV_COMPUTE, sc->cfg.device, sl->trace_mark,
+                            laden__dev_trace_mark(sc->compute), block, 0,
+                            (uintptr_t)sc);
+    sl->trace_mark = NULL;
+    if (sc->cuda && (s = laden_dev_event_record(sl->free, sc->compute)))
         return s;
     if (sc->capturing)
         sl->free_captured = true;

@@ -3,6 +3,7 @@
  * stream_internal.h.  Here: the queries, and the one-thread guard every
  * other call goes through. */
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -316,17 +317,49 @@ int laden_sched_is_closed(laden_sched_t *sc)
     return sc && atomic_load(&sc->holder) == CLOSED;
 }
 
+const char *laden__sched_trace_name(laden_sched_t *sc)
+{
+    uint64_t sess = laden__trace_session();
+    if (!sc->trace_name || sc->trace_session != sess) {
+        sc->trace_name = laden__trace_intern(sc->name);
+        sc->trace_session = sess;
+    }
+    return sc->trace_name;
+}
+
+laden_status laden_sched_set_name(laden_sched_t *sc, const char *name)
+{
+    laden_status s = hold(sc, "laden_sched_set_name");
+    if (s)
+        return s;
+    snprintf(sc->name, sizeof sc->name, "%s", name ? name : "");
+    sc->trace_name = NULL;
+    unhold(sc);
+    return LADEN_OK;
+}
+
 laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
                                uintptr_t compute_stream)
 {
     laden_status s = hold(sc, "laden_sched_enter");
     if (s)
         return s;
+    uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
+    uint64_t misses = sc->st.misses;
     if ((s = laden__sched_enter(sc, block, compute_stream))) {
         unhold(sc);
         return s;
     }
     sc->entered++;
+    if (t0) {
+        laden__trace_rec r = {
+            .t = t0, .a = block, .b = (uintptr_t)sc,
+            .c = (uint64_t)laden__sched_streamed(sc, &sc->b[block]) |
+                 (uint64_t)(sc->st.misses != misses) << 1,
+            .s = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
+            .dev = (int16_t)sc->cfg.device};
+        laden__trace_emit(&r);
+    }
     return LADEN_OK;
 }
 
@@ -341,6 +374,12 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
                            "this thread",
                            block);
     laden_status s = laden__sched_exit(sc, block, compute_stream);
+    if (LADEN__TRACING()) {
+        laden__trace_rec r = {.t = laden__now_ns(), .a = block,
+                              .b = (uintptr_t)sc, .ev = LADEN__EV_EXIT,
+                              .dev = (int16_t)sc->cfg.device};
+        laden__trace_emit(&r);
+    }
     sc->entered--;
     unhold(sc);
     return s;

@@ -15,6 +15,7 @@
 #include <stdbool.h>
 
 #include "../core/internal.h"
+#include "../trace/trace_internal.h"
 #include "laden/host.h"
 #include "laden/stream.h"
 #include "laden/vram.h"
@@ -93,10 +94,16 @@ typedef struct slot {
     bool ready_captured; /* and `ready` */
     int64_t at_capture;  /* block held when the capture began */
     uint64_t fills_at_capture;
+    void *trace_mark; /* tracing: the compute stream's mark after the wait */
 } slot;
 
 struct laden_sched {
     laden_sched_config cfg;
+    char name[64];          /* laden_sched_set_name; "" unnamed */
+    const char *trace_name; /* name interned for the trace of ... */
+    uint64_t trace_session; /* ... this session */
+    uint64_t slot_gauge;    /* slot bytes counted in the trace's gauge */
+    uint64_t trace_load_t0; /* tracing: when the load began */
     bool cuda, loaded, broken, started;
     bool any_disk;
     laden_io_t *io;
@@ -310,6 +317,9 @@ laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
                                       const char *call);
+/* The schedule's name for the trace (tracing only). */
+const char *laden__sched_trace_name(laden_sched_t *sc);
+
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
 laden_status laden__sched_stop(laden_sched_t *sc);
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,

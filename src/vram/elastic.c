@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "../trace/trace_internal.h"
 #include "laden/vram.h"
 #include "vram_internal.h"
 
@@ -44,7 +45,18 @@ typedef struct elastic {
     laden_dev_stream_t *ws;
     uintptr_t ws_handle;
     laden_elastic_stats_t st;
+    uint64_t gauged; /* in_use_bytes as the trace's gauge has it */
 } elastic;
+
+/* The trace's gauge follows in_use_bytes (e->mu held). */
+static void gauge(elastic *e, int32_t device)
+{
+    if (e->st.in_use_bytes != e->gauged) {
+        laden__gauge_add(LADEN__GAUGE_ELASTIC, device,
+                         (int64_t)(e->st.in_use_bytes - e->gauged));
+        e->gauged = e->st.in_use_bytes;
+    }
+}
 
 static elastic dev_state[MAX_DEVICES + 1]; /* [0]: the CPU device */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -340,6 +352,7 @@ void *laden_elastic_malloc(ptrdiff_t size, int device, void *stream)
 done:
     if (e->st.in_use_bytes + e->st.cached_bytes > e->st.peak_bytes)
         e->st.peak_bytes = e->st.in_use_bytes + e->st.cached_bytes;
+    gauge(e, device);
     pthread_mutex_unlock(&e->mu);
     return out;
 }
@@ -373,6 +386,7 @@ void laden_elastic_free(void *ptr, ptrdiff_t size, int device, void *stream)
         e->c[e->n++] = b;
         e->st.cached_bytes += n;
     }
+    gauge(e, device);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "../trace/trace_internal.h"
 #include "vram_internal.h"
 
 typedef struct page {
@@ -252,6 +253,9 @@ static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
         best->watermark = wm;
     c->st.evictions++;
     c->st.evicted_bytes += c->page;
+    if (LADEN__TRACING())
+        laden__trace_point(LADEN__EV_EVICT, 0, c->page, 0,
+                           "vbar page evicted");
     return true;
 }
 
@@ -492,6 +496,9 @@ static laden_status map_page(laden_vbar_t *v, uint32_t i, bool *oom)
     v->mapped += c->page;
     c->mapped += c->page;
     c->st.maps++;
+    if (LADEN__TRACING())
+        laden__trace_point(LADEN__EV_FAULT, 0, c->page, 0,
+                           "vbar page mapped");
     return LADEN_OK;
 }
 

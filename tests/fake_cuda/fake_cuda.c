@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -56,6 +57,7 @@ typedef struct event {
     stream *s;
     unsigned long long at; /* s->queued when recorded */
     int recorded;
+    double t_ms; /* host clock when recorded: its "time" on the device */
 } event;
 
 #define EVENT_MAGIC 0x5eed
@@ -295,18 +297,29 @@ static CUresult event_record(event *e, stream *s)
 {
     if (!e || e->magic != EVENT_MAGIC)
         return INVALID_HANDLE;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     e->s = s;
     e->at = s->queued;
     e->recorded = 1;
+    e->t_ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
     return 0;
 }
 static CUresult cuEventRecord(void *e, void *s) { LOCKED(event_record(e, of(s))); }
+/* The time between the two records on the host clock: work queued in
+ * order is timed in order. */
+static CUresult event_elapsed(float *ms, event *a, event *b)
+{
+    if (!a || !b || a->magic != EVENT_MAGIC || b->magic != EVENT_MAGIC)
+        return INVALID_HANDLE;
+    if (!a->recorded || !b->recorded)
+        return 600; /* CUDA_ERROR_NOT_READY */
+    *ms = (float)(b->t_ms - a->t_ms);
+    return 0;
+}
 static CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 {
-    (void)a;
-    (void)b;
-    *ms = 1;
-    return 0;
+    LOCKED(event_elapsed(ms, a, b));
 }
 
 static CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *src, size_t n,

@@ -1,0 +1,304 @@
+"""Reading a trace that laden wrote: the summary and the picture of
+``laden trace show``.  The events and their times are C's (laden.trace);
+this only adds them up and draws them."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from ._units import fmt_bytes
+from .errors import InvalidArgumentError
+
+Span = Tuple[float, float]  # start, end in microseconds
+
+
+@dataclass
+class TraceData:
+    path: str
+    seconds: float
+    dropped: int
+    events: List[dict]
+    tracks: Dict[int, str]  # tid -> name
+    spans: List[dict]  # complete events (X and closed B/E), with "end"
+    counters: Dict[str, List[Tuple[float, int]]]
+
+
+def load(path: str) -> TraceData:
+    """Reads a trace file written by laden.trace; InvalidArgumentError
+    naming the file when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise InvalidArgumentError(f"trace {path}: {e.strerror}",
+                                   "E_INVAL") from None
+    except ValueError as e:
+        raise InvalidArgumentError(f"trace {path}: not JSON ({e})",
+                                   "E_INVAL") from None
+    if not isinstance(doc, dict) or not isinstance(
+            doc.get("traceEvents"), list):
+        raise InvalidArgumentError(
+            f"trace {path}: no traceEvents list (not a trace laden wrote)",
+            "E_INVAL")
+    other = doc.get("otherData") or {}
+    events = doc["traceEvents"]
+    tracks: Dict[int, str] = {}
+    spans: List[dict] = []
+    counters: Dict[str, List[Tuple[float, int]]] = {}
+    open_: Dict[int, List[dict]] = {}
+    for e in events:
+        ph = e.get("ph")
+        if ph == "M" and e.get("name") == "thread_name":
+            tracks[e.get("tid", 0)] = e.get("args", {}).get("name", "")
+        elif ph == "X":
+            s = dict(e)
+            s["end"] = e["ts"] + e.get("dur", 0.0)
+            spans.append(s)
+        elif ph == "B":
+            open_.setdefault(e.get("tid", 0), []).append(e)
+        elif ph == "E":
+            stack = open_.get(e.get("tid", 0))
+            if stack:
+                b = dict(stack.pop())
+                b["end"] = e["ts"]
+                b["dur"] = e["ts"] - b["ts"]
+                spans.append(b)
+        elif ph == "C":
+            v = next(iter(e.get("args", {}).values()), 0)
+            counters.setdefault(e["name"], []).append((e["ts"], v))
+    for c in counters.values():
+        c.sort()
+    spans.sort(key=lambda s: s["ts"])
+    return TraceData(path, float(other.get("seconds", 0.0)),
+                     int(other.get("dropped_events", 0)), events, tracks,
+                     spans, counters)
+
+
+def union_us(intervals: List[Span]) -> float:
+    """Microseconds covered by the union of the intervals."""
+    total, end = 0.0, None
+    start = None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            if end is not None:
+                total += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    if end is not None:
+        total += end - start
+    return total
+
+
+@dataclass
+class Summary:
+    seconds: float
+    blocks: int = 0
+    streamed: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    h2d_busy_us: float = 0.0
+    h2d_window_us: float = 0.0
+    h2d_copies: int = 0
+    read_bytes: int = 0
+    read_busy_us: float = 0.0
+    stall_us: Dict[str, float] = field(default_factory=dict)
+    top_stalls: List[dict] = field(default_factory=list)
+    syncs: int = 0
+    sync_us: float = 0.0
+    peaks: Dict[str, int] = field(default_factory=dict)
+    link_gb_per_s: Optional[float] = None
+    dropped: int = 0
+
+    @property
+    def copy_busy(self) -> float:
+        """The share of the window from the first copy to the last that
+        the copy lane was busy."""
+        return self.h2d_busy_us / self.h2d_window_us \
+            if self.h2d_window_us > 0 else 0.0
+
+    @property
+    def h2d_gb_per_s(self) -> float:
+        """Bytes copied per second of copying."""
+        return self.h2d_bytes / self.h2d_busy_us / 1e3 \
+            if self.h2d_busy_us > 0 else 0.0
+
+    def text(self) -> str:
+        ms = 1e-3
+        out = [f"laden trace: {self.seconds:.3f} s, {self.blocks} block "
+               f"calls ({self.streamed} streamed, {self.misses} misses)"]
+        if self.h2d_copies:
+            line = (f"  h2d: {self.h2d_copies} copies, "
+                    f"{fmt_bytes(self.h2d_bytes)} in "
+                    f"{self.h2d_busy_us * ms:.1f} ms of copying "
+                    f"({self.h2d_gb_per_s:.1f} GB/s); copy lane busy "
+                    f"{100 * self.copy_busy:.1f}% from the first copy to "
+                    "the last")
+            if self.link_gb_per_s:
+                line += (f"; {100 * self.h2d_gb_per_s / self.link_gb_per_s:.0f}"
+                         f"% of the link ({self.link_gb_per_s:.1f} GB/s)")
+            out.append(line)
+        if self.read_bytes:
+            out.append(f"  read: {fmt_bytes(self.read_bytes)}, readers "
+                       f"busy {self.read_busy_us * ms:.1f} ms")
+        lost = sum(self.stall_us.values())
+        out.append(f"  stalls: {lost * ms:.2f} ms lost"
+                   + ("" if not self.stall_us else " (" + ", ".join(
+                       f"{k} {v * ms:.2f} ms" for k, v in
+                       sorted(self.stall_us.items())) + ")"))
+        for s in self.top_stalls:
+            a = s.get("args", {})
+            out.append(f"    {s['dur'] * ms:8.3f} ms at {s['ts'] * ms:9.3f} ms"
+                       f": {a.get('cause', '?')} of block {a.get('block')}"
+                       f" (schedule {a.get('schedule')}, waited on the "
+                       f"{a.get('on', '?')})")
+        out.append(f"  host synchronizations: {self.syncs} "
+                   f"({self.sync_us * ms:.2f} ms)")
+        for name, v in sorted(self.peaks.items()):
+            out.append(f"  peak {name}: {fmt_bytes(v)}")
+        if self.dropped:
+            out.append(f"  {self.dropped} events dropped (max_events)")
+        return "\n".join(out)
+
+
+def summarize(t: TraceData, link_gb_per_s: Optional[float] = None,
+              top: int = 5) -> Summary:
+    """Adds up the trace: time lost to stalls by cause and the longest
+    stalls, copy lane use, bytes read, host synchronizations, peaks of the
+    memory counters."""
+    s = Summary(seconds=t.seconds, link_gb_per_s=link_gb_per_s,
+                dropped=t.dropped)
+    copies: List[Span] = []
+    reads: List[Span] = []
+    stalls = []
+    for e in t.spans:
+        cat = e.get("cat")
+        if cat == "block":
+            s.blocks += 1
+            a = e.get("args", {})
+            s.streamed += int(a.get("streamed", 0))
+            s.misses += int(a.get("miss", 0))
+        elif cat == "h2d":
+            s.h2d_copies += 1
+            s.h2d_bytes += int(e.get("args", {}).get("bytes", 0))
+            copies.append((e["ts"], e["end"]))
+        elif cat == "read":
+            s.read_bytes += int(e.get("args", {}).get("bytes", 0))
+            reads.append((e["ts"], e["end"]))
+        elif cat == "stall":
+            cause = e.get("args", {}).get("cause", "?")
+            s.stall_us[cause] = s.stall_us.get(cause, 0.0) + e["dur"]
+            stalls.append(e)
+        elif cat == "sync":
+            s.syncs += 1
+            s.sync_us += e["dur"]
+    if copies:
+        s.h2d_busy_us = union_us(copies)
+        s.h2d_window_us = max(b for _, b in copies) - min(a for a, _ in copies)
+    s.read_busy_us = union_us(reads)
+    s.top_stalls = sorted(stalls, key=lambda e: -e["dur"])[:top]
+    for name, pts in t.counters.items():
+        s.peaks[name] = max(v for _, v in pts)
+    return s
+
+
+_COLORS = {"h2d": "#1f77b4", "compute": "#2ca02c", "stall": "#d62728",
+           "read": "#ff7f0e", "sync": "#9467bd", "block": "#7f7f7f",
+           "load": "#bcbd22", "cache": "#17becf", "range": "#c7c7c7"}
+
+
+def plot(t: TraceData, out: str, link_gb_per_s: Optional[float] = None,
+         title: Optional[str] = None) -> str:
+    """Draws the timeline to `out` (PNG): one lane per thread and stream,
+    stalls in red; the copy rate against the link; the memory counters."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgumentError(
+            "laden trace show -o needs matplotlib: pip install matplotlib",
+            "E_INVAL") from None
+    ms = 1e-3
+    lanes: Dict[int, List[dict]] = {}
+    for e in t.spans:
+        if e.get("cat") in ("range",):
+            continue
+        lanes.setdefault(e.get("tid", 0), []).append(e)
+
+    def order(tid):
+        name = t.tracks.get(tid, "")
+        return (0 if "stream" in name else 1, name, tid)
+
+    tids = sorted(lanes, key=order)
+    fig, axes = plt.subplots(3, 1, figsize=(14, 2.2 + 0.45 * len(tids) + 5),
+                             sharex=True, gridspec_kw={
+                                 "height_ratios": [max(2, len(tids)), 2, 2]})
+    ax = axes[0]
+    for row, tid in enumerate(tids):
+        by: Dict[str, List[Tuple[float, float]]] = {}
+        for e in lanes[tid]:
+            # a block's host span under the stream lanes' finer work
+            by.setdefault(e.get("cat", ""), []).append(
+                (e["ts"] * ms, max(e.get("dur", 0.0) * ms, 1e-3)))
+        for cat, bars in by.items():
+            h = 0.35 if cat in ("block", "load") else 0.7
+            ax.broken_barh(bars, (row - h / 2, h),
+                           facecolors=_COLORS.get(cat, "#333333"),
+                           edgecolor="none")
+    ax.set_yticks(range(len(tids)))
+    ax.set_yticklabels([t.tracks.get(tid, str(tid)) for tid in tids],
+                       fontsize=8)
+    ax.invert_yaxis()
+    from matplotlib.patches import Patch
+    used = {e.get("cat") for e in t.spans}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()
+                       if k in used], loc="upper right", fontsize=7,
+              ncol=4)
+    ax.set_title(title or os.path.basename(t.path))
+    # the copy rate, per bin
+    ax = axes[1]
+    copies = [e for e in t.spans if e.get("cat") == "h2d"]
+    if copies:
+        t0 = min(e["ts"] for e in copies)
+        t1 = max(e["end"] for e in copies)
+        nbins = 200
+        w = max((t1 - t0) / nbins, 1.0)
+        bins = [0.0] * nbins
+        for e in copies:
+            n = e.get("args", {}).get("bytes", 0)
+            dur = max(e["end"] - e["ts"], 1e-3)
+            a, b = e["ts"], e["end"]
+            k = int((a - t0) // w)
+            while a < b and k < nbins:
+                edge = t0 + (k + 1) * w
+                part = min(b, edge) - a
+                bins[k] += n * part / dur
+                a = edge
+                k += 1
+        xs = [(t0 + (i + 0.5) * w) * ms for i in range(nbins)]
+        ax.plot(xs, [v / w / 1e3 for v in bins], color=_COLORS["h2d"],
+                label="h2d GB/s")
+        if link_gb_per_s:
+            ax.axhline(link_gb_per_s, color="k", ls="--", lw=0.8,
+                       label=f"link {link_gb_per_s:.1f} GB/s")
+        ax.legend(loc="upper right", fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax = axes[2]
+    for name, pts in sorted(t.counters.items()):
+        xs = [p[0] * ms for p in pts]
+        ys = [p[1] / 1e9 for p in pts]
+        if xs:
+            xs.append(t.seconds * 1e3)
+            ys.append(ys[-1])
+            ax.step(xs, ys, where="post", label=name, lw=1)
+    if t.counters:
+        ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.set_ylabel("GB")
+    ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
