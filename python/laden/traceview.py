@@ -144,7 +144,7 @@ class Summary:
             out.append(f"  read: {fmt_bytes(self.read_bytes)}, readers "
                        f"busy {self.read_busy_us * ms:.1f} ms")
         lost = sum(self.stall_us.values())
-        out.append(f"  stalls: {lost * ms:.2f} ms lost"
+        out.append(f"  stalls: {lost * ms:.2f} ms waited"
                    + ("" if not self.stall_us else " (" + ", ".join(
                        f"{k} {v * ms:.2f} ms" for k, v in
                        sorted(self.stall_us.items())) + ")"))
@@ -154,6 +154,17 @@ class Summary:
                        f": {a.get('cause', '?')} of block {a.get('block')}"
                        f" (schedule {a.get('schedule')}, waited on the "
                        f"{a.get('on', '?')})")
+        if self.h2d_copies and self.copy_busy >= 0.95 and \
+                self.stall_us.get("copy", 0) > 0:
+            out.append("  bound by the copies: the copy lane was busy from "
+                       "the first copy to the last, and compute waited "
+                       "for it (more of the model resident, or a faster "
+                       "link, is what would help)")
+        elif self.h2d_copies and self.copy_busy < 0.95:
+            out.append(f"  the copy lane idled "
+                       f"{100 * (1 - self.copy_busy):.1f}% of the time "
+                       "between copies: compute, reads or the host set the "
+                       "pace (see the stalls)")
         out.append(f"  host synchronizations: {self.syncs} "
                    f"({self.sync_us * ms:.2f} ms)")
         for name, v in sorted(self.peaks.items()):
@@ -285,6 +296,7 @@ def plot(t: TraceData, out: str, link_gb_per_s: Optional[float] = None,
             ax.axhline(link_gb_per_s, color="k", ls="--", lw=0.8,
                        label=f"link {link_gb_per_s:.1f} GB/s")
         ax.legend(loc="upper right", fontsize=7)
+        ax.set_ylim(bottom=0)
     ax.set_ylabel("GB/s")
     ax = axes[2]
     for name, pts in sorted(t.counters.items()):

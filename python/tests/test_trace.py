@@ -126,8 +126,8 @@ def test_one_copy_per_streamed_block_call(tmp_path, device):
             want = m(x)
             m(x)
         out = str(tmp_path / "t.json")
-        with cache.use(sp, device="cpu") as m, torch.no_grad():
-            with laden.trace(out):
+        with laden.trace(out):
+            with cache.use(sp, device="cpu") as m, torch.no_grad():
                 for _ in range(passes):
                     assert torch.equal(m(x), want)
     else:
@@ -149,6 +149,10 @@ def test_one_copy_per_streamed_block_call(tmp_path, device):
                     assert torch.equal(m(x), want)
             torch.cuda.synchronize()
     ev = read(out)
+    if device == "cpu":  # the activation, in the cache's words
+        act = [e for e in ev if e.get("cat") == "cache"]
+        assert len(act) == 1 and act[0]["name"] == "cache activate"
+        assert "upload_bytes" in act[0]["args"]
     calls = pairs(ev)
     streamed = [(b, e) for b, e in calls if b["args"]["streamed"]]
     assert streamed
@@ -275,7 +279,8 @@ def test_activation_measures_match_the_trace(ckpt, tmp_path):
     key = "trace-stage"
     with laden.trace(out):
         with laden.stage(on_meta, path, key=key, device="cuda",
-                         offload_prefixes=PREFIXES) as (sm, _):
+                         offload_prefixes=PREFIXES,
+                         resident_blocks=0) as (sm, _):  # all stream
             with torch.no_grad():
                 h = sm.embed(x)
                 for b in sm.blocks:

@@ -528,12 +528,17 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
                 r->b, sched_no(w, r->c));
         json_str(f, r->s);
         break;
-    case LADEN__EV_UPLOAD:
+    case LADEN__EV_UPLOAD: /* the cache's own names (CacheStats) */
+        fprintf(f, "\"model\":%" PRIu64 ",\"upload_bytes\":%" PRIu64, r->a,
+                r->b);
+        break;
     case LADEN__EV_EVICT:
-        fprintf(f, "\"model\":%" PRIu64 ",\"bytes\":%" PRIu64, r->a, r->b);
+        fprintf(f, "\"model\":%" PRIu64 ",\"evicted_bytes\":%" PRIu64, r->a,
+                r->b);
         break;
     case LADEN__EV_FAULT:
-        fprintf(f, "\"bytes\":%" PRIu64 ",\"device\":\"%s\"", r->b, dn);
+        fprintf(f, "\"mapped_bytes\":%" PRIu64 ",\"device\":\"%s\"", r->b,
+                dn);
         break;
     default:
         break;
