@@ -2549,6 +2549,18 @@ static tline *read_trace(const char *path, size_t *n)
     return v;
 }
 
+static size_t lines_containing(const char *path, const char *what)
+{
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    char line[4096];
+    size_t n = 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, what) != NULL;
+    fclose(f);
+    return n;
+}
+
 static size_t count_cat(const tline *v, size_t n, const char *cat,
                         const char *ph)
 {
@@ -2581,6 +2593,9 @@ static void traced_pass(int32_t dev)
     model m;
     build(&m, dev, RAM, 0);
     CHECK_OK(laden_sched_set_name(m.sc, "traced \"model\""));
+    CHECK_OK(laden_sched_set_block_name(m.sc, m.block_of[2], "layers.two"));
+    CHECK_STATUS(laden_sched_set_block_name(m.sc, 99, "x"), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_set_block_name(m.sc, 0, NULL), LADEN_E_INVAL);
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 0));
     laden_sched_stats_t a, b, c;
@@ -2643,6 +2658,15 @@ static void traced_pass(int32_t dev)
         CHECK_EQ(count_cat(v, n, "h2d", NULL), 0); /* RAM runs in place */
     }
     free(v);
+    /* Named in every event of its own; the model's name escaped. */
+    CHECK_EQ(lines_containing(path, "\"name\":\"layers.two\",\"cat\":"
+                                    "\"block\",\"ph\":\"B\""),
+             passes);
+    CHECK_EQ(lines_containing(path, "\"model\":\"traced \\\"model\\\"\""),
+             passes * (NB + 1));
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_EQ(lines_containing(path, "\"name\":\"h2d layers.two\""),
+                 passes);
     /* Off again: nothing is recorded. */
     CHECK(!laden_trace_active());
     pass_plain(&m);

@@ -263,6 +263,12 @@ typedef int (*laden_sched_progress_fn)(void *arg, uint64_t done_bytes,
 LADEN_API laden_status laden_sched_set_name(laden_sched_t *sched,
                                             const char *name);
 
+/* Names a block (its module's path) for traces; at most 127 bytes are
+ * kept.  LADEN_E_INVAL for a block that does not exist. */
+LADEN_API laden_status laden_sched_set_block_name(laden_sched_t *sched,
+                                                  uint32_t block,
+                                                  const char *name);
+
 /* Sets (or, with NULL, clears) the load progress callback. */
 LADEN_API laden_status laden_sched_set_progress(laden_sched_t *sched,
                                                 laden_sched_progress_fn fn,

@@ -229,6 +229,7 @@ _SIGNATURES = {
     "laden_trace_counter": (None, [c_char_p, c_int32, c_uint64]),
     "laden_trace_range": (None, [c_char_p, c_int]),
     "laden_sched_set_name": (status_t, [c_void_p, c_char_p]),
+    "laden_sched_set_block_name": (status_t, [c_void_p, c_uint32, c_char_p]),
     # st
     "laden_dtype_name": (c_char_p, [c_int]),
     "laden_dtype_bits": (c_uint32, [c_int]),

@@ -1245,7 +1245,12 @@ def fill(h, desc: Description, ck, rest_tier: int,
     for gi, (tier, ts) in enumerate(zip(tiers, groups)):
         check(lib.laden_sched_add_block(h, tier, ctypes.byref(cb)))
         if gi >= nrest:
-            desc.blocks[gi - nrest].c_block = cb.value
+            blk = desc.blocks[gi - nrest]
+            blk.c_block = cb.value
+            if blk.name:  # for traces
+                check(lib.laden_sched_set_block_name(
+                    h, cb.value, blk.name.rstrip(".").encode("utf-8",
+                                                             "replace")))
         for t in ts:
             _add_tensor(h, cb.value, t, ck)
     return groups

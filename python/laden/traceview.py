@@ -150,10 +150,10 @@ class Summary:
                        sorted(self.stall_us.items())) + ")"))
         for s in self.top_stalls:
             a = s.get("args", {})
+            what = s.get("name", "").replace("stall: ", "", 1)
             out.append(f"    {s['dur'] * ms:8.3f} ms at {s['ts'] * ms:9.3f} ms"
-                       f": {a.get('cause', '?')} of block {a.get('block')}"
-                       f" (schedule {a.get('schedule')}, waited on the "
-                       f"{a.get('on', '?')})")
+                       f": {what} (schedule {a.get('schedule')}, waited "
+                       f"on the {a.get('on', '?')})")
         if self.h2d_copies and self.copy_busy >= 0.95 and \
                 self.stall_us.get("copy", 0) > 0:
             out.append("  bound by the copies: the copy lane was busy from "

@@ -602,6 +602,7 @@ void laden_sched_destroy(laden_sched_t *sc)
         for (uint32_t k = 0; k < sc->b[i].nt; k++)
             free((char *)sc->b[i].t[k].name);
         free(sc->b[i].t);
+        free(sc->b[i].name);
     }
     free(sc->b);
     for (uint32_t i = 0; i < sc->nfiles && sc->files; i++)

@@ -158,6 +158,14 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* ---- the hot path ------------------------------------------------------- */
 
+/* Tracing: block's name (NULL if it has none). */
+static const char *bname(laden_sched_t *sc, int64_t block)
+{
+    return block >= 0 && (uint64_t)block < sc->nb
+               ? laden__sched_block_trace_name(&sc->b[block])
+               : NULL;
+}
+
 /* Tracing: the host waited from t0 for block's reads, copy or staging
  * buffer (recorded when it was long enough to matter). */
 static void host_stall(laden_sched_t *sc, uint64_t t0, int64_t block,
@@ -165,7 +173,7 @@ static void host_stall(laden_sched_t *sc, uint64_t t0, int64_t block,
 {
     if (laden__now_ns() - t0 >= 2000)
         laden__trace_span(LADEN__EV_STALL, t0, (uint64_t)block, why,
-                          (uintptr_t)sc, NULL);
+                          (uintptr_t)sc, bname(sc, block));
 }
 
 /* The copy into a slot on the copy stream; while tracing (and not
@@ -215,7 +223,8 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
         (s = laden_dev_event_record(sl->staging_free, sc->copy)))
         return s;
     laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], sl->block,
-                        b->bytes, (uintptr_t)sc);
+                        b->bytes, (uintptr_t)sc,
+                        m[0] ? bname(sc, sl->block) : NULL);
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
 }
@@ -243,7 +252,8 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
             return s;
         }
         laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], bi,
-                            b->bytes, (uintptr_t)sc);
+                            b->bytes, (uintptr_t)sc,
+                            m[0] ? bname(sc, bi) : NULL);
         /* A captured copy runs at each replay, which counts it. */
         if (sc->capturing) {
             sc->capture_h2d += b->bytes;
@@ -549,7 +559,7 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         sc->st.misses++;
         if (LADEN__TRACING())
             laden__trace_point(LADEN__EV_MISS, block, 0, (uintptr_t)sc,
-                               NULL);
+                               bname(sc, block));
         if ((s = laden__sched_until(sc, block)) ||
             (s = issue_load(sc, sl, block)))
             return s;
@@ -589,7 +599,7 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         sl->trace_mark = laden__dev_trace_mark(sc->compute);
         laden__trace_stream(LADEN__EV_STALL, sc->cfg.device, m0,
                             sl->trace_mark, block, LADEN__STALL_COPY,
-                            (uintptr_t)sc);
+                            (uintptr_t)sc, bname(sc, block));
     }
     uint64_t t0 = traced ? laden__now_ns() : 0;
     if (!sc->cuda && b->tier == LADEN_TIER_RAM &&
@@ -630,7 +640,7 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     if (sl->trace_mark && LADEN__TRACING() && !sc->capturing)
         laden__trace_stream(LADEN__EV_COMPUTE, sc->cfg.device, sl->trace_mark,
                             laden__dev_trace_mark(sc->compute), block, 0,
-                            (uintptr_t)sc);
+                            (uintptr_t)sc, bname(sc, block));
     sl->trace_mark = NULL;
     if (sc->cuda && (s = laden_dev_event_record(sl->free, sc->compute)))
         return s;

@@ -327,6 +327,48 @@ const char *laden__sched_trace_name(laden_sched_t *sc)
     return sc->trace_name;
 }
 
+const char *laden__sched_block_trace_name(blk *b)
+{
+    if (!b->name)
+        return NULL;
+    uint64_t sess = laden__trace_session();
+    if (!b->trace_name || b->trace_session != sess) {
+        b->trace_name = laden__trace_intern(b->name);
+        b->trace_session = sess;
+    }
+    return b->trace_name;
+}
+
+laden_status laden_sched_set_block_name(laden_sched_t *sc, uint32_t block,
+                                        const char *name)
+{
+    laden_status s = hold(sc, "laden_sched_set_block_name");
+    if (s)
+        return s;
+    if (block >= sc->nb || !name) {
+        unhold(sc);
+        return laden__fail(LADEN_E_INVAL, "laden_sched_set_block_name: %s",
+                           name ? "no such block" : "NULL name");
+    }
+    size_t n = 0;
+    while (n < 127 && name[n])
+        n++;
+    char *copy = malloc(n + 1);
+    if (copy) {
+        memcpy(copy, name, n);
+        copy[n] = '\0';
+    }
+    if (!copy) {
+        unhold(sc);
+        return laden__fail(LADEN_E_NOMEM, "out of memory naming a block");
+    }
+    free(sc->b[block].name);
+    sc->b[block].name = copy;
+    sc->b[block].trace_name = NULL;
+    unhold(sc);
+    return LADEN_OK;
+}
+
 laden_status laden_sched_set_name(laden_sched_t *sc, const char *name)
 {
     laden_status s = hold(sc, "laden_sched_set_name");
@@ -356,7 +398,8 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
             .t = t0, .a = block, .b = (uintptr_t)sc,
             .c = (uint64_t)laden__sched_streamed(sc, &sc->b[block]) |
                  (uint64_t)(sc->st.misses != misses) << 1,
-            .s = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
+            .s = laden__sched_block_trace_name(&sc->b[block]),
+            .s2 = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
             .dev = (int16_t)sc->cfg.device};
         laden__trace_emit(&r);
     }
@@ -378,6 +421,8 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
         laden__trace_rec r = {.t = laden__now_ns(), .a = block,
                               .b = (uintptr_t)sc, .ev = LADEN__EV_EXIT,
                               .dev = (int16_t)sc->cfg.device};
+        if (block < sc->nb)
+            r.s = laden__sched_block_trace_name(&sc->b[block]);
         laden__trace_emit(&r);
     }
     sc->entered--;

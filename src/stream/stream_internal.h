@@ -53,6 +53,9 @@ static inline bool laden__sched_as_stored(const tref *r)
 }
 
 typedef struct blk {
+    char *name;            /* laden_sched_set_block_name; NULL unnamed */
+    const char *trace_name; /* name interned for the trace of ... */
+    uint64_t trace_session; /* ... this session */
     laden_tier tier;
     laden_tier asked;      /* as added: LADEN_TIER_AUTO is the planner's */
     tref *t;
@@ -317,8 +320,10 @@ laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
                                       const char *call);
-/* The schedule's name for the trace (tracing only). */
+/* The schedule's and a block's names for the trace (tracing only; the
+ * block's NULL when it has none). */
 const char *laden__sched_trace_name(laden_sched_t *sc);
+const char *laden__sched_block_trace_name(blk *b);
 
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
 laden_status laden__sched_stop(laden_sched_t *sc);

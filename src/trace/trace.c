@@ -43,8 +43,8 @@ typedef struct ring {
 
 atomic_int laden__tracing;
 static atomic_uint_fast64_t session;
-static atomic_uint_fast64_t total, dropped;
-static uint64_t max_events, t0_ns;
+static atomic_uint_fast64_t total, dropped, max_events;
+static uint64_t t0_ns; /* under ctl_mu */
 
 static pthread_mutex_t ctl_mu = PTHREAD_MUTEX_INITIALIZER; /* start/stop */
 static pthread_mutex_t rings_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -116,7 +116,7 @@ void laden__trace_emit(const laden__trace_rec *r)
         atomic_store_explicit(&g->n, 0, memory_order_release);
     }
     if (atomic_fetch_add_explicit(&total, 1, memory_order_relaxed) >=
-        max_events) {
+        atomic_load_explicit(&max_events, memory_order_relaxed)) {
         atomic_fetch_add_explicit(&dropped, 1, memory_order_relaxed);
         return;
     }
@@ -232,7 +232,7 @@ laden_status laden_trace_start(uint64_t max)
         free(g);
     }
     pthread_mutex_unlock(&rings_mu);
-    max_events = max ? max : DEFAULT_MAX;
+    atomic_store(&max_events, max ? max : DEFAULT_MAX);
     atomic_store(&total, 0);
     atomic_store(&dropped, 0);
     atomic_fetch_add_explicit(&session, 1, memory_order_release);
@@ -398,16 +398,21 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
     case LADEN__EV_ENTER:
     case LADEN__EV_EXIT:
         begin_event(w);
-        fprintf(f, "{\"name\":\"block %" PRIu64 "\",\"cat\":\"block\","
-                "\"ph\":\"%s\",\"ts\":%.3f,\"pid\":%d,\"tid\":%d",
-                r->a, r->ev == LADEN__EV_ENTER ? "B" : "E", us(t), w->pid,
-                tid);
+        fputs("{\"name\":", f);
+        if (r->s) {
+            json_str(f, r->s);
+        } else {
+            fprintf(f, "\"block %" PRIu64 "\"", r->a);
+        }
+        fprintf(f, ",\"cat\":\"block\",\"ph\":\"%s\",\"ts\":%.3f,"
+                "\"pid\":%d,\"tid\":%d",
+                r->ev == LADEN__EV_ENTER ? "B" : "E", us(t), w->pid, tid);
         if (r->ev == LADEN__EV_ENTER) {
             fprintf(f, ",\"args\":{\"block\":%" PRIu64 ",\"schedule\":%"
                     PRIu64 ",\"streamed\":%d,\"miss\":%d,\"model\":",
                     r->a, sched_no(w, r->b), (int)(r->c & 1),
                     (int)((r->c >> 1) & 1));
-            json_str(f, r->s);
+            json_str(f, r->s2);
             fputc('}', f);
         }
         fputc('}', f);
@@ -437,7 +442,11 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
     }
     begin_event(w);
     const char *cat, *ph = "X";
-    char name[96];
+    char name[192], bn[144];
+    if (r->s)
+        snprintf(bn, sizeof bn, "%s", r->s);
+    else
+        snprintf(bn, sizeof bn, "block %" PRIu64, r->a);
     switch (r->ev) {
     case LADEN__EV_READ:
         cat = "read";
@@ -445,16 +454,16 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
         break;
     case LADEN__EV_H2D:
         cat = "h2d";
-        snprintf(name, sizeof name, "h2d block %" PRIu64, r->a);
+        snprintf(name, sizeof name, "h2d %s", bn);
         break;
     case LADEN__EV_COMPUTE:
         cat = "compute";
-        snprintf(name, sizeof name, "block %" PRIu64, r->a);
+        snprintf(name, sizeof name, "%s", bn);
         break;
     case LADEN__EV_STALL:
         cat = "stall";
-        snprintf(name, sizeof name, "stall: %s of block %" PRIu64,
-                 stall_cause(r->b), r->a);
+        snprintf(name, sizeof name, "stall: %s of %s", stall_cause(r->b),
+                 bn);
         break;
     case LADEN__EV_SYNC:
         cat = "sync";
@@ -463,7 +472,7 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
     case LADEN__EV_MISS:
         cat = "miss";
         ph = "i";
-        snprintf(name, sizeof name, "miss block %" PRIu64, r->a);
+        snprintf(name, sizeof name, "miss %s", bn);
         break;
     case LADEN__EV_LOAD:
         cat = "load";

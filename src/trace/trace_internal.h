@@ -18,15 +18,17 @@ extern atomic_int laden__tracing;
  * schedule's address (the trace numbers schedules), `s` a string that lives
  * until the trace is written: a literal or laden__trace_intern's. */
 typedef enum laden__ev {
-    LADEN__EV_ENTER,   /* thread: a=block b=sched c=1 streamed|2 miss, s=model */
-    LADEN__EV_EXIT,    /* thread: a=block b=sched, s=model */
+    LADEN__EV_ENTER,   /* thread: a=block b=sched c=1 streamed|2 miss,
+                          s=block's name or NULL, s2=model */
+    LADEN__EV_EXIT,    /* thread: a=block b=sched, s=block's name or NULL */
     LADEN__EV_READ,    /* thread span: a=offset b=bytes c=cached, s=file */
     LADEN__EV_H2D,     /* stream span (m0..m1): a=block b=bytes c=sched */
     LADEN__EV_COMPUTE, /* stream span (m0..m1): a=block c=sched */
     LADEN__EV_STALL,   /* stream span (m0..m1) or thread span: a=block
-                          b=laden__stall c=sched */
+                          b=laden__stall c=sched
+                          (these three: s=the block's name or NULL) */
     LADEN__EV_SYNC,    /* thread span: host blocked on a device, s=what */
-    LADEN__EV_MISS,    /* instant: a=block c=sched */
+    LADEN__EV_MISS,    /* instant: a=block c=sched, s=block's name or NULL */
     LADEN__EV_LOAD,    /* thread span: b=bytes read c=sched, s=model */
     LADEN__EV_UPLOAD,  /* thread span: a=model b=bytes, s=what */
     LADEN__EV_EVICT,   /* instant: a=model b=bytes, s=what */
@@ -47,7 +49,7 @@ typedef struct laden__trace_rec {
     uint64_t dur; /* host ns (thread spans) */
     uint64_t a, b, c;
     void *m0, *m1; /* stream timing marks (laden__trace_mark) */
-    const char *s;
+    const char *s, *s2;
     uint16_t ev;
     int16_t dev;
     uint32_t pad;
@@ -78,12 +80,12 @@ static inline void laden__trace_point(laden__ev ev, uint64_t a, uint64_t b,
 /* A span between two stream marks (either may be NULL: nothing then). */
 static inline void laden__trace_stream(laden__ev ev, int32_t dev, void *m0,
                                        void *m1, uint64_t a, uint64_t b,
-                                       uint64_t c)
+                                       uint64_t c, const char *s)
 {
     if (!m0 || !m1)
         return;
     laden__trace_rec r = {.t = laden__now_ns(), .a = a, .b = b, .c = c,
-                          .m0 = m0, .m1 = m1, .ev = (uint16_t)ev,
+                          .m0 = m0, .m1 = m1, .s = s, .ev = (uint16_t)ev,
                           .dev = (int16_t)dev};
     laden__trace_emit(&r);
 }
