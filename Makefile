@@ -49,6 +49,9 @@ test-asan:
 	cmake --build build-asan -j$(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build-asan/laden_tests
+	$(MAKE) build/fake_cuda/libcuda.so.1
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  LD_LIBRARY_PATH=build/fake_cuda ./build-asan/laden_tests stream_ trace_
 
 # The tests that run threads together, under ThreadSanitizer.
 test-tsan:
@@ -104,11 +107,13 @@ test: test-c test-fake-cuda test-asan test-tsan fuzz-replay test-clang symbols t
 # laden's CUDA paths on a machine without a GPU: the C tests that need no
 # VRAM context, against tests/fake_cuda/, a stand-in libcuda.so.1 that
 # defers pinned copies until something waits for them (see its header).
-test-fake-cuda: lib
+build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c
 	mkdir -p build/fake_cuda
 	$(CC) -std=c11 -Wall -Wextra -Werror -Wno-unused-parameter -O1 -shared \
 	  -fPIC -o build/fake_cuda/libcuda.so.1 tests/fake_cuda/fake_cuda.c -lpthread
-	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_
+
+test-fake-cuda: lib build/fake_cuda/libcuda.so.1
+	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_ trace_
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

@@ -2675,3 +2675,50 @@ static void traced_pass(int32_t dev)
 }
 
 TEST(stream_trace_pass) { test_on_every_device(traced_pass); }
+
+/* A block entered in one trace and exited in the next: the second has
+ * neither half of the pair nor the block's compute span (whose start
+ * mark the first trace's stop freed), and nothing touches freed marks. */
+static void across_traces(int32_t dev)
+{
+    static const laden_tier RAM[NB] = {
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
+    model m;
+    build(&m, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    pass_plain(&m);
+    char *a = test_path("first.json"), *b = test_path("second.json");
+    CHECK_OK(laden_trace_start(0));
+    CHECK_OK(laden_sched_enter(m.sc, m.block_of[1], 0));
+    CHECK_OK(laden_trace_stop(a, NULL));
+    CHECK_OK(laden_trace_start(0));
+    CHECK_OK(laden_sched_exit(m.sc, m.block_of[1], 0));
+    laden_trace_result_t r;
+    CHECK_OK(laden_trace_stop(b, &r));
+    CHECK_EQ(r.unresolved, 0);
+    size_t n;
+    tline *v = read_trace(a, &n);
+    CHECK_EQ(count_cat(v, n, "block", "B"), 1);
+    CHECK_EQ(count_cat(v, n, "block", "E"), 0);
+    free(v);
+    v = read_trace(b, &n);
+    CHECK_EQ(count_cat(v, n, "block", NULL), 0);
+    CHECK_EQ(count_cat(v, n, "compute", NULL), 0);
+    free(v);
+    /* An exit refused (the block is not running) writes no E either. */
+    CHECK_OK(laden_trace_start(0));
+    CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[1], 0), LADEN_E_STATE);
+    CHECK_OK(laden_trace_stop(b, NULL));
+    v = read_trace(b, &n);
+    CHECK_EQ(count_cat(v, n, "block", NULL), 0);
+    free(v);
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_trace_enter_and_exit_in_two_traces)
+{
+    test_on_every_device(across_traces);
+}

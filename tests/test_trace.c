@@ -91,11 +91,16 @@ TEST(trace_refuses_misuse)
                  LADEN_E_IO);
     CHECK(strstr(laden_last_error(), "/nonexistent-dir/t.json"));
     CHECK(!laden_trace_active());
-    /* Discarded: nothing written, nothing kept. */
+    /* Discarded: nothing written, nothing kept for the next trace. */
     CHECK_OK(laden_trace_start(0));
-    laden_trace_counter("x", LADEN_DEVICE_CPU, 1);
+    laden_trace_counter("discarded", LADEN_DEVICE_CPU, 1);
     CHECK_OK(laden_trace_stop(NULL, &r));
-    CHECK_EQ(r.events, 0);
+    char *path = test_path("after.json");
+    CHECK_OK(laden_trace_start(0));
+    laden_trace_counter("kept", LADEN_DEVICE_CPU, 2);
+    CHECK_OK(laden_trace_stop(path, &r));
+    CHECK_EQ(lines_with(path, "discarded", NULL), 0);
+    CHECK_EQ(lines_with(path, "\"name\":\"cpu kept\"", NULL), 1);
     /* Off: calls record nothing and cost nothing. */
     laden_trace_counter("x", LADEN_DEVICE_CPU, 1);
     laden_trace_range("x", 1);
@@ -112,6 +117,21 @@ TEST(trace_escapes_names)
     CHECK_OK(laden_trace_stop(path, NULL));
     CHECK_EQ(lines_with(path, "\"name\":\"a \\\"quoted\\\" \\\\ name\\u000a\"",
                         NULL), 1);
+    /* UTF-8 kept; bytes that are not (a name cut inside a character)
+     * replaced, so the file stays JSON. */
+    CHECK_OK(laden_trace_start(0));
+    laden_trace_range("caf\xc3\xa9 \xe2\x82\xac", 1);
+    laden_trace_range(NULL, 0);
+    laden_trace_range("cut \xc3", 1);
+    laden_trace_range(NULL, 0);
+    laden_trace_range("bad \xff\xfe end", 1);
+    laden_trace_range(NULL, 0);
+    CHECK_OK(laden_trace_stop(path, NULL));
+    CHECK_EQ(lines_with(path, "\"name\":\"caf\xc3\xa9 \xe2\x82\xac\"", NULL),
+             1);
+    CHECK_EQ(lines_with(path, "\"name\":\"cut \\ufffd\"", NULL), 1);
+    CHECK_EQ(lines_with(path, "\"name\":\"bad \\ufffd\\ufffd end\"", NULL),
+             1);
 }
 
 /* The memory counters follow laden's allocations, starting from where

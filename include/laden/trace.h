@@ -22,9 +22,10 @@
 extern "C" {
 #endif
 
-/* Starts recording.  max_events bounds the events kept (0: 4194304, about
- * 256 MB at most); past it events are dropped and counted.
- * LADEN_E_STATE while a trace is on. */
+/* Starts recording.  max_events bounds the events kept (0: 1048576, 80
+ * bytes each); past it events are dropped and counted, and no more stream
+ * times are taken.  A thread keeps its records' memory until it records in
+ * a later trace (or exits).  LADEN_E_STATE while a trace is on. */
 LADEN_API laden_status laden_trace_start(uint64_t max_events);
 
 typedef struct laden_trace_result {

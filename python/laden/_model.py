@@ -269,7 +269,7 @@ def new_schedule(device, ck, lookahead: int = 0, flags: int = 0,
                                  ck._h if ck is not None else None,
                                  ctypes.byref(h)))
     if name:
-        lib.laden_sched_set_name(h, name.encode("utf-8", "replace")[:63])
+        lib.laden_sched_set_name(h, name.encode("utf-8", "replace"))
     return h
 
 

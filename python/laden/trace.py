@@ -19,12 +19,15 @@ draws the picture (matplotlib).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from typing import Optional
 
 from . import _lib
 from ._lib import check, lib
-from .errors import StateError
+from .errors import LadenError, StateError
+
+log = logging.getLogger("laden")
 
 __all__ = ["trace", "Trace"]
 
@@ -69,6 +72,8 @@ class Trace:
 
     def __init__(self, path: Optional[str], max_events: int = 0):
         self.path = os.fspath(path) if path is not None else None
+        # as C takes it; a path that cannot be one raises here, not at stop
+        self._cpath = os.fsencode(self.path) if path is not None else None
         self.max_events = int(max_events)
         if self.max_events < 0:
             from .errors import InvalidArgumentError
@@ -86,25 +91,33 @@ class Trace:
             if not os.path.isdir(d):
                 from .errors import InvalidArgumentError
                 raise InvalidArgumentError(
-                    f"trace path {self.path}: no directory {d}", "E_INVAL")
+                    f"trace path {os.fsdecode(self.path)}: no directory "
+                    f"{os.fsdecode(d)}", "E_INVAL")
         check(lib.laden_trace_start(self.max_events))
         self._on = True
         ON[0] = True
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.stop()
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self.stop()
+        except LadenError as e:
+            if exc_type is None:
+                raise
+            # the with block's own error goes on; this one is logged
+            log.warning("laden.trace: %s", e)
         return False
 
     def stop(self) -> "Trace":
         """Ends the trace and writes it (the ``with`` block does this)."""
         if not self._on:
             raise StateError("this trace is not on", "E_STATE")
-        ON[0] = False
-        self._on = False
         res = _lib.TraceResult()
-        path = self.path.encode() if self.path is not None else None
-        check(lib.laden_trace_stop(path, ctypes.byref(res)))
+        try:
+            check(lib.laden_trace_stop(self._cpath, ctypes.byref(res)))
+        finally:  # C ends the trace whatever happens to the file
+            ON[0] = False
+            self._on = False
         self.events, self.dropped = res.events, res.dropped
         self.seconds, self.unresolved = res.seconds, res.unresolved
         return self

@@ -44,17 +44,33 @@ def load(path: str) -> TraceData:
             "E_INVAL")
     other = doc.get("otherData") or {}
     events = doc["traceEvents"]
+    try:
+        tracks, spans, counters = _parse(events)
+        seconds = float(other.get("seconds", 0.0))
+        dropped = int(other.get("dropped_events", 0))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"trace {path}: an event laden does not write ({e!r}): not a "
+            "trace of laden.trace", "E_INVAL") from None
+    return TraceData(path, seconds, dropped, events, tracks, spans, counters)
+
+
+def _parse(events):
     tracks: Dict[int, str] = {}
     spans: List[dict] = []
     counters: Dict[str, List[Tuple[float, int]]] = {}
     open_: Dict[int, List[dict]] = {}
     for e in events:
+        if not isinstance(e, dict):
+            raise TypeError(f"{e!r} is not an object")
         ph = e.get("ph")
         if ph == "M" and e.get("name") == "thread_name":
             tracks[e.get("tid", 0)] = e.get("args", {}).get("name", "")
         elif ph == "X":
             s = dict(e)
-            s["end"] = e["ts"] + e.get("dur", 0.0)
+            s["ts"] = float(e["ts"])
+            s["dur"] = float(e.get("dur", 0.0))
+            s["end"] = s["ts"] + s["dur"]
             spans.append(s)
         elif ph == "B":
             open_.setdefault(e.get("tid", 0), []).append(e)
@@ -62,18 +78,18 @@ def load(path: str) -> TraceData:
             stack = open_.get(e.get("tid", 0))
             if stack:
                 b = dict(stack.pop())
-                b["end"] = e["ts"]
-                b["dur"] = e["ts"] - b["ts"]
+                b["ts"] = float(b["ts"])
+                b["end"] = float(e["ts"])
+                b["dur"] = b["end"] - b["ts"]
                 spans.append(b)
         elif ph == "C":
             v = next(iter(e.get("args", {}).values()), 0)
-            counters.setdefault(e["name"], []).append((e["ts"], v))
+            counters.setdefault(str(e["name"]), []).append(
+                (float(e["ts"]), int(v)))
     for c in counters.values():
         c.sort()
     spans.sort(key=lambda s: s["ts"])
-    return TraceData(path, float(other.get("seconds", 0.0)),
-                     int(other.get("dropped_events", 0)), events, tracks,
-                     spans, counters)
+    return tracks, spans, counters
 
 
 def union_us(intervals: List[Span]) -> float:

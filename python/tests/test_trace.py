@@ -5,6 +5,7 @@ block runs, counters as handle.stats() counts them; tracing changes no
 output and no counter; ``laden trace show`` summarizes and draws it."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -230,6 +231,20 @@ def test_refusals(tmp_path, capsys):
     bad.write_text("{not json")
     assert cli.main(["trace", "show", str(bad)]) == 2
     assert "not JSON" in capsys.readouterr().err
+    for doc in ('{"traceEvents":[1]}', '{"traceEvents":[{"ph":"X"}]}',
+                '{"traceEvents":[{"ph":"C","name":"x","ts":0,'
+                '"args":{"b":"many"}}]}', '[]'):
+        bad.write_text(doc)
+        assert cli.main(["trace", "show", str(bad)]) == 2
+        assert "not a trace" in capsys.readouterr().err
+    # a bytes path works; an error inside the with block is not masked
+    with laden.trace(os.fsencode(str(tmp_path / "b.json"))) as t:
+        pass
+    assert t.events >= 1 and os.path.exists(tmp_path / "b.json")
+    with pytest.raises(ZeroDivisionError):
+        with laden.trace(str(tmp_path / "c.json")):
+            1 / 0
+    assert not laden._lib.lib.laden_trace_active()
     assert cli.main(["trace"]) == 2
 
 

@@ -444,9 +444,8 @@ laden_status laden_dev_mem_free(int32_t dev, laden_devptr_t p)
     if (!p)
         return LADEN_OK;
     RESOLVE(dev);
-    laden_status st = ops->mem_free(dev, p);
-    held_drop(p);
-    return st;
+    held_drop(p); /* first: once freed, the address may be handed out */
+    return ops->mem_free(dev, p);
 }
 
 laden_status laden_dev_host_alloc(int32_t dev, uint64_t n, void **out)
@@ -468,9 +467,8 @@ laden_status laden_dev_host_free(int32_t dev, void *p)
     if (!p)
         return LADEN_OK;
     RESOLVE(dev);
-    laden_status st = ops->host_free(dev, p);
-    held_drop((uintptr_t)p);
-    return st;
+    held_drop((uintptr_t)p); /* first: once freed, it may be handed out */
+    return ops->host_free(dev, p);
 }
 
 laden_status laden_dev_host_register(int32_t dev, void *p, uint64_t n)
@@ -661,6 +659,18 @@ static bool tm_resolve(void *p, uint64_t *t_ns, uint64_t *track)
     return true;
 }
 
+static bool tm_between(void *pa, void *pb, uint64_t *ns)
+{
+    tmark *a = pa, *b = pb;
+    float ms = 0;
+    if (a->dev != b->dev || a->ops->event_sync(a->dev, a->ev) ||
+        b->ops->event_sync(b->dev, b->ev) ||
+        a->ops->event_elapsed(a->dev, a->ev, b->ev, &ms) || ms < 0)
+        return false;
+    *ns = (uint64_t)((double)ms * 1e6);
+    return true;
+}
+
 static void tm_release_all(void)
 {
     pthread_mutex_lock(&tm_mu);
@@ -686,6 +696,10 @@ static bool tm_reference(int32_t dev, const laden__dev_ops *ops)
     uint64_t sess = laden__trace_session();
     if (tm_ref[k].session == sess && tm_ref[k].ev)
         return true;
+    if (tm_ref[k].ev) { /* a straggler's, from a trace that ended */
+        tm_ref[k].ops->event_destroy(dev, tm_ref[k].ev);
+        tm_ref[k].ev = NULL;
+    }
     void *st = NULL, *ev = NULL;
     if (ops->stream_create(dev, &st))
         return false;
@@ -714,11 +728,11 @@ static bool tm_reference(int32_t dev, const laden__dev_ops *ops)
 void *laden__dev_trace_mark(laden_dev_stream_t *s)
 {
     static atomic_int registered;
-    if (!s || !LADEN__TRACING() || s->device < -1 ||
-        s->device >= LADEN__GAUGE_DEVICES)
+    if (!s || !LADEN__TRACING() || !laden__trace_room() ||
+        s->device < -1 || s->device >= LADEN__GAUGE_DEVICES)
         return NULL;
     if (!atomic_exchange(&registered, 1)) {
-        laden__trace_marks m = {tm_resolve, tm_release_all};
+        laden__trace_marks m = {tm_resolve, tm_between, tm_release_all};
         laden__trace_set_marks(&m);
     }
     tmark *m = calloc(1, sizeof *m);
@@ -728,7 +742,7 @@ void *laden__dev_trace_mark(laden_dev_stream_t *s)
     m->dev = s->device;
     m->track = (uint64_t)(uintptr_t)s->impl;
     pthread_mutex_lock(&tm_mu);
-    bool ok = tm_reference(s->device, s->ops);
+    bool ok = LADEN__TRACING() && tm_reference(s->device, s->ops);
     pthread_mutex_unlock(&tm_mu);
     if (!ok || s->ops->event_create(s->device, 1, &m->ev)) {
         free(m);
@@ -739,9 +753,21 @@ void *laden__dev_trace_mark(laden_dev_stream_t *s)
         free(m);
         return NULL;
     }
+    /* Kept only while the trace is on: its stop releases every kept
+     * mark (under tm_mu, after turning tracing off), so a mark made by a
+     * thread that passed the check above as the trace stopped is not
+     * left behind. */
     pthread_mutex_lock(&tm_mu);
-    m->next = tm_all;
-    tm_all = m;
+    bool on = LADEN__TRACING();
+    if (on) {
+        m->next = tm_all;
+        tm_all = m;
+    }
     pthread_mutex_unlock(&tm_mu);
+    if (!on) {
+        s->ops->event_destroy(s->device, m->ev);
+        free(m);
+        return NULL;
+    }
     return m;
 }

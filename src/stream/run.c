@@ -597,6 +597,7 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     sl->trace_mark = NULL;
     if (m0) {
         sl->trace_mark = laden__dev_trace_mark(sc->compute);
+        sl->trace_mark_session = laden__trace_session();
         laden__trace_stream(LADEN__EV_STALL, sc->cfg.device, m0,
                             sl->trace_mark, block, LADEN__STALL_COPY,
                             (uintptr_t)sc, bname(sc, block));
@@ -637,7 +638,9 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     sl->in_use = false;
     if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
         return s;
-    if (sl->trace_mark && LADEN__TRACING() && !sc->capturing)
+    /* A mark of an earlier trace was freed when that trace stopped. */
+    if (sl->trace_mark && LADEN__TRACING() && !sc->capturing &&
+        sl->trace_mark_session == laden__trace_session())
         laden__trace_stream(LADEN__EV_COMPUTE, sc->cfg.device, sl->trace_mark,
                             laden__dev_trace_mark(sc->compute), block, 0,
                             (uintptr_t)sc, bname(sc, block));

@@ -327,6 +327,19 @@ const char *laden__sched_trace_name(laden_sched_t *sc)
     return sc->trace_name;
 }
 
+/* How many bytes of s to keep, at most max, not cutting a UTF-8
+ * character. */
+static size_t name_len(const char *s, size_t max)
+{
+    size_t n = 0;
+    while (n < max && s[n])
+        n++;
+    if (s[n]) /* cut: back off to a character's first byte */
+        while (n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80)
+            n--;
+    return n;
+}
+
 const char *laden__sched_block_trace_name(blk *b)
 {
     if (!b->name)
@@ -350,9 +363,7 @@ laden_status laden_sched_set_block_name(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_INVAL, "laden_sched_set_block_name: %s",
                            name ? "no such block" : "NULL name");
     }
-    size_t n = 0;
-    while (n < 127 && name[n])
-        n++;
+    size_t n = name_len(name, 127);
     char *copy = malloc(n + 1);
     if (copy) {
         memcpy(copy, name, n);
@@ -374,7 +385,9 @@ laden_status laden_sched_set_name(laden_sched_t *sc, const char *name)
     laden_status s = hold(sc, "laden_sched_set_name");
     if (s)
         return s;
-    snprintf(sc->name, sizeof sc->name, "%s", name ? name : "");
+    size_t n = name ? name_len(name, sizeof sc->name - 1) : 0;
+    memcpy(sc->name, name ? name : "", n);
+    sc->name[n] = '\0';
     sc->trace_name = NULL;
     unhold(sc);
     return LADEN_OK;
@@ -402,6 +415,13 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
             .s2 = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
             .dev = (int16_t)sc->cfg.device};
         laden__trace_emit(&r);
+        blk *b = &sc->b[block];
+        uint64_t sess = laden__trace_session();
+        if (b->trace_entered != sess) {
+            b->trace_entered = sess;
+            b->trace_open = 0;
+        }
+        b->trace_open++;
     }
     return LADEN_OK;
 }
@@ -417,13 +437,17 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
                            "this thread",
                            block);
     laden_status s = laden__sched_exit(sc, block, compute_stream);
-    if (LADEN__TRACING()) {
+    /* The exit of an enter this trace recorded (not of one before it, nor
+     * of a block that was not running): the pair stays matched. */
+    if (LADEN__TRACING() && block < sc->nb &&
+        sc->b[block].trace_entered == laden__trace_session() &&
+        sc->b[block].trace_open > 0) {
         laden__trace_rec r = {.t = laden__now_ns(), .a = block,
                               .b = (uintptr_t)sc, .ev = LADEN__EV_EXIT,
                               .dev = (int16_t)sc->cfg.device};
-        if (block < sc->nb)
-            r.s = laden__sched_block_trace_name(&sc->b[block]);
+        r.s = laden__sched_block_trace_name(&sc->b[block]);
         laden__trace_emit(&r);
+        sc->b[block].trace_open--;
     }
     sc->entered--;
     unhold(sc);

@@ -54,6 +54,9 @@ static inline bool laden__sched_as_stored(const tref *r)
 
 typedef struct blk {
     char *name;            /* laden_sched_set_block_name; NULL unnamed */
+    uint64_t trace_entered; /* tracing: the session its open enters were
+                               recorded in, and how many are open */
+    uint32_t trace_open;
     const char *trace_name; /* name interned for the trace of ... */
     uint64_t trace_session; /* ... this session */
     laden_tier tier;
@@ -98,6 +101,7 @@ typedef struct slot {
     int64_t at_capture;  /* block held when the capture began */
     uint64_t fills_at_capture;
     void *trace_mark; /* tracing: the compute stream's mark after the wait */
+    uint64_t trace_mark_session; /* the trace it belongs to */
 } slot;
 
 struct laden_sched {

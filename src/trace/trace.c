@@ -21,8 +21,8 @@
 
 #include "trace_internal.h"
 
-#define CHUNK 4096u /* records per chunk: 288 kB */
-#define DEFAULT_MAX (4u << 20)
+#define CHUNK 4096u /* records per chunk: 320 kB */
+#define DEFAULT_MAX (1u << 20) /* 80 MiB of records at most */
 #define STALL_MIN_NS 2000u /* a compute wait shorter than this is the
                             * wait itself, not a stall */
 
@@ -33,7 +33,7 @@ typedef struct chunk {
 
 typedef struct ring {
     struct ring *next; /* all rings, under rings_mu */
-    uint64_t session;
+    atomic_uint_fast64_t session; /* written by its thread alone */
     chunk *first, *cur;
     atomic_uint_fast64_t n; /* records of the session, published */
     int32_t tid;
@@ -93,7 +93,7 @@ static ring *ring_new(void)
     }
     g->tid = (int32_t)syscall(SYS_gettid);
     pthread_getname_np(pthread_self(), g->name, sizeof g->name);
-    g->session = atomic_load(&session);
+    atomic_store(&g->session, atomic_load(&session));
     pthread_setspecific(ring_key, g);
     pthread_mutex_lock(&rings_mu);
     g->next = rings;
@@ -110,10 +110,21 @@ void laden__trace_emit(const laden__trace_rec *r)
         atomic_fetch_add(&dropped, 1);
         return;
     }
-    if (g->session != sess) { /* a new trace: start over, keep the chunks */
-        g->session = sess;
+    if (atomic_load_explicit(&g->session, memory_order_relaxed) != sess) {
+        /* A new trace: start over, chunks past the first given back,
+         * and only then the new session (release): a reader that sees it
+         * sees no old record and no freed chunk; one that does not, skips
+         * the ring. */
+        atomic_store_explicit(&g->n, 0, memory_order_relaxed);
+        chunk *c = atomic_load_explicit(&g->first->next, memory_order_relaxed);
+        atomic_store_explicit(&g->first->next, NULL, memory_order_relaxed);
+        while (c) {
+            chunk *nx = atomic_load_explicit(&c->next, memory_order_relaxed);
+            free(c);
+            c = nx;
+        }
         g->cur = g->first;
-        atomic_store_explicit(&g->n, 0, memory_order_release);
+        atomic_store_explicit(&g->session, sess, memory_order_release);
     }
     if (atomic_fetch_add_explicit(&total, 1, memory_order_relaxed) >=
         atomic_load_explicit(&max_events, memory_order_relaxed)) {
@@ -168,6 +179,12 @@ void laden__trace_set_marks(const laden__trace_marks *m)
 }
 
 uint64_t laden__trace_session(void) { return atomic_load(&session); }
+
+bool laden__trace_room(void)
+{
+    return atomic_load_explicit(&total, memory_order_relaxed) <
+           atomic_load_explicit(&max_events, memory_order_relaxed);
+}
 
 /* ---- gauges -------------------------------------------------------------- */
 
@@ -289,17 +306,48 @@ typedef struct writer {
     laden__trace_marks marks;
 } writer;
 
+/* The length of the valid UTF-8 sequence at p, or 0. */
+static int utf8_len(const unsigned char *p)
+{
+    int n = p[0] >= 0xf0 && p[0] <= 0xf4   ? 4
+            : p[0] >= 0xe0 && p[0] <= 0xef ? 3
+            : p[0] >= 0xc2 && p[0] <= 0xdf ? 2
+                                           : 0;
+    for (int i = 1; i < n; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    if (n == 3 && ((p[0] == 0xe0 && p[1] < 0xa0) ||   /* overlong */
+                   (p[0] == 0xed && p[1] >= 0xa0)))   /* surrogate */
+        return 0;
+    if (n == 4 && ((p[0] == 0xf0 && p[1] < 0x90) ||
+                   (p[0] == 0xf4 && p[1] >= 0x90)))
+        return 0;
+    return n;
+}
+
+/* s as a JSON string; bytes that are not UTF-8 (a name cut inside a
+ * character, a path in another encoding) become U+FFFD. */
 static void json_str(FILE *f, const char *s)
 {
     fputc('"', f);
-    for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p;
-         p++) {
-        if (*p == '"' || *p == '\\')
-            fprintf(f, "\\%c", *p);
-        else if (*p < 0x20)
-            fprintf(f, "\\u%04x", *p);
-        else
-            fputc(*p, f);
+    const unsigned char *p = (const unsigned char *)(s ? s : "");
+    while (*p) {
+        if (*p == '"' || *p == '\\') {
+            fprintf(f, "\\%c", *p++);
+        } else if (*p < 0x20) {
+            fprintf(f, "\\u%04x", *p++);
+        } else if (*p < 0x80) {
+            fputc(*p++, f);
+        } else {
+            int n = utf8_len(p);
+            if (n) {
+                fwrite(p, 1, (size_t)n, f);
+                p += n;
+            } else {
+                fputs("\\ufffd", f);
+                p++;
+            }
+        }
     }
     fputc('"', f);
 }
@@ -380,17 +428,17 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
     int32_t tid = g->tid;
     uint64_t t = r->t, dur = r->dur;
     if (r->m0) { /* a span on a stream: its times from the marks */
-        uint64_t a = 0, b = 0, ta = 0, tb = 0;
+        uint64_t a = 0, ta = 0, d = 0;
         bool ok = w->marks.resolve && w->marks.resolve(r->m0, &a, &ta) &&
-                  w->marks.resolve(r->m1, &b, &tb) && b >= a;
+                  w->marks.between(r->m0, r->m1, &d);
         if (!ok) {
             w->unresolved++;
             return;
         }
-        if (r->ev == LADEN__EV_STALL && b - a < STALL_MIN_NS)
+        if (r->ev == LADEN__EV_STALL && d < STALL_MIN_NS)
             return;
         t = a;
-        dur = b - a;
+        dur = d;
         tid = stream_tid(w, r->dev, ta,
                          r->ev == LADEN__EV_H2D ? "copy" : "compute");
     }
@@ -597,7 +645,8 @@ laden_status laden_trace_stop(const char *path, laden_trace_result_t *out)
         fprintf(w.f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,"
                 "\"args\":{\"name\":\"laden\"}}", w.pid);
         for (ring *g = rings; g; g = g->next) {
-            if (g->session != sess)
+            if (atomic_load_explicit(&g->session, memory_order_acquire) !=
+                sess)
                 continue;
             uint64_t n = atomic_load_explicit(&g->n, memory_order_acquire);
             if (!n)

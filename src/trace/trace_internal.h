@@ -96,6 +96,9 @@ static inline void laden__trace_stream(laden__ev ev, int32_t dev, void *m0,
 typedef struct laden__trace_marks {
     /* true and *t_ns, *track when the mark's time could be read */
     bool (*resolve)(void *mark, uint64_t *t_ns, uint64_t *track);
+    /* true and *ns from mark a to mark b (exact for short spans, where a
+     * time from the trace's start is rounded as a float) */
+    bool (*between)(void *a, void *b, uint64_t *ns);
     void (*release_all)(void);
 } laden__trace_marks;
 void laden__trace_set_marks(const laden__trace_marks *m);
@@ -107,6 +110,8 @@ void *laden__dev_trace_mark(struct laden_dev_stream *s);
 
 /* The session (a number that grows with each laden_trace_start). */
 uint64_t laden__trace_session(void);
+/* Whether the trace still keeps events (max_events not reached). */
+bool laden__trace_room(void);
 
 /* Memory that laden holds, kept always (a few atomic adds on allocations,
  * none on the hot path) and written as counter tracks while tracing. */
