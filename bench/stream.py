@@ -96,6 +96,17 @@ def write_checkpoint(a, path):
     os.sync()
 
 
+def synth_checkpoint(a) -> str:
+    """The synthetic model's checkpoint in a.dir, written the first time."""
+    os.makedirs(a.dir, exist_ok=True)
+    path = os.path.join(a.dir, f"synth-{a.blocks}x{a.hidden}x{a.mlp}"
+                        ".safetensors")
+    if not os.path.exists(path):
+        print(f"writing {path} ...", file=sys.stderr, flush=True)
+        write_checkpoint(a, path)
+    return path
+
+
 def rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:

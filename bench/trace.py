@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import laden  # noqa: E402
 from laden import _lib, traceview  # noqa: E402
-from stream import build_meta, print_table, write_checkpoint  # noqa: E402
+from stream import build_meta, print_table, synth_checkpoint  # noqa: E402
 
 
 def forwards(m, x, n):
@@ -74,13 +74,8 @@ def main() -> int:
     a = ap.parse_args()
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(a.device)
-    os.makedirs(a.dir, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.dir, f"synth-{a.blocks}x{a.hidden}x{a.mlp}"
-                        ".safetensors")
-    if not os.path.exists(path):
-        print(f"writing {path} ...", file=sys.stderr, flush=True)
-        write_checkpoint(a, path)
+    path = synth_checkpoint(a)
     model_bytes = laden.open(path).total_bytes
     link = None
     if dev.type == "cuda":

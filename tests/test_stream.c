@@ -2502,6 +2502,11 @@ TEST(stream_shared_copy_processes)
 
 /* ---- traces of a streamed pass (laden_trace_*) -------------------------- */
 
+static const laden_tier RAM[NB] = {LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                   LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                   LADEN_TIER_RAM, LADEN_TIER_RAM,
+                                   LADEN_TIER_RAM};
+
 typedef struct tline {
     char cat[16], ph[4];
     double ts, dur;
@@ -2587,9 +2592,6 @@ static void pass_plain(model *m)
  * and no host synchronization; tracing changes no counter. */
 static void traced_pass(int32_t dev)
 {
-    static const laden_tier RAM[NB] = {
-        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
-        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
     model m;
     build(&m, dev, RAM, 0);
     CHECK_OK(laden_sched_set_name(m.sc, "traced \"model\""));
@@ -2681,9 +2683,6 @@ TEST(stream_trace_pass) { test_on_every_device(traced_pass); }
  * mark the first trace's stop freed), and nothing touches freed marks. */
 static void across_traces(int32_t dev)
 {
-    static const laden_tier RAM[NB] = {
-        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
-        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
     model m;
     build(&m, dev, RAM, 0);
     CHECK_OK(laden_sched_load(m.sc));
