@@ -639,6 +639,8 @@ def _parser() -> argparse.ArgumentParser:
                    "with (laden probe measures it)")
     q.add_argument("--top", default=5, type=_int_arg("--top", 0),
                    help="how many of the longest stalls to list")
+    q.add_argument("--title", default=None,
+                   help="the picture's title (default: the file's name)")
     p.set_defaults(fn=cmd_trace)
     return ap
 
@@ -652,7 +654,7 @@ def cmd_trace(args) -> int:
     t = load(args.path)
     print(summarize(t, args.link, args.top).text())
     if args.output:
-        plot(t, args.output, args.link)
+        plot(t, args.output, args.link, args.title)
         print(f"timeline: {args.output}")
     return 0
 

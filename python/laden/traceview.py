@@ -274,7 +274,7 @@ def plot(t: TraceData, out: str, link_gb_per_s: Optional[float] = None,
             h = 0.35 if cat in ("block", "load") else 0.7
             ax.broken_barh(bars, (row - h / 2, h),
                            facecolors=_COLORS.get(cat, "#333333"),
-                           edgecolor="none")
+                           edgecolor="white", linewidth=0.4)
     ax.set_yticks(range(len(tids)))
     ax.set_yticklabels([t.tracks.get(tid, str(tid)) for tid in tids],
                        fontsize=8)
@@ -311,8 +311,9 @@ def plot(t: TraceData, out: str, link_gb_per_s: Optional[float] = None,
         if link_gb_per_s:
             ax.axhline(link_gb_per_s, color="k", ls="--", lw=0.8,
                        label=f"link {link_gb_per_s:.1f} GB/s")
-        ax.legend(loc="upper right", fontsize=7)
-        ax.set_ylim(bottom=0)
+        ax.legend(loc="lower right", fontsize=7)
+        top = max([v / w / 1e3 for v in bins] + [link_gb_per_s or 0])
+        ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax.set_ylabel("GB/s")
     ax = axes[2]
     for name, pts in sorted(t.counters.items()):
