@@ -148,6 +148,6 @@ def trace(path: Optional[str] = "trace.json", *, max_events: int = 0) -> Trace:
     """Records what laden does inside the ``with`` block and writes it to
     `path` as a Chrome / Perfetto trace (``None``: recorded, not written).
     One trace at a time per process (StateError otherwise).  `max_events`
-    bounds what is kept (0: about 4 million events); past it events are
-    dropped and counted in ``Trace.dropped``."""
+    bounds what is kept (0: 1048576 events, 80 bytes each); past it events
+    are dropped and counted in ``Trace.dropped``."""
     return Trace(path, max_events)

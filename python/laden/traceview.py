@@ -55,6 +55,33 @@ def load(path: str) -> TraceData:
     return TraceData(path, seconds, dropped, events, tracks, spans, counters)
 
 
+_INTS = ("bytes", "streamed", "miss", "block", "schedule", "read_bytes",
+         "cached_bytes", "offset", "upload_bytes", "evicted_bytes",
+         "mapped_bytes")
+_STRS = ("cause", "on", "model", "file", "name", "device")
+
+
+def _checked(e: dict) -> dict:
+    """The event with its args as summarize and plot read them: numbers
+    as numbers, names as strings (TypeError / ValueError otherwise)."""
+    args = e.get("args", {})
+    if not isinstance(args, dict):
+        raise TypeError(f"args {args!r} is not an object")
+    a = dict(args)
+    for k in _INTS:
+        if k in a and not isinstance(a[k], bool):
+            a[k] = int(a[k]) if isinstance(a[k], (int, float)) else \
+                int(str(a[k]), 10)
+    for k in _STRS:
+        if k in a and not isinstance(a[k], str):
+            raise TypeError(f"args.{k} {a[k]!r} is not a string")
+    if "tid" in e and not isinstance(e["tid"], int):
+        raise TypeError(f"tid {e['tid']!r} is not a number")
+    e = dict(e)
+    e["args"] = a
+    return e
+
+
 def _parse(events):
     tracks: Dict[int, str] = {}
     spans: List[dict] = []
@@ -63,6 +90,7 @@ def _parse(events):
     for e in events:
         if not isinstance(e, dict):
             raise TypeError(f"{e!r} is not an object")
+        e = _checked(e)
         ph = e.get("ph")
         if ph == "M" and e.get("name") == "thread_name":
             tracks[e.get("tid", 0)] = e.get("args", {}).get("name", "")

@@ -232,6 +232,11 @@ def test_refusals(tmp_path, capsys):
     assert cli.main(["trace", "show", str(bad)]) == 2
     assert "not JSON" in capsys.readouterr().err
     for doc in ('{"traceEvents":[1]}', '{"traceEvents":[{"ph":"X"}]}',
+                '{"traceEvents":[{"ph":"X","ts":0,"cat":"h2d","args":null}]}',
+                '{"traceEvents":[{"ph":"X","ts":0,"cat":"stall",'
+                '"args":{"cause":[1]}}]}',
+                '{"traceEvents":[{"ph":"B","ts":0,"cat":"block",'
+                '"args":{"streamed":[]}},{"ph":"E","ts":1}]}',
                 '{"traceEvents":[{"ph":"C","name":"x","ts":0,'
                 '"args":{"b":"many"}}]}', '[]'):
         bad.write_text(doc)
@@ -244,6 +249,21 @@ def test_refusals(tmp_path, capsys):
     with pytest.raises(ZeroDivisionError):
         with laden.trace(str(tmp_path / "c.json")):
             1 / 0
+    assert not laden._lib.lib.laden_trace_active()
+    # ... also when writing the trace fails too: the block's error is the
+    # one raised, and the trace is off
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with pytest.raises(ZeroDivisionError):
+        with laden.trace(str(gone / "t.json")):
+            gone.rmdir()
+            1 / 0
+    assert not laden._lib.lib.laden_trace_active()
+    # without an error in the block, the failure to write is raised
+    gone.mkdir()
+    with pytest.raises(laden.LadenError, match="t.json"):
+        with laden.trace(str(gone / "t.json")):
+            gone.rmdir()
     assert not laden._lib.lib.laden_trace_active()
     assert cli.main(["trace"]) == 2
 

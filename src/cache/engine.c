@@ -34,7 +34,7 @@ typedef struct pool {
 static void traced_evict(uint32_t id, uint64_t bytes)
 {
     if (LADEN__TRACING())
-        laden__trace_point(LADEN__EV_EVICT, id, bytes, 0,
+        laden__trace_point(LADEN__EV_EVICT, 0, id, bytes, 0,
                            "cache eviction");
 }
 
@@ -609,7 +609,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     if (!act.upload_bytes && !act.evicted_bytes)
         c->st.hits++;
     if (t0 && LADEN__TRACING())
-        laden__trace_span(LADEN__EV_UPLOAD, t0, id, act.upload_bytes, 0,
+        laden__trace_span(LADEN__EV_UPLOAD, 0, t0, id, act.upload_bytes, 0,
                           "cache activate");
     if (out)
         *out = act;

@@ -725,16 +725,19 @@ static bool tm_reference(int32_t dev, const laden__dev_ops *ops)
     return ok;
 }
 
+static void tm_register(void)
+{
+    laden__trace_marks m = {tm_resolve, tm_between, tm_release_all};
+    laden__trace_set_marks(&m);
+}
+
 void *laden__dev_trace_mark(laden_dev_stream_t *s)
 {
-    static atomic_int registered;
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
     if (!s || !LADEN__TRACING() || !laden__trace_room() ||
         s->device < -1 || s->device >= LADEN__GAUGE_DEVICES)
         return NULL;
-    if (!atomic_exchange(&registered, 1)) {
-        laden__trace_marks m = {tm_resolve, tm_between, tm_release_all};
-        laden__trace_set_marks(&m);
-    }
+    pthread_once(&registered, tm_register); /* before any mark exists */
     tmark *m = calloc(1, sizeof *m);
     if (!m)
         return NULL;

@@ -429,9 +429,11 @@ static void *worker_main(void *arg)
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
                                       jb->dst, n)))
             s = unchanged(jb->file);
-        if (t0 && !skip)
-            laden__trace_span(LADEN__EV_READ, t0, jb->off, jb->len, n[1],
-                              laden__trace_intern(jb->file->path));
+        if (t0 && !skip) {
+            uint64_t sess = laden__trace_session(); /* before the name */
+            laden__trace_span(LADEN__EV_READ, sess, t0, jb->off, jb->len,
+                              n[1], laden__trace_intern(jb->file->path));
+        }
         pthread_mutex_lock(&io->mu);
         if (!s) {
             io->st.direct_bytes += n[0];

@@ -779,10 +779,12 @@ static laden_status loader_end(laden_sched_t *sc, laden_status s)
     sc->loading = false;
     if (!s)
         sc->loaded = true;
-    if (sc->trace_load_t0 && LADEN__TRACING())
-        laden__trace_span(LADEN__EV_LOAD, sc->trace_load_t0, 0,
+    if (sc->trace_load_t0 && LADEN__TRACING()) {
+        uint64_t sess = laden__trace_session(); /* before the name */
+        laden__trace_span(LADEN__EV_LOAD, sess, sc->trace_load_t0, 0,
                           sc->st.load_read_bytes, (uintptr_t)sc,
                           laden__sched_trace_name(sc));
+    }
     sc->trace_load_t0 = 0;
     return s;
 }

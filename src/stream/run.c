@@ -171,21 +171,26 @@ static const char *bname(laden_sched_t *sc, int64_t block)
 static void host_stall(laden_sched_t *sc, uint64_t t0, int64_t block,
                        laden__stall why)
 {
-    if (laden__now_ns() - t0 >= 2000)
-        laden__trace_span(LADEN__EV_STALL, t0, (uint64_t)block, why,
+    if (laden__now_ns() - t0 >= 2000) {
+        uint64_t sess = laden__trace_session(); /* before the name */
+        laden__trace_span(LADEN__EV_STALL, sess, t0, (uint64_t)block, why,
                           (uintptr_t)sc, bname(sc, block));
+    }
 }
 
 /* The copy into a slot on the copy stream; while tracing (and not
  * capturing) between two marks, m[0] and m[1], recorded before the slot's
  * ready event so that the copy's end is timed, not the wake of whoever
- * waits for it. */
+ * waits for it.  *sess: the trace they were made in. */
 static laden_status traced_copy(laden_sched_t *sc, laden_devptr_t dst,
-                                const void *src, uint64_t n, void *m[2])
+                                const void *src, uint64_t n, void *m[2],
+                                uint64_t *sess)
 {
     bool traced = LADEN__TRACING() && !sc->capturing;
-    if (traced)
+    if (traced) {
+        *sess = laden__trace_session(); /* before the marks */
         m[0] = laden__dev_trace_mark(sc->copy);
+    }
     laden_status s = laden_dev_copy_h2d(sc->copy, dst, src, n);
     if (!s && m[0])
         m[1] = laden__dev_trace_mark(sc->copy);
@@ -217,13 +222,14 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     if (!sc->cuda)
         return LADEN_OK; /* read straight into the slot */
     void *m[2] = {NULL, NULL};
+    uint64_t sess = 0;
     if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
-        (s = traced_copy(sc, sl->ptr, sl->staging, b->bytes, m)) ||
+        (s = traced_copy(sc, sl->ptr, sl->staging, b->bytes, m, &sess)) ||
         (s = laden_dev_event_record(sl->ready, sc->copy)) ||
         (s = laden_dev_event_record(sl->staging_free, sc->copy)))
         return s;
-    laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], sl->block,
-                        b->bytes, (uintptr_t)sc,
+    laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1],
+                        sl->block, b->bytes, (uintptr_t)sc,
                         m[0] ? bname(sc, sl->block) : NULL);
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
@@ -245,14 +251,15 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
          * capture cannot be waited for inside it. */
         bool wait = !sc->capturing || sl->free_captured;
         void *m[2] = {NULL, NULL};
+        uint64_t sess = 0;
         if ((wait && (s = laden_dev_stream_wait_event(sc->copy, sl->free))) ||
-            (s = traced_copy(sc, sl->ptr, b->ram, b->bytes, m)) ||
+            (s = traced_copy(sc, sl->ptr, b->ram, b->bytes, m, &sess)) ||
             (s = laden_dev_event_record(sl->ready, sc->copy))) {
             sl->block = -1;
             return s;
         }
-        laden__trace_stream(LADEN__EV_H2D, sc->cfg.device, m[0], m[1], bi,
-                            b->bytes, (uintptr_t)sc,
+        laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1],
+                            bi, b->bytes, (uintptr_t)sc,
                             m[0] ? bname(sc, bi) : NULL);
         /* A captured copy runs at each replay, which counts it. */
         if (sc->capturing) {
@@ -557,9 +564,11 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     sc->st.enters++;
     if (sl->block != (int64_t)block) {
         sc->st.misses++;
-        if (LADEN__TRACING())
-            laden__trace_point(LADEN__EV_MISS, block, 0, (uintptr_t)sc,
+        if (LADEN__TRACING()) {
+            uint64_t sess = laden__trace_session(); /* before the name */
+            laden__trace_point(LADEN__EV_MISS, sess, block, 0, (uintptr_t)sc,
                                bname(sc, block));
+        }
         if ((s = laden__sched_until(sc, block)) ||
             (s = issue_load(sc, sl, block)))
             return s;
@@ -590,6 +599,7 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     /* In a capture, a block already in its slot when it began was put
      * there before it: ordered by the fork (replay_begin at replays). */
     bool traced = LADEN__TRACING() && !sc->capturing;
+    uint64_t sess = traced ? laden__trace_session() : 0; /* before marks */
     void *m0 = traced && sc->cuda ? laden__dev_trace_mark(sc->compute) : NULL;
     if (sc->cuda && (!sc->capturing || sl->ready_captured) &&
         (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
@@ -597,8 +607,8 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     sl->trace_mark = NULL;
     if (m0) {
         sl->trace_mark = laden__dev_trace_mark(sc->compute);
-        sl->trace_mark_session = laden__trace_session();
-        laden__trace_stream(LADEN__EV_STALL, sc->cfg.device, m0,
+        sl->trace_mark_session = sess;
+        laden__trace_stream(LADEN__EV_STALL, sess, sc->cfg.device, m0,
                             sl->trace_mark, block, LADEN__STALL_COPY,
                             (uintptr_t)sc, bname(sc, block));
     }
@@ -638,10 +648,13 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     sl->in_use = false;
     if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
         return s;
-    /* A mark of an earlier trace was freed when that trace stopped. */
+    /* A mark of an earlier trace was freed when that trace stopped: the
+     * record carries the mark's session, and one of an ended trace is
+     * dropped (laden__trace_emit), never read. */
     if (sl->trace_mark && LADEN__TRACING() && !sc->capturing &&
         sl->trace_mark_session == laden__trace_session())
-        laden__trace_stream(LADEN__EV_COMPUTE, sc->cfg.device, sl->trace_mark,
+        laden__trace_stream(LADEN__EV_COMPUTE, sl->trace_mark_session,
+                            sc->cfg.device, sl->trace_mark,
                             laden__dev_trace_mark(sc->compute), block, 0,
                             (uintptr_t)sc, bname(sc, block));
     sl->trace_mark = NULL;

@@ -400,6 +400,7 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
     if (s)
         return s;
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
+    uint64_t sess = t0 ? laden__trace_session() : 0; /* before any name */
     uint64_t misses = sc->st.misses;
     if ((s = laden__sched_enter(sc, block, compute_stream))) {
         unhold(sc);
@@ -408,15 +409,15 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
     sc->entered++;
     if (t0) {
         laden__trace_rec r = {
-            .t = t0, .a = block, .b = (uintptr_t)sc,
+            .session = sess, .t = t0, .a = block, .b = (uintptr_t)sc,
             .c = (uint64_t)laden__sched_streamed(sc, &sc->b[block]) |
                  (uint64_t)(sc->st.misses != misses) << 1,
             .s = laden__sched_block_trace_name(&sc->b[block]),
             .s2 = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
             .dev = (int16_t)sc->cfg.device};
-        laden__trace_emit(&r);
         blk *b = &sc->b[block];
-        uint64_t sess = laden__trace_session();
+        if (!laden__trace_emit(&r))
+            return LADEN_OK; /* that trace ended: no E is owed */
         if (b->trace_entered != sess) {
             b->trace_entered = sess;
             b->trace_open = 0;
@@ -439,10 +440,10 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
     laden_status s = laden__sched_exit(sc, block, compute_stream);
     /* The exit of an enter this trace recorded (not of one before it, nor
      * of a block that was not running): the pair stays matched. */
-    if (LADEN__TRACING() && block < sc->nb &&
-        sc->b[block].trace_entered == laden__trace_session() &&
+    uint64_t sess = LADEN__TRACING() ? laden__trace_session() : 0;
+    if (sess && block < sc->nb && sc->b[block].trace_entered == sess &&
         sc->b[block].trace_open > 0) {
-        laden__trace_rec r = {.t = laden__now_ns(), .a = block,
+        laden__trace_rec r = {.session = sess, .t = laden__now_ns(), .a = block,
                               .b = (uintptr_t)sc, .ev = LADEN__EV_EXIT,
                               .dev = (int16_t)sc->cfg.device};
         r.s = laden__sched_block_trace_name(&sc->b[block]);

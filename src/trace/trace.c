@@ -102,13 +102,19 @@ static ring *ring_new(void)
     return g;
 }
 
-void laden__trace_emit(const laden__trace_rec *r)
+bool laden__trace_emit(const laden__trace_rec *r)
 {
     uint64_t sess = atomic_load_explicit(&session, memory_order_acquire);
+    /* Made in a trace that has ended (another thread stopped it, and
+     * perhaps started the next, meanwhile): its marks and names are gone.
+     * Were it appended now, its ring (of the ended trace) is read by no
+     * one, and reset at the thread's next record. */
+    if (r->session && r->session != sess)
+        return false;
     ring *g = mine;
     if (!g && !(g = mine = ring_new())) {
         atomic_fetch_add(&dropped, 1);
-        return;
+        return false;
     }
     if (atomic_load_explicit(&g->session, memory_order_relaxed) != sess) {
         /* A new trace: start over, chunks past the first given back,
@@ -129,7 +135,7 @@ void laden__trace_emit(const laden__trace_rec *r)
     if (atomic_fetch_add_explicit(&total, 1, memory_order_relaxed) >=
         atomic_load_explicit(&max_events, memory_order_relaxed)) {
         atomic_fetch_add_explicit(&dropped, 1, memory_order_relaxed);
-        return;
+        return false;
     }
     uint64_t n = atomic_load_explicit(&g->n, memory_order_relaxed);
     uint32_t i = (uint32_t)(n % CHUNK);
@@ -138,7 +144,7 @@ void laden__trace_emit(const laden__trace_rec *r)
         if (!c) {
             if (!(c = calloc(1, sizeof *c))) {
                 atomic_fetch_add(&dropped, 1);
-                return;
+                return false;
             }
             atomic_store_explicit(&g->cur->next, c, memory_order_release);
         }
@@ -146,6 +152,7 @@ void laden__trace_emit(const laden__trace_rec *r)
     }
     g->cur->r[i] = *r;
     atomic_store_explicit(&g->n, n + 1, memory_order_release);
+    return true;
 }
 
 const char *laden__trace_intern(const char *s)
@@ -268,15 +275,21 @@ laden_status laden_trace_start(uint64_t max)
 
 void laden_trace_counter(const char *name, int32_t device, uint64_t value)
 {
-    if (LADEN__TRACING() && name)
-        emit_counter(laden__trace_intern(name), device, value);
+    if (!LADEN__TRACING() || !name)
+        return;
+    uint64_t sess = laden__trace_session();
+    laden__trace_rec r = {.session = sess, .t = laden__now_ns(), .a = value,
+                          .s = laden__trace_intern(name),
+                          .ev = LADEN__EV_COUNTER, .dev = (int16_t)device};
+    laden__trace_emit(&r);
 }
 
 void laden_trace_range(const char *name, int begin)
 {
     if (!LADEN__TRACING())
         return;
-    laden__trace_rec r = {.t = laden__now_ns(),
+    uint64_t sess = laden__trace_session();
+    laden__trace_rec r = {.session = sess, .t = laden__now_ns(),
                           .s = begin ? laden__trace_intern(name ? name : "")
                                      : "",
                           .ev = (uint16_t)(begin ? LADEN__EV_RANGE_BEGIN

@@ -45,6 +45,11 @@ typedef enum laden__stall {
 } laden__stall;
 
 typedef struct laden__trace_rec {
+    /* The trace the record's marks and names were made in: read (with
+     * laden__trace_session) before the first of them; 0 when it holds
+     * none.  A record of a trace that has ended is dropped: its marks and
+     * names were freed with it. */
+    uint64_t session;
     uint64_t t;   /* host ns at the start */
     uint64_t dur; /* host ns (thread spans) */
     uint64_t a, b, c;
@@ -55,38 +60,44 @@ typedef struct laden__trace_rec {
     uint32_t pad;
 } laden__trace_rec;
 
-/* Appends to the calling thread's ring (call only when LADEN__TRACING()). */
-void laden__trace_emit(const laden__trace_rec *r);
+/* Appends to the calling thread's ring (call only when LADEN__TRACING());
+ * false if it was dropped (its trace ended, or max_events). */
+bool laden__trace_emit(const laden__trace_rec *r);
 
 /* A copy of s that lives until the trace is written; "" if out of memory. */
 const char *laden__trace_intern(const char *s);
 
-/* Shorthands. */
-static inline void laden__trace_span(laden__ev ev, uint64_t t0, uint64_t a,
-                                     uint64_t b, uint64_t c, const char *s)
+/* Shorthands (sess as in laden__trace_rec). */
+static inline void laden__trace_span(laden__ev ev, uint64_t sess, uint64_t t0,
+                                     uint64_t a, uint64_t b, uint64_t c,
+                                     const char *s)
 {
     uint64_t t1 = laden__now_ns();
-    laden__trace_rec r = {.t = t0, .dur = t1 - t0, .a = a, .b = b, .c = c,
-                          .s = s, .ev = (uint16_t)ev, .dev = -1};
+    laden__trace_rec r = {.session = sess, .t = t0, .dur = t1 - t0, .a = a,
+                          .b = b, .c = c, .s = s, .ev = (uint16_t)ev,
+                          .dev = -1};
     laden__trace_emit(&r);
 }
-static inline void laden__trace_point(laden__ev ev, uint64_t a, uint64_t b,
-                                      uint64_t c, const char *s)
+static inline void laden__trace_point(laden__ev ev, uint64_t sess,
+                                      uint64_t a, uint64_t b, uint64_t c,
+                                      const char *s)
 {
-    laden__trace_rec r = {.t = laden__now_ns(), .a = a, .b = b, .c = c,
-                          .s = s, .ev = (uint16_t)ev, .dev = -1};
+    laden__trace_rec r = {.session = sess, .t = laden__now_ns(), .a = a,
+                          .b = b, .c = c, .s = s, .ev = (uint16_t)ev,
+                          .dev = -1};
     laden__trace_emit(&r);
 }
 /* A span between two stream marks (either may be NULL: nothing then). */
-static inline void laden__trace_stream(laden__ev ev, int32_t dev, void *m0,
-                                       void *m1, uint64_t a, uint64_t b,
-                                       uint64_t c, const char *s)
+static inline void laden__trace_stream(laden__ev ev, uint64_t sess,
+                                       int32_t dev, void *m0, void *m1,
+                                       uint64_t a, uint64_t b, uint64_t c,
+                                       const char *s)
 {
     if (!m0 || !m1)
         return;
-    laden__trace_rec r = {.t = laden__now_ns(), .a = a, .b = b, .c = c,
-                          .m0 = m0, .m1 = m1, .s = s, .ev = (uint16_t)ev,
-                          .dev = (int16_t)dev};
+    laden__trace_rec r = {.session = sess, .t = laden__now_ns(), .a = a,
+                          .b = b, .c = c, .m0 = m0, .m1 = m1, .s = s,
+                          .ev = (uint16_t)ev, .dev = (int16_t)dev};
     laden__trace_emit(&r);
 }
 

@@ -254,7 +254,7 @@ static bool evict_one(laden_vram_t *c, laden_vbar_t *req, uint32_t above,
     c->st.evictions++;
     c->st.evicted_bytes += c->page;
     if (LADEN__TRACING())
-        laden__trace_point(LADEN__EV_EVICT, 0, c->page, 0,
+        laden__trace_point(LADEN__EV_EVICT, 0, 0, c->page, 0,
                            "vbar page evicted");
     return true;
 }
@@ -497,7 +497,7 @@ static laden_status map_page(laden_vbar_t *v, uint32_t i, bool *oom)
     c->mapped += c->page;
     c->st.maps++;
     if (LADEN__TRACING())
-        laden__trace_point(LADEN__EV_FAULT, 0, c->page, 0,
+        laden__trace_point(LADEN__EV_FAULT, 0, 0, c->page, 0,
                            "vbar page mapped");
     return LADEN_OK;
 }
