@@ -686,6 +686,12 @@ def main(argv: Sequence[str] = None) -> int:
         return 2
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `laden ... | head`: the reader has had enough
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
     except (BadArgument, LadenError, OSError, ValueError) as e:
         print(f"laden {args.cmd}: error: {_sentence(e)}", file=sys.stderr)
         return 2

@@ -208,6 +208,14 @@ def test_show_prints_and_draws(ckpt, tmp_path, capsys):
     assert "laden trace:" in printed and png in printed
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # read by a pager that stops at the first line, long before the
+    # picture's line is printed: no error, no traceback
+    import subprocess
+    import sys
+    p = subprocess.run(f"{sys.executable} -m laden trace show {out} -o "
+                       f"{png} | head -1", shell=True, capture_output=True,
+                       text=True, env=dict(os.environ))
+    assert p.stdout.startswith("laden trace:") and p.stderr == ""
     ev = read(out)
     assert [e for e in ev if e.get("cat") == "load"]
     assert [e for e in ev if e.get("cat") == "range" and e["ph"] == "B"]
