@@ -123,6 +123,8 @@ class _Target:
     delta: Any = None          # full-rank delta
     value: Any = None          # replacement
     transposed: bool = False   # W is [in, out] (transformers' Conv1D)
+    sharded: bool = False      # W is a DTensor: the factors, delta and
+                               # value are this rank's slice of them
 
     def update(self, W, strength: float):
         """The update of W (in W's shape, float32)."""
@@ -320,11 +322,13 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
         W = params[name]
         where = f"adapter '{spec.key}', target '{name}'"
         from ._wrapped import is_dtensor
-        if is_dtensor(W):
-            raise AdapterError(
-                f"{where}: the weight is a DTensor (tensor parallel); "
-                "adapters on sharded weights are not supported yet (each "
-                "rank would need its slice of the update)", "E_INVAL")
+        dist = None
+        if is_dtensor(W):  # checked against the whole (global) weight,
+            from ._model import _dist_of  # then sliced for this rank
+            try:
+                dist = _dist_of(W, name)
+            except InvalidArgumentError as e:
+                raise AdapterError(f"{where}: {e}", "E_INVAL") from None
         if not W.dtype.is_floating_point or W.element_size() < 2:
             raise AdapterError(
                 f"{where}: the weight is {W.dtype}; adapters merge into "
@@ -369,8 +373,49 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
             if t is not None:
                 setattr(tg, f, t.to(dt) if isinstance(t, torch.Tensor)
                         else torch.as_tensor(t, dtype=dt))
+        if dist is not None:
+            _slice_for_rank(tg, dist, where)
         out.append(tg)
     return out
+
+
+def _slice_for_rank(tg: _Target, dist, where: str) -> None:
+    """Makes tg this rank's part of the update of a DTensor weight whose
+    local shard is [start, start + count) of dimension dist.dim: rows of
+    B where the weight's output dimension is split (ColwiseParallel),
+    columns of A where its input dimension is (RowwiseParallel); the
+    delta and value as the weight.  Replicated: the whole update."""
+    tg.sharded = True
+    d = dist.dim
+    if d is None:
+        return
+
+    def part(t, dim):
+        return t.narrow(dim, dist.start, dist.count).contiguous()
+
+    for f in ("delta", "value"):
+        if getattr(tg, f) is not None:
+            setattr(tg, f, part(getattr(tg, f), d))
+    if tg.A is None:
+        return
+    out_dim = 1 if tg.transposed else 0  # the weight's output features
+    in_dim = 1 - out_dim
+    if d == out_dim:
+        tg.B = part(tg.B, 0)
+    elif d == in_dim:
+        tg.A = part(tg.A, 1)
+    else:
+        raise AdapterError(
+            f"{where}: the weight is sharded along dimension {d} (not its "
+            "input or output features); its LoRA factors cannot be split "
+            "along it", "E_INVAL")
+
+
+def _local(W):
+    """The tensor an update is added to: a DTensor's local shard (laden's
+    memory), else W."""
+    from ._wrapped import is_dtensor
+    return W.to_local() if is_dtensor(W) else W
 
 
 # ---- on a streamed model ---------------------------------------------------------
@@ -442,9 +487,10 @@ def _merge_slot(h, c_block: int, todo: list, merged_at: dict, what: str,
 
 def _add(W, tg: _Target, s: float) -> None:
     """W += update, in place, where W is (one fused multiply-add for a 2-D
-    LoRA target)."""
+    LoRA target); a DTensor's local shard += this rank's part of it."""
     import torch
 
+    W = _local(W)
     with torch.no_grad():
         if tg.value is not None:
             W.copy_(tg.value.to(W.device, W.dtype))
@@ -828,6 +874,11 @@ def _check_targets(resolved, mode, model, by_name) -> None:
                 raise AdapterError(
                     f"target '{tg.name}': routed mode adds to nn.Linear "
                     "outputs; use mode='merge' for it", "E_INVAL")
+            if mode == "routed" and tg.sharded:
+                raise AdapterError(
+                    f"target '{tg.name}' is a DTensor (tensor parallel): "
+                    "its rank's slice of the update is merged where the "
+                    "weight runs; use mode='merge'", "E_INVAL")
             if mode == "routed" and (tg.value is not None or
                                      tg.name.endswith(".bias")):
                 raise AdapterError(

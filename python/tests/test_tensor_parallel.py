@@ -3,6 +3,7 @@ the meta-built model) loaded by stream_load: each rank reads only its
 shard -- rows of a ColwiseParallel weight as one range, columns of a
 RowwiseParallel one as a range per row -- streams it, and the outputs
 equal the unsharded model's.  Ranks are processes with gloo on the CPU.
+Adapters on sharded weights merge each rank's slice of the update.
 (Shards of unequal size: torch's ColwiseParallel outputs assume equal
 ones; the C tests read parts at any offset.)"""
 
@@ -66,12 +67,42 @@ CHILD = textwrap.dedent("""
         with torch.no_grad():
             y = m(x.to(dev)).cpu()
             want = ref(x)
-        sd = {{"blocks.0.up.lora_A.weight": torch.randn(2, 48),
-               "blocks.0.up.lora_B.weight": torch.randn(64, 2)}}
+        # LoRA on a ColwiseParallel weight (rows split: B's rows) and a
+        # RowwiseParallel one (columns split: A's columns); every rank
+        # merges its slice, and the outputs equal the whole model's with
+        # the whole update merged.
+        g = torch.Generator().manual_seed(2)
+        sd = {{"blocks.0.up.lora_A.weight": torch.randn(2, 48, generator=g),
+               "blocks.0.up.lora_B.weight": torch.randn(64, 2, generator=g),
+               "blocks.1.down.lora_A.weight": torch.randn(3, 64, generator=g),
+               "blocks.1.down.lora_B.weight": torch.randn(48, 3, generator=g),
+               "blocks.2.up.delta.weight": torch.randn(64, 48, generator=g)}}
+        spec = laden.AdapterSpec("l", lambda: dict(sd))
+        import copy
+        ref2 = copy.deepcopy(ref)
+        with torch.no_grad():
+            ref2.blocks[0].up.weight += sd["blocks.0.up.lora_B.weight"] @ \
+                sd["blocks.0.up.lora_A.weight"] * 0.5
+            ref2.blocks[1].down.weight += \
+                sd["blocks.1.down.lora_B.weight"] @ \
+                sd["blocks.1.down.lora_A.weight"] * 0.5
+            ref2.blocks[2].up.weight += sd["blocks.2.up.delta.weight"] * 0.5
+            want2 = ref2(x)
         try:
-            h.set_adapters([laden.AdapterSpec("l", lambda: dict(sd))])
+            h.set_adapters([spec], [0.5])
         except laden.LadenError as e:
             out["adapters"] = str(e)
+        else:
+            with torch.no_grad():
+                out["adapter_diff"] = (m(x.to(dev)).cpu() - want2).abs() \
+                    .max().item()
+            try:
+                h.set_adapters([spec], [0.5], mode="routed")
+            except laden.LadenError as e:
+                out["routed"] = str(e)
+            h.set_adapters([])  # the exact weights back
+            with torch.no_grad():
+                out["restored"] = torch.equal(m(x.to(dev)).cpu(), y)
         w = m.blocks[1].down.weight
         out.update(read=rep.read_bytes, local=local,
                    diff=(y - want).abs().max().item(),
@@ -128,10 +159,25 @@ def test_each_rank_reads_and_streams_its_shard(tmp_path, checkpoint):
         # it runs in place; on a GPU it streams)
         # Only the shard was read: this rank's bytes, not the tensors'.
         assert o["read"] == o["local"] < whole
-        assert "DTensor" in o["adapters"]  # refused, not merged wrongly
+        # each rank merged its slice of the LoRA and delta updates
+        assert "adapters" not in o, o.get("adapters")
+        assert o["adapter_diff"] < 1e-4, o
+        assert "mode='merge'" in o["routed"]  # refused, never wrong
+        assert o["restored"]
         shapes.append(o["local_shape"])
     # 64 columns over 2 ranks.
     assert [s[1] for s in shapes] == [32, 32]
+
+
+def test_four_ranks(tmp_path, checkpoint):
+    """Four ranks: a quarter of each sharded weight each, outputs and the
+    merged adapters' outputs equal to the whole model's."""
+    path, whole = checkpoint
+    outs = run_ranks(tmp_path, path, "plain", world=4)
+    for o in outs:
+        assert o["diff"] < 1e-5 and o["adapter_diff"] < 1e-4, o
+        assert o["read"] == o["local"] < whole
+    assert [o["local_shape"][1] for o in outs] == [16] * 4
 
 
 def test_shards_share_nothing_but_load_shared(tmp_path, checkpoint,
