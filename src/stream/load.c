@@ -15,11 +15,48 @@
 typedef struct tread {
     const tref *r;
     laden_io_req_t *req;
+    laden_io_req_t **reqs; /* a part of several ranges: one read each, in */
+    uint64_t nreqs;        /* flight until wait_tread */
     void *tmp;
     char *to;
     bool read;       /* a part of several ranges read already (read_pieces) */
     uint64_t cached; /* of its bytes, from the page cache */
 } tread;
+
+/* Waits for c's reads (its request, or a part's several) and frees
+ * them; *done (the tensor's bytes are in) and *cached (of them, from
+ * the page cache) on success. */
+static laden_status wait_tread(laden_sched_t *sc, tread *c, bool *done,
+                               uint64_t *cached)
+{
+    laden_status s = LADEN_OK, w;
+    uint64_t got = 0, sum = 0;
+    *done = false;
+    *cached = 0;
+    if (c->req) {
+        s = laden_io_wait_cached(sc->io, c->req, &got);
+        c->req = NULL;
+        sum = got;
+    } else if (c->reqs) {
+        for (uint64_t i = 0; i < c->nreqs; i++)
+            if ((w = laden_io_wait_cached(sc->io, c->reqs[i], &got))) {
+                if (!s)
+                    s = w;
+            } else {
+                sum += got;
+            }
+        free(c->reqs);
+        c->reqs = NULL;
+        c->nreqs = 0;
+    } else {
+        return LADEN_OK;
+    }
+    if (!s) {
+        *done = true;
+        *cached = sum;
+    }
+    return s;
+}
 
 /* Converts tensor c->r, read into c->tmp, to its place: on the reader
  * thread that read its last chunk (laden_io_submit_then), so that
@@ -53,34 +90,41 @@ static laden_status convert_then(void *arg)
     return LADEN_OK;
 }
 
-/* Reads part r of a checkpoint tensor that is several ranges (r->pieces)
- * into dst, packed, and waits for it: all its ranges in flight at once. */
+/* Submits the reads of part r of a checkpoint tensor that is several
+ * ranges (r->pieces) into dst, packed: all its ranges in flight at once,
+ * kept in c until wait_tread (so the loader goes on starting reads
+ * meanwhile).  On failure the reads submitted are waited for here. */
+static laden_status submit_pieces(laden_sched_t *sc, const tref *r,
+                                  char *dst, tread *c)
+{
+    uint64_t each = r->src_bytes / r->pieces;
+    if (!(c->reqs = calloc(r->pieces, sizeof *c->reqs)))
+        return laden__fail(LADEN_E_NOMEM, "out of memory reading '%.200s'",
+                           r->name);
+    laden_status s = LADEN_OK;
+    for (uint64_t n = 0; n < r->pieces && !s; n++)
+        if (!(s = laden_io_submit(sc->io, sc->files[r->file],
+                                  r->off + n * r->stride, each,
+                                  dst + n * each, &c->reqs[c->nreqs])))
+            c->nreqs++;
+    if (s) {
+        bool done;
+        uint64_t cached;
+        wait_tread(sc, c, &done, &cached);
+    }
+    return s;
+}
+
+/* The same, waiting for the reads (the part is converted next). */
 static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst,
                                 tread *c)
 {
-    uint64_t each = r->src_bytes / r->pieces;
-    laden_io_req_t **reqs = calloc(r->pieces, sizeof *reqs);
-    if (!reqs)
-        return laden__fail(LADEN_E_NOMEM, "out of memory reading '%.200s'",
-                           r->name);
-    laden_status s = LADEN_OK, w;
-    uint64_t n = 0;
-    for (; n < r->pieces && !s; n++)
-        s = laden_io_submit(sc->io, sc->files[r->file], r->off + n * r->stride,
-                            each, dst + n * each, &reqs[n]);
+    laden_status s = submit_pieces(sc, r, dst, c);
     if (s)
-        n--; /* the failed submit made no request */
-    uint64_t cached = 0, sum = 0;
-    for (uint64_t i = 0; i < n; i++)
-        if ((w = laden_io_wait_cached(sc->io, reqs[i], &cached))) {
-            if (!s)
-                s = w;
-        } else {
-            sum += cached;
-        }
-    free(reqs);
-    c->read = !s; /* counted by the caller, as a request's bytes are */
-    c->cached = sum;
+        return s;
+    bool done;
+    s = wait_tread(sc, c, &done, &c->cached);
+    c->read = done; /* counted by the caller, as a request's bytes are */
     return s;
 }
 
@@ -102,7 +146,7 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
         return laden_io_submit(sc->io, sc->files[r->file], r->off,
                                r->src_bytes, to, req);
     if (r->pieces && r->src == r->dst && !r->rope_heads)
-        return read_pieces(sc, r, to, c);
+        return submit_pieces(sc, r, to, c);
     if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
         return laden__fail(LADEN_E_NOMEM, "out of memory converting '%.200s'",
                            r->name);
@@ -161,16 +205,15 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
 {
     laden_status w;
     uint64_t cached;
+    bool done;
     for (uint32_t i = 0; i < f->n && f->tr; i++) {
         if (f->tr[i].read) {
             sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
             sc->st.load_cached_bytes += f->tr[i].cached;
         }
-        if (!f->tr[i].req)
-            continue;
-        if ((w = laden_io_wait_cached(sc->io, f->tr[i].req, &cached)) && !s)
+        if ((w = wait_tread(sc, &f->tr[i], &done, &cached)) && !s)
             s = w;
-        else if (!w) {
+        else if (done) {
             sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
             sc->st.load_cached_bytes += cached;
         }
@@ -1018,8 +1061,12 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         to = (char *)(uintptr_t)b->region + r->dst_off;
     tread c = {0};
     s = start_tensor(sc, r, to, &c);
-    if (c.req && (w = laden_io_wait(sc->io, c.req)) && !s)
+    bool done;
+    uint64_t cached = 0;
+    if ((w = wait_tread(sc, &c, &done, &cached)) && !s)
         s = w;
+    if (!c.read)
+        c.cached = cached;
     free(c.tmp);
     if (!s && bounce &&
         !(s = laden_dev_copy_h2d(sc->copy, b->region + r->dst_off, to,
