@@ -2461,6 +2461,39 @@ static void shared_copy(int32_t dev)
 
 TEST(stream_shared_copy) { test_on_every_device(shared_copy); }
 
+/* A load that would attach to a segment this process is making, with
+ * nothing filling it (its load prepared and left, on this thread): refused
+ * at once, not waited for forever; once the maker's load has run, the
+ * same load attaches. */
+static void shared_self_wait(int32_t dev)
+{
+    char *path = strdup(write_model());
+    model a, b;
+    build_from(&a, path, dev, MIXED, 0);
+    build_from(&b, path, dev, MIXED, 0);
+    CHECK_OK(laden_sched_share(a.sc, "self"));
+    CHECK_OK(laden_sched_share(b.sc, "self"));
+    CHECK_OK(laden_sched_load_prepare(a.sc)); /* made, not filled */
+    CHECK_STATUS(laden_sched_load(b.sc), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "never end"));
+    CHECK_OK(laden_sched_load_wait(a.sc)); /* this thread fills it */
+    destroy(&b);
+    build_from(&b, path, dev, MIXED, 0);
+    CHECK_OK(laden_sched_share(b.sc, "self"));
+    CHECK_OK(laden_sched_load(b.sc));
+    run_all(&a);
+    run_all(&b);
+    destroy(&a);
+    destroy(&b);
+    CHECK_EQ(segments(), 0);
+    free(path);
+}
+
+TEST(stream_shared_copy_never_waits_for_itself)
+{
+    test_on_every_device(shared_self_wait);
+}
+
 /* Processes (the CPU device: a forked child cannot use its parent's CUDA
  * context): children attach to the parent's copy and run on it; one
  * whose load of the copy fails sees the maker's failure; the parent's

@@ -152,6 +152,73 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
     return off;
 }
 
+/* The segments this process made and has not filled yet, and the
+ * schedule filling each.  A load of this process that would attach to one
+ * waits only while something can fill it: its schedule's background
+ * loader, or another thread holding it (in its laden_sched_load).  A
+ * schedule prepared and left alone would never be filled while this
+ * thread waits for it: that is refused, not waited for. */
+typedef struct making {
+    struct making *next;
+    const laden_sched_t *sc;
+    char name[64];
+} making;
+static pthread_mutex_t making_mu = PTHREAD_MUTEX_INITIALIZER;
+static making *makings;
+
+static void making_add(const laden_sched_t *sc, const char *name)
+{
+    making *m = calloc(1, sizeof *m);
+    if (!m)
+        return; /* then only the wait is lost, as before */
+    m->sc = sc;
+    snprintf(m->name, sizeof m->name, "%s", name);
+    pthread_mutex_lock(&making_mu);
+    m->next = makings;
+    makings = m;
+    pthread_mutex_unlock(&making_mu);
+}
+
+static void making_drop(const laden_sched_t *sc)
+{
+    pthread_mutex_lock(&making_mu);
+    for (making **l = &makings; *l;) {
+        making *m = *l;
+        if (m->sc == sc) {
+            *l = m->next;
+            free(m);
+        } else {
+            l = &m->next;
+        }
+    }
+    pthread_mutex_unlock(&making_mu);
+}
+
+/* LADEN_E_STATE if segment `name` is being made by a schedule of this
+ * process that nothing is filling now. */
+static laden_status making_check(const char *name)
+{
+    laden_status s = LADEN_OK;
+    uint64_t me = laden__thread_id();
+    pthread_mutex_lock(&making_mu);
+    for (making *m = makings; m; m = m->next) {
+        if (strcmp(m->name, name))
+            continue;
+        laden_sched_t *o = (laden_sched_t *)m->sc;
+        uint64_t holder = atomic_load(&o->holder);
+        if (!atomic_load(&o->loader_live) && (!holder || holder == me))
+            s = laden__fail(
+                LADEN_E_STATE,
+                "it is being made by another load in this process that is "
+                "not reading it now (prepared, or driven by this very "
+                "thread): waiting would never end; finish that load first, "
+                "or load it in the background");
+        break;
+    }
+    pthread_mutex_unlock(&making_mu);
+    return s;
+}
+
 laden_status laden__sched_share_open(laden_sched_t *sc)
 {
     if (!sc->share_key || sc->shm)
@@ -168,7 +235,7 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
                         "%s is not on tmpfs or hugetlbfs, so CUDA cannot "
                         "pin it; point LADEN_SHM_DIR at /dev/shm or another "
                         "tmpfs", laden_shm_path(shm));
-    if (!s && !created)
+    if (!s && !created && !(s = making_check(name)))
         s = laden_shm_wait_ready(shm, ATTACH_WAIT_MS);
     if (s) {
         laden_shm_close(shm);
@@ -179,6 +246,8 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
     }
     sc->shm = shm;
     sc->share_created = created;
+    if (created)
+        making_add(sc, name);
     memcpy(sc->share_name, name, sizeof name);
     char *data = laden_shm_data(shm);
     for (uint32_t i = 0; i < sc->nb; i++) {
@@ -226,13 +295,16 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
 
 laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s)
 {
-    if (sc->shm && sc->share_created)
+    if (sc->shm && sc->share_created) {
         laden_shm_set_ready(sc->shm, s == LADEN_OK);
+        making_drop(sc);
+    }
     return s;
 }
 
 void laden__sched_share_close(laden_sched_t *sc)
 {
+    making_drop(sc);
     laden_shm_close(sc->shm);
     sc->shm = NULL;
 }
