@@ -342,15 +342,21 @@ TEST(shm_held_bytes_counts_segments)
 {
     use_test_dir();
     uint64_t n = 1;
-    CHECK_OK(laden_shm_held_bytes(&n));
+    CHECK_OK(laden_shm_held_bytes(NULL, &n));
     CHECK_EQ(n, 0);
-    laden_shm_t *a;
+    laden_shm_t *a, *b;
     int created;
     CHECK_OK(laden_shm_open("counted", BYTES, 0, &a, &created));
-    CHECK_OK(laden_shm_held_bytes(&n));
-    CHECK(n >= BYTES && n <= BYTES + 65536); /* data and header */
-    laden_shm_close(a);
-    CHECK_OK(laden_shm_held_bytes(&n));
+    CHECK_OK(laden_shm_open("other", BYTES, 0, &b, &created));
+    CHECK_OK(laden_shm_held_bytes(NULL, &n));
+    CHECK(n >= 2 * BYTES && n <= 2 * (BYTES + 65536)); /* data, header */
+    CHECK_OK(laden_shm_held_bytes("count", &n)); /* by name */
+    CHECK(n >= BYTES && n <= BYTES + 65536);
+    CHECK_OK(laden_shm_held_bytes("nothing", &n));
     CHECK_EQ(n, 0);
-    CHECK_STATUS(laden_shm_held_bytes(NULL), LADEN_E_INVAL);
+    laden_shm_close(a);
+    laden_shm_close(b);
+    CHECK_OK(laden_shm_held_bytes("", &n));
+    CHECK_EQ(n, 0);
+    CHECK_STATUS(laden_shm_held_bytes(NULL, NULL), LADEN_E_INVAL);
 }

@@ -2473,7 +2473,32 @@ static void shared_self_wait(int32_t dev)
     build_from(&b, path, dev, MIXED, 0);
     CHECK_OK(laden_sched_share(a.sc, "self"));
     CHECK_OK(laden_sched_share(b.sc, "self"));
+    uint64_t held = 1;
+    CHECK_OK(laden_sched_shared_bytes(a.st, &held));
+    CHECK_EQ(held, 0);
     CHECK_OK(laden_sched_load_prepare(a.sc)); /* made, not filled */
+    /* What a planning process credits: this checkpoint's segments, not
+     * another's (a file of its own, written after). */
+    uint64_t seg = 0;
+    CHECK_OK(laden_sched_share_info(a.sc, NULL, 0, &seg, NULL));
+    CHECK_OK(laden_sched_shared_bytes(a.st, &held));
+    CHECK(seg > 0 && held >= seg && held <= seg + 65536);
+    char *copy = test_path("copy.safetensors");
+    {
+        FILE *in = fopen(path, "rb"), *out = fopen(copy, "wb");
+        CHECK(in && out);
+        char buf[65536];
+        for (size_t n; (n = fread(buf, 1, sizeof buf, in)) > 0;)
+            CHECK(fwrite(buf, 1, n, out) == n);
+        fclose(in);
+        CHECK(fclose(out) == 0);
+    }
+    model elsewhere;
+    build_from(&elsewhere, copy, dev, MIXED, 0);
+    CHECK_OK(laden_sched_shared_bytes(elsewhere.st, &held));
+    CHECK_EQ(held, 0);
+    destroy(&elsewhere);
+    CHECK_STATUS(laden_sched_shared_bytes(NULL, &held), LADEN_E_INVAL);
     CHECK_STATUS(laden_sched_load(b.sc), LADEN_E_STATE);
     CHECK(strstr(laden_last_error(), "never end"));
     CHECK_OK(laden_sched_load_wait(a.sc)); /* this thread fills it */

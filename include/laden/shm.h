@@ -70,9 +70,11 @@ LADEN_API const char *laden_shm_path(laden_shm_t *shm);
 LADEN_API int laden_shm_pinnable(laden_shm_t *shm);
 
 /* The bytes of this user's segments in the directory now (made or
- * being made), in *out_bytes: a process planning how much RAM it may use
- * counts them as the memory it would attach to. */
-LADEN_API laden_status laden_shm_held_bytes(uint64_t *out_bytes);
+ * being made) whose names begin with `prefix` (NULL or "": all), in
+ * *out_bytes: a process planning how much RAM it may use counts them as
+ * the memory it would attach to. */
+LADEN_API laden_status laden_shm_held_bytes(const char *prefix,
+                                            uint64_t *out_bytes);
 
 /* Unmaps it; the last process to close a segment removes it, and so does
  * a creator closing one it did not mark ready.  NULL: no-op. */

@@ -238,6 +238,13 @@ LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
 LADEN_API laden_status laden_sched_share(laden_sched_t *sched,
                                          const char *key);
 
+/* The bytes of this user's shared segments made from checkpoint `st`'s
+ * files (as they are now: the same identities), whatever their layout: a
+ * process planning a shared load counts them as memory it would attach
+ * to, not as memory in use. */
+LADEN_API laden_status laden_sched_shared_bytes(const laden_st_t *st,
+                                                uint64_t *out_bytes);
+
 /* Whether the schedule's host copy is shared: *out_state 0 not shared
  * (or not loaded yet), 1 this process made and filled the segment, 2 it
  * attached to one another process made; its name (without the

@@ -353,13 +353,15 @@ def _plan_input(dev, *, max_vram=None, headroom_vram=None,
 
 
 def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
-                 lookahead: int, shared: bool = False) -> "_lib.PlanInput":
+                 lookahead: int, shared=None) -> "_lib.PlanInput":
     """stream_load's budgets: ``vram_budget`` bounds the device bytes
     (rest, resident blocks, slots; nothing reserved, no reading), blocks
     stay resident while they fit it (or a VRAM context's budget: C caps
     at its room); without either every block not asked resident streams.
     ``ram_budget`` bounds the RAM tier alone (0: every streamed block on
-    disk); without it the free RAM, less the minimum kept free."""
+    disk); without it the free RAM, less the minimum kept free, and with
+    ``shared`` (the Checkpoint of a shared load) the segments already made
+    from its files counted as free (sharing.segments_bytes)."""
     if vram_budget is not None and dev.type == "cpu":
         raise InvalidArgumentError(
             f"vram_budget {fmt_bytes(parse_size(vram_budget))}: the model "
@@ -368,9 +370,9 @@ def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
     r = _readings(dev)
     if vram_budget is not None:
         r["vram_free"] = parse_size(vram_budget)
-    if shared and ram_budget is None:  # see sharing.segments_bytes
+    if shared is not None and ram_budget is None:  # sharing.segments_bytes
         from .sharing import segments_bytes
-        credited = min(r["ram_free_exact"] + segments_bytes(),
+        credited = min(r["ram_free_exact"] + segments_bytes(shared),
                        r["ram_total"])
         r["ram_free"] = credited // READING_STEP * READING_STEP
     inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,

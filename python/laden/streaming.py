@@ -421,13 +421,13 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"stream_load: vram is a context for "
             f"{getattr(vram, 'device', type(vram).__name__)}, the model "
             f"goes to {dev}", "E_INVAL")
-    budgets = planning.load_budgets(dev, vram_budget, ram_budget,
-                                    vram is not None and
-                                    bool(vram.info()["budget_bytes"]),
-                                    lookahead, shared=bool(shared))
+    vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
+        budgets = planning.load_budgets(dev, vram_budget, ram_budget,
+                                        vram_has_budget, lookahead,
+                                        shared=ck if shared else None)
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
                         storage=storage, device=dev)

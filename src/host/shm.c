@@ -464,7 +464,7 @@ laden_status laden_shm_wait_ready(laden_shm_t *s, uint32_t timeout_ms)
  * the segments' sizes are not multiples of its pages.) */
 #define TMPFS_MAGIC_ 0x01021994
 
-laden_status laden_shm_held_bytes(uint64_t *out)
+laden_status laden_shm_held_bytes(const char *prefix, uint64_t *out)
 {
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_shm_held_bytes: NULL");
@@ -475,7 +475,8 @@ laden_status laden_shm_held_bytes(uint64_t *out)
     char path[4096];
     for (struct dirent *e; (e = readdir(d));) {
         struct stat sb;
-        if (strncmp(e->d_name, "laden-", 6) != 0)
+        if (strncmp(e->d_name, "laden-", 6) != 0 ||
+            (prefix && strncmp(e->d_name + 6, prefix, strlen(prefix)) != 0))
             continue;
         snprintf(path, sizeof path, "%s/%s", shm_dir(), e->d_name);
         if (lstat(path, &sb) == 0 && S_ISREG(sb.st_mode) &&

@@ -113,6 +113,48 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
     return LADEN_OK;
 }
 
+/* The first part of the names of the segments made from these files:
+ * "m" and 8 hex digits of their identities. */
+static void files_prefix(laden_io_file_t *const *files, uint32_t n,
+                         char out[16])
+{
+    digest d = {0x66696c65732d3139ull, 0x7072656669782d31ull};
+    uint64_t id[4];
+    add(&d, n);
+    for (uint32_t f = 0; f < n; f++) {
+        laden_io_file_identity(files[f], id);
+        for (int j = 0; j < 4; j++)
+            add(&d, id[j]);
+    }
+    snprintf(out, 16, "m%08llx", (unsigned long long)(d.a >> 32));
+}
+
+laden_status laden_sched_shared_bytes(const laden_st_t *st,
+                                      uint64_t *out_bytes)
+{
+    if (!out_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_shared_bytes: NULL");
+    *out_bytes = 0;
+    if (!st)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_shared_bytes: NULL");
+    uint32_t n = (uint32_t)laden_st_file_count(st);
+    laden_io_file_t **files = calloc(n ? n : 1, sizeof *files);
+    if (!files)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    laden_status s = LADEN_OK;
+    for (uint32_t i = 0; i < n && !s; i++)
+        s = laden_st_file_open(st, i, &files[i]);
+    char prefix[16];
+    if (!s) {
+        files_prefix(files, n, prefix);
+        s = laden_shm_held_bytes(prefix, out_bytes);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        laden_io_file_close(files[i]);
+    free(files);
+    return s;
+}
+
 /* The segment's name and size, and each shared block's place in it. */
 static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
 {
@@ -147,8 +189,12 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
                 add(&d, w[j]);
         }
     }
-    snprintf(name, cap, "m%016llx%016llx", (unsigned long long)d.a,
-             (unsigned long long)d.b);
+    /* The files' prefix, then 96 bits of everything: a planning process
+     * counts only its checkpoint's segments (laden_sched_shared_bytes). */
+    char prefix[16];
+    files_prefix(sc->files, sc->nfiles, prefix);
+    snprintf(name, cap, "%s%016llx%08llx", prefix, (unsigned long long)d.a,
+             (unsigned long long)(d.b >> 32));
     return off;
 }
 
