@@ -58,7 +58,7 @@ test-tsan:
 	cmake -S . -B build-tsan -DLADEN_TSAN=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j$(JOBS) --target laden_tests
 	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ trace_threads stream_trace \
-	  stream_guard stream_background grads_large
+	  stream_guard stream_background grads_large stream_shared_copy_waits
 
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug

@@ -2519,6 +2519,83 @@ TEST(stream_shared_copy_never_waits_for_itself)
     test_on_every_device(shared_self_wait);
 }
 
+/* A load on another thread than the maker's, while the maker's load is
+ * prepared and not begun (Python binds the model's tensors in between):
+ * it waits for the begin and attaches; a maker never begun is refused
+ * after the wait; a maker destroyed meanwhile is the waiter's failure. */
+typedef struct {
+    model *m;
+    laden_status s;
+    char msg[512];
+    atomic_int done;
+} side_load;
+
+static void *side_load_run(void *p)
+{
+    side_load *l = p;
+    l->s = laden_sched_load(l->m->sc);
+    snprintf(l->msg, sizeof l->msg, "%s", laden_last_error());
+    atomic_store(&l->done, 1);
+    return NULL;
+}
+
+static void nap_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000};
+    nanosleep(&t, NULL);
+}
+
+static void shared_prepared_elsewhere(int32_t dev)
+{
+    char *path = strdup(write_model());
+    uint32_t keep = laden__share_prepared_wait_ms;
+    for (int round = 0; round < 3; round++) {
+        model a, b;
+        build_from(&a, path, dev, MIXED, 0);
+        build_from(&b, path, dev, MIXED, 0);
+        CHECK_OK(laden_sched_share(a.sc, "prep"));
+        CHECK_OK(laden_sched_share(b.sc, "prep"));
+        laden__share_prepared_wait_ms = round == 1 ? 50 : keep;
+        CHECK_OK(laden_sched_load_prepare(a.sc));
+        side_load l = {.m = &b};
+        pthread_t t;
+        CHECK_EQ(pthread_create(&t, NULL, side_load_run, &l), 0);
+        if (round == 0) { /* begun a moment later: b waited, attached */
+            nap_ms(100);
+            CHECK(!atomic_load(&l.done));
+            CHECK_OK(laden_sched_load_begin(a.sc));
+            pthread_join(t, NULL);
+            CHECK_OK(l.s);
+            share_state(&b, 2, NULL);
+            CHECK_OK(laden_sched_load_wait(a.sc));
+            run_all(&a);
+            run_all(&b);
+        } else if (round == 1) { /* never begun: refused after the wait */
+            pthread_join(t, NULL);
+            CHECK_STATUS(l.s, LADEN_E_STATE);
+            CHECK(strstr(l.msg, "not begun after 50 ms"));
+        } else { /* destroyed while b waits: the maker's failure */
+            nap_ms(50);
+            CHECK(!atomic_load(&l.done));
+            destroy(&a);
+            pthread_join(t, NULL);
+            CHECK_STATUS(l.s, LADEN_E_STATE);
+            CHECK(strstr(l.msg, "could not fill it"));
+        }
+        if (round != 2)
+            destroy(&a);
+        destroy(&b);
+        CHECK_EQ(segments(), 0);
+    }
+    laden__share_prepared_wait_ms = keep;
+    free(path);
+}
+
+TEST(stream_shared_copy_waits_for_a_prepared_maker)
+{
+    test_on_every_device(shared_prepared_elsewhere);
+}
+
 /* Processes (the CPU device: a forked child cannot use its parent's CUDA
  * context): children attach to the parent's copy and run on it; one
  * whose load of the copy fails sees the maker's failure; the parent's

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "laden/io.h"
 #include "laden/shm.h"
@@ -200,17 +201,23 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
 
 /* The segments this process made and has not filled yet, and the
  * schedule filling each.  A load of this process that would attach to one
- * waits only while something can fill it: its schedule's background
- * loader, or another thread holding it (in its laden_sched_load).  A
- * schedule prepared and left alone would never be filled while this
- * thread waits for it: that is refused, not waited for. */
+ * waits while something fills it: its schedule's background loader, or
+ * another thread holding it (in its laden_sched_load).  A schedule
+ * prepared on another thread and not begun yet is waited for a while
+ * (Python begins it once it has bound the model's tensors); one prepared,
+ * or held, by this very thread would never be filled while this thread
+ * waits for it: that is refused at once. */
 typedef struct making {
     struct making *next;
     const laden_sched_t *sc;
+    uint64_t by; /* the thread that prepared it */
     char name[64];
 } making;
 static pthread_mutex_t making_mu = PTHREAD_MUTEX_INITIALIZER;
 static making *makings;
+
+/* How long a load waits for a maker prepared on another thread to begin. */
+uint32_t laden__share_prepared_wait_ms = 10000;
 
 static void making_add(const laden_sched_t *sc, const char *name)
 {
@@ -218,6 +225,7 @@ static void making_add(const laden_sched_t *sc, const char *name)
     if (!m)
         return; /* then only the wait is lost, as before */
     m->sc = sc;
+    m->by = laden__thread_id();
     snprintf(m->name, sizeof m->name, "%s", name);
     pthread_mutex_lock(&making_mu);
     m->next = makings;
@@ -240,11 +248,15 @@ static void making_drop(const laden_sched_t *sc)
     pthread_mutex_unlock(&making_mu);
 }
 
-/* LADEN_E_STATE if segment `name` is being made by a schedule of this
- * process that nothing is filling now. */
-static laden_status making_check(const char *name)
+enum { MAKING_FILLED_ELSEWHERE, MAKING_PREPARED, MAKING_NEVER };
+
+/* What fills segment `name`, for a load of this thread that would attach:
+ * another process or a live load (wait for it), a schedule prepared on
+ * another thread (wait for its begin), or nothing while this thread
+ * waits. */
+static int making_state(const char *name)
 {
-    laden_status s = LADEN_OK;
+    int st = MAKING_FILLED_ELSEWHERE;
     uint64_t me = laden__thread_id();
     pthread_mutex_lock(&making_mu);
     for (making *m = makings; m; m = m->next) {
@@ -252,17 +264,53 @@ static laden_status making_check(const char *name)
             continue;
         laden_sched_t *o = (laden_sched_t *)m->sc;
         uint64_t holder = atomic_load(&o->holder);
-        if (!atomic_load(&o->loader_live) && (!holder || holder == me))
-            s = laden__fail(
+        if (atomic_load(&o->loader_live) || (holder && holder != me))
+            st = MAKING_FILLED_ELSEWHERE;
+        else if (holder == me || m->by == me)
+            st = MAKING_NEVER;
+        else
+            st = MAKING_PREPARED;
+        break;
+    }
+    pthread_mutex_unlock(&making_mu);
+    return st;
+}
+
+static uint64_t ms_since(const struct timespec *t0)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)(now.tv_sec - t0->tv_sec) * 1000 +
+           (uint64_t)((now.tv_nsec - t0->tv_nsec) / 1000000);
+}
+
+/* Waits until segment `name` (attached as `shm`) is filled, or refuses a
+ * wait that would never end. */
+static laden_status await_maker(laden_shm_t *shm, const char *name)
+{
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int st = making_state(name);
+        if (st == MAKING_FILLED_ELSEWHERE)
+            return laden_shm_wait_ready(shm, ATTACH_WAIT_MS);
+        if (st == MAKING_NEVER)
+            return laden__fail(
                 LADEN_E_STATE,
                 "it is being made by another load in this process that is "
                 "not reading it now (prepared, or driven by this very "
                 "thread): waiting would never end; finish that load first, "
                 "or load it in the background");
-        break;
+        if (ms_since(&t0) >= laden__share_prepared_wait_ms)
+            return laden__fail(
+                LADEN_E_STATE,
+                "it is being made by another load in this process, "
+                "prepared on another thread and not begun after %u ms "
+                "(laden_sched_load_begin or laden_sched_load_wait fill it)",
+                laden__share_prepared_wait_ms);
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
     }
-    pthread_mutex_unlock(&making_mu);
-    return s;
 }
 
 laden_status laden__sched_share_open(laden_sched_t *sc)
@@ -281,8 +329,8 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
                         "%s is not on tmpfs or hugetlbfs, so CUDA cannot "
                         "pin it; point LADEN_SHM_DIR at /dev/shm or another "
                         "tmpfs", laden_shm_path(shm));
-    if (!s && !created && !(s = making_check(name)))
-        s = laden_shm_wait_ready(shm, ATTACH_WAIT_MS);
+    if (!s && !created)
+        s = await_maker(shm, name);
     if (s) {
         laden_shm_close(shm);
         for (uint32_t i = 0; i < sc->nb; i++)

@@ -285,6 +285,9 @@ laden_status laden__sched_share_open(laden_sched_t *sc);
 laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s);
 /* Closes the segment (free_all). */
 void laden__sched_share_close(laden_sched_t *sc);
+/* How long a load waits for a segment whose maker in this process was
+ * prepared on another thread and not begun (10 s; tests shorten it). */
+extern uint32_t laden__share_prepared_wait_ms;
 /* Whether block b's host copy comes from another process's load. */
 static inline bool laden__sched_attached(const laden_sched_t *sc,
                                          const blk *b)
