@@ -489,8 +489,20 @@ static void misuse(int32_t dev)
     CHECK_STATUS(laden_sched_exit(m.sc, b, 0), LADEN_E_STATE);
     CHECK_OK(laden_sched_enter(m.sc, b, 0));
     CHECK_STATUS(laden_sched_enter(m.sc, b, 0), LADEN_E_STATE);
-    /* Block 4 shares block 1's slot (positions 1 and 4 of 3 slots... its
-     * schedule position is 3 when block 2 is on the GPU tier). */
+    /* Exits of blocks that are not running (resident, RAM tier, none)
+     * are refused and change nothing: b still exits, once. */
+    CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[2], 0), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "not running"));
+    CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[0], 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[NB], 0), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_exit(m.sc, 999, 0), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_exit(m.sc, b, 0));
+    CHECK_STATUS(laden_sched_exit(m.sc, b, 0), LADEN_E_STATE);
+    /* A resident block runs while a streamed one does; each exits once. */
+    CHECK_OK(laden_sched_enter(m.sc, m.block_of[2], 0));
+    CHECK_OK(laden_sched_enter(m.sc, b, 0));
+    CHECK_OK(laden_sched_exit(m.sc, m.block_of[2], 0));
+    CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[2], 0), LADEN_E_STATE);
     CHECK_OK(laden_sched_exit(m.sc, b, 0));
     destroy(&m);
 }
@@ -2518,6 +2530,62 @@ TEST(stream_shared_copy_never_waits_for_itself)
 {
     test_on_every_device(shared_self_wait);
 }
+
+/* The RAM budget counts a shared block as the segment holds it (4 KiB
+ * pages) for the maker and the attacher alike, also for a block of 2 MiB
+ * and up, which a private home would round to huge pages. */
+static void shared_budget(int32_t dev)
+{
+    if (dev == LADEN_DEVICE_CPU)
+        return; /* the CPU device pins nothing: no RAM-tier budget */
+    enum { BIG = (2 << 20) + 8192, SMALL = 4096 };
+    char hdr[256];
+    snprintf(hdr, sizeof hdr,
+             "{\"big\":{\"dtype\":\"U8\",\"shape\":[%d],"
+             "\"data_offsets\":[0,%d]},"
+             "\"small\":{\"dtype\":\"U8\",\"shape\":[%d],"
+             "\"data_offsets\":[%d,%d]}}",
+             BIG, BIG, SMALL, BIG, BIG + SMALL);
+    unsigned char *data = malloc(BIG + SMALL);
+    for (int i = 0; i < BIG + SMALL; i++)
+        data[i] = (unsigned char)(i * 7 + 1);
+    char *path = test_path("budget.safetensors");
+    test_write_st(path, hdr, data, BIG + SMALL);
+    laden_sched_t *sc[3];
+    laden_st_t *st[3];
+    for (int k = 0; k < 3; k++) {
+        CHECK_OK(laden_st_open(path, &st[k]));
+        /* k 0 and 1 within the segment's bytes exactly; k 2 a page short */
+        laden_sched_config cfg = {.device = dev, .lookahead = 1,
+                                  .ram_budget_bytes = BIG + SMALL -
+                                                      (k == 2 ? 4096 : 0)};
+        CHECK_OK(laden_sched_create(&cfg, st[k], &sc[k]));
+        const char *names[] = {"big", "small"};
+        for (int i = 0; i < 2; i++) {
+            uint32_t b, ti;
+            size_t idx;
+            CHECK_OK(laden_sched_add_block(sc[k], LADEN_TIER_RAM, &b));
+            CHECK_OK(laden_st_find(st[k], names[i], &idx));
+            CHECK_OK(laden_sched_add_tensor(sc[k], b, st[k], idx,
+                                            LADEN_DTYPE_U8, &ti));
+        }
+        CHECK_OK(laden_sched_share(sc[k], "budget"));
+    }
+    CHECK_OK(laden_sched_load(sc[0])); /* the maker */
+    uint64_t seg = 0;
+    CHECK_OK(laden_sched_share_info(sc[0], NULL, 0, &seg, NULL));
+    CHECK_EQ(seg, (uint64_t)BIG + SMALL);
+    CHECK_OK(laden_sched_load(sc[1])); /* an attacher */
+    CHECK_STATUS(laden_sched_load(sc[2]), LADEN_E_BUDGET);
+    for (int k = 0; k < 3; k++) {
+        laden_sched_destroy(sc[k]);
+        laden_st_close(st[k]);
+    }
+    CHECK_EQ(segments(), 0);
+    free(data);
+}
+
+TEST(stream_shared_copy_budget) { test_on_every_device(shared_budget); }
 
 /* A load on another thread than the maker's, while the maker's load is
  * prepared and not begun (Python binds the model's tensors in between):

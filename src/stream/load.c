@@ -641,7 +641,10 @@ static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
     if (sc->cache || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
-        uint64_t budget = sc->cfg.ram_budget_bytes, len = home_len(b->bytes);
+        /* A shared block is in the segment, in 4 KiB pages (share.c), as
+         * an attacher counts it too. */
+        uint64_t budget = sc->cfg.ram_budget_bytes,
+                 len = b->shared ? b->ram_len : home_len(b->bytes);
         if (!sc->cache && budget && *homes_bytes + len > budget)
             return laden__fail(LADEN_E_BUDGET, "block %u (%s) does not fit "
                                "the %s RAM budget (%s taken)",

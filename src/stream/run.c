@@ -620,7 +620,9 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         host_stall(sc, t0, block, LADEN__STALL_COPY);
     sl->in_use = true;
     note_direction(sc, (uint32_t)b->pos);
-    return prefetch_after(sc, (uint32_t)b->pos);
+    if ((s = prefetch_after(sc, (uint32_t)b->pos)))
+        sl->in_use = false; /* not entered: its caller does not run it */
+    return s;
 }
 
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,

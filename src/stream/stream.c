@@ -407,6 +407,7 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
         return s;
     }
     sc->entered++;
+    sc->b[block].running++;
     if (t0) {
         laden__trace_rec r = {
             .session = sess, .t = t0, .a = block, .b = (uintptr_t)sc,
@@ -437,6 +438,15 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
                            "laden_sched_exit: block %u was not entered on "
                            "this thread",
                            block);
+    /* Refused before anything changes: the hold, and the blocks that are
+     * running, stay as they were. */
+    if (block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_exit: no block %u "
+                           "(%u blocks)", block, sc->nb);
+    if (!sc->b[block].running)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_exit: block %u is not running",
+                           block);
     laden_status s = laden__sched_exit(sc, block, compute_stream);
     /* The exit of an enter this trace recorded (not of one before it, nor
      * of a block that was not running): the pair stays matched. */
@@ -450,6 +460,7 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
         laden__trace_emit(&r);
         sc->b[block].trace_open--;
     }
+    sc->b[block].running--;
     sc->entered--;
     unhold(sc);
     return s;

@@ -80,6 +80,7 @@ typedef struct blk {
                               marks the blocks as it goes: load.c) */
     bool shared;           /* its host copy is in sc->shm (share.c) */
     uint64_t share_off;    /* its place there */
+    uint32_t running;      /* enters not exited yet (stream.c) */
 } blk;
 
 typedef struct laden_loader loader; /* a load in progress (load.c) */
