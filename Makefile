@@ -53,12 +53,16 @@ test-asan:
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  LD_LIBRARY_PATH=build/fake_cuda ./build-asan/laden_tests stream_ trace_
 
-# The tests that run threads together, under ThreadSanitizer.
+# The tests that run threads together, under ThreadSanitizer (those on two
+# devices at once on the stand-in driver).
 test-tsan:
 	cmake -S . -B build-tsan -DLADEN_TSAN=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j$(JOBS) --target laden_tests
 	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ trace_threads stream_trace \
 	  stream_guard stream_background grads_large stream_shared_copy_waits
+	$(MAKE) build/fake_cuda/libcuda.so.1
+	TSAN_OPTIONS=halt_on_error=1 LD_LIBRARY_PATH=build/fake_cuda ./build-tsan/laden_tests \
+	  stream_two_devices stream_shared_copy_two_devices dev_threads_on_several
 
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
@@ -113,7 +117,8 @@ build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c
 	  -fPIC -o build/fake_cuda/libcuda.so.1 tests/fake_cuda/fake_cuda.c -lpthread
 
 test-fake-cuda: lib build/fake_cuda/libcuda.so.1
-	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_ trace_
+	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_ trace_ \
+	  dev_ engine_a_cache_per_device
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

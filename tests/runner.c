@@ -1,6 +1,8 @@
 /* Runs every registered test in its own process with a timeout.
  * Usage: laden_tests [-t seconds] [substring ...] */
 #define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -43,6 +45,63 @@ void test_on_every_device(void (*fn)(int32_t device))
     if (n == 0)
         fprintf(stderr, "(no CUDA: %s; ran on the CPU device only)\n",
                 laden_dev_cuda_error());
+}
+
+void *test_cuda_fn(const char *name)
+{
+    typedef int (*gpa_t)(const char *, void **, int, uint64_t, int *);
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(lib);
+    gpa_t gpa = (gpa_t)(uintptr_t)dlsym(lib, "cuGetProcAddress_v2");
+    CHECK(gpa);
+    void *fn = NULL;
+    int qs = 0;
+    CHECK_EQ(gpa(name, &fn, 12000, 0, &qs), 0);
+    CHECK(fn);
+    return fn;
+}
+
+/* Resolved once, for tests that call them from several threads. */
+static struct {
+    int (*attr)(void *, int, uint64_t);
+    int (*stream_ctx)(uintptr_t, void **);
+    int (*retain)(void **, int);
+} cuda_fns;
+static pthread_once_t cuda_fns_once = PTHREAD_ONCE_INIT;
+
+static void resolve_cuda_fns(void)
+{
+    void *f = test_cuda_fn("cuPointerGetAttribute");
+    memcpy(&cuda_fns.attr, &f, sizeof f);
+    f = test_cuda_fn("cuStreamGetCtx");
+    memcpy(&cuda_fns.stream_ctx, &f, sizeof f);
+    f = test_cuda_fn("cuDevicePrimaryCtxRetain");
+    memcpy(&cuda_fns.retain, &f, sizeof f);
+}
+
+int32_t test_cuda_device_of(uint64_t p)
+{
+    pthread_once(&cuda_fns_once, resolve_cuda_fns);
+    int dev = -1;
+    CHECK_EQ(cuda_fns.attr(&dev, 9 /* CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL */,
+                           p), 0);
+    return dev;
+}
+
+void *test_cuda_stream_ctx(uintptr_t stream)
+{
+    pthread_once(&cuda_fns_once, resolve_cuda_fns);
+    void *ctx = NULL;
+    CHECK_EQ(cuda_fns.stream_ctx(stream, &ctx), 0);
+    return ctx;
+}
+
+void *test_cuda_primary_ctx(int32_t dev)
+{
+    pthread_once(&cuda_fns_once, resolve_cuda_fns);
+    void *ctx = NULL;
+    CHECK_EQ(cuda_fns.retain(&ctx, dev), 0); /* held for the process's life */
+    return ctx;
 }
 
 const char *test_tmpdir(void)

@@ -106,6 +106,14 @@ const char *test_tmpdir(void); /* a fresh directory for this process */
  * when there is none). */
 void test_on_every_device(void (*fn)(int32_t device));
 /* Writes a safetensors file: 8-byte length, header text, data. */
+/* The CUDA driver's entry point `name` (the real driver's or the
+ * stand-in's), for tests that check what laden did with it; the device a
+ * device pointer is on; the context a stream handle is of; a device's
+ * primary context. */
+void *test_cuda_fn(const char *name);
+int32_t test_cuda_device_of(uint64_t p);
+void *test_cuda_stream_ctx(uintptr_t stream);
+void *test_cuda_primary_ctx(int32_t dev);
 void test_write_st(const char *path, const char *header, const void *data,
                    size_t data_len);
 void test_write_file(const char *path, const void *data, size_t len);

@@ -265,3 +265,117 @@ static void threads(int32_t dev)
 }
 
 TEST(dev_many_threads) { test_on_every_device(threads); }
+
+/* Threads on every CUDA device at once, each its own device's copies. */
+TEST(dev_threads_on_several_devices)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    if (n < 2)
+        SKIP("needs two CUDA devices (the stand-in driver has two)");
+    pthread_t t[8];
+    worker_arg args[8];
+    for (int i = 0; i < 8; i++) {
+        args[i] = (worker_arg){i % n, (unsigned)i * 29};
+        CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
+    }
+    for (int i = 0; i < 8; i++)
+        pthread_join(t[i], NULL);
+}
+
+typedef int (*ctx_get_fn)(void **);
+typedef int (*ctx_set_fn)(void *);
+
+static void *current(void)
+{
+    static ctx_get_fn get;
+    if (!get)
+        get = (ctx_get_fn)(uintptr_t)test_cuda_fn("cuCtxGetCurrent");
+    void *c = (void *)1;
+    CHECK_EQ(get(&c), 0);
+    return c;
+}
+
+/* Every call on device `dev` with `other` current (another device's
+ * primary context, or none) leaves `other` current, when it succeeds and
+ * when it fails: the runtime takes its current device from the driver's
+ * current context, so a switch left behind would move PyTorch's. */
+static void keeps_context(int32_t dev, void *other)
+{
+    ctx_set_fn set = (ctx_set_fn)(uintptr_t)test_cuda_fn("cuCtxSetCurrent");
+    CHECK_EQ(set(other), 0);
+#define KEPT(call)                                                         \
+    do {                                                                   \
+        call;                                                              \
+        if (current() != other) {                                          \
+            fprintf(stderr, "%s:%d: cuda:%d: %s left another context "     \
+                    "current\n", __FILE__, __LINE__, dev, #call);          \
+            exit(1);                                                       \
+        }                                                                  \
+    } while (0)
+    const uint64_t n = 1u << 20;
+    laden_dev_info_t info;
+    uint64_t fr = 0, total = 0;
+    laden_dev_stream_t *s = NULL, *w = NULL;
+    laden_event_t *a = NULL, *b = NULL;
+    laden_devptr_t d = 0, big = 0;
+    unsigned char *pin = NULL, *page = aligned_alloc(4096, 2 * n), *back = malloc(n);
+    int done = 0, capturing = 1;
+    float ms = -1;
+    fill(page, n, 7);
+    KEPT(CHECK_OK(laden_dev_info(dev, &info)));
+    KEPT(CHECK_OK(laden_dev_mem_info(dev, &fr, &total)));
+    KEPT(CHECK_OK(laden_dev_stream_create(dev, &s)));
+    KEPT(CHECK_OK(laden_dev_stream_wrap(dev, 0, &w)));
+    KEPT(CHECK_OK(laden_dev_event_create(dev, 1, &a)));
+    KEPT(CHECK_OK(laden_dev_event_create(dev, 1, &b)));
+    KEPT(CHECK_OK(laden_dev_mem_alloc(dev, n, &d)));
+    /* ... and did its work on `dev`. */
+    CHECK_EQ(test_cuda_device_of(d), dev);
+    CHECK(test_cuda_stream_ctx(laden_dev_stream_handle(s)) ==
+          test_cuda_primary_ctx(dev));
+    KEPT(CHECK_OK(laden_dev_host_alloc(dev, n, (void **)&pin)));
+    memcpy(pin, page, n);
+    KEPT(CHECK_OK(laden_dev_host_register(dev, page + n, n)));
+    KEPT(CHECK_OK(laden_dev_event_record(a, s)));
+    KEPT(CHECK_OK(laden_dev_copy_h2d(s, d, pin, n)));
+    KEPT(CHECK_OK(laden_dev_copy_d2h(s, back, d, n)));
+    KEPT(CHECK_OK(laden_dev_event_record(b, s)));
+    KEPT(CHECK_OK(laden_dev_stream_wait_event(w, b)));
+    KEPT(CHECK_OK(laden_dev_event_synchronize(b)));
+    KEPT(CHECK_OK(laden_dev_event_query(b, &done)));
+    CHECK(done);
+    KEPT(CHECK_OK(laden_dev_event_elapsed_ms(a, b, &ms)));
+    CHECK(ms >= 0);
+    KEPT(CHECK_OK(laden_dev_stream_capturing(s, &capturing)));
+    CHECK(!capturing);
+    KEPT(CHECK_OK(laden_dev_stream_synchronize(s)));
+    CHECK_EQ(memcmp(back, page, n), 0);
+    /* A call the driver refuses. */
+    KEPT(CHECK_STATUS(laden_dev_mem_alloc(dev, 1ull << 50, &big),
+                      LADEN_E_DEVICE_NOMEM));
+    KEPT(CHECK_OK(laden_dev_host_unregister(dev, page + n)));
+    KEPT(CHECK_OK(laden_dev_host_free(dev, pin)));
+    KEPT(CHECK_OK(laden_dev_mem_free(dev, d)));
+    KEPT(laden_dev_event_destroy(a));
+    KEPT(laden_dev_event_destroy(b));
+    KEPT(laden_dev_stream_destroy(w));
+    KEPT(laden_dev_stream_destroy(s));
+#undef KEPT
+    CHECK_EQ(set(NULL), 0);
+    free(page);
+    free(back);
+}
+
+TEST(dev_keeps_the_callers_context)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    if (n == 0)
+        SKIP("no CUDA device");
+    for (int32_t dev = 0; dev < n; dev++) {
+        keeps_context(dev, NULL); /* a thread with no context */
+        if (n > 1) /* a thread where another device is current */
+            keeps_context(dev, test_cuda_primary_ctx((dev + 1) % n));
+    }
+}

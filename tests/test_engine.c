@@ -61,6 +61,7 @@ static void check_bytes(cmodel *m, uint32_t b, laden_devptr_t p)
     unsigned char *buf = malloc(m->size[b] ? m->size[b] : 1);
     CHECK(buf);
     if (m->dev >= 0) {
+        CHECK_EQ(test_cuda_device_of(p), m->dev); /* on its device */
         laden_dev_stream_t *rd;
         CHECK_OK(laden_dev_stream_create(m->dev, &rd));
         CHECK_OK(laden_dev_copy_d2h(rd, buf, p, m->size[b]));
@@ -186,6 +187,47 @@ static void rotation(int32_t dev)
 }
 
 TEST(engine_rotation_lru_and_reuse) { test_on_every_device(rotation); }
+
+/* A cache per device in one process, as ModelCache keeps them: models
+ * used in turn on two devices never evict each other (each cache has its
+ * own budget), every block runs from its own device's memory, and a new
+ * model goes to the cache with the most room. */
+TEST(engine_a_cache_per_device)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    if (n < 2)
+        SKIP("needs two CUDA devices (the stand-in driver has two)");
+    laden_cache_t *c[2];
+    cmodel m[2][2];
+    const char *keys[2][2] = {{"te-0", "unet-0"}, {"te-1", "unet-1"}};
+    for (int d = 0; d < 2; d++) {
+        CHECK_OK(laden_cache_create(8000, 0, &c[d]));
+        for (int i = 0; i < 2; i++)
+            build(c[d], &m[d][i], keys[d][i], d, 4, 1, FOUR, 10 * d + i + 1);
+    }
+    for (int round = 0; round < 8; round++) {
+        laden_cache_activation_t act;
+        int d = round % 2, i = (round / 2) % 2;
+        use(c[d], &m[d][i], LADEN_CACHE_AUTO, &act);
+        CHECK_EQ(act.mode, LADEN_CACHE_RESIDENT);
+        CHECK_EQ(act.evicted_models, 0u);
+        CHECK_EQ(act.upload_bytes, round < 4 ? 4000u : 0u);
+        for (int k = 0; k < 2; k++)
+            check_accounts(c[k], m[k], 2);
+    }
+    uint32_t at = 99;
+    CHECK_OK(laden_cache_roomiest(c, 2, &at));
+    CHECK_EQ(at, 0); /* both full: the first */
+    CHECK_OK(laden_cache_unbind(c[1], m[1][1].id)); /* its device copy gone */
+    CHECK_EQ(held(&m[1][1]), 0);
+    CHECK_OK(laden_cache_roomiest(c, 2, &at));
+    CHECK_EQ(at, 1); /* cuda:1 has 4000 free */
+    CHECK_OK(laden_cache_remove(c[1], m[1][1].id));
+    laden_sched_destroy(m[1][1].sc);
+    destroy_all(c[0], m[0], 2);
+    destroy_all(c[1], m[1], 1);
+}
 
 /* A model that gave up part of its blocks keeps the first ones and uploads
  * only the missing ones on its next use. */

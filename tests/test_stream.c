@@ -133,6 +133,7 @@ static void run_block_exit_on(model *m, int i, uintptr_t exit_on)
         CHECK_OK(laden_sched_tensor_ptr(m->sc, b, (uint32_t)k, &p));
         CHECK_EQ(p % 256, 0);
         if (m->rd) {
+            CHECK_EQ(test_cuda_device_of(p), m->dev); /* on its device */
             CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, sz(t)));
             CHECK_OK(laden_dev_stream_synchronize(m->rd));
         } else {
@@ -2968,3 +2969,80 @@ TEST(stream_trace_stopped_by_another_thread)
 {
     test_on_every_device(traces_from_elsewhere);
 }
+
+/* ---- several devices in one process -------------------------------------- */
+
+static int32_t cuda_devices_or_skip(int32_t want)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    if (n < want)
+        SKIP("needs two CUDA devices (the stand-in driver has two)");
+    return n;
+}
+
+static void *run_three_times(void *p)
+{
+    model *m = p;
+    for (int i = 0; i < 3; i++)
+        run_all(m);
+    return NULL;
+}
+
+/* Models on two devices streamed at once from two threads, each from its
+ * own host copy or both from one shared copy: every block's bytes are
+ * right on its device, and each device's copies move its own model's
+ * streamed blocks (the stand-in driver aborts a copy whose device memory
+ * is another device's than its stream's). */
+static void two_devices(int shared)
+{
+    cuda_devices_or_skip(2);
+    if (shared)
+        CHECK_EQ(segments(), 0);
+    char *path = strdup(write_model());
+    model m[2];
+    for (int d = 0; d < 2; d++) {
+        build_from(&m[d], path, d, MIXED, 0);
+        if (shared)
+            CHECK_OK(laden_sched_share(m[d].sc, "two-devices"));
+        CHECK_OK(laden_sched_load(m[d].sc));
+    }
+    if (shared) { /* cuda:0 made it, cuda:1 attached and read only the rest */
+        uint64_t b0 = 0, b1 = 0;
+        share_state(&m[0], 1, &b0);
+        share_state(&m[1], 2, &b1);
+        CHECK(b0 > 0 && b0 == b1);
+        CHECK_EQ(segments(), 1);
+        laden_sched_stats_t s0, s1;
+        CHECK_OK(laden_sched_stats(m[0].sc, &s0));
+        CHECK_OK(laden_sched_stats(m[1].sc, &s1));
+        uint64_t ram = 0;
+        for (int i = 0; i < NB; i++)
+            if (MIXED[i] == LADEN_TIER_RAM)
+                ram += sz(2 * i) + sz(2 * i + 1);
+        CHECK_EQ(s0.load_read_bytes - s1.load_read_bytes, ram);
+        void *h0 = NULL, *h1 = NULL;
+        CHECK_OK(laden_sched_host_ptr(m[0].sc, m[0].block_of[0], 0, &h0));
+        CHECK_OK(laden_sched_host_ptr(m[1].sc, m[1].block_of[0], 0, &h1));
+        CHECK(h0 && h1 && h0 != h1); /* one segment, a mapping each */
+    }
+    pthread_t t[2];
+    for (int d = 0; d < 2; d++)
+        CHECK_EQ(pthread_create(&t[d], NULL, run_three_times, &m[d]), 0);
+    for (int d = 0; d < 2; d++)
+        pthread_join(t[d], NULL);
+    laden_sched_stats_t st[2];
+    for (int d = 0; d < 2; d++)
+        CHECK_OK(laden_sched_stats(m[d].sc, &st[d]));
+    CHECK(st[0].h2d_bytes > 0);
+    CHECK_EQ(st[0].h2d_bytes, st[1].h2d_bytes);
+    destroy(&m[0]); /* the maker first: the other keeps the copy */
+    run_all(&m[1]);
+    destroy(&m[1]);
+    if (shared)
+        CHECK_EQ(segments(), 0);
+    free(path);
+}
+
+TEST(stream_two_devices_at_once) { two_devices(0); }
+TEST(stream_shared_copy_two_devices) { two_devices(1); }

@@ -117,3 +117,31 @@ def test_two_gpus_stream_from_one_host_copy(ckpt, monkeypatch):
         laden.release(m)
     assert os.listdir(d) == []
     os.rmdir(d)
+
+
+@two_gpus
+def test_a_model_on_another_gpu_leaves_the_current_device(ckpt):
+    """laden's driver calls run in the model's device's context and put the
+    caller's back: torch's current device (which the CUDA runtime reads
+    from the driver's current context) stays what the user set, so
+    tensors made on "cuda" go where they did before."""
+    ref, path = ckpt
+    x = torch.randn(2, 64)
+    want = ref(x)
+    for cur, dev in ((0, 1), (1, 0)):
+        with torch.cuda.device(cur):
+            m = meta_net()
+            laden.stream_load(m, path, offload_prefixes=["blocks."],
+                              device=f"cuda:{dev}")
+            assert torch.cuda.current_device() == cur
+            laden.install_offload(m)
+            assert torch.cuda.current_device() == cur
+            with torch.no_grad():
+                got = m(x.to(f"cuda:{dev}"))
+            assert torch.cuda.current_device() == cur
+            assert got.device == torch.device("cuda", dev)
+            assert torch.allclose(got.cpu(), want, atol=1e-5)
+            assert torch.empty(1, device="cuda").device.index == cur
+            laden.release(m)
+            assert torch.cuda.current_device() == cur
+

@@ -171,10 +171,18 @@ static void init_dev(int32_t index)
     }
 }
 
-/* Makes the device's primary context current on this thread. */
-static laden_status enter(int32_t dev)
+/* Makes the device's primary context current on this thread for one call,
+ * remembering the caller's.  The caller's context is put back when the
+ * call returns (laden__cuda_leave, or the scope ENTER declares): the CUDA
+ * runtime reads its current device from the driver's current context, so
+ * a context left switched would move PyTorch's current device, and with
+ * it every allocation on "cuda" without an index, to laden's device.  On
+ * one GPU the contexts agree and nothing is switched. */
+laden_status laden__cuda_enter(int32_t dev, laden__cuda_scope *sc)
 {
     struct cuda_dev *d = &devs[dev];
+    sc->prev = NULL;
+    sc->switched = 0;
     if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
         pthread_mutex_lock(&init_mu);
         if (!atomic_load_explicit(&d->ready, memory_order_relaxed)) {
@@ -186,18 +194,31 @@ static laden_status enter(int32_t dev)
     if (d->err != CUDA_SUCCESS)
         return check(d->err, dev, "cuDevicePrimaryCtxRetain");
     CUcontext cur = NULL;
-    cu.cuCtxGetCurrent(&cur);
-    if (cur != d->ctx)
-        return check(cu.cuCtxSetCurrent(d->ctx), dev, "cuCtxSetCurrent");
+    CUresult r = cu.cuCtxGetCurrent(&cur);
+    if (r != CUDA_SUCCESS)
+        return check(r, dev, "cuCtxGetCurrent");
+    if (cur == d->ctx)
+        return LADEN_OK;
+    if ((r = cu.cuCtxSetCurrent(d->ctx)) != CUDA_SUCCESS)
+        return check(r, dev, "cuCtxSetCurrent");
+    sc->prev = cur;
+    sc->switched = 1;
     return LADEN_OK;
 }
 
-#define ENTER(dev)                       \
-    do {                                 \
-        laden_status es = enter(dev);    \
-        if (es)                          \
-            return es;                   \
-    } while (0)
+void laden__cuda_leave(laden__cuda_scope *sc)
+{
+    if (sc->switched)
+        cu.cuCtxSetCurrent(sc->prev);
+    sc->switched = 0;
+}
+
+/* The device's context for the rest of the enclosing function: the
+ * caller's is put back on every return. */
+#define SCOPE                                                                  __attribute__((cleanup(laden__cuda_leave))) laden__cuda_scope scope_ =         {NULL, 0}
+#define ENTER(dev)                                                             SCOPE;                                                                     do {                                                                           laden_status es = laden__cuda_enter(dev, &scope_);                         if (es)                                                                        return es;                                                         } while (0)
+/* For the calls that return nothing: false when the device is unusable. */
+#define ENTERED(dev) (laden__cuda_enter(dev, &scope_) == LADEN_OK)
 
 static laden_status cuda_info(int32_t dev, laden_dev_info_t *out)
 {
@@ -255,7 +276,8 @@ static laden_status cuda_stream_wrap(int32_t dev, uintptr_t h, void **out)
 
 static void cuda_stream_destroy(int32_t dev, void *s, bool owned)
 {
-    if (!owned || enter(dev) != LADEN_OK)
+    SCOPE;
+    if (!owned || !ENTERED(dev))
         return;
     cu.cuStreamSynchronize(s);
     cu.cuStreamDestroy(s);
@@ -317,7 +339,8 @@ static laden_status cuda_graph_launch(int32_t dev, void *g, void *s)
 
 static void cuda_graph_destroy(int32_t dev, void *g)
 {
-    if (enter(dev) == LADEN_OK)
+    SCOPE;
+    if (ENTERED(dev))
         cu.cuGraphExecDestroy(g);
 }
 
@@ -335,7 +358,8 @@ static laden_status cuda_event_create(int32_t dev, int timing, void **out)
 
 static void cuda_event_destroy(int32_t dev, void *e)
 {
-    if (enter(dev) == LADEN_OK)
+    SCOPE;
+    if (ENTERED(dev))
         cu.cuEventDestroy(e);
 }
 

@@ -61,4 +61,16 @@ laden_status laden__dev_resolve(int32_t dev, const laden__dev_ops **ops);
 int32_t laden__cuda_load(void);
 extern char laden__cuda_error[512];
 
+/* Device `dev`'s primary context made current on this thread, and the
+ * caller's put back after: every CUDA call of laden's runs between the
+ * two, so that laden never changes the context (and with it PyTorch's
+ * current device) of a thread that calls it.  enter fails, leaving
+ * nothing to put back, when the device cannot be used. */
+typedef struct laden__cuda_scope {
+    void *prev;
+    int switched;
+} laden__cuda_scope;
+laden_status laden__cuda_enter(int32_t dev, laden__cuda_scope *sc);
+void laden__cuda_leave(laden__cuda_scope *sc);
+
 #endif

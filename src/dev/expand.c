@@ -675,20 +675,11 @@ static struct ex_dev {
     char desc[PATH_MAX + 256];
 } exdevs[MAX_DEVICES];
 
-/* Under ex_mu: everything device `dev` needs, or why not. */
-static laden_status load_device(int32_t dev)
+/* Under ex_mu, in the device's context: the kernels compiled (or the
+ * image of an earlier device reused), loaded and sized. */
+static laden_status load_module(int32_t dev, const laden_dev_info_t *info)
 {
-    void *stream = NULL;
-    laden_dev_info_t info;
-    laden_status st = resolve_driver();
-    if (!st)
-        st = laden__dev_cuda_ops.stream_wrap(dev, 0, &stream); /* ctx */
-    if (!st) {
-        memset(&info, 0, sizeof info);
-        st = laden__dev_cuda_ops.info(dev, &info);
-    }
-    if (st)
-        return st;
+    laden_status st;
     CUdevice cud = 0;
     int sms = 0;
     if (laden__cuk.cuDeviceGet(&cud, dev) != CUDA_SUCCESS ||
@@ -700,7 +691,7 @@ static laden_status load_device(int32_t dev)
         return st;
     bool reused = false;
     uint64_t t0 = laden__now_ns();
-    if ((st = compile(dev, info.cc_major * 10 + info.cc_minor, &reused)))
+    if ((st = compile(dev, info->cc_major * 10 + info->cc_minor, &reused)))
         return st;
     CUmodule mod = NULL;
     CUresult r = laden__cuk.cuModuleLoadData(&mod, img.image);
@@ -744,6 +735,26 @@ static laden_status load_device(int32_t dev)
                     : "compiled and loaded",
              ms);
     return LADEN_OK;
+}
+
+/* Under ex_mu: everything device `dev` needs, or why not. */
+static laden_status load_device(int32_t dev)
+{
+    laden_dev_info_t info;
+    laden__cuda_scope sc;
+    laden_status st = resolve_driver();
+    if (!st) {
+        memset(&info, 0, sizeof info);
+        st = laden__dev_cuda_ops.info(dev, &info);
+    }
+    if (st)
+        return st;
+    /* The module is loaded into the device's context. */
+    if ((st = laden__cuda_enter(dev, &sc)))
+        return st;
+    st = load_module(dev, &info);
+    laden__cuda_leave(&sc);
+    return st;
 }
 
 laden_status laden_expand_ready(int32_t device)
@@ -842,9 +853,9 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
     }
     if ((st = laden_expand_ready(device)))
         return st;
-    void *s = NULL;
-    if ((st = laden__dev_cuda_ops.stream_wrap(device, stream, &s)))
-        return st; /* makes the primary context current */
+    laden__cuda_scope sc;
+    if ((st = laden__cuda_enter(device, &sc)))
+        return st; /* the launch is in the device's context */
     struct ex_dev *d = &exdevs[device];
     uint64_t threads = p.units / EX_CUDA_BATCH + (p.units % EX_CUDA_BATCH != 0);
     uint64_t blocks = threads / THREADS + (threads % THREADS != 0);
@@ -852,8 +863,9 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
         blocks = d->max_blocks[p.fmt][vec];
     void *args[] = {&p};
     CUresult r = laden__cuk.cuLaunchKernel(d->fn[p.fmt][vec], (unsigned int)blocks, 1,
-                                   1, THREADS, 1, 1, 0, (CUstream)s, args,
+                                   1, THREADS, 1, 1, 0, (CUstream)stream, args,
                                    NULL);
+    laden__cuda_leave(&sc);
     if (r != CUDA_SUCCESS)
         return laden__fail(LADEN_E_DEVICE,
                            "cuda:%d: cuLaunchKernel(laden_ex_%s_%c, %llu x "

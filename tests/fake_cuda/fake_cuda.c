@@ -10,6 +10,15 @@
  *  - A deferred copy whose memory was freed meanwhile aborts.
  *  - Events, streams, device and pinned allocations left at exit make the
  *    process exit with status 3 (a leak).
+ *  - Several devices (FAKE_CUDA_DEVICES, default 2), each with its own
+ *    primary context and legacy stream, with the driver's rules between
+ *    them: allocations, streams and events belong to the context current
+ *    when they were made (none current: CUDA_ERROR_INVALID_CONTEXT), an
+ *    event recorded on another device's stream or timed against another
+ *    device's event is CUDA_ERROR_INVALID_HANDLE, and pinning a range
+ *    that is pinned already is CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
+ *    A copy whose device memory is not its stream's device's aborts:
+ *    laden copies only on the owning device's streams.
  * VMM entry points are not emulated (they fail): run only the tests that
  * do not use VRAM contexts (see the Makefile's test-fake-cuda).
  * Failures on demand, while the variable is set in the environment:
@@ -30,6 +39,11 @@ typedef unsigned long long CUdeviceptr;
 #define NOT_SUPPORTED 801
 #define FAKE_ERROR 999 /* a failure asked for by the environment */
 #define INVALID_HANDLE 400
+#define INVALID_DEVICE 101
+#define INVALID_CONTEXT 201
+#define ALREADY_REGISTERED 712
+#define NOT_REGISTERED 713
+#define MAX_DEVICES 8
 
 enum { DEVICE = 0, PINNED = 1 };
 
@@ -38,6 +52,7 @@ typedef struct range {
     char *p;
     size_t n;
     int kind;
+    int dev; /* DEVICE: the device it is on */
 } range;
 
 typedef struct copy {
@@ -50,6 +65,7 @@ typedef struct copy {
 typedef struct stream {
     copy *head, *tail;
     unsigned long long queued, done; /* copies */
+    int dev;
 } stream;
 
 typedef struct event {
@@ -58,17 +74,38 @@ typedef struct event {
     unsigned long long at; /* s->queued when recorded */
     int recorded;
     double t_ms; /* host clock when recorded: its "time" on the device */
+    int dev;
 } event;
 
 #define EVENT_MAGIC 0x5eed
 #define MAX_STREAMS 1024
 
+/* A device's primary context: its handle is its address. */
+typedef struct fctx {
+    int dev;
+    stream legacy; /* stream 0 while this context is current */
+} fctx;
+
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static range *ranges;
-static stream legacy; /* stream 0 */
+static fctx ctxs[MAX_DEVICES];
 static stream *streams[MAX_STREAMS];
 static long live_events, live_streams, live_device, live_pinned;
-static __thread void *current_ctx;
+static __thread fctx *current_ctx;
+
+static int device_count(void)
+{
+    static int n;
+    if (!n) {
+        const char *v = getenv("FAKE_CUDA_DEVICES");
+        n = v && *v ? atoi(v) : 2;
+        if (n < 1 || n > MAX_DEVICES)
+            n = 1;
+        for (int i = 0; i < MAX_DEVICES; i++)
+            ctxs[i].dev = ctxs[i].legacy.dev = i;
+    }
+    return n;
+}
 
 static range *find(const void *p, size_t n)
 {
@@ -84,6 +121,7 @@ static void track(void *p, size_t n, int kind)
     r->p = p;
     r->n = n;
     r->kind = kind;
+    r->dev = current_ctx ? current_ctx->dev : -1;
     r->next = ranges;
     ranges = r;
 }
@@ -123,19 +161,40 @@ static void run_until(stream *s, unsigned long long n)
 
 static void run_all(void)
 {
-    run_until(&legacy, legacy.queued);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        run_until(&ctxs[i].legacy, ctxs[i].legacy.queued);
     for (int i = 0; i < MAX_STREAMS; i++)
         if (streams[i])
             run_until(streams[i], streams[i]->queued);
 }
 
-static stream *of(void *s) { return s ? s : &legacy; }
+/* Stream handle s; 0 is the current context's legacy stream (NULL when
+ * no context is current). */
+static stream *of(void *s)
+{
+    return s ? s : current_ctx ? &current_ctx->legacy : NULL;
+}
+
+/* Device memory of another device than the copy's stream: laden's bug. */
+static void same_device(const void *p, size_t n, const stream *s)
+{
+    range *r = find(p, n);
+    if (r && r->kind == DEVICE && r->dev != s->dev) {
+        fprintf(stderr, "fake_cuda: a copy of %zu bytes touches memory of "
+                        "cuda:%d on a stream of cuda:%d\n", n, r->dev, s->dev);
+        abort();
+    }
+}
 
 /* A copy on stream s: deferred when the host side is pinned. */
 static CUresult enqueue(void *dst, const void *src, size_t n, void *sv,
                         int deferred)
 {
     stream *s = of(sv);
+    if (!s)
+        return INVALID_CONTEXT;
+    same_device(dst, n, s);
+    same_device(src, n, s);
     if (!deferred) {
         run_until(s, s->queued);
         memcpy(dst, src, n);
@@ -170,12 +229,17 @@ static int pinned(const void *p, size_t n)
 
 static CUresult cuInit(unsigned f) { (void)f; return 0; }
 static CUresult cuDriverGetVersion(int *v) { *v = 12040; return 0; }
-static CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
-static CUresult cuDeviceGet(int *d, int i) { *d = i; return 0; }
+static CUresult cuDeviceGetCount(int *n) { *n = device_count(); return 0; }
+static CUresult cuDeviceGet(int *d, int i)
+{
+    if (i < 0 || i >= device_count())
+        return INVALID_DEVICE;
+    *d = i;
+    return 0;
+}
 static CUresult cuDeviceGetName(char *name, int len, int d)
 {
-    (void)d;
-    snprintf(name, (size_t)len, "fake_cuda");
+    snprintf(name, (size_t)len, "fake_cuda %d", d);
     return 0;
 }
 static CUresult cuDeviceTotalMem(size_t *n, int d)
@@ -192,14 +256,24 @@ static CUresult cuDeviceGetAttribute(int *v, int attr, int d)
 }
 static CUresult cuDevicePrimaryCtxRetain(void **ctx, int d)
 {
-    (void)d;
-    *ctx = (void *)0x1;
+    if (d < 0 || d >= device_count())
+        return INVALID_DEVICE;
+    *ctx = &ctxs[d];
     return 0;
 }
 static CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
-static CUresult cuCtxSetCurrent(void *ctx) { current_ctx = ctx; return 0; }
+static CUresult cuCtxSetCurrent(void *ctx)
+{
+    fctx *c = ctx;
+    if (c && (c < ctxs || c >= ctxs + device_count()))
+        return INVALID_CONTEXT;
+    current_ctx = c;
+    return 0;
+}
 static CUresult cuMemGetInfo(size_t *fr, size_t *total)
 {
+    if (!current_ctx)
+        return INVALID_CONTEXT;
     *fr = 15ull << 30;
     *total = 16ull << 30;
     return 0;
@@ -207,9 +281,12 @@ static CUresult cuMemGetInfo(size_t *fr, size_t *total)
 
 static CUresult stream_create(void **out)
 {
+    if (!current_ctx)
+        return INVALID_CONTEXT;
     for (int i = 0; i < MAX_STREAMS; i++)
         if (!streams[i]) {
             streams[i] = calloc(1, sizeof **streams);
+            streams[i]->dev = current_ctx->dev;
             live_streams++;
             *out = streams[i];
             return 0;
@@ -239,7 +316,10 @@ static CUresult stream_sync(stream *s)
     run_until(s, s->queued);
     return 0;
 }
-static CUresult cuStreamSynchronize(void *s) { LOCKED(stream_sync(of(s))); }
+static CUresult cuStreamSynchronize(void *s)
+{
+    LOCKED(of(s) ? stream_sync(of(s)) : INVALID_CONTEXT);
+}
 
 static CUresult event_wait(event *e)
 {
@@ -270,8 +350,11 @@ static CUresult cuEventQuery(void *e)
 
 static CUresult event_create(void **out)
 {
+    if (!current_ctx)
+        return INVALID_CONTEXT;
     event *e = calloc(1, sizeof *e);
     e->magic = EVENT_MAGIC;
+    e->dev = current_ctx->dev;
     live_events++;
     *out = e;
     return 0;
@@ -295,8 +378,8 @@ static CUresult cuEventDestroy(void *e) { LOCKED(event_destroy(e)); }
 
 static CUresult event_record(event *e, stream *s)
 {
-    if (!e || e->magic != EVENT_MAGIC)
-        return INVALID_HANDLE;
+    if (!e || e->magic != EVENT_MAGIC || !s || e->dev != s->dev)
+        return INVALID_HANDLE; /* the driver's rule: one device */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     e->s = s;
@@ -310,7 +393,8 @@ static CUresult cuEventRecord(void *e, void *s) { LOCKED(event_record(e, of(s)))
  * order is timed in order. */
 static CUresult event_elapsed(float *ms, event *a, event *b)
 {
-    if (!a || !b || a->magic != EVENT_MAGIC || b->magic != EVENT_MAGIC)
+    if (!a || !b || a->magic != EVENT_MAGIC || b->magic != EVENT_MAGIC ||
+        a->dev != b->dev)
         return INVALID_HANDLE;
     if (!a->recorded || !b->recorded)
         return 600; /* CUDA_ERROR_NOT_READY */
@@ -342,6 +426,8 @@ static CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr src, size_t n,
 
 static CUresult alloc(void **p, size_t n, size_t align, int kind)
 {
+    if (!current_ctx)
+        return INVALID_CONTEXT;
     void *m = aligned_alloc(align, (n + align - 1) / align * align);
     if (!m)
         return 2;
@@ -376,6 +462,12 @@ static CUresult cuMemFreeHost(void *p) { LOCKED(release(p, PINNED)); }
 
 static CUresult host_register(void *p, size_t n)
 {
+    if (!current_ctx)
+        return INVALID_CONTEXT;
+    for (range *r = ranges; r; r = r->next)
+        if (r->kind == PINNED && (char *)p < r->p + r->n &&
+            r->p < (char *)p + n)
+            return ALREADY_REGISTERED; /* pinned for every context */
     track(p, n, PINNED);
     return 0;
 }
@@ -386,11 +478,40 @@ static CUresult cuMemHostRegister(void *p, size_t n, unsigned f)
 }
 static CUresult host_unregister(void *p)
 {
+    range *r = find(p, 1);
+    if (!r || r->kind != PINNED || r->p != p)
+        return NOT_REGISTERED;
     run_all();
     untrack(p);
     return 0;
 }
 static CUresult cuMemHostUnregister(void *p) { LOCKED(host_unregister(p)); }
+
+/* Which device memory is on (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL), and
+ * which context a stream is of: for tests to check where laden put work. */
+static CUresult pointer_ordinal(void *out, int attr, CUdeviceptr p)
+{
+    range *r = find((void *)(uintptr_t)p, 1);
+    if (attr != 9)
+        return NOT_SUPPORTED;
+    if (!r || r->kind != DEVICE)
+        return 1; /* CUDA_ERROR_INVALID_VALUE */
+    *(int *)out = r->dev;
+    return 0;
+}
+static CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
+{
+    LOCKED(pointer_ordinal(out, attr, p));
+}
+static CUresult stream_ctx(void *sv, void **ctx)
+{
+    stream *s = of(sv);
+    if (!s)
+        return INVALID_CONTEXT;
+    *ctx = &ctxs[s->dev];
+    return 0;
+}
+static CUresult cuStreamGetCtx(void *s, void **ctx) { LOCKED(stream_ctx(s, ctx)); }
 
 static CUresult not_supported(void) { return NOT_SUPPORTED; }
 static CUresult cuStreamIsCapturing(void *s, int *status)
@@ -437,6 +558,7 @@ CUresult cuGetProcAddress_v2(const char *name, void **fn, int version,
     ENTRY(cuMemFree) ENTRY(cuMemHostAlloc) ENTRY(cuMemFreeHost)
     ENTRY(cuMemHostRegister) ENTRY(cuMemHostUnregister)
     ENTRY(cuGetErrorName) ENTRY(cuGetErrorString) ENTRY(cuStreamIsCapturing)
+    ENTRY(cuPointerGetAttribute) ENTRY(cuStreamGetCtx)
 #undef ENTRY
     *fn = (void *)(uintptr_t)not_supported; /* VMM: not emulated */
     return 0;
