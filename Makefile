@@ -118,7 +118,7 @@ build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c
 
 test-fake-cuda: lib build/fake_cuda/libcuda.so.1
 	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_ trace_ \
-	  dev_ engine_a_cache_per_device
+	  dev_ engine_a_cache_per_device engine_caches_of_a_host
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

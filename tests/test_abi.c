@@ -25,7 +25,7 @@ static const struct {
     ONE(laden_io_config),     ONE(laden_sched_config),
     ONE(laden_sched_stats),   ONE(laden_vram_info),
     ONE(laden_vbar_info),     ONE(laden_elastic_stats),
-    ONE(laden_cache_evict),   ONE(laden_cache_info),
+    ONE(laden_cache_evict),   ONE(laden_cache_host_evict), ONE(laden_cache_info),
     ONE(laden_cache_stats),   ONE(laden_cache_activation),
     ONE(laden_plan_input),    ONE(laden_plan_result),
     ONE(laden_host_stats),    ONE(laden_gguf_tensor),

@@ -519,6 +519,7 @@ TEST(engine_plan_host)
     laden_cache_t *c;
     cmodel m[3];
     laden_cache_evict_t ev[4];
+    laden_cache_host_evict_t hv[4];
     uint32_t n;
     CHECK_OK(laden_cache_create(0, 0, &c));
     for (int i = 0; i < 3; i++) {
@@ -531,18 +532,100 @@ TEST(engine_plan_host)
     use(c, &m[0], 0, &act);
     use(c, &m[2], 0, &act);
     /* 12000 held; 3000 more within 13000: the LRU idle model goes. */
-    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 13000, 3000, ev, 4, &n));
-    CHECK(n == 1 && ev[0].model == m[1].id && ev[0].drop_bytes == 4000);
-    CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 3000, ev, 4, &n));
-    CHECK(n == 1 && ev[0].model == m[0].id);
-    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 20000, 3000, ev, 4, &n));
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 13000, 3000, hv, 4, &n));
+    CHECK(n == 1 && hv[0].cache == c && hv[0].model == m[1].id &&
+          hv[0].drop_bytes == 4000);
+    CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 3000, hv, 4, &n));
+    CHECK(n == 1 && hv[0].model == m[0].id);
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 20000, 3000, hv, 4, &n));
     CHECK_EQ(n, 0);
     CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
-    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 3000, ev, 4, &n),
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 3000, hv, 4, &n),
                  LADEN_E_BUDGET);
     CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
     destroy_all(c, m, 3);
 }
+
+/* The caches of a host's devices as one group: the pinned budget is the
+ * group's (a model pinned on one device unpins idle models of another),
+ * recency compares across the caches, and the RAM budget's decisions take
+ * the least recently used idle model of any cache.  On every device; the
+ * second cache is on another device where there is one. */
+static void group(int32_t dev)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    int32_t other = dev >= 0 && n >= 2 ? (dev + 1) % n : dev;
+    laden_cache_t *c[2], *lone;
+    cmodel a, b;
+    CHECK_OK(laden_cache_create(0, 6000, &c[0]));
+    CHECK_OK(laden_cache_create(0, 6000, &c[1]));
+    CHECK_OK(laden_cache_create(0, 5000, &lone));
+    CHECK_STATUS(laden_cache_join(c[1], c[1]), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_join(lone, c[0]), LADEN_E_INVAL); /* budgets */
+    CHECK_CONTAINS(laden_last_error(), "pinned budgets differ");
+    CHECK_OK(laden_cache_join(c[1], c[0]));
+    CHECK_STATUS(laden_cache_join(c[1], c[0]), LADEN_E_STATE);
+    build(c[0], &a, "a", dev, 4, 1, FOUR, 61);
+    build(c[1], &b, "b", other, 4, 1, FOUR, 62);
+    if (other != dev) { /* a cache is one device's */
+        cmodel x;
+        laden_cache_t *solo;
+        CHECK_OK(laden_cache_create(0, 6000, &solo));
+        build(solo, &x, "x", dev, 4, 1, FOUR, 63);
+        laden_sched_config cfg = {other, 0, 0, NULL, LADEN_SCHED_CACHE};
+        laden_sched_t *sc;
+        uint32_t bi, ti, xid;
+        unsigned char bytes[64] = {0};
+        CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &bi));
+        CHECK_OK(laden_sched_add_host_tensor(sc, bi, bytes, LADEN_DTYPE_U8,
+                                             64, LADEN_DTYPE_U8, &ti));
+        CHECK_OK(laden_sched_load(sc));
+        CHECK_OK(laden_cache_add(solo, "elsewhere", 0, &xid));
+        CHECK_STATUS(laden_cache_bind(solo, xid, sc, 0), LADEN_E_INVAL);
+        CHECK_CONTAINS(laden_last_error(), "a cache is one device's");
+        CHECK_OK(laden_cache_remove(solo, xid));
+        laden_sched_destroy(sc);
+        destroy_all(solo, &x, 1);
+    }
+    uint32_t id;
+    CHECK_OK(laden_cache_add(lone, "late", 0, &id));
+    laden_cache_t *third;
+    CHECK_OK(laden_cache_create(0, 6000, &third));
+    CHECK_STATUS(laden_cache_join(lone, third), LADEN_E_STATE); /* models */
+    laden_cache_activation_t act;
+    use(c[0], &a, LADEN_CACHE_AUTO, &act);
+    CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 0);
+    use(c[1], &b, LADEN_CACHE_AUTO, &act); /* a, idle on the other cache */
+    CHECK(act.pinned_bytes == 4000 && act.unpinned_bytes == 2000);
+    laden_cache_stats_t s0, s1;
+    CHECK_OK(laden_cache_stats(c[0], &s0));
+    CHECK_OK(laden_cache_stats(c[1], &s1));
+    CHECK_EQ(s0.pinned_bytes, 2000);
+    CHECK_EQ(s1.pinned_bytes, 4000);
+    CHECK_EQ(s1.pinned_budget_bytes, 6000);
+    check_accounts(c[0], &a, 1);
+    check_accounts(c[1], &b, 1);
+    /* b was used last: a, on the other cache, is the one to go. */
+    laden_cache_host_evict_t hv[2];
+    uint32_t k;
+    CHECK_OK(laden_cache_plan_host(c[1], UINT32_MAX, 9000, 2000, hv, 2, &k));
+    CHECK(k == 1 && hv[0].cache == c[0] && hv[0].model == a.id);
+    CHECK_OK(laden_cache_plan_host(c[0], a.id, 9000, 2000, hv, 2, &k));
+    CHECK(k == 1 && hv[0].cache == c[1] && hv[0].model == b.id);
+    CHECK_OK(laden_cache_plan_host(c[0], UINT32_MAX, 9000, 1000, hv, 2, &k));
+    CHECK_EQ(k, 0); /* 8000 held of both caches, 1000 more fit */
+    laden_cache_destroy(third);
+    CHECK_OK(laden_cache_remove(lone, id));
+    laden_cache_destroy(lone);
+    destroy_all(c[1], &b, 1); /* leaves the group; c[0] goes on alone */
+    use(c[0], &a, LADEN_CACHE_AUTO, &act);
+    CHECK_EQ(act.pinned_bytes, 2000);
+    destroy_all(c[0], &a, 1);
+}
+
+TEST(engine_caches_of_a_host_share_its_memory) { test_on_every_device(group); }
 
 /* Block by block: each host copy usable as soon as it is loaded, so the
  * caller can release its sources block by block. */

@@ -61,11 +61,27 @@ typedef struct laden_cache_stats {
     uint64_t unpin_bytes;    /* host bytes unpinned to make room */
 } laden_cache_stats_t;
 
-/* Budgets of 0 mean no limit. */
+/* Budgets of 0 mean no limit.  A cache is the cache of one device: its
+ * VRAM budget is that device's. */
 LADEN_API laden_status laden_cache_create(uint64_t vram_budget_bytes,
                                           uint64_t pinned_budget_bytes,
                                           laden_cache_t **out);
+/* Leaves the cache's group, if any, and frees it. */
 LADEN_API void laden_cache_destroy(laden_cache_t *cache);
+
+/* Makes `cache` one of the group of `peer`: the caches of one host's
+ * devices, which share the host's memory.  The group has one pinned
+ * budget (the caches' own must be equal: LADEN_E_INVAL otherwise), so
+ * that what every cache pins counts against it and idle models of any
+ * cache of the group give way to a model being pinned; one clock of uses,
+ * so that "least recently used" compares models across devices; and
+ * laden_cache_plan_host decides over all of them.  VRAM budgets stay each
+ * cache's own.  Join before adding models (LADEN_E_STATE otherwise, or if
+ * `cache` is in a group already).  The caches of a group are used under
+ * one lock of the caller's, as one cache is; a destroyed cache leaves its
+ * group. */
+LADEN_API laden_status laden_cache_join(laden_cache_t *cache,
+                                        laden_cache_t *peer);
 
 /* Registers a model; *out_model is its id.  LADEN_E_STATE if the key is
  * registered already.  Keys are copied. */
@@ -164,7 +180,8 @@ typedef struct laden_cache_activation {
  * borrowed until laden_cache_unbind).  Its first `fixed_blocks` blocks are
  * the parts of the model that run without a block hook: they are on the
  * device whenever the model is in use.  The model's size becomes the sum of
- * its blocks. */
+ * its blocks.  LADEN_E_INVAL for a schedule of another device than the
+ * cache's bound models: a cache is one device's. */
 LADEN_API laden_status laden_cache_bind(laden_cache_t *cache, uint32_t model,
                                         laden_sched_t *sched,
                                         uint32_t fixed_blocks);
@@ -219,17 +236,27 @@ LADEN_API laden_status laden_cache_free_vram(laden_cache_t *cache,
                                              laden_cache_evict_t *ev,
                                              uint32_t cap, uint32_t *out_n);
 
+/* One decision over the host copies of a group: model `model` of `cache`
+ * gives up its host copy, `drop_bytes`. */
+typedef struct laden_cache_host_evict {
+    laden_cache_t *cache;
+    uint32_t model;
+    uint64_t drop_bytes;
+} laden_cache_host_evict_t;
+
 /* Decides which idle bound models give up their host copies (unbound and
  * rebuilt on their next use) so that `need_bytes` more fit within
- * `ram_budget_bytes` together with the host copies of the bound models:
- * least recently used first, whole models.  Model `except` is never chosen.
- * LADEN_E_BUDGET if even all of them would not make room (nothing
- * decided); ev[i].drop_bytes is the model's size. */
+ * `ram_budget_bytes` together with the host copies of the bound models of
+ * every cache of `cache`'s group (the host's RAM is one): least recently
+ * used first, whole models, from any cache of the group.  Model `except`
+ * of `cache` is never chosen (UINT32_MAX: none).  LADEN_E_BUDGET if even
+ * all of them would not make room (nothing decided); ev[i].drop_bytes is
+ * the model's size. */
 LADEN_API laden_status laden_cache_plan_host(laden_cache_t *cache,
                                              uint32_t except,
                                              uint64_t ram_budget_bytes,
                                              uint64_t need_bytes,
-                                             laden_cache_evict_t *ev,
+                                             laden_cache_host_evict_t *ev,
                                              uint32_t cap, uint32_t *out_n);
 
 #ifdef __cplusplus

@@ -132,6 +132,11 @@ class CacheEvict(Structure):
                 ("keep_bytes", c_uint64)]
 
 
+class CacheHostEvict(Structure):
+    _fields_ = [("cache", ctypes.c_void_p), ("model", c_uint32),
+                ("drop_bytes", c_uint64)]
+
+
 class CacheInfo(Structure):
     _fields_ = [("size_bytes", c_uint64), ("vram_bytes", c_uint64),
                 ("pinned_bytes", c_uint64), ("uses", c_uint64),
@@ -387,8 +392,9 @@ _SIGNATURES = {
     "laden_cache_free_vram": (status_t, [p, c_uint64, P(CacheEvict),
                                          c_uint32, P(c_uint32)]),
     "laden_cache_plan_host": (status_t, [p, c_uint32, c_uint64, c_uint64,
-                                         P(CacheEvict), c_uint32,
+                                         P(CacheHostEvict), c_uint32,
                                          P(c_uint32)]),
+    "laden_cache_join": (status_t, [p, p]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
     "laden_cache_roomiest": (status_t, [P(p), c_uint32, P(c_uint32)]),
     "laden_cache_stats": (status_t, [p, P(CacheStats)]),

@@ -50,7 +50,10 @@ def _device(device) -> "torch.device":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        # The current device; before CUDA is initialized that is 0 (asking
+        # torch would initialize it, which install_elastic must come before).
+        device = torch.device("cuda", torch.cuda.current_device()
+                              if torch.cuda.is_initialized() else 0)
     if device.type not in ("cuda", "cpu"):
         raise InvalidArgumentError(
             f"device {device}: laden streams to CUDA devices and the CPU",

@@ -426,7 +426,7 @@ class _DeviceCache:
     """The C cache of one device, and the runtimes bound to it."""
 
     def __init__(self, device, vram_budget: Optional[int],
-                 pinned_budget: Optional[int], vram=None):
+                 pinned_budget: Optional[int], vram=None, peer=None):
         self.device = device
         self.vram = vram
         if vram is not None and vram_budget is None:
@@ -442,6 +442,11 @@ class _DeviceCache:
         c = ctypes.c_void_p()
         check(lib.laden_cache_create(vram_budget, pinned_budget or 0,
                                      ctypes.byref(c)))
+        if peer is not None:  # the host's other devices: one host budget
+            s = lib.laden_cache_join(c, peer.c)
+            if s:
+                lib.laden_cache_destroy(c)
+                check(s)
         # Its models' schedules hold it until they are destroyed.
         self.owner = _Owned(c, lib.laden_cache_destroy)
         self.c = c
@@ -476,11 +481,14 @@ class ModelCache:
     (among those the dict names, or every GPU); ``stats(device)`` and
     ``info(key).device`` report per device.  ``pinned_budget`` counts
     pinned host copies (default: no limit).  ``ram_budget`` counts all
-    host copies of one device's models and of the adapters read for them;
-    beyond it idle adapters, then idle models are dropped, least recently
-    used first, and read again or rebuilt by their factory on their next
-    use (default: no limit for models; idle adapters keep at most
-    ``laden.adapters.IDLE_HOST_BYTES``, 4 GiB).
+    host copies of the models and of the adapters read for them; beyond
+    it idle adapters, then idle models are dropped, least recently used
+    first, and read again or rebuilt by their factory on their next use
+    (default: no limit for models; idle adapters keep at most
+    ``laden.adapters.IDLE_HOST_BYTES``, 4 GiB).  Both host budgets are the
+    host's, shared by every device: a model pinned for one GPU may unpin
+    an idle model of another, and "least recently used" compares models
+    across devices.
 
     ``vram`` (a ``laden.vbar.VRAM``) keeps the models' device copies in
     VBARs of that context: a model the cache evicts is only unpinned, its
@@ -595,8 +603,11 @@ class ModelCache:
             lookahead: int = LOOKAHEAD, adapters=None, strengths=None,
             mode: str = "merge") -> Iterator[Any]:
         """Activates the model and yields it; deactivates on exit.  Inputs
-        go on ``device`` (default: the current CUDA device, else the CPU).
-        The model runs on the current stream of that device.
+        go on ``device`` (default: where the model already is, else the
+        current CUDA device, else the CPU; ``"auto"``: where it is, else
+        the device with the most room).  Another device than the model's
+        moves it there (it is rebuilt).  The model runs on the current
+        stream of that device.
 
         ``adapters`` (``laden.AdapterSpec``s) with their ``strengths``
         (default 1.0 each) apply for this use.  ``mode="merge"``: added
@@ -620,7 +631,12 @@ class ModelCache:
         else:
             spec = self.register(spec)
         check_lookahead(lookahead)
-        dev = self._place(spec) if device == "auto" else _device(device)
+        if device == "auto":
+            dev = self._place(spec)
+        elif device is None and spec.key in self._rt:
+            dev = self._rt[spec.key].device  # where it is
+        else:
+            dev = _device(device)
         if dev.type == "cuda":
             import torch
             torch.cuda.init()
@@ -701,7 +717,10 @@ class ModelCache:
                         f"{', '.join(map(str, self._vram_budgets))}, not "
                         f"{dev}", "E_INVAL")
                 budget = self._vram_budgets[dev]
-            dc = _DeviceCache(dev, budget, self.pinned_budget, vram)
+            # One group for all devices: the pinned and RAM budgets are
+            # the host's, recency compares across devices.
+            peer = next(iter(self._dev.values()), None)
+            dc = _DeviceCache(dev, budget, self.pinned_budget, vram, peer)
             self._dev[dev] = dc
         return dc
 
@@ -754,7 +773,8 @@ class ModelCache:
         if self.ram_budget is None:
             store.trim(keep, IDLE_HOST_BYTES)
             return
-        models = sum(r.size for r in dc.by_id.values())  # this device's
+        models = sum(r.size for d in self._dev.values()
+                     for r in d.by_id.values())  # every device's: one RAM
         store.trim(keep, max(0, self.ram_budget - models - need -
                              store.held(keep)))
         if models + need + store.bytes > self.ram_budget:
@@ -764,16 +784,19 @@ class ModelCache:
                         need: int) -> None:
         if self.ram_budget is None:
             return
-        ev = dc.evictions(len(dc.by_id))
+        # C decides over every device's cache (one group): host RAM is one.
+        cap = max(1, sum(len(d.by_id) for d in self._dev.values()))
+        ev = (_lib.CacheHostEvict * cap)()
         n = ctypes.c_uint32()
         s = lib.laden_cache_plan_host(
             dc.c, rt.id if rt is not None else 0xFFFFFFFF, self.ram_budget,
-            need, ev, len(dc.by_id), ctypes.byref(n))
+            need, ev, cap, ctypes.byref(n))
         if s:
             log.warning("laden cache: %s", error_for(s))
             return
+        by_c = {d.c.value: d for d in self._dev.values()}
         for i in range(n.value):
-            victim = dc.by_id[ev[i].model]
+            victim = by_c[ev[i].cache].by_id[ev[i].model]
             log.debug("laden cache: RAM budget: dropping idle '%s' (%s of "
                       "host memory); it is rebuilt on its next use",
                       victim.spec.key, fmt_bytes(ev[i].drop_bytes))
@@ -923,16 +946,22 @@ class ModelCache:
                       key, fmt_bytes(freed.value))
             return freed.value
 
-    def evict_bytes(self, nbytes) -> int:
-        """Frees at least ``nbytes`` of device memory (on every device)
-        from idle models, least recently used first; returns what was
-        freed (less if the idle models held less)."""
+    def evict_bytes(self, nbytes, device=None) -> int:
+        """Frees at least ``nbytes`` of device memory from idle models on
+        ``device`` (default: on each device the cache uses, ``nbytes`` from
+        each), least recently used first; returns what was freed (less if
+        the idle models held less)."""
         want = _budget(nbytes, "evict_bytes")
+        dev = _device(device) if device is not None else None
         with self._lock:
             total = 0
+            dcs = [dc for d, dc in self._dev.items()
+                   if dev is None or d == dev]
             if _USE_COUNT:
-                self._refuse_derived(self._rt.values(), "evict_bytes")
-            for dc in self._dev.values():
+                self._refuse_derived([rt for dc in dcs
+                                      for rt in dc.by_id.values()],
+                                     "evict_bytes")
+            for dc in dcs:
                 before = dc.stats().vram_bytes
                 ev = dc.evictions(len(dc.by_id))
                 n = ctypes.c_uint32()

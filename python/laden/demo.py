@@ -296,11 +296,11 @@ def _median_ms(fn, device, repeats: int) -> Tuple[float, object]:
         times = []
         for _ in range(repeats):
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             out = fn()
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2], out

@@ -194,8 +194,10 @@ def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
 
     try:
         with _pass(st, o, what):
+            # On a stream of the model's device: torch's default capture
+            # stream is made once, on whatever device was current first.
             with torch.no_grad(), torch.cuda.graph(
-                    graph, capture_error_mode="thread_local"):
+                    graph, stream=side, capture_error_mode="thread_local"):
                 stream = torch.cuda.current_stream(dev).cuda_stream
                 _call(lib.laden_sched_capture_begin(o.h, stream, flags),
                       what)

@@ -417,9 +417,15 @@ def _move_target(args, kwargs):
 
 
 def _same_device(d, device) -> bool:
-    return d.type == device.type and (d.index is None or
-                                      device.index is None or
-                                      d.index == device.index)
+    """Whether a move to `d` stays on `device`; "cuda" without an index is
+    the current device, as for every torch move."""
+    from ._model import _device
+
+    if d.type != device.type:
+        return False
+    if d.type != "cuda":
+        return True
+    return _device(d) == _device(device)
 
 
 def _guard_moves(model, device, what: str = "the model") -> None:

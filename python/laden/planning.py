@@ -578,15 +578,21 @@ def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
                      budgets.get("activation_vram") is not None)
 
 
-def measure_activation_vram(fn, plan: Optional[Plan] = None) -> int:
+def measure_activation_vram(fn, plan: Optional[Plan] = None,
+                            device=None) -> int:
     """Runs ``fn()`` once and returns the peak device memory it used beyond
     the weights (laden's weights are not in PyTorch's allocator, so this is
-    PyTorch's peak above its level before the call).  0 on the CPU."""
+    PyTorch's peak above its level before the call) on ``device`` (default:
+    the plan's, else the current CUDA device).  0 on the CPU."""
     import torch
 
-    dev = torch.device(plan.device) if plan is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else
-        torch.device("cpu"))
+    if plan is not None and device is not None and \
+            _device(device) != _device(plan.device):
+        raise InvalidArgumentError(
+            f"measure_activation_vram: the plan is for {plan.device}, not "
+            f"{_device(device)}", "E_INVAL")
+    dev = _device(device if device is not None else
+                  plan.device if plan is not None else None)
     if dev.type != "cuda":
         fn()
         return 0

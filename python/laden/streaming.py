@@ -394,7 +394,13 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                 "E_INVAL")
         offload_prefixes = [b.name for b in plan.blocks]
         plan_tiers = {b.name: int(b.tier) for b in plan.blocks}
-        device = device if device is not None else plan.device
+        if device is not None and _device(device) != _device(plan.device):
+            raise InvalidArgumentError(
+                f"stream_load: the plan is for {plan.device}, not "
+                f"{_device(device)}: its tiers were sized by that device's "
+                "free memory; plan for the device the model goes to",
+                "E_INVAL")
+        device = plan.device
         if compute_dtype is None:
             compute_dtype = plan.compute_dtype
         if storage_dtype is None:

@@ -280,7 +280,9 @@ def _pluggable(vram: VRAM, what: str):
 
 def elastic_pool(vram: VRAM):
     """A ``torch.cuda.MemPool`` whose memory comes from laden within
-    ``vram``'s budget: use it with ``torch.cuda.use_mem_pool(pool)``.
+    ``vram``'s budget: use it with ``torch.cuda.use_mem_pool(pool,
+    device=vram.device)`` (without ``device`` torch routes the current
+    device's allocations to it).
     When an allocation would exceed the budget, unpinned weights are
     evicted first; only then does PyTorch see an out-of-memory error.
     PyTorch keeps a live pool's segments: memory goes back to the weights
@@ -314,7 +316,8 @@ def elastic(vram: VRAM):
     alloc = _pluggable(vram, "elastic")
     pool = torch.cuda.MemPool(alloc.allocator())
     try:
-        with torch.cuda.use_mem_pool(pool):
+        # The context's device, not the current one (torch's default).
+        with torch.cuda.use_mem_pool(pool, device=vram.device):
             yield
     finally:
         del pool  # released: its free segments go back at empty_cache
@@ -331,26 +334,40 @@ def install_elastic(vram: VRAM) -> None:
     cannot make room, PyTorch's pluggable allocator does not raise
     ``torch.OutOfMemoryError`` -- the tensor comes back without data and
     its first use raises a RuntimeError ("data is not allocated yet").
-    ``elastic(vram)`` reports an out-of-memory error as usual."""
+    ``elastic(vram)`` reports an out-of-memory error as usual.
+
+    With several GPUs, call it once per device's context: the first call
+    installs the allocator (for every device), the others attach their
+    context to it.  A device with no context attached gets plain device
+    memory from laden, without a budget."""
     import torch
 
+    global _INSTALLED
     if vram.device.type != "cuda":
         raise InvalidArgumentError("install_elastic: needs a CUDA device",
                                    "E_INVAL")
     if vram._alloc is not None:
         raise StateError("install_elastic: the context serves a MemPool "
                          "already (elastic_pool / elastic)", "E_STATE")
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(
-        lib._name, "laden_elastic_malloc", "laden_elastic_free")
-    try:
-        torch.cuda.memory.change_current_allocator(alloc)
-    except RuntimeError as e:
-        raise DeviceError(
-            f"install_elastic: PyTorch has initialized CUDA in this process "
-            f"already ({e}); call it first, or use elastic_pool",
-            "E_STATE") from None
+    alloc = _INSTALLED
+    if alloc is None:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(
+            lib._name, "laden_elastic_malloc", "laden_elastic_free")
+        try:
+            torch.cuda.memory.change_current_allocator(alloc)
+        except RuntimeError as e:
+            raise DeviceError(
+                f"install_elastic: PyTorch has initialized CUDA in this "
+                f"process already ({e}); call it first, or use elastic_pool",
+                "E_STATE") from None
+        _INSTALLED = alloc
     check(lib.laden_elastic_attach(_dev_index(vram.device), vram._h))
     vram._alloc = alloc
+
+
+# laden's allocator once install_elastic made it PyTorch's (for every
+# device; each device's context attaches to it).
+_INSTALLED = None
 
 
 def elastic_stats(device=None) -> Dict[str, int]:

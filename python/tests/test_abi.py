@@ -23,6 +23,7 @@ C_NAMES = {
     "VbarInfo": "laden_vbar_info",
     "ElasticStats": "laden_elastic_stats",
     "CacheEvict": "laden_cache_evict",
+    "CacheHostEvict": "laden_cache_host_evict",
     "CacheInfo": "laden_cache_info",
     "CacheStats": "laden_cache_stats",
     "CacheActivation": "laden_cache_activation",

@@ -145,3 +145,101 @@ def test_a_model_on_another_gpu_leaves_the_current_device(ckpt):
             laden.release(m)
             assert torch.cuda.current_device() == cur
 
+
+
+def test_a_plan_is_for_its_device(ckpt):
+    """A plan sized by one device's free memory is refused for another
+    (its tiers would not be that device's), before anything is loaded."""
+    _, path = ckpt
+    p = laden.plan(meta_net(), path, offload_prefixes=["blocks."],
+                   device="cpu")
+    m = meta_net()
+    with pytest.raises(laden.InvalidArgumentError, match="plan is for cpu"):
+        laden.stream_load(m, path, plan=p, device="cuda:1")
+    assert getattr(m, "_laden_stream", None) is None
+    with pytest.raises(laden.InvalidArgumentError, match="plan is for cpu"):
+        laden.measure_activation_vram(lambda: None, p, device="cuda:0")
+
+
+@two_gpus
+def test_cache_host_budgets_are_the_hosts(ckpt):
+    """pinned_budget and ram_budget count every device's models: a model
+    pinned for cuda:1 unpins an idle one of cuda:0 rather than pinning
+    the budget twice; the RAM budget drops the least recently used idle
+    model of either device; use(key) without a device stays where the
+    model is."""
+    ref, path = ckpt
+    size = sum(t.numel() * t.element_size()
+               for t in ref.state_dict().values())
+    cache = laden.ModelCache(vram_budget={"cuda:0": 4 * size,
+                                          "cuda:1": 4 * size},
+                             pinned_budget=3 * size // 2)
+    x = torch.randn(2, 64)
+    want = ref(x)
+    for key, dev in (("a", "cuda:0"), ("b", "cuda:1")):
+        with cache.use(spec(key, path), device=dev) as m, torch.no_grad():
+            assert torch.allclose(m(x.to(dev)).cpu(), want, atol=1e-5)
+        st = cache.stats()
+        assert st["pinned_bytes"] <= 3 * size // 2
+    assert cache.stats("cuda:1")["pinned_bytes"] >= size * 9 // 10
+    with torch.cuda.device(0):
+        with cache.use("b") as m:  # where it is, not the current device
+            assert next(m.parameters()).device == torch.device("cuda", 1)
+    assert cache.builds == 2
+    cache.clear()
+    # One RAM budget: room for two models, three used on two devices.
+    cache = laden.ModelCache(vram_budget={"cuda:0": 4 * size,
+                                          "cuda:1": 4 * size},
+                             ram_budget=5 * size // 2)
+    for key, dev in (("a", "cuda:0"), ("b", "cuda:1"), ("c", "cuda:1")):
+        with cache.use(spec(key, path), device=dev):
+            pass
+    assert sum(cache.stats(d)["host_bytes"]
+               for d in ("cuda:0", "cuda:1")) <= 5 * size // 2
+    assert cache.drops >= 1 and cache.info("b").device == "cuda:1"
+    cache.clear()
+
+
+@two_gpus
+def test_capture_on_the_second_gpu(ckpt):
+    """A captured streamed forward of a model on cuda:1 from a thread whose
+    current device is cuda:0 (torch's own capture stream would be made on
+    cuda:0): it captures on the model's device and replays right."""
+    ref, path = ckpt
+    with torch.cuda.device(0):
+        m = meta_net()
+        laden.stream_load(m, path, offload_prefixes=["blocks."],
+                          device="cuda:1")
+        h = laden.install_offload(m, lookahead=1)
+        x0 = torch.randn(2, 64, device="cuda:1")
+        step = h.capture(m, x0)
+        with torch.no_grad():
+            for _ in range(2):
+                x = torch.randn(2, 64)
+                got = step(x.to("cuda:1"))
+                assert got.device == torch.device("cuda", 1)
+                assert torch.allclose(got.cpu(), ref(x), atol=1e-5)
+        assert torch.cuda.current_device() == 0
+        h.remove()
+        laden.release(m)
+
+
+@two_gpus
+def test_elastic_serves_its_contexts_device(ckpt):
+    """elastic(VRAM("cuda:1")) from a thread on cuda:0 routes cuda:1's
+    allocations to laden within that context's budget, and leaves cuda:0's
+    to PyTorch's allocator."""
+    from laden import vbar
+
+    vram = vbar.VRAM("cuda:1", budget=256 << 20)
+    before = vbar.elastic_stats("cuda:1")["allocs"]
+    before0 = vbar.elastic_stats("cuda:0")["allocs"]
+    with torch.cuda.device(0):
+        with vbar.elastic(vram):
+            a = torch.ones(1 << 20, device="cuda:1")
+            b = torch.ones(1 << 20, device="cuda:0")
+            assert float(a.sum()) == float(b.sum()) == float(1 << 20)
+            del a, b
+    assert vbar.elastic_stats("cuda:1")["allocs"] > before
+    assert vbar.elastic_stats("cuda:0")["allocs"] == before0
+    vram.close()

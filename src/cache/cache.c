@@ -16,18 +16,80 @@ laden_status laden_cache_create(uint64_t vram_budget, uint64_t pinned_budget,
 {
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_cache_create: out is NULL");
-    *out = calloc(1, sizeof **out);
-    if (!*out)
+    laden_cache_t *c = calloc(1, sizeof *c);
+    cache_group *g = calloc(1, sizeof *g);
+    if (!c || !g) {
+        free(c);
+        free(g);
+        *out = NULL;
         return laden__fail(LADEN_E_NOMEM, "out of memory creating a cache");
-    (*out)->vram_budget = vram_budget;
-    (*out)->pinned_budget = pinned_budget;
+    }
+    pthread_mutex_init(&g->mu, NULL);
+    g->first = c;
+    g->members = 1;
+    g->pinned_budget = pinned_budget;
+    c->vram_budget = vram_budget;
+    c->g = g;
+    *out = c;
     return LADEN_OK;
+}
+
+laden_status laden_cache_join(laden_cache_t *c, laden_cache_t *peer)
+{
+    if (!c || !peer || c == peer)
+        return laden__fail(LADEN_E_INVAL, "laden_cache_join: %s",
+                           c && c == peer ? "a cache cannot join itself"
+                                          : "NULL cache");
+    if (c->n || c->g->members > 1)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_cache_join: the cache %s: join before "
+                           "adding models",
+                           c->n ? "has models" : "is in a group already");
+    cache_group *g = peer->g;
+    if (g->pinned_budget != c->g->pinned_budget)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_cache_join: pinned budgets differ (%s "
+                           "and the group's %s): a group has one",
+                           laden__bytes(c->g->pinned_budget).s,
+                           laden__bytes(g->pinned_budget).s);
+    pthread_mutex_destroy(&c->g->mu);
+    free(c->g);
+    pthread_mutex_lock(&g->mu);
+    c->g = g;
+    c->next = g->first;
+    g->first = c;
+    g->members++;
+    pthread_mutex_unlock(&g->mu);
+    return LADEN_OK;
+}
+
+uint64_t laden__cache_group_pinned(const laden_cache_t *c)
+{
+    uint64_t n = 0;
+    pthread_mutex_lock(&c->g->mu);
+    for (const laden_cache_t *k = c->g->first; k; k = k->next)
+        n += k->pinned;
+    pthread_mutex_unlock(&c->g->mu);
+    return n;
 }
 
 void laden_cache_destroy(laden_cache_t *c)
 {
     if (!c)
         return;
+    cache_group *g = c->g;
+    pthread_mutex_lock(&g->mu);
+    for (laden_cache_t **l = &g->first; *l; l = &(*l)->next)
+        if (*l == c) {
+            *l = c->next;
+            break;
+        }
+    uint32_t left = --g->members;
+    pthread_mutex_unlock(&g->mu);
+    if (!left) {
+        pthread_mutex_destroy(&g->mu);
+        free(g);
+    }
     for (uint32_t i = 0; i < c->n; i++)
         free(c->m[i].key);
     free(c->m);
@@ -184,12 +246,12 @@ static laden_status room(laden_cache_t *c, bool vram, uint32_t id,
                          uint32_t *out_n, const char *call)
 {
     model *m = &c->m[id];
-    uint64_t budget = vram ? c->vram_budget : c->pinned_budget;
-    uint64_t total = vram ? c->vram : c->pinned;
+    uint64_t budget = vram ? c->vram_budget : c->g->pinned_budget;
     uint64_t held = vram ? m->vram : m->pinned;
     uint64_t freed;
     if (!budget)
         return LADEN_OK;
+    uint64_t total = vram ? c->vram : laden__cache_group_pinned(c);
     if (want > budget)
         return laden__fail(LADEN_E_BUDGET,
                            "%s: model '%.200s' needs %s of %s, more "
@@ -235,7 +297,7 @@ laden_status laden_cache_acquire(laden_cache_t *c, uint32_t id, uint64_t want,
         return s;
     m->in_use = true;
     m->uses++;
-    m->last_use = ++c->clock;
+    m->last_use = ++c->g->clock;
     c->st.acquires++;
     count_evictions(c, ev, *out_n);
     return LADEN_OK;
@@ -251,7 +313,7 @@ laden_status laden_cache_release(laden_cache_t *c, uint32_t id)
         return laden__fail(LADEN_E_STATE, "model '%.200s' is not in use",
                            m->key);
     m->in_use = false;
-    m->last_use = ++c->clock;
+    m->last_use = ++c->g->clock;
     return LADEN_OK;
 }
 
@@ -296,15 +358,17 @@ static laden_status set_held(laden_cache_t *c, uint32_t id, uint64_t bytes,
         return s;
     uint64_t *held = vram ? &m->vram : &m->pinned;
     uint64_t *total = vram ? &c->vram : &c->pinned;
-    uint64_t budget = vram ? c->vram_budget : c->pinned_budget;
+    uint64_t budget = vram ? c->vram_budget : c->g->pinned_budget;
     uint64_t after = *total - *held + bytes;
-    if (budget && after > budget && bytes > *held)
+    /* The pinned budget is the group's: the other caches' bytes count. */
+    uint64_t used = vram ? after : laden__cache_group_pinned(c) - *held + bytes;
+    if (budget && used > budget && bytes > *held)
         return laden__fail(LADEN_E_BUDGET,
                            "model '%.200s' cannot hold %s of %s: "
                            "%s of the %s budget would be used",
                            m->key, laden__bytes(bytes).s,
                            vram ? "device memory" : "pinned memory",
-                           laden__bytes(after).s, laden__bytes(budget).s);
+                           laden__bytes(used).s, laden__bytes(budget).s);
     *total = after;
     *held = bytes;
     return LADEN_OK;
@@ -364,7 +428,7 @@ laden_status laden_cache_stats(laden_cache_t *c, laden_cache_stats_t *out)
         return laden__fail(LADEN_E_INVAL, "laden_cache_stats: NULL");
     *out = c->st;
     out->vram_budget_bytes = c->vram_budget;
-    out->pinned_budget_bytes = c->pinned_budget;
+    out->pinned_budget_bytes = c->g->pinned_budget;
     out->vram_bytes = c->vram;
     out->pinned_bytes = c->pinned;
     out->models = 0;

@@ -3,6 +3,7 @@
 #ifndef LADEN_CACHE_INTERNAL_H
 #define LADEN_CACHE_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 
 #include "laden/cache.h"
@@ -17,14 +18,31 @@ typedef struct model {
     uint64_t hits;        /* activations that copied nothing */
 } model;
 
+/* The caches of one host's devices (laden_cache_join): one pinned budget
+ * and one clock of uses for all of them, so that pinned memory and the RAM
+ * budget are the host's and recency compares across devices.  A cache
+ * alone is a group of one.  `mu` guards the membership; everything else
+ * is used under the caller's one lock, as a cache is. */
+typedef struct cache_group {
+    pthread_mutex_t mu;
+    laden_cache_t *first; /* members linked through laden_cache.next */
+    uint32_t members;
+    uint64_t pinned_budget;
+    uint64_t clock;
+} cache_group;
+
 struct laden_cache {
     model *m;
     uint32_t n, cap;
-    uint64_t vram_budget, pinned_budget;
-    uint64_t vram, pinned; /* totals */
-    uint64_t clock;
+    uint64_t vram_budget;
+    uint64_t vram, pinned; /* totals, this cache's */
+    cache_group *g;
+    laden_cache_t *next; /* in g */
     laden_cache_stats_t st;
 };
+
+/* Pinned bytes held by every cache of c's group. */
+uint64_t laden__cache_group_pinned(const laden_cache_t *c);
 
 /* An idle model that may give way; sorted least recently used first
  * (ties: lower id) by laden__cmp_cand. */

@@ -173,11 +173,22 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
                            "laden_cache_bind: model '%.200s': the schedule "
                            "must be a loaded LADEN_SCHED_CACHE schedule",
                            m->key);
+    /* A cache is one device's: its budget, and the device regions it
+     * hands from evicted blocks to uploads, are that device's. */
+    int32_t dev = laden_sched_device(sc);
+    for (uint32_t i = 0; i < c->n; i++)
+        if (c->m[i].key && c->m[i].sched && c->m[i].device != dev)
+            return laden__fail(LADEN_E_INVAL,
+                               "laden_cache_bind: model '%.200s' is on "
+                               "device %d, the cache's models on device %d "
+                               "(model '%.200s'): a cache is one device's; "
+                               "join a cache per device (laden_cache_join)",
+                               m->key, dev, c->m[i].device, c->m[i].key);
     uint64_t size = 0;
     for (uint32_t i = 0; i < nb; i++)
         size += laden_sched_block_bytes(sc, i);
     m->sched = sc;
-    m->device = laden_sched_device(sc);
+    m->device = dev;
     m->fixed = fixed;
     m->size = size;
     account(c, id);
@@ -279,8 +290,26 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
     return total;
 }
 
+/* An idle model of any cache of a group, which may unpin. */
+typedef struct group_cand {
+    uint64_t last_use;
+    laden_cache_t *c;
+    uint32_t id;
+} group_cand;
+
+static int cmp_group_cand(const void *a, const void *b)
+{
+    const group_cand *x = a, *y = b;
+    if (x->last_use != y->last_use)
+        return x->last_use < y->last_use ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
 /* Pins model id's host copy, as much as the pinned budget allows after
- * unpinning idle models' copies, blocks in order. */
+ * unpinning idle models' copies, blocks in order.  The budget is the
+ * group's: idle models of every cache of the group (the host's other
+ * devices) give way, least recently used first, the last only in part;
+ * what models in use hold stays. */
 static void pin_model(laden_cache_t *c, uint32_t id,
                       laden_cache_activation_t *act)
 {
@@ -289,33 +318,43 @@ static void pin_model(laden_cache_t *c, uint32_t id,
     uint64_t want = m->size;
     if (m->pinned >= want)
         return;
-    if (c->pinned_budget) {
-        uint64_t others = 0;
-        for (uint32_t i = 0; i < c->n; i++)
-            if (i != id && c->m[i].key && c->m[i].in_use)
-                others += c->m[i].pinned;
-        uint64_t room = c->pinned_budget > others ? c->pinned_budget - others
-                                                  : 0;
-        if (want > room)
-            want = room;
-        /* Idle models give up what this model will pin. */
-        laden_cache_evict_t *ev = malloc((c->n ? c->n : 1) * sizeof *ev);
-        uint32_t n = 0;
-        if (!ev)
-            return;
-        if (laden_cache_plan_pin(c, id, want, ev, c->n, &n) == LADEN_OK) {
-            for (uint32_t k = 0; k < n; k++) {
-                uint64_t before = c->m[ev[k].model].pinned, freed;
-                shrink(c, ev[k].model, 0, ev[k].drop_bytes, &freed, NULL);
-                act->unpinned_bytes += before - c->m[ev[k].model].pinned;
+    cache_group *g = c->g;
+    if (g->pinned_budget) {
+        uint64_t budget = g->pinned_budget, busy = 0, used = 0;
+        uint32_t all = 0, k = 0;
+        pthread_mutex_lock(&g->mu);
+        for (laden_cache_t *o = g->first; o; o = o->next)
+            all += o->n;
+        group_cand *cs = malloc((all ? all : 1) * sizeof *cs);
+        for (laden_cache_t *o = g->first; o; o = o->next) {
+            used += o->pinned;
+            for (uint32_t i = 0; i < o->n; i++) {
+                model *x = &o->m[i];
+                if (!x->key || (o == c && i == id))
+                    continue;
+                if (x->in_use)
+                    busy += x->pinned;
+                else if (x->pinned && x->sched && cs)
+                    cs[k++] = (group_cand){x->last_use, o, i};
             }
         }
+        uint64_t room = budget > busy ? budget - busy : 0;
+        if (want > room)
+            want = room;
+        if (cs)
+            qsort(cs, k, sizeof *cs, cmp_group_cand);
+        for (uint32_t j = 0; j < k && used - m->pinned + want > budget; j++) {
+            model *x = &cs[j].c->m[cs[j].id];
+            uint64_t before = x->pinned, freed;
+            shrink(cs[j].c, cs[j].id, 0, used - m->pinned + want - budget,
+                   &freed, NULL);
+            act->unpinned_bytes += before - x->pinned;
+            used -= before - x->pinned;
+        }
+        pthread_mutex_unlock(&g->mu);
         laden__error_clear();
-        free(ev);
-        if (c->pinned_budget > c->pinned - m->pinned)
-            room = c->pinned_budget - (c->pinned - m->pinned);
-        else
-            room = 0;
+        free(cs);
+        room = budget > used - m->pinned ? budget - (used - m->pinned) : 0;
         if (want > room)
             want = room;
     }
@@ -643,29 +682,37 @@ laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
 
 laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
                                    uint64_t budget, uint64_t need,
-                                   laden_cache_evict_t *ev, uint32_t cap,
+                                   laden_cache_host_evict_t *ev, uint32_t cap,
                                    uint32_t *out_n)
 {
     if (out_n)
         *out_n = 0;
     if (!c || !out_n || (cap && !ev))
         return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host: NULL");
-    cand *cs = malloc((c->n ? c->n : 1) * sizeof *cs);
-    if (!cs)
-        return laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
+    cache_group *g = c->g;
+    pthread_mutex_lock(&g->mu);
+    uint32_t all = 0;
+    for (laden_cache_t *o = g->first; o; o = o->next)
+        all += o->n;
+    group_cand *cs = malloc((all ? all : 1) * sizeof *cs);
+    laden_status s = LADEN_OK;
+    if (!cs) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
+        goto out;
+    }
     uint64_t held = 0, idle = 0;
     uint32_t k = 0;
-    for (uint32_t i = 0; i < c->n; i++) {
-        model *m = &c->m[i];
-        if (!m->key || !m->sched)
-            continue;
-        held += m->size;
-        if (!m->in_use && i != except) {
-            cs[k++] = (cand){m->last_use, i};
-            idle += m->size;
+    for (laden_cache_t *o = g->first; o; o = o->next)
+        for (uint32_t i = 0; i < o->n; i++) {
+            model *m = &o->m[i];
+            if (!m->key || !m->sched)
+                continue;
+            held += m->size;
+            if (!m->in_use && !(o == c && i == except)) {
+                cs[k++] = (group_cand){m->last_use, o, i};
+                idle += m->size;
+            }
         }
-    }
-    laden_status s = LADEN_OK;
     uint64_t over = held + need > budget ? held + need - budget : 0;
     if (over > idle) {
         s = laden__fail(LADEN_E_BUDGET,
@@ -675,7 +722,7 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
                         laden__bytes(held).s, laden__bytes(idle).s);
         goto out;
     }
-    qsort(cs, k, sizeof *cs, laden__cmp_cand);
+    qsort(cs, k, sizeof *cs, cmp_group_cand);
     uint64_t freed = 0;
     uint32_t n = 0;
     for (uint32_t j = 0; j < k && freed < over; j++) {
@@ -685,12 +732,13 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
             n = 0;
             goto out;
         }
-        uint64_t size = c->m[cs[j].id].size;
-        ev[n++] = (laden_cache_evict_t){cs[j].id, size, 0};
+        uint64_t size = cs[j].c->m[cs[j].id].size;
+        ev[n++] = (laden_cache_host_evict_t){cs[j].c, cs[j].id, size};
         freed += size;
     }
     *out_n = n;
 out:
+    pthread_mutex_unlock(&g->mu);
     free(cs);
     return s;
 }

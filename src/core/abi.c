@@ -31,6 +31,7 @@
     S(laden_vbar_info)        \
     S(laden_elastic_stats)    \
     S(laden_cache_evict)      \
+    S(laden_cache_host_evict) \
     S(laden_cache_info)       \
     S(laden_cache_stats)      \
     S(laden_cache_activation) \
@@ -79,6 +80,8 @@
     F(T, evicted_bytes)
 #define FIELDS_laden_cache_evict(F, T) \
     F(T, model) F(T, drop_bytes) F(T, keep_bytes)
+#define FIELDS_laden_cache_host_evict(F, T) \
+    F(T, cache) F(T, model) F(T, drop_bytes)
 #define FIELDS_laden_cache_info(F, T)                                      \
     F(T, size_bytes) F(T, vram_bytes) F(T, pinned_bytes) F(T, uses)        \
     F(T, last_use) F(T, in_use)
