@@ -24,7 +24,8 @@
 #   first, for pytest's test_hf.py and bench/hf.py.
 #   trace: the trace's C tests and test_trace.py, then bench/trace.py
 #          (TRACE_ARGS are passed to it; the trace and picture in $OUT/trace)
-#   multi: several GPUs (nvidia-h200-x2): pytest of test_shared.py,
+#   multi: several GPUs (nvidia-h200-x2): the C tests of several devices
+#          in one process, pytest of test_shared.py,
 #          test_tensor_parallel.py, test_multi_device.py, then
 #          bench/shared.py and bench/tp.py over every GPU
 #   PYTEST_FILES="test_a.py test_b.py" runs only those pytest files.
@@ -126,6 +127,9 @@ fi
 if want multi; then
   NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   log "multi-GPU tests ($NG GPUs)"
+  ./build/laden_tests dev_keeps dev_threads_on_several stream_two_devices \
+    stream_shared_copy_two_devices engine_a_cache_per_device \
+    engine_caches_of_a_host 2>&1 | tee "$OUT/ctest-multi.log" | tail -8
   (cd python/tests && python3 -m pytest -q -p no:cacheprovider test_shared.py \
     test_tensor_parallel.py test_multi_device.py 2>&1) | tee "$OUT/pytest-multi.log" | tail -5
   log "bench/shared.py"

@@ -532,15 +532,15 @@ TEST(engine_plan_host)
     use(c, &m[0], 0, &act);
     use(c, &m[2], 0, &act);
     /* 12000 held; 3000 more within 13000: the LRU idle model goes. */
-    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 13000, 3000, hv, 4, &n));
+    CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 13000, 3000, hv, 4, &n));
     CHECK(n == 1 && hv[0].cache == c && hv[0].model == m[1].id &&
           hv[0].drop_bytes == 4000);
-    CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 3000, hv, 4, &n));
+    CHECK_OK(laden_cache_plan_host_group(c, m[1].id, 13000, 3000, hv, 4, &n));
     CHECK(n == 1 && hv[0].model == m[0].id);
-    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 20000, 3000, hv, 4, &n));
+    CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 20000, 3000, hv, 4, &n));
     CHECK_EQ(n, 0);
     CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
-    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 3000, hv, 4, &n),
+    CHECK_STATUS(laden_cache_plan_host_group(c, UINT32_MAX, 5000, 3000, hv, 4, &n),
                  LADEN_E_BUDGET);
     CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
     destroy_all(c, m, 3);
@@ -585,9 +585,14 @@ static void group(int32_t dev)
         CHECK_OK(laden_cache_add(solo, "elsewhere", 0, &xid));
         CHECK_STATUS(laden_cache_bind(solo, xid, sc, 0), LADEN_E_INVAL);
         CHECK_CONTAINS(laden_last_error(), "a cache is one device's");
+        /* Still its device's once its models are gone. */
+        CHECK_OK(laden_cache_unbind(solo, x.id));
+        CHECK_OK(laden_cache_remove(solo, x.id));
+        laden_sched_destroy(x.sc);
+        CHECK_STATUS(laden_cache_bind(solo, xid, sc, 0), LADEN_E_INVAL);
         CHECK_OK(laden_cache_remove(solo, xid));
         laden_sched_destroy(sc);
-        destroy_all(solo, &x, 1);
+        laden_cache_destroy(solo);
     }
     uint32_t id;
     CHECK_OK(laden_cache_add(lone, "late", 0, &id));
@@ -610,11 +615,11 @@ static void group(int32_t dev)
     /* b was used last: a, on the other cache, is the one to go. */
     laden_cache_host_evict_t hv[2];
     uint32_t k;
-    CHECK_OK(laden_cache_plan_host(c[1], UINT32_MAX, 9000, 2000, hv, 2, &k));
+    CHECK_OK(laden_cache_plan_host_group(c[1], UINT32_MAX, 9000, 2000, hv, 2, &k));
     CHECK(k == 1 && hv[0].cache == c[0] && hv[0].model == a.id);
-    CHECK_OK(laden_cache_plan_host(c[0], a.id, 9000, 2000, hv, 2, &k));
+    CHECK_OK(laden_cache_plan_host_group(c[0], a.id, 9000, 2000, hv, 2, &k));
     CHECK(k == 1 && hv[0].cache == c[1] && hv[0].model == b.id);
-    CHECK_OK(laden_cache_plan_host(c[0], UINT32_MAX, 9000, 1000, hv, 2, &k));
+    CHECK_OK(laden_cache_plan_host_group(c[0], UINT32_MAX, 9000, 1000, hv, 2, &k));
     CHECK_EQ(k, 0); /* 8000 held of both caches, 1000 more fit */
     laden_cache_destroy(third);
     CHECK_OK(laden_cache_remove(lone, id));

@@ -50,8 +50,11 @@ typedef struct laden_cache_info {
 } laden_cache_info_t;
 
 typedef struct laden_cache_stats {
-    uint64_t vram_budget_bytes, pinned_budget_bytes; /* 0: no limit */
-    uint64_t vram_bytes, pinned_bytes;               /* held, all models */
+    uint64_t vram_budget_bytes, pinned_budget_bytes; /* 0: no limit; the
+                                                        pinned one is the
+                                                        group's */
+    uint64_t vram_bytes, pinned_bytes;               /* held, all models
+                                                        of this cache */
     uint32_t models, in_use;
     uint64_t acquires, evictions, evicted_bytes;
     /* Engine (bound models): */
@@ -72,14 +75,17 @@ LADEN_API void laden_cache_destroy(laden_cache_t *cache);
 /* Makes `cache` one of the group of `peer`: the caches of one host's
  * devices, which share the host's memory.  The group has one pinned
  * budget (the caches' own must be equal: LADEN_E_INVAL otherwise), so
- * that what every cache pins counts against it and idle models of any
- * cache of the group give way to a model being pinned; one clock of uses,
- * so that "least recently used" compares models across devices; and
- * laden_cache_plan_host decides over all of them.  VRAM budgets stay each
- * cache's own.  Join before adding models (LADEN_E_STATE otherwise, or if
- * `cache` is in a group already).  The caches of a group are used under
- * one lock of the caller's, as one cache is; a destroyed cache leaves its
- * group. */
+ * that what every cache pins counts against it and the engine
+ * (laden_cache_activate) unpins idle models of any cache of the group for
+ * a model being pinned; one clock of uses, so that "least recently used"
+ * compares models across devices; and laden_cache_plan_host_group decides
+ * over all of them.  VRAM budgets stay each cache's own.  Join before
+ * adding models (LADEN_E_STATE otherwise, or if `cache` is in a group
+ * already).  Every call on any cache of a group is made under one lock of
+ * the caller's, as for one cache: decisions read, and the engine changes,
+ * the other caches' models.  Only membership has a lock of its own, so
+ * that caches of a group may be destroyed from different threads; a
+ * destroyed cache leaves its group. */
 LADEN_API laden_status laden_cache_join(laden_cache_t *cache,
                                         laden_cache_t *peer);
 
@@ -122,7 +128,9 @@ LADEN_API laden_status laden_cache_evict_bytes(laden_cache_t *cache,
 
 /* Decides which idle models' pinned copies give way so that `model` can
  * pin `want_bytes`; LADEN_E_BUDGET if they cannot (the caller then keeps
- * the model pageable or file-backed). */
+ * the model pageable or file-backed).  The decisions are among this
+ * cache's models; in a group the other caches' pinned bytes count against
+ * the group's budget (the engine also takes from their idle models). */
 LADEN_API laden_status laden_cache_plan_pin(laden_cache_t *cache,
                                             uint32_t model, uint64_t want_bytes,
                                             laden_cache_evict_t *ev,
@@ -252,12 +260,10 @@ typedef struct laden_cache_host_evict {
  * of `cache` is never chosen (UINT32_MAX: none).  LADEN_E_BUDGET if even
  * all of them would not make room (nothing decided); ev[i].drop_bytes is
  * the model's size. */
-LADEN_API laden_status laden_cache_plan_host(laden_cache_t *cache,
-                                             uint32_t except,
-                                             uint64_t ram_budget_bytes,
-                                             uint64_t need_bytes,
-                                             laden_cache_host_evict_t *ev,
-                                             uint32_t cap, uint32_t *out_n);
+LADEN_API laden_status laden_cache_plan_host_group(
+    laden_cache_t *cache, uint32_t except, uint64_t ram_budget_bytes,
+    uint64_t need_bytes, laden_cache_host_evict_t *ev, uint32_t cap,
+    uint32_t *out_n);
 
 #ifdef __cplusplus
 }

@@ -603,9 +603,9 @@ class ModelCache:
             lookahead: int = LOOKAHEAD, adapters=None, strengths=None,
             mode: str = "merge") -> Iterator[Any]:
         """Activates the model and yields it; deactivates on exit.  Inputs
-        go on ``device`` (default: where the model already is, else the
-        current CUDA device, else the CPU; ``"auto"``: where it is, else
-        the device with the most room).  Another device than the model's
+        go on ``device`` (default: the GPU the model is on already, else
+        the current CUDA device, else the CPU; ``"auto"``: where it is,
+        else the device with the most room).  Another device than the model's
         moves it there (it is rebuilt).  The model runs on the current
         stream of that device.
 
@@ -631,10 +631,11 @@ class ModelCache:
         else:
             spec = self.register(spec)
         check_lookahead(lookahead)
+        here = self._rt.get(spec.key) if device is None else None
         if device == "auto":
             dev = self._place(spec)
-        elif device is None and spec.key in self._rt:
-            dev = self._rt[spec.key].device  # where it is
+        elif here is not None and here.device.type == "cuda":
+            dev = here.device  # the GPU it is on, not the current one
         else:
             dev = _device(device)
         if dev.type == "cuda":
@@ -788,7 +789,7 @@ class ModelCache:
         cap = max(1, sum(len(d.by_id) for d in self._dev.values()))
         ev = (_lib.CacheHostEvict * cap)()
         n = ctypes.c_uint32()
-        s = lib.laden_cache_plan_host(
+        s = lib.laden_cache_plan_host_group(
             dc.c, rt.id if rt is not None else 0xFFFFFFFF, self.ram_budget,
             need, ev, cap, ctypes.byref(n))
         if s:

@@ -243,3 +243,63 @@ def test_elastic_serves_its_contexts_device(ckpt):
     assert vbar.elastic_stats("cuda:1")["allocs"] > before
     assert vbar.elastic_stats("cuda:0")["allocs"] == before0
     vram.close()
+
+
+def test_evict_bytes_on_one_device(ckpt):
+    """evict_bytes(n, device) frees on that device only."""
+    ref, path = ckpt
+    cache = laden.ModelCache(vram_budget={"cpu": "64MB"})
+    with cache.use(spec("a", path), device="cpu"):
+        pass
+    held = cache.stats("cpu")["vram_bytes"]
+    assert held > 0
+    assert cache.evict_bytes(held, device="cuda:0") == 0  # not its device
+    assert cache.stats("cpu")["vram_bytes"] == held
+    assert cache.evict_bytes(held, device="cpu") == held
+    assert cache.stats("cpu")["vram_bytes"] == 0
+    with cache.use("a") as m, torch.no_grad():  # uploaded again
+        x = torch.randn(2, 64)
+        assert torch.equal(m(x), ref(x))
+    cache.clear()
+
+
+def test_a_move_to_cuda_means_the_current_device():
+    """The move guard of a model laden holds reads "cuda" as torch does,
+    the current device, not any device."""
+    from laden.hf import _same_device
+
+    cur = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    other = torch.device("cuda", cur + 1)
+    assert _same_device(torch.device("cuda"), torch.device("cuda", cur))
+    assert not _same_device(torch.device("cuda"), other)
+    assert _same_device(other, other)
+    assert not _same_device(torch.device("cpu"), other)
+    assert _same_device(torch.device("cpu"), torch.device("cpu"))
+
+
+@two_gpus
+def test_install_elastic_once_per_device():
+    """install_elastic for each GPU's context, in a fresh process (it must
+    come before torch allocates): the second call attaches its context to
+    the allocator the first installed, and each device's allocations are
+    served within its own context."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from laden import vbar
+v0 = vbar.VRAM("cuda:0", budget=256 << 20)
+v1 = vbar.VRAM("cuda:1", budget=256 << 20)
+vbar.install_elastic(v0)
+vbar.install_elastic(v1)
+a = torch.ones(1 << 20, device="cuda:0")
+b = torch.ones(1 << 20, device="cuda:1")
+assert float(a.sum()) == float(b.sum()) == float(1 << 20)
+for d in (0, 1):
+    assert vbar.elastic_stats(f"cuda:{d}")["in_use_bytes"] >= 4 << 20, d
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr

@@ -38,6 +38,8 @@ struct laden_cache {
     uint64_t vram, pinned; /* totals, this cache's */
     cache_group *g;
     laden_cache_t *next; /* in g */
+    int32_t device;      /* of its first bound schedule, */
+    bool bound_once;     /* once there was one */
     laden_cache_stats_t st;
 };
 

@@ -173,17 +173,19 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
                            "laden_cache_bind: model '%.200s': the schedule "
                            "must be a loaded LADEN_SCHED_CACHE schedule",
                            m->key);
-    /* A cache is one device's: its budget, and the device regions it
-     * hands from evicted blocks to uploads, are that device's. */
+    /* A cache is one device's, the device of its first bound schedule:
+     * its budget, and the device regions it hands from evicted blocks to
+     * uploads, are that device's. */
     int32_t dev = laden_sched_device(sc);
-    for (uint32_t i = 0; i < c->n; i++)
-        if (c->m[i].key && c->m[i].sched && c->m[i].device != dev)
-            return laden__fail(LADEN_E_INVAL,
-                               "laden_cache_bind: model '%.200s' is on "
-                               "device %d, the cache's models on device %d "
-                               "(model '%.200s'): a cache is one device's; "
-                               "join a cache per device (laden_cache_join)",
-                               m->key, dev, c->m[i].device, c->m[i].key);
+    if (c->bound_once && c->device != dev)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_cache_bind: model '%.200s' is on device "
+                           "%d, the cache is device %d's: a cache is one "
+                           "device's; join a cache per device "
+                           "(laden_cache_join)",
+                           m->key, dev, c->device);
+    c->device = dev;
+    c->bound_once = true;
     uint64_t size = 0;
     for (uint32_t i = 0; i < nb; i++)
         size += laden_sched_block_bytes(sc, i);
@@ -290,10 +292,11 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
     return total;
 }
 
-/* An idle model of any cache of a group, which may unpin. */
+/* An idle model of any cache of a group, which may give way. */
 typedef struct group_cand {
     uint64_t last_use;
     laden_cache_t *c;
+    uint32_t order; /* of c in the group's list: ties are decided alike */
     uint32_t id;
 } group_cand;
 
@@ -302,6 +305,8 @@ static int cmp_group_cand(const void *a, const void *b)
     const group_cand *x = a, *y = b;
     if (x->last_use != y->last_use)
         return x->last_use < y->last_use ? -1 : 1;
+    if (x->order != y->order)
+        return x->order < y->order ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
@@ -326,7 +331,8 @@ static void pin_model(laden_cache_t *c, uint32_t id,
         for (laden_cache_t *o = g->first; o; o = o->next)
             all += o->n;
         group_cand *cs = malloc((all ? all : 1) * sizeof *cs);
-        for (laden_cache_t *o = g->first; o; o = o->next) {
+        uint32_t order = 0;
+        for (laden_cache_t *o = g->first; o; o = o->next, order++) {
             used += o->pinned;
             for (uint32_t i = 0; i < o->n; i++) {
                 model *x = &o->m[i];
@@ -335,7 +341,7 @@ static void pin_model(laden_cache_t *c, uint32_t id,
                 if (x->in_use)
                     busy += x->pinned;
                 else if (x->pinned && x->sched && cs)
-                    cs[k++] = (group_cand){x->last_use, o, i};
+                    cs[k++] = (group_cand){x->last_use, o, order, i};
             }
         }
         uint64_t room = budget > busy ? budget - busy : 0;
@@ -680,15 +686,15 @@ laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
     return s ? s : r;
 }
 
-laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
-                                   uint64_t budget, uint64_t need,
-                                   laden_cache_host_evict_t *ev, uint32_t cap,
-                                   uint32_t *out_n)
+laden_status laden_cache_plan_host_group(laden_cache_t *c, uint32_t except,
+                                         uint64_t budget, uint64_t need,
+                                         laden_cache_host_evict_t *ev,
+                                         uint32_t cap, uint32_t *out_n)
 {
     if (out_n)
         *out_n = 0;
     if (!c || !out_n || (cap && !ev))
-        return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host: NULL");
+        return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host_group: NULL");
     cache_group *g = c->g;
     pthread_mutex_lock(&g->mu);
     uint32_t all = 0;
@@ -701,15 +707,15 @@ laden_status laden_cache_plan_host(laden_cache_t *c, uint32_t except,
         goto out;
     }
     uint64_t held = 0, idle = 0;
-    uint32_t k = 0;
-    for (laden_cache_t *o = g->first; o; o = o->next)
+    uint32_t k = 0, order = 0;
+    for (laden_cache_t *o = g->first; o; o = o->next, order++)
         for (uint32_t i = 0; i < o->n; i++) {
             model *m = &o->m[i];
             if (!m->key || !m->sched)
                 continue;
             held += m->size;
             if (!m->in_use && !(o == c && i == except)) {
-                cs[k++] = (group_cand){m->last_use, o, i};
+                cs[k++] = (group_cand){m->last_use, o, order, i};
                 idle += m->size;
             }
         }

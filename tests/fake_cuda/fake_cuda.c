@@ -45,7 +45,7 @@ typedef unsigned long long CUdeviceptr;
 #define NOT_REGISTERED 713
 #define MAX_DEVICES 8
 
-enum { DEVICE = 0, PINNED = 1 };
+enum { DEVICE = 0, PINNED = 1, REGISTERED = 2 };
 
 typedef struct range {
     struct range *next;
@@ -93,18 +93,26 @@ static stream *streams[MAX_STREAMS];
 static long live_events, live_streams, live_device, live_pinned;
 static __thread fctx *current_ctx;
 
+static int ndevices;
+static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+
+static void count_devices(void)
+{
+    const char *v = getenv("FAKE_CUDA_DEVICES");
+    ndevices = v && *v ? atoi(v) : 2;
+    if (ndevices < 1 || ndevices > MAX_DEVICES) {
+        fprintf(stderr, "fake_cuda: FAKE_CUDA_DEVICES=%s: give 1 to %d\n", v,
+                MAX_DEVICES);
+        abort();
+    }
+    for (int i = 0; i < MAX_DEVICES; i++)
+        ctxs[i].dev = ctxs[i].legacy.dev = i;
+}
+
 static int device_count(void)
 {
-    static int n;
-    if (!n) {
-        const char *v = getenv("FAKE_CUDA_DEVICES");
-        n = v && *v ? atoi(v) : 2;
-        if (n < 1 || n > MAX_DEVICES)
-            n = 1;
-        for (int i = 0; i < MAX_DEVICES; i++)
-            ctxs[i].dev = ctxs[i].legacy.dev = i;
-    }
-    return n;
+    pthread_once(&devices_once, count_devices);
+    return ndevices;
 }
 
 static range *find(const void *p, size_t n)
@@ -216,7 +224,7 @@ static CUresult enqueue(void *dst, const void *src, size_t n, void *sv,
 static int pinned(const void *p, size_t n)
 {
     range *r = find(p, n);
-    return r && r->kind == PINNED;
+    return r && r->kind != DEVICE;
 }
 
 #define LOCKED(body)                                                       \
@@ -388,7 +396,10 @@ static CUresult event_record(event *e, stream *s)
     e->t_ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
     return 0;
 }
-static CUresult cuEventRecord(void *e, void *s) { LOCKED(event_record(e, of(s))); }
+static CUresult cuEventRecord(void *e, void *s)
+{
+    LOCKED(of(s) ? event_record(e, of(s)) : INVALID_CONTEXT);
+}
 /* The time between the two records on the host clock: work queued in
  * order is timed in order. */
 static CUresult event_elapsed(float *ms, event *a, event *b)
@@ -439,6 +450,9 @@ static CUresult alloc(void **p, size_t n, size_t align, int kind)
 }
 static CUresult release(void *p, int kind)
 {
+    range *r = find(p, 1);
+    if (!r || r->p != p || r->kind != kind)
+        return 1; /* CUDA_ERROR_INVALID_VALUE: not such an allocation */
     run_all(); /* a free waits for the work in flight */
     untrack(p);
     free(p);
@@ -465,10 +479,10 @@ static CUresult host_register(void *p, size_t n)
     if (!current_ctx)
         return INVALID_CONTEXT;
     for (range *r = ranges; r; r = r->next)
-        if (r->kind == PINNED && (char *)p < r->p + r->n &&
+        if (r->kind != DEVICE && (char *)p < r->p + r->n &&
             r->p < (char *)p + n)
             return ALREADY_REGISTERED; /* pinned for every context */
-    track(p, n, PINNED);
+    track(p, n, REGISTERED);
     return 0;
 }
 static CUresult cuMemHostRegister(void *p, size_t n, unsigned f)
@@ -479,7 +493,7 @@ static CUresult cuMemHostRegister(void *p, size_t n, unsigned f)
 static CUresult host_unregister(void *p)
 {
     range *r = find(p, 1);
-    if (!r || r->kind != PINNED || r->p != p)
+    if (!r || r->kind != REGISTERED || r->p != p)
         return NOT_REGISTERED;
     run_all();
     untrack(p);
