@@ -180,6 +180,8 @@ int laden__cmp_cand(const void *a, const void *b)
     const cand *x = a, *y = b;
     if (x->last_use != y->last_use)
         return x->last_use < y->last_use ? -1 : 1;
+    if (x->order != y->order)
+        return x->order < y->order ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
@@ -205,7 +207,7 @@ static laden_status plan_free(laden_cache_t *c, bool vram, uint32_t except,
         model *m = &c->m[i];
         uint64_t held = vram ? m->vram : m->pinned;
         if (m->key && !m->in_use && i != except && held) {
-            cs[k++] = (cand){m->last_use, i};
+            cs[k++] = (cand){m->last_use, c, 0, i};
             idle += held;
         }
     }

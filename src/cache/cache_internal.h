@@ -46,11 +46,13 @@ struct laden_cache {
 /* Pinned bytes held by every cache of c's group. */
 uint64_t laden__cache_group_pinned(const laden_cache_t *c);
 
-/* An idle model that may give way; sorted least recently used first
- * (ties: lower id) by laden__cmp_cand. */
+/* An idle model (model `id` of cache `c`, the `order`th of its group's
+ * list) that may give way; sorted least recently used first (ties: the
+ * cache earlier in the group, then the lower id) by laden__cmp_cand. */
 typedef struct cand {
     uint64_t last_use;
-    uint32_t id;
+    laden_cache_t *c;
+    uint32_t order, id;
 } cand;
 int laden__cmp_cand(const void *a, const void *b);
 

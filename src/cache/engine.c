@@ -292,22 +292,29 @@ static uint64_t evict_all_idle(laden_cache_t *c, uint32_t except)
     return total;
 }
 
-/* An idle model of any cache of a group, which may give way. */
-typedef struct group_cand {
-    uint64_t last_use;
-    laden_cache_t *c;
-    uint32_t order; /* of c in the group's list: ties are decided alike */
-    uint32_t id;
-} group_cand;
-
-static int cmp_group_cand(const void *a, const void *b)
+/* Under c's group's lock: the idle bound models of every cache of the
+ * group but model `except` of c (with `pinned`, only those holding pinned
+ * bytes), least recently used first; NULL (*n 0) when out of memory. */
+static cand *group_idle(laden_cache_t *c, uint32_t except, bool pinned,
+                        uint32_t *n)
 {
-    const group_cand *x = a, *y = b;
-    if (x->last_use != y->last_use)
-        return x->last_use < y->last_use ? -1 : 1;
-    if (x->order != y->order)
-        return x->order < y->order ? -1 : 1;
-    return x->id < y->id ? -1 : x->id > y->id;
+    uint32_t all = 0, k = 0, order = 0;
+    for (laden_cache_t *o = c->g->first; o; o = o->next)
+        all += o->n;
+    cand *cs = malloc((all ? all : 1) * sizeof *cs);
+    *n = 0;
+    if (!cs)
+        return NULL;
+    for (laden_cache_t *o = c->g->first; o; o = o->next, order++)
+        for (uint32_t i = 0; i < o->n; i++) {
+            model *x = &o->m[i];
+            if (x->key && x->sched && !x->in_use && !(o == c && i == except) &&
+                (!pinned || x->pinned))
+                cs[k++] = (cand){x->last_use, o, order, i};
+        }
+    qsort(cs, k, sizeof *cs, laden__cmp_cand);
+    *n = k;
+    return cs;
 }
 
 /* Pins model id's host copy, as much as the pinned budget allows after
@@ -326,29 +333,18 @@ static void pin_model(laden_cache_t *c, uint32_t id,
     cache_group *g = c->g;
     if (g->pinned_budget) {
         uint64_t budget = g->pinned_budget, busy = 0, used = 0;
-        uint32_t all = 0, k = 0;
+        uint32_t k = 0;
         pthread_mutex_lock(&g->mu);
-        for (laden_cache_t *o = g->first; o; o = o->next)
-            all += o->n;
-        group_cand *cs = malloc((all ? all : 1) * sizeof *cs);
-        uint32_t order = 0;
-        for (laden_cache_t *o = g->first; o; o = o->next, order++) {
+        for (laden_cache_t *o = g->first; o; o = o->next) {
             used += o->pinned;
-            for (uint32_t i = 0; i < o->n; i++) {
-                model *x = &o->m[i];
-                if (!x->key || (o == c && i == id))
-                    continue;
-                if (x->in_use)
-                    busy += x->pinned;
-                else if (x->pinned && x->sched && cs)
-                    cs[k++] = (group_cand){x->last_use, o, order, i};
-            }
+            for (uint32_t i = 0; i < o->n; i++)
+                if (o->m[i].key && o->m[i].in_use && !(o == c && i == id))
+                    busy += o->m[i].pinned;
         }
+        cand *cs = group_idle(c, id, true, &k);
         uint64_t room = budget > busy ? budget - busy : 0;
         if (want > room)
             want = room;
-        if (cs)
-            qsort(cs, k, sizeof *cs, cmp_group_cand);
         for (uint32_t j = 0; j < k && used - m->pinned + want > budget; j++) {
             model *x = &cs[j].c->m[cs[j].id];
             uint64_t before = x->pinned, freed;
@@ -697,28 +693,20 @@ laden_status laden_cache_plan_host_group(laden_cache_t *c, uint32_t except,
         return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host_group: NULL");
     cache_group *g = c->g;
     pthread_mutex_lock(&g->mu);
-    uint32_t all = 0;
-    for (laden_cache_t *o = g->first; o; o = o->next)
-        all += o->n;
-    group_cand *cs = malloc((all ? all : 1) * sizeof *cs);
+    uint32_t k = 0;
+    cand *cs = group_idle(c, except, false, &k);
     laden_status s = LADEN_OK;
     if (!cs) {
         s = laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
         goto out;
     }
     uint64_t held = 0, idle = 0;
-    uint32_t k = 0, order = 0;
-    for (laden_cache_t *o = g->first; o; o = o->next, order++)
-        for (uint32_t i = 0; i < o->n; i++) {
-            model *m = &o->m[i];
-            if (!m->key || !m->sched)
-                continue;
-            held += m->size;
-            if (!m->in_use && !(o == c && i == except)) {
-                cs[k++] = (group_cand){m->last_use, o, order, i};
-                idle += m->size;
-            }
-        }
+    for (laden_cache_t *o = g->first; o; o = o->next)
+        for (uint32_t i = 0; i < o->n; i++)
+            if (o->m[i].key && o->m[i].sched)
+                held += o->m[i].size;
+    for (uint32_t j = 0; j < k; j++)
+        idle += cs[j].c->m[cs[j].id].size;
     uint64_t over = held + need > budget ? held + need - budget : 0;
     if (over > idle) {
         s = laden__fail(LADEN_E_BUDGET,
@@ -728,7 +716,6 @@ laden_status laden_cache_plan_host_group(laden_cache_t *c, uint32_t except,
                         laden__bytes(held).s, laden__bytes(idle).s);
         goto out;
     }
-    qsort(cs, k, sizeof *cs, cmp_group_cand);
     uint64_t freed = 0;
     uint32_t n = 0;
     for (uint32_t j = 0; j < k && freed < over; j++) {
