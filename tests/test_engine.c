@@ -562,6 +562,8 @@ static void group(int32_t dev)
     CHECK_OK(laden_cache_create(0, 6000, &c[1]));
     CHECK_OK(laden_cache_create(0, 5000, &lone));
     CHECK_STATUS(laden_cache_join(c[1], c[1]), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_join(NULL, c[0]), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_join(c[1], NULL), LADEN_E_INVAL);
     CHECK_STATUS(laden_cache_join(lone, c[0]), LADEN_E_INVAL); /* budgets */
     CHECK_CONTAINS(laden_last_error(), "pinned budgets differ");
     CHECK_OK(laden_cache_join(c[1], c[0]));
@@ -621,6 +623,16 @@ static void group(int32_t dev)
     CHECK(k == 1 && hv[0].cache == c[1] && hv[0].model == b.id);
     CHECK_OK(laden_cache_plan_host_group(c[0], UINT32_MAX, 9000, 1000, hv, 2, &k));
     CHECK_EQ(k, 0); /* 8000 held of both caches, 1000 more fit */
+    /* Room for fewer decisions than needed: refused, nothing decided. */
+    CHECK_STATUS(laden_cache_plan_host_group(c[0], UINT32_MAX, 4000, 4000,
+                                             hv, 1, &k),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "more than 1 evictions");
+    CHECK_EQ(k, 0);
+    CHECK_STATUS(laden_cache_plan_host_group(c[0], UINT32_MAX, 4000, 9000,
+                                             hv, 2, &k),
+                 LADEN_E_BUDGET); /* even both would not make room */
+    CHECK_CONTAINS(laden_last_error(), "do not fit the RAM budget");
     laden_cache_destroy(third);
     CHECK_OK(laden_cache_remove(lone, id));
     laden_cache_destroy(lone);
