@@ -2041,6 +2041,124 @@ TEST(stream_background_load_stopped_or_failed)
     test_on_every_device(background_stopped);
 }
 
+/* A forward interrupted between a call into C and the Python that would
+ * end it (Ctrl-C) leaves a pass begun and blocks entered: end_all ends
+ * them all, with each slot's free event recorded, so that the next pass
+ * runs every block and the schedule closes; with nothing held it is a
+ * no-op, and another thread's hold is not its to end. */
+static void *end_all_elsewhere(void *arg)
+{
+    model *m = arg;
+    laden_status s = laden_sched_end_all(m->sc);
+    return (void *)(intptr_t)(s ? 1 : 0);
+}
+
+static void end_all(int32_t dev)
+{
+    model m;
+    build(&m, dev, MIXED, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 1));
+    CHECK_OK(laden_sched_end_all(m.sc)); /* nothing held */
+    for (int round = 0; round < 3; round++) {
+        CHECK_OK(laden_sched_begin(m.sc));
+        for (int i = 0; i < NB; i++)
+            run_block(&m, i);
+        /* Interrupted: blocks 1 and 3 (disk) entered, never exited;
+         * a nested pass begun (an interrupt right after begin). */
+        CHECK_OK(laden_sched_enter(m.sc, m.block_of[1], 0));
+        if (round > 0)
+            CHECK_OK(laden_sched_enter(m.sc, m.block_of[3], 0));
+        if (round == 2)
+            CHECK_OK(laden_sched_begin(m.sc));
+        /* Another thread cannot end this thread's pass: it holds nothing. */
+        pthread_t t;
+        void *got = NULL;
+        pthread_create(&t, NULL, end_all_elsewhere, &m);
+        pthread_join(t, &got);
+        CHECK_EQ((intptr_t)got, 0);
+        CHECK_STATUS(laden_sched_close(m.sc), LADEN_E_STATE); /* held */
+        CHECK_OK(laden_sched_end_all(m.sc));
+        CHECK_STATUS(laden_sched_end(m.sc), LADEN_E_STATE); /* ended */
+        CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[1], 0),
+                     LADEN_E_STATE);
+        /* The next pass runs every block, with the right bytes. */
+        CHECK_OK(laden_sched_begin(m.sc));
+        for (int i = NB; i >= 0; i--)
+            run_block(&m, i);
+        CHECK_OK(laden_sched_end_all(m.sc));
+    }
+    CHECK_OK(laden_sched_close(m.sc));
+    CHECK_STATUS(laden_sched_end_all(NULL), LADEN_E_INVAL);
+    destroy(&m);
+}
+
+TEST(stream_end_all_mends_an_interrupted_pass)
+{
+    test_on_every_device(end_all);
+}
+
+/* await_for gives up within its time and comes back, so that a long wait
+ * is a loop of short calls; it gets there in the end, for a block and for
+ * the whole load.  load_cancel stops a background load for good: every
+ * later await says it was cancelled, and the schedule still closes. */
+static void await_for(int32_t dev)
+{
+    for (int variant = 0; variant < 2; variant++) {
+        model m;
+        slow w = {.nap = 20000}; /* 20 ms a piece */
+        build(&m, dev, MIXED, 0);
+        CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
+        int done = 7;
+        CHECK_STATUS(laden_sched_await_for(m.sc, -1, 0, NULL), LADEN_E_INVAL);
+        CHECK_STATUS(laden_sched_await_for(m.sc, -1, 1, &done),
+                     LADEN_E_STATE); /* no load begun */
+        CHECK_EQ(done, 0);
+        CHECK_OK(laden_sched_load_begin(m.sc));
+        CHECK_STATUS(laden_sched_await_for(m.sc, 99, 1, &done),
+                     LADEN_E_INVAL);
+        uint64_t t0 = laden__now_ns();
+        CHECK_OK(laden_sched_await_for(m.sc, -1, 1, &done));
+        uint64_t took_ms = (laden__now_ns() - t0) / 1000000u;
+        if (!done) /* back after about one piece, not the whole load */
+            CHECK(took_ms < 2000);
+        if (variant == 0) {
+            int calls = 0;
+            do {
+                CHECK_OK(laden_sched_await_for(m.sc, m.block_of[NB - 1], 5,
+                                               &done));
+                calls++;
+            } while (!done);
+            do
+                CHECK_OK(laden_sched_await_for(m.sc, -1, 5, &done));
+            while (!done);
+            CHECK_EQ(laden_sched_is_loaded(m.sc), 1);
+            CHECK_OK(laden_sched_await_for(m.sc, -1, 0, &done));
+            CHECK_EQ(done, 1);
+            CHECK_OK(laden_sched_load_cancel(m.sc)); /* nothing to stop */
+            CHECK_OK(laden_sched_start(m.sc, 0));
+            for (int i = 0; i <= NB; i++)
+                run_block(&m, i);
+            CHECK_OK(laden_sched_stop(m.sc));
+        } else {
+            CHECK_OK(laden_sched_load_cancel(m.sc));
+            CHECK_STATUS(laden_sched_await_for(m.sc, -1, 5, &done),
+                         LADEN_E_STATE);
+            CHECK_CONTAINS(laden_last_error(), "cancelled");
+            CHECK_STATUS(laden_sched_load_wait(m.sc), LADEN_E_STATE);
+            CHECK_CONTAINS(laden_last_error(), "cancelled");
+            CHECK_EQ(laden_sched_is_loaded(m.sc), 0);
+            CHECK_OK(laden_sched_close(m.sc));
+        }
+        destroy(&m);
+    }
+}
+
+TEST(stream_await_for_and_load_cancel)
+{
+    test_on_every_device(await_for);
+}
+
 /* Another thread's call while the loader holds the schedule waits for the
  * step instead of being refused; while the owner is inside a pass the
  * other thread is refused as before. */

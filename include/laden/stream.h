@@ -135,6 +135,18 @@ LADEN_API laden_status laden_sched_begin(laden_sched_t *sched);
 /* Ends a pass begun on this thread (LADEN_E_STATE if none). */
 LADEN_API laden_status laden_sched_end(laden_sched_t *sched);
 
+/* Ends every pass this thread began on the schedule and exits every block
+ * it entered and did not exit, each exit ordered on the stream its block
+ * was entered on: what an interrupted forward left (a KeyboardInterrupt
+ * that lands between a call into C and the Python that would have ended
+ * it).  For the outermost caller only: a pass or block still running on
+ * this thread's stack is ended too.  LADEN_OK at once when this thread
+ * holds nothing; LADEN_E_STATE, ending nothing, during a CUDA graph
+ * capture of this thread (end the capture first); otherwise the first
+ * exit's failure, if any, with everything ended anyway.  Never blocks
+ * beyond recording events. */
+LADEN_API laden_status laden_sched_end_all(laden_sched_t *sched);
+
 /* Adds a block with the given tier; *out_block is its index (0, 1, ...).
  * LADEN_TIER_AUTO leaves the tier to laden_sched_plan (not for cache
  * schedules).  Adding a block or a tensor after a plan makes the planned
@@ -324,6 +336,27 @@ LADEN_API laden_status laden_sched_load_wait(laden_sched_t *sched);
  * failure if it failed.  A GPU-tier block's copy to the device has
  * finished when it returns. */
 LADEN_API laden_status laden_sched_await(laden_sched_t *sched, uint32_t block);
+
+/* laden_sched_await (block >= 0) or laden_sched_load_wait (block -1)
+ * that waits at most about `timeout_ms`: it drives the load on the
+ * calling thread a piece at a time and gives up between pieces once the
+ * time has passed, *out_done 0 and LADEN_OK; *out_done 1 with the load's
+ * status once the block is in place or the load ended.  Long waits are
+ * then a loop of short calls, between which the caller can be
+ * interrupted (Ctrl-C reaches Python only between calls into C). */
+LADEN_API laden_status laden_sched_await_for(laden_sched_t *sched,
+                                             int64_t block,
+                                             uint32_t timeout_ms,
+                                             int *out_done);
+
+/* Stops a load in the background (laden_sched_load_begin): its step in
+ * progress ends, the loading thread is joined, and the load fails for
+ * good with LADEN_E_STATE "the load was cancelled": every later await,
+ * enter of a streamed block and load wait returns that; the memory stays
+ * until laden_sched_destroy (its addresses were handed out).  LADEN_OK
+ * and nothing changed when no load is in progress.  Blocks for the end
+ * of one step. */
+LADEN_API laden_status laden_sched_load_cancel(laden_sched_t *sched);
 
 /* 1 once every block is loaded (laden_sched_load, or the end of a load
  * begun with laden_sched_load_begin), else 0. */

@@ -979,10 +979,28 @@ laden_status laden__sched_load_begin(laden_sched_t *sc)
  * failure, if any. */
 static laden_status drive(laden_sched_t *sc, int64_t block)
 {
+    bool done;
+    return laden__sched_drive_for(sc, block, 0, &done);
+}
+
+/* drive() that gives up once `deadline_ns` (laden__now_ns; 0: never) has
+ * passed, between two steps: *done says whether it got there (the block
+ * in place, or the load ended).  A step is one piece of the load, so the
+ * caller is back within a piece's read after the deadline: long waits
+ * are made of short calls, between which Python sees Ctrl-C. */
+laden_status laden__sched_drive_for(laden_sched_t *sc, int64_t block,
+                                    uint64_t deadline_ns, bool *done)
+{
     laden_status s = LADEN_OK;
+    *done = true;
     while (!s && !loader_done(sc->ld) &&
-           (block < 0 || !sc->b[block].ready))
+           (block < 0 || !sc->b[block].ready)) {
+        if (deadline_ns && laden__now_ns() >= deadline_ns) {
+            *done = false;
+            return LADEN_OK;
+        }
         s = step(sc->ld);
+    }
     if (s || loader_done(sc->ld))
         ended(sc, s);
     return sc->load_err ? laden__sched_load_failure(sc) : LADEN_OK;
@@ -1000,6 +1018,50 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
     if (!sc->ld)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     return drive(sc, block);
+}
+
+laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
+                                    uint32_t timeout_ms, int *out_done)
+{
+    *out_done = 0;
+    if (block >= (int64_t)sc->nb)
+        return laden__fail(LADEN_E_INVAL, "no block %lld (%u blocks)",
+                           (long long)block, sc->nb);
+    if (sc->load_err)
+        return laden__sched_load_failure(sc);
+    if (block >= 0 && (sc->b[block].ready || sc->loaded)) {
+        *out_done = 1;
+        return LADEN_OK;
+    }
+    if (!sc->ld) {
+        if (block >= 0 || !sc->loaded)
+            return laden__fail(LADEN_E_STATE, "the schedule is not "
+                               "loaded (no load was begun)");
+    } else {
+        bool done;
+        uint64_t deadline = laden__now_ns() + (uint64_t)timeout_ms * 1000000u;
+        laden_status s = laden__sched_drive_for(sc, block, deadline, &done);
+        if (s || !done)
+            return s;
+    }
+    if (block < 0) {
+        laden__sched_join_loader(sc);
+        if (sc->load_err)
+            return laden__sched_load_failure(sc);
+    }
+    *out_done = 1;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_load_cancel(laden_sched_t *sc)
+{
+    laden__sched_join_loader(sc); /* its step in progress ends first */
+    if (sc->ld) {
+        laden_status s = laden__fail(LADEN_E_STATE, "the load was "
+                                     "cancelled (laden_sched_load_cancel)");
+        ended(sc, s);
+    }
+    return LADEN_OK;
 }
 
 laden_status laden__sched_load_wait(laden_sched_t *sc)

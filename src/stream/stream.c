@@ -288,6 +288,33 @@ laden_status laden_sched_end(laden_sched_t *sc)
     return LADEN_OK;
 }
 
+laden_status laden_sched_end_all(laden_sched_t *sc)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_end_all: NULL "
+                                          "schedule");
+    if (!holds(sc))
+        return LADEN_OK;
+    if (sc->capturing)
+        return laden__fail(LADEN_E_STATE, "laden_sched_end_all: a CUDA "
+                           "graph capture is in progress on this thread; "
+                           "end it first (laden_sched_capture_end)");
+    laden_status first = LADEN_OK;
+    /* Each exit records the slot's free event on the stream the block
+     * was entered on, as the exit that did not happen would have. */
+    for (uint32_t i = 0; i < sc->nb && sc->entered; i++)
+        while (sc->b[i].running && holds(sc)) {
+            laden_status s = laden_sched_exit(sc, i, sc->b[i].enter_handle);
+            if (s && !first)
+                first = s;
+        }
+    while (sc->begun && holds(sc)) {
+        sc->begun--;
+        unhold(sc);
+    }
+    return first;
+}
+
 laden_status laden_sched_close(laden_sched_t *sc)
 {
     if (!sc)
@@ -408,6 +435,7 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
     }
     sc->entered++;
     sc->b[block].running++;
+    sc->b[block].enter_handle = compute_stream;
     if (t0) {
         laden__trace_rec r = {
             .session = sess, .t = t0, .a = block, .b = (uintptr_t)sc,
@@ -549,6 +577,22 @@ laden_status laden_sched_load_wait(laden_sched_t *sc)
 laden_status laden_sched_await(laden_sched_t *sc, uint32_t block)
 {
     HELD("laden_sched_await", laden__sched_until(sc, block));
+}
+
+laden_status laden_sched_await_for(laden_sched_t *sc, int64_t block,
+                                   uint32_t timeout_ms, int *out_done)
+{
+    if (!out_done)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_await_for: out_done "
+                                          "is NULL");
+    *out_done = 0;
+    HELD("laden_sched_await_for",
+         laden__sched_await_for(sc, block, timeout_ms, out_done));
+}
+
+laden_status laden_sched_load_cancel(laden_sched_t *sc)
+{
+    HELD("laden_sched_load_cancel", laden__sched_load_cancel(sc));
 }
 
 int laden_sched_is_loaded(laden_sched_t *sc)

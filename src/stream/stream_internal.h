@@ -81,6 +81,8 @@ typedef struct blk {
     bool shared;           /* its host copy is in sc->shm (share.c) */
     uint64_t share_off;    /* its place there */
     uint32_t running;      /* enters not exited yet (stream.c) */
+    uintptr_t enter_handle; /* the stream of its last enter, for an exit
+                               laden_sched_end_all makes in its place */
 } blk;
 
 typedef struct laden_loader loader; /* a load in progress (load.c) */
@@ -253,6 +255,11 @@ laden_status laden__sched_load(laden_sched_t *sc);
 laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block);
 laden_status laden__sched_load_begin(laden_sched_t *sc);
 laden_status laden__sched_load_wait(laden_sched_t *sc);
+laden_status laden__sched_drive_for(laden_sched_t *sc, int64_t block,
+                                    uint64_t deadline_ns, bool *done);
+laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
+                                    uint32_t timeout_ms, int *out_done);
+laden_status laden__sched_load_cancel(laden_sched_t *sc);
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
 laden_status laden__sched_load_prepare(laden_sched_t *sc);
