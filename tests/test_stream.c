@@ -2049,7 +2049,7 @@ TEST(stream_background_load_stopped_or_failed)
 static void *end_all_elsewhere(void *arg)
 {
     model *m = arg;
-    laden_status s = laden_sched_end_all(m->sc);
+    laden_status s = laden_sched_end_all(m->sc, NULL);
     return (void *)(intptr_t)(s ? 1 : 0);
 }
 
@@ -2059,7 +2059,9 @@ static void end_all(int32_t dev)
     build(&m, dev, MIXED, 0);
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 1));
-    CHECK_OK(laden_sched_end_all(m.sc)); /* nothing held */
+    uint32_t exited = 9;
+    CHECK_OK(laden_sched_end_all(m.sc, &exited)); /* nothing held */
+    CHECK_EQ(exited, 0);
     for (int round = 0; round < 3; round++) {
         CHECK_OK(laden_sched_begin(m.sc));
         for (int i = 0; i < NB; i++)
@@ -2078,7 +2080,8 @@ static void end_all(int32_t dev)
         pthread_join(t, &got);
         CHECK_EQ((intptr_t)got, 0);
         CHECK_STATUS(laden_sched_close(m.sc), LADEN_E_STATE); /* held */
-        CHECK_OK(laden_sched_end_all(m.sc));
+        CHECK_OK(laden_sched_end_all(m.sc, &exited));
+        CHECK_EQ(exited, round > 0 ? 2 : 1);
         CHECK_STATUS(laden_sched_end(m.sc), LADEN_E_STATE); /* ended */
         CHECK_STATUS(laden_sched_exit(m.sc, m.block_of[1], 0),
                      LADEN_E_STATE);
@@ -2086,10 +2089,11 @@ static void end_all(int32_t dev)
         CHECK_OK(laden_sched_begin(m.sc));
         for (int i = NB; i >= 0; i--)
             run_block(&m, i);
-        CHECK_OK(laden_sched_end_all(m.sc));
+        CHECK_OK(laden_sched_end_all(m.sc, &exited));
+        CHECK_EQ(exited, 0);
     }
     CHECK_OK(laden_sched_close(m.sc));
-    CHECK_STATUS(laden_sched_end_all(NULL), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_end_all(NULL, NULL), LADEN_E_INVAL);
     destroy(&m);
 }
 

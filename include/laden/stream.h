@@ -143,9 +143,11 @@ LADEN_API laden_status laden_sched_end(laden_sched_t *sched);
  * this thread's stack is ended too.  LADEN_OK at once when this thread
  * holds nothing; LADEN_E_STATE, ending nothing, during a CUDA graph
  * capture of this thread (end the capture first); otherwise the first
- * exit's failure, if any, with everything ended anyway.  Never blocks
- * beyond recording events. */
-LADEN_API laden_status laden_sched_end_all(laden_sched_t *sched);
+ * exit's failure, if any, with everything ended anyway.  *out_exited
+ * (may be NULL) is the number of blocks it exited.  Never blocks beyond
+ * recording events. */
+LADEN_API laden_status laden_sched_end_all(laden_sched_t *sched,
+                                           uint32_t *out_exited);
 
 /* Adds a block with the given tier; *out_block is its index (0, 1, ...).
  * LADEN_TIER_AUTO leaves the tier to laden_sched_plan (not for cache

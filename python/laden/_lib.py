@@ -369,7 +369,7 @@ _SIGNATURES = {
                                           P(c_uint64), P(c_int32)]),
     "laden_sched_begin": (status_t, [p]),
     "laden_sched_end": (status_t, [p]),
-    "laden_sched_end_all": (status_t, [p]),
+    "laden_sched_end_all": (status_t, [p, POINTER(c_uint32)]),
     "laden_sched_close": (status_t, [p]),
     "laden_sched_is_closed": (c_int, [p]),
     "laden_sched_stats": (status_t, [p, P(SchedStats)]),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
-from . import _lib
+from . import _lib, _wrapped
 from ._dtypes import checkpoint_dtype
 from ._wrapped import (attach, detach_all, holders, is_dtensor,
                        is_wrapped, refresh)
@@ -176,6 +176,13 @@ class _Tensor:
     # A DTensor (tensor parallel): laden holds this rank's local shard
     # (shape is the local one) and rebuilds the DTensor around it.
     dist: Optional["_Dist"] = None
+    # What the block runs with, when that is memory other blocks reuse (a
+    # slot, the expansion workspace): bound into the module only between
+    # the block's enter and exit (bind_in / bind_out); outside it the
+    # module holds `param`, the tensor's own value (its host copy, or
+    # meta where it has none in memory).  None: `param` is used always.
+    run: Optional[object] = None
+    run_block: Optional[str] = None    # a gradient of `run` would be wrong
 
 
 @dataclass
@@ -319,12 +326,9 @@ def _dtensor_cls():
     return DTensor
 
 
-def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
-                ) -> None:
-    """Points every alias of t at `value`.  The tensor object laden made
-    for t keeps its identity (its contents are swapped); `streamed_in`
-    names the block whose slot or workspace `value` is in: a gradient for
-    it would be wrong, so computing one raises."""
+def _make(t: _Tensor, value, streamed_in: Optional[str] = None):
+    """The tensor object t's aliases get for `value`: a Parameter
+    following the user's requires_grad, a DTensor around a shard."""
     import torch
 
     if t.dist is not None and not is_dtensor(value):
@@ -332,28 +336,100 @@ def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
         from_local = _dtensor_cls().from_local
         value = from_local(value, d.mesh, d.placements, run_check=False,
                            shape=torch.Size(d.shape), stride=d.stride)
-    if t.is_param:
-        # The user may have frozen or unfrozen it since it was loaded.
-        rg = t.param.requires_grad if t.param is not None else \
-            t.requires_grad
-        new = torch.nn.Parameter(
-            value, requires_grad=rg and value.dtype.is_floating_point)
-        if streamed_in is not None and new.requires_grad:
-            new.register_hook(_refuse_grad(t.names[0], streamed_in))
-        if t.param is not None and t.param.__class__ is new.__class__ and \
-                _swap(t.param, new):
-            new = t.param
-        t.param = new
-        for mod, attr in t.aliases:
-            mod._parameters[attr] = new
-            refresh(mod)  # a quantized wrapper's inner tensor: rebuilt
-    else:
-        # A fresh alias to swap, not `value`: callers keep using theirs.
-        if t.param is not None and _swap(t.param, value.detach()):
-            value = t.param
-        t.param = value
-        for mod, attr in t.aliases:
-            mod._buffers[attr] = value
+    if not t.is_param:
+        return value.detach()
+    # The user may have frozen or unfrozen it since it was loaded.
+    rg = t.param.requires_grad if t.param is not None else t.requires_grad
+    new = torch.nn.Parameter(
+        value, requires_grad=rg and value.dtype.is_floating_point)
+    if streamed_in is not None and new.requires_grad:
+        new.register_hook(_refuse_grad(t.names[0], streamed_in))
+        new._laden_refusing = True
+    return new
+
+
+def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
+                ) -> None:
+    """Points every alias of t at `value`, for good (no run binding).
+    The tensor object laden made for t keeps its identity (its contents
+    are swapped); `streamed_in` names the block whose slot or workspace
+    `value` is in: a gradient for it would be wrong, so computing one
+    raises."""
+    t.run = t.run_block = None
+    new = _make(t, value, streamed_in)
+    if t.param is not None and t.param.__class__ is new.__class__ and \
+            _swap(t.param, new):
+        new = t.param
+    t.param = new
+    table = "_parameters" if t.is_param else "_buffers"
+    for mod, attr in t.aliases:
+        getattr(mod, table)[attr] = new
+        refresh(mod)  # a quantized wrapper's inner tensor: rebuilt
+
+
+def _set_run(t: _Tensor, value, home, streamed_in: Optional[str]) -> None:
+    """t runs from `value`, memory other blocks reuse (a slot, the
+    expansion workspace), bound into its modules only inside its block
+    (bind_in); outside, they hold `home` (its host copy; meta where it has
+    none), so that state_dict(), parameters() and attribute reads never
+    see another block's bytes.  `streamed_in`: see _set_tensor."""
+    _set_tensor(t, home)
+    t.run = _make(t, value, streamed_in)
+    t.run_block = streamed_in
+
+
+def bind_in(ts, grad: bool) -> None:
+    """Between a block's enter and exit: its modules hold what it runs
+    from.  With gradients on, each run tensor follows its own tensor's
+    requires_grad (the user may freeze the parameters they can see)."""
+    for t in ts:
+        r = t.run
+        if r is None:
+            continue
+        if grad and t.is_param and r.requires_grad != t.param.requires_grad:
+            _follow_grad(t, r)
+        if t.is_param:
+            for mod, attr in t.aliases:
+                mod._parameters[attr] = r
+        else:
+            for mod, attr in t.aliases:
+                mod._buffers[attr] = r
+        if _wrapped._HOLDER is not None:
+            for mod, _ in t.aliases:
+                refresh(mod)
+
+
+def bind_out(ts) -> None:
+    """After a block's exit: its modules hold each tensor's own value
+    again."""
+    for t in ts:
+        if t.run is None:
+            continue
+        p = t.param
+        if t.is_param:
+            for mod, attr in t.aliases:
+                mod._parameters[attr] = p
+        else:
+            for mod, attr in t.aliases:
+                mod._buffers[attr] = p
+        if _wrapped._HOLDER is not None:
+            for mod, _ in t.aliases:
+                refresh(mod)
+
+
+def _follow_grad(t: _Tensor, r) -> None:
+    want = t.param.requires_grad and r.dtype.is_floating_point
+    r.requires_grad_(want)
+    if want and t.run_block is not None and \
+            not getattr(r, "_laden_refusing", False):
+        r.register_hook(_refuse_grad(t.names[0], t.run_block))
+        r._laden_refusing = True
+
+
+def run_of(t: _Tensor):
+    """The tensor object t's block computes with: where adapters merge
+    and gradients land."""
+    return t.run if t.run is not None else t.param
 
 
 class _Gone:
@@ -659,7 +735,7 @@ def _resolve_dtype(x):
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   expansions=(), guard=None, gone=None, after_enter=None,
-                  slot_tensors=(), trainer=None, compiler=None):
+                  slot_tensors=(), trainer=None, compiler=None, binds=()):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
     can be undone.  `guard()`, if given, runs first (it may raise).  With
@@ -673,7 +749,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     with gradients enabled is a checkpointed node (laden.training) that
     enters the block again in backward.  With `compiler`
     (laden.compile.BlockCompiler), the block's own forward runs compiled
-    between enter and exit."""
+    between enter and exit.  `binds` (a list the caller may refill) are
+    the block's tensors whose ``run`` is bound into the modules between
+    enter and exit only (bind_in, bind_out)."""
     import torch
 
     from . import compile as _compile
@@ -702,20 +780,26 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         s = enter(owner.h, c_block, stream)
         if s:
             raise error_for(s)
-        inside[0] += 1
+        # Set, not counted: laden's blocks never nest, and a count an
+        # interrupt left off (Ctrl-C between C's enter and here) is
+        # mended by the block's next enter.
+        inside[0] = 1
         try:
+            bind_in(binds, grad_on())
             for fn, a in expansions:
                 fn(*a)
             if after_enter is not None:
                 after_enter(c_block)
         except BaseException:
-            inside[0] -= 1
+            inside[0] = 0
+            bind_out(binds)
             leave(owner.h, c_block, stream)
             raise
         return stream
 
     def do_leave(stream: int) -> None:
-        inside[0] -= 1
+        inside[0] = 0
+        bind_out(binds)
         s = leave(owner.h, c_block, stream)
         if tracing_on[0]:
             sample_torch_memory(device)
@@ -734,7 +818,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             else:
                 out = orig(*args, **kwargs)
         except BaseException:
-            inside[0] -= 1
+            inside[0] = 0
+            bind_out(binds)
             leave(owner.h, c_block, stream)
             raise
         do_leave(stream)
@@ -753,6 +838,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         # inputs too: a block that returns nothing still has its exit
         # ordered after its in-place writes (and not dropped as dead
         # code).
+        # The module holds what the block runs from while it is traced,
+        # as it does between an eager enter and exit.
+        bind_in(binds, False)
         ws = _compile.weights_of(mod)
         traced_ops[0](xs + ws, key)
         tracing[0] += 1
@@ -761,6 +849,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         finally:
             tracing[0] -= 1
         traced_ops[1](_compile.tensors_of((args, kwargs, out)) + ws, key)
+        bind_out(binds)
         return out
 
     def forward(*args, **kwargs):
@@ -1177,19 +1266,22 @@ class progress_to:
         self.raised: Optional[BaseException] = None
 
     def __enter__(self):
-        if self.bar is not None:
-            bar = self.bar
+        # Installed with or without a bar: a load on this thread calls it
+        # between pieces, which is where Ctrl-C reaches Python (a call
+        # into C is not interrupted): it stops the load there.
+        bar = self.bar
 
-            def update(arg, done, total):
-                try:
+        def update(arg, done, total):
+            try:
+                if bar is not None:
                     bar.update(done - bar.n)
-                    return 0
-                except BaseException as e:  # Ctrl-C lands here too
-                    self.raised = e
-                    return 1  # stop the load
+                return 0
+            except BaseException as e:  # Ctrl-C lands here too
+                self.raised = e
+                return 1  # stop the load
 
-            self.fn = _lib.PROGRESS_FN(update)
-            check(lib.laden_sched_set_progress(self.h, self.fn, None))
+        self.fn = _lib.PROGRESS_FN(update)
+        check(lib.laden_sched_set_progress(self.h, self.fn, None))
         return self
 
     def check(self) -> None:
@@ -1199,7 +1291,8 @@ class progress_to:
     def __exit__(self, *exc):
         if self.fn is not None:
             lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(), None)
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
         self.check()
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import _lib
 from ._lib import check, lib
+from ._model import run_of
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 
@@ -480,8 +481,10 @@ def _merge_slot(h, c_block: int, todo: list, merged_at: dict, what: str,
                          f"way and it has not been filled again since; "
                          f"{mend}", "E_STATE")
     merged_at[c_block] = _HALF
-    for W, tg, s in todo:
-        _add(W, tg, s)
+    for t, tg, s in todo:
+        # What the block runs from now (the slot its module holds between
+        # enter and exit), looked up at each merge: a rebind makes it anew.
+        _add(run_of(t), tg, s)
     merged_at[c_block] = fills.value
 
 
@@ -576,7 +579,7 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
             _warn_tied(t, tg)
             W = params[tg.name]
             if lib.laden_sched_is_streamed(o.h, t.c_block):
-                ad.merges.setdefault(t.c_block, []).append((W, tg, s))
+                ad.merges.setdefault(t.c_block, []).append((t, tg, s))
             else:
                 if (t.c_block, t.c_index) not in ad.reread:
                     ad.reread.append((t.c_block, t.c_index))  # first
@@ -792,7 +795,7 @@ class _CacheAdapters:
                 for tg in tg_list:
                     t = by_name[tg.name]
                     by_block.setdefault(t.c_block, []).append(
-                        (params[tg.name], tg, s))
+                        (t, tg, s))
         else:
             for tg_list, s in zip(resolved, strengths):
                 for tg in tg_list:
@@ -826,8 +829,8 @@ class _CacheAdapters:
                     "of its own here (its weights are its host copy, which "
                     "adapters never change); use mode='routed'", "E_INVAL")
             self.copies[b] = (_HALF, fills.value)  # until it is done
-            for W, tg, s in by_block[b]:
-                _add(W, tg, s)
+            for t, tg, s in by_block[b]:
+                _add(run_of(t), tg, s)
             self.copies[b] = (want, fills.value)
         self.key = key
         self.current = tuple(adapters)

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
 
-from . import _lib, sharing
+from . import _lib, doors, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
-                     _device, _meta, _Owned, _set_tensor, _Tensor,
+                     _device, _meta, _Owned, _set_run, _set_tensor,
+                     _Tensor, run_of,
                      _tensor_view, _unwrap_all, _wrap_forward,
                      check_lookahead, describe, fill, new_schedule,
                      progress_to)
@@ -206,6 +207,8 @@ class _Runtime:
         self.adapters = None  # adapters._CacheAdapters, once asked for
         self.uses = 0
         self.last_use: Optional[float] = None
+        self.doors = None  # laden.doors.Doors once built
+        self.claimed: list = []
 
     # -- building ------------------------------------------------------------
     def build(self, model=None) -> None:
@@ -218,6 +221,7 @@ class _Runtime:
             raise InvalidArgumentError(
                 f"the factory of '{spec.key}' returned "
                 f"{type(model).__name__}, not a torch.nn.Module", "E_INVAL")
+        doors.refuse_owned(model, f"ModelCache model '{spec.key}'")
         ck = Checkpoint(spec.checkpoint) if spec.checkpoint is not None \
             else None
         try:
@@ -236,6 +240,12 @@ class _Runtime:
         for b in desc.blocks:
             self.block_names[b.c_block] = b.name
             self._wrap(b.module, b.c_block)
+        mods = [(model, "")] + [(b.module, b.name) for b in desc.blocks]
+        self.doors = doors.Doors(
+            f"model '{spec.key}'", desc.tensors,
+            lambda t: self._host_view(t).clone(), mods)
+        self.claimed = [m for m, _ in mods]
+        doors.claim(self.claimed, f"ModelCache model '{spec.key}'")
         st = self.stats()
         self.size = sum(lib.laden_sched_block_bytes(self.sched, b)
                         for b in range(lib.laden_sched_block_count(
@@ -333,19 +343,21 @@ class _Runtime:
             on_dev = streamed or lib.laden_sched_is_resident(o.h, t.c_block)
             value = _tensor_view(o, t, "run" if on_dev else "home",
                                  self.device)
-            block = None
             if streamed:
                 block = self.block_names.get(
                     t.c_block, f"part {t.c_block} of the rest")
                 self.gone[value.untyped_storage().data_ptr()] = block
-            _set_tensor(t, value, block)
+                # The slot only inside its block; outside, the host copy.
+                _set_run(t, value, self._host_view(t), block)
+            else:
+                _set_tensor(t, value)
             del value  # counted otherwise
             if on_dev and _USE_COUNT:
                 counted.append(t)
         # Counted once every tensor is in place: a quantized wrapper,
         # rebuilt as its inner tensors move, holds each of them too.
         for t in counted:
-            self.dev_refs[id(t)] = _storage_refs(t.param)
+            self.dev_refs[id(t)] = _storage_refs(run_of(t))
         self.gen = st.generation
         return True
 
@@ -357,7 +369,7 @@ class _Runtime:
             return None
         for t in self.tensors:
             base = self.dev_refs.get(id(t))
-            if base is not None and _storage_refs(t.param) > base:
+            if base is not None and _storage_refs(run_of(t)) > base:
                 return t.names[0]
         return None
 
@@ -375,10 +387,10 @@ class _Runtime:
             if rt.adapters is not None:
                 rt.adapters.after_enter(c)
 
+        mine = [t for t in self.tensors if t.c_block == c_block]
         _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
                       guard=guard, gone=self.gone, after_enter=after_enter,
-                      slot_tensors=[t for t in self.tensors
-                                    if t.c_block == c_block])
+                      slot_tensors=mine, binds=mine)
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
@@ -392,6 +404,11 @@ class _Runtime:
         import torch
 
         _unwrap_all(self.wrapped)
+        if self.doors is not None:
+            self.doors.close()
+            self.doors = None
+        doors.unclaim(self.claimed)
+        self.claimed = []
         self.gone.clear()
         for t in self.tensors:
             _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))
@@ -1077,6 +1094,7 @@ class ModelOffloader:
             raise InvalidArgumentError(
                 f"ModelOffloader: give a torch.nn.Module, not "
                 f"{type(model).__name__}", "E_INVAL")
+        doors.refuse_owned(model, "ModelOffloader")
         self._module = model
         self.key = key or f"{type(model).__name__}@{id(model):x}"
         self.spec = ModelSpec(self.key, lambda: self._module,

@@ -662,6 +662,23 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
     if not mods:
         raise InvalidArgumentError("offload_pipeline: the pipeline has no "
                                    "torch modules", "E_INVAL")
+    from . import doors
+
+    for k, m in list(mods.items()):
+        # A component laden streams already (laden.from_pretrained) is
+        # adopted as it is: it keeps its own plan and budget, and the
+        # cache leaves it alone (a second owner would run it wrong).
+        st = getattr(m, "_laden_stream", None)
+        if st is None or doors.owner_of(m) is None:
+            continue
+        want = _device(device)
+        if st.device != want:
+            raise InvalidArgumentError(
+                f"offload_pipeline: component '{k}' is streamed by laden to "
+                f"{st.device}, the pipeline runs on {want}; load it for "
+                f"{want}, or release() it and let the pipeline's cache take "
+                "it", "E_INVAL")
+        del mods[k]
     for k, m in mods.items():
         other = m.__dict__.get("_laden_pipeline_handle")
         if other is not None and other.pipe is not None:

@@ -24,10 +24,13 @@ from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      _destroy_schedule, _dtype_code,
-                     _dev_index, _device, _fp8_dtype, _matches, _meta,
+                     _dev_index, _device, _fp8_dtype, _matches,
+                     _meta,
                      _nbytes, _numel, _Owned, _resolve_dtype,
-                     _resolve_storage, _set_tensor, _Tensor, _tensor_view,
-                     _unwrap_all, _view, _wrap_forward, check_lookahead,
+                     _resolve_storage, _set_run, _set_tensor, _Tensor,
+                     _tensor_view,
+                     _unwrap_all, _view, _wrap_forward, bind_out,
+                     check_lookahead,
                      describe, expand_fp8, expand_fused,
                      expand_unavailable,
                      fill, new_schedule, progress_to)
@@ -168,6 +171,8 @@ class _Stream:
         self.load_seconds: Optional[float] = None
         self.training = False  # install_offload(train=True) is bound
         self.shared = None  # a sharing.Shared: the host copy is shared
+        self.doors = None  # laden.doors.Doors: state_dict, copies, loads
+        self.claimed: list = []  # modules claimed (laden.doors.claim)
 
     def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its
@@ -228,13 +233,18 @@ class _Stream:
         streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
         value = _tensor_view(o, t, "run", self.device,
                              self.slot_views if streamed else None)
+        if not streamed:
+            _set_tensor(t, value)
+            return
         block = self.blocks[t.block].name if t.block >= 0 else ""
-        if streamed:
-            self.gone[value.untyped_storage().data_ptr()] = block
-        # In training, backward enters the block again (laden.training):
-        # its gradients are right, so nothing refuses them.
-        _set_tensor(t, value,
-                    block if streamed and not self.training else None)
+        self.gone[value.untyped_storage().data_ptr()] = block
+        # The slot is bound only inside the block; outside, its host copy
+        # (meta on the disk tier).  In training, backward enters the block
+        # again (laden.training): its gradients are right, so nothing
+        # refuses them.
+        home = _tensor_view(o, t, "home", None)
+        _set_run(t, value, home if home is not None else _meta(t),
+                 None if self.training else block)
 
 
 def _compact_views(state, t: _Tensor, where: str):
@@ -274,6 +284,93 @@ def _compact_views(state, t: _Tensor, where: str):
     else:
         scale = None
     return q, scale
+
+
+def _own_value(state: _Stream, t: _Tensor):
+    """t's true value, for a state_dict entry whose module holds meta: a
+    disk-tier tensor read from the checkpoint; a compact one (fp8, GGUF
+    blocks, bf16 storage) expanded by C on the host from its stored bytes,
+    as the forward expands it.  A new CPU tensor, the caller's."""
+    import torch
+
+    o = state.live("state_dict")
+    ck = state.ckpt
+    if t.store == "plain":
+        if ck is None or t.ckpt_name is None:
+            raise StateError(
+                f"state_dict of {state.name}: '{t.names[0]}' has no value in "
+                "memory and no checkpoint to read it from", "E_STATE")
+        v = ck.tensor(t.ckpt_name)
+        if v.dtype != t.dtype:
+            v = v.to(t.dtype)
+        return _local_part(t, v)
+    q, sc = _compact_views(state, t, "home")
+    if q is None:
+        run = lib.laden_sched_is_streamed(o.h, t.c_block) == 0
+        if run:  # resident on the device: its own region, not a slot
+            q, sc = _compact_views(state, t, "run")
+            q = q.cpu()
+            sc = sc.cpu() if sc is not None else None
+        else:  # on the disk tier: the stored bytes from the checkpoint
+            q, sc = _stored_compact(state, t)
+    out = torch.empty(t.shape, dtype=t.dtype)
+    if t.store == "gq":
+        code = _DTYPE_CODE[t.store_dtype]
+    else:
+        code = _dtype_code(q.dtype, t)
+    expand_fused(out, q, sc, t.scale_kind, code, _dtype_code(t.dtype, t),
+                 torch.device("cpu"))()
+    return out
+
+
+def _stored_compact(state: _Stream, t: _Tensor):
+    """A disk-tier compact tensor's stored bytes (and scale), read from
+    the checkpoint into host memory, viewed as _compact_views gives them."""
+    import torch
+
+    ck = state.ckpt
+    info = ck.info(t.ckpt_name)
+    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    ck.read_into(t.ckpt_name, raw)
+    if t.store == "gq":
+        return raw, None
+    if t.store == "c16":
+        return raw.view(torch.bfloat16).view(t.shape), None
+    q = raw.view(_fp8_dtype(t.store_dtype if t.store == "ck8" else
+                            "F8_E4M3")).view(t.shape)
+    scale = ck.tensor(t.scale_name) if t.scale_name else None
+    return q, scale
+
+
+def _local_part(t: _Tensor, v):
+    """A whole checkpoint tensor cut to this rank's shard (a DTensor's
+    local tensor), as laden loaded it."""
+    if t.dist is None or t.dist.dim is None:
+        return v
+    return v.narrow(t.dist.dim, t.dist.start, t.dist.count).contiguous()
+
+
+def _open_doors(model, state: _Stream, who: str) -> None:
+    """state_dict(), load_state_dict(), copies and a second owner of the
+    model (laden.doors)."""
+    from . import doors
+
+    mods = ([(model, "")] if model is not None else []) + \
+        [(b.module, b.name) for b in state.blocks]
+    state.doors = doors.Doors(state.name, state.tensors,
+                              lambda t: _own_value(state, t), mods)
+    state.claimed = [m for m, _ in mods]
+    doors.claim(state.claimed, who)
+
+
+def _close_doors(state: _Stream) -> None:
+    from . import doors
+
+    if state.doors is not None:
+        state.doors.close()
+        state.doors = None
+    doors.unclaim(state.claimed)
+    state.claimed = []
 
 
 # ---- the public API ------------------------------------------------------------
@@ -409,6 +506,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
+    from .doors import refuse_owned
+    refuse_owned(model, "stream_load")
     check_lookahead(lookahead)
     if sharing.group_of(shared, "stream_load") is not None and background:
         raise InvalidArgumentError(
@@ -526,6 +625,8 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
     if model is not None:
         _attach(model, state)
         model._laden_stream = state
+    _open_doors(model, state, "laden.offload_blocks" if model is None else
+                f"laden.stream_load of {os.path.basename(state.path or '')}")
     if background:
         try:
             bar.__enter__()  # its callback, called on the loader's thread
@@ -562,13 +663,34 @@ def _attach(model, state: _Stream) -> None:
                 _awaits(state, b.c_block)))
 
 
+_WAIT_MS = 100  # a long wait in C is a loop of calls this long: Ctrl-C
+                # reaches Python between them
+
+
 def _await(state: _Stream, o: _Owned, c_block: int) -> None:
-    """Waits for a background load to bring block c_block (C drives the
-    load on this thread meanwhile); raises the load's error."""
-    s = lib.laden_sched_await(o.h, c_block)
-    if s:
-        err = error_for(s)
-        raise type(err)(f"{state.name}: {err}", err.status, err.code)
+    """Waits for a background load to bring block c_block (-1: all of
+    it; C drives the load on this thread meanwhile), in calls of
+    _WAIT_MS, so that Ctrl-C stops the wait; raises the load's error."""
+    done = ctypes.c_int(0)
+    while True:
+        s = lib.laden_sched_await_for(o.h, c_block, _WAIT_MS,
+                                      ctypes.byref(done))
+        if s:
+            err = error_for(s)
+            raise type(err)(f"{state.name}: {err}", err.status, err.code)
+        if done.value:
+            return
+
+
+def _end_interrupted(state: _Stream, o: _Owned) -> None:
+    """Ends every pass and block this thread holds on the schedule (C:
+    laden_sched_end_all): at the end of a forward, its own pass; after an
+    interrupt, also what it left.  Blocks an interrupt left entered had
+    their slots bound into their modules: their own values go back."""
+    n = ctypes.c_uint32(0)
+    lib.laden_sched_end_all(o.h, ctypes.byref(n))
+    if n.value:
+        bind_out(state.tensors)
 
 
 def _awaits(state: _Stream, c_block: int):
@@ -605,11 +727,18 @@ def _finish_load(state: _Stream) -> None:
     if state.loading is None:
         return
     o = state.live("wait")
-    s = lib.laden_sched_load_wait(o.h)
-    _end_background(state, ok=not s)
-    if s:
-        err = error_for(s)
-        raise type(err)(f"{state.name}: {err}", err.status, err.code)
+    try:
+        _await(state, o, -1)
+    except KeyboardInterrupt:
+        # Ctrl-C: the load stops (its read in progress ends first); the
+        # model is released or loaded again by the user.
+        lib.laden_sched_load_cancel(o.h)
+        _end_background(state, ok=False)
+        raise
+    except BaseException:
+        _end_background(state, ok=False)
+        raise
+    _end_background(state, ok=True)
 
 
 def _wrap_root(model, state: _Stream) -> None:
@@ -637,6 +766,9 @@ def _wrap_root(model, state: _Stream) -> None:
         o = None
         if not depth:
             o = state.live("forward")
+            # What an interrupted pass of this thread left held (Ctrl-C
+            # right after a call into C) is ended before this one begins.
+            _end_interrupted(state, o)
             s = lib.laden_sched_begin(o.h)
             if s:
                 err = error_for(s)
@@ -649,7 +781,8 @@ def _wrap_root(model, state: _Stream) -> None:
         finally:
             tl.n = depth
             if o is not None:
-                lib.laden_sched_end(o.h)
+                # The pass, and any block an interrupt left entered.
+                _end_interrupted(state, o)
                 if state.loading is not None and \
                         lib.laden_sched_is_loaded(o.h):
                     _finish_load(state)
@@ -695,6 +828,8 @@ def _mark_released(model, state: _Stream) -> None:
             "gone; load it again with laden.stream_load", "E_STATE")
 
     mods = [model] if hasattr(model, "register_forward_pre_hook") else []
+    if mods:
+        _unmark_released(model)  # a release interrupted and called again
     mods += [b.module for b in state.blocks if b.module is not None]
     handles = [m.register_forward_pre_hook(refuse) for m in mods]
     if mods and mods[0] is model:
@@ -870,15 +1005,26 @@ class _pass:
         from .compile import close_open
 
         close_open()  # what a compiled run that raised left entered
+        tl = self.state.passes
+        self.depth = getattr(tl, "n", 0)
+        if not self.depth:
+            _end_interrupted(self.state, self.owner)
         s = lib.laden_sched_begin(self.owner.h)
         if s:
             err = error_for(s)
             raise type(err)(f"{self.what}: {self.state.name}: {err}",
                             err.status, err.code)
+        # A forward inside it (a capture's) is not this thread's
+        # outermost: it leaves this hold alone.
+        tl.n = self.depth + 1
         return self
 
     def __exit__(self, *exc):
-        lib.laden_sched_end(self.owner.h)
+        self.state.passes.n = self.depth
+        if self.depth:
+            lib.laden_sched_end(self.owner.h)
+        else:
+            _end_interrupted(self.state, self.owner)
 
 
 def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
@@ -1045,7 +1191,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           after_enter=handle.adapters.after_enter
                           if streamed else None,
                           slot_tensors=b.tensors if streamed else (),
-                          trainer=handle.trainer, compiler=handle.compiler)
+                          trainer=handle.trainer, compiler=handle.compiler,
+                          binds=b.tensors)
         elif handle.compiler is not None:
             handle.compiler.install(b.module, handle._wrapped)
         off = 0
@@ -1059,9 +1206,11 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
             out = _view(ws_owner.h + off, _nbytes(t), t.dtype, t.shape,
                         state.device, ws_owner)
             off += (_nbytes(t) + 255) // 256 * 256
-            # The workspace is the next block's too.
+            # The workspace is the next block's too: bound only inside
+            # the block; outside, meta (state_dict() expands the stored
+            # bytes).
             state.gone[out.untyped_storage().data_ptr()] = b.name
-            _set_tensor(t, out, b.name)
+            _set_run(t, out, _meta(t), b.name)
             if t.store == "gq" or (fused and (sc is None or
                                               sc.dtype == torch.float32)):
                 code = _DTYPE_CODE[t.store_dtype] if t.store == "gq" \
@@ -1092,6 +1241,9 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
     if not blocks:
         raise InvalidArgumentError("offload_blocks: no blocks given",
                                    "E_INVAL")
+    from .doors import refuse_owned
+    for b in blocks:
+        refuse_owned(b, "offload_blocks")
     desc = describe(torch.nn.ModuleList(blocks), None, [""],
                     label="offload_blocks")
     for b in desc.blocks:
@@ -1130,12 +1282,15 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     from .compile import close_open
 
     close_open()  # what a compiled run that raised left entered
+    if not getattr(state.passes, "n", 0):
+        _end_interrupted(state, o)  # what an interrupted forward left
     s = lib.laden_sched_close(o.h)  # stops a background load
     if s:
         err = error_for(s)
         raise StateError(f"release: {state.name}: {err}", err.status,
                          err.code)
     _end_background(state)
+    _close_doors(state)
     # Closed: no thread gets into the schedule any more, and from now on
     # the model and its blocks refuse to run (before their hooks go, so
     # that no forward of another thread runs half on meta weights).

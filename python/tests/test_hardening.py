@@ -560,11 +560,16 @@ laden.stream_load(m, "d.safetensors", offload_prefixes=PREFIXES,
                   device="{device}", ram_budget={ram})
 h = laden.install_offload(m)
 x = torch.randint(0, 97, (2, 5)).to("{device}")
+keep = []
+hk = m.blocks[4].up.register_forward_hook(   # inside the block: its slot
+    lambda mod, i, o: keep.append(mod.weight.detach()))
 with torch.no_grad():
     want = m(x)
-v = m.blocks[4].up.weight.detach()     # a slot of the streamed block
-sd = m.state_dict()
-h.remove()                             # slots kept: tensors use them
+hk.remove()
+v = keep.pop()
+sd = m.state_dict()                    # true values, not slots
+assert torch.equal(sd["blocks.4.up.weight"].cpu(), ref.blocks[4].up.weight)
+h.remove()                             # slots kept: a tensor uses one
 v.sum().item(); sd["blocks.4.up.weight"].sum().item()
 assert h.stats()["nslots"] > 0
 try:

@@ -288,8 +288,10 @@ laden_status laden_sched_end(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-laden_status laden_sched_end_all(laden_sched_t *sc)
+laden_status laden_sched_end_all(laden_sched_t *sc, uint32_t *out_exited)
 {
+    if (out_exited)
+        *out_exited = 0;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_end_all: NULL "
                                           "schedule");
@@ -307,6 +309,8 @@ laden_status laden_sched_end_all(laden_sched_t *sc)
             laden_status s = laden_sched_exit(sc, i, sc->b[i].enter_handle);
             if (s && !first)
                 first = s;
+            if (out_exited)
+                ++*out_exited;
         }
     while (sc->begun && holds(sc)) {
         sc->begun--;
