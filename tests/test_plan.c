@@ -234,6 +234,7 @@ TEST(plan_no_disk_blocks_get_ram_first)
     CHECK_CONTAINS(laden_last_error(), "block 9 (100 B) is converted on "
                                        "load, so it cannot stream from disk");
     CHECK_CONTAINS(laden_last_error(), "the 50 B of RAM left");
+    CHECK_CONTAINS(laden_last_error(), "checkpoint's own dtypes");
     CHECK_EQ(r.ram_limit_bytes, 0); /* zeroed on failure */
     /* With RAM for everything there is no staging and no disk. */
     in.ram_budget_bytes = 500;

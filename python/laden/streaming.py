@@ -818,15 +818,24 @@ def _needs_offload(state: _Stream, b: BlockInfo):
     return pre
 
 
+class _Released:
+    """The forward pre-hook of a released model (a class, not a closure,
+    so that the released model, on meta, still pickles)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, mod, args):
+        raise StateError(
+            f"{self.name} was released (laden.release): its weights are "
+            "gone; load it again with laden.stream_load", "E_STATE")
+
+
 def _mark_released(model, state: _Stream) -> None:
     """After release the model and its blocks refuse to run: their weights
     are on meta, where some torch ops would return a result instead of
     failing."""
-    def refuse(mod, args):
-        raise StateError(
-            f"{state.name} was released (laden.release): its weights are "
-            "gone; load it again with laden.stream_load", "E_STATE")
-
+    refuse = _Released(state.name)
     mods = [model] if hasattr(model, "register_forward_pre_hook") else []
     if mods:
         _unmark_released(model)  # a release interrupted and called again
@@ -1279,6 +1288,10 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         raise StateError("release: laden holds nothing for this model",
                          "E_STATE")
     o = state.live("release")
+    if state.root is not None:
+        # The module stream_load loaded, also when given a wrapper that
+        # forwards attributes to it (a PeftModel made after the load).
+        model = state.root[0]
     from .compile import close_open
 
     close_open()  # what a compiled run that raised left entered
@@ -1326,8 +1339,11 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     left = weakref.ref(o)
     del o
     state.destroy()
-    if getattr(model, "_laden_stream", None) is state:
-        del model._laden_stream
+    for m in (model.modules() if isinstance(model, torch.nn.Module)
+              else [model]):
+        if getattr(m, "__dict__", {}).get("_laden_stream") is state:
+            del m.__dict__["_laden_stream"]
+            break
     if left() is not None:
         log.warning("laden.release: tensors taken from %s still use "
                     "laden's memory; it is freed when they are gone",

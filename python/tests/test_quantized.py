@@ -263,7 +263,9 @@ def test_bnb_int8_lets_go_of_laden_memory_and_fp16_weights_refused():
     with cache.use(spec, device="cpu") as m:
         with torch.no_grad():
             torch.testing.assert_close(m(x), want, atol=1e-5, rtol=1e-5)
-        assert m.blocks[0].up.state.CB is not None  # laden's, in use
+        # The block's slot is bound only inside its forward: the wrapper
+        # rebuilt around the host copy after it lets go of the slot.
+        assert m.blocks[0].up.state.CB is None
     cache.clear()
     assert ref.blocks[0].up.state.CB is None
     assert ref.blocks[0].up.state.SCB is None

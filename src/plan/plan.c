@@ -432,8 +432,13 @@ static laden_status place_pass(plan *p, bool pass_no_disk, uint64_t cap,
             return laden__fail(LADEN_E_BUDGET, "block %u (%s) is converted "
                                "on load, so it cannot stream from disk "
                                "(which is read as stored), and it does not "
-                               "fit the %s of RAM left",
-                               i, B(b), B(cap - *used));
+                               "fit the %s of RAM left; ways out: %s more "
+                               "RAM for the RAM tier (this block alone), "
+                               "loading in the checkpoint's own dtypes (no "
+                               "dtype, compute_dtype or storage_dtype: "
+                               "blocks then stream from disk as stored), "
+                               "or a checkpoint saved in the dtype wanted",
+                               i, B(b), B(cap - *used), B(b - (cap - *used)));
         } else {
             p->tiers[i] = LADEN_TIER_DISK;
             p->why[i] = LADEN_PLAN_WHY_NO_RAM_DISK;
