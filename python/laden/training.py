@@ -35,7 +35,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ._dtypes import checkpoint_dtype
 from ._lib import check, lib
-from ._model import _DTYPE_CODE, _compute_stream, _dev_index, _tensor_view
+from ._model import (_DTYPE_CODE, _compute_stream, _dev_index, _tensor_view,
+                     run_of)
 from .errors import InvalidArgumentError, LadenError, StateError
 
 STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
@@ -153,7 +154,10 @@ class _Trainer:
                 self.host[id(t)] = hp
                 self.by_block.setdefault(b.c_block, []).append(hp)
                 largest = max(largest, home.numel() * home.element_size())
-                self.hooks.append(post_accumulate_hook(p, self._pusher(t)))
+                # On the tensor the block computes with (bound into the
+                # module only inside the block): its gradient lands there.
+                self.hooks.append(post_accumulate_hook(run_of(t),
+                                                       self._pusher(t)))
         if not self.host:
             return
         staging = min(STAGING_BYTES, max(2 * largest, 1 << 20))
