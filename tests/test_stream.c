@@ -2411,12 +2411,28 @@ static void copy_rewritten(int32_t dev)
     CHECK_OK(laden_sched_set_resident(m.sc, b, 1));
     CHECK_OK(laden_sched_copy_fills(m.sc, b, &fills));
     CHECK_EQ(fills, 1);
-    laden_devptr_t p;
+    laden_devptr_t p, host_p;
+    CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 1, &host_p));
+    /* A writer asks for a copy of its own first: on the CPU device the
+     * block ran from its host copy, which must never change. */
+    int made = 7;
+    CHECK_STATUS(laden_sched_own_copy(m.sc, b, NULL), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_own_copy(m.sc, b, &made));
+    CHECK_EQ(made, dev == LADEN_DEVICE_CPU);
+    CHECK_OK(laden_sched_own_copy(m.sc, b, &made)); /* once */
+    CHECK_EQ(made, 0);
     CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 1, &p));
+    CHECK(dev == LADEN_DEVICE_CPU ? p != host_p : p == host_p);
+    CHECK_OK(laden_sched_copy_fills(m.sc, b, &fills));
+    CHECK_EQ(fills, dev == LADEN_DEVICE_CPU ? 2u : 1u);
+    uint64_t before = fills;
     scribble(&m, p, sz(7));
+    if (dev == LADEN_DEVICE_CPU) /* the host copy is untouched */
+        for (uint64_t j = 0; j < sz(7); j++)
+            CHECK_EQ(((uint8_t *)(uintptr_t)host_p)[j], val(7, j));
     CHECK_OK(laden_sched_reupload(m.sc, b));
     CHECK_OK(laden_sched_copy_fills(m.sc, b, &fills));
-    CHECK_EQ(fills, 2);
+    CHECK_EQ(fills, before + 1);
     if (m.rd) {
         CHECK_OK(laden_dev_copy_d2h(m.rd, m.buf, p, sz(7)));
         CHECK_OK(laden_dev_stream_synchronize(m.rd));

@@ -489,9 +489,22 @@ LADEN_API laden_status laden_sched_copy_fills(laden_sched_t *sched,
 
 /* Cache schedules: writes block b's device copy from its host copy again
  * (after the model's earlier work), and waits: what was changed in place
- * is undone.  LADEN_E_STATE without a device copy. */
+ * is undone.  LADEN_E_STATE without a device copy.  On the CPU device a
+ * resident block runs from its host copy in place (no second copy in
+ * RAM): nothing to undo there. */
 LADEN_API laden_status laden_sched_reupload(laden_sched_t *sched,
                                             uint32_t block);
+
+/* Cache schedules: makes sure block b's device copy is memory of its own
+ * before the caller writes into it (an adapter merged in place).  On the
+ * CPU device a resident block runs from its host copy, which laden never
+ * changes: it gets a copy of its own, *out_made 1, its address changes
+ * (a new generation: rebind the tensors) and its copy count grows; else
+ * nothing happens, *out_made 0.  The copy lasts until the block's device
+ * copy is taken away.  LADEN_E_STATE without a device copy; blocks for
+ * the model's earlier work. */
+LADEN_API laden_status laden_sched_own_copy(laden_sched_t *sched,
+                                            uint32_t block, int *out_made);
 
 /* Forgets what every slot not in use holds, so that each block is filled
  * again from its tier when next entered (the bytes changed in place

@@ -361,6 +361,7 @@ _SIGNATURES = {
     "laden_sched_refill": (status_t, [p]),
     "laden_sched_copy_fills": (status_t, [p, c_uint32, P(c_uint64)]),
     "laden_sched_reupload": (status_t, [p, c_uint32]),
+    "laden_sched_own_copy": (status_t, [p, c_uint32, POINTER(c_int)]),
     "laden_sched_reread": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_share": (status_t, [p, c_char_p]),
     "laden_shm_held_bytes": (status_t, [c_char_p, P(c_uint64)]),

@@ -807,6 +807,16 @@ class _CacheAdapters:
             self.merged_at.clear()
         self.merges = {b: v for b, v in by_block.items()
                        if lib.laden_sched_is_streamed(h, b)}
+        # On the CPU device a resident block runs from its host copy,
+        # which adapters never change: a block merged into gets a copy of
+        # its own first (C), and the tensors are pointed at it.
+        made, made_any = ctypes.c_int(0), False
+        for b in by_block:
+            if lib.laden_sched_is_resident(h, b):
+                check(lib.laden_sched_own_copy(h, b, ctypes.byref(made)))
+                made_any |= bool(made.value)
+        if made_any:
+            rt.rebind()
         fills = ctypes.c_uint64()
         for b in set(self.copies) | set(by_block):
             if lib.laden_sched_is_streamed(h, b):

@@ -534,7 +534,10 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
         uint64_t copied = r ? n : st.upload_bytes - before;
         act->upload_bytes += copied;
         act->reused_bytes += r ? n : 0;
-        if (!copied) /* in a VBAR, still as it was written: no copy */
+        /* In a VBAR, still as it was written: no copy.  (On the CPU
+         * device nothing is copied either: the block runs from its host
+         * copy; that is not a copy kept from an earlier use.) */
+        if (!copied && laden_sched_vbar(sc))
             act->kept_bytes += n;
     }
     if (!nstream)
@@ -615,9 +618,15 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     if ((s = apply_vram(c, ev, *out_n, &act.evicted_bytes, &pl)))
         goto undo;
     pin_model(c, id, &act);
-    for (uint32_t i = 0; i < nb; i++)
+    /* Blocks made resident now: on the CPU device that copies nothing
+     * (they run from their host copies), and is still no hit. */
+    uint32_t fresh = 0;
+    for (uint32_t i = 0; i < nb; i++) {
         if (res[i] && laden_sched_is_resident(m->sched, i))
             act.kept_bytes += laden_sched_block_bytes(m->sched, i);
+        else if (res[i] && m->device == LADEN_DEVICE_CPU)
+            fresh++;
+    }
     s = place(c, id, res, lookahead, &act, &pl);
     pool_free(&pl, m->device);
     if (s == LADEN_E_DEVICE_NOMEM || s == LADEN_E_NOMEM) {
@@ -647,7 +656,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         act.streamed_blocks += !res[i];
     }
     c->st.upload_bytes += act.upload_bytes;
-    if (!act.upload_bytes && !act.evicted_bytes)
+    if (!act.upload_bytes && !act.evicted_bytes && !fresh)
         c->st.hits++;
     if (t0 && LADEN__TRACING())
         laden__trace_span(LADEN__EV_UPLOAD, 0, t0, id, act.upload_bytes, 0,

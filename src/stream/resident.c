@@ -3,6 +3,7 @@
  * block given and taken away while stopped, in a VBAR of the schedule's
  * VRAM context or allocated.  Also the VRAM context of any schedule. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "stream_internal.h"
 
@@ -43,6 +44,19 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
                                laden__bytes(b->bytes).s);
         b->region = sc->vbar_base + b->voff;
         copy = sig != b->sig;
+    } else if (b->bytes && !sc->cuda) {
+        /* The CPU device runs from host memory: the host copy is where the
+         * block runs, as the RAM tier of a streaming schedule is; a second
+         * copy would double the model's RAM (offload_pipeline on the CPU
+         * kept two).  A caller that writes into it asks for a copy of its
+         * own first (laden_sched_own_copy).  A fill all the same: what was
+         * written into an earlier copy is gone. */
+        if (given)
+            laden_dev_mem_free(dev, given);
+        b->region = (laden_devptr_t)(uintptr_t)b->ram;
+        b->in_place = true;
+        copy = false;
+        b->uploads++;
     } else if (b->bytes) {
         b->region = given;
         if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
@@ -90,11 +104,15 @@ static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
             return s;
         if (taken)
             *taken = 0;
+    } else if (b->in_place) {
+        if (taken)
+            *taken = 0; /* the host copy: nobody else's to write */
     } else if (taken) {
         *taken = b->region;
     } else {
         laden_dev_mem_free(sc->cfg.device, b->region);
     }
+    b->in_place = false;
     b->region = 0;
     b->resident = false;
     sc->st.resident_bytes -= b->bytes;
@@ -382,6 +400,33 @@ laden_status laden__sched_copy_fills(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+laden_status laden__sched_own_copy(laden_sched_t *sc, uint32_t block,
+                                   int *out_made)
+{
+    blk *b = NULL;
+    *out_made = 0;
+    laden_status s = cache_block(sc, block, "laden_sched_own_copy", &b);
+    if (s)
+        return s;
+    if (!b->resident)
+        return laden__fail(LADEN_E_STATE, "laden_sched_own_copy: block %u "
+                           "has no device copy", block);
+    if (!b->in_place)
+        return LADEN_OK;
+    laden_devptr_t r = 0;
+    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+        (s = laden_dev_mem_alloc(sc->cfg.device, b->bytes, &r)))
+        return s;
+    memcpy((void *)(uintptr_t)r, b->ram, b->bytes); /* the CPU device */
+    b->region = r;
+    b->in_place = false;
+    b->uploads++;
+    sc->st.upload_bytes += b->bytes;
+    laden__sched_relayout(sc); /* an address changed: a new generation */
+    *out_made = 1;
+    return LADEN_OK;
+}
+
 laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
 {
     blk *b = NULL;
@@ -391,6 +436,8 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     if (!b->resident)
         return laden__fail(LADEN_E_STATE, "laden_sched_reupload: block %u "
                            "has no device copy", block);
+    if (b->in_place)
+        return LADEN_OK; /* the host copy itself: the base already */
     /* The model's earlier work may still read the copy. */
     if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
         (b->bytes &&

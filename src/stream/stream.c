@@ -741,6 +741,16 @@ laden_status laden_sched_reupload(laden_sched_t *sc, uint32_t block)
     HELD("laden_sched_reupload", laden__sched_reupload(sc, block));
 }
 
+laden_status laden_sched_own_copy(laden_sched_t *sc, uint32_t block,
+                                  int *out_made)
+{
+    if (!out_made)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_own_copy: out_made "
+                                          "is NULL");
+    *out_made = 0;
+    HELD("laden_sched_own_copy", laden__sched_own_copy(sc, block, out_made));
+}
+
 laden_status laden_sched_refill(laden_sched_t *sc)
 {
     HELD("laden_sched_refill", laden__sched_refill(sc));

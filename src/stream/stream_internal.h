@@ -71,6 +71,8 @@ typedef struct blk {
     uint64_t ram_len;      /* cache schedules: the mapping's length */
     bool filled;           /* cache schedules: host copy loaded */
     bool resident;         /* cache schedules: has a device copy of its own */
+    bool in_place;         /* cache schedules, CPU device: the "device copy"
+                              is the host copy itself (resident.c) */
     uint64_t voff;         /* cache schedules with a VBAR: its range there */
     uint64_t sig;          /* signature of the range when last written */
     bool pinned;           /* cache schedules: host copy pinned in place */
@@ -260,6 +262,8 @@ laden_status laden__sched_drive_for(laden_sched_t *sc, int64_t block,
 laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
                                     uint32_t timeout_ms, int *out_done);
 laden_status laden__sched_load_cancel(laden_sched_t *sc);
+laden_status laden__sched_own_copy(laden_sched_t *sc, uint32_t block,
+                                   int *out_made);
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
 laden_status laden__sched_load_prepare(laden_sched_t *sc);
