@@ -207,21 +207,23 @@ def test_pickle_and_deepcopy_say_how_to_copy(tmp_path):
 
 # ---- one owner per model ---------------------------------------------------------
 
-def test_a_model_laden_manages_is_refused_by_every_entry_point(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_laden_manages_is_refused_by_every_entry_point(tmp_path,
+                                                              device):
     ref, p = _ckpt(tmp_path)
     m = on_meta()
-    laden.stream_load(m, p, offload_prefixes=PREFIXES, device="cpu",
+    laden.stream_load(m, p, offload_prefixes=PREFIXES, device=device,
                       ram_budget=0)
     laden.install_offload(m)
-    x = _ids()
+    x = _ids(device)
     with torch.no_grad():
         want = m(x)
     calls = [
         lambda: laden.ModelOffloader.from_module(m, block_paths=["blocks"]),
         lambda: laden.ModelOffloader(m.blocks[0]),
-        lambda: laden.offload_blocks([m.blocks[1]], device="cpu"),
-        lambda: laden.stream_load(m, p, device="cpu"),
-        lambda: laden.stream_load(torch.nn.Sequential(m), p, device="cpu"),
+        lambda: laden.offload_blocks([m.blocks[1]], device=device),
+        lambda: laden.stream_load(m, p, device=device),
+        lambda: laden.stream_load(torch.nn.Sequential(m), p, device=device),
     ]
     for f in calls:
         with pytest.raises(laden.StateError, match="already managed by "
@@ -230,16 +232,16 @@ def test_a_model_laden_manages_is_refused_by_every_entry_point(tmp_path):
     cache = laden.ModelCache()
     spec = laden.ModelSpec("again", lambda: m, block_paths=("blocks",))
     with pytest.raises(laden.StateError, match="already managed"):
-        with cache.use(spec, device="cpu"):
+        with cache.use(spec, device=device):
             pass
     with torch.no_grad():
         assert torch.equal(m(x), want)  # nothing changed
     laden.release(m)
     # A cached model is refused by stream_load and by another cache.
     spec2 = laden.ModelSpec("c", lambda: reference(), block_paths=("blocks",))
-    with cache.use(spec2, device="cpu") as cm:
+    with cache.use(spec2, device=device) as cm:
         with pytest.raises(laden.StateError, match="ModelCache model 'c'"):
-            laden.stream_load(cm, p, device="cpu")
+            laden.stream_load(cm, p, device=device)
         with pytest.raises(laden.StateError, match="already managed"):
             laden.ModelOffloader(cm)
     cache.clear()
@@ -278,11 +280,12 @@ ref = reference()
 laden.save_file(ref.state_dict(), "m.safetensors")
 m = on_meta()
 laden.stream_load(m, "m.safetensors", offload_prefixes=PREFIXES,
-                  device="cpu", ram_budget=0)          # every block from disk
+                  device={device!r}, ram_budget=0)     # every block from disk
 h = laden.install_offload(m, lookahead=1)
 x = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+x = x.to({device!r})
 with torch.no_grad():
-    want = ref(x)
+    want = ref.to({device!r})(x)
     t0 = time.perf_counter()
     for _ in range(5):
         m(x)
@@ -291,8 +294,8 @@ rng = random.Random(7)
 hit = 0
 for i in range({tries}):
     t = threading.Timer(rng.uniform(0, 1.5 * fwd), _thread.interrupt_main)
-    t.start()
     try:
+        t.start()
         with torch.no_grad():
             m(x)
         t.join()
@@ -304,7 +307,8 @@ for i in range({tries}):
         got = m(x)
     assert torch.equal(got, want), i
     sd = m.state_dict()
-    assert torch.equal(sd["blocks.3.up.weight"], ref.blocks[3].up.weight)
+    assert torch.equal(sd["blocks.3.up.weight"].to({device!r}),
+                       ref.blocks[3].up.weight)
 assert hit == {tries}, hit
 laden.release(m)
 print("ok", fwd)
@@ -318,13 +322,16 @@ def _child(code, tmp_path, timeout=600):
     return r.stdout
 
 
-def test_ctrl_c_anywhere_in_a_disk_forward_leaves_the_model_usable(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_ctrl_c_anywhere_in_a_disk_forward_leaves_the_model_usable(tmp_path,
+                                                                 device):
     """SIGINT (as Ctrl-C delivers it: _thread.interrupt_main) at random
     points of forwards that read every block from disk; after each, the
     model gives the right output, its state_dict is right, and release()
     works.  Before, an interrupt between a block's C enter and the Python
     after it left the schedule 'inside a block' for good."""
-    out = _child(CHILD.format(here=HERE, tries=150), tmp_path)
+    out = _child(CHILD.format(here=HERE, tries=150, device=device),
+                 tmp_path)
     assert out.startswith("ok")
 
 
