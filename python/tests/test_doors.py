@@ -145,8 +145,9 @@ def test_save_pretrained_and_torch_save_round_trip(tmp_path, device):
     assert any(b.tier_name != "resident" for b in m._laden_stream.blocks)
     ids = torch.arange(12)[None]
     with torch.no_grad():
-        want = ref(ids).logits
-        assert torch.equal(m(ids.to(device)).logits.cpu(), want)
+        want = ref.to(device)(ids.to(device)).logits
+        assert torch.equal(m(ids.to(device)).logits, want)
+    ref.cpu()
     out = str(tmp_path / "saved")
     m.save_pretrained(out)
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()

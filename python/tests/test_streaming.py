@@ -258,9 +258,17 @@ def test_offload_blocks_low_level(device):
     m.norm.to(device)
     h = laden.offload_blocks(list(m.blocks) + list(m.stages[0]) +
                              list(m.stages[1]), device=device)
-    assert m.blocks[0].up.weight.device.type == device
+    # Outside its forward a streamed weight is its host copy; inside, the
+    # block runs from its slot on the device.
+    assert m.blocks[0].up.weight.device.type == "cpu"
+    assert torch.equal(m.blocks[0].up.weight, ref.blocks[0].up.weight)
+    seen = []
+    hk = m.blocks[0].up.register_forward_hook(
+        lambda mod, i, o: seen.append(mod.weight.device.type))
     with torch.no_grad():
         assert torch.equal(m(ids().to(device)), want)
+    hk.remove()
+    assert seen == [device]
     laden.release(m, h)
     assert m.blocks[0].up.weight.device.type == "meta"
 
