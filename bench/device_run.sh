@@ -7,6 +7,7 @@
 #   vram,cache; "tests" runs only the build and the tests)
 #   SKIP_TESTS=1 skips the C tests, ASan and pytest (the build and the
 #   pip install still run): for a second call in one session.
+#   SKIP_ASAN=1 skips only the ASan build and run.
 #   read:  laden probe, bench/read.py
 #   cache: bench/cache.py with piper-offload (wheels from .whl/, carried);
 #          CACHE_ARGS are passed to it (e.g. "--peers vbar")
@@ -60,11 +61,13 @@ else
   log "build + C tests"
   ( cmake -S . -B build -DLADEN_WERROR=ON >/dev/null && cmake --build build -j16 2>&1 | grep -E "error|warning" ;
     ./build/laden_tests ) 2>&1 | tee "$OUT/ctest.log" | tail -40
+  if [ "${SKIP_ASAN:-0}" != 1 ]; then
   log "C tests under ASan+UBSan"
   ( cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null &&
     cmake --build build-asan -j16 2>&1 | grep -E "error|warning" ;
     ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 ./build-asan/laden_tests dev_ host_ engine_ vram_ stream_ io_ expand_ grads_ ) \
     2>&1 | tee "$OUT/asan.log" | tail -12
+  fi
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
   (cd python/tests && python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
