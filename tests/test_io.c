@@ -410,3 +410,184 @@ TEST(io_submit_then_runs_after_the_last_chunk)
     free(data);
     free(got);
 }
+
+/* ---- change detection: status change time and checksums -------------- */
+
+/* Moves path's status change time past ctime0 (what a chmod, a chown or
+ * a utime does) and leaves its modification time at mtime: waits for the
+ * kernel's clock to tick past ctime0 if need be. */
+static void move_ctime(const char *path, struct timespec mtime,
+                       struct timespec ctime0)
+{
+    for (int i = 0; i < 400; i++) {
+        struct timespec t[2] = {{0, UTIME_OMIT}, mtime};
+        struct stat sb;
+        CHECK_EQ(utimensat(AT_FDCWD, path, t, 0), 0);
+        CHECK_EQ(stat(path, &sb), 0);
+        if (sb.st_ctim.tv_sec != ctime0.tv_sec ||
+            sb.st_ctim.tv_nsec != ctime0.tv_nsec)
+            return;
+        usleep(5000);
+    }
+    CHECK(!"the status change time never moved");
+}
+
+/* Writes len bytes of value v at off of path in place, then puts its
+ * modification time back, as `touch -r` after an edit would. */
+static void rewrite_keep_mtime(const char *path, uint64_t off, uint64_t len,
+                               int v)
+{
+    struct stat sb;
+    CHECK_EQ(stat(path, &sb), 0);
+    unsigned char *b = malloc(len);
+    memset(b, v, len);
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0);
+    CHECK_EQ(pwrite(fd, b, len, (off_t)off), (ssize_t)len);
+    close(fd);
+    free(b);
+    move_ctime(path, sb.st_mtim, sb.st_ctim);
+    struct stat now;
+    CHECK_EQ(stat(path, &now), 0);
+    CHECK(now.st_mtim.tv_nsec == sb.st_mtim.tv_nsec &&
+          now.st_mtim.tv_sec == sb.st_mtim.tv_sec && now.st_size == sb.st_size);
+}
+
+/* Rewritten in place with its size and modification time as they were:
+ * the chunks read before hash to something else now, so the read fails
+ * naming the file, and so does every read after it. */
+TEST(io_file_rewritten_with_mtime_put_back)
+{
+    const uint64_t n = 4u << 20;
+    char *p = make_file("retouched.bin", n);
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    laden_io_file_t *f, *g;
+    unsigned char *buf = malloc(n);
+    uint64_t id[4], id2[4];
+    CHECK_OK(laden_io_create(&cfg, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf)); /* again: nothing moved */
+    check_range(buf, 0, n);
+    rewrite_keep_mtime(p, (2u << 20) + 100, 10, 0x5a);
+    CHECK_STATUS(laden_io_read(io, f, 0, n, buf), LADEN_E_CHANGED);
+    CHECK_CONTAINS(laden_last_error(), "retouched.bin");
+    CHECK_CONTAINS(laden_last_error(), "changed while in use");
+    CHECK_CONTAINS(laden_last_error(), "differ");
+    /* Refused for good, also where its bytes are as they were. */
+    CHECK_STATUS(laden_io_read(io, f, 0, 1u << 20, buf), LADEN_E_CHANGED);
+    CHECK_CONTAINS(laden_last_error(), "retouched.bin");
+    /* Opened again it is another file: its identity differs (what names
+     * a shared host copy), though size and modification time do not. */
+    CHECK_OK(laden_io_file_open(p, &g));
+    laden_io_file_identity(f, id);
+    laden_io_file_identity(g, id2);
+    CHECK(id[0] == id2[0] && id[1] == id2[1] && id[2] == id2[2]);
+    CHECK(id[3] != id2[3]);
+    uint64_t m1, m2, c1, c2;
+    laden_io_file_times(f, &m1, &c1);
+    laden_io_file_times(g, &m2, &c2);
+    CHECK(m1 == m2 && c1 != c2);
+    CHECK_OK(laden_io_read(io, g, 0, n, buf)); /* the new bytes, as such */
+    CHECK_EQ(buf[(2u << 20) + 100], 0x5a);
+    laden_io_file_close(g);
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    free(buf);
+}
+
+/* A chmod moves the status change time and no byte: every read goes on,
+ * with the file's bytes, after one and after another, also of ranges not
+ * read before. */
+TEST(io_file_chmod_reads_on)
+{
+    const uint64_t n = (3u << 20) + 777;
+    char *p = make_file("chmodded.bin", n);
+    laden_io_config cfg = {.threads = 3, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    laden_io_file_t *f;
+    unsigned char *buf = malloc(n);
+    struct stat sb;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ(stat(p, &sb), 0);
+        CHECK_EQ(chmod(p, k ? 0644 : 0444), 0);
+        move_ctime(p, sb.st_mtim, sb.st_ctim);
+        memset(buf, 0, n);
+        CHECK_OK(laden_io_read(io, f, 0, n, buf));
+        check_range(buf, 0, n);
+        CHECK_OK(laden_io_read(io, f, 0, n, buf));
+        check_range(buf, 0, n);
+        CHECK_OK(laden_io_read(io, f, 4097 + k, 5000, buf));
+        check_range(buf, 4097 + k, 5000);
+    }
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    free(buf);
+}
+
+/* Rewritten before a range was read for the first time: that range has
+ * nothing to be compared with, but what was read before is read again and
+ * differs, so the read is refused. */
+TEST(io_file_rewritten_before_a_first_read)
+{
+    const uint64_t n = 4u << 20;
+    char *p = make_file("early.bin", n);
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    laden_io_file_t *f;
+    unsigned char *buf = malloc(n);
+    CHECK_OK(laden_io_create(&cfg, &io));
+    CHECK_OK(laden_io_file_open(p, &f));
+    CHECK_OK(laden_io_read(io, f, 0, 1u << 20, buf));
+    rewrite_keep_mtime(p, 0, n, 0x33);
+    CHECK_STATUS(laden_io_read(io, f, 2u << 20, 1u << 20, buf),
+                 LADEN_E_CHANGED);
+    CHECK_CONTAINS(laden_last_error(), "early.bin");
+    CHECK_CONTAINS(laden_last_error(), "differ");
+    laden_io_file_close(f);
+    laden_io_destroy(io);
+    free(buf);
+}
+
+/* The checksum: the same computed from memory and from the file a piece
+ * at a time, at every length around its pieces; any one bit changes it;
+ * so does the length. */
+TEST(io_checksum)
+{
+    const uint64_t n = (3u << 20) + 5;
+    char *p = make_file("sums.bin", n);
+    unsigned char *b = malloc(n);
+    for (uint64_t i = 0; i < n; i++)
+        b[i] = pattern(i);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    const uint64_t lens[] = {0, 1, 7, 8, 9, 63, 64, 65, 4096, (1u << 20) - 1,
+                             1u << 20, (1u << 20) + 1, n - 3, n};
+    for (size_t k = 0; k < sizeof lens / sizeof *lens; k++) {
+        uint64_t got, off = lens[k] == n ? 0 : 3;
+        CHECK_OK(laden_io_file_checksum(f, off, lens[k], &got));
+        CHECK(got == laden_io_checksum(b + off, lens[k]));
+    }
+    uint64_t sum;
+    CHECK_STATUS(laden_io_file_checksum(f, 1, n, &sum), LADEN_E_TRUNCATED);
+    CHECK_STATUS(laden_io_file_checksum(NULL, 0, 1, &sum), LADEN_E_INVAL);
+    const uint64_t whole = laden_io_checksum(b, n);
+    const uint64_t at[] = {0, 1, 7, 8, 63, 64, 100, (1u << 20) - 1, 1u << 20,
+                           2u << 20, n - 5, n - 1};
+    for (size_t k = 0; k < sizeof at / sizeof *at; k++)
+        for (int bit = 0; bit < 8; bit += 3) {
+            b[at[k]] ^= (unsigned char)(1u << bit);
+            CHECK(laden_io_checksum(b, n) != whole);
+            b[at[k]] ^= (unsigned char)(1u << bit);
+        }
+    CHECK(laden_io_checksum(b, n) == whole);
+    memset(b, 0, 100);
+    CHECK(laden_io_checksum(b, 64) != laden_io_checksum(b, 65));
+    CHECK(laden_io_checksum(b, 0) != laden_io_checksum(b, 1));
+    laden_io_file_close(f);
+    free(b);
+}

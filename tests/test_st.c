@@ -1,9 +1,12 @@
 #define _DEFAULT_SOURCE /* alarm */
+#define _POSIX_C_SOURCE 200809L /* utimensat */
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "test.h"
 
+#include "laden/io.h"
 #include "laden/st.h"
 #include "st/json.h"
 
@@ -640,4 +643,129 @@ TEST(st_index_many_shards)
         laden__st_index_free(&ix);
     }
     free(buf);
+}
+
+/* ---- a file that changed between its header and its reads ------------ */
+
+/* Moves path's status change time past ctime0 and leaves its
+ * modification time at mtime (waiting for the clock to tick if need be). */
+static void move_ctime(const char *path, struct timespec mtime,
+                       struct timespec ctime0)
+{
+    for (int i = 0; i < 400; i++) {
+        struct timespec t[2] = {{0, UTIME_OMIT}, mtime};
+        struct stat sb;
+        CHECK_EQ(utimensat(AT_FDCWD, path, t, 0), 0);
+        CHECK_EQ(stat(path, &sb), 0);
+        if (sb.st_ctim.tv_sec != ctime0.tv_sec ||
+            sb.st_ctim.tv_nsec != ctime0.tv_nsec)
+            return;
+        usleep(5000);
+    }
+    CHECK(!"the status change time never moved");
+}
+
+/* Overwrites byte `at` of path with v in place, its modification time
+ * put back. */
+static void poke_keep_mtime(const char *path, uint64_t at, char v)
+{
+    struct stat sb;
+    CHECK_EQ(stat(path, &sb), 0);
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0);
+    CHECK_EQ(pwrite(fd, &v, 1, (off_t)at), 1);
+    close(fd);
+    move_ctime(path, sb.st_mtim, sb.st_ctim);
+}
+
+static void chmod_keep_mtime(const char *path, mode_t mode)
+{
+    struct stat sb;
+    CHECK_EQ(stat(path, &sb), 0);
+    CHECK_EQ(chmod(path, mode), 0);
+    move_ctime(path, sb.st_mtim, sb.st_ctim);
+}
+
+/* What laden_st_file_open compares with the file its header was read
+ * from: a chmod changes nothing it reads; a header rewritten in place with
+ * its modification time put back, or the file replaced (by a rename) with
+ * one of the same size and time, is refused naming the file. */
+static void file_open_cases(const char *p, uint64_t header_byte)
+{
+    laden_st_t *st = open_ok(p);
+    laden_io_file_t *f;
+    chmod_keep_mtime(p, 0444);
+    CHECK_OK(laden_st_file_open(st, 0, &f));
+    laden_io_file_close(f);
+    chmod_keep_mtime(p, 0644);
+    struct stat sb;
+    CHECK_EQ(stat(p, &sb), 0);
+    char was;
+    int fd = open(p, O_RDONLY);
+    CHECK_EQ(pread(fd, &was, 1, (off_t)header_byte), 1);
+    close(fd);
+    poke_keep_mtime(p, header_byte, (char)(was ^ 1));
+    f = (laden_io_file_t *)1;
+    CHECK_STATUS(laden_st_file_open(st, 0, &f), LADEN_E_CHANGED);
+    CHECK_EQ(f, NULL);
+    CHECK_CONTAINS(laden_last_error(), p);
+    CHECK_CONTAINS(laden_last_error(), "header differs");
+    poke_keep_mtime(p, header_byte, was); /* the bytes as they were */
+    CHECK_OK(laden_st_file_open(st, 0, &f));
+    laden_io_file_close(f);
+    laden_st_close(st);
+
+    st = open_ok(p);
+    CHECK_EQ(stat(p, &sb), 0);
+    size_t n = (size_t)sb.st_size;
+    char *copy = malloc(n), *q = malloc(strlen(p) + 8);
+    fd = open(p, O_RDONLY);
+    CHECK_EQ(pread(fd, copy, n, 0), (ssize_t)n);
+    close(fd);
+    sprintf(q, "%s.new", p);
+    test_write_file(q, copy, n);
+    struct timespec t[2] = {{0, UTIME_OMIT}, sb.st_mtim};
+    CHECK_EQ(utimensat(AT_FDCWD, q, t, 0), 0);
+    CHECK_EQ(rename(q, p), 0);
+    CHECK_STATUS(laden_st_file_open(st, 0, &f), LADEN_E_CHANGED);
+    CHECK_CONTAINS(laden_last_error(), "another file");
+    laden_st_close(st);
+    free(copy);
+    free(q);
+}
+
+TEST(st_file_open_refuses_a_changed_file)
+{
+    const char *hdr =
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}";
+    unsigned char data[16] = {1, 2, 3};
+    char *p = test_path("changes.safetensors");
+    test_write_st(p, hdr, data, sizeof data);
+    file_open_cases(p, 8 + 2); /* the tensor's name */
+}
+
+TEST(st_file_open_refuses_a_changed_gguf)
+{
+    /* GGUF 3, one tensor "w" (F32 [4] at 0), one metadata entry. */
+    static const unsigned char head[] = {
+        'G', 'G', 'U', 'F', 3, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+        1, 0, 0, 0, 0, 0, 0, 0,
+        4, 0, 0, 0, 0, 0, 0, 0, 'n', 'o', 't', 'e', 8, 0, 0, 0,
+        2, 0, 0, 0, 0, 0, 0, 0, 'h', 'i',
+        1, 0, 0, 0, 0, 0, 0, 0, 'w', 1, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    unsigned char b[96 + 16];
+    memset(b, 0, sizeof b);
+    memcpy(b, head, sizeof head);
+    for (int i = 0; i < 16; i++)
+        b[96 + i] = (unsigned char)(i + 1);
+    char *p = test_path("changes.gguf");
+    test_write_file(p, b, sizeof b);
+    laden_st_t *st = open_ok(p);
+    CHECK_EQ(laden_st_count(st), 1);
+    laden_st_tensor_t t;
+    CHECK_OK(laden_st_tensor_at(st, 0, &t));
+    CHECK_EQ(t.offset_bytes, 96);
+    laden_st_close(st);
+    file_open_cases(p, 48); /* the metadata string "hi" */
 }

@@ -39,20 +39,41 @@ LADEN_API void laden_io_destroy(laden_io_t *io);
 
 /* Opens a file for reading.  Keeps a buffered and, where supported, an
  * O_DIRECT descriptor.  What is not a regular file (a FIFO, a directory, a
- * device) is refused with LADEN_E_INVAL without blocking.  Its size and
- * modification time are recorded: a read that finishes after the file was
- * rewritten in place fails with LADEN_E_CHANGED (a file replaced by a
- * rename goes on serving the original bytes).  Close with
- * laden_io_file_close once no read on it is in flight. */
+ * device) is refused with LADEN_E_INVAL without blocking.  Its device,
+ * inode, size, modification and status change times are recorded: a read
+ * that finishes after the file was rewritten in place fails with
+ * LADEN_E_CHANGED, and so does every read of it after that (a file
+ * replaced by a rename goes on serving the original bytes).  A rewrite
+ * with the modification time put back (touch -r) is found by the status
+ * change time and a checksum of each chunk kept at its first read: a
+ * chunk read again after the status change time moved is hashed again,
+ * and refused if its bytes differ (a chmod changes none: its reads go
+ * on).  Close with laden_io_file_close once no read on it is in flight. */
 LADEN_API laden_status laden_io_file_open(const char *path,
                                           laden_io_file_t **out);
 LADEN_API void laden_io_file_close(laden_io_file_t *file);
 LADEN_API uint64_t laden_io_file_size(const laden_io_file_t *file);
 LADEN_API const char *laden_io_file_path(const laden_io_file_t *file);
-/* What identifies the file's content as it was opened: its device and
- * inode, size and modification time (ns), in id[0..3] (zeros for NULL). */
+/* What identifies the file's content as it was opened: its device,
+ * inode and size in id[0..2], and in id[3] its modification time (ns)
+ * plus a mix of its status change time (ns), so that a file rewritten in
+ * place with its modification time put back is another file (zeros for
+ * NULL).  Fixed at open. */
 LADEN_API void laden_io_file_identity(const laden_io_file_t *file,
                                       uint64_t id[4]);
+/* The checksum laden keeps of the bytes it reads (see
+ * laden_io_file_open): 64 bits, not cryptographic, at memory speed.  Pure;
+ * any thread. */
+LADEN_API uint64_t laden_io_checksum(const void *data, uint64_t size);
+/* The file's modification and status change times (ns) at open (zeros
+ * for NULL); NULL pointers are skipped. */
+LADEN_API void laden_io_file_times(const laden_io_file_t *file,
+                                   uint64_t *mtime_ns, uint64_t *ctime_ns);
+/* Reads [offset, offset+size) of the file (buffered, a MiB at a time,
+ * on the calling thread: blocks) and gives its laden_io_checksum. */
+LADEN_API laden_status laden_io_file_checksum(laden_io_file_t *file,
+                                              uint64_t offset, uint64_t size,
+                                              uint64_t *out_sum);
 /* 1 if reads of this file may use O_DIRECT. */
 LADEN_API int laden_io_file_direct(const laden_io_file_t *file);
 

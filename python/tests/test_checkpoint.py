@@ -269,3 +269,40 @@ def test_read_into_many_progress_and_logging(tmp_path, caplog):
             assert torch.equal(out, x)
     assert any("opened" in r.message for r in caplog.records)
     assert any("read 1 tensors" in r.message for r in caplog.records)
+
+
+def _move_ctime(path, was):
+    import time
+    for _ in range(400):
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != was.st_ctime_ns:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the status change time never moved")
+
+
+def test_rewritten_with_mtime_put_back_is_an_error(tmp_path):
+    """Rewritten in place with the same size and its modification time put
+    back: a tensor read again is refused naming the file; after a chmod
+    alone the same reads return the same values."""
+    g = torch.Generator().manual_seed(3)
+    t = {"a": torch.randn(1 << 16, generator=g),
+         "b": torch.randn(1 << 16, generator=g)}
+    p = write(tmp_path / "m.safetensors", t)
+    q = write(tmp_path / "n.safetensors", {k: v + 1 for k, v in t.items()})
+    with laden.open(p) as ck:
+        assert same(ck.tensor("a"), t["a"])
+        was = os.stat(p)
+        os.chmod(p, 0o444)
+        _move_ctime(p, was)
+        assert same(ck.tensor("a"), t["a"])
+        assert same(ck.tensor("b"), t["b"])
+        was = os.stat(p)
+        with open(p, "r+b") as f:
+            f.write(open(q, "rb").read())
+        _move_ctime(p, was)
+        with pytest.raises(laden.FormatError) as e:
+            ck.tensor("a")
+        assert e.value.status == "E_CHANGED" and "m.safetensors" in str(e.value)
+        with pytest.raises(laden.FormatError, match="changed"):
+            ck.tensor("b")

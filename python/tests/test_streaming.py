@@ -780,3 +780,79 @@ def test_background_load_released_or_failed(ckpt, device, monkeypatch):
         assert torch.equal(m(ids().to(device)), want)
     laden.release(m, h)
     assert rep.wait().done  # after release: nothing to wait for
+
+
+def _move_ctime(path, was):
+    """Puts path's modification time back to `was` (an os.stat), waiting
+    until its status change time has moved past was's: what a rewrite
+    followed by os.utime (or touch -r) leaves."""
+    import time
+    for _ in range(400):
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != was.st_ctime_ns:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the status change time never moved")
+
+
+def _rewrite_in_place(path, other):
+    """Writes the bytes of file `other` (as large) over path, in place,
+    and puts its modification time back."""
+    was = os.stat(path)
+    data = open(other, "rb").read()
+    assert len(data) == was.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    _move_ctime(path, was)
+    assert os.stat(path).st_mtime_ns == was.st_mtime_ns
+
+
+@pytest.mark.parametrize("when", ["after_a_forward", "before_any_forward"])
+def test_rewritten_in_place_with_mtime_put_back(tmp_path, when):
+    """A disk-tier model whose file is rewritten in place with other
+    weights and its modification time put back (os.utime): the next
+    forward raises naming the file, never mixes old and new weights."""
+    ref = reference()
+    path = save(ref, tmp_path / "t.safetensors")
+    other = save(reference(seed=5), tmp_path / "other.safetensors")
+    _, want = expected(ref, "cpu")
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      ram_budget=0)  # every block read from disk
+    h = laden.install_offload(m, lookahead=1)
+    if when == "after_a_forward":
+        with torch.no_grad():
+            assert torch.equal(m(ids()), want)
+    _rewrite_in_place(path, other)
+    for _ in range(2):  # and again: the same clear error
+        with pytest.raises(laden.FormatError) as e:
+            with torch.no_grad():
+                m(ids())
+        assert e.value.status == "E_CHANGED"
+        assert "t.safetensors" in str(e.value)
+        assert "changed while in use" in str(e.value)
+    laden.release(m, h)  # still works
+    assert m.embed.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("when", ["after_a_forward", "before_any_forward"])
+def test_chmod_alone_keeps_streaming(tmp_path, when):
+    """A chmod moves the status change time and no byte: forwards go on,
+    bit-identical."""
+    ref = reference()
+    path = save(ref, tmp_path / "t.safetensors")
+    _, want = expected(ref, "cpu")
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device="cpu",
+                      ram_budget=0)
+    h = laden.install_offload(m, lookahead=1)
+    with torch.no_grad():
+        if when == "after_a_forward":
+            assert torch.equal(m(ids()), want)
+        for mode in (0o444, 0o644):
+            was = os.stat(path)
+            os.chmod(path, mode)
+            _move_ctime(path, was)
+            for _ in range(2):
+                assert torch.equal(m(ids()), want)
+    laden.release(m, h)

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "../core/internal.h"
+#include "gguf_internal.h"
 
 /* Limits: far above any real file, low enough that a corrupt count cannot
  * make laden allocate without bound before the end of the file stops it. */
@@ -615,9 +616,28 @@ laden_status laden_gguf_open_memory(const void *bytes, size_t size,
     return finish(g, &c, out);
 }
 
-laden_status laden_gguf_open(const char *path, laden_gguf_t **out)
+laden_status laden__gguf_open_fd(int fd, const char *path,
+                                 laden_gguf_t **out)
 {
     struct stat sb;
+    *out = NULL;
+    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode))
+        return laden__fail(LADEN_E_IO, "%s: not a regular file", path);
+    laden_gguf_t *g = calloc(1, sizeof *g);
+    if (!g)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    cursor c = {.fd = fd, .size = (uint64_t)sb.st_size, .what = path,
+                .win = malloc(WINDOW)};
+    laden_status s = c.win ? finish(g, &c, out)
+                           : laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!c.win)
+        free(g);
+    free(c.win);
+    return s;
+}
+
+laden_status laden_gguf_open(const char *path, laden_gguf_t **out)
+{
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_gguf_open: out is NULL");
     *out = NULL;
@@ -627,22 +647,7 @@ laden_status laden_gguf_open(const char *path, laden_gguf_t **out)
     if (fd < 0)
         return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
                            "%s: %s", path, strerror(errno));
-    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return laden__fail(LADEN_E_IO, "%s: not a regular file", path);
-    }
-    laden_gguf_t *g = calloc(1, sizeof *g);
-    if (!g) {
-        close(fd);
-        return laden__fail(LADEN_E_NOMEM, "out of memory");
-    }
-    cursor c = {.fd = fd, .size = (uint64_t)sb.st_size, .what = path,
-                .win = malloc(WINDOW)};
-    laden_status s = c.win ? finish(g, &c, out)
-                           : laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (!c.win)
-        free(g);
-    free(c.win);
+    laden_status s = laden__gguf_open_fd(fd, path, out);
     close(fd);
     return s;
 }

@@ -42,14 +42,30 @@
 #define DEFAULT_CHUNK (16ull << 20)
 #define MAX_THREADS 64u
 
+/* What a file's bytes read so far hash to: see check_chunk(). */
+typedef struct sum_entry {
+    uint64_t off;
+    uint32_t len; /* 0: an empty slot (reads of 0 bytes are not kept) */
+    uint32_t gen; /* the file's generation when last found equal */
+    uint64_t sum;
+} sum_entry;
+
 struct laden_io_file {
     int fd;  /* buffered */
     int dfd; /* O_DIRECT, or -1 */
     atomic_int direct_ok;
     uint64_t size;
-    struct timespec mtime; /* size and mtime at open: see unchanged() */
+    struct timespec mtime, ctime0; /* at open: see check_chunk() */
     uint64_t dev, ino;
     char *path;
+    pthread_mutex_t mu;     /* guards what follows */
+    struct timespec ctime;  /* the status change time last seen */
+    uint32_t gen;           /* how many times it was seen to move */
+    uint32_t sampled_gen;   /* the generation check_sample() passed */
+    sum_entry *sums;        /* open addressing on (off, len) */
+    size_t sums_cap, nsums; /* cap: 0 or a power of two */
+    bool changed;           /* refused for good; why says why */
+    char why[400];
 };
 
 typedef struct job {
@@ -153,8 +169,10 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
     }
     f->size = (uint64_t)sb.st_size;
     f->mtime = sb.st_mtim;
+    f->ctime0 = f->ctime = sb.st_ctim;
     f->dev = (uint64_t)sb.st_dev;
     f->ino = (uint64_t)sb.st_ino;
+    pthread_mutex_init(&f->mu, NULL);
     /* The direct descriptor must be the same file: the path may have been
      * replaced between the two opens. */
     f->dfd = open_regular(path, O_DIRECT, &dsb);
@@ -174,23 +192,50 @@ void laden_io_file_close(laden_io_file_t *f)
     close(f->fd);
     if (f->dfd >= 0)
         close(f->dfd);
+    pthread_mutex_destroy(&f->mu);
+    free(f->sums);
     free(f->path);
     free(f);
 }
 
 uint64_t laden_io_file_size(const laden_io_file_t *f) { return f ? f->size : 0; }
+
+static uint64_t ns_of(struct timespec t)
+{
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* The modification and status change times at open in one word: the
+ * modification time, plus the status change time moved by a bijective
+ * mix (so that neither can be traded for the other).  A file rewritten
+ * in place with its modification time put back (touch -r, os.utime)
+ * still has a new status change time, so its identity is new. */
+static uint64_t times_word(const laden_io_file_t *f)
+{
+    uint64_t c = ns_of(f->ctime0);
+    c ^= c >> 31;
+    c *= 0xd6e8feb86659fd93ull;
+    c ^= c >> 32;
+    return ns_of(f->mtime) + c;
+}
 void laden_io_file_identity(const laden_io_file_t *f, uint64_t id[4])
 {
     id[0] = f ? f->dev : 0;
     id[1] = f ? f->ino : 0;
     id[2] = f ? f->size : 0;
-    id[3] = f ? (uint64_t)f->mtime.tv_sec * 1000000000u +
-                    (uint64_t)f->mtime.tv_nsec
-              : 0;
+    id[3] = f ? times_word(f) : 0;
 }
 const char *laden_io_file_path(const laden_io_file_t *f)
 {
     return f ? f->path : NULL;
+}
+void laden_io_file_times(const laden_io_file_t *f, uint64_t *mtime_ns,
+                         uint64_t *ctime_ns)
+{
+    if (mtime_ns)
+        *mtime_ns = f ? ns_of(f->mtime) : 0;
+    if (ctime_ns)
+        *ctime_ns = f ? ns_of(f->ctime0) : 0;
 }
 int laden_io_file_direct(const laden_io_file_t *f)
 {
@@ -212,34 +257,122 @@ laden_status laden_io_drop_cache(laden_io_file_t *f)
     return LADEN_OK;
 }
 
-/* ---- reading one chunk ------------------------------------------------- */
+/* ---- the checksum (see "knowing a file changed" below) ------------- */
 
-/* LADEN_E_CHANGED if the file's size or modification time differ from
- * when it was opened: it was rewritten in place (a file replaced by a
- * rename keeps serving the original bytes through the open descriptor).
- * Checked after every chunk, so bytes read from a file that changed are
- * never returned as its data: a writer updates the time before it changes
- * the bytes. */
-static laden_status unchanged(laden_io_file_t *f)
+/* The checksum's unit: hashed as soon as it is read, while it is still
+ * in the CPU's cache (a quarter of an L2). */
+#define SUM_PIECE (256ull << 10)
+#define SUM_MAX_ENTRIES (1u << 20) /* 24 MiB of table at most */
+#define SAMPLE_BYTES (64ull << 20)
+#define SAMPLE_MAX 32u
+#define K1 0x9e3779b97f4a7c15ull
+#define K2 0xbf58476d1ce4e5b9ull
+#define K3 0x94d049bb133111ebull
+
+static inline uint64_t rotl64(uint64_t x, int r)
 {
-    struct stat sb;
-    if (fstat(f->fd, &sb) != 0)
-        return laden__fail(LADEN_E_IO, "%s: fstat: %s", f->path,
-                           strerror(errno));
-    if ((uint64_t)sb.st_size == f->size &&
-        sb.st_mtim.tv_sec == f->mtime.tv_sec &&
-        sb.st_mtim.tv_nsec == f->mtime.tv_nsec)
-        return LADEN_OK;
-    uint64_t now = (uint64_t)sb.st_size;
-    return laden__fail(LADEN_E_CHANGED,
-                       "%s: the file changed while in use (%s: %s when "
-                       "opened, %s now); load it again",
-                       f->path,
-                       now < f->size   ? "truncated"
-                       : now > f->size ? "grown"
-                                       : "rewritten",
-                       laden__bytes(f->size).s, laden__bytes(now).s);
+    return x << r | x >> (64 - r);
 }
+
+static inline uint64_t word_at(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint64_t avalanche(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= K2;
+    x ^= x >> 27;
+    x *= K3;
+    return x ^ x >> 31;
+}
+
+/* One piece (at most SUM_PIECE bytes) hashed: eight independent lanes,
+ * each word folded in by xor, multiply by an odd constant and rotate
+ * (each step a bijection, so changing any one word changes its lane),
+ * which keeps the multiplier busy and the loop at memory speed. */
+#define LANE(a, w) ((a) = rotl64(((a) ^ (w)) * K1, 29))
+
+static uint64_t piece_hash(const unsigned char *p, uint64_t n)
+{
+    /* Eight named lanes, not an array: kept in registers (gcc -O2 keeps
+     * an array of them in memory, at a third of the speed). */
+    uint64_t a0 = K1, a1 = K2, a2 = K3, a3 = K1 ^ K2, a4 = K2 ^ K3,
+             a5 = K1 ^ K3, a6 = ~K1, a7 = ~K2;
+    uint64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const unsigned char *q = p + i;
+        LANE(a0, word_at(q));
+        LANE(a1, word_at(q + 8));
+        LANE(a2, word_at(q + 16));
+        LANE(a3, word_at(q + 24));
+        LANE(a4, word_at(q + 32));
+        LANE(a5, word_at(q + 40));
+        LANE(a6, word_at(q + 48));
+        LANE(a7, word_at(q + 56));
+    }
+    uint64_t l[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int k = 0; i + 8 <= n; i += 8, k++)
+        LANE(l[k], word_at(p + i));
+    uint64_t tail = 0;
+    memcpy(&tail, p + i, (size_t)(n - i));
+    uint64_t h = avalanche(tail ^ n << 56 ^ n);
+    for (int k = 0; k < 8; k++)
+        h = (h ^ avalanche(l[k] + (uint64_t)k)) * K3;
+    return h;
+}
+
+/* The checksum of n bytes: its pieces of SUM_PIECE bytes folded in
+ * order, so that it can be computed a piece at a time (check_sample
+ * reads a piece at a time). */
+typedef struct sum_state {
+    uint64_t acc, n;
+} sum_state;
+
+static void sum_begin(sum_state *st, uint64_t n)
+{
+    st->acc = avalanche(n ^ K2);
+    st->n = n;
+}
+
+static void sum_piece(sum_state *st, const unsigned char *p, uint64_t len)
+{
+    st->acc = avalanche(st->acc ^ piece_hash(p, len)) + K1;
+}
+
+/* A chunk's checksum computed as it is read: pieces [0, done) hashed. */
+typedef struct hasher {
+    sum_state st;
+    uint64_t done;
+} hasher;
+
+/* Hashes the whole pieces of [h->done, got) of the chunk at dst (len
+ * bytes), and the last piece once got reaches len. */
+static void hash_upto(hasher *h, const char *dst, uint64_t got, uint64_t len)
+{
+    while (h->done < got) {
+        uint64_t n = len - h->done < SUM_PIECE ? len - h->done : SUM_PIECE;
+        if (h->done + n > got)
+            return;
+        sum_piece(&h->st, (const unsigned char *)dst + h->done, n);
+        h->done += n;
+    }
+}
+
+uint64_t laden_io_checksum(const void *data, uint64_t n)
+{
+    const unsigned char *p = data;
+    sum_state st;
+    sum_begin(&st, n);
+    for (uint64_t at = 0; at < n; at += SUM_PIECE)
+        sum_piece(&st, p + at, n - at < SUM_PIECE ? n - at : SUM_PIECE);
+    return st.acc;
+}
+
+/* ---- reading one chunk ------------------------------------------------- */
 
 static laden_status ended_early(laden_io_file_t *f, uint64_t at, uint64_t off,
                                 uint64_t len)
@@ -306,15 +439,17 @@ static laden_status read_direct(laden_io_file_t *f, uint64_t off, uint64_t len,
 
 /* Reads what of [off, off+len) the page cache holds, from its start,
  * without starting I/O; *got receives the bytes read (0 when the first
- * page is not cached, or preadv2(RWF_NOWAIT) is not available). */
+ * page is not cached, or preadv2(RWF_NOWAIT) is not available).  With a
+ * hasher, a piece at a time, each hashed while it is in the cache. */
 static void read_cached(laden_io_t *io, laden_io_file_t *f, uint64_t off,
-                        uint64_t len, char *dst, uint64_t *got)
+                        uint64_t len, char *dst, uint64_t *got, hasher *h)
 {
     *got = 0;
     while (*got < len && atomic_load(&io->nowait_ok)) {
-        struct iovec v = {dst + *got, (size_t)(len - *got > (1u << 30)
-                                                   ? (1u << 30)
-                                                   : len - *got)};
+        uint64_t want = len - *got > (1u << 30) ? (1u << 30) : len - *got;
+        if (h && h->done == *got && want > SUM_PIECE)
+            want = SUM_PIECE;
+        struct iovec v = {dst + *got, (size_t)want};
         ssize_t r = preadv2(f->fd, &v, 1, (off_t)(off + *got), RWF_NOWAIT);
         if (r < 0 && errno == EINTR)
             continue;
@@ -324,7 +459,26 @@ static void read_cached(laden_io_t *io, laden_io_file_t *f, uint64_t off,
         if (r <= 0)
             return; /* EAGAIN: not cached; an error: the drive will say */
         *got += (uint64_t)r;
+        if (h)
+            hash_upto(h, dst, *got, len);
     }
+}
+
+/* read_buffered, with a hasher a piece at a time, each hashed while it is
+ * in the cache. */
+static laden_status read_buffered_hashed(laden_io_file_t *f, uint64_t off,
+                                         uint64_t len, char *dst, hasher *h)
+{
+    if (!h)
+        return read_buffered(f, off, len, dst);
+    for (uint64_t at = 0; at < len; at += SUM_PIECE) {
+        uint64_t n = len - at < SUM_PIECE ? len - at : SUM_PIECE;
+        laden_status s = read_buffered(f, off + at, n, dst + at);
+        if (s)
+            return s;
+        hash_upto(h, dst, at + n, len);
+    }
+    return LADEN_OK;
 }
 
 /* [off, off+len) with O_DIRECT; *buffered receives the bytes read
@@ -385,21 +539,284 @@ static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
 
 /* Reads one chunk: what the page cache holds from there, the rest with
  * O_DIRECT where the file takes it, else buffered.  Counts the bytes
- * each way in n[0] direct, n[1] from the cache, n[2] buffered. */
+ * each way in n[0] direct, n[1] from the cache, n[2] buffered.  With a
+ * hasher (a first read: see check_chunk), its checksum too: what came
+ * from the page cache or buffered is hashed a piece at a time as it
+ * arrives, the rest (written by the drive, never in the cache) after. */
 static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
-                               uint64_t len, char *dst, uint64_t n[3])
+                               uint64_t len, char *dst, uint64_t n[3],
+                               hasher *h)
 {
+    laden_status s = LADEN_OK;
     if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
         len < IO_ALIGN) {
         n[2] = len;
-        return read_buffered(f, off, len, dst);
+        s = read_buffered_hashed(f, off, len, dst, h);
+    } else {
+        read_cached(w->io, f, off, len, dst, &n[1], h);
+        if (n[1] < len) {
+            s = read_direct_chunk(w, f, off + n[1], len - n[1], dst + n[1],
+                                  &n[2]);
+            n[0] = len - n[1] - n[2];
+        }
     }
-    read_cached(w->io, f, off, len, dst, &n[1]);
-    if (n[1] == len)
-        return LADEN_OK;
-    laden_status s = read_direct_chunk(w, f, off + n[1], len - n[1],
-                                       dst + n[1], &n[2]);
-    n[0] = len - n[1] - n[2];
+    if (!s && h)
+        hash_upto(h, dst, len, len);
+    return s;
+}
+
+/* ---- knowing a file changed --------------------------------------------
+ *
+ * A file rewritten in place moves its size or its modification time, and
+ * is refused (E_CHANGED).  One rewritten with its modification time put
+ * back (touch -r, os.utime) still moves its status change time (ctime),
+ * but so does a chmod, a chown or a new hard link, which change no byte.
+ * So a moved ctime alone is settled by the bytes: the first read of each
+ * chunk hashes what it read (laden_io_checksum, by the reader thread,
+ * with the bytes just read), and a later read of the same chunk after the
+ * ctime moved hashes its bytes again and compares.  Equal: the chunk is
+ * taken as it is until the ctime moves again; different: the file is
+ * refused for good.  While the ctime stays, a chunk read again costs a
+ * table lookup, not a hash.  A chunk read for the first time after the
+ * ctime moved has nothing to be compared with: then some of what was read
+ * before is read again and compared (check_sample), once per move. */
+
+static size_t slot_of(uint64_t off, uint32_t len, size_t cap)
+{
+    return (size_t)(avalanche(off ^ (uint64_t)len << 40) & (cap - 1));
+}
+
+/* The entry of chunk (off, len), or NULL.  f->mu held. */
+static sum_entry *find_sum(laden_io_file_t *f, uint64_t off, uint32_t len)
+{
+    if (!f->sums_cap)
+        return NULL;
+    for (size_t i = slot_of(off, len, f->sums_cap);;
+         i = (i + 1) & (f->sums_cap - 1)) {
+        sum_entry *e = &f->sums[i];
+        if (!e->len)
+            return NULL;
+        if (e->off == off && e->len == len)
+            return e;
+    }
+}
+
+/* Keeps the checksum of chunk (off, len).  f->mu held.  Without memory,
+ * or past SUM_MAX_ENTRIES, the chunk is not kept: a read of it after the
+ * ctime moved is then checked as a first read is (check_sample). */
+static void keep_sum(laden_io_file_t *f, uint64_t off, uint32_t len,
+                     uint64_t sum, uint32_t gen)
+{
+    if (find_sum(f, off, len) || f->nsums >= SUM_MAX_ENTRIES)
+        return;
+    if (2 * (f->nsums + 1) > f->sums_cap) { /* at most half full */
+        size_t cap = f->sums_cap ? 2 * f->sums_cap : 64;
+        sum_entry *t = calloc(cap, sizeof *t);
+        if (!t)
+            return;
+        for (size_t i = 0; i < f->sums_cap; i++) {
+            sum_entry *e = &f->sums[i];
+            if (!e->len)
+                continue;
+            size_t j = slot_of(e->off, e->len, cap);
+            while (t[j].len)
+                j = (j + 1) & (cap - 1);
+            t[j] = *e;
+        }
+        free(f->sums);
+        f->sums = t;
+        f->sums_cap = cap;
+    }
+    size_t j = slot_of(off, len, f->sums_cap);
+    while (f->sums[j].len)
+        j = (j + 1) & (f->sums_cap - 1);
+    f->sums[j] = (sum_entry){.off = off, .len = len, .gen = gen, .sum = sum};
+    f->nsums++;
+}
+
+/* Refuses f from now on, with why.  f->mu held. */
+static laden_status refuse(laden_io_file_t *f)
+{
+    f->changed = true;
+    return laden__fail(LADEN_E_CHANGED, "%s", f->why);
+}
+
+/* The bytes of [off, off+len) no longer hash to what they did when laden
+ * first read them.  f->mu held. */
+static laden_status bytes_differ(laden_io_file_t *f, uint64_t off,
+                                 uint64_t len)
+{
+    snprintf(f->why, sizeof f->why,
+             "%s: the file changed while in use (rewritten in place: bytes "
+             "%llu..%llu differ from when laden first read them, though its "
+             "size and modification time are as they were); load it again",
+             f->path, (unsigned long long)off,
+             (unsigned long long)(off + len));
+    return refuse(f);
+}
+
+laden_status laden_io_file_checksum(laden_io_file_t *f, uint64_t off,
+                                   uint64_t len, uint64_t *out_sum)
+{
+    uint64_t end;
+    if (out_sum)
+        *out_sum = 0;
+    if (!f || !out_sum)
+        return laden__fail(LADEN_E_INVAL, "laden_io_file_checksum: NULL");
+    if (!laden__add_u64(off, len, &end) || end > f->size)
+        return laden__fail(LADEN_E_TRUNCATED,
+                           "%s: bytes %llu..%llu asked, but the file holds "
+                           "%llu", f->path, (unsigned long long)off,
+                           (unsigned long long)(off + len),
+                           (unsigned long long)f->size);
+    char *buf = malloc(len < SUM_PIECE ? (len ? len : 1) : SUM_PIECE);
+    if (!buf)
+        return laden__fail(LADEN_E_NOMEM, "%s: out of memory checking the "
+                           "file", f->path);
+    sum_state st;
+    laden_status s = LADEN_OK;
+    sum_begin(&st, len);
+    for (uint64_t at = 0; at < len && !s; at += SUM_PIECE) {
+        uint64_t n = len - at < SUM_PIECE ? len - at : SUM_PIECE;
+        if (!(s = read_buffered(f, off + at, n, buf)))
+            sum_piece(&st, (unsigned char *)buf, n);
+    }
+    free(buf);
+    if (!s)
+        *out_sum = st.acc;
+    return s;
+}
+
+/* Reads [off, off+len) again and compares it with its checksum. */
+static laden_status reread_equal(laden_io_file_t *f, uint64_t off,
+                                 uint64_t len, uint64_t sum, bool *equal)
+{
+    uint64_t now;
+    laden_status s = laden_io_file_checksum(f, off, len, &now);
+    *equal = !s && now == sum;
+    return s;
+}
+
+/* A first read after the ctime moved to generation gen: what was read
+ * before is read again, up to SAMPLE_BYTES (and at least one chunk), and
+ * compared; the chunks found equal are taken at gen.  Then the
+ * generation counts as sampled.  Reads of chunks laden never read are
+ * accepted only after it: a file rewritten before they were first read
+ * shows in the chunks read before. */
+static laden_status check_sample(laden_io_file_t *f, uint32_t gen)
+{
+    sum_entry pick[SAMPLE_MAX];
+    uint32_t n = 0;
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&f->mu);
+    for (size_t i = 0; i < f->sums_cap && n < SAMPLE_MAX; i++) {
+        sum_entry *e = &f->sums[i];
+        if (!e->len || e->gen == gen || (n && bytes + e->len > SAMPLE_BYTES))
+            continue;
+        pick[n++] = *e;
+        bytes += e->len;
+    }
+    pthread_mutex_unlock(&f->mu);
+    laden_status s = LADEN_OK;
+    uint32_t k = 0;
+    bool equal = true;
+    for (; k < n && !s && equal; k++)
+        s = reread_equal(f, pick[k].off, pick[k].len, pick[k].sum, &equal);
+    if (s)
+        return s;
+    pthread_mutex_lock(&f->mu);
+    if (!equal) {
+        s = bytes_differ(f, pick[k - 1].off, pick[k - 1].len);
+    } else {
+        for (k = 0; k < n; k++) {
+            sum_entry *e = find_sum(f, pick[k].off, pick[k].len);
+            if (e && e->gen < gen)
+                e->gen = gen;
+        }
+        if (f->sampled_gen < gen)
+            f->sampled_gen = gen;
+    }
+    pthread_mutex_unlock(&f->mu);
+    return s;
+}
+
+/* Whether chunk (off, len) is read for the first time: then it is hashed
+ * as it is read. */
+static bool first_read(laden_io_file_t *f, uint64_t off, uint64_t len)
+{
+    if (!len || len > UINT32_MAX)
+        return false;
+    pthread_mutex_lock(&f->mu);
+    bool first = !f->changed && !find_sum(f, off, (uint32_t)len);
+    pthread_mutex_unlock(&f->mu);
+    return first;
+}
+
+/* After a chunk [off, off+len) was read into dst (h: its checksum, if
+ * computed as it was read): LADEN_E_CHANGED if the
+ * file is not the one opened (the fstat after every chunk: a writer
+ * updates the times before it changes the bytes, so a read that saw new
+ * bytes sees the new times), or if it changed the bytes with its
+ * modification time put back (the checksums above).  A file refused once
+ * is refused from then on. */
+static laden_status check_chunk(laden_io_file_t *f, uint64_t off,
+                                uint64_t len, const char *dst,
+                                const hasher *h)
+{
+    struct stat sb;
+    if (fstat(f->fd, &sb) != 0)
+        return laden__fail(LADEN_E_IO, "%s: fstat: %s", f->path,
+                           strerror(errno));
+    laden_status s = LADEN_OK;
+    pthread_mutex_lock(&f->mu);
+    if (f->changed) {
+        s = laden__fail(LADEN_E_CHANGED, "%s", f->why);
+        pthread_mutex_unlock(&f->mu);
+        return s;
+    }
+    uint64_t now = (uint64_t)sb.st_size;
+    if (now != f->size || (uint64_t)sb.st_dev != f->dev ||
+        (uint64_t)sb.st_ino != f->ino ||
+        sb.st_mtim.tv_sec != f->mtime.tv_sec ||
+        sb.st_mtim.tv_nsec != f->mtime.tv_nsec) {
+        snprintf(f->why, sizeof f->why,
+                 "%s: the file changed while in use (%s: %s when opened, %s "
+                 "now); load it again",
+                 f->path,
+                 now < f->size   ? "truncated"
+                 : now > f->size ? "grown"
+                                 : "rewritten",
+                 laden__bytes(f->size).s, laden__bytes(now).s);
+        s = refuse(f);
+        pthread_mutex_unlock(&f->mu);
+        return s;
+    }
+    if (sb.st_ctim.tv_sec != f->ctime.tv_sec ||
+        sb.st_ctim.tv_nsec != f->ctime.tv_nsec) {
+        f->ctime = sb.st_ctim; /* every chunk is compared once again */
+        f->gen++;
+    }
+    uint32_t gen = f->gen;
+    sum_entry *e = len ? find_sum(f, off, (uint32_t)len) : NULL;
+    bool known = e != NULL, same = e && e->gen == gen;
+    uint64_t want = e ? e->sum : 0;
+    bool sample = !known && gen && f->sampled_gen != gen && f->nsums;
+    pthread_mutex_unlock(&f->mu);
+    if (!len || same)
+        return LADEN_OK; /* the hot path: read before, ctime as then */
+    if (sample && (s = check_sample(f, gen)))
+        return s;
+    uint64_t sum = h && h->done == len ? h->st.acc
+                                       : laden_io_checksum(dst, len);
+    pthread_mutex_lock(&f->mu);
+    if (!known) {
+        keep_sum(f, off, (uint32_t)len, sum, gen);
+    } else if (sum != want) {
+        s = bytes_differ(f, off, len);
+    } else if ((e = find_sum(f, off, (uint32_t)len)) && e->gen < gen) {
+        e->gen = gen;
+    }
+    pthread_mutex_unlock(&f->mu);
     return s;
 }
 
@@ -426,9 +843,15 @@ static void *worker_main(void *arg)
         laden_status s = LADEN_OK;
         uint64_t n[3] = {0, 0, 0};
         uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
+        hasher h, *hp = NULL;
+        if (!skip && first_read(jb->file, jb->off, jb->len)) {
+            sum_begin(&h.st, jb->len);
+            h.done = 0;
+            hp = &h;
+        }
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
-                                      jb->dst, n)))
-            s = unchanged(jb->file);
+                                      jb->dst, n, hp)))
+            s = check_chunk(jb->file, jb->off, jb->len, jb->dst, hp);
         if (t0 && !skip) {
             uint64_t sess = laden__trace_session(); /* before the name */
             laden__trace_span(LADEN__EV_READ, sess, t0, jb->off, jb->len,

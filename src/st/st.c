@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "laden/st.h"
 #include "laden/gguf.h"
+#include "laden/io.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -18,6 +19,7 @@
 
 #include "../core/internal.h"
 #include "json.h"
+#include "../gguf/gguf_internal.h"
 
 typedef struct entry {
     const char *name;
@@ -33,6 +35,11 @@ typedef struct stfile {
     uint64_t size;
     uint64_t data_start;
     char *pool; /* the file's decoded strings */
+    /* What the file was when its header was read (see
+     * laden_st_file_open); none for a checkpoint in memory. */
+    bool known;
+    uint64_t dev, ino, mtime_ns, ctime_ns;
+    uint64_t head_bytes, head_sum; /* its header: bytes and checksum */
 } stfile;
 
 struct laden_st {
@@ -677,7 +684,8 @@ static const char *file_kind(mode_t m)
  * like a checkpoint or a shard); O_NOCTTY so a terminal never becomes ours.
  * Anything but a regular file is refused once open, and the descriptor is
  * made blocking again for the reads. */
-static laden_status open_fd(const char *path, int *fd, uint64_t *size)
+static laden_status open_fd(const char *path, int *fd, uint64_t *size,
+                            struct stat *out_sb)
 {
     struct stat sb;
     int flags;
@@ -710,7 +718,45 @@ static laden_status open_fd(const char *path, int *fd, uint64_t *size)
                            strerror(e));
     }
     *size = (uint64_t)sb.st_size;
+    if (out_sb)
+        *out_sb = sb;
     return LADEN_OK;
+}
+
+static uint64_t ns_of(struct timespec t)
+{
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Keeps what file fi was when its header was read (sb: the fstat of the
+ * descriptor it was parsed from) and the checksum of its first
+ * head_bytes, read again through the reader's file: what
+ * laden_st_file_open compares. */
+static laden_status know_file(laden_st_t *st, uint32_t fi,
+                              const struct stat *sb, uint64_t head_bytes)
+{
+    stfile *f = &st->files[fi];
+    laden_io_file_t *io;
+    laden_status s = laden_io_file_open(f->path, &io);
+    if (s)
+        return s;
+    uint64_t id[4], mt, ct;
+    laden_io_file_identity(io, id);
+    laden_io_file_times(io, &mt, &ct);
+    f->dev = (uint64_t)sb->st_dev;
+    f->ino = (uint64_t)sb->st_ino;
+    f->mtime_ns = ns_of(sb->st_mtim);
+    f->ctime_ns = ns_of(sb->st_ctim);
+    f->head_bytes = head_bytes;
+    if (id[0] != f->dev || id[1] != f->ino || id[2] != f->size ||
+        mt != f->mtime_ns || ct != f->ctime_ns)
+        s = laden__fail(LADEN_E_CHANGED, "%s: the file changed while its "
+                        "header was read; open it again", f->path);
+    else
+        s = laden_io_file_checksum(io, 0, head_bytes, &f->head_sum);
+    laden_io_file_close(io);
+    f->known = !s;
+    return s;
 }
 
 static laden_status open_one(laden_st_t *st, const char *path, bool keep_meta)
@@ -718,7 +764,8 @@ static laden_status open_one(laden_st_t *st, const char *path, bool keep_meta)
     int fd;
     uint64_t size, hlen;
     unsigned char first8[8];
-    laden_status s = open_fd(path, &fd, &size);
+    struct stat sb;
+    laden_status s = open_fd(path, &fd, &size, &sb);
     if (s)
         return s;
     if (size < 8)
@@ -734,8 +781,8 @@ static laden_status open_one(laden_st_t *st, const char *path, bool keep_meta)
             s = read_exact(fd, path, hdr, hlen, 8);
     }
     close(fd);
-    if (!s)
-        s = parse_file(st, path, size, hdr, hlen, keep_meta);
+    if (!s && !(s = parse_file(st, path, size, hdr, hlen, keep_meta)))
+        s = know_file(st, (uint32_t)st->nfiles - 1, &sb, 8 + hlen);
     free(hdr);
     if (s && strncmp(laden_last_error(), path, strlen(path)) != 0)
         laden__error_prefix("%s", path);
@@ -990,7 +1037,7 @@ static laden_status open_index(laden_st_t *st, const char *path)
     uint64_t size;
     laden__st_index ix = {0};
     char *buf = NULL, *dir = NULL, *joined = NULL;
-    laden_status s = open_fd(path, &fd, &size);
+    laden_status s = open_fd(path, &fd, &size, NULL);
     if (s)
         return s;
     if (size > LADEN_ST_MAX_HEADER_BYTES) {
@@ -1147,7 +1194,14 @@ static laden_status pick_in_dir(const char *dir, char **out)
 static laden_status open_gguf(laden_st_t *st, const char *path)
 {
     laden_gguf_t *g = NULL;
-    laden_status s = laden_gguf_open(path, &g);
+    int fd;
+    uint64_t fsize;
+    struct stat sb;
+    laden_status s = open_fd(path, &fd, &fsize, &sb);
+    if (s)
+        return s;
+    s = laden__gguf_open_fd(fd, path, &g);
+    close(fd);
     if (s)
         return s;
     size_t n = laden_gguf_count(g), nkv = laden_gguf_metadata_count(g);
@@ -1163,18 +1217,18 @@ static laden_status open_gguf(laden_st_t *st, const char *path)
         pool += strlen(kv.key) + 1 +
                 (kv.type == LADEN_GGUF_STRING ? (size_t)kv.count + 1 : 32);
     }
-    struct stat sb;
-    if (stat(path, &sb) != 0) {
-        laden_gguf_close(g);
-        return laden__fail(LADEN_E_IO, "%s: %s", path, strerror(errno));
-    }
     uint32_t fi = 0;
-    if ((s = add_file(st, path, (uint64_t)sb.st_size, pool, &fi))) {
+    if ((s = add_file(st, path, fsize, pool, &fi))) {
         laden_gguf_close(g);
         return s;
     }
     stfile *f = &st->files[fi];
     f->data_start = laden_gguf_data_offset(g);
+    if ((s = know_file(st, fi, &sb, f->data_start))) {
+        laden_gguf_close(g);
+        return s;
+    }
+    f = &st->files[fi];
     char *at = f->pool;
     if (!grow((void **)&st->t, &st->cap, n + 1, sizeof *st->t) ||
         !grow((void **)&st->dims, &st->dims_cap,
@@ -1379,6 +1433,48 @@ laden_status laden_st_metadata_at(const laden_st_t *st, size_t i,
     return LADEN_OK;
 }
 
+/* LADEN_OK if f, just opened, is the file whose header was read as
+ * stf: the same device, inode, size and modification time (else
+ * LADEN_E_CHANGED: replaced, or rewritten in place), and if only its
+ * status change time moved (a chmod moves it too), the same header
+ * bytes. */
+static laden_status same_file(const stfile *stf, laden_io_file_t *f)
+{
+    uint64_t then = stf->size, now = laden_io_file_size(f), id[4], mt, ct;
+    const char *path = stf->path;
+    if (now != then)
+        return laden__fail(LADEN_E_CHANGED,
+                           "%s: the file changed since its header was read "
+                           "(%s then, %s now); open it again",
+                           path, laden__bytes(then).s, laden__bytes(now).s);
+    if (!stf->known)
+        return LADEN_OK;
+    laden_io_file_identity(f, id);
+    laden_io_file_times(f, &mt, &ct);
+    if (id[0] != stf->dev || id[1] != stf->ino)
+        return laden__fail(LADEN_E_CHANGED,
+                           "%s: the file changed since its header was read "
+                           "(another file has its name now); open it again",
+                           path);
+    if (mt != stf->mtime_ns)
+        return laden__fail(LADEN_E_CHANGED,
+                           "%s: the file changed since its header was read "
+                           "(rewritten in place); open it again", path);
+    if (ct == stf->ctime_ns)
+        return LADEN_OK;
+    uint64_t sum;
+    laden_status s = laden_io_file_checksum(f, 0, stf->head_bytes, &sum);
+    if (s)
+        return s;
+    if (sum != stf->head_sum)
+        return laden__fail(LADEN_E_CHANGED,
+                           "%s: the file changed since its header was read "
+                           "(rewritten in place: its header differs, though "
+                           "its size and modification time are as they "
+                           "were); open it again", path);
+    return LADEN_OK;
+}
+
 laden_status laden_st_file_open(const laden_st_t *st, size_t i,
                                 laden_io_file_t **out)
 {
@@ -1393,13 +1489,9 @@ laden_status laden_st_file_open(const laden_st_t *st, size_t i,
     laden_io_file_t *f;
     if ((s = laden_io_file_open(path, &f)))
         return s;
-    uint64_t then = laden_st_file_size(st, i), now = laden_io_file_size(f);
-    if (now != then) {
+    if ((s = same_file(&st->files[i], f))) {
         laden_io_file_close(f);
-        return laden__fail(LADEN_E_CHANGED,
-                           "%s: the file changed since its header was read "
-                           "(%s then, %s now); open it again",
-                           path, laden__bytes(then).s, laden__bytes(now).s);
+        return s;
     }
     *out = f;
     return LADEN_OK;
