@@ -20,6 +20,7 @@ names and shapes and runs the arithmetic where the weights are.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import _lib
-from ._lib import check, lib
-from ._model import run_of
+from ._lib import check, error_for, lib
+from ._model import _Tensor, run_of
 from .checkpoint import Checkpoint, PathLike
-from .errors import InvalidArgumentError, StateError
+from .errors import InvalidArgumentError, LadenError, StateError
 
 __all__ = ["AdapterSpec", "merge_adapter", "set_adapters"]
 
@@ -94,25 +95,177 @@ class AdapterSpec:
 
 
 def _read(spec: AdapterSpec):
-    """(state dict of CPU tensors, peft config or {})."""
+    """(state dict of CPU tensors, peft config or {}, the files read):
+    AdapterError naming the adapter, the file and the field or key for
+    anything that is not an adapter laden can apply."""
     if callable(spec.source):
         sd = spec.source()
         if not isinstance(sd, dict):
             raise AdapterError(f"adapter '{spec.key}': its source returned "
                                f"{type(sd).__name__}, not a state dict",
                                "E_INVAL")
-        return dict(sd), {}
+        return _tensors_of(spec, dict(sd), "its source's state dict"), {}, \
+            _Files(None, "its source's state dict")
     path = os.fspath(spec.source)
-    cfg = {}
+    cfg, cp = {}, None
     if os.path.isdir(path):
         cp = os.path.join(path, "adapter_config.json")
-        if os.path.isfile(cp):
-            with open(cp) as f:
-                cfg = json.load(f)
+        cfg = _peft_config(spec, cp) if os.path.exists(cp) else {}
+        if not os.path.exists(cp):
+            cp = None
         f = os.path.join(path, "adapter_model.safetensors")
-        path = f if os.path.isfile(f) else path
-    with Checkpoint(path) as ck:
-        return {n: ck.tensor(n) for n in ck.names()}, cfg
+        if not os.path.isfile(f):
+            other = sorted(n for n in os.listdir(path)
+                           if n.endswith((".bin", ".pt", ".safetensors")))
+            raise AdapterError(
+                f"adapter '{spec.key}': {path} has no "
+                "adapter_model.safetensors"
+                + (f" (it has {', '.join(other[:3])})" if other else "")
+                + "; give the directory peft wrote or a .safetensors file",
+                "E_INVAL")
+        path = f
+    try:
+        with Checkpoint(path) as ck:
+            sd = {n: ck.tensor(n) for n in ck.names()}
+    except LadenError as e:
+        raise type(e)(f"adapter '{spec.key}': {e}", e.status,
+                      e.code) from None
+    return _tensors_of(spec, sd, path), cfg, _Files(cp, path)
+
+
+@dataclass(frozen=True)
+class _Files:
+    """Where an adapter came from, for messages: its peft config (or
+    None) and its tensors (a file, or a description of a source)."""
+    config: Optional[str]
+    weights: str
+
+
+def _tensors_of(spec: AdapterSpec, sd: dict, where: str) -> dict:
+    """The state dict with string keys and real-valued tensors (what
+    torch.as_tensor takes is made one)."""
+    import torch
+
+    out = {}
+    for k, t in sd.items():
+        if not isinstance(k, str) or not k:
+            raise AdapterError(f"adapter '{spec.key}', {where}: key {k!r} "
+                               "is not a tensor name", "E_INVAL")
+        if not isinstance(t, torch.Tensor):
+            try:  # numbers, lists, arrays
+                t = torch.as_tensor(t)
+            except Exception:
+                raise AdapterError(
+                    f"adapter '{spec.key}', {where}: '{k}' is "
+                    f"{type(t).__name__}, not a tensor", "E_INVAL") from None
+        if t.is_complex() or t.dtype == torch.bool or t.is_quantized or \
+                t.layout != torch.strided:
+            raise AdapterError(f"adapter '{spec.key}', {where}: '{k}' is a "
+                               f"{t.dtype} {str(t.layout).split('.')[-1]} "
+                               "tensor; adapters are real numbers",
+                               "E_INVAL")
+        if t.device.type == "meta":
+            raise AdapterError(f"adapter '{spec.key}', {where}: '{k}' is on "
+                               "meta (no values)", "E_INVAL")
+        out[k] = t
+    return out
+
+
+# peft config fields laden reads, with the types it accepts.
+_CFG_BOOLS = ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias")
+
+
+def _peft_config(spec: AdapterSpec, path: str) -> dict:
+    """adapter_config.json, read and checked: the fields laden uses have
+    the types peft writes, or AdapterError names the adapter, the file and
+    the field."""
+    import re
+
+    where = f"adapter '{spec.key}': {path}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 24)  # 16 MiB: far beyond any peft config
+            if f.read(1):
+                raise AdapterError(f"{where}: larger than 16 MiB: not a "
+                                   "peft adapter config", "E_INVAL")
+        cfg = json.loads(raw.decode("utf-8"),
+                         parse_constant=_no_constant)
+    except AdapterError:
+        raise
+    except OSError as e:
+        raise AdapterError(f"{where}: cannot read it: "
+                           f"{e.strerror or e}", "E_INVAL") from None
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"{where}: not UTF-8 text (byte {e.start})",
+                           "E_INVAL") from None
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{where}: not JSON: {e.msg} at line {e.lineno}"
+                           f" column {e.colno}", "E_INVAL") from None
+    except ValueError as e:  # NaN, Infinity, too many digits
+        raise AdapterError(f"{where}: not JSON laden reads: {e}",
+                           "E_INVAL") from None
+    except RecursionError:
+        raise AdapterError(f"{where}: nested too deeply to be a peft "
+                           "config", "E_INVAL") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{where}: a JSON {type(cfg).__name__}, not an "
+                           "object of peft's fields", "E_INVAL")
+
+    def bad(field, v, want):
+        raise AdapterError(f"{where}: field '{field}' is {_short(v)}; "
+                           f"{want}", "E_INVAL")
+
+    kind = cfg.get("peft_type")
+    if kind is not None and (not isinstance(kind, str) or
+                             kind.upper() != "LORA"):
+        bad("peft_type", kind, "laden applies LoRA adapters ('LORA')")
+    for k in _CFG_BOOLS:
+        if cfg.get(k) is not None and not isinstance(cfg[k], bool):
+            bad(k, cfg[k], "peft writes true or false")
+    if cfg.get("lora_bias"):
+        pass  # refused by resolve, naming it
+    a = cfg.get("lora_alpha")
+    if a is not None and not _finite_number(a):
+        bad("lora_alpha", a, "give a finite number")
+    r = cfg.get("r")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or
+                          r < 1):
+        bad("r", r, "give the rank, a whole number of 1 or more")
+    for field, ok, want in (
+            ("alpha_pattern", _finite_number, "a finite number"),
+            ("rank_pattern", lambda v: isinstance(v, int) and
+             not isinstance(v, bool) and v >= 1, "a whole number >= 1")):
+        pats = cfg.get(field)
+        if pats is None:
+            continue
+        if not isinstance(pats, dict):
+            bad(field, pats, "peft writes an object of module name "
+                "patterns")
+        for p, v in pats.items():
+            if not ok(v):
+                bad(f"{field}.{p}", v, f"give {want}")
+            try:
+                re.compile(p)
+            except (re.error, RecursionError, OverflowError) as e:
+                raise AdapterError(
+                    f"{where}: field '{field}': pattern {p!r} is not a "
+                    f"regular expression ({e})", "E_INVAL") from None
+    return cfg
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and \
+        math.isfinite(v)
+
+
+def _short(v) -> str:
+    s = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) \
+        else f"a JSON {'array' if isinstance(v, list) else 'object'}"
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 @dataclass
@@ -126,6 +279,7 @@ class _Target:
     transposed: bool = False   # W is [in, out] (transformers' Conv1D)
     sharded: bool = False      # W is a DTensor: the factors, delta and
                                # value are this rank's slice of them
+    adapter: str = ""          # the adapter's key (for messages)
 
     def update(self, W, strength: float):
         """The update of W (in W's shape, float32)."""
@@ -173,16 +327,23 @@ def _module_name(base: str, modules: set, underscored: Dict[str, str]):
     return None
 
 
+def _pattern(cfg: dict, field: str, module: str):
+    """The value of the first pattern of cfg[field] matching module, as
+    peft matches them, or None."""
+    import re
+
+    for pat, v in (cfg.get(field) or {}).items():
+        if re.match(rf"(.*\.)?({pat})$", module):  # as peft, first wins
+            return v
+    return None
+
+
 def _alpha_from(cfg: dict, module: str, r: int) -> Optional[float]:
     if not cfg:
         return None
-    import re
-
-    alpha = cfg.get("lora_alpha")
-    for pat, a in (cfg.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pat})$", module):  # as peft, first wins
-            alpha = a
-            break
+    alpha = _pattern(cfg, "alpha_pattern", module)
+    if alpha is None:
+        alpha = cfg.get("lora_alpha")
     if alpha is None:
         return None
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -217,18 +378,18 @@ class _HostAdapters:
         hit = self.items.get(k)
         if hit is not None:
             self.items.move_to_end(k)
-            return hit[0], hit[1]
-        sd, cfg = _read(a)
+            return hit[0], hit[1], hit[2]
+        sd, cfg, files = _read(a)
         self.reads += 1
         n = _nbytes(sd)
-        self.items[k] = (sd, cfg, n)
+        self.items[k] = (sd, cfg, files, n)
         self.bytes += n
-        return sd, cfg
+        return sd, cfg, files
 
     def held(self, keep) -> int:
         """Bytes of the entries of adapters `keep`."""
         ks = {_source_key(a) for a in keep}
-        return sum(v[2] for k, v in self.items.items() if k in ks)
+        return sum(v[3] for k, v in self.items.items() if k in ks)
 
     def trim(self, keep, idle_limit: int) -> None:
         """Drops the least recently used entries not of `keep` until those
@@ -239,7 +400,7 @@ class _HostAdapters:
             if idle <= idle_limit:
                 break
             if k not in ks:
-                n = self.items.pop(k)[2]
+                n = self.items.pop(k)[3]
                 self.bytes -= n
                 idle -= n
 
@@ -254,16 +415,18 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
     tensors read through `store` when given."""
     import torch
 
-    sd, cfg = store.get(spec) if store is not None else _read(spec)
+    sd, cfg, files = store.get(spec) if store is not None else _read(spec)
     if cfg.get("use_dora") or cfg.get("lora_bias"):
         raise AdapterError(
-            f"adapter '{spec.key}': {'DoRA' if cfg.get('use_dora') else 'LoRA with bias'}"
+            f"adapter '{spec.key}': {files.config}: "
+            f"{'use_dora' if cfg.get('use_dora') else 'lora_bias'} is true: "
+            f"{'DoRA' if cfg.get('use_dora') else 'LoRA with bias'}"
             " adapters are not supported (only plain LoRA, deltas and "
             "values)", "E_INVAL")
     odd = sorted(k for k in sd if any(x in k for x in _UNSUPPORTED))
     if odd:
         raise AdapterError(
-            f"adapter '{spec.key}': keys laden cannot apply: "
+            f"adapter '{spec.key}': {files.weights}: keys laden cannot apply: "
             f"{', '.join(odd[:6])}{' ...' if len(odd) > 6 else ''} (DoRA "
             "magnitudes, embedding LoRA, LoRA biases and saved base "
             "layers are not supported)", "E_INVAL")
@@ -273,6 +436,15 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
     targets: Dict[str, _Target] = {}
     alphas: Dict[str, float] = {}
     unmatched: List[str] = []
+    given: Dict[tuple, str] = {}  # (target, part) -> the key that gave it
+
+    def once(name, part, key):
+        had = given.setdefault((name, part), key)
+        if had != key:
+            raise AdapterError(
+                f"adapter '{spec.key}', {files.weights}: keys '{had}' and "
+                f"'{key}' both give {part} of '{name}'", "E_INVAL")
+
     for key, t in sd.items():
         base, kind, part = _split(key)
         if kind == "value":
@@ -286,6 +458,7 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
             if name is None:
                 unmatched.append(key)
                 continue
+            once(name, "the value", key)
             targets.setdefault(name, _Target(name)).value = t
             continue
         m = _module_name(base, modules, underscored)
@@ -293,12 +466,20 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
             unmatched.append(key)
             continue
         if kind == "alpha":
+            if t.numel() != 1 or not math.isfinite(float(t.float().reshape(
+                    -1)[0])):
+                raise AdapterError(
+                    f"adapter '{spec.key}', {files.weights}: '{key}' is "
+                    f"{'a ' + str(tuple(t.shape)) + ' tensor' if t.numel() != 1 else float(t)}"
+                    "; an alpha is one finite number", "E_INVAL")
+            once(m, "alpha", key)
             alphas[m] = float(t.float().reshape(-1)[0])
             continue
         name = f"{m}.{part if kind == 'delta' else 'weight'}"
         if name not in params:
             unmatched.append(key)
             continue
+        once(name, "the delta" if kind == "delta" else f"LoRA {part}", key)
         tg = targets.setdefault(name, _Target(name))
         if kind == "delta":
             tg.delta = t
@@ -321,7 +502,8 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
     out = []
     for name, tg in targets.items():
         W = params[name]
-        where = f"adapter '{spec.key}', target '{name}'"
+        tg.adapter = spec.key
+        where = f"adapter '{spec.key}' ({files.weights}), target '{name}'"
         from ._wrapped import is_dtensor
         dist = None
         if is_dtensor(W):  # checked against the whole (global) weight,
@@ -341,6 +523,11 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
                                "E_INVAL")
         if tg.A is not None:
             A, B = tg.A, tg.B
+            if A.dim() < 2 or B.dim() < 2 or A.shape[0] == 0:
+                raise AdapterError(
+                    f"{where}: LoRA factors A {tuple(A.shape)} and B "
+                    f"{tuple(B.shape)}: B must be [out, r], A [r, in...] "
+                    "with a rank r of 1 or more", "E_INVAL")
             r = A.shape[0]
             owner = _owner(model, name)
             tg.transposed = type(owner).__name__ == "Conv1D" or \
@@ -358,10 +545,24 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
                     + (", the weight being [in, out] (Conv1D)"
                        if tg.transposed else "") + ")", "E_INVAL")
             m = name.rsplit(".", 1)[0]
+            want_r = _pattern(cfg, "rank_pattern", m) if cfg else None
+            field_r = "rank_pattern" if want_r is not None else "r"
+            want_r = want_r if want_r is not None else cfg.get("r")
+            if want_r is not None and want_r != r:
+                raise AdapterError(
+                    f"{where}: {files.config} gives rank {want_r} (field "
+                    f"'{field_r}'), its LoRA factors have rank {r} (A "
+                    f"{tuple(A.shape)}, B {tuple(B.shape)})", "E_INVAL")
             if m in alphas:
                 tg.scale = alphas[m] / r
             else:
                 a = _alpha_from(cfg, m, r)
+                if a is None and cfg:
+                    raise AdapterError(
+                        f"{where}: {files.config} has no 'lora_alpha' "
+                        "(nor an alpha_pattern for it) and the adapter "
+                        "no alpha key: its scale, lora_alpha / r, is "
+                        "unknown", "E_INVAL")
                 tg.scale = a if a is not None else 1.0
         for what, t in (("delta", tg.delta), ("value", tg.value)):
             if t is not None and tuple(t.shape) != tuple(W.shape):
@@ -429,7 +630,13 @@ class _Adapters:
         self.mode: Optional[str] = None
         self.merges: Dict[int, list] = {}   # c_block -> [(W, target, s)]
         self.merged_at: Dict[int, int] = {}  # c_block -> slot fills merged
-        self.reread: list = []              # (c_block, c_index) changed
+        # Resident tensors merged in place, in the order merged:
+        # (c_block, c_index) -> [(W, target, s)].
+        self.resident: Dict[tuple, list] = {}
+        # Resident tensors whose bytes are neither the base nor a merge (a
+        # switch failed, and so did undoing it): (c_block, c_index) ->
+        # (W, name); the next switch reads them again first.
+        self.unknown: Dict[tuple, tuple] = {}
         self.hooks: list = []
         self.resolved: Dict[tuple, List[_Target]] = {}
         self.host = _HostAdapters()
@@ -445,25 +652,204 @@ class _Adapters:
 
     def clear(self) -> None:
         """Every update undone: hooks removed, slots to be filled again,
-        resident tensors read from the checkpoint again."""
+        resident tensors read from the checkpoint again; or, with the
+        error raised, the adapters in force as they were."""
+        self.switch(None, {}, {}, [])
+
+    def switch(self, mode, merges: dict, resident: dict, routes: list
+               ) -> None:
+        """Puts in force streamed merges `merges`, resident merges
+        `resident` and routed hooks `routes` ([(module, hook)]), all
+        checked by the caller: all of them, or (the error raised) none,
+        the adapters before the call in force exactly as they were.
+
+        The steps, each undone if a later one fails: the new hooks are
+        registered (removed again); the slots are forgotten, so the old
+        streamed merges are made again from the original bytes when their
+        blocks next enter (nothing the model computes changes); the
+        resident tensors the old adapters changed are read from the
+        checkpoint again, each whole or not at all (if one fails, the old
+        updates are added again to those read back: the same steps on the
+        same bytes, so the same bytes as before); the new updates are
+        added (if that fails, the tensors changed are read again and the
+        old updates added).  Then the records change, which cannot fail.
+        Ctrl-C waits for the end of the step under way, then undoes it
+        as any failure."""
         import torch
 
         st = self.handle.state
         o = st.live("set_adapters")
-        self.version += 1
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
-        if st.device.type == "cuda":
-            torch.cuda.synchronize(st.device)
-        if self.merges:
-            check(lib.laden_sched_refill(o.h))
-        self.merges.clear()
-        self.merged_at.clear()
-        for c_block, c_index in self.reread:
-            check(lib.laden_sched_reread(o.h, c_block, c_index))
-        self.reread.clear()
-        self.mode = None
+        new_hooks: list = []
+        touched = False
+        try:
+            with _interrupts_held():
+                for mod, fn in routes:
+                    new_hooks.append(mod.register_forward_hook(fn))
+            if st.device.type == "cuda":
+                torch.cuda.synchronize(st.device)
+            if self.merges or self.merged_at:
+                touched = True
+                s = lib.laden_sched_refill(o.h)
+                if s:
+                    err = error_for(s)
+                    raise type(err)(f"set_adapters: filling the slots "
+                                    f"again: {err}", err.status, err.code)
+                self.merged_at.clear()
+            self._undo_resident(o, st)
+            self._apply_resident(o, st, resident)
+        except BaseException:
+            with _interrupts_held():
+                for hk in new_hooks:
+                    hk.remove()
+                if touched or self.resident or resident:
+                    self.version += 1  # captured work is captured again
+            raise
+        with _interrupts_held():
+            for hk in self.hooks:
+                hk.remove()
+            self.hooks = new_hooks
+            self.merges = merges
+            self.resident = resident
+            self.mode = mode if (merges or resident or routes) else None
+            self.version += 1
+
+    def _undo_resident(self, o, st) -> None:
+        """The resident tensors the adapters in force changed (and any of
+        unknown bytes) read from the checkpoint again; if one fails, the
+        adapters in force again (see switch)."""
+        keys = list(self.resident) + [k for k in self.unknown
+                                      if k not in self.resident]
+        done: list = []
+        try:
+            for k in keys:
+                with _interrupts_held():
+                    W, name = self._where(k)
+                    _reread(o, st, k, W, name, self._by(k))
+                    done.append(k)
+        except BaseException as e:
+            with _interrupts_held():
+                lost = []
+                for k in done:
+                    self.unknown.pop(k, None)
+                    if k in self.resident:
+                        try:
+                            _merge_all(self.resident[k])
+                        except BaseException:
+                            lost.append(k)
+                            self.unknown[k] = self._where(k)
+            if lost:
+                raise _neither(e, [self._where(k)[1] for k in lost]) from e
+            raise
+        self.unknown.clear()
+
+    def _apply_resident(self, o, st, resident: dict) -> None:
+        """The new resident merges added (every tensor they change is the
+        base now); if one fails, the adapters before the call again."""
+        applied: list = []
+        try:
+            for k, todo in resident.items():
+                with _interrupts_held():
+                    applied.append(k)  # its bytes change from here on
+                    _merge_all(todo)
+        except BaseException as e:
+            with _interrupts_held():
+                lost = []
+                for k in applied:
+                    W, name = todo_where(resident[k])
+                    try:
+                        _reread(o, st, k, W, name, "")
+                    except BaseException:
+                        lost.append(k)
+                        self.unknown[k] = (W, name)
+                for k, todo in self.resident.items():
+                    if k in self.unknown:
+                        continue
+                    try:
+                        _merge_all(todo)
+                    except BaseException:
+                        lost.append(k)
+                        self.unknown[k] = self._where(k)
+            if lost:
+                raise _neither(e, [self.unknown[k][1] for k in lost]) from e
+            raise
+
+    def _where(self, k: tuple) -> tuple:
+        """(W, name) of resident tensor k."""
+        todo = self.resident.get(k)
+        return todo_where(todo) if todo else self.unknown[k]
+
+    def _by(self, k: tuple) -> str:
+        todo = self.resident.get(k) or ()
+        keys = sorted({tg.adapter for _, tg, _ in todo if tg.adapter})
+        return ", ".join(f"'{a}'" for a in keys)
+
+
+def todo_where(todo: list) -> tuple:
+    """(W, name) of the tensor a resident merge list changes."""
+    W, tg, _ = todo[0]
+    return W, tg.name
+
+
+def _merge_all(todo: list) -> None:
+    for W, tg, s in todo:
+        _add(W, tg, s)
+
+
+def _reread(o, st, k: tuple, W, name: str, by: str) -> None:
+    """Resident tensor k read from the checkpoint into its place again,
+    whole or not at all: on the CUDA device C reads it into host memory
+    and copies it only once it is read whole; on the CPU it reads into
+    the place itself, so what is there is kept aside first and put back
+    if the read fails.  The error names the tensor and the adapters."""
+    import torch
+
+    keep = None
+    if st.device.type != "cuda":
+        keep = _local(W).detach().clone()
+    s = lib.laden_sched_reread(o.h, k[0], k[1])
+    if not s:
+        return
+    err = error_for(s)
+    if keep is not None:
+        with torch.no_grad():
+            _local(W).copy_(keep)
+    raise type(err)(
+        f"set_adapters: undoing adapter{'s' if ',' in by else ''} "
+        f"{by or '(none)'} on '{name}' needs it read from the checkpoint "
+        f"again, which failed: {err}; the adapters in force before the "
+        "call still are", err.status, err.code)
+
+
+def _neither(e: BaseException, names: List[str]) -> StateError:
+    return StateError(
+        f"set_adapters failed ({type(e).__name__}: {e}) and undoing it "
+        f"failed too: the weights of {', '.join(names[:6])}"
+        f"{' ...' if len(names) > 6 else ''} are neither the base nor the "
+        "adapters'; call set_adapters again once the cause is gone",
+        "E_STATE")
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Ctrl-C (SIGINT) waits until the block ends, then raises: a step
+    that changes weights and records that it did is not cut between the
+    two.  Only on the main thread (where Python runs signal handlers)
+    while Python's own handler is installed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    got: list = []
+    prev = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        if got:
+            raise KeyboardInterrupt
 
 
 def _merge_slot(h, c_block: int, todo: list, merged_at: dict, what: str,
@@ -481,16 +867,16 @@ def _merge_slot(h, c_block: int, todo: list, merged_at: dict, what: str,
                          f"way and it has not been filled again since; "
                          f"{mend}", "E_STATE")
     merged_at[c_block] = _HALF
-    for t, tg, s in todo:
-        # What the block runs from now (the slot its module holds between
-        # enter and exit), looked up at each merge: a rebind makes it anew.
-        _add(run_of(t), tg, s)
+    for W, tg, s in todo:
+        _add(W, tg, s)
     merged_at[c_block] = fills.value
 
 
 def _add(W, tg: _Target, s: float) -> None:
     """W += update, in place, where W is (one fused multiply-add for a 2-D
     LoRA target); a DTensor's local shard += this rank's part of it."""
+    if isinstance(W, _Tensor):  # looked up now: a rebind makes it anew
+        W = run_of(W)
     import torch
 
     W = _local(W)
@@ -548,42 +934,45 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
     ad = handle.adapters
     # All checked before anything changes.
     resolved = _resolved(ad.resolved, adapters, model, st.device, ad.host)
-    ad.host.trim(adapters, IDLE_HOST_BYTES)
     by_name = _by_name(st.tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
     _check_targets(resolved, mode, model, by_name)
-    for tg_list in resolved:
+    merges: Dict[int, list] = {}
+    resident: Dict[tuple, list] = {}
+    routes: list = []
+    for tg_list, s in zip(resolved, strengths):
         for tg in tg_list:
             t = by_name[tg.name]
-            if mode == "merge" and id(t) in st.merged_for_good and \
-                    not lib.laden_sched_is_streamed(o.h, t.c_block):
+            if mode == "routed":
+                routes.append((_owner(model, tg.name), _route(tg, s)))
+                continue
+            W = params[tg.name]
+            if lib.laden_sched_is_streamed(o.h, t.c_block):
+                # The tensor, not its parameter: the slot its block runs
+                # from is bound into the module only inside the block.
+                merges.setdefault(t.c_block, []).append((t, tg, s))
+                continue
+            if id(t) in st.merged_for_good:
                 raise AdapterError(
                     f"target '{tg.name}' has an adapter merged for good "
                     "(merge_adapter, perhaps through a tied name) in "
                     "resident memory, which set_adapters would undo; use "
                     "mode='routed' or load the model again", "E_INVAL")
-    ad.clear()
-    if not adapters:
-        return
-    ad.mode = mode
-    if mode == "routed":
-        for tg_list, s in zip(resolved, strengths):
-            for tg in tg_list:
-                mod = _owner(model, tg.name)
-                ad.hooks.append(mod.register_forward_hook(
-                    _route(tg, s)))
-        return
-    for tg_list, s in zip(resolved, strengths):
+            if t.ckpt_name is None or t.source is not None:
+                raise AdapterError(
+                    f"adapter '{tg.adapter}', target '{tg.name}': the "
+                    "weight is resident and not read from a checkpoint "
+                    "(built by the model, or given in memory), so a merge "
+                    "into it could not be undone; use mode='routed'",
+                    "E_INVAL")
+            resident.setdefault((t.c_block, t.c_index), []).append(
+                (W, tg, s))
+    for tg_list in resolved:
         for tg in tg_list:
-            t = by_name[tg.name]
-            _warn_tied(t, tg)
-            W = params[tg.name]
-            if lib.laden_sched_is_streamed(o.h, t.c_block):
-                ad.merges.setdefault(t.c_block, []).append((t, tg, s))
-            else:
-                if (t.c_block, t.c_index) not in ad.reread:
-                    ad.reread.append((t.c_block, t.c_index))  # first
-                _add(W, tg, s)
+            if mode == "merge":
+                _warn_tied(by_name[tg.name], tg)
+    ad.switch(mode, merges, resident, routes)
+    ad.host.trim(adapters, IDLE_HOST_BYTES)
 
 
 def _warn_tied(t, tg: _Target) -> None:
@@ -770,7 +1159,13 @@ class _CacheAdapters:
                         "use the model again")
 
     def apply(self, adapters, strengths, mode: str) -> None:
-        """Makes the model, active now, run with exactly these adapters."""
+        """Makes the model, active now, run with exactly these adapters.
+        Everything is checked before anything changes; a failure after
+        that (the use then fails: the cache deactivates the model) leaves
+        records from which the next use's apply restores what it asks for:
+        a device copy being changed is marked half done before its bytes
+        change (the next apply writes it again from the host copy), and
+        the key, the hooks and the streamed merges change last."""
         import torch
 
         rt = self.rt
@@ -784,29 +1179,27 @@ class _CacheAdapters:
         by_name = _by_name(rt.tensors)
         params = dict(model.named_parameters(remove_duplicate=False))
         _check_targets(resolved, mode, model, by_name)
+        by_block: Dict[int, list] = {}
+        routes: list = []
+        for tg_list, s in zip(resolved, strengths):
+            for tg in tg_list:
+                if mode == "merge":
+                    t = by_name[tg.name]
+                    by_block.setdefault(t.c_block, []).append((t, tg, s))
+                else:
+                    routes.append((_owner(model, tg.name), _route(tg, s)))
+        for b in by_block:
+            if not lib.laden_sched_is_streamed(h, b) and \
+                    not lib.laden_sched_is_resident(h, b):
+                raise AdapterError(
+                    f"model '{rt.spec.key}': block {b} has no device copy "
+                    "of its own here (its weights are its host copy, which "
+                    "adapters never change); use mode='routed'", "E_INVAL")
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
-        for hk in self.hooks:
-            hk.remove()
-        self.hooks.clear()
-        by_block: Dict[int, list] = {}
-        if mode == "merge":
-            for tg_list, s in zip(resolved, strengths):
-                for tg in tg_list:
-                    t = by_name[tg.name]
-                    by_block.setdefault(t.c_block, []).append(
-                        (t, tg, s))
-        else:
-            for tg_list, s in zip(resolved, strengths):
-                for tg in tg_list:
-                    self.hooks.append(_owner(model, tg.name)
-                                      .register_forward_hook(
-                                          _route(tg, s)))
         if key != self.key or _HALF in self.merged_at.values():
             check(lib.laden_sched_refill(h))  # slots: filled again
             self.merged_at.clear()
-        self.merges = {b: v for b, v in by_block.items()
-                       if lib.laden_sched_is_streamed(h, b)}
         # On the CPU device a resident block runs from its host copy,
         # which adapters never change: a block merged into gets a copy of
         # its own first (C), and the tensors are pointed at it.
@@ -828,22 +1221,24 @@ class _CacheAdapters:
             if have is not None and have[1] == fills.value:
                 if have[0] == want:
                     continue  # this copy holds this merge already
+                self.copies[b] = (_HALF, fills.value)  # until it is done
                 check(lib.laden_sched_reupload(h, b))  # the base again
                 check(lib.laden_sched_copy_fills(h, b, ctypes.byref(fills)))
             self.copies.pop(b, None)
             if want is None:
                 continue
-            if not lib.laden_sched_is_resident(h, b):
-                raise AdapterError(
-                    f"model '{rt.spec.key}': block {b} has no device copy "
-                    "of its own here (its weights are its host copy, which "
-                    "adapters never change); use mode='routed'", "E_INVAL")
             self.copies[b] = (_HALF, fills.value)  # until it is done
-            for t, tg, s in by_block[b]:
-                _add(run_of(t), tg, s)
+            _merge_all(by_block[b])
             self.copies[b] = (want, fills.value)
-        self.key = key
-        self.current = tuple(adapters)
+        with _interrupts_held():
+            for hk in self.hooks:
+                hk.remove()
+            self.hooks = [mod.register_forward_hook(fn)
+                          for mod, fn in routes]
+            self.merges = {b: v for b, v in by_block.items()
+                           if lib.laden_sched_is_streamed(h, b)}
+            self.key = key
+            self.current = tuple(adapters)
 
 
 def _args(adapters, strengths, mode, call):

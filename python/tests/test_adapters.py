@@ -490,3 +490,271 @@ def test_adapters_read_once(tmp_path):
         assert len(store.items) == 1 and store.bytes == one
     assert store.reads == 3 and tight.stats()["builds"] == 1
     tight.clear()
+
+
+# ---- a switch either completes or changes nothing ---------------------------------
+
+def _rewrite(path):
+    """Rewrites the checkpoint in place with other bytes of the same size
+    (the header kept, its tensors' bytes zeros) and a later time, as a
+    writer would while laden uses it; returns what puts the original
+    bytes and times back (laden then takes it as unchanged again)."""
+    st = os.stat(path)
+    with open(path, "rb") as f:
+        orig = f.read()
+    n = int.from_bytes(orig[:8], "little")
+    with open(path, "r+b") as f:
+        f.seek(8 + n)
+        f.write(bytes(len(orig) - 8 - n))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    def restore():
+        with open(path, "r+b") as f:
+            f.write(orig)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return restore
+
+
+@pytest.mark.parametrize("budget", [{}, {"ram_budget": 250_000}],
+                         ids=["ram", "mixed"])
+def test_failed_switch_keeps_the_adapters(tmp_path, monkeypatch, budget):
+    """A switch whose re-read of resident tensors fails (the checkpoint
+    rewritten under the model: E_CHANGED), before the first tensor or
+    after some, leaves the adapters before it in force bit for bit, with
+    an error naming the adapter, the tensor and the file; once the file
+    is back, switches work again."""
+    from laden import adapters as admod
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    base = logits(ref, "cpu")
+    a_dir, _ = lora(ref, tmp_path, "a")
+    b_dir, b_merged = lora(ref, tmp_path, "b", seed=3)
+    ck = os.path.join(d, "model.safetensors")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", **budget)
+    h = m._laden_stream.handle
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+    h.set_adapters([A])
+    want = logits(m, "cpu")
+    assert not torch.equal(want, base)
+    for nxt, kw in (([], {}), ([B], {}), ([A], {"mode": "routed"})):
+        restore = _rewrite(ck)
+        with pytest.raises(laden.FormatError) as e:
+            h.set_adapters(nxt, **kw)
+        msg = str(e.value)
+        assert "'a'" in msg and "model.safetensors" in msg and \
+            "changed" in msg and ".weight'" in msg and "still are" in msg
+        restore()
+        assert torch.equal(logits(m, "cpu"), want), (nxt, kw)
+    # The file rewritten after some tensors were read back: those get
+    # the adapter again.
+    real = admod._reread
+    calls = {"n": 0, "restore": None}
+
+    def late(*a):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            calls["restore"] = _rewrite(ck)
+        return real(*a)
+
+    monkeypatch.setattr(admod, "_reread", late)
+    with pytest.raises(laden.FormatError):
+        h.set_adapters([B])
+    assert calls["n"] == 4
+    monkeypatch.setattr(admod, "_reread", real)
+    calls["restore"]()
+    assert torch.equal(logits(m, "cpu"), want)
+    h.set_adapters([])
+    assert torch.equal(logits(m, "cpu"), base)
+    h.set_adapters([B])
+    torch.testing.assert_close(logits(m, "cpu"), logits(b_merged, "cpu"),
+                               atol=2e-5, rtol=1e-4)
+    h.set_adapters([A])
+    assert torch.equal(logits(m, "cpu"), want)
+    laden.release(m)
+
+
+@pytest.mark.parametrize("step", ["_reread", "_merge_all", "signal"])
+def test_interrupted_switch_keeps_the_adapters(tmp_path, monkeypatch, step):
+    """KeyboardInterrupt in the middle of set_adapters (raised by the
+    re-read of a tensor, by the merge of one, or a real SIGINT arriving
+    during a merge, which waits for the step's end): the adapters before
+    the call in force bit for bit, and the next switch works."""
+    import signal
+
+    from laden import adapters as admod
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    base = logits(ref, "cpu")
+    a_dir, _ = lora(ref, tmp_path, "a")
+    b_dir, b_merged = lora(ref, tmp_path, "b", seed=3)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    h = m._laden_stream.handle
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+    h.set_adapters([A])
+    want = logits(m, "cpu")
+    name = "_merge_all" if step == "signal" else step
+    real = getattr(admod, name)
+    calls = {"n": 0}
+
+    def cut(*a):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            if step != "signal":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a)
+
+    monkeypatch.setattr(admod, name, cut)
+    with pytest.raises(KeyboardInterrupt):
+        h.set_adapters([B])
+    monkeypatch.setattr(admod, name, real)
+    assert calls["n"] >= 3  # the rollback merges again
+    assert torch.equal(logits(m, "cpu"), want)
+    h.set_adapters([B])
+    torch.testing.assert_close(logits(m, "cpu"), logits(b_merged, "cpu"),
+                               atol=2e-5, rtol=1e-4)
+    h.set_adapters([])
+    assert torch.equal(logits(m, "cpu"), base)
+    laden.release(m)
+
+
+@pytest.mark.parametrize("block_mode", ["resident", "streaming"])
+def test_interrupted_cache_use(tmp_path, monkeypatch, block_mode):
+    """A use whose adapters' merge is interrupted fails; the next uses get
+    what they ask for (the adapters, or the base bit for bit)."""
+    from laden import adapters as admod
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    base = logits(ref, "cpu")
+    a_dir, a_merged = lora(ref, tmp_path, "a")
+    b_dir, _ = lora(ref, tmp_path, "b", seed=3)
+    want_a = logits(a_merged, "cpu")
+
+    def build():
+        with laden.hf.empty_weights():
+            return transformers.LlamaForCausalLM(ref.config).eval()
+
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("llama", build, checkpoint=d,
+                           block_paths=("model.layers",),
+                           block_mode=block_mode)
+    A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
+
+    def run(**kw):
+        with cache.use(spec, device="cpu", **kw) as mm:
+            return logits(mm, "cpu")
+
+    tol = dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(run(adapters=[A]), want_a, **tol)
+    real = admod._add
+    calls = {"n": 0}
+
+    def cut(*a):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(admod, "_add", cut)
+    with pytest.raises(KeyboardInterrupt):
+        run(adapters=[B])
+        run(adapters=[B])  # streamed: the merge runs in the forward
+    monkeypatch.setattr(admod, "_add", real)
+    torch.testing.assert_close(run(adapters=[A]), want_a, **tol)
+    assert torch.equal(run(), base)
+    cache.clear()
+
+
+def test_hostile_adapter_configs(tmp_path):
+    """adapter_config.json that is not JSON, of wrong types, missing
+    lora_alpha, ranks that do not fit, odd keys in the tensors: each an
+    AdapterError naming the adapter, the file and the field or key (not
+    a JSONDecodeError, AttributeError, IndexError or ZeroDivisionError),
+    and the adapters in force stay."""
+    import json
+    import shutil
+
+    ref = tiny_llama()
+    d = str(tmp_path / "base")
+    ref.save_pretrained(d)
+    a_dir, _ = lora(ref, tmp_path, "a")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    h = m._laden_stream.handle
+    h.set_adapters([laden.AdapterSpec("a", a_dir)])
+    want = logits(m, "cpu")
+    with open(os.path.join(a_dir, "adapter_config.json")) as f:
+        cfg0 = json.load(f)
+
+    def variant(name, text=None, **edit):
+        dd = str(tmp_path / name)
+        shutil.copytree(a_dir, dd)
+        if text is None:
+            c = dict(cfg0)
+            c.update(edit)
+            c = {k: v for k, v in c.items() if v is not None}
+            text = json.dumps(c)
+        with open(os.path.join(dd, "adapter_config.json"), "w") as f:
+            f.write(text)
+        return dd
+
+    cases = [("badjson", {"text": '{"r": 4,,}'}, "line 1 column 9"),
+             ("list", {"text": "[1]"}, "JSON list"),
+             ("nested", {"text": "[" * 100000 + "]" * 100000},
+              "nested too deeply"),
+             ("nan", {"text": '{"lora_alpha": NaN}'}, "NaN"),
+             ("alpha_str", {"lora_alpha": "8"}, "'lora_alpha'"),
+             ("pattern_list", {"alpha_pattern": [1]}, "'alpha_pattern'"),
+             ("pattern_re", {"alpha_pattern": {"(": 3}}, "'alpha_pattern'"),
+             ("no_alpha", {"lora_alpha": None}, "'lora_alpha'"),
+             ("r8", {"r": 8}, "'r'"),
+             ("r0", {"r": 0}, "'r'"),
+             ("rank_pattern", {"rank_pattern": {"q_proj": 2}},
+              "'rank_pattern'"),
+             ("dora_str", {"use_dora": "false"}, "'use_dora'"),
+             ("loha", {"peft_type": "LOHA"}, "'peft_type'")]
+    for name, kw, field in cases:
+        with pytest.raises(laden.AdapterError) as e:
+            h.set_adapters([laden.AdapterSpec(name, variant(name, **kw))])
+        msg = str(e.value)
+        assert f"'{name}'" in msg and "adapter_config.json" in msg and \
+            field in msg, msg
+    q = "model.layers.0.self_attn.q_proj."
+    z = torch.zeros
+    odd = [("zero_dim", {q + "lora_A.weight": torch.tensor(1.0),
+                         q + "lora_B.weight": z(64, 4)}, "rank"),
+           ("alpha_empty", {q + "lora_A.weight": z(4, 64),
+                            q + "lora_B.weight": z(64, 4),
+                            q + "alpha": z(0)}, q + "alpha"),
+           ("rank0", {q + "lora_A.weight": z(0, 64),
+                      q + "lora_B.weight": z(64, 0)}, "rank"),
+           ("twice", {q + "delta.weight": z(64, 64),
+                      "base_model.model." + q + "delta.weight": z(64, 64)},
+            "both give")]
+    for name, sd, key in odd:
+        path = str(tmp_path / f"{name}.safetensors")
+        laden.save_file(sd, path)
+        with pytest.raises(laden.AdapterError) as e:
+            h.set_adapters([laden.AdapterSpec(name, path)])
+        msg = str(e.value)
+        assert f"'{name}'" in msg and path in msg and key in msg, msg
+    for sd, what in (({3: z(1)}, "key 3"),
+                     ({"model.norm.weight": object()}, "not a tensor"),
+                     ({"model.norm.weight": z(64, dtype=torch.complex64)},
+                      "real")):
+        with pytest.raises(laden.AdapterError, match=what):
+            h.set_adapters([laden.AdapterSpec("f", lambda sd=sd: sd)])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(laden.AdapterError,
+                       match="no adapter_model.safetensors"):
+        h.set_adapters([laden.AdapterSpec("e", str(tmp_path / "empty"))])
+    assert torch.equal(logits(m, "cpu"), want)  # as it was
+    laden.release(m)
