@@ -521,8 +521,10 @@ def test_failed_switch_keeps_the_adapters(tmp_path, monkeypatch, budget):
     """A switch whose re-read of resident tensors fails (the checkpoint
     rewritten under the model: E_CHANGED), before the first tensor or
     after some, leaves the adapters before it in force bit for bit, with
-    an error naming the adapter, the tensor and the file; once the file
-    is back, switches work again."""
+    an error naming the adapter, the tensor and the file.  A file refused
+    once stays refused for that load (laden.io: the bytes read from it
+    can no longer be trusted), so each case loads the model afresh; once
+    the file is back, a new load switches as before."""
     from laden import adapters as admod
 
     ref = tiny_llama()
@@ -532,14 +534,27 @@ def test_failed_switch_keeps_the_adapters(tmp_path, monkeypatch, budget):
     a_dir, _ = lora(ref, tmp_path, "a")
     b_dir, b_merged = lora(ref, tmp_path, "b", seed=3)
     ck = os.path.join(d, "model.safetensors")
-    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
-                              device="cpu", **budget)
-    h = m._laden_stream.handle
     A, B = laden.AdapterSpec("a", a_dir), laden.AdapterSpec("b", b_dir)
-    h.set_adapters([A])
+    in_ram = not budget  # the forward reads nothing from the file
+
+    def loaded():
+        m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device="cpu", **budget)
+        h = m._laden_stream.handle
+        h.set_adapters([A])
+        return m, h
+
+    def in_memory(m):
+        return {n: p.detach().clone() for n, p in m.named_parameters()
+                if not p.is_meta}
+
+    m, _ = loaded()
     want = logits(m, "cpu")
     assert not torch.equal(want, base)
+    laden.release(m)
     for nxt, kw in (([], {}), ([B], {}), ([A], {"mode": "routed"})):
+        m, h = loaded()
+        before = in_memory(m)
         restore = _rewrite(ck)
         with pytest.raises(laden.FormatError) as e:
             h.set_adapters(nxt, **kw)
@@ -547,7 +562,13 @@ def test_failed_switch_keeps_the_adapters(tmp_path, monkeypatch, budget):
         assert "'a'" in msg and "model.safetensors" in msg and \
             "changed" in msg and ".weight'" in msg and "still are" in msg
         restore()
-        assert torch.equal(logits(m, "cpu"), want), (nxt, kw)
+        after = in_memory(m)
+        assert sorted(after) == sorted(before)
+        assert all(torch.equal(after[n], before[n]) for n in before), \
+            (nxt, kw)
+        if in_ram:
+            assert torch.equal(logits(m, "cpu"), want), (nxt, kw)
+        laden.release(m)
     # The file rewritten after some tensors were read back: those get
     # the adapter again.
     real = admod._reread
@@ -559,12 +580,20 @@ def test_failed_switch_keeps_the_adapters(tmp_path, monkeypatch, budget):
             calls["restore"] = _rewrite(ck)
         return real(*a)
 
+    m, h = loaded()
+    before = in_memory(m)
     monkeypatch.setattr(admod, "_reread", late)
     with pytest.raises(laden.FormatError):
         h.set_adapters([B])
     assert calls["n"] == 4
     monkeypatch.setattr(admod, "_reread", real)
     calls["restore"]()
+    after = in_memory(m)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    if in_ram:
+        assert torch.equal(logits(m, "cpu"), want)
+    laden.release(m)
+    m, h = loaded()  # the file as it was: a new load switches as before
     assert torch.equal(logits(m, "cpu"), want)
     h.set_adapters([])
     assert torch.equal(logits(m, "cpu"), base)
