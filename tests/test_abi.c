@@ -9,6 +9,7 @@
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
+#include "laden/shm.h"
 #include "laden/st.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
@@ -30,6 +31,7 @@ static const struct {
     ONE(laden_plan_input),    ONE(laden_plan_result),
     ONE(laden_host_stats),    ONE(laden_gguf_tensor),
     ONE(laden_gguf_kv),       ONE(laden_trace_result),
+    ONE(laden_shm_entry),
 };
 #undef ONE
 

@@ -261,13 +261,22 @@ LADEN_API laden_status laden_sched_shared_bytes(const laden_st_t *st,
 
 /* Whether the schedule's host copy is shared: *out_state 0 not shared
  * (or not loaded yet), 1 this process made and filled the segment, 2 it
- * attached to one another process made; its name (without the
- * directory, NUL-terminated in name_cap bytes; NULL: not wanted) and
- * data bytes. */
+ * attached to one another process made, 3 it was asked for but the
+ * segment's name was held by something else (a segment of another
+ * content, a file laden did not make, a FIFO, a symlink, another user's
+ * file: never used), so the load kept a private copy
+ * (laden_sched_share_note says why); its name (without the directory,
+ * NUL-terminated in name_cap bytes; NULL: not wanted) and data bytes. */
 LADEN_API laden_status laden_sched_share_info(laden_sched_t *sched,
                                               char *name, size_t name_cap,
                                               uint64_t *out_bytes,
                                               int32_t *out_state);
+
+/* Why a load asked to share kept a private copy (state 3 of
+ * laden_sched_share_info), NUL-terminated in why (why_cap bytes); "" if
+ * it did not.  Does not block; the schedule's thread. */
+LADEN_API laden_status laden_sched_share_note(laden_sched_t *sched,
+                                              char *why, size_t why_cap);
 
 /* Called by laden_sched_load and laden_sched_load_block on the loading
  * thread each time a block is in place: bytes of blocks done so far, and

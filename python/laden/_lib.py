@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 import os
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float,
-                    c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p)
+                    c_int, c_int32, c_int64, c_size_t, c_uint32, c_uint64,
+                    c_void_p)
 
 from .errors import BY_STATUS, LadenError
 
@@ -82,6 +83,16 @@ class SchedConfig(Structure):
         ("ram_budget_bytes", c_uint64),
         ("io", c_void_p),
         ("flags", c_uint32),
+    ]
+
+
+class ShmEntry(Structure):
+    """laden_shm_entry: a file at a laden name in LADEN_SHM_DIR."""
+    _fields_ = [
+        ("name", c_char * 256), ("file_bytes", c_uint64),
+        ("data_bytes", c_uint64), ("age_ms", c_int64), ("kind", c_int32),
+        ("users", c_int32), ("state", c_int32), ("creator_pid", c_int32),
+        ("what", c_char * 256), ("label", c_char * 1024),
     ]
 
 
@@ -365,6 +376,11 @@ _SIGNATURES = {
     "laden_sched_reread": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_share": (status_t, [p, c_char_p]),
     "laden_shm_held_bytes": (status_t, [c_char_p, P(c_uint64)]),
+    "laden_shm_dir": (status_t, [c_char_p, c_size_t]),
+    "laden_shm_list": (status_t, [P(ShmEntry), c_uint32, P(c_uint32)]),
+    "laden_shm_reclaim": (status_t, [P(ShmEntry), c_uint32, P(c_uint32),
+                                     P(c_uint64)]),
+    "laden_sched_share_note": (status_t, [p, c_char_p, c_size_t]),
     "laden_sched_shared_bytes": (status_t, [p, P(c_uint64)]),
     "laden_sched_share_info": (status_t, [p, c_char_p, c_size_t,
                                           P(c_uint64), P(c_int32)]),

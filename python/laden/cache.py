@@ -306,7 +306,7 @@ class _Runtime:
                             _set_tensor(t, self._host_view(t))
                         done = b + 1
                         pt.check()
-            self.shared = sharing.info(self.sched)
+            self.shared = sharing.info(self.sched, f"model '{self.spec.key}'")
             if self.dc.vram is not None:
                 check(lib.laden_sched_use_vram(self.sched,
                                                self.dc.vram._h))

@@ -663,7 +663,64 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--title", default=None,
                    help="the picture's title (default: the file's name)")
     p.set_defaults(fn=cmd_trace)
+    p = sub.add_parser("shm", help="the shared host copies in "
+                       "LADEN_SHM_DIR (default /dev/shm): list them, or "
+                       "remove those no live process uses")
+    ssub = p.add_subparsers(dest="shm_cmd")
+    ssub.add_parser("list", help="each segment: size, whether a live "
+                    "process uses it, the checkpoint it holds, age")
+    ssub.add_parser("clean", help="remove the segments no live process "
+                    "uses (users killed or ended without releasing)")
+    p.set_defaults(fn=cmd_shm)
     return ap
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def cmd_shm(args) -> int:
+    if getattr(args, "shm_cmd", None) not in ("list", "clean"):
+        raise BadArgument("give a shm command: laden shm list, or laden shm "
+                          "clean")
+    from . import sharing
+
+    where = sharing.directory()
+    if args.shm_cmd == "clean":
+        gone, nbytes = sharing.reclaim()
+        for g in gone:
+            print(f"removed {g.name} ({fmt_bytes(g.file_bytes)}"
+                  + (f", {g.checkpoint}" if g.checkpoint else "") + ")")
+        print(f"{where}: removed {len(gone)} file(s), {fmt_bytes(nbytes)} "
+              f"({nbytes} bytes)")
+        return 0
+    segs = sharing.list_segments()
+    if not segs:
+        print(f"{where}: no laden segments")
+        return 0
+    rows = [["name", "size", "users", "state", "age", "checkpoint"]]
+    for g in segs:
+        users = {True: "alive", False: "none (dead)", None: "?"}[g.alive]
+        state = g.state or ("being made" if g.kind == "being made" else "-")
+        what = g.checkpoint or (f"not laden's: {g.what}"
+                                if g.kind == "not laden's" else "?")
+        rows.append([g.name, fmt_bytes(g.file_bytes), users, state,
+                     _age(g.age_s), what])
+    print(f"{where}:")
+    print(_table(rows, right=(1,)))
+    dead = [g for g in segs if g.alive is False]
+    if dead:
+        print(f"{len(dead)} with no live user "
+              f"({fmt_bytes(sum(g.file_bytes for g in dead))}): "
+              "'laden shm clean' removes them (so does any laden load)")
+    return 0
 
 
 def cmd_trace(args) -> int:
@@ -702,7 +759,7 @@ def main(argv: Sequence[str] = None) -> int:
         return 0
     if not getattr(args, "fn", None):
         print("laden: error: give a command: inspect, probe, plan, demo, "
-              "generate, sample or trace ('laden -h' says more)",
+              "generate, sample, trace or shm ('laden -h' says more)",
               file=sys.stderr)
         return 2
     try:

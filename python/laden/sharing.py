@@ -8,22 +8,29 @@ too -- in shared memory named from what determines its bytes (the
 checkpoint files' identities, every tensor's place, dtype and conversion).
 The first process loads it; the others that load the same checkpoint the
 same way attach and read nothing; each pins it with its own CUDA context;
-the last to release removes it.  Here: the call, what it did, and the
-check across a process group.
+the last to release removes it.  A name held by something else (a segment
+of another model, a file laden did not make, a FIFO, a symlink, another
+user's file) is never used: the load keeps a private copy and warns once.
+Here: the call, what it did, the check across a process group, and the
+segments in the directory (``laden shm list`` / ``laden shm clean``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from . import _lib
 from ._lib import check, lib
 from .errors import InvalidArgumentError, MismatchError, StateError
 
+log = logging.getLogger("laden")
+
 STATES = {0: None, 1: "made", 2: "attached"}
+FELL_BACK = 3  # asked, but the name was held by something else
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,24 @@ def ask(h, shared, where: str) -> None:
         check(lib.laden_sched_share(h, b"laden-v1"))
 
 
-def info(h) -> Optional[Shared]:
-    """What the load of schedule `h` did about sharing (None: nothing)."""
+def info(h, where: str = "stream_load") -> Optional[Shared]:
+    """What the load of schedule `h` did about sharing (None: nothing).  A
+    load asked to share whose segment's name was held by something else
+    kept a private copy: one warning naming why, and None (its copy is its
+    own, so nothing refuses writes to it)."""
     name = ctypes.create_string_buffer(64)
     n = ctypes.c_uint64()
     state = ctypes.c_int32()
     check(lib.laden_sched_share_info(h, name, 64, ctypes.byref(n),
                                      ctypes.byref(state)))
+    if state.value == FELL_BACK:
+        why = ctypes.create_string_buffer(512)
+        check(lib.laden_sched_share_note(h, why, 512))
+        log.warning("laden: %s: shared=True, but the host copy is not "
+                    "shared: %s; loaded a private copy instead ('laden shm "
+                    "list' shows the directory)", where,
+                    why.value.decode(errors="replace"))
+        return None
     how = STATES.get(state.value)
     return Shared(how, name.value.decode(), n.value) if how else None
 
@@ -139,3 +157,74 @@ def refuse_writes(state, what: str) -> None:
             f"(shared=True, segment {got.name}), and laden never writes it "
             "after the load; load the model without shared=True to change "
             "its weights", "E_STATE")
+
+
+# ---- the segments' directory (laden shm list / clean) -----------------------
+
+KINDS = {0: "segment", 1: "being made", 2: "not laden's"}
+SEG_STATES = {0: "filling", 1: "ready", 2: "failed"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A file at a laden name in the segments' directory
+    (laden_shm_entry): ``kind`` "segment", "being made" (a maker's
+    temporary file) or "not laden's" (``what`` says why; laden never opens
+    or removes it); ``alive`` True if a live process holds it, False if
+    none does (``laden shm clean`` removes it), None if unknown; the
+    ``checkpoint`` it holds ("" if not known); ``age_s``."""
+
+    name: str
+    file_bytes: int
+    data_bytes: int
+    age_s: float
+    kind: str
+    alive: Optional[bool]
+    state: Optional[str]
+    creator_pid: int
+    what: str
+    checkpoint: str
+
+
+def _segment(e) -> Segment:
+    return Segment(
+        e.name.decode(errors="replace"), e.file_bytes, e.data_bytes,
+        e.age_ms / 1000.0, KINDS.get(e.kind, "?"),
+        None if e.users < 0 else bool(e.users),
+        SEG_STATES.get(e.state), e.creator_pid,
+        e.what.decode(errors="replace"), e.label.decode(errors="replace"))
+
+
+def directory() -> str:
+    """The segments' directory as laden uses it (LADEN_SHM_DIR made
+    absolute, default /dev/shm)."""
+    buf = ctypes.create_string_buffer(4096)
+    check(lib.laden_shm_dir(buf, 4096))
+    return buf.value.decode(errors="replace")
+
+
+def list_segments() -> List[Segment]:
+    """The files at laden names in the directory (laden_shm_list)."""
+    cap = 64
+    while True:
+        arr = (_lib.ShmEntry * cap)()
+        n = ctypes.c_uint32()
+        check(lib.laden_shm_list(arr, cap, ctypes.byref(n)))
+        if n.value <= cap:
+            return sorted((_segment(arr[i]) for i in range(n.value)),
+                          key=lambda s: s.name)
+        cap = n.value + 16  # more appeared meanwhile: again, with room
+
+
+def reclaim() -> Tuple[List[Segment], int]:
+    """Removes the segments no live process holds and the temporary files
+    of makers that died (laden_shm_reclaim): what it removed, and the
+    bytes.  (Every load of a checkpoint does the same.)"""
+    cap = 1024
+    arr = (_lib.ShmEntry * cap)()
+    n = ctypes.c_uint32()
+    nbytes = ctypes.c_uint64()
+    check(lib.laden_shm_reclaim(arr, cap, ctypes.byref(n),
+                                ctypes.byref(nbytes)))
+    got = [_segment(arr[i]) for i in range(min(n.value, cap))]
+    return sorted(got, key=lambda s: s.name), nbytes.value

@@ -33,6 +33,7 @@ C_NAMES = {
     "GgufTensor": "laden_gguf_tensor",
     "GgufKv": "laden_gguf_kv",
     "TraceResult": "laden_trace_result",
+    "ShmEntry": "laden_shm_entry",
 }
 
 

@@ -369,3 +369,153 @@ def test_group_with_background_is_refused(tmp_path, shm_dir):
                               background=True)
     finally:
         dist.destroy_process_group()
+
+
+# ---- what dead users leave, and names held by something else (issue 33) --------
+
+USER = r"""
+import os, signal, sys, time
+sys.path.insert(0, {here!r})
+import torch, laden
+from test_shared import Net
+with torch.device("meta"):
+    m = Net().eval()
+laden.stream_load(m, {path!r}, offload_prefixes=["blocks."], device="cpu",
+                  shared=True)
+print("loaded", flush=True)
+how = {how!r}
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif how == "term":
+    os.kill(os.getpid(), signal.SIGTERM)
+else:
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "term", "exit"])
+def test_a_dead_users_segment_is_reclaimed_by_a_private_load(tmp_path,
+                                                             shm_dir, how):
+    """The last user of a shared copy dies without releasing it (SIGKILL,
+    SIGTERM, os._exit): its full-size segment used to stay until that
+    checkpoint's next *shared* load.  Any load now reclaims it, a private
+    one of another checkpoint too; `laden shm list` showed it dead
+    before."""
+    _, path = saved(tmp_path)
+    r = subprocess.run([sys.executable, "-c",
+                        USER.format(here=HERE, path=path, how=how)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, LADEN_SHM_DIR=str(shm_dir)))
+    assert "loaded" in r.stdout, r.stderr
+    left = segments(shm_dir)
+    assert len(left) == 1
+    listed = laden.sharing.list_segments()
+    assert [(s.name, s.alive, s.kind) for s in listed] == \
+        [(left[0], False, "segment")]
+    assert listed[0].checkpoint.endswith("m.safetensors")
+    out = subprocess.run([sys.executable, "-m", "laden", "shm", "list"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, LADEN_SHM_DIR=str(shm_dir)))
+    assert out.returncode == 0 and left[0] in out.stdout and \
+        "none (dead)" in out.stdout and "laden shm clean" in out.stdout
+    _, other = saved(tmp_path, name="other.safetensors", seed=4)
+    with torch.device("meta"):
+        m = Net().eval()
+    laden.stream_load(m, other, offload_prefixes=["blocks."], device="cpu")
+    assert segments(shm_dir) == []  # reclaimed by a private load
+    laden.release(m)
+
+
+def test_shm_clean_removes_only_the_dead(tmp_path, shm_dir):
+    """`laden shm clean` removes a dead user's segment and says so; a
+    segment in use stays, and so do files laden did not make."""
+    _, path = saved(tmp_path)
+    _, path2 = saved(tmp_path, name="b.safetensors", seed=2)
+    live, _ = streamed(path2)  # in use by this process (a load reclaims:
+    before = segments(shm_dir)  # so it comes before the death)
+    r = subprocess.run([sys.executable, "-c",
+                        USER.format(here=HERE, path=path, how="kill")],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, LADEN_SHM_DIR=str(shm_dir)))
+    assert "loaded" in r.stdout, r.stderr
+    dead = [n for n in segments(shm_dir) if n not in before]
+    planted = shm_dir / "laden-planted"
+    planted.write_bytes(b"not a segment of laden's" * 100)
+    in_use = [n for n in segments(shm_dir) if n not in dead and
+              n != "laden-planted"]
+    assert len(dead) == 1 and len(in_use) == 1
+    out = subprocess.run([sys.executable, "-m", "laden", "shm", "clean"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, LADEN_SHM_DIR=str(shm_dir)))
+    assert out.returncode == 0, out.stderr
+    assert f"removed {dead[0]}" in out.stdout and "removed 1 file(s)" in \
+        out.stdout
+    assert sorted(segments(shm_dir)) == sorted(in_use + ["laden-planted"])
+    laden.release(live)
+    assert segments(shm_dir) == ["laden-planted"]
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "symlink", "dir",
+                                  "foreign-segment"])
+def test_a_name_held_by_something_else_falls_back_to_a_private_copy(
+        tmp_path, shm_dir, what, caplog):
+    """The segment's name is predictable: whatever another user or
+    process put there (a file, a FIFO, a symlink, a directory, another
+    model's segment hard-linked under the name) is never used, waited on
+    or removed; the load keeps a private copy with one warning, and its
+    outputs are its own model's."""
+    import logging
+
+    ref, path = saved(tmp_path)
+    ref2, path2 = saved(tmp_path, name="b.safetensors", seed=2)
+    x = torch.randn(3, 32)
+    a, ra = streamed(path)  # learn the name the segment gets
+    name = ra.shared.name
+    laden.release(a)
+    target = shm_dir / f"laden-{name}"
+    assert not target.exists()
+    keep = None
+    if what == "file":
+        target.write_bytes(b"\0" * 4096)
+    elif what == "fifo":
+        os.mkfifo(target)
+    elif what == "symlink":
+        (tmp_path / "elsewhere").write_bytes(b"x")
+        os.symlink(tmp_path / "elsewhere", target)
+    elif what == "dir":
+        target.mkdir()
+    else:  # another model's live segment, same size, linked under the name
+        keep, rb = streamed(path2)
+        os.link(shm_dir / f"laden-{rb.shared.name}", target)
+    with caplog.at_level(logging.WARNING, logger="laden"):
+        m, rep = streamed(path)
+    warned = [r for r in caplog.records if "not shared" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert rep.shared is None
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    laden.release(m)
+    assert target.exists() or target.is_symlink()  # left as it was
+    if keep is not None:
+        laden.release(keep)
+
+
+def test_relative_shm_dir_and_chdir(tmp_path, monkeypatch):
+    """A relative LADEN_SHM_DIR is made absolute at its first use: a chdir
+    after the load neither leaks the segment nor makes another."""
+    base = tmp_path / "work"
+    (base / "segs").mkdir(parents=True)
+    monkeypatch.chdir(base)
+    monkeypatch.setenv("LADEN_SHM_DIR", "segs")
+    _, path = saved(tmp_path)
+    m, rep = streamed(path)
+    assert rep.shared is not None and len(segments(base / "segs")) == 1
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "segs").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    m2, rep2 = streamed(path)  # the same directory: attaches
+    assert rep2.shared.how == "attached"
+    assert not any((elsewhere / "segs").iterdir())
+    laden.release(m)
+    laden.release(m2)
+    assert segments(base / "segs") == []  # the last user removed it

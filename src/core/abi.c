@@ -14,6 +14,7 @@
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
+#include "laden/shm.h"
 #include "laden/st.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
@@ -40,7 +41,8 @@
     S(laden_host_stats)       \
     S(laden_gguf_tensor)      \
     S(laden_gguf_kv)          \
-    S(laden_trace_result)
+    S(laden_trace_result)     \
+    S(laden_shm_entry)
 
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_st_tensor(F, T)                                       \
@@ -116,6 +118,9 @@
 #define FIELDS_laden_trace_result(F, T)                                    \
     F(T, events) F(T, dropped) F(T, threads) F(T, streams)                 \
     F(T, unresolved) F(T, seconds)
+#define FIELDS_laden_shm_entry(F, T)                                       \
+    F(T, name) F(T, file_bytes) F(T, data_bytes) F(T, age_ms) F(T, kind)   \
+    F(T, users) F(T, state) F(T, creator_pid) F(T, what) F(T, label)
 
 typedef struct abi_field {
     const char *name;

@@ -242,6 +242,7 @@ static laden_status layout(laden_sched_t *sc)
     int32_t dev = sc->cfg.device;
     if (sc->laid_out)
         return LADEN_OK;
+    laden__sched_share_sweep(sc); /* what dead processes left in shm */
     for (uint32_t i = 0; i < sc->nb; i++) {
         blk *b = &sc->b[i];
         if (b->nt > sc->max_nt)

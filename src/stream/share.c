@@ -106,18 +106,37 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
                                      int32_t *out_state)
 {
     if (name && name_cap)
-        snprintf(name, name_cap, "%s", sc->shm ? sc->share_name : "");
+        snprintf(name, name_cap, "%s",
+                 sc->shm || sc->share_note[0] ? sc->share_name : "");
     if (out_bytes)
         *out_bytes = sc->shm ? laden_shm_bytes(sc->shm) : 0;
     if (out_state)
-        *out_state = !sc->shm ? 0 : sc->share_created ? 1 : 2;
+        *out_state = sc->share_note[0] ? 3
+                     : !sc->shm        ? 0
+                     : sc->share_created ? 1
+                                         : 2;
     return LADEN_OK;
 }
 
-/* The first part of the names of the segments made from these files:
- * "m" and 8 hex digits of their identities. */
-static void files_prefix(laden_io_file_t *const *files, uint32_t n,
-                         char out[16])
+laden_status laden__sched_share_note(laden_sched_t *sc, char *why,
+                                     size_t why_cap)
+{
+    if (!why || !why_cap)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_share_note: NULL");
+    snprintf(why, why_cap, "%s", sc->share_note);
+    return LADEN_OK;
+}
+
+void laden__sched_share_sweep(laden_sched_t *sc)
+{
+    if (sc->nfiles) /* what it finds it cannot read is left */
+        laden_shm_reclaim(NULL, 0, NULL, NULL);
+}
+
+/* What identifies these files as they were opened: a hash of their
+ * identities (laden_io_file_identity: whatever the io layer records of a
+ * file goes into it). */
+static digest files_digest(laden_io_file_t *const *files, uint32_t n)
 {
     digest d = {0x66696c65732d3139ull, 0x7072656669782d31ull};
     uint64_t id[4];
@@ -127,6 +146,15 @@ static void files_prefix(laden_io_file_t *const *files, uint32_t n,
         for (int j = 0; j < 4; j++)
             add(&d, id[j]);
     }
+    return d;
+}
+
+/* The first part of the names of the segments made from these files:
+ * "m" and 8 hex digits of their identities. */
+static void files_prefix(laden_io_file_t *const *files, uint32_t n,
+                         char out[16])
+{
+    digest d = files_digest(files, n);
     snprintf(out, 16, "m%08llx", (unsigned long long)(d.a >> 32));
 }
 
@@ -156,8 +184,10 @@ laden_status laden_sched_shared_bytes(const laden_st_t *st,
     return s;
 }
 
-/* The segment's name and size, and each shared block's place in it. */
-static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
+/* The segment's name and size, each shared block's place in it, and
+ * its identity in full (the name has 128 of its bits). */
+static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap,
+                               laden_shm_ident *ident)
 {
     digest d = {0x6c6164656e2d3139ull, 0x73686172652d7631ull};
     uint64_t off = 0, id[4];
@@ -196,6 +226,18 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap)
     files_prefix(sc->files, sc->nfiles, prefix);
     snprintf(name, cap, "%s%016llx%08llx", prefix, (unsigned long long)d.a,
              (unsigned long long)(d.b >> 32));
+    digest f = files_digest(sc->files, sc->nfiles);
+    memset(ident, 0, sizeof *ident);
+    ident->content[0] = d.a;
+    ident->content[1] = d.b;
+    ident->source[0] = f.a;
+    ident->source[1] = f.b;
+    const char *p = sc->nfiles ? laden_io_file_path(sc->files[0]) : NULL;
+    if (sc->nfiles > 1)
+        snprintf(ident->label, sizeof ident->label, "%s (and %u more files)",
+                 p ? p : "?", sc->nfiles - 1);
+    else
+        snprintf(ident->label, sizeof ident->label, "%s", p ? p : "");
     return off;
 }
 
@@ -318,12 +360,27 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
     if (!sc->share_key || sc->shm)
         return LADEN_OK;
     char name[sizeof sc->share_name];
-    uint64_t bytes = lay_out_shared(sc, name, sizeof name);
+    laden_shm_ident ident;
+    uint64_t bytes = lay_out_shared(sc, name, sizeof name, &ident);
     if (!bytes)
         return LADEN_OK; /* nothing lives in host memory */
     laden_shm_t *shm = NULL;
     int created = 0;
-    laden_status s = laden_shm_open(name, bytes, 0, &shm, &created);
+    laden_status s = laden_shm_open(name, bytes, &ident, 0, &shm, &created);
+    if (s == LADEN_E_STATE) {
+        /* The name is held by something that is not this segment (a
+         * segment of another content, a file laden did not make, a FIFO,
+         * another user's file...), or kept busy: a copy of this load's
+         * own, never a failure nor another model's bytes.  The caller
+         * warns (laden_sched_share_info's state 3). */
+        snprintf(sc->share_note, sizeof sc->share_note, "%s",
+                 laden_last_error());
+        memcpy(sc->share_name, name, sizeof name);
+        for (uint32_t i = 0; i < sc->nb; i++)
+            sc->b[i].shared = false;
+        laden__error_clear();
+        return LADEN_OK;
+    }
     if (!s && sc->cuda && !laden_shm_pinnable(shm))
         s = laden__fail(LADEN_E_INVAL,
                         "%s is not on tmpfs or hugetlbfs, so CUDA cannot "

@@ -769,6 +769,12 @@ laden_status laden_sched_share_info(laden_sched_t *sc, char *name,
          laden__sched_share_info(sc, name, name_cap, out_bytes, out_state));
 }
 
+laden_status laden_sched_share_note(laden_sched_t *sc, char *why,
+                                    size_t why_cap)
+{
+    HELD("laden_sched_share_note", laden__sched_share_note(sc, why, why_cap));
+}
+
 laden_status laden_sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 {
     HELD("laden_sched_reread", laden__sched_reread(sc, block, i));

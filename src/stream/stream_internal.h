@@ -171,6 +171,10 @@ struct laden_sched {
     struct laden_shm *shm;
     bool share_created;
     char share_name[64];
+    /* Asked for, but the segment's name was held by something else (a
+     * segment of another content, a file laden did not make...): why; the
+     * load kept a private copy.  "" otherwise. */
+    char share_note[512];
     uint64_t pinned_homes;      /* CUDA RAM-tier blocks pinned in place */
     uint64_t fill_seq;          /* slot fills so far (laden_sched_slot_fills) */
     uint64_t stage_bytes;       /* CUDA GPU-tier staging pieces; 0: default
@@ -297,6 +301,12 @@ laden_status laden__sched_share_open(laden_sched_t *sc);
 laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s);
 /* Closes the segment (free_all). */
 void laden__sched_share_close(laden_sched_t *sc);
+/* Every load of a checkpoint, at its start (load.c layout, once per
+ * schedule): removes the segments that processes which ended left in
+ * LADEN_SHM_DIR (laden_shm_reclaim), whether this load shares or not. */
+void laden__sched_share_sweep(laden_sched_t *sc);
+laden_status laden__sched_share_note(laden_sched_t *sc, char *why,
+                                     size_t why_cap);
 /* How long a load waits for a segment whose maker in this process was
  * prepared on another thread and not begun (10 s; tests shorten it). */
 extern uint32_t laden__share_prepared_wait_ms;
