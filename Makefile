@@ -94,9 +94,10 @@ need-clang:
 test-clang: need-clang
 	CC=$(CLANG) cmake -S . -B build-clang -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-clang -j$(JOBS) --target laden_tests laden_fuzz_replay \
-	  laden_fuzz_replay_plan laden_fuzz_replay_index
+	  laden_fuzz_replay_plan laden_fuzz_replay_index laden_fuzz_replay_gguf
 	$(SAN_ENV) ./build-clang/laden_tests
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay fuzz/corpus/st tests/data/bad
+	$(SAN_ENV) ./build-clang/laden_fuzz_replay_gguf fuzz/corpus/gguf
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay_plan fuzz/corpus/plan
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay_index fuzz/corpus/index
 
@@ -126,9 +127,11 @@ fuzz: need-clang
 	CC=$(CLANG) cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
 	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan \
-	  laden_fuzz_index
+	  laden_fuzz_index laden_fuzz_gguf
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/st.dict fuzz/corpus/st
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) \
+	  fuzz/corpus/gguf
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_plan -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/plan
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_index -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/index.dict fuzz/corpus/index
