@@ -213,6 +213,32 @@ TEST(gguf_bad_headers_named)
     s = GOOD;
     s.dup_key = 1;
     bad(&s, LADEN_E_SCHEMA, "appears twice");
+    /* Names and keys that are not UTF-8 (a Python caller raised a bare
+     * UnicodeDecodeError on them): named, with the byte. */
+    s = GOOD;
+    s.name2 = "blk.0.\xc3(.weight";
+    bad(&s, LADEN_E_SCHEMA, "a tensor name at header offset");
+    bad(&s, LADEN_E_SCHEMA, "is not valid UTF-8 (byte 6 of its 15, 0xc3)");
+    s.name2 = "blk.\xed\xa0\x80.surrogate";
+    bad(&s, LADEN_E_SCHEMA, "not valid UTF-8");
+    s.name2 = "blk.\xc0\xaf.overlong";
+    bad(&s, LADEN_E_SCHEMA, "not valid UTF-8");
+    s.name2 = "blk.0.\xe2\x9c\x93.weight"; /* valid UTF-8: read */
+    {
+        buf ok = make(&s);
+        laden_gguf_t *g2 = NULL;
+        CHECK_OK(laden_gguf_open_memory(ok.p, ok.n, &g2));
+        laden_gguf_close(g2);
+        free(ok.p);
+    }
+    buf k = make(&GOOD); /* a key: "general.alignment" -> "gen\xffral..." */
+    uint8_t *at = memmem(k.p, k.n, "general.alignment", 17);
+    CHECK(at != NULL);
+    at[3] = 0xff;
+    laden_gguf_t *gk = NULL;
+    CHECK_STATUS(laden_gguf_open_memory(k.p, k.n, &gk), LADEN_E_SCHEMA);
+    CHECK_CONTAINS(laden_last_error(), "a metadata key at header offset");
+    free(k.p);
     buf b = make(&GOOD);
     memcpy(b.p, "GGUG", 4);
     laden_gguf_t *g;

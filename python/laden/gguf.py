@@ -79,15 +79,20 @@ def rope_heads(metadata) -> Dict[str, int]:
         v = metadata.get(key, metadata.get("llama.attention.head_count")
                          if kind == "attn_k" else None)
         try:
+            if isinstance(v, float) and not v.is_integer():
+                raise ValueError(v)
             out[kind] = int(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # inf: Overflow
             raise FormatError(
                 f"GGUF file of architecture llama: metadata '{key}' is "
                 f"{'missing' if v is None else repr(v)}; laden needs it to "
                 "put the q and k rows back in transformers' order",
                 "E_SCHEMA") from None
-        if out[kind] <= 0:
-            raise FormatError(f"GGUF metadata '{key}' is {v}", "E_SCHEMA")
+        if not 0 < out[kind] <= 1 << 20:
+            raise FormatError(
+                f"GGUF file of architecture llama: metadata '{key}' is {v}; "
+                "a head count is a positive number of at most 2^20",
+                "E_SCHEMA")
     return out
 
 

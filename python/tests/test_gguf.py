@@ -119,3 +119,61 @@ def test_dequantize_bit_for_bit_with_the_reference(name):
     with pytest.raises(Exception):
         check(lib.laden_gguf_dequantize(t.value, q.ctypes.data, q.nbytes - 1,
                                         got.ctypes.data, got.size))
+
+
+def _tiny_gguf(path, name="blk.0.ffn_up.weight", arch="llama", extra=()):
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in extra:
+        w.add_key_value(k, v, gguf.GGUFValueType.UINT32
+                        if isinstance(v, int) else gguf.GGUFValueType.FLOAT32)
+    w.add_tensor(name, np.ones((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_names_and_keys_that_are_not_utf8_are_named(tmp_path):
+    """A tensor name or a metadata key that is not UTF-8 was a bare
+    UnicodeDecodeError in Python; C now refuses the file naming the field,
+    its offset and the byte."""
+    import laden
+    from laden.gguf import GgufFile
+
+    for what, marker in (("name", b"blk.0.ffn_up.weight"),
+                         ("key", b"general.architecture")):
+        p = str(tmp_path / f"bad-{what}.gguf")
+        _tiny_gguf(p)
+        data = bytearray(open(p, "rb").read())
+        at = data.index(marker)
+        data[at + 3] = 0xff  # not a UTF-8 byte anywhere
+        open(p, "wb").write(bytes(data))
+        for read_it in (laden.open, GgufFile):
+            with pytest.raises(laden.FormatError,
+                               match="(tensor name|metadata key) at header "
+                               "offset .* not valid UTF-8 .*0xff"):
+                read_it(p)
+        r = subprocess.run([sys.executable, "-m", "laden", "inspect", p],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "not valid UTF-8" in r.stderr and \
+            "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", [0, -3, float("inf"), float("nan"), 2.5,
+                                   1 << 40, "eight", None])
+def test_hostile_head_counts_are_named(value):
+    """Llama head counts from GGUF metadata: anything but a plausible
+    positive count is a FormatError naming the key (inf was an
+    OverflowError, 0 a ZeroDivisionError further on)."""
+    import laden
+    from laden.gguf import rope_heads
+
+    md = {"general.architecture": "llama",
+          "llama.attention.head_count": value}
+    with pytest.raises(laden.FormatError, match="llama.attention.head_count"):
+        rope_heads(md)
+    assert rope_heads({"general.architecture": "llama",
+                       "llama.attention.head_count": 8}) == \
+        {"attn_q": 8, "attn_k": 8}

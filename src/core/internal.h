@@ -41,6 +41,12 @@ typedef struct laden__bytes_text {
 } laden__bytes_text;
 laden__bytes_text laden__bytes(uint64_t n);
 
+/* UTF-8 (core/status.c): the length of the valid sequence at p (1..4; 0
+ * if invalid: overlong forms, surrogates, code points above U+10FFFF),
+ * and the offset of the first invalid byte of s[0, n) (n if none). */
+size_t laden__utf8_len(const unsigned char *p, const unsigned char *end);
+size_t laden__utf8_check(const char *s, size_t n);
+
 /* A number for the calling thread, never 0, never reused in the process:
  * the owner of an object that one thread at a time may use. */
 uint64_t laden__thread_id(void);

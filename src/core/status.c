@@ -119,3 +119,53 @@ laden__bytes_text laden__bytes(uint64_t n)
              v, unit[u]);
     return t;
 }
+
+/* Length of the valid UTF-8 sequence at p (1..4), or 0 if invalid:
+ * overlong forms, surrogates and code points above U+10FFFF are invalid. */
+size_t laden__utf8_len(const unsigned char *p, const unsigned char *end)
+{
+    unsigned char c = p[0];
+    size_t n;
+    uint32_t cp, min;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xc2 && c <= 0xdf) {
+        n = 2;
+        cp = c & 0x1f;
+        min = 0x80;
+    } else if (c >= 0xe0 && c <= 0xef) {
+        n = 3;
+        cp = c & 0x0f;
+        min = 0x800;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        n = 4;
+        cp = c & 0x07;
+        min = 0x10000;
+    } else {
+        return 0;
+    }
+    if ((size_t)(end - p) < n)
+        return 0;
+    for (size_t i = 1; i < n; i++) {
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+        cp = cp << 6 | (p[i] & 0x3f);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+        return 0;
+    return n;
+}
+
+/* The offset of the first byte of s[0, n) that is not valid UTF-8, or n
+ * if all of it is. */
+size_t laden__utf8_check(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s, *end = p + n;
+    while (p < end) {
+        size_t k = laden__utf8_len(p, end);
+        if (!k)
+            return (size_t)(p - (const unsigned char *)s);
+        p += k;
+    }
+    return n;
+}

@@ -269,7 +269,8 @@ static char *keep_string(laden_gguf_t *g, char *s)
 /* A GGUF string (u64 length, bytes), NUL-terminated, at most `max` bytes;
  * kept (out) or skipped (out NULL).  No NUL inside. */
 static laden_status string(laden_gguf_t *g, cursor *c, uint64_t max,
-                           const char *field, char **out, uint64_t *len)
+                           const char *field, char **out, uint64_t *len,
+                           bool utf8)
 {
     uint64_t n;
     laden_status s = u64(c, &n, field);
@@ -300,6 +301,19 @@ static laden_status string(laden_gguf_t *g, cursor *c, uint64_t max,
         free(p);
         return laden__fail(LADEN_E_SCHEMA, "%s: %s holds a NUL byte",
                            c->what, field);
+    }
+    /* Names and keys are text a caller matches and prints (Python raised
+     * a bare UnicodeDecodeError on them); string values are kept as they
+     * are, their readers decide. */
+    size_t bad = utf8 ? laden__utf8_check(p, (size_t)n) : (size_t)n;
+    if (bad < n) {
+        unsigned byte = (unsigned char)p[bad];
+        free(p);
+        return laden__fail(LADEN_E_SCHEMA, "%s: %s at header offset %llu is "
+                           "not valid UTF-8 (byte %zu of its %llu, 0x%02x)",
+                           c->what, field,
+                           (unsigned long long)(c->pos - n), bad,
+                           (unsigned long long)n, byte);
     }
     if (!(*out = keep_string(g, p)))
         return laden__fail(LADEN_E_NOMEM, "%s: out of memory", c->what);
@@ -355,7 +369,8 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
 {
     char *key = NULL;
     uint32_t type;
-    laden_status s = string(g, c, MAX_KEY, "a metadata key", &key, NULL);
+    laden_status s = string(g, c, MAX_KEY, "a metadata key", &key, NULL,
+                            true);
     if (s || (s = u32(c, &type, "a metadata value type")))
         return s;
     if (!*key)
@@ -365,7 +380,7 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
     kv->type = (laden_gguf_value_type)type;
     if (type == LADEN_GGUF_STRING) {
         char *v = NULL;
-        s = string(g, c, MAX_STRING, key, &v, &kv->count);
+        s = string(g, c, MAX_STRING, key, &v, &kv->count, false);
         kv->str = v;
         return s;
     }
@@ -378,7 +393,7 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
         kv->count = n;
         if (et == LADEN_GGUF_STRING) {
             for (uint64_t k = 0; k < n; k++) /* each at least 8 bytes */
-                if ((s = string(g, c, MAX_STRING, key, NULL, NULL)))
+                if ((s = string(g, c, MAX_STRING, key, NULL, NULL, false)))
                     return s;
             return LADEN_OK;
         }
@@ -403,7 +418,8 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
 
 static laden_status read_tensor(laden_gguf_t *g, cursor *c, tensor *t)
 {
-    laden_status s = string(g, c, MAX_NAME, "a tensor name", &t->name, NULL);
+    laden_status s = string(g, c, MAX_NAME, "a tensor name", &t->name, NULL,
+                            true);
     if (s || (s = u32(c, &t->ndim, t->name)))
         return s;
     if (!*t->name)

@@ -135,42 +135,6 @@ static bool read_hex4(laden__json *j, uint32_t *out)
     return true;
 }
 
-/* Length of the valid UTF-8 sequence at p (1..4), or 0 if invalid:
- * overlong forms, surrogates and code points above U+10FFFF are invalid. */
-static size_t utf8_len(const unsigned char *p, const unsigned char *end)
-{
-    unsigned char c = p[0];
-    size_t n;
-    uint32_t cp, min;
-    if (c < 0x80)
-        return 1;
-    if (c >= 0xc2 && c <= 0xdf) {
-        n = 2;
-        cp = c & 0x1f;
-        min = 0x80;
-    } else if (c >= 0xe0 && c <= 0xef) {
-        n = 3;
-        cp = c & 0x0f;
-        min = 0x800;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        n = 4;
-        cp = c & 0x07;
-        min = 0x10000;
-    } else {
-        return 0;
-    }
-    if ((size_t)(end - p) < n)
-        return 0;
-    for (size_t i = 1; i < n; i++) {
-        if ((p[i] & 0xc0) != 0x80)
-            return 0;
-        cp = cp << 6 | (p[i] & 0x3f);
-    }
-    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-        return 0;
-    return n;
-}
-
 static size_t put_utf8(char *dst, uint32_t cp)
 {
     if (cp < 0x80) {
@@ -265,7 +229,7 @@ laden_status laden__json_string(laden__json *j, char *dst, size_t cap,
                 nul = true;
             k = put_utf8(tmp, cp);
         } else {
-            k = utf8_len(j->p, j->end);
+            k = laden__utf8_len(j->p, j->end);
             if (k == 0)
                 return syntax(j, "invalid UTF-8 in string");
             memcpy(tmp, j->p, k);

@@ -156,6 +156,7 @@ struct laden_sched {
     uint64_t capture_h2d;
     bool cache;                 /* LADEN_SCHED_CACHE */
     bool laid_out;
+    bool planned;   /* an AUTO block has a planned tier (build.c) */
     uint32_t nfilled;           /* cache: blocks whose host copy is loaded */
     laden_event_t *uploaded;    /* cache: after the last upload */
     laden_event_t *last_use;    /* cache: after the model's last work */
