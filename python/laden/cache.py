@@ -1070,7 +1070,7 @@ class ModelCache:
     def __repr__(self) -> str:
         st = self.stats()
         return (f"ModelCache({st['models']} models, {st['built']} built, "
-                f"VRAM {fmt_bytes(st['vram_bytes'])}, pinned "
+                f"device copies {fmt_bytes(st['vram_bytes'])}, pinned "
                 f"{fmt_bytes(st['pinned_bytes'])}, host "
                 f"{fmt_bytes(st['host_bytes'])})")
 
