@@ -103,7 +103,10 @@ static laden_status shm_dir(char out[PATH_MAX])
                                  d);
                 goto out;
             }
-            snprintf(abs, sizeof abs, "%s/%s", cwd, d);
+            size_t c = strlen(cwd); /* c + 1 + n fits: checked above */
+            memcpy(abs, cwd, c);
+            abs[c] = '/';
+            memcpy(abs + c + 1, d, n + 1);
         }
         size_t k = strlen(abs);
         while (k > 1 && abs[k - 1] == '/')
