@@ -434,12 +434,12 @@ typedef struct {
 
 /* Loads it on the CPU device (the RAM tier), shared or not; its share
  * state in *state. */
-static void tiny_load(tiny *t, const char *path, bool shared,
-                      int32_t *state)
+static void tiny_load_on(tiny *t, const char *path, bool shared,
+                         int32_t *state, int32_t device)
 {
     memset(t, 0, sizeof *t);
     CHECK_OK(laden_st_open(path, &t->st));
-    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU, .lookahead = 2};
+    laden_sched_config cfg = {.device = device, .lookahead = 2};
     CHECK_OK(laden_sched_create(&cfg, t->st, &t->sc));
     CHECK_OK(laden_sched_add_block(t->sc, LADEN_TIER_RAM, &t->block));
     size_t idx;
@@ -452,6 +452,12 @@ static void tiny_load(tiny *t, const char *path, bool shared,
     CHECK_OK(laden_sched_load(t->sc));
     if (state)
         CHECK_OK(laden_sched_share_info(t->sc, NULL, 0, NULL, state));
+}
+
+static void tiny_load(tiny *t, const char *path, bool shared,
+                      int32_t *state)
+{
+    tiny_load_on(t, path, shared, state, LADEN_DEVICE_CPU);
 }
 
 static bool tiny_right(tiny *t, uint64_t n, unsigned seed)
@@ -851,3 +857,57 @@ TEST(shm_list_and_reclaim)
     CHECK_OK(laden_shm_list(e, 8, &n));
     CHECK_EQ(n, 0);
 }
+
+/* The fallback on every device (CUDA: the RAM-tier block pinned in
+ * memory of the load's own, so the directory is a tmpfs one): a symlink
+ * to a real segment of the same model, then a directory, at the name. */
+static void fallback_on(int32_t dev)
+{
+    char dir[512], at[700], real[700];
+    snprintf(dir, sizeof dir, "%s", test_tmpdir());
+    if (dev != LADEN_DEVICE_CPU) {
+        snprintf(dir, sizeof dir, "/dev/shm/laden-test-XXXXXX");
+        if (!mkdtemp(dir)) {
+            fprintf(stderr, "(no /dev/shm: CUDA fallback not checked)\n");
+            return;
+        }
+    }
+    setenv("LADEN_SHM_DIR", dir, 1);
+    char *path = strdup(tiny_model("d.safetensors", 12000, 6));
+    tiny t, u;
+    int32_t state = -1;
+    char name[64], why[512];
+    tiny_load_on(&t, path, true, &state, dev);
+    CHECK_EQ(state, 1);
+    CHECK_OK(laden_sched_share_info(t.sc, name, sizeof name, NULL, NULL));
+    snprintf(at, sizeof at, "%s/laden-%s", dir, name);
+    snprintf(real, sizeof real, "%s/copy-of-it", dir);
+    CHECK_EQ(link(at, real), 0);
+    tiny_drop(&t); /* the name goes; the copy under real stays (not a
+                    * laden name: no sweep takes it) */
+    CHECK_EQ(symlink(real, at), 0);
+    tiny_load_on(&u, path, true, &state, dev);
+    CHECK_EQ(state, 3);
+    CHECK_OK(laden_sched_share_note(u.sc, why, sizeof why));
+    CHECK_CONTAINS(why, "symbolic link");
+    CHECK(tiny_right(&u, 12000, 6));
+    tiny_drop(&u);
+    CHECK_EQ(access(real, F_OK), 0);
+    struct stat sb;
+    CHECK(lstat(at, &sb) == 0 && S_ISLNK(sb.st_mode));
+    CHECK_EQ(unlink(at), 0);
+    CHECK_EQ(unlink(real), 0);
+    CHECK_EQ(mkdir(at, 0700), 0);
+    tiny_load_on(&u, path, true, &state, dev);
+    CHECK_EQ(state, 3);
+    CHECK_OK(laden_sched_share_note(u.sc, why, sizeof why));
+    CHECK_CONTAINS(why, "directory");
+    CHECK(tiny_right(&u, 12000, 6));
+    tiny_drop(&u);
+    CHECK_EQ(rmdir(at), 0);
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_EQ(rmdir(dir), 0);
+    free(path);
+}
+
+TEST(shm_fallback_on_every_device) { test_on_every_device(fallback_on); }
