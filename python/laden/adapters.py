@@ -754,7 +754,7 @@ class _Adapters:
             with _interrupts_held():
                 lost = []
                 for k in applied:
-                    W, name = todo_where(resident[k])
+                    W, name = _todo_where(resident[k])
                     try:
                         _reread(o, st, k, W, name, "")
                     except BaseException:
@@ -775,7 +775,7 @@ class _Adapters:
     def _where(self, k: tuple) -> tuple:
         """(W, name) of resident tensor k."""
         todo = self.resident.get(k)
-        return todo_where(todo) if todo else self.unknown[k]
+        return _todo_where(todo) if todo else self.unknown[k]
 
     def _by(self, k: tuple) -> str:
         todo = self.resident.get(k) or ()
@@ -783,7 +783,7 @@ class _Adapters:
         return ", ".join(f"'{a}'" for a in keys)
 
 
-def todo_where(todo: list) -> tuple:
+def _todo_where(todo: list) -> tuple:
     """(W, name) of the tensor a resident merge list changes."""
     W, tg, _ = todo[0]
     return W, tg.name
