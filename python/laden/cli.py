@@ -464,11 +464,21 @@ def cmd_generate(args) -> int:
                                       "not a directory") + "; give the "
                           "directory of a causal LM (config.json, "
                           "*.safetensors and the tokenizer's files)")
+    cfg = os.path.join(d, "config.json")
+    if os.path.isfile(cfg):  # checked before the tokenizer reads it too
+        hf.read_config_json(cfg)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(d)
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # whatever the library raises on bad files
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        try:  # the tokenizer reads the config too: is that the cause?
+            transformers.AutoConfig.from_pretrained(d)
+        except Exception as c:
+            why = " ".join(str(c).split()) or type(c).__name__
+            raise BadArgument(f"{cfg}: cannot read the config: "
+                              f"{type(c).__name__}: {why[:200]}") from None
         raise BadArgument(f"{d}: no tokenizer laden can load "
-                          f"({str(e).splitlines()[0]})") from None
+                          f"({type(e).__name__}: {first[:200]})") from None
     dev = _device(device)
     if dev.type == "cpu" and args.device is None:
         print(f"device: cpu ({note})")

@@ -12,14 +12,17 @@ diffusers are optional: imported only when a class of theirs is given.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import stat
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ._model import find_blocks
 from .checkpoint import Checkpoint, PathLike
-from .errors import (InvalidArgumentError, LadenError, MismatchError,
-                     StateError)
+from .errors import (FormatError, InvalidArgumentError, LadenError,
+                     MismatchError, StateError)
 
 __all__ = ["from_pretrained", "find_blocks", "empty_weights"]
 
@@ -89,6 +92,336 @@ def empty_weights(dtype=None):
         finally:
             torch.set_default_dtype(old_dtype)
             _building.on = was
+
+
+# ---- the config, checked against the checkpoint before anything is built ----------
+
+# config.json is read by laden first (the libraries' own readers raise
+# what JSON's does, or recurse without bound); far beyond any real config.
+_CONFIG_BYTES = 64 << 20
+
+
+def read_config_json(path: str) -> dict:
+    """The JSON object in config.json file `path`: FormatError naming the
+    file (and the line and column where the JSON goes wrong) for what is
+    not one; ReadError when it cannot be read."""
+    from .errors import ReadError
+
+    try:
+        # Non-blocking: a FIFO in its place is refused, not waited on.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FormatError(f"{path}: not a regular file", "E_JSON")
+            raw = f.read(_CONFIG_BYTES)
+            if f.read(1):
+                raise FormatError(f"{path}: larger than "
+                                  f"{_CONFIG_BYTES >> 20} MiB: not a model "
+                                  "config", "E_LIMIT")
+    except OSError as e:
+        raise ReadError(f"{path}: cannot read it: {e.strerror or e}",
+                        "E_IO") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not UTF-8 text (byte {e.start})",
+                          "E_JSON") from None
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}: not JSON: {e.msg} at line {e.lineno} "
+                          f"column {e.colno} (byte {e.pos})",
+                          "E_JSON") from None
+    except ValueError as e:  # a number of more digits than Python reads
+        raise FormatError(f"{path}: not JSON laden reads: {e}",
+                          "E_JSON") from None
+    except RecursionError:
+        raise FormatError(f"{path}: nested too deeply to be a model config",
+                          "E_JSON") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{path}: a JSON {type(doc).__name__}, not an "
+                          "object of config fields", "E_SCHEMA")
+    return doc
+
+
+# Fields that count a model's repeated layers (transformers' and
+# diffusers' names); each list needs that many distinct indices under one
+# prefix of the checkpoint's names (``model.layers.N.``, ``h.N.``,
+# ``down_blocks.N.resnets.M.``).
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers",
+                 "num_decoder_layers", "num_encoder_layers",
+                 "encoder_layers", "decoder_layers", "num_single_layers",
+                 "layers_per_block")
+# Fields saying the layers share weights (ALBERT): fewer in the checkpoint.
+_SHARED_LAYERS = ("num_hidden_groups", "inner_group_num")
+# The token embedding, by the last part of its name.
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings",
+               "embed_in", "shared", "token_embedding", "embeddings",
+               "token_embd")
+_HIDDEN_FIELDS = ("hidden_size", "n_embd", "d_model")
+# Fields saying the embedding is narrower than the hidden size.
+_OWN_EMBED_WIDTH = ("embedding_size", "word_embed_proj_dim", "embed_dim",
+                    "embedding_dim", "d_embed", "project_in")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _subconfigs(cfg: dict, depth: int = 0):
+    """cfg and the configs nested in it (text_config, encoder, ...)."""
+    yield "", cfg
+    if depth >= 3:
+        return
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            for p, sub in _subconfigs(v, depth + 1):
+                yield f"{k}.{p}", sub
+
+
+def _block_counts(table) -> Dict[str, int]:
+    """prefix -> distinct indices under it, for every numeric part of the
+    checkpoint's names (``a.0.b.3.w`` counts under ``a.`` and ``a.0.b.``)."""
+    seen: Dict[str, set] = {}
+    for t in table:
+        parts = t.name.split(".")
+        for i, p in enumerate(parts[:-1]):
+            if p.isdigit() and i > 0:
+                seen.setdefault(".".join(parts[:i]) + ".", set()).add(p)
+    return {k: len(v) for k, v in seen.items()}
+
+
+def check_config(cfg: dict, table, where: str) -> None:
+    """The config's sizes against the checkpoint's tensor table (names
+    and shapes, no data), before anything is built: a layer count no
+    block list of the checkpoint has, a vocabulary or hidden size larger
+    than its token embedding.  MismatchError naming the field, its value
+    and what the checkpoint holds; FormatError for a count that is not a
+    whole number."""
+    counts = _block_counts(table)
+    most = max(counts.values()) if counts else None
+    widest = max(counts, key=counts.get) if counts else None
+    for pre, sub in _subconfigs(cfg):
+        shared = any(k in sub for k in _SHARED_LAYERS)
+        for f in _LAYER_FIELDS:
+            v = sub.get(f)
+            vs = v if isinstance(v, (list, tuple)) else [v]
+            for x in vs:
+                if x is None or not _is_int(x) and not isinstance(x, float):
+                    continue  # the library's to judge
+                if not _is_int(x) or x < 0:
+                    raise FormatError(
+                        f"{where}: field '{pre}{f}' is {x!r}; a layer count "
+                        "is a whole number of 0 or more", "E_SCHEMA")
+                if most is not None and not shared and x > most:
+                    raise MismatchError(
+                        f"{where}: field '{pre}{f}' is {x}, and no list of "
+                        f"blocks in the checkpoint has that many: the "
+                        f"longest has {most} ('{widest}N'); the config does "
+                        "not describe this checkpoint")
+    embeds = [t for t in table if len(t.shape) == 2 and
+              _embedding_name(t.name)]
+    if not embeds:
+        return
+    rows = max(embeds, key=lambda t: t.shape[0])
+    cols = max(embeds, key=lambda t: t.shape[1])
+    for pre, sub in _subconfigs(cfg):
+        if pre not in ("", "text_config."):
+            continue
+        for f in ("vocab_size",) + _HIDDEN_FIELDS:
+            v = sub.get(f)
+            if _is_int(v) and v < 0:
+                raise FormatError(
+                    f"{where}: field '{pre}{f}' is {v}; a size is a whole "
+                    "number of 0 or more", "E_SCHEMA")
+        v = sub.get("vocab_size")
+        if _is_int(v) and v > rows.shape[0]:
+            raise MismatchError(
+                f"{where}: field '{pre}vocab_size' is {v}, larger than the "
+                f"checkpoint's token embedding '{rows.name}' "
+                f"{list(rows.shape)} ({rows.shape[0]} rows)")
+        if any(k in sub for k in _OWN_EMBED_WIDTH):
+            continue
+        for f in _HIDDEN_FIELDS:
+            v = sub.get(f)
+            if _is_int(v) and v > cols.shape[1]:
+                raise MismatchError(
+                    f"{where}: field '{pre}{f}' is {v}, wider than the "
+                    f"checkpoint's token embedding '{cols.name}' "
+                    f"{list(cols.shape)} ({cols.shape[1]} columns)")
+
+
+def _embedding_name(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and \
+        parts[-2] in _EMBEDDINGS
+
+
+def _fields_like(cfg: dict, dims, limit: int = 4) -> List[str]:
+    """Names of the config's whole-number fields equal to one of `dims`
+    (the sizes of a tensor the build asked for)."""
+    want = {d for d in dims if d > 1}
+    out = []
+    for pre, sub in _subconfigs(cfg):
+        for k, v in sub.items():
+            if _is_int(v) and v in want:
+                out.append(f"{pre}{k}={v}")
+    return out[:limit]
+
+
+def _negative_fields(cfg: dict) -> List[str]:
+    return [f"{pre}{k}={v}" for pre, sub in _subconfigs(cfg)
+            for k, v in sub.items() if _is_int(v) and v < 0 and
+            not k.endswith("_id") and not k.endswith("_index")][:4]
+
+
+def _zero_fields(cfg: dict) -> List[str]:
+    return [f"{pre}{k}" for pre, sub in _subconfigs(cfg)
+            for k, v in sub.items() if _is_int(v) and v == 0 and
+            ("head" in k or "size" in k or "dim" in k or "group" in k)][:4]
+
+
+class _TooLarge(Exception):
+    def __init__(self, shape, numel, what):
+        super().__init__(what)
+        self.shape, self.numel, self.what = shape, numel, what
+
+
+# A build may ask for more than the checkpoint's largest tensor (a buffer
+# such as a causal mask, a parameter kept in float32), never for this
+# much more: elements in one tensor beyond the checkpoint's largest, and
+# in all tensors beyond its total.
+_ALLOC_SLACK = 1 << 28
+
+
+def _numel_asked(func, args, kwargs):
+    """(shape, elements) a factory call asks for, or None."""
+    import torch
+
+    def dims(a):
+        if len(a) == 1 and isinstance(a[0], (tuple, list, torch.Size)):
+            a = tuple(a[0])
+        return tuple(int(x) for x in a)
+
+    name = getattr(func, "__name__", "")
+    try:
+        if name in ("empty", "zeros", "ones", "rand", "randn", "new_empty",
+                    "new_zeros", "new_ones"):
+            size = kwargs.get("size")
+            a = args[1:] if name.startswith("new_") else args
+            shape = dims((size,) if size is not None else a)
+        elif name in ("full", "new_full", "empty_strided"):
+            a = args[1:] if name == "new_full" else args
+            shape = dims((kwargs.get("size", a[0] if a else ()),))
+        elif name == "randint":
+            shape = dims((kwargs.get("size", args[-1] if args else ()),))
+        elif name == "eye":
+            n = int(args[0])
+            shape = (n, int(args[1]) if len(args) > 1 and
+                     not isinstance(args[1], torch.dtype) else n)
+        elif name in ("linspace", "logspace"):
+            shape = (int(kwargs.get("steps", args[2] if len(args) > 2
+                                    else 0)),)
+        elif name == "arange":
+            nums = [a for a in args if isinstance(a, (int, float))]
+            start, end, step = (0, nums[0], 1) if len(nums) == 1 else \
+                (nums + [1])[:3] if nums else (0, 0, 1)
+            shape = (max(0, math.ceil((end - start) / step)) if step
+                     else 0,)
+        else:
+            return None
+    except (TypeError, ValueError, IndexError, OverflowError,
+            ZeroDivisionError):
+        return None
+    return shape, math.prod(shape)
+
+
+@contextlib.contextmanager
+def _allocation_guard(table):
+    """While the model is built: a factory call (torch.empty, zeros, ...)
+    asking for more elements than the checkpoint's largest tensor
+    justifies, or all of them for more than its total, raises _TooLarge
+    before anything is allocated (a config with a vocabulary of 10**12
+    would otherwise have torch allocate 256 TB on the CPU before the
+    parameter moves to meta)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    largest = max((math.prod(t.shape) for t in table), default=0)
+    total = sum(math.prod(t.shape) for t in table)
+    one = 2 * largest + _ALLOC_SLACK
+    every = 4 * total + _ALLOC_SLACK
+    get_default = getattr(torch, "get_default_device", None)
+
+    class Guard(TorchFunctionMode):
+        asked = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            got = _numel_asked(func, args, kwargs)
+            if got is not None:
+                dev = kwargs.get("device")
+                if dev is None and getattr(func, "__name__", "").startswith(
+                        "new_") and args and hasattr(args[0], "device"):
+                    dev = args[0].device
+                if dev is None and get_default is not None:
+                    dev = get_default()
+                if dev is None or torch.device(dev).type != "meta":
+                    shape, n = got
+                    self.asked += n
+                    if n > one:
+                        raise _TooLarge(shape, n, "one tensor")
+                    if self.asked > every:
+                        raise _TooLarge(shape, self.asked, "all tensors")
+            return func(*args, **kwargs)
+
+    with Guard():
+        yield
+
+
+def _cannot_build(e: BaseException, cls, where: str, cfg: dict,
+                  attn) -> LadenError:
+    """The error for an exception raised while building the model from
+    its config: InvalidArgumentError naming attn_implementation when that
+    was given and the library refused it; else FormatError naming the
+    config file and the fields it points at."""
+    name = getattr(cls, "__name__", str(cls))
+    if isinstance(e, _TooLarge):
+        fields = _fields_like(cfg, e.shape)
+        return FormatError(
+            f"{where}: building {name} would allocate "
+            + (f"a tensor of shape {list(e.shape)}" if e.what == "one tensor"
+               else f"{e.numel} elements in all (the last a tensor of shape "
+                    f"{list(e.shape)})")
+            + ", far more than the checkpoint's tensors hold"
+            + (f" (config fields {', '.join(fields)})" if fields else "")
+            + ": the config does not describe this checkpoint", "E_LIMIT")
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if len(msg) > 300:
+        msg = msg[:297] + "..."
+    if attn is not None and isinstance(e, (ValueError, ImportError)) and \
+            "attn" in msg.lower():
+        return InvalidArgumentError(
+            f"laden.from_pretrained: attn_implementation={attn!r}: {name} "
+            f"cannot be built with it: {msg}", "E_INVAL")
+    return FormatError(f"{where}: {name} cannot build the model it "
+                       f"describes: {type(e).__name__}: {msg}"
+                       + _hint(e, cfg), "E_SCHEMA")
+
+
+def _hint(e: BaseException, cfg: dict) -> str:
+    import re
+
+    if re.search(r"field '([^']+)'", str(e)):
+        return ""  # named already
+    if isinstance(e, ZeroDivisionError):
+        zs = _zero_fields(cfg)
+        if zs:
+            return f" (fields that are 0: {', '.join(zs)})"
+    if isinstance(e, RecursionError):
+        return " (nested too deeply)"
+    neg = _negative_fields(cfg)  # torch: "negative dimension -5"
+    if neg:
+        return f" (fields below 0: {', '.join(neg)})"
+    return ""
 
 
 # ---- which library --------------------------------------------------------------
@@ -178,9 +511,59 @@ def _checkpoint_dtype(table):
     return max(by, key=by.get) if by else None
 
 
+def _dtype_field(cfg) -> str:
+    """The config's name for the dtype: ``dtype`` on transformers that
+    renamed it (4.56 on: ``torch_dtype`` is a property kept for old code,
+    warning whenever it is used, or gone), ``torch_dtype`` on those
+    before (an attribute set in the config's __init__).  Read from the
+    class and the instance without calling either name."""
+    import inspect
+
+    alias = inspect.getattr_static(type(cfg), "torch_dtype", None)
+    if isinstance(alias, property):
+        return "dtype"
+    own = getattr(cfg, "__dict__", {})
+    if "torch_dtype" in own:
+        return "torch_dtype"
+    if "dtype" in own or \
+            inspect.getattr_static(type(cfg), "dtype", None) is not None:
+        return "dtype"
+    return "torch_dtype"
+
+
+def _config_dict(cfg) -> dict:
+    """A transformers config as a dict of its fields (sub-configs nested),
+    for check_config; {} if the config cannot say (left to the build)."""
+    try:
+        d = cfg.to_dict()
+    except Exception:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _builds(model_cls, cfg) -> bool:
+    """Whether auto class model_cls has a model for cfg's class (or the
+    config names remote code); True when it cannot tell."""
+    try:
+        return type(cfg) in model_cls._model_mapping or \
+            bool(getattr(cfg, "auto_map", None))
+    except Exception:
+        return True
+
+
 def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
-    """The config read, the model built with empty_weights; returns
-    (model, dtype)."""
+    """The config read and checked against the checkpoint's tensor table
+    (`table`), then the model built with empty_weights; returns (model,
+    dtype).  What the config holds that cannot be built raises FormatError
+    (MismatchError where the checkpoint contradicts it) naming the config
+    file and the field, before anything large is allocated."""
+    gguf = kwargs.get("gguf_file")
+    where = os.path.join(path, gguf) if gguf else \
+        os.path.join(path, "config.json")
+    # Its JSON, read before the library's reader (which raises what
+    # json's does, or recurses without bound).
+    raw = {} if gguf else read_config_json(where)
+    name = getattr(model_cls, "__name__", str(model_cls))
     if lib == "transformers":
         import transformers
 
@@ -192,10 +575,18 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
         try:
             cfg = (transformers.AutoConfig.from_pretrained(path, **cfg_kw)
                    if auto else cfg_cls.from_pretrained(path, **cfg_kw))
-        except (OSError, ValueError, KeyError) as e:
+        except LadenError:
+            raise
+        except OSError as e:
             raise InvalidArgumentError(
                 f"laden.from_pretrained: {path}: cannot read its config: "
-                f"{str(e).splitlines()[0]}", "E_INVAL") from e
+                f"{str(e).splitlines()[0] if str(e) else e!r}",
+                "E_INVAL") from e
+        except Exception as e:  # the library's checks, or its failures
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise FormatError(
+                f"{where}: cannot read the config: {type(e).__name__}: "
+                f"{msg[:300]}" + _hint(e, raw), "E_SCHEMA") from e
         attn = kwargs.pop("attn_implementation", None)
         unknown = [k for k in kwargs if not hasattr(cfg, k)]
         if unknown:
@@ -209,32 +600,44 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
             setattr(cfg, k, v)
         if attn is not None:
             cfg._attn_implementation = attn
+        if auto and not _builds(model_cls, cfg):
+            raise InvalidArgumentError(
+                f"laden.from_pretrained: {name} cannot build the model of "
+                f"{path}: its config is a {type(cfg).__name__} (model_type "
+                f"{getattr(cfg, 'model_type', '?')!r}), which {name} has "
+                "no model for", "E_INVAL")
+        fields = _config_dict(cfg)
+        check_config(fields, table, where)
+        field = _dtype_field(cfg)
         if dtype is None:
-            dtype = _dtype_of(getattr(cfg, "dtype", None) or
-                              getattr(cfg, "torch_dtype", None))
+            dtype = _dtype_of(getattr(cfg, field, None))
         dtype = dtype or _checkpoint_dtype(table)
-        for attr in ("dtype", "torch_dtype"):  # the library builds in it
-            if hasattr(cfg, attr):
-                setattr(cfg, attr, dtype)
+        setattr(cfg, field, dtype)  # the library builds in it
         try:
-            with empty_weights(dtype):
+            with _allocation_guard(table), empty_weights(dtype):
                 model = (model_cls.from_config(cfg) if auto
                          else model_cls._from_config(cfg))
-        except ValueError as e:
-            raise InvalidArgumentError(
-                f"laden.from_pretrained: {model_cls.__name__} cannot build "
-                f"the model of {path} (model_type "
-                f"{getattr(cfg, 'model_type', '?')!r}): "
-                f"{str(e).splitlines()[0]}", "E_INVAL") from e
-        _buffers_in_float32(model)
+                _buffers_in_float32(model)
+        except LadenError:
+            raise
+        except Exception as e:
+            raise _cannot_build(e, model_cls, where, fields, attn) from e
         _keep_in_fp32(model, dtype)
         return model, dtype
     try:
         cfg = model_cls.load_config(path)
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise InvalidArgumentError(
             f"laden.from_pretrained: {path}: cannot read its config: "
-            f"{str(e).splitlines()[0]}", "E_INVAL") from e
+            f"{str(e).splitlines()[0] if str(e) else e!r}", "E_INVAL") from e
+    except Exception as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise FormatError(f"{where}: cannot read the config: "
+                          f"{type(e).__name__}: {msg[:300]}"
+                          + _hint(e, raw), "E_SCHEMA") from e
+    if not isinstance(cfg, dict):
+        raise FormatError(f"{where}: not an object of config fields",
+                          "E_SCHEMA")
     want = cfg.get("_class_name")
     if want and want != model_cls.__name__ and \
             not model_cls.__name__.startswith("AutoModel"):
@@ -248,9 +651,15 @@ def _build(model_cls, lib: str, path: str, dtype, kwargs, table):
             f"{model_cls.__name__}'s config nor an argument of "
             "from_pretrained", "E_INVAL")
     cfg.update(kwargs)
+    check_config(cfg, table, where)
     dtype = dtype or _checkpoint_dtype(table)
-    with empty_weights(dtype):
-        model = model_cls.from_config(cfg)
+    try:
+        with _allocation_guard(table), empty_weights(dtype):
+            model = model_cls.from_config(cfg)
+    except LadenError:
+        raise
+    except Exception as e:
+        raise _cannot_build(e, model_cls, where, cfg, None) from e
     _keep_in_fp32(model, dtype)
     return model, dtype
 

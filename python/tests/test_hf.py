@@ -554,3 +554,169 @@ def test_more_errors_name_the_problem(tmp_path, capsys):
     assert cli.main(["generate", d, "--prompt", "  "]) == 2
     err = capsys.readouterr().err
     assert "--prompt is empty" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- hostile configs --------------------------------------------------------------
+
+def _with_config(tmp_path, name, src, text=None, **edit):
+    """A copy of model directory src whose config.json is `text`, or
+    src's with the fields in `edit` changed."""
+    import json
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(src, d)
+    if text is None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(edit)
+        text = json.dumps(cfg)
+    (d / "config.json").write_text(text)
+    return str(d)
+
+
+def test_hostile_config_is_refused_before_building(tmp_path):
+    """config.json that the checkpoint contradicts (20,000 layers for 2, a
+    vocabulary of 10**12, a hidden size wider than the embedding, an
+    intermediate size of 10**12) or that cannot be built (0 heads, a
+    string for a count) or read (malformed or deeply nested JSON, not an
+    object): a FormatError or MismatchError naming config.json and the
+    field, at once (nothing built or allocated), never a TypeError,
+    ZeroDivisionError, RecursionError or a 256 TB allocation."""
+    import time
+
+    c = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    src = save(transformers.LlamaForCausalLM(c), tmp_path, "src")
+    cls = transformers.LlamaForCausalLM
+    cases = [
+        ("layers", {"num_hidden_layers": 20000}, laden.MismatchError,
+         ["num_hidden_layers", "20000", "longest has 2"]),
+        ("layers3", {"num_hidden_layers": 3}, laden.MismatchError,
+         ["num_hidden_layers"]),
+        ("neg", {"num_hidden_layers": -1}, laden.FormatError,
+         ["num_hidden_layers"]),
+        ("vocab", {"vocab_size": 10**12}, laden.MismatchError,
+         ["vocab_size", "embed_tokens", "128 rows"]),
+        ("hidden", {"hidden_size": 4096}, laden.MismatchError,
+         ["hidden_size", "64 columns"]),
+        ("inter", {"intermediate_size": 10**12}, laden.FormatError,
+         ["intermediate_size=1000000000000", "would allocate"]),
+        ("heads0", {"num_attention_heads": 0}, laden.FormatError,
+         ["num_attention_heads"]),
+        ("str", {"num_attention_heads": "4"}, laden.FormatError,
+         ["num_attention_heads"]),
+        ("negvocab", {"vocab_size": -1}, laden.FormatError,
+         ["vocab_size", "-1"]),
+        ("neginter", {"intermediate_size": -5}, laden.FormatError,
+         ["intermediate_size=-5"]),
+    ]
+    for name, edit, err, words in cases:
+        d = _with_config(tmp_path, name, src, **edit)
+        t0 = time.perf_counter()
+        with pytest.raises(err) as e:
+            laden.from_pretrained(cls, d, device="cpu")
+        assert time.perf_counter() - t0 < 10, name
+        msg = str(e.value)
+        assert "config.json" in msg and all(w in msg for w in words), msg
+    for name, text, words in (
+            ("json", '{"vocab_size": 12,,}', ["not JSON", "line 1 column 19"]),
+            ("nested", '{"a":' * 100000 + "1" + "}" * 100000,
+             ["nested too deeply"]),
+            ("list", "[1, 2]", ["not an object"])):
+        d = _with_config(tmp_path, name, src, text=text)
+        with pytest.raises(laden.FormatError) as e:
+            laden.from_pretrained(cls, d, device="cpu")
+        msg = str(e.value)
+        assert "config.json" in msg and all(w in msg for w in words), msg
+
+
+def test_hostile_diffusers_config(tmp_path):
+    diffusers, d = _tiny_ddpm(tmp_path)
+    unet = os.path.join(d, "unet")
+    for edit, field in (({"layers_per_block": 5000}, "layers_per_block"),
+                        ({"block_out_channels": [16, 10**9]}, "10**9")):
+        bad = _with_config(tmp_path, field.replace("*", ""), unet, **edit)
+        with pytest.raises((laden.MismatchError, laden.FormatError)) as e:
+            laden.from_pretrained(diffusers.UNet2DModel, bad, device="cpu")
+        assert "config.json" in str(e.value), str(e.value)
+        if field == "layers_per_block":
+            assert field in str(e.value)
+
+
+def test_cli_generate_hostile_config(tmp_path, capsys):
+    """laden generate on a directory whose config.json is hostile: one
+    line of error, status 2, no traceback."""
+    from laden import cli
+
+    src = save(tiny_llama(), tmp_path, "lm")
+    _tokenizer(src)
+    capsys.readouterr()
+    for name, kw in (("layers", {"num_hidden_layers": 20000}),
+                     ("vocab", {"vocab_size": 10**12}),
+                     ("heads", {"num_attention_heads": 0}),
+                     ("nested", {"text": "[" * 100000 + "]" * 100000}),
+                     ("json", {"text": "{nope"})):
+        d = _with_config(tmp_path, name, src, **kw)
+        rc = cli.main(["generate", d, "--prompt", "w1", "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1, (name, err)
+        assert "config.json" in err and "Traceback" not in err, err
+
+
+def test_dtype_field_as_transformers_names_it():
+    """laden sets the config's dtype under the name this transformers
+    uses: ``dtype`` where ``torch_dtype`` is the deprecated property
+    (reading or setting it warns), ``torch_dtype`` on versions before."""
+    from laden.hf import _dtype_field
+
+    class Old:  # transformers < 4.56: an attribute set in __init__
+        def __init__(self):
+            self.torch_dtype = None
+
+    class New:
+        dtype = None
+
+        @property
+        def torch_dtype(self):
+            raise AssertionError("the deprecated name was used")
+
+        @torch_dtype.setter
+        def torch_dtype(self, v):
+            raise AssertionError("the deprecated name was used")
+
+    class Later:  # the deprecated name gone: only dtype, set in __init__
+        def __init__(self):
+            self.dtype = None
+
+    assert _dtype_field(Old()) == "torch_dtype"
+    assert _dtype_field(New()) == "dtype"
+    assert _dtype_field(Later()) == "dtype"
+    assert _dtype_field(transformers.LlamaConfig()) == (
+        "dtype" if "dtype" in vars(transformers.LlamaConfig()) else
+        "torch_dtype")
+
+
+def test_from_pretrained_never_uses_torch_dtype(tmp_path, monkeypatch):
+    """On a transformers whose configs renamed torch_dtype, from_pretrained
+    never touches the old name (which logs a deprecation warning)."""
+    import inspect
+
+    base = transformers.PretrainedConfig
+    if not isinstance(inspect.getattr_static(base, "torch_dtype", None),
+                      property):
+        pytest.skip("this transformers predates dtype")
+
+    def refuse(*a):
+        raise AssertionError("laden used config.torch_dtype")
+
+    monkeypatch.setattr(base, "torch_dtype", property(refuse, refuse))
+    d = save(tiny_llama(), tmp_path, "lm")
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", dtype=torch.bfloat16)
+    assert m.dtype == torch.bfloat16
+    laden.release(m)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu")
+    laden.release(m)
