@@ -488,9 +488,8 @@ def cmd_generate(args) -> int:
                                ram_budget=args.ram)
     load_s = time.perf_counter() - t0
     try:
-        st = model._laden_stream
-        streamed = sum(b.nbytes for b in st.blocks
-                       if b.tier_name != "resident")
+        handle = model._laden_stream.handle
+        before = handle.stats()  # C's counters: what the schedule moved
         ids = tok(args.prompt, return_tensors="pt").input_ids.to(dev)
         pad = tok.pad_token_id if tok.pad_token_id is not None else \
             tok.eos_token_id
@@ -501,31 +500,43 @@ def cmd_generate(args) -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         gen_s = time.perf_counter() - t0
+        after = handle.stats()
     finally:
         release(model)
     new = out.shape[1] - ids.shape[1]
+    # A forward a token (the first on the prompt): what C counted moving
+    # into the slots (over the link on CUDA) and reading from the
+    # checkpoint, per token.  On the CPU only disk-tier blocks move; the
+    # RAM tier is used in place.
+    copied = (after["h2d_bytes"] - before["h2d_bytes"]) // max(new, 1)
+    read = (after["read_bytes"] - before["read_bytes"]) // max(new, 1)
     print(tok.decode(out[0], skip_special_tokens=True))
     print()
     per = gen_s / max(new, 1)
     print(f"loaded in {load_s:.2f} s; {new} new tokens in {gen_s:.2f} s = "
           f"{new / gen_s if gen_s > 0 else 0:.2f} tokens/s "
           f"({per * 1e3:.1f} ms a token)")
-    if dev.type == "cuda" and streamed:
+    if dev.type == "cuda" and copied:
         rate = ctypes.c_double()
         check(lib.laden_dev_measure_copy(
             dev.index if dev.index is not None else
             torch.cuda.current_device(), _lib.COPY_H2D_PINNED, 256 << 20, 5,
             ctypes.byref(rate)))
-        floor = streamed / rate.value
-        print(f"streamed {fmt_bytes(streamed)} a token; the link's floor "
-              f"{floor * 1e3:.1f} ms a token (host-to-device "
-              f"{fmt_rate(rate.value)}); time a token / floor = "
-              f"{per / floor:.2f}")
-    elif streamed:
-        print(f"streamed {fmt_bytes(streamed)} a token (the CPU device: "
-              "no host-to-device link)")
-    else:
+        floor = copied / rate.value
+        print(f"streamed {fmt_bytes(copied)} a token"
+              + (f" ({fmt_bytes(read)} of it read from the checkpoint)"
+                 if read else "")
+              + f"; the link's floor {floor * 1e3:.1f} ms a token "
+              f"(host-to-device {fmt_rate(rate.value)}); time a token / "
+              f"floor = {per / floor:.2f}")
+    elif dev.type == "cuda":
         print("the whole model is resident: nothing streamed")
+    elif read:
+        print(f"read {fmt_bytes(read)} a token from the checkpoint (the "
+              "CPU device: blocks on the disk tier; those in RAM run in "
+              "place)")
+    else:
+        print("the whole model runs from RAM: nothing streamed")
     return 0
 
 

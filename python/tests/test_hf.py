@@ -323,7 +323,32 @@ def test_cli_generate(tmp_path, capsys):
     got = capsys.readouterr().out
     assert rc == 0
     assert got.splitlines()[0] == want
-    assert "tokens/s" in got and "streamed" in got
+    assert "tokens/s" in got
+    # On the CPU only the disk tier moves (the RAM tier runs in place):
+    # the line says what C counted read, a token: at most the disk-tier
+    # blocks' bytes, not every block's (as it said before).
+    import re
+
+    from laden._units import parse_size
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", ram_budget=250_000)
+    tiers = [(b.tier_name, b.nbytes) for b in m._laden_stream.blocks]
+    laden.release(m)
+    disk = sum(n for t, n in tiers if t == "disk")
+    assert 0 < disk < sum(n for _, n in tiers)
+    rc = cli.main(["generate", d, "--prompt", "w1 w2 w3",
+                   "--max-new-tokens", "6", "--device", "cpu",
+                   "--ram", "250000"])
+    got = capsys.readouterr().out
+    assert rc == 0 and got.splitlines()[0] == want
+    hit = re.search(r"read (\S+ \S+) a token from the checkpoint", got)
+    assert hit, got
+    assert 0 < parse_size(hit.group(1).replace(" ", "")) <= disk * 1.01, \
+        (got, tiers)
+    rc = cli.main(["generate", d, "--prompt", "w1 w2 w3",
+                   "--max-new-tokens", "2", "--device", "cpu"])
+    got = capsys.readouterr().out
+    assert rc == 0 and "nothing streamed" in got and "read " not in got
     (tmp_path / "bare").mkdir()
     _tokenizer(str(tmp_path / "bare"))
     rc = cli.main(["generate", str(tmp_path / "bare"), "--prompt", "w1",
