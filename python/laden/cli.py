@@ -716,6 +716,16 @@ def main(argv: Sequence[str] = None) -> int:
     except (BadArgument, LadenError, OSError, ValueError) as e:
         print(f"laden {args.cmd}: error: {_sentence(e)}", file=sys.stderr)
         return 2
+    except (RecursionError, OverflowError, MemoryError) as e:
+        # What hostile input makes Python itself raise: one line too.
+        what = {RecursionError: "input nested too deeply",
+                OverflowError: "a number too large",
+                MemoryError: "out of memory"}[next(
+                    c for c in (RecursionError, OverflowError, MemoryError)
+                    if isinstance(e, c))]
+        print(f"laden {args.cmd}: error: {what}"
+              + (f" ({_sentence(e)})" if str(e) else ""), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"laden {args.cmd}: interrupted", file=sys.stderr)
         return 130

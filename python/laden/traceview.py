@@ -4,6 +4,7 @@ this only adds them up and draws them."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -27,13 +28,20 @@ class TraceData:
 
 def load(path: str) -> TraceData:
     """Reads a trace file written by laden.trace; InvalidArgumentError
-    naming the file when it is not one."""
+    naming the file when it is not one (not JSON, nested deeper than a
+    trace is, numbers no trace holds: NaN, infinities, times or byte
+    counts out of range)."""
     try:
         with open(path, "rb") as f:
-            doc = json.load(f)
+            doc = json.load(f, parse_constant=_no_constant,
+                            parse_float=_finite_float)
     except OSError as e:
         raise InvalidArgumentError(f"trace {path}: {e.strerror}",
                                    "E_INVAL") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"trace {path}: not JSON laden reads "
+                                   "(nested too deeply): not a trace of "
+                                   "laden.trace", "E_INVAL") from None
     except ValueError as e:
         raise InvalidArgumentError(f"trace {path}: not JSON ({e})",
                                    "E_INVAL") from None
@@ -45,14 +53,63 @@ def load(path: str) -> TraceData:
     other = doc.get("otherData") or {}
     events = doc["traceEvents"]
     try:
+        if not isinstance(other, dict):
+            raise TypeError(f"otherData {type(other).__name__} is not an "
+                            "object")
         tracks, spans, counters = _parse(events)
-        seconds = float(other.get("seconds", 0.0))
-        dropped = int(other.get("dropped_events", 0))
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        seconds = _time(other.get("seconds", 0.0), "otherData.seconds",
+                        _MAX_S)
+        dropped = _count(other.get("dropped_events", 0),
+                         "otherData.dropped_events")
+    except (KeyError, TypeError, AttributeError, ValueError,
+            OverflowError) as e:
         raise InvalidArgumentError(
             f"trace {path}: an event laden does not write ({e!r}): not a "
             "trace of laden.trace", "E_INVAL") from None
     return TraceData(path, seconds, dropped, events, tracks, spans, counters)
+
+
+# Bounds no trace laden writes comes near: times in microseconds (a
+# year), counts and bytes below 2**63.
+_MAX_US = 3.2e13
+_MAX_S = _MAX_US / 1e6
+_MAX_COUNT = 2**63 - 1
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number a trace holds")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text} is out of range")
+    return v
+
+
+def _time(v, what: str, bound: float = _MAX_US) -> float:
+    """A time (or duration) of the trace: a number from 0 to `bound`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} {v!r} is not a number")
+    v = float(v)
+    if not 0 <= v <= bound:
+        raise ValueError(f"{what} {v!r} is out of range")
+    return v
+
+
+def _count(v, what: str) -> int:
+    """A count or a byte number: a whole number from 0 below 2**63."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{what} {v!r} is not a whole number")
+    if not 0 <= v <= _MAX_COUNT:
+        raise ValueError(f"{what} {_short(v)} is out of range")
+    return v
+
+
+def _short(v: int) -> str:
+    return str(v) if abs(v) < 10**15 else f"{float(v):.3g}"
 
 
 _INTS = ("bytes", "streamed", "miss", "block", "schedule", "read_bytes",
@@ -70,16 +127,33 @@ def _checked(e: dict) -> dict:
     a = dict(args)
     for k in _INTS:
         if k in a and not isinstance(a[k], bool):
-            a[k] = int(a[k]) if isinstance(a[k], (int, float)) else \
-                int(str(a[k]), 10)
+            v = a[k]
+            if isinstance(v, str):
+                v = int(v, 10)
+            if isinstance(v, float):
+                v = int(v)  # finite: parse_float refuses the rest
+            a[k] = _count(v, f"args.{k}") if k != "offset" else \
+                _signed(v, f"args.{k}")
     for k in _STRS:
         if k in a and not isinstance(a[k], str):
             raise TypeError(f"args.{k} {a[k]!r} is not a string")
     if "tid" in e and not isinstance(e["tid"], int):
         raise TypeError(f"tid {e['tid']!r} is not a number")
+    for k in ("ts", "dur"):
+        if k in e:
+            e = dict(e)
+            e[k] = _time(e[k], k)
     e = dict(e)
     e["args"] = a
     return e
+
+
+def _signed(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{what} {v!r} is not a whole number")
+    if not -_MAX_COUNT <= v <= _MAX_COUNT:
+        raise ValueError(f"{what} {_short(v)} is out of range")
+    return v
 
 
 def _parse(events):
@@ -112,8 +186,10 @@ def _parse(events):
                 spans.append(b)
         elif ph == "C":
             v = next(iter(e.get("args", {}).values()), 0)
+            if isinstance(v, float):
+                v = int(v)
             counters.setdefault(str(e["name"]), []).append(
-                (float(e["ts"]), int(v)))
+                (float(e["ts"]), _signed(v, "counter value")))
     for c in counters.values():
         c.sort()
     spans.sort(key=lambda s: s["ts"])

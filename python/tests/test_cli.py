@@ -270,3 +270,21 @@ def test_no_command_is_one_line():
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     r = run_quick("plan", "-h")  # help still works, on stdout
     assert r.returncode == 0 and "--lookahead" in r.stdout
+
+
+@pytest.mark.parametrize("exc", [RecursionError("maximum recursion depth"),
+                                 OverflowError("int too large"),
+                                 MemoryError()])
+def test_python_errors_from_input_are_one_line(monkeypatch, capsys, exc):
+    """What hostile input makes Python itself raise (nesting, huge
+    numbers, sizes) is one line and status 2, as laden's errors are."""
+    from laden import cli
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_inspect", boom)
+    assert cli.main(["inspect", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laden inspect: error: ") and \
+        len(err.strip().splitlines()) == 1, err

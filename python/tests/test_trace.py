@@ -334,3 +334,36 @@ def test_activation_measures_match_the_trace(ckpt, tmp_path):
         counter(ev, "torch_peak_bytes")
     base = alloc[0][1] - rounded(x.numel() * sm.embed.weight.shape[1] * 4)
     assert got >= peak[-1][1] - base > 0
+
+
+def test_show_refuses_hostile_numbers_and_nesting(tmp_path, capsys):
+    """A trace file nested deeper than Python's JSON reader goes, or with
+    NaN, infinities or numbers no trace holds (times of 1e300, byte
+    counts beyond 2**63): one line of error and status 2, with and
+    without -o, never a traceback (RecursionError, OverflowError)."""
+    x = '{"ph":"X","ts":%s,"dur":%s,"cat":"h2d","args":{"bytes":%s}}'
+    docs = {
+        "nested": '{"traceEvents":' + "[" * 100000 + "]" * 100000 + "}",
+        "nested args": '{"traceEvents":[{"ph":"X","ts":0,"args":'
+                       + '{"a":' * 50000 + "1" + "}" * 50000 + "}]}",
+        "inf ts": '{"traceEvents":[%s]}' % (x % ("1e999", "1", "1")),
+        "inf bytes": '{"traceEvents":[%s]}' % (x % ("0", "1", "1e999")),
+        "nan": '{"traceEvents":[%s]}' % (x % ("NaN", "1", "1")),
+        "huge": '{"traceEvents":[%s]}' % (x % ("1e300", "1e300", "1e300")),
+        "huge int": '{"traceEvents":[%s]}' % (x % ("0", "1", "9" * 30)),
+        "digits": '{"traceEvents":[%s]}' % (x % ("0", "1", "9" * 5000)),
+        "counter": '{"traceEvents":[{"ph":"C","name":"m","ts":0,'
+                   '"args":{"b":1e999}}]}',
+        "seconds": '{"traceEvents":[],"otherData":{"seconds":1e308,'
+                   '"dropped_events":1e300}}',
+        "other": '{"traceEvents":[],"otherData":[1]}',
+    }
+    bad = tmp_path / "bad.json"
+    for name, doc in docs.items():
+        bad.write_text(doc)
+        for extra in ([], ["-o", str(tmp_path / "t.png")]):
+            assert cli.main(["trace", "show", str(bad)] + extra) == 2, name
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1, (name, err)
+            assert "laden trace: error:" in err and "bad.json" in err, err
+            assert "Traceback" not in err
