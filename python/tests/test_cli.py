@@ -288,3 +288,18 @@ def test_python_errors_from_input_are_one_line(monkeypatch, capsys, exc):
     err = capsys.readouterr().err
     assert err.startswith("laden inspect: error: ") and \
         len(err.strip().splitlines()) == 1, err
+
+
+def test_package_says_it_is_typed():
+    """py.typed (PEP 561) is in the package folder, which the wheel ships
+    whole (pyproject.toml's wheel.packages), and git does not ignore it."""
+    import laden
+
+    here = os.path.dirname(laden.__file__)
+    assert os.path.isfile(os.path.join(here, "py.typed"))
+    root = os.path.dirname(os.path.dirname(here))
+    if os.path.isdir(os.path.join(root, ".git")) or \
+            os.path.isfile(os.path.join(root, ".git")):
+        r = subprocess.run(["git", "-C", root, "check-ignore", "-q",
+                            os.path.join(here, "py.typed")])
+        assert r.returncode == 1  # not ignored
