@@ -226,6 +226,12 @@ def check_config(cfg: dict, table, where: str) -> None:
     for pre, sub in _subconfigs(cfg):
         if pre not in ("", "text_config."):
             continue
+        for f in ("vocab_size",) + _HIDDEN_FIELDS:
+            v = sub.get(f)
+            if _is_int(v) and v < 0:
+                raise FormatError(
+                    f"{where}: field '{pre}{f}' is {v}; a size is a whole "
+                    "number of 0 or more", "E_SCHEMA")
         v = sub.get("vocab_size")
         if _is_int(v) and v > rows.shape[0]:
             raise MismatchError(
@@ -259,6 +265,12 @@ def _fields_like(cfg: dict, dims, limit: int = 4) -> List[str]:
             if _is_int(v) and v in want:
                 out.append(f"{pre}{k}={v}")
     return out[:limit]
+
+
+def _negative_fields(cfg: dict) -> List[str]:
+    return [f"{pre}{k}={v}" for pre, sub in _subconfigs(cfg)
+            for k, v in sub.items() if _is_int(v) and v < 0 and
+            not k.endswith("_id") and not k.endswith("_index")][:4]
 
 
 def _zero_fields(cfg: dict) -> List[str]:
@@ -406,6 +418,9 @@ def _hint(e: BaseException, cfg: dict) -> str:
             return f" (fields that are 0: {', '.join(zs)})"
     if isinstance(e, RecursionError):
         return " (nested too deeply)"
+    neg = _negative_fields(cfg)  # torch: "negative dimension -5"
+    if neg:
+        return f" (fields below 0: {', '.join(neg)})"
     return ""
 
 
@@ -498,12 +513,22 @@ def _checkpoint_dtype(table):
 
 def _dtype_field(cfg) -> str:
     """The config's name for the dtype: ``dtype`` on transformers that
-    renamed it (where ``torch_dtype`` is a property kept for old code,
-    warning whenever it is used), ``torch_dtype`` on those before."""
+    renamed it (4.56 on: ``torch_dtype`` is a property kept for old code,
+    warning whenever it is used, or gone), ``torch_dtype`` on those
+    before (an attribute set in the config's __init__).  Read from the
+    class and the instance without calling either name."""
     import inspect
 
     alias = inspect.getattr_static(type(cfg), "torch_dtype", None)
-    return "dtype" if isinstance(alias, property) else "torch_dtype"
+    if isinstance(alias, property):
+        return "dtype"
+    own = getattr(cfg, "__dict__", {})
+    if "torch_dtype" in own:
+        return "torch_dtype"
+    if "dtype" in own or \
+            inspect.getattr_static(type(cfg), "dtype", None) is not None:
+        return "dtype"
+    return "torch_dtype"
 
 
 def _config_dict(cfg) -> dict:

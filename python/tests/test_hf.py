@@ -632,6 +632,10 @@ def test_hostile_config_is_refused_before_building(tmp_path):
          ["num_attention_heads"]),
         ("str", {"num_attention_heads": "4"}, laden.FormatError,
          ["num_attention_heads"]),
+        ("negvocab", {"vocab_size": -1}, laden.FormatError,
+         ["vocab_size", "-1"]),
+        ("neginter", {"intermediate_size": -5}, laden.FormatError,
+         ["intermediate_size=-5"]),
     ]
     for name, edit, err, words in cases:
         d = _with_config(tmp_path, name, src, **edit)
@@ -707,8 +711,16 @@ def test_dtype_field_as_transformers_names_it():
         def torch_dtype(self, v):
             raise AssertionError("the deprecated name was used")
 
+    class Later:  # the deprecated name gone: only dtype, set in __init__
+        def __init__(self):
+            self.dtype = None
+
     assert _dtype_field(Old()) == "torch_dtype"
     assert _dtype_field(New()) == "dtype"
+    assert _dtype_field(Later()) == "dtype"
+    assert _dtype_field(transformers.LlamaConfig()) == (
+        "dtype" if "dtype" in vars(transformers.LlamaConfig()) else
+        "torch_dtype")
 
 
 def test_from_pretrained_never_uses_torch_dtype(tmp_path, monkeypatch):
