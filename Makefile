@@ -135,6 +135,7 @@ fuzz: need-clang
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_plan -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/plan
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_index -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/index.dict fuzz/corpus/index
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/gguf
 
 bench-read: install
 	$(VPY) bench/read.py

@@ -3,8 +3,10 @@
  * every prefix and every one-byte change of a valid file refused or read,
  * never a crash (ASan). */
 #define _GNU_SOURCE /* memmem */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "test.h"
 
@@ -213,32 +215,6 @@ TEST(gguf_bad_headers_named)
     s = GOOD;
     s.dup_key = 1;
     bad(&s, LADEN_E_SCHEMA, "appears twice");
-    /* Names and keys that are not UTF-8 (a Python caller raised a bare
-     * UnicodeDecodeError on them): named, with the byte. */
-    s = GOOD;
-    s.name2 = "blk.0.\xc3(.weight";
-    bad(&s, LADEN_E_SCHEMA, "a tensor name at header offset");
-    bad(&s, LADEN_E_SCHEMA, "is not valid UTF-8 (byte 6 of its 15, 0xc3)");
-    s.name2 = "blk.\xed\xa0\x80.surrogate";
-    bad(&s, LADEN_E_SCHEMA, "not valid UTF-8");
-    s.name2 = "blk.\xc0\xaf.overlong";
-    bad(&s, LADEN_E_SCHEMA, "not valid UTF-8");
-    s.name2 = "blk.0.\xe2\x9c\x93.weight"; /* valid UTF-8: read */
-    {
-        buf ok = make(&s);
-        laden_gguf_t *g2 = NULL;
-        CHECK_OK(laden_gguf_open_memory(ok.p, ok.n, &g2));
-        laden_gguf_close(g2);
-        free(ok.p);
-    }
-    buf k = make(&GOOD); /* a key: "general.alignment" -> "gen\xffral..." */
-    uint8_t *at = memmem(k.p, k.n, "general.alignment", 17);
-    CHECK(at != NULL);
-    at[3] = 0xff;
-    laden_gguf_t *gk = NULL;
-    CHECK_STATUS(laden_gguf_open_memory(k.p, k.n, &gk), LADEN_E_SCHEMA);
-    CHECK_CONTAINS(laden_last_error(), "a metadata key at header offset");
-    free(k.p);
     buf b = make(&GOOD);
     memcpy(b.p, "GGUG", 4);
     laden_gguf_t *g;
@@ -248,6 +224,73 @@ TEST(gguf_bad_headers_named)
     uint8_t huge[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0};
     memcpy(b.p + 8, huge, 8);
     CHECK(laden_gguf_open_memory(b.p, b.n, &g) != LADEN_OK);
+    free(b.p);
+}
+
+/* Names, keys and string values that are not UTF-8 are refused naming
+ * the file, which string, and the offset of the first bad byte: Python
+ * would have raised a bare UnicodeDecodeError decoding them. */
+TEST(gguf_strings_not_utf8_named)
+{
+    static const char *const names[] = {
+        "blk.\xff.w",        /* not a first byte */
+        "blk.\xc3(.w",       /* a continuation missing */
+        "blk.\xc0\xaf.w",    /* overlong */
+        "blk.\xed\xa0\x80.w", /* a surrogate */
+        "blk.\xf4\x90\x80\x80", /* above U+10FFFF */
+        "blk.\xe2\x82",      /* cut at the end */
+    };
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+        shape s = GOOD;
+        s.name2 = names[k];
+        buf b = make(&s);
+        laden_gguf_t *g = NULL;
+        CHECK_STATUS(laden_gguf_open_memory(b.p, b.n, &g), LADEN_E_SCHEMA);
+        CHECK(g == NULL);
+        CHECK_CONTAINS(laden_last_error(), "GGUF in memory: tensor 2's name "
+                                           "is not valid UTF-8 (byte 4 of it");
+        uint8_t *at = memmem(b.p, b.n, names[k], strlen(names[k]));
+        char want[64];
+        snprintf(want, sizeof want, "at offset %zu of the file",
+                 (size_t)(at - b.p) + 4);
+        CHECK_CONTAINS(laden_last_error(), want);
+        /* From a file too: the file named. */
+        char *p = test_path("bad_name.gguf");
+        test_write_file(p, b.p, b.n);
+        CHECK_STATUS(laden_gguf_open(p, &g), LADEN_E_SCHEMA);
+        CHECK_CONTAINS(laden_last_error(), p);
+        laden_st_t *st = NULL;
+        CHECK_STATUS(laden_st_open(p, &st), LADEN_E_SCHEMA);
+        CHECK(st == NULL);
+        CHECK_CONTAINS(laden_last_error(), "tensor 2's name");
+        free(b.p);
+    }
+    /* A valid multi-byte name is read as it is. */
+    shape s = GOOD;
+    s.name2 = "blk.\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80.w";
+    buf b = make(&s);
+    laden_gguf_t *g;
+    size_t i;
+    CHECK_OK(laden_gguf_open_memory(b.p, b.n, &g));
+    CHECK_OK(laden_gguf_find(g, s.name2, &i));
+    CHECK_EQ(i, 2);
+    laden_gguf_close(g);
+    /* A key (entry 2) and a string value (entry 0's). */
+    uint8_t *key = memmem(b.p, b.n, "tokenizer.ggml.tokens", 21);
+    key[3] = 0x80;
+    CHECK_STATUS(laden_gguf_open_memory(b.p, b.n, &g), LADEN_E_SCHEMA);
+    CHECK_CONTAINS(laden_last_error(), "metadata key 2 is not valid UTF-8 "
+                                       "(byte 3 of it");
+    key[3] = 'e';
+    uint8_t *val = memmem(b.p, b.n, "llama", 5);
+    val[4] = 0xe0;
+    CHECK_STATUS(laden_gguf_open_memory(b.p, b.n, &g), LADEN_E_SCHEMA);
+    CHECK_CONTAINS(laden_last_error(), "the string of metadata "
+                                       "'general.architecture' (entry 0) is "
+                                       "not valid UTF-8 (byte 4 of it");
+    val[4] = 'a';
+    CHECK_OK(laden_gguf_open_memory(b.p, b.n, &g));
+    laden_gguf_close(g);
     free(b.p);
 }
 
@@ -458,4 +501,127 @@ TEST(gguf_as_checkpoint_loaded)
     CHECK(st == NULL && strstr(laden_last_error(), nm) &&
           strstr(laden_last_error(), "IQ4_NL"));
     free(b.p);
+}
+
+/* A GGUF file of n F32 tensors of one element, "blk.<i>.w" at i * 32;
+ * its path (test_path's). */
+static char *wide_gguf(uint32_t n)
+{
+    buf b = {0};
+    char name[32];
+    put(&b, "GGUF", 4);
+    u32(&b, 3);
+    u64(&b, n);
+    u64(&b, 1);
+    str(&b, "general.architecture");
+    u32(&b, LADEN_GGUF_STRING);
+    str(&b, "llama");
+    for (uint32_t i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "blk.%u.w", i);
+        str(&b, name);
+        u32(&b, 1);
+        u64(&b, 1);
+        u32(&b, 0);
+        u64(&b, (uint64_t)i * 32);
+    }
+    pad_to(&b, 32);
+    uint8_t zero[32] = {0};
+    for (uint32_t i = 0; i < n; i++)
+        put(&b, zero, 32);
+    snprintf(name, sizeof name, "wide%u.gguf", n);
+    char *p = test_path(name);
+    test_write_file(p, b.p, b.n);
+    free(b.p);
+    return p;
+}
+
+/* CPU seconds (this thread: another process's load does not count) that
+ * `laden plan` takes in C for file p: opened, each tensor its own AUTO
+ * block, planned; its blocks checked planned. */
+static double describe_and_plan(const char *p, uint32_t n)
+{
+    struct timespec t0, t1;
+    laden_st_t *st;
+    laden_sched_t *sc;
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    CHECK_OK(laden_st_open(p, &st));
+    CHECK_EQ(laden_st_count(st), n);
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t blk, ti;
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &blk));
+        CHECK_OK(laden_sched_add_tensor(sc, blk, st, i, LADEN_DTYPE_F32,
+                                        &ti));
+    }
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    CHECK(laden_sched_block_tier(sc, 0) != LADEN_TIER_AUTO);
+    CHECK(laden_sched_block_tier(sc, n - 1) != LADEN_TIER_AUTO);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    return (double)(t1.tv_sec - t0.tv_sec) +
+           (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+}
+
+/* `laden plan` on a wide GGUF table grew as the square of its tensors
+ * (each block or tensor added walked every block to unplan it: 131072
+ * tensors took 84 s).  A table 16 times larger must cost less than 64
+ * times as much (linear: 16, the square: 256); the fastest of a few runs
+ * of each, in CPU time, so that a loaded machine does not fail it. */
+TEST(gguf_wide_table_planned_in_linear_time)
+{
+    enum { SMALL = 2048, LARGE = SMALL * 16 };
+    char *ps = wide_gguf(SMALL), *pl = wide_gguf(LARGE);
+    double small = 1e9, large = 1e9;
+    for (int k = 0; k < 3; k++) {
+        double t = describe_and_plan(ps, SMALL);
+        small = t < small ? t : small;
+    }
+    if (small < 1e-4)
+        small = 1e-4; /* a clock too coarse for it */
+    for (int k = 0; k < 3 && large >= 64 * small; k++) {
+        double t = describe_and_plan(pl, LARGE);
+        large = t < large ? t : large;
+    }
+    if (large >= 64 * small)
+        fprintf(stderr, "  %u tensors: %.4f s, %u: %.4f s (%.0fx)\n", SMALL,
+                small, LARGE, large, large / small);
+    CHECK(large < 64 * small);
+}
+
+/* A tensor or block added after a plan makes the planned blocks AUTO
+ * again (laden__sched_unplan skips its walk until something is planned). */
+TEST(gguf_added_after_plan_is_planned_again)
+{
+    char *p = wide_gguf(3);
+    laden_st_t *st;
+    laden_sched_t *sc;
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    in.ram_budget_bytes = 1ull << 30;
+    uint32_t b0, b1, b2, ti;
+    CHECK_OK(laden_st_open(p, &st));
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &b0));
+    CHECK_OK(laden_sched_add_tensor(sc, b0, st, 0, LADEN_DTYPE_F32, &ti));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b1));
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+    CHECK(laden_sched_block_tier(sc, b0) != LADEN_TIER_AUTO);
+    CHECK_OK(laden_sched_add_tensor(sc, b1, st, 1, LADEN_DTYPE_F32, &ti));
+    CHECK_EQ(laden_sched_block_tier(sc, b0), LADEN_TIER_AUTO);
+    CHECK_EQ(laden_sched_block_tier(sc, b1), LADEN_TIER_RAM);
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+    CHECK(laden_sched_block_tier(sc, b0) != LADEN_TIER_AUTO);
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &b2));
+    CHECK_EQ(laden_sched_block_tier(sc, b0), LADEN_TIER_AUTO);
+    CHECK_EQ(laden_sched_block_tier(sc, b2), LADEN_TIER_AUTO);
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, NULL));
+    CHECK(laden_sched_block_tier(sc, b0) != LADEN_TIER_AUTO &&
+          laden_sched_block_tier(sc, b2) != LADEN_TIER_AUTO);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
 }

@@ -1381,30 +1381,6 @@ TEST(stream_plan_over_budget_keeps_tiers)
 /* Load refuses blocks the planner has not placed; adding to a planned
  * schedule makes its AUTO blocks the planner's again; a loaded schedule
  * is not planned again. */
-/* Describing a model is linear in its blocks: each added block or tensor
- * undid the plan with a pass over every block, so 131072 one-tensor
- * blocks (laden plan on a GGUF table) took 140 s.  300000 blocks take a
- * fraction of a second now, and over a minute quadratically: the bound
- * is loose enough for a loaded machine and a sanitizer, and far below
- * the quadratic time. */
-TEST(stream_describing_is_linear)
-{
-    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
-    laden_sched_t *sc;
-    CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
-    uint64_t t0 = laden__now_ns();
-    uint32_t b;
-    for (uint32_t i = 0; i < 300000; i++)
-        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &b));
-    double s = (double)(laden__now_ns() - t0) / 1e9;
-    CHECK_EQ(b, 299999u);
-    if (s > 10.0) {
-        fprintf(stderr, "adding 300000 blocks took %.1f s\n", s);
-        CHECK(s <= 10.0);
-    }
-    laden_sched_destroy(sc);
-}
-
 TEST(stream_load_refuses_unplanned)
 {
     model m;

@@ -1237,7 +1237,7 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
         if ck.format == "gguf":
             from .gguf import rope_heads, rope_heads_of
 
-            heads = rope_heads(ck.metadata)
+            heads = rope_heads(ck.metadata, ck.path)
             for t in tensors:
                 if t.ckpt_name is not None:
                     t.rope_heads = rope_heads_of(t.ckpt_name, heads)

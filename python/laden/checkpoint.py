@@ -151,9 +151,8 @@ class Checkpoint:
         for i in range(lib.laden_st_metadata_count(h)):
             check(lib.laden_st_metadata_at(h, i, ctypes.byref(k),
                                            ctypes.byref(v)))
-            # GGUF strings are not checked for UTF-8 (safetensors' are)
-            meta[k.value.decode(errors="replace")] = \
-                v.value.decode(errors="replace")
+            # UTF-8: C checked (safetensors' JSON, GGUF's strings)
+            meta[k.value.decode()] = v.value.decode()
         self.metadata: Dict[str, str] = meta
         self.total_bytes: int = lib.laden_st_total_bytes(h)
         # "gguf" for a GGUF file (its tensors' names and q/k rows are

@@ -22,7 +22,7 @@ from ._lib import check, lib
 from .checkpoint import PathLike
 
 __all__ = ["GgufFile", "GgufTensor", "llama_key_map", "LLAMA_NAMES",
-           "rope_heads"]
+           "rope_heads", "check_config"]
 
 # llama.cpp's tensor names -> transformers' Llama names ("{}": the layer).
 LLAMA_NAMES = {
@@ -58,42 +58,131 @@ def llama_key_map(name: str):
     if name.startswith("blk."):
         layer, _, rest = name[4:].partition(".")
         hf = LLAMA_NAMES.get("blk.{}." + rest)
-        if hf is not None and layer.isdigit():
+        if hf is not None and layer.isascii() and layer.isdigit():
             return hf.format(layer)
     return name
 
 
-def rope_heads(metadata) -> Dict[str, int]:
+# Sizes in a GGUF file's metadata: at least 1, at most this (what a
+# transformers config or a C dimension takes).
+_MAX_SIZE = (1 << 31) - 1
+
+
+def _where(path) -> str:
+    return f"{os.fspath(path)}: " if path is not None else ""
+
+
+def _bad(path, key: str, v, need: str):
+    from .errors import FormatError
+
+    return FormatError(
+        f"{_where(path)}GGUF metadata '{key}' is "
+        f"{'missing' if v is None else repr(v)}: {need}", "E_SCHEMA")
+
+
+def _size(metadata, key: str, path=None, hi: int = _MAX_SIZE,
+          required: bool = False, why: str = "", typed: bool = False):
+    """metadata[key] as an integer in 1..hi (None if absent and not
+    required), else FormatError naming the key and the file.  An integer:
+    a Python int (not a bool) from GgufFile's typed metadata (`typed`),
+    else also the decimal text Checkpoint.metadata renders the file's
+    integer types as."""
+    v = metadata.get(key)
+    if v is None and not required:
+        return None
+    n = None
+    if isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    elif not typed and isinstance(v, str) and v.isascii() and v.isdigit() \
+            and len(v) < 20:
+        n = int(v)
+    if n is None or not 1 <= n <= hi:
+        raise _bad(path, key, v, f"laden needs an integer from 1 to {hi}"
+                   f"{why}")
+    return n
+
+
+def rope_heads(metadata, path=None) -> Dict[str, int]:
     """For a Llama-architecture GGUF file: the heads over which each q and
     k projection's rows were interleaved by llama.cpp's converter, by
     tensor name pattern ("attn_q" / "attn_k"); {} for other files.  A
-    Llama file without readable head counts raises FormatError naming the
-    key (its q/k rows cannot be put back in order without them)."""
-    from .errors import FormatError
-
+    Llama file without readable head counts (integers from 1 to 2^31 - 1,
+    kv heads dividing heads) raises FormatError naming the key and `path`
+    (its q/k rows cannot be put back in order without them)."""
     if metadata.get("general.architecture") != "llama":
         return {}
-    out = {}
-    for kind, key in (("attn_q", "llama.attention.head_count"),
-                      ("attn_k", "llama.attention.head_count_kv")):
-        v = metadata.get(key, metadata.get("llama.attention.head_count")
-                         if kind == "attn_k" else None)
-        try:
-            if isinstance(v, float) and not v.is_integer():
-                raise ValueError(v)
-            out[kind] = int(v)
-        except (TypeError, ValueError, OverflowError):  # inf: Overflow
-            raise FormatError(
-                f"GGUF file of architecture llama: metadata '{key}' is "
-                f"{'missing' if v is None else repr(v)}; laden needs it to "
-                "put the q and k rows back in transformers' order",
-                "E_SCHEMA") from None
-        if not 0 < out[kind] <= 1 << 20:
-            raise FormatError(
-                f"GGUF file of architecture llama: metadata '{key}' is {v}; "
-                "a head count is a positive number of at most 2^20",
-                "E_SCHEMA")
-    return out
+    need = "; laden needs it to put the q and k rows back in transformers' " \
+        "order"
+    heads = _size(metadata, "llama.attention.head_count", path,
+                  required=True, why=need)
+    kv = _size(metadata, "llama.attention.head_count_kv", path, why=need)
+    if kv is None:
+        kv = heads
+    if heads % kv:
+        raise _bad(path, "llama.attention.head_count_kv", kv,
+                   f"it does not divide llama.attention.head_count "
+                   f"({heads}){need}")
+    return {"attn_q": heads, "attn_k": kv}
+
+
+# The metadata a GGUF file's config is built from (transformers reads
+# these as <architecture>.<field>; see check_config): integer sizes, and
+# positive floats.
+_CONFIG_SIZES = ("block_count", "context_length", "embedding_length",
+                 "feed_forward_length", "attention.head_count",
+                 "attention.head_count_kv", "rope.dimension_count",
+                 "vocab_size", "expert_count", "expert_used_count")
+_CONFIG_FLOATS = ("rope.freq_base", "attention.layer_norm_rms_epsilon",
+                  "attention.layer_norm_epsilon")
+
+
+def check_config(path: PathLike) -> "GgufFile":
+    """Checks the metadata a model's config is built from
+    (``from_pretrained`` on a .gguf: transformers reads it) for type and
+    range, and returns the file's table: ``general.architecture`` a
+    non-empty string, ``general.name`` a string; the sizes of
+    ``<architecture>.*`` (block count, lengths, head counts, vocabulary)
+    integers from 1 to 2^31 - 1, the block count at most the tensor count,
+    head counts at most the embedding length and kv heads dividing heads;
+    rope base and norm epsilons finite positive floats.  A bad one raises
+    FormatError naming the key and the file, before transformers would
+    raise TypeError or ZeroDivisionError, or build a model of a billion
+    layers."""
+    import math
+
+    g = GgufFile(path)
+    md = g.metadata
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise _bad(path, "general.architecture", arch,
+                   "laden needs the architecture's name")
+    name = md.get("general.name")
+    if name is not None and not isinstance(name, str):
+        raise _bad(path, "general.name", name, "a name is a string")
+    got = {}
+    for f in _CONFIG_SIZES:
+        hi = max(len(g.tensors), 1) if f == "block_count" else _MAX_SIZE
+        got[f] = _size(md, f"{arch}.{f}", path, hi, typed=True)
+    for f in _CONFIG_FLOATS:
+        key, v = f"{arch}.{f}", md.get(f"{arch}.{f}")
+        if v is not None and (not isinstance(v, float) or
+                              not math.isfinite(v) or v <= 0):
+            raise _bad(path, key, v, "laden needs a finite float above 0")
+    heads, kv, emb = (got["attention.head_count"],
+                      got["attention.head_count_kv"],
+                      got["embedding_length"])
+    if heads and emb and heads > emb:
+        raise _bad(path, f"{arch}.attention.head_count", heads,
+                   f"more heads than {arch}.embedding_length ({emb})")
+    if heads and kv and heads % kv:
+        raise _bad(path, f"{arch}.attention.head_count_kv", kv,
+                   f"it does not divide {arch}.attention.head_count "
+                   f"({heads})")
+    used, experts = got["expert_used_count"], got["expert_count"]
+    if used and experts and used > experts:
+        raise _bad(path, f"{arch}.expert_used_count", used,
+                   f"more than {arch}.expert_count ({experts})")
+    return g
 
 
 def rope_heads_of(name: str, heads: Dict[str, int]) -> int:
@@ -143,8 +232,8 @@ class GgufFile:
             for i in range(lib.laden_gguf_metadata_count(h)):
                 check(lib.laden_gguf_metadata_at(h, i, ctypes.byref(kv)))
                 typ = _SCALARS.get(kv.type, "?")
-                if typ == "string":
-                    v: object = kv.str.decode(errors="replace")
+                if typ == "string":  # C checked it is UTF-8
+                    v: object = kv.str.decode()
                 elif typ == "array":
                     v = f"array[{_SCALARS.get(kv.elem_type, '?')}] x {kv.count}"
                 elif typ in ("f32", "f64"):

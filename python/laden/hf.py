@@ -944,6 +944,9 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             raise InvalidArgumentError(
                 f"laden.from_pretrained: {weights}: GGUF files load into "
                 "transformers models", "E_INVAL")
+        from .gguf import check_config
+
+        check_config(weights)  # before transformers builds a config of it
         dtype = dtype if dtype is not None else "float32"  # as transformers
     else:
         _check_dir(path)

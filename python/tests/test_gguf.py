@@ -121,59 +121,191 @@ def test_dequantize_bit_for_bit_with_the_reference(name):
                                         got.ctypes.data, got.size))
 
 
-def _tiny_gguf(path, name="blk.0.ffn_up.weight", arch="llama", extra=()):
+# ---- hostile files (issue 33 item 8) -----------------------------------
+
+def _raw_gguf(path, names=(b"blk.0.w",), kvs=((b"general.architecture",
+                                                 b"llama"),)):
+    """A GGUF file written byte by byte (names, keys and string values as
+    given, not necessarily UTF-8): F32 tensors of one element."""
+    import struct
+
+    def s(b):
+        return struct.pack("<Q", len(b)) + b
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(names), len(kvs)))
+    for k, v in kvs:
+        out += s(k) + struct.pack("<I", 8) + s(v)
+    for i, n in enumerate(names):
+        out += s(n) + struct.pack("<IQIQ", 1, 1, 0, 32 * i)
+    out += b"\0" * (-len(out) % 32) + b"\0" * (32 * len(names))
+    path.write_bytes(bytes(out))
+    return path
+
+
+@pytest.mark.parametrize("where", ["name", "key", "value"])
+def test_strings_not_utf8_are_format_errors(tmp_path, where):
+    """A tensor name, metadata key or string value that is not UTF-8: a
+    FormatError naming the file and which string (was: a bare
+    UnicodeDecodeError from GgufFile, laden.open, laden inspect)."""
+    import laden
+    from laden import cli
+
+    bad = b"bl\xc3(k"
+    p = _raw_gguf(
+        tmp_path / "bad.gguf",
+        names=(b"blk.0.w", bad) if where == "name" else (b"blk.0.w",),
+        kvs=((b"general.architecture", b"llama"),
+             (bad, b"x") if where == "key" else (b"general.name",
+             bad if where == "value" else b"x")))
+    says = {"name": "tensor 1's name is not valid UTF-8",
+            "key": "metadata key 1 is not valid UTF-8",
+            "value": "the string of metadata 'general.name' (entry 1) is "
+                     "not valid UTF-8"}[where]
+    for opener in (laden.gguf.GgufFile, laden.open):
+        with pytest.raises(laden.FormatError) as e:
+            opener(p)
+        assert str(p) in str(e.value) and says in str(e.value)
+        assert "byte 2 of it" in str(e.value)
+    assert cli.main(["inspect", str(p)]) == 2
+
+
+def _llama_gguf(path, **over):
+    """A GGUF file with the metadata a Llama config is built from, each
+    as (value, GGUFValueType) unless over-ridden (None: left out)."""
     import numpy as np
 
-    w = gguf.GGUFWriter(path, arch)
-    for k, v in extra:
-        w.add_key_value(k, v, gguf.GGUFValueType.UINT32
-                        if isinstance(v, int) else gguf.GGUFValueType.FLOAT32)
-    w.add_tensor(name, np.ones((4, 8), dtype=np.float32))
+    T = gguf.GGUFValueType
+    meta = {"llama.block_count": (2, T.UINT32),
+            "llama.attention.head_count": (4, T.UINT32),
+            "llama.attention.head_count_kv": (2, T.UINT32),
+            "llama.embedding_length": (256, T.UINT32),
+            "llama.feed_forward_length": (512, T.UINT32),
+            "llama.context_length": (64, T.UINT32),
+            "llama.rope.freq_base": (10000.0, T.FLOAT32),
+            "llama.attention.layer_norm_rms_epsilon": (1e-6, T.FLOAT32),
+            "llama.vocab_size": (256, T.UINT32)}
+    meta.update({k.replace("__", "."): v for k, v in over.items()})
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in meta.items():
+        if v is None:
+            continue
+        if v[1] == T.ARRAY:
+            w.add_array(k, v[0])
+        else:
+            w.add_key_value(k, v[0], v[1])
+    for i in range(2):
+        for n in ("attn_q", "attn_k", "ffn_up"):
+            w.add_tensor(f"blk.{i}.{n}.weight", np.zeros(4, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
 
 
-def test_names_and_keys_that_are_not_utf8_are_named(tmp_path):
-    """A tensor name or a metadata key that is not UTF-8 was a bare
-    UnicodeDecodeError in Python; C now refuses the file naming the field,
-    its offset and the byte."""
+_T = gguf.GGUFValueType
+_HOSTILE = {  # key (dots as __) -> value, and what the error says
+    "head_count_0": ("llama__attention__head_count", (0, _T.UINT32),
+                     "integer from 1"),          # was ZeroDivisionError
+    "kv_0": ("llama__attention__head_count_kv", (0, _T.UINT32),
+             "integer from 1"),                  # ZeroDivisionError
+    "kv_not_dividing": ("llama__attention__head_count_kv", (3, _T.UINT32),
+                        "does not divide"),
+    "heads_over_width": ("llama__attention__head_count", (512, _T.UINT32),
+                         "more heads than"),
+    "heads_text": ("llama__attention__head_count", ("4", _T.STRING),
+                   "integer from 1"),            # TypeError
+    "heads_float": ("llama__attention__head_count", (4.0, _T.FLOAT32),
+                    "integer from 1"),
+    "heads_bool": ("llama__attention__head_count", (True, _T.BOOL),
+                   "integer from 1"),
+    "heads_array": ("llama__attention__head_count", ([4, 4], _T.ARRAY),
+                    "integer from 1"),
+    "width_0": ("llama__embedding_length", (0, _T.UINT32),
+                "integer from 1"),               # ZeroDivisionError
+    "ffn_negative": ("llama__feed_forward_length", (-5, _T.INT32),
+                     "integer from 1"),          # RuntimeError
+    "rope_dim_0": ("llama__rope__dimension_count", (0, _T.UINT32),
+                   "integer from 1"),            # ZeroDivisionError
+    "blocks_billion": ("llama__block_count", (10 ** 9, _T.UINT32),
+                       "integer from 1 to 6"),   # a billion layers
+    "base_text": ("llama__rope__freq_base", ("a", _T.STRING),
+                  "finite float above 0"),       # TypeError
+    "base_nan": ("llama__rope__freq_base", (float("nan"), _T.FLOAT32),
+                 "finite float above 0"),
+    "eps_negative": ("llama__attention__layer_norm_rms_epsilon",
+                     (-1.0, _T.FLOAT64), "finite float above 0"),
+    "arch_empty": ("general__architecture", ("", _T.STRING),
+                   "the architecture's name"),
+    "name_number": ("general__name", (5, _T.UINT32), "a name is a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_hostile_config_metadata_named(tmp_path, case):
+    """Metadata a config is built from, of the wrong type or out of range:
+    FormatError naming the key and the file, from check_config (and so
+    from from_pretrained, before transformers builds anything)."""
     import laden
-    from laden.gguf import GgufFile
 
-    for what, marker in (("name", b"blk.0.ffn_up.weight"),
-                         ("key", b"general.architecture")):
-        p = str(tmp_path / f"bad-{what}.gguf")
-        _tiny_gguf(p)
-        data = bytearray(open(p, "rb").read())
-        at = data.index(marker)
-        data[at + 3] = 0xff  # not a UTF-8 byte anywhere
-        open(p, "wb").write(bytes(data))
-        for read_it in (laden.open, GgufFile):
-            with pytest.raises(laden.FormatError,
-                               match="(tensor name|metadata key) at header "
-                               "offset .* not valid UTF-8 .*0xff"):
-                read_it(p)
-        r = subprocess.run([sys.executable, "-m", "laden", "inspect", p],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and "not valid UTF-8" in r.stderr and \
-            "Traceback" not in r.stderr
+    key, value, says = _HOSTILE[case]
+    p = _llama_gguf(tmp_path / f"{case}.gguf", **{key: value})
+    with pytest.raises(laden.FormatError) as e:
+        laden.gguf.check_config(p)
+    assert f"'{key.replace('__', '.')}'" in str(e.value)
+    assert str(p) in str(e.value) and says in str(e.value)
 
 
-@pytest.mark.parametrize("value", [0, -3, float("inf"), float("nan"), 2.5,
-                                   1 << 40, "eight", None])
-def test_hostile_head_counts_are_named(value):
-    """Llama head counts from GGUF metadata: anything but a plausible
-    positive count is a FormatError naming the key (inf was an
-    OverflowError, 0 a ZeroDivisionError further on)."""
+def test_check_config_takes_a_good_file(tmp_path):
     import laden
-    from laden.gguf import rope_heads
 
+    p = _llama_gguf(tmp_path / "ok.gguf", llama__rope__dimension_count=(
+        64, gguf.GGUFValueType.UINT32))
+    g = laden.gguf.check_config(p)
+    assert g.metadata["llama.attention.head_count"] == 4
+    # Absent fields are transformers' defaults, not errors.
+    laden.gguf.check_config(_llama_gguf(tmp_path / "few.gguf",
+                                        llama__vocab_size=None,
+                                        llama__rope__freq_base=None))
+
+
+def test_from_pretrained_refuses_hostile_metadata(tmp_path):
+    """from_pretrained on a .gguf whose head count is 0 (transformers:
+    ZeroDivisionError) or whose block count is a billion: FormatError
+    naming the key and the file."""
+    transformers = pytest.importorskip("transformers")
+    import laden
+
+    for key, value, _ in (_HOSTILE["head_count_0"],
+                          _HOSTILE["blocks_billion"]):
+        p = _llama_gguf(tmp_path / "m.gguf", **{key: value})
+        with pytest.raises(laden.FormatError) as e:
+            laden.from_pretrained(transformers.LlamaForCausalLM, p,
+                                  device="cpu")
+        assert key.replace("__", ".") in str(e.value)
+        assert "m.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize("v", ["0", "-4", "4.5", "nan", "inf", "1e3", "",
+                               "true", "array[u32] x 2", "²", 0, True, 2.0,
+                               None])
+def test_rope_heads_checks_the_head_count(v):
+    """rope_heads (stream_load of a Llama GGUF file) on head counts that
+    are not integers from 1 up: FormatError naming the key and the file
+    (was TypeError, OverflowError for inf, or 2.0 taken as 2)."""
+    import laden
+
+    md = {"general.architecture": "llama"}
+    if v is not None:
+        md["llama.attention.head_count"] = v
+    with pytest.raises(laden.FormatError) as e:
+        laden.gguf.rope_heads(md, "/x/m.gguf")
+    assert "llama.attention.head_count" in str(e.value)
+    assert "/x/m.gguf" in str(e.value)
     md = {"general.architecture": "llama",
-          "llama.attention.head_count": value}
-    with pytest.raises(laden.FormatError, match="llama.attention.head_count"):
-        rope_heads(md)
-    assert rope_heads({"general.architecture": "llama",
-                       "llama.attention.head_count": 8}) == \
-        {"attn_q": 8, "attn_k": 8}
+          "llama.attention.head_count": "4",
+          "llama.attention.head_count_kv": "3"}
+    with pytest.raises(laden.FormatError, match="does not divide"):
+        laden.gguf.rope_heads(md, "/x/m.gguf")
+    md["llama.attention.head_count_kv"] = "2"
+    assert laden.gguf.rope_heads(md) == {"attn_q": 4, "attn_k": 2}

@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -266,11 +267,40 @@ static char *keep_string(laden_gguf_t *g, char *s)
     return s;
 }
 
+/* What a string is, for messages: "tensor 3's name", "metadata key 2",
+ * "metadata 'general.name' (entry 5)". */
+typedef struct str_of {
+    const char *kind; /* "name", "key" or "value" */
+    uint64_t index;   /* the tensor's or the entry's */
+    const char *key;  /* a value's key */
+} str_of;
+
+static laden_status not_utf8(const cursor *c, const str_of *of, uint64_t at,
+                             size_t bad, unsigned char byte)
+{
+    char whose[300];
+    if (!strcmp(of->kind, "name"))
+        snprintf(whose, sizeof whose, "tensor %llu's name",
+                 (unsigned long long)of->index);
+    else if (!strcmp(of->kind, "key"))
+        snprintf(whose, sizeof whose, "metadata key %llu",
+                 (unsigned long long)of->index);
+    else
+        snprintf(whose, sizeof whose, "the string of metadata '%.200s' "
+                 "(entry %llu)", of->key, (unsigned long long)of->index);
+    return laden__fail(LADEN_E_SCHEMA, "%s: %s is not valid UTF-8 (byte %zu "
+                       "of it, at offset %llu of the file, is 0x%02x)",
+                       c->what, whose, bad, (unsigned long long)(at + bad),
+                       byte);
+}
+
 /* A GGUF string (u64 length, bytes), NUL-terminated, at most `max` bytes;
- * kept (out) or skipped (out NULL).  No NUL inside. */
+ * kept (out) or skipped (out NULL).  No NUL inside; a kept one is valid
+ * UTF-8 (of says what it is, for the message).  The strings of arrays
+ * are skipped unread: laden gives none of them. */
 static laden_status string(laden_gguf_t *g, cursor *c, uint64_t max,
-                           const char *field, char **out, uint64_t *len,
-                           bool utf8)
+                           const char *field, const str_of *of, char **out,
+                           uint64_t *len)
 {
     uint64_t n;
     laden_status s = u64(c, &n, field);
@@ -288,6 +318,7 @@ static laden_status string(laden_gguf_t *g, cursor *c, uint64_t max,
         *len = n;
     if (!out)
         return skip(c, n, field);
+    uint64_t at = c->pos;
     char *p = malloc((size_t)n + 1);
     if (!p)
         return laden__fail(LADEN_E_NOMEM, "%s: out of memory reading %s",
@@ -302,18 +333,11 @@ static laden_status string(laden_gguf_t *g, cursor *c, uint64_t max,
         return laden__fail(LADEN_E_SCHEMA, "%s: %s holds a NUL byte",
                            c->what, field);
     }
-    /* Names and keys are text a caller matches and prints (Python raised
-     * a bare UnicodeDecodeError on them); string values are kept as they
-     * are, their readers decide. */
-    size_t bad = utf8 ? laden__utf8_check(p, (size_t)n) : (size_t)n;
+    size_t bad = laden__utf8_check(p, (size_t)n);
     if (bad < n) {
-        unsigned byte = (unsigned char)p[bad];
+        unsigned char byte = (unsigned char)p[bad];
         free(p);
-        return laden__fail(LADEN_E_SCHEMA, "%s: %s at header offset %llu is "
-                           "not valid UTF-8 (byte %zu of its %llu, 0x%02x)",
-                           c->what, field,
-                           (unsigned long long)(c->pos - n), bad,
-                           (unsigned long long)n, byte);
+        return not_utf8(c, of, at, bad, byte);
     }
     if (!(*out = keep_string(g, p)))
         return laden__fail(LADEN_E_NOMEM, "%s: out of memory", c->what);
@@ -365,12 +389,13 @@ static laden_status scalar(cursor *c, uint32_t type, laden_gguf_kv_t *kv,
     return LADEN_OK;
 }
 
-static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
+static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv,
+                            uint64_t index)
 {
     char *key = NULL;
     uint32_t type;
-    laden_status s = string(g, c, MAX_KEY, "a metadata key", &key, NULL,
-                            true);
+    str_of of = {"key", index, NULL};
+    laden_status s = string(g, c, MAX_KEY, "a metadata key", &of, &key, NULL);
     if (s || (s = u32(c, &type, "a metadata value type")))
         return s;
     if (!*key)
@@ -380,7 +405,8 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
     kv->type = (laden_gguf_value_type)type;
     if (type == LADEN_GGUF_STRING) {
         char *v = NULL;
-        s = string(g, c, MAX_STRING, key, &v, &kv->count, false);
+        str_of vof = {"value", index, key};
+        s = string(g, c, MAX_STRING, key, &vof, &v, &kv->count);
         kv->str = v;
         return s;
     }
@@ -393,7 +419,7 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
         kv->count = n;
         if (et == LADEN_GGUF_STRING) {
             for (uint64_t k = 0; k < n; k++) /* each at least 8 bytes */
-                if ((s = string(g, c, MAX_STRING, key, NULL, NULL, false)))
+                if ((s = string(g, c, MAX_STRING, key, NULL, NULL, NULL)))
                     return s;
             return LADEN_OK;
         }
@@ -416,10 +442,12 @@ static laden_status read_kv(laden_gguf_t *g, cursor *c, laden_gguf_kv_t *kv)
     return scalar(c, type, kv, key);
 }
 
-static laden_status read_tensor(laden_gguf_t *g, cursor *c, tensor *t)
+static laden_status read_tensor(laden_gguf_t *g, cursor *c, tensor *t,
+                                uint64_t index)
 {
-    laden_status s = string(g, c, MAX_NAME, "a tensor name", &t->name, NULL,
-                            true);
+    str_of of = {"name", index, NULL};
+    laden_status s = string(g, c, MAX_NAME, "a tensor name", &of, &t->name,
+                            NULL);
     if (s || (s = u32(c, &t->ndim, t->name)))
         return s;
     if (!*t->name)
@@ -581,7 +609,7 @@ static laden_status parse(laden_gguf_t *g, cursor *c)
     g->alignment = DEFAULT_ALIGNMENT;
     for (uint64_t i = 0; i < nkv; i++, g->nkv++) {
         laden_gguf_kv_t *kv = &g->kv[i];
-        if ((s = read_kv(g, c, kv)))
+        if ((s = read_kv(g, c, kv, i)))
             return s;
         if (!strcmp(kv->key, "general.alignment")) {
             if (kv->type != LADEN_GGUF_U32 || !kv->u ||
@@ -594,7 +622,7 @@ static laden_status parse(laden_gguf_t *g, cursor *c)
     if ((s = unique_keys(g, c->what)))
         return s;
     for (uint64_t i = 0; i < nt; i++, g->n++)
-        if ((s = read_tensor(g, c, &g->t[i])))
+        if ((s = read_tensor(g, c, &g->t[i], i)))
             return s;
     uint64_t a = g->alignment, off = c->pos;
     g->data_offset = (off + a - 1) / a * a;

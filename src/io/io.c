@@ -262,7 +262,7 @@ laden_status laden_io_drop_cache(laden_io_file_t *f)
 /* The checksum's unit: hashed as soon as it is read, while it is still
  * in the CPU's cache (a quarter of an L2). */
 #define SUM_PIECE (256ull << 10)
-#define SUM_MAX_ENTRIES (1u << 20) /* 24 MiB of table at most */
+#define SUM_MAX_ENTRIES (1u << 20) /* 48 MiB of table at most (half full) */
 #define SAMPLE_BYTES (64ull << 20)
 #define SAMPLE_MAX 32u
 #define K1 0x9e3779b97f4a7c15ull
