@@ -239,3 +239,83 @@ TEST(cache_roomiest_device)
     for (int i = 0; i < 3; i++)
         laden_cache_destroy(c[i]);
 }
+
+/* Host entries (adapters as read) without a RAM budget: idle ones keep at
+ * most LADEN_CACHE_IDLE_HOST_BYTES, least recently used give way first;
+ * kept ones never; a touch makes one the most recent.  Entries are the
+ * group's: a cache that joins sees them, one holding some cannot join. */
+TEST(cache_host_entries_idle_limit_lru)
+{
+    const uint64_t G = 1ull << 30;
+    laden_cache_t *c, *d;
+    uint32_t a, b, e, f, drop[8], nd, n, cnt;
+    uint64_t bytes;
+    CHECK_OK(laden_cache_create(0, 0, &c));
+    CHECK_OK(laden_cache_host_add(c, G, &a));
+    CHECK_OK(laden_cache_host_add(c, 2 * G, &b));
+    CHECK_OK(laden_cache_host_add(c, 2 * G, &e));
+    CHECK_OK(laden_cache_host_held(c, &bytes, &cnt));
+    CHECK(bytes == 5 * G && cnt == 3);
+    const uint64_t NONE = LADEN_CACHE_RAM_UNLIMITED;
+    /* e kept: 3 GiB idle fit the 4 GiB. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, &e, 1, drop, 8,
+                                   &nd, NULL, 0, &n));
+    CHECK(nd == 0 && n == 0);
+    CHECK_OK(laden_cache_host_add(c, 2 * G, &f));
+    /* f kept: a, b, e idle (5 GiB); a, the least recent, goes. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, &f, 1, drop, 8,
+                                   &nd, NULL, 0, &n));
+    CHECK(nd == 1 && drop[0] == a && n == 0);
+    /* Used again: b is the least recent now. */
+    CHECK_OK(laden_cache_host_touch(c, a));
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, &f, 1, drop, 8,
+                                   &nd, NULL, 0, &n));
+    CHECK(nd == 1 && drop[0] == b);
+    /* A kept entry counted once however often it is named. */
+    uint32_t keep[3] = {f, f, a};
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, keep, 3, drop, 8,
+                                   &nd, NULL, 0, &n));
+    CHECK_EQ(nd, 0);
+    /* Everything idle: 7 GiB, LRU first until 4 GiB are left. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, NULL, 0, drop, 8,
+                                   &nd, NULL, 0, &n));
+    CHECK(nd == 2 && drop[0] == b && drop[1] == e);
+    /* Room for fewer decisions than needed, an unknown entry: refused. */
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, NULL, 0, drop,
+                                       1, &nd, NULL, 0, &n),
+                 LADEN_E_INVAL);
+    CHECK_EQ(nd, 0);
+    uint32_t bad = 99;
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, &bad, 1, drop,
+                                       8, &nd, NULL, 0, &n),
+                 LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "no host entry 99");
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, NONE, 0, NULL, 1, drop,
+                                       8, &nd, NULL, 0, &n),
+                 LADEN_E_INVAL);
+    /* Removed: forgotten, its id given to the next entry. */
+    CHECK_OK(laden_cache_host_remove(c, b));
+    CHECK_STATUS(laden_cache_host_remove(c, b), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_host_touch(c, b), LADEN_E_INVAL);
+    CHECK_OK(laden_cache_host_held(c, &bytes, NULL));
+    CHECK_EQ(bytes, 5 * G);
+    uint32_t again;
+    CHECK_OK(laden_cache_host_add(c, 7, &again));
+    CHECK_EQ(again, b);
+    CHECK_STATUS(laden_cache_host_add(c, UINT64_MAX, &again), LADEN_E_INVAL);
+    /* The group's: a joining cache decides over them; a cache holding
+     * entries cannot join another. */
+    CHECK_OK(laden_cache_create(0, 0, &d));
+    CHECK_STATUS(laden_cache_join(c, d), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "host entries");
+    CHECK_OK(laden_cache_join(d, c));
+    CHECK_OK(laden_cache_host_held(d, &bytes, &cnt));
+    CHECK(bytes == 5 * G + 7 && cnt == 4);
+    laden_cache_destroy(c); /* the group, and its entries, stay with d */
+    CHECK_OK(laden_cache_host_remove(d, a));
+    CHECK_OK(laden_cache_host_held(d, &bytes, &cnt));
+    CHECK(bytes == 4 * G + 7 && cnt == 3);
+    laden_cache_destroy(d);
+    CHECK_STATUS(laden_cache_host_add(NULL, 1, &again), LADEN_E_INVAL);
+    CHECK_STATUS(laden_cache_host_held(NULL, &bytes, &cnt), LADEN_E_INVAL);
+}

@@ -559,6 +559,125 @@ TEST(engine_plan_host)
     destroy_all(c, m, 3);
 }
 
+/* One host policy over models and host entries (adapters as read) under
+ * a RAM budget: idle entries give way first, least recently used first,
+ * down to what the budget leaves after the models, the need and the kept
+ * entries; then whole idle models for what is still over.  Entries
+ * registered through a cache of no models that the models' cache joined,
+ * as a ModelCache does. */
+TEST(engine_plan_host_entries_before_models)
+{
+    laden_cache_t *h, *c;
+    cmodel m[3];
+    laden_cache_evict_t ev[4];
+    laden_cache_host_evict_t hv[4];
+    uint32_t e0, e1, drop[4], nd, n;
+    CHECK_OK(laden_cache_create(0, 0, &h));
+    CHECK_OK(laden_cache_create(0, 0, &c));
+    CHECK_OK(laden_cache_join(c, h));
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "h%d", i);
+        build(c, &m[i], key, LADEN_DEVICE_CPU, 4, 1, FOUR, 71 + i);
+    }
+    laden_cache_activation_t act;
+    use(c, &m[1], 0, &act);
+    use(c, &m[0], 0, &act);
+    use(c, &m[2], 0, &act); /* m[1] is the least recently used */
+    CHECK_OK(laden_cache_host_add(h, 1000, &e0));
+    CHECK_OK(laden_cache_host_add(h, 2000, &e1));
+    CHECK_OK(laden_cache_host_touch(h, e0)); /* e1 the least recent */
+    /* 12000 of models and 3000 of entries fit 16000. */
+    CHECK_OK(laden_cache_plan_host(h, UINT32_MAX, 16000, 0, NULL, 0, drop, 4,
+                                   &nd, hv, 4, &n));
+    CHECK(nd == 0 && n == 0);
+    /* 14000: entries get 2000; e1 goes, e0 is left; the models fit. */
+    CHECK_OK(laden_cache_plan_host(h, UINT32_MAX, 14000, 0, NULL, 0, drop, 4,
+                                   &nd, hv, 4, &n));
+    CHECK(nd == 1 && drop[0] == e1 && n == 0);
+    /* e1 kept: e0 goes instead, and 12000 + 2000 fit. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 14000, 0, &e1, 1, drop, 4,
+                                   &nd, hv, 4, &n));
+    CHECK(nd == 1 && drop[0] == e0 && n == 0);
+    /* 1000 more within 13000 with e1 kept: e0 goes, then the least
+     * recently used idle model for the 2000 still over. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, 13000, 1000, &e1, 1, drop,
+                                   4, &nd, hv, 4, &n));
+    CHECK(nd == 1 && drop[0] == e0);
+    CHECK(n == 1 && hv[0].cache == c && hv[0].model == m[1].id &&
+          hv[0].drop_bytes == 4000);
+    CHECK_OK(laden_cache_plan_host(c, m[1].id, 13000, 1000, &e1, 1, drop, 4,
+                                   &nd, hv, 4, &n));
+    CHECK(n == 1 && hv[0].model == m[0].id);
+    /* No budget: entries within their idle limit, no model chosen. */
+    CHECK_OK(laden_cache_plan_host(c, UINT32_MAX, LADEN_CACHE_RAM_UNLIMITED,
+                                   1ull << 40, NULL, 0, drop, 4, &nd, hv, 4,
+                                   &n));
+    CHECK(nd == 0 && n == 0);
+    /* Even every idle model would not make room: the entries' decision
+     * stands, no model is chosen. */
+    CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 5000, 0, &e1, 1, drop,
+                                       4, &nd, hv, 4, &n),
+                 LADEN_E_BUDGET);
+    CHECK(nd == 1 && drop[0] == e0 && n == 0);
+    CHECK_CONTAINS(laden_last_error(), "do not fit the RAM budget");
+    /* Room for fewer model decisions than needed: nothing decided. */
+    CHECK_STATUS(laden_cache_plan_host(c, UINT32_MAX, 9000, 0, &e1, 1, drop,
+                                       4, &nd, hv, 1, &n),
+                 LADEN_E_INVAL);
+    CHECK(nd == 0 && n == 0);
+    CHECK_OK(laden_cache_deactivate(c, m[2].id, 0));
+    laden_cache_destroy(h);
+    destroy_all(c, m, 3);
+}
+
+/* Whether an activation may take device memory from idle models: only
+ * when the model is not whole on the device and the budget's free room is
+ * less than what it lacks; never without a budget or in a VRAM context
+ * (engine_models_in_vbars). */
+static void may_evict(int32_t dev)
+{
+    laden_cache_t *c, *open;
+    cmodel m[3], x;
+    int32_t may = -1;
+    CHECK_OK(laden_cache_create(8000, 0, &c));
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "e%d", i);
+        build(c, &m[i], key, dev, 4, 1, FOUR, 81 + i);
+    }
+    CHECK_OK(laden_cache_may_evict(c, m[0].id, &may));
+    CHECK_EQ(may, 0); /* 8000 free for 4000 */
+    laden_cache_activation_t act;
+    use(c, &m[0], LADEN_CACHE_AUTO, &act);
+    use(c, &m[1], LADEN_CACHE_AUTO, &act);
+    CHECK_OK(laden_cache_may_evict(c, m[0].id, &may));
+    CHECK_EQ(may, 0); /* whole on the device */
+    CHECK_OK(laden_cache_may_evict(c, m[2].id, &may));
+    CHECK_EQ(may, 1); /* lacks 4000, none free */
+    uint64_t freed;
+    CHECK_OK(laden_cache_drop(c, m[1].id, 1000, 0, &freed));
+    CHECK_OK(laden_cache_may_evict(c, m[1].id, &may));
+    CHECK_EQ(may, 0); /* lacks 1000, 1000 free */
+    CHECK_OK(laden_cache_may_evict(c, m[2].id, &may));
+    CHECK_EQ(may, 1);
+    uint32_t unbound;
+    CHECK_OK(laden_cache_add(c, "unbound", 0, &unbound));
+    CHECK_STATUS(laden_cache_may_evict(c, unbound, &may), LADEN_E_STATE);
+    CHECK_EQ(may, 0);
+    CHECK_STATUS(laden_cache_may_evict(c, m[0].id, NULL), LADEN_E_INVAL);
+    CHECK_OK(laden_cache_remove(c, unbound));
+    destroy_all(c, m, 3);
+    CHECK_OK(laden_cache_create(0, 0, &open)); /* no budget */
+    build(open, &x, "x", dev, 4, 1, FOUR, 85);
+    CHECK_OK(laden_cache_may_evict(open, x.id, &may));
+    CHECK_EQ(may, 0);
+    destroy_all(open, &x, 1);
+}
+
+TEST(engine_may_evict) { test_on_every_device(may_evict); }
+
 /* The caches of a host's devices as one group: the pinned budget is the
  * group's (a model pinned on one device unpins idle models of another),
  * recency compares across the caches, and the RAM budget's decisions take
@@ -726,6 +845,10 @@ static void in_vbars(int32_t dev)
         CHECK_EQ(act.upload_bytes, 2 * MB);
     }
     CHECK_EQ(held(&m[0]), 0);
+    /* Its pages are the context's to take, not the cache's. */
+    int32_t may = -1;
+    CHECK_OK(laden_cache_may_evict(c, m[0].id, &may));
+    CHECK_EQ(may, 0);
     /* The budget of the VRAM context (3 pages) kept m[0]'s page: using it
      * again copies nothing. */
     use(c, &m[0], LADEN_CACHE_AUTO, &act);

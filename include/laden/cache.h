@@ -265,6 +265,75 @@ LADEN_API laden_status laden_cache_plan_host_group(
     uint64_t need_bytes, laden_cache_host_evict_t *ev, uint32_t cap,
     uint32_t *out_n);
 
+/* Whether activating `model` (bound, idle) may take device memory from
+ * idle models and change their layout: it is not whole on the device and
+ * the VRAM budget's free room is less than what it lacks.  Asked before
+ * laden_cache_activate, which chooses resident or streaming only then, so
+ * it answers for the whole model: 0 is sure, 1 may be cautious (a model
+ * that streams may need less).  0 without a VRAM budget, and for a model
+ * in a VRAM context, whose idle models' pages go whenever the context
+ * needs room (the cache decides nothing there).  *out_may: 0 or 1. */
+LADEN_API laden_status laden_cache_may_evict(laden_cache_t *cache,
+                                             uint32_t model,
+                                             int32_t *out_may);
+
+/* ---- host copies held for the models: one host policy ------------------- */
+
+/* Host memory the caller holds for its models that can be made again at
+ * the cost of a read (an adapter's tensors as read from its files), kept
+ * between uses: an entry of the group's host policy beside the models'
+ * host copies, so that one policy decides what host RAM keeps.  Entries
+ * belong to the group (host RAM is one), are kept least recently used
+ * first, and never give way while they are in the `keep` list of a
+ * decision (the adapters of the models in use).  The caller allocates and
+ * frees the memory; the cache decides and accounts.  Under the caller's
+ * one lock, as the rest of the cache. */
+
+/* Idle entries kept at most where no RAM budget is given (RAM_UNLIMITED):
+ * reading an adapter again is cheap, holding many is not. */
+#define LADEN_CACHE_IDLE_HOST_BYTES (UINT64_C(4) << 30)
+/* ram_budget_bytes of laden_cache_plan_host: no RAM budget. */
+#define LADEN_CACHE_RAM_UNLIMITED UINT64_MAX
+
+/* Registers `bytes` of host memory as an entry, most recently used;
+ * *out_entry is its id in the group (ids of removed entries are used
+ * again). */
+LADEN_API laden_status laden_cache_host_add(laden_cache_t *cache,
+                                            uint64_t bytes,
+                                            uint32_t *out_entry);
+/* The entry was used now: it becomes the most recently used. */
+LADEN_API laden_status laden_cache_host_touch(laden_cache_t *cache,
+                                              uint32_t entry);
+/* Forgets an entry (the caller frees its memory). */
+LADEN_API laden_status laden_cache_host_remove(laden_cache_t *cache,
+                                               uint32_t entry);
+/* Bytes of every entry of the group and how many there are (either out
+ * may be NULL). */
+LADEN_API laden_status laden_cache_host_held(laden_cache_t *cache,
+                                             uint64_t *out_bytes,
+                                             uint32_t *out_entries);
+
+/* The host policy's decision before a model's host copy grows by
+ * `need_bytes` (a build) or after the entries changed: which idle entries
+ * (not in keep[0..nkeep), which may repeat) give way, least recently used
+ * first, into drop[0..*out_ndrop); then, with a RAM budget, which idle
+ * bound models give up their host copies, as laden_cache_plan_host_group
+ * (ev[0..*out_n), model `except` of `cache` never), so that the models'
+ * host copies, `need_bytes` and the entries left fit it.  Entries go
+ * first, being cheap to make again, down to what the budget leaves after
+ * the models, the need and the kept entries; without a budget
+ * (LADEN_CACHE_RAM_UNLIMITED) idle entries keep at most
+ * LADEN_CACHE_IDLE_HOST_BYTES and no model is chosen.  Decides only: the
+ * caller removes the entries and drops the models.  LADEN_E_BUDGET if
+ * even dropping every idle model would not make room: the entries'
+ * decisions stand, no model is chosen; LADEN_E_INVAL for an unknown
+ * entry in keep or a `drop_cap` or `cap` too small (nothing decided). */
+LADEN_API laden_status laden_cache_plan_host(
+    laden_cache_t *cache, uint32_t except, uint64_t ram_budget_bytes,
+    uint64_t need_bytes, const uint32_t *keep, uint32_t nkeep,
+    uint32_t *drop, uint32_t drop_cap, uint32_t *out_ndrop,
+    laden_cache_host_evict_t *ev, uint32_t cap, uint32_t *out_n);
+
 #ifdef __cplusplus
 }
 #endif

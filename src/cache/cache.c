@@ -40,11 +40,13 @@ laden_status laden_cache_join(laden_cache_t *c, laden_cache_t *peer)
         return laden__fail(LADEN_E_INVAL, "laden_cache_join: %s",
                            c && c == peer ? "a cache cannot join itself"
                                           : "NULL cache");
-    if (c->n || c->g->members > 1)
+    if (c->n || c->g->members > 1 || c->g->nlive)
         return laden__fail(LADEN_E_STATE,
                            "laden_cache_join: the cache %s: join before "
-                           "adding models",
-                           c->n ? "has models" : "is in a group already");
+                           "adding models or host entries",
+                           c->n          ? "has models"
+                           : c->g->nlive ? "has host entries"
+                                         : "is in a group already");
     cache_group *g = peer->g;
     if (g->pinned_budget != c->g->pinned_budget)
         return laden__fail(LADEN_E_INVAL,
@@ -53,6 +55,7 @@ laden_status laden_cache_join(laden_cache_t *c, laden_cache_t *peer)
                            laden__bytes(c->g->pinned_budget).s,
                            laden__bytes(g->pinned_budget).s);
     pthread_mutex_destroy(&c->g->mu);
+    free(c->g->e);
     free(c->g);
     pthread_mutex_lock(&g->mu);
     c->g = g;
@@ -88,6 +91,7 @@ void laden_cache_destroy(laden_cache_t *c)
     pthread_mutex_unlock(&g->mu);
     if (!left) {
         pthread_mutex_destroy(&g->mu);
+        free(g->e);
         free(g);
     }
     for (uint32_t i = 0; i < c->n; i++)

@@ -23,12 +23,24 @@ typedef struct model {
  * budget are the host's and recency compares across devices.  A cache
  * alone is a group of one.  `mu` guards the membership; everything else
  * is used under the caller's one lock, as a cache is. */
+/* A host copy held for the group's models beside their own (an adapter
+ * as read): an entry of the host policy (host.c).  A free slot has
+ * `live` false; its id is used again. */
+typedef struct host_entry {
+    uint64_t bytes, last_use;
+    bool live;
+} host_entry;
+
 typedef struct cache_group {
     pthread_mutex_t mu;
     laden_cache_t *first; /* members linked through laden_cache.next */
     uint32_t members;
     uint64_t pinned_budget;
     uint64_t clock;
+    host_entry *e; /* the host entries' slots, e[0..ne) */
+    uint32_t ne, ecap;
+    uint32_t nlive;  /* live entries */
+    uint64_t ebytes; /* their bytes */
 } cache_group;
 
 struct laden_cache {
@@ -55,5 +67,16 @@ typedef struct cand {
     uint32_t order, id;
 } cand;
 int laden__cmp_cand(const void *a, const void *b);
+
+/* The models' part of the host policy (laden_cache_plan_host_group, whose
+ * arguments are checked): whole idle bound models of c's group but
+ * `except` of c, least recently used first, so that `need` more fit
+ * `budget` with the bound models' host copies. */
+laden_status laden__cache_plan_models(laden_cache_t *c, uint32_t except,
+                                      uint64_t budget, uint64_t need,
+                                      laden_cache_host_evict_t *ev,
+                                      uint32_t cap, uint32_t *out_n);
+/* Host bytes of the bound models of c's group (their sizes). */
+uint64_t laden__cache_group_host(laden_cache_t *c);
 
 #endif

@@ -676,6 +676,28 @@ out:
     return s;
 }
 
+laden_status laden_cache_may_evict(laden_cache_t *c, uint32_t id,
+                                  int32_t *out)
+{
+    model *m;
+    if (out)
+        *out = 0;
+    laden_status s = bound(c, id, &m, "laden_cache_may_evict");
+    if (s)
+        return s;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_cache_may_evict: NULL");
+    /* In a VRAM context the context, not the cache, takes idle models'
+     * pages; without a budget activation takes nothing from the budget. */
+    if (laden_sched_vbar(m->sched) || !c->vram_budget)
+        return LADEN_OK;
+    uint64_t lacks = m->size > m->vram ? m->size - m->vram : 0;
+    uint64_t free_room = c->vram < c->vram_budget ? c->vram_budget - c->vram
+                                                  : 0;
+    *out = lacks && free_room < lacks;
+    return LADEN_OK;
+}
+
 laden_status laden_cache_deactivate(laden_cache_t *c, uint32_t id,
                                     uintptr_t handle)
 {
@@ -700,6 +722,27 @@ laden_status laden_cache_plan_host_group(laden_cache_t *c, uint32_t except,
         *out_n = 0;
     if (!c || !out_n || (cap && !ev))
         return laden__fail(LADEN_E_INVAL, "laden_cache_plan_host_group: NULL");
+    return laden__cache_plan_models(c, except, budget, need, ev, cap, out_n);
+}
+
+uint64_t laden__cache_group_host(laden_cache_t *c)
+{
+    uint64_t held = 0;
+    pthread_mutex_lock(&c->g->mu);
+    for (laden_cache_t *o = c->g->first; o; o = o->next)
+        for (uint32_t i = 0; i < o->n; i++)
+            if (o->m[i].key && o->m[i].sched &&
+                !laden__add_u64(held, o->m[i].size, &held))
+                held = UINT64_MAX;
+    pthread_mutex_unlock(&c->g->mu);
+    return held;
+}
+
+laden_status laden__cache_plan_models(laden_cache_t *c, uint32_t except,
+                                      uint64_t budget, uint64_t need,
+                                      laden_cache_host_evict_t *ev,
+                                      uint32_t cap, uint32_t *out_n)
+{
     cache_group *g = c->g;
     pthread_mutex_lock(&g->mu);
     uint32_t k = 0;
