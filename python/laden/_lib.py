@@ -415,6 +415,16 @@ _SIGNATURES = {
     "laden_cache_plan_host_group": (status_t, [p, c_uint32, c_uint64,
                                                c_uint64, P(CacheHostEvict),
                                                c_uint32, P(c_uint32)]),
+    "laden_cache_plan_host": (status_t, [p, c_uint32, c_uint64, c_uint64,
+                                         P(c_uint32), c_uint32, P(c_uint32),
+                                         c_uint32, P(c_uint32),
+                                         P(CacheHostEvict), c_uint32,
+                                         P(c_uint32)]),
+    "laden_cache_host_add": (status_t, [p, c_uint64, P(c_uint32)]),
+    "laden_cache_host_touch": (status_t, [p, c_uint32]),
+    "laden_cache_host_remove": (status_t, [p, c_uint32]),
+    "laden_cache_host_held": (status_t, [p, P(c_uint64), P(c_uint32)]),
+    "laden_cache_may_evict": (status_t, [p, c_uint32, P(c_int32)]),
     "laden_cache_join": (status_t, [p, p]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
     "laden_cache_roomiest": (status_t, [P(p), c_uint32, P(c_uint32)]),
@@ -467,6 +477,9 @@ TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
 LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
 SCHED_CACHE = 1
 CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
+# include/laden/cache.h: the host policy's idle entries without a RAM
+# budget, and "no RAM budget"
+CACHE_IDLE_HOST_BYTES, CACHE_RAM_UNLIMITED = 4 << 30, (1 << 64) - 1
 COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2
 
 

@@ -349,9 +349,9 @@ def _alpha_from(cfg: dict, module: str, r: int) -> Optional[float]:
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
-# Host copies of idle adapters kept by a streamed model's handle (a cache
-# keeps its own under its ram_budget).
-IDLE_HOST_BYTES = 4 << 30
+# Idle adapters' host copies kept without a RAM budget: C's host policy
+# applies it (include/laden/cache.h); named here for the docs.
+IDLE_HOST_BYTES = _lib.CACHE_IDLE_HOST_BYTES
 
 
 def _nbytes(sd) -> int:
@@ -360,30 +360,43 @@ def _nbytes(sd) -> int:
 
 
 class _HostAdapters:
-    """Adapters as read (CPU tensors and peft config), kept between uses
-    least recently used first: switching back to an adapter reads no file
-    and calls no function.  Entries are keyed by `_source_key`, which holds
-    the spec (so a function source, held with it, is never confused with
-    another)."""
+    """Adapters as read (CPU tensors and peft config), kept between uses:
+    switching back to an adapter reads no file and calls no function.
+    Each is an entry of C's host policy, which decides which give way
+    beside the models' host copies (laden_cache_plan_host); this holds the
+    tensors and drops those it names.  Entries are keyed by `_source_key`,
+    which holds the spec (so a function source, held with it, is never
+    confused with another)."""
 
-    def __init__(self):
-        from collections import OrderedDict
+    def __init__(self, pinned_budget: int = 0):
+        import weakref
 
-        self.items: "OrderedDict[tuple, tuple]" = OrderedDict()
-        self.bytes = 0
+        # A C cache of no models holds the entries; a ModelCache's device
+        # caches join its group (the host's RAM is one).
+        self.c = ctypes.c_void_p()
+        check(lib.laden_cache_create(0, pinned_budget, ctypes.byref(self.c)))
+        weakref.finalize(self, lib.laden_cache_destroy, self.c)
+        # _source_key -> (state dict, config, files, bytes, C entry)
+        self.items: Dict[tuple, tuple] = {}
         self.reads = 0  # adapters read from their source (tests count)
+
+    @property
+    def bytes(self) -> int:
+        n = ctypes.c_uint64()
+        check(lib.laden_cache_host_held(self.c, ctypes.byref(n), None))
+        return n.value
 
     def get(self, a: "AdapterSpec"):
         k = _source_key(a)
         hit = self.items.get(k)
         if hit is not None:
-            self.items.move_to_end(k)
-            return hit[0], hit[1], hit[2]
+            check(lib.laden_cache_host_touch(self.c, hit[4]))
+            return hit[:3]
         sd, cfg, files = _read(a)
         self.reads += 1
-        n = _nbytes(sd)
-        self.items[k] = (sd, cfg, files, n)
-        self.bytes += n
+        n, e = _nbytes(sd), ctypes.c_uint32()
+        check(lib.laden_cache_host_add(self.c, n, ctypes.byref(e)))
+        self.items[k] = (sd, cfg, files, n, e.value)
         return sd, cfg, files
 
     def held(self, keep) -> int:
@@ -391,22 +404,34 @@ class _HostAdapters:
         ks = {_source_key(a) for a in keep}
         return sum(v[3] for k, v in self.items.items() if k in ks)
 
-    def trim(self, keep, idle_limit: int) -> None:
-        """Drops the least recently used entries not of `keep` until those
-        left hold at most `idle_limit` bytes."""
-        ks = {_source_key(a) for a in keep}
-        idle = self.bytes - self.held(keep)
-        for k in list(self.items):
-            if idle <= idle_limit:
-                break
-            if k not in ks:
-                n = self.items.pop(k)[3]
-                self.bytes -= n
-                idle -= n
+    def fit(self, keep, on=None, model=0xFFFFFFFF,
+            ram_budget=_lib.CACHE_RAM_UNLIMITED, need=0, cap=0):
+        """C's host policy decides, adapters `keep` kept: the idle adapters
+        it names are dropped; returns its status and the idle models it
+        chose (CacheHostEvict array, count) for the caller to drop.  `on`:
+        the C cache of `model`, in this one's group."""
+        ids = [self.items[k][4] for k in {_source_key(a) for a in keep}
+               if k in self.items]
+        drop = (ctypes.c_uint32 * max(1, len(self.items)))()
+        ev = (_lib.CacheHostEvict * max(1, cap))()
+        nd, n = ctypes.c_uint32(), ctypes.c_uint32()
+        s = lib.laden_cache_plan_host(
+            on or self.c, model, ram_budget, need,
+            (ctypes.c_uint32 * max(1, len(ids)))(*ids), len(ids), drop,
+            len(self.items), ctypes.byref(nd), ev, cap, ctypes.byref(n))
+        by_entry = {v[4]: k for k, v in self.items.items()}
+        for i in range(nd.value):
+            self._remove(by_entry[drop[i]])
+        if s and on is None:  # a handle's: no caller to tell
+            log.warning("laden: adapters in host memory: %s", error_for(s))
+        return s, ev, n.value
+
+    def _remove(self, k) -> None:
+        check(lib.laden_cache_host_remove(self.c, self.items.pop(k)[4]))
 
     def clear(self) -> None:
-        self.items.clear()
-        self.bytes = 0
+        for k in list(self.items):
+            self._remove(k)
 
 
 def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
@@ -972,7 +997,7 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
             if mode == "merge":
                 _warn_tied(by_name[tg.name], tg)
     ad.switch(mode, merges, resident, routes)
-    ad.host.trim(adapters, IDLE_HOST_BYTES)
+    ad.host.fit(adapters)  # idle ones within C's limit
 
 
 def _warn_tied(t, tg: _Target) -> None:

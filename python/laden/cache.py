@@ -555,7 +555,9 @@ class ModelCache:
             _USE_COUNT = _find_use_count() or False
         self._lock = threading.RLock()
         from .adapters import _HostAdapters
-        self._adapter_host = _HostAdapters()  # adapters as read, all models
+        # Adapters as read, for all models and devices: entries of C's
+        # host policy, in the group the device caches join.
+        self._adapter_host = _HostAdapters(self.pinned_budget or 0)
         self._failed: set = set()  # keys whose build raised, never built
         self._built: set = set()   # keys built at least once
         self.builds = 0
@@ -687,7 +689,7 @@ class ModelCache:
                         rt.adapters = _CacheAdapters(rt,
                                                      self._adapter_host)
                     rt.adapters.apply(*adapters)
-                    self._fit_adapters(self._dc(dev), rt, 0)
+                    self._fit_host(self._dc(dev), rt, 0)
                 except BaseException:
                     self._deactivate(rt)
                     raise
@@ -735,18 +737,18 @@ class ModelCache:
                         f"{', '.join(map(str, self._vram_budgets))}, not "
                         f"{dev}", "E_INVAL")
                 budget = self._vram_budgets[dev]
-            # One group for all devices: the pinned and RAM budgets are
-            # the host's, recency compares across devices.
-            peer = next(iter(self._dev.values()), None)
-            dc = _DeviceCache(dev, budget, self.pinned_budget, vram, peer)
+            # One group for all devices and the adapters read for them:
+            # the pinned and RAM budgets are the host's, recency compares
+            # across devices.
+            dc = _DeviceCache(dev, budget, self.pinned_budget, vram,
+                              self._adapter_host)
             self._dev[dev] = dc
         return dc
 
     def _build(self, spec: ModelSpec, dev, adopt) -> _Runtime:
         dc = self._dc(dev)
         need = self._known_size.get(spec.key, spec.estimated_bytes)
-        self._fit_adapters(dc, None, need)
-        self._make_host_room(dc, None, need + self._adapter_host.bytes)
+        self._fit_host(dc, None, need)
         t0 = time.perf_counter()
         rt = _Runtime(spec, dev, dc)
         rt.build(adopt)
@@ -772,48 +774,30 @@ class ModelCache:
                   "outside blocks) in %.2f s", spec.key, dev,
                   fmt_bytes(rt.size), lib.laden_sched_block_count(rt.sched),
                   rt.fixed, time.perf_counter() - t0)
-        self._make_host_room(dc, rt, 0)
+        self._fit_host(dc, rt, 0)
         return rt
 
-    def _fit_adapters(self, dc: _DeviceCache, rt: Optional[_Runtime],
-                      need: int) -> None:
-        """Adapters' host copies count in ram_budget with the models': idle
-        adapters (cheap to read again) give way first, least recently used
-        first; those of models in use stay, and idle models give way to
-        them.  Without ram_budget, idle adapters keep at most
-        adapters.IDLE_HOST_BYTES."""
-        from .adapters import IDLE_HOST_BYTES
-
+    def _fit_host(self, dc: _DeviceCache, rt: Optional[_Runtime],
+                  need: int) -> None:
+        """Makes room in host RAM for `need` more bytes: C's host policy
+        decides over every device's models (one group) and the adapters
+        read for them, and Python drops what it names.  Idle adapters
+        (cheap to read again) give way first, then idle models; the
+        adapters of models in use (and rt's) stay."""
         store = self._adapter_host
         keep = [a for r in self._rt.values()
                 if r.adapters is not None and (r.in_use or r is rt)
                 for a in r.adapters.current]
-        if self.ram_budget is None:
-            store.trim(keep, IDLE_HOST_BYTES)
-            return
-        models = sum(r.size for d in self._dev.values()
-                     for r in d.by_id.values())  # every device's: one RAM
-        store.trim(keep, max(0, self.ram_budget - models - need -
-                             store.held(keep)))
-        if models + need + store.bytes > self.ram_budget:
-            self._make_host_room(dc, rt, need + store.bytes)
-
-    def _make_host_room(self, dc: _DeviceCache, rt: Optional[_Runtime],
-                        need: int) -> None:
-        if self.ram_budget is None:
-            return
-        # C decides over every device's cache (one group): host RAM is one.
-        cap = max(1, sum(len(d.by_id) for d in self._dev.values()))
-        ev = (_lib.CacheHostEvict * cap)()
-        n = ctypes.c_uint32()
-        s = lib.laden_cache_plan_host_group(
-            dc.c, rt.id if rt is not None else 0xFFFFFFFF, self.ram_budget,
-            need, ev, cap, ctypes.byref(n))
+        s, ev, n = store.fit(
+            keep, dc.c, rt.id if rt is not None else 0xFFFFFFFF,
+            _lib.CACHE_RAM_UNLIMITED if self.ram_budget is None
+            else self.ram_budget, need,
+            sum(len(d.by_id) for d in self._dev.values()))
         if s:
             log.warning("laden cache: %s", error_for(s))
             return
         by_c = {d.c.value: d for d in self._dev.values()}
-        for i in range(n.value):
+        for i in range(n):
             victim = by_c[ev[i].cache].by_id[ev[i].model]
             log.debug("laden cache: RAM budget: dropping idle '%s' (%s of "
                       "host memory); it is rebuilt on its next use",
@@ -837,28 +821,12 @@ class ModelCache:
                     "memory; drop them, or .clone() them inside "
                     "cache.use()", "E_STATE")
 
-    def _may_evict(self, rt: _Runtime) -> bool:
-        """Whether activating rt may take device memory from idle models
-        (and rt's own layout may change): it is not whole on the device
-        and the budget's free room is less than what it lacks."""
-        dc = rt.dc
-        if dc.vram is not None:
-            # VBAR pages of idle models go whenever the context needs
-            # room (documented); nothing here decides it.
-            return False
-        ci = _lib.CacheInfo()
-        check(lib.laden_cache_info(dc.c, rt.id, ctypes.byref(ci)))
-        lacks = max(0, rt.size - ci.vram_bytes)
-        if not lacks:
-            return False
-        st = dc.stats()
-        return bool(st.vram_budget_bytes) and \
-            st.vram_budget_bytes - min(st.vram_bytes,
-                                       st.vram_budget_bytes) < lacks
-
     def _run(self, rt: _Runtime, lookahead: int) -> None:
         dc = rt.dc
-        if _USE_COUNT and self._may_evict(rt):
+        may = ctypes.c_int32(0)
+        if _USE_COUNT:  # C says whether idle models may give up memory
+            check(lib.laden_cache_may_evict(dc.c, rt.id, ctypes.byref(may)))
+        if may.value:
             self._refuse_derived(dc.by_id.values(),
                                  f"use '{rt.spec.key}'")
         ev = dc.evictions(len(dc.by_id))
