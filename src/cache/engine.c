@@ -725,15 +725,22 @@ laden_status laden_cache_plan_host_group(laden_cache_t *c, uint32_t except,
     return laden__cache_plan_models(c, except, budget, need, ev, cap, out_n);
 }
 
-uint64_t laden__cache_group_host(laden_cache_t *c)
+/* Under g's lock: the host bytes of its bound models (saturated). */
+static uint64_t group_host(const cache_group *g)
 {
     uint64_t held = 0;
-    pthread_mutex_lock(&c->g->mu);
-    for (laden_cache_t *o = c->g->first; o; o = o->next)
+    for (const laden_cache_t *o = g->first; o; o = o->next)
         for (uint32_t i = 0; i < o->n; i++)
             if (o->m[i].key && o->m[i].sched &&
                 !laden__add_u64(held, o->m[i].size, &held))
                 held = UINT64_MAX;
+    return held;
+}
+
+uint64_t laden__cache_group_host(laden_cache_t *c)
+{
+    pthread_mutex_lock(&c->g->mu);
+    uint64_t held = group_host(c->g);
     pthread_mutex_unlock(&c->g->mu);
     return held;
 }
@@ -752,14 +759,13 @@ laden_status laden__cache_plan_models(laden_cache_t *c, uint32_t except,
         s = laden__fail(LADEN_E_NOMEM, "out of memory deciding evictions");
         goto out;
     }
-    uint64_t held = 0, idle = 0;
-    for (laden_cache_t *o = g->first; o; o = o->next)
-        for (uint32_t i = 0; i < o->n; i++)
-            if (o->m[i].key && o->m[i].sched)
-                held += o->m[i].size;
+    uint64_t held = group_host(g), idle = 0;
     for (uint32_t j = 0; j < k; j++)
         idle += cs[j].c->m[cs[j].id].size;
-    uint64_t over = held + need > budget ? held + need - budget : 0;
+    uint64_t want;
+    if (!laden__add_u64(held, need, &want))
+        want = UINT64_MAX; /* more than any budget */
+    uint64_t over = want > budget ? want - budget : 0;
     if (over > idle) {
         s = laden__fail(LADEN_E_BUDGET,
                         "%s of host copies do not fit the RAM budget of %s: "
