@@ -56,37 +56,6 @@ struct laden_st {
     bool gguf; /* opened from a GGUF file */
 };
 
-static const char *const dtype_names[] = {
-#define NAME(name, bits) #name,
-    LADEN_DTYPE_LIST(NAME)
-#undef NAME
-};
-static const uint32_t dtype_bits[] = {
-#define BITS(name, bits) bits,
-    LADEN_DTYPE_LIST(BITS)
-#undef BITS
-};
-
-const char *laden_dtype_name(laden_dtype d)
-{
-    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_names[d] : NULL;
-}
-
-uint32_t laden_dtype_bits(laden_dtype d)
-{
-    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_bits[d] : 0;
-}
-
-static bool dtype_from_name(const char *s, laden_dtype *out)
-{
-    for (unsigned i = 0; i < LADEN_DTYPE_COUNT; i++)
-        if (dtype_bits[i] && strcmp(s, dtype_names[i]) == 0) {
-            *out = (laden_dtype)i;
-            return true;
-        }
-    return false;
-}
-
 /* ---- growth helpers ------------------------------------------------- */
 
 static bool grow(void **arr, size_t *cap, size_t need, size_t elem)
@@ -356,7 +325,7 @@ static laden_status parse_tensor(parse_ctx *c, laden__json *j, char *name)
                                    "dtype of tensor '%.200s' is not a string",
                                    name);
             s = laden__json_string(j, dt, sizeof dt, NULL, NULL);
-            if (s == LADEN_E_LIMIT || (!s && !dtype_from_name(dt, &e.dtype)))
+            if (s == LADEN_E_LIMIT || (!s && !laden__dtype_of_name(dt, &e.dtype)))
                 return laden__fail(LADEN_E_DTYPE,
                                    "tensor '%.200s' has unknown dtype '%s'",
                                    name, s ? "(too long)" : dt);
