@@ -117,7 +117,7 @@ static bool is_source(const char *name)
 
 TEST(layers_include_only_below)
 {
-    char dir[1024], path[2048], shown[512];
+    char dir[1024], path[2048], shown[600];
     unsigned bad = 0, files = 0, crossing = 0;
     snprintf(dir, sizeof dir, "%s/src", LADEN_SOURCE_DIR);
     DIR *top = opendir(dir);
