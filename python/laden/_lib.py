@@ -468,8 +468,6 @@ _SIGNATURES = {
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
     "laden_plan_why_text": (c_char_p, [c_int32]),
-    "laden_plan_readings_from": (None, [c_uint64, c_uint64, c_uint64,
-                                        c_uint64, P(PlanReadings)]),
     "laden_plan_read": (status_t, [c_int32, P(PlanReadings)]),
     "laden_plan_probe_h2d": (status_t, [c_int32, P(c_double)]),
     "laden_plan_probe_disk": (status_t, [c_char_p, P(c_double)]),

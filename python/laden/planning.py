@@ -237,7 +237,7 @@ _h2d_cache: Dict[int, float] = {}
 _disk_cache: Dict[str, float] = {}
 
 
-def h2d_rate(device) -> float:
+def _h2d_rate(device) -> float:
     """The link's rate in bytes/s (C's one probe, laden_plan_probe_h2d),
     measured once per device and process; 0 on the CPU."""
     if device.type != "cuda":
@@ -263,14 +263,9 @@ def _readings(device) -> Dict[str, int]:
     shows them."""
     r = _lib.PlanReadings()
     check(lib.laden_plan_read(_dev_index(device), ctypes.byref(r)))
-    out = {}
-    if device.type == "cuda":
-        out["vram_free"] = r.vram_free_bytes
-        out["vram_total"] = r.vram_total_bytes
-    out["ram_free"] = r.ram_free_bytes
-    out["ram_free_exact"] = r.ram_free_exact_bytes
-    out["ram_total"] = r.ram_total_bytes
-    return out
+    vram = ("vram_free", "vram_total") if device.type == "cuda" else ()
+    return {k: getattr(r, k + "_bytes")
+            for k in (*vram, "ram_free", "ram_free_exact", "ram_total")}
 
 
 def no_cuda_reason() -> Optional[str]:
@@ -420,7 +415,7 @@ def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
 def _measured(dev, path, readings, bandwidths):
     readings = readings if readings is not None else _readings(dev)
     if bandwidths is None:
-        bandwidths = {"h2d": h2d_rate(dev),
+        bandwidths = {"h2d": _h2d_rate(dev),
                       "disk": _disk_rate(path) if path and os.path.isfile(
                           path) else 0.0}
     return readings, bandwidths
