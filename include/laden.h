@@ -1,5 +1,6 @@
 /* laden: run models larger than GPU memory by moving weights between disk,
- * host RAM and VRAM.  Umbrella header: version, status codes, errors.
+ * host RAM and VRAM.  The base header: version, status codes, errors;
+ * every layer header (laden/st.h, laden/stream.h, ...) includes it.
  *
  * Every function that can fail returns a laden_status: 0 on success, a
  * negative LADEN_E_* on failure.  On failure the out-parameters are set to

@@ -27,12 +27,18 @@ void test_register(const char *name, laden_test_fn fn)
         cases[ncases++] = (test_case){name, fn};
 }
 
-static char tmpdir[256];
+static char tmpdir[256], shmdir[256];
 static void rm_rf(const char *dir);
 static void cleanup_tmpdir(void)
 {
     if (tmpdir[0])
         rm_rf(tmpdir);
+}
+
+static void cleanup_shmdir(void)
+{
+    if (shmdir[0])
+        rm_rf(shmdir);
 }
 
 void test_on_every_device(void (*fn)(int32_t device))
@@ -115,6 +121,19 @@ const char *test_tmpdir(void)
         atexit(cleanup_tmpdir);
     }
     return tmpdir;
+}
+
+const char *test_shm_dir(void)
+{
+    if (!shmdir[0]) {
+        snprintf(shmdir, sizeof shmdir, "/dev/shm/laden-test-XXXXXX");
+        if (!mkdtemp(shmdir)) {
+            shmdir[0] = 0;
+            return test_tmpdir();
+        }
+        atexit(cleanup_shmdir);
+    }
+    return shmdir;
 }
 
 char *test_path(const char *name)

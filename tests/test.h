@@ -102,6 +102,9 @@ void test_register(const char *name, laden_test_fn fn);
 
 /* Helpers shared by the tests (helpers.c). */
 const char *test_tmpdir(void); /* a fresh directory for this process */
+/* One in /dev/shm (tmpfs, which CUDA can pin), else test_tmpdir();
+ * removed when the process exits, as test_tmpdir's is. */
+const char *test_shm_dir(void);
 /* Runs fn on the CPU device, then on every CUDA device there is (saying so
  * when there is none). */
 void test_on_every_device(void (*fn)(int32_t device));

@@ -2453,12 +2453,7 @@ TEST(stream_cache_copy_rewritten) { test_on_every_device(copy_rewritten); }
  * regular file system's pages it cannot), else the test's own. */
 static const char *shm_test_dir(void)
 {
-    static char dir[64];
-    if (!dir[0]) {
-        snprintf(dir, sizeof dir, "/dev/shm/laden-test-XXXXXX");
-        if (!mkdtemp(dir))
-            snprintf(dir, sizeof dir, "%s", test_tmpdir());
-    }
+    const char *dir = test_shm_dir();
     (void)mkdir(dir, 0700); /* again after a variant removed it */
     setenv("LADEN_SHM_DIR", dir, 1);
     return dir;

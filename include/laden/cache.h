@@ -69,6 +69,17 @@ typedef struct laden_cache_stats {
 LADEN_API laden_status laden_cache_create(uint64_t vram_budget_bytes,
                                           uint64_t pinned_budget_bytes,
                                           laden_cache_t **out);
+/* VRAM kept free for activations by a cache's default VRAM budget:
+ * 1.5 GiB. */
+#define LADEN_CACHE_HEADROOM_DEFAULT (1536ull << 20)
+
+/* The VRAM budget for a cache of `device` when the caller gives none: a
+ * VRAM context's budget if it has one (context_budget_bytes; 0: no
+ * context, or one without a budget); else on a CUDA device its free
+ * memory now less LADEN_CACHE_HEADROOM_DEFAULT, at least 1 byte (0 would
+ * mean no limit); on LADEN_DEVICE_CPU 0, no limit. */
+LADEN_API laden_status laden_cache_default_budget(
+    int32_t device, uint64_t context_budget_bytes, uint64_t *out_bytes);
 /* Leaves the cache's group, if any, and frees it. */
 LADEN_API void laden_cache_destroy(laden_cache_t *cache);
 

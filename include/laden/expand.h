@@ -51,7 +51,7 @@
 
 #include "../laden.h"
 #include "dev.h"
-#include "st.h"
+#include "dtype.h" /* laden_dtype: dev sits below the format readers */
 
 #ifdef __cplusplus
 extern "C" {

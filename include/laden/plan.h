@@ -1,7 +1,11 @@
-/* plan: decide which tier each block lives in.  A pure function: block
- * sizes, budgets, free-memory readings and bandwidths in; a tier and a
- * reason per block, the memory used and a predicted transfer time out.
- * The same inputs give the same plan.  No allocation, no I/O. */
+/* plan: decide which tier each block lives in.  laden_plan_compute is a
+ * pure function: block sizes, budgets, free-memory readings and
+ * bandwidths in; a tier and a reason per block, the memory used and a
+ * predicted transfer time out.  The same inputs give the same plan.  No
+ * allocation, no I/O.  Beside it (src/plan/budget.c), the rules for what
+ * goes in: the readings taken and rounded (laden_plan_read), the link
+ * and drive probes (laden_plan_probe_*), and stream_load's budgets
+ * (laden_plan_load_input), so that no caller decides them itself. */
 #ifndef LADEN_PLAN_H
 #define LADEN_PLAN_H
 
@@ -60,7 +64,11 @@ typedef struct laden_plan_input {
     uint64_t rest_bytes;          /* outside blocks: always resident */
     uint64_t vram_free_bytes;     /* reading of free device memory */
     uint64_t max_vram_bytes;      /* 0: no limit beyond the free memory */
-    uint64_t reserve_bytes;       /* kept free: headroom or activations */
+    uint64_t reserve_bytes;       /* kept free: headroom or activations;
+                                     LADEN_PLAN_AUTO: the default
+                                     headroom on a CUDA device
+                                     (LADEN_PLAN_HEADROOM_DEFAULT), 0 on
+                                     the host device */
     uint64_t ram_total_bytes;
     uint64_t ram_free_bytes;      /* reading of available host memory */
     uint64_t ram_budget_bytes;    /* RAM for the RAM tier (and, with
@@ -121,6 +129,8 @@ typedef struct laden_plan_result {
     uint64_t ram_used_bytes;    /* RAM tier + staging */
     double predicted_ms;        /* transfer time per forward; 0 if unknown */
     uint32_t warnings;
+    uint64_t reserve_bytes;     /* kept free for activations: the input's,
+                                   or the default it resolved to */
 } laden_plan_result;
 
 /* Computes the plan.  tiers[i] and why[i] (nblocks entries each, caller's
@@ -136,6 +146,96 @@ LADEN_API laden_status laden_plan_compute(const laden_plan_input *in,
 
 /* The text of a reason, or NULL. */
 LADEN_API const char *laden_plan_why_text(int32_t why);
+
+/* ---- what the planner plans from ---------------------------------------- */
+
+/* Free-memory readings are rounded down to this, so that two runs whose
+ * free memory differs by a little plan the same. */
+#define LADEN_PLAN_READING_STEP (256ull << 20)
+/* VRAM kept free for activations on a CUDA device when no headroom is
+ * given (reserve_bytes LADEN_PLAN_AUTO): 1.5 GB. */
+#define LADEN_PLAN_HEADROOM_DEFAULT 1500000000ull
+/* The link probe: pinned host-to-device copies of this size (a streamed
+ * block's order of size, where the link reaches its rate), timed this
+ * many times.  The drive probe reads at most LADEN_PLAN_DISK_PROBE_BYTES
+ * of the checkpoint. */
+#define LADEN_PLAN_PROBE_BYTES (256ull << 20)
+#define LADEN_PLAN_PROBE_REPEATS 5u
+#define LADEN_PLAN_DISK_PROBE_BYTES (256ull << 20)
+
+typedef struct laden_plan_readings {
+    uint64_t vram_free_bytes;      /* rounded down to the step; 0 on the
+                                      host device */
+    uint64_t vram_total_bytes;     /* 0 on the host device */
+    uint64_t ram_free_bytes;       /* available host memory, rounded down
+                                      to the step */
+    uint64_t ram_free_exact_bytes; /* as read (a shared load's credit is
+                                      added to it before rounding) */
+    uint64_t ram_total_bytes;
+} laden_plan_readings;
+
+/* The readings from raw numbers (the pure half of laden_plan_read, and
+ * how a test injects readings): the free bytes rounded down to
+ * LADEN_PLAN_READING_STEP, the totals as given. */
+LADEN_API void laden_plan_readings_from(uint64_t vram_free_bytes,
+                                        uint64_t vram_total_bytes,
+                                        uint64_t ram_free_bytes,
+                                        uint64_t ram_total_bytes,
+                                        laden_plan_readings *out);
+
+/* Reads free and total memory of `device` (a CUDA index; for
+ * LADEN_DEVICE_CPU the VRAM fields are 0) and of the host, rounded as
+ * laden_plan_readings_from does.  On failure *out is zeroed. */
+LADEN_API laden_status laden_plan_read(int32_t device,
+                                       laden_plan_readings *out);
+
+/* The host-to-device rate of `device` in bytes/s: pinned copies of
+ * LADEN_PLAN_PROBE_BYTES, LADEN_PLAN_PROBE_REPEATS times (the one probe
+ * the planner, the CLI and the demo share).  0 for LADEN_DEVICE_CPU,
+ * which copies nothing host to device.  Blocks for the measurement. */
+LADEN_API laden_status laden_plan_probe_h2d(int32_t device,
+                                            double *out_bytes_per_s);
+
+/* The read rate of the drive under the file at `path` (at most
+ * LADEN_PLAN_DISK_PROBE_BYTES of it, dropped from the page cache first),
+ * or 0 when it cannot be measured: no prediction, not an error. */
+LADEN_API laden_status laden_plan_probe_disk(const char *path,
+                                             double *out_bytes_per_s);
+
+/* stream_load's budgets, in the caller's words. */
+typedef struct laden_plan_load_options {
+    int32_t device;             /* CUDA index or LADEN_DEVICE_CPU */
+    uint32_t lookahead;
+    uint64_t vram_budget_bytes; /* bounds the device bytes (rest,
+                                   resident blocks, slots) in place of the
+                                   free VRAM; LADEN_PLAN_AUTO: none given.
+                                   On the CPU: LADEN_E_INVAL */
+    uint64_t ram_budget_bytes;  /* the RAM tier alone (0: every streamed
+                                   block on disk); LADEN_PLAN_AUTO: none,
+                                   the free RAM less the minimum kept
+                                   free */
+    uint64_t shared_bytes;      /* for a shared load, the bytes of the
+                                   segments already made from its
+                                   checkpoint (laden_sched_shared_bytes);
+                                   0 otherwise */
+    uint32_t vram_context_budget; /* 1: a VRAM context with a budget
+                                     holds the model (the schedule caps
+                                     the device bytes at its room) */
+} laden_plan_load_options;
+
+/* Fills *out (its block fields empty) with stream_load's policy: no
+ * headroom kept (nothing reserved; the budget is the caller's), no rates;
+ * blocks stay resident while they fit a VRAM budget or a VRAM context's
+ * budget, and without either every block not asked resident streams
+ * (resident_blocks 0).  Without a RAM budget, a shared load counts the
+ * segments already made from its files as free RAM (capped at the total,
+ * then rounded): the reading drops by a segment's size once the first
+ * process made it, and without the credit a later process would plan
+ * fewer RAM-tier blocks, get another layout and share nothing.
+ * `readings` NULL: taken now (laden_plan_read). */
+LADEN_API laden_status laden_plan_load_input(
+    const laden_plan_load_options *opt, const laden_plan_readings *readings,
+    laden_plan_input *out);
 
 #ifdef __cplusplus
 }

@@ -235,7 +235,8 @@ LADEN_API laden_status laden_sched_plan(laden_sched_t *sched,
  * live in host memory -- the RAM tier, and on the CPU device the GPU
  * tier too, where they run in place -- go into one segment of shared
  * memory (laden/shm.h) named from what determines their bytes: the
- * checkpoint files' identities (device, inode, size, modification time),
+ * checkpoint files' identities (laden_io_file_identity: device, inode,
+ * size, modification and status change times),
  * every such tensor's place, dtypes and conversion, and `key` (the
  * caller's own text, may be NULL).  The first process to load it reads
  * the checkpoint into the segment; the others that load the same layout

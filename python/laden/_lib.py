@@ -209,7 +209,21 @@ class PlanResult(Structure):
         ("slot_bytes", c_uint64), ("nslots", c_uint32),
         ("staging_bytes", c_uint64), ("vram_used_bytes", c_uint64),
         ("ram_used_bytes", c_uint64), ("predicted_ms", c_double),
-        ("warnings", c_uint32),
+        ("warnings", c_uint32), ("reserve_bytes", c_uint64),
+    ]
+
+
+class PlanReadings(Structure):
+    _fields_ = [(n, c_uint64) for n in (
+        "vram_free_bytes", "vram_total_bytes", "ram_free_bytes",
+        "ram_free_exact_bytes", "ram_total_bytes")]
+
+
+class PlanLoadOptions(Structure):
+    _fields_ = [
+        ("device", c_int32), ("lookahead", c_uint32),
+        ("vram_budget_bytes", c_uint64), ("ram_budget_bytes", c_uint64),
+        ("shared_bytes", c_uint64), ("vram_context_budget", c_uint32),
     ]
 
 
@@ -426,6 +440,8 @@ _SIGNATURES = {
     "laden_cache_host_held": (status_t, [p, P(c_uint64), P(c_uint32)]),
     "laden_cache_may_evict": (status_t, [p, c_uint32, P(c_int32)]),
     "laden_cache_join": (status_t, [p, p]),
+    "laden_cache_default_budget": (status_t, [c_int32, c_uint64,
+                                              P(c_uint64)]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
     "laden_cache_roomiest": (status_t, [P(p), c_uint32, P(c_uint32)]),
     "laden_cache_stats": (status_t, [p, P(CacheStats)]),
@@ -462,6 +478,11 @@ _SIGNATURES = {
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
     "laden_plan_why_text": (c_char_p, [c_int32]),
+    "laden_plan_read": (status_t, [c_int32, P(PlanReadings)]),
+    "laden_plan_probe_h2d": (status_t, [c_int32, P(c_double)]),
+    "laden_plan_probe_disk": (status_t, [c_char_p, P(c_double)]),
+    "laden_plan_load_input": (status_t, [P(PlanLoadOptions),
+                                         P(PlanReadings), P(PlanInput)]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_host_destroy": (None, [p]),
@@ -475,6 +496,8 @@ DEVICE_CPU = -1
 TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
 # include/laden.h
 LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
+# include/laden/plan.h: readings are rounded down to it (shown in a plan)
+PLAN_READING_STEP = 256 << 20
 SCHED_CACHE = 1
 CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
 # include/laden/cache.h: the host policy's idle entries without a RAM

@@ -44,7 +44,6 @@ _MODE_NAMES = {_lib.CACHE_RESIDENT: "resident",
 # The parts of a model outside its blocks are packed in pieces of at most
 # this size, so that a model gives up device memory in steps, not whole.
 REST_CHUNK_BYTES = 256 << 20
-HEADROOM_BYTES = 1536 << 20  # kept free for activations by the default budget
 
 
 class _FrozenMap(dict):
@@ -446,16 +445,13 @@ class _DeviceCache:
                  pinned_budget: Optional[int], vram=None, peer=None):
         self.device = device
         self.vram = vram
-        if vram is not None and vram_budget is None:
-            vram_budget = vram.info()["budget_bytes"] or None
-        if vram_budget is None:
-            vram_budget = 0
-            if device.type == "cuda":
-                free, total = ctypes.c_uint64(), ctypes.c_uint64()
-                check(lib.laden_dev_mem_info(_dev_index(device),
-                                             ctypes.byref(free),
-                                             ctypes.byref(total)))
-                vram_budget = max(free.value - HEADROOM_BYTES, 1)
+        if vram_budget is None:  # C's default (laden_cache_default_budget)
+            b = ctypes.c_uint64()
+            check(lib.laden_cache_default_budget(
+                _dev_index(device),
+                vram.info()["budget_bytes"] if vram is not None else 0,
+                ctypes.byref(b)))
+            vram_budget = b.value
         c = ctypes.c_void_p()
         check(lib.laden_cache_create(vram_budget, pinned_budget or 0,
                                      ctypes.byref(c)))

@@ -445,7 +445,7 @@ def cmd_generate(args) -> int:
 
     import torch
 
-    from . import _lib, hf
+    from . import hf
     from ._lib import check, lib
     from .streaming import _device, release
 
@@ -517,11 +517,10 @@ def cmd_generate(args) -> int:
           f"{new / gen_s if gen_s > 0 else 0:.2f} tokens/s "
           f"({per * 1e3:.1f} ms a token)")
     if dev.type == "cuda" and copied:
-        rate = ctypes.c_double()
-        check(lib.laden_dev_measure_copy(
+        rate = ctypes.c_double()  # the planner's probe (one size, in C)
+        check(lib.laden_plan_probe_h2d(
             dev.index if dev.index is not None else
-            torch.cuda.current_device(), _lib.COPY_H2D_PINNED, 256 << 20, 5,
-            ctypes.byref(rate)))
+            torch.cuda.current_device(), ctypes.byref(rate)))
         floor = copied / rate.value
         print(f"streamed {fmt_bytes(copied)} a token"
               + (f" ({fmt_bytes(read)} of it read from the checkpoint)"

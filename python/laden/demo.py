@@ -309,12 +309,11 @@ def _median_ms(fn, device, repeats: int) -> Tuple[float, object]:
 def _link_rate(device) -> Tuple[float, str]:
     """Bytes per second of the path streamed blocks take: pinned H2D on a
     GPU, the drive's direct read on the CPU (disk blocks)."""
-    from ._lib import COPY_H2D_PINNED, check, lib
+    from ._lib import check, lib
 
     r = ctypes.c_double()
-    if device.type == "cuda":
-        check(lib.laden_dev_measure_copy(device.index, COPY_H2D_PINNED,
-                                         64 << 20, 10, ctypes.byref(r)))
+    if device.type == "cuda":  # the planner's probe (one size, in C)
+        check(lib.laden_plan_probe_h2d(device.index, ctypes.byref(r)))
         return r.value, "pinned host-to-device copy"
     d = tempfile.gettempdir()
     check(lib.laden_io_measure_read(d.encode(), 128 << 20, ctypes.byref(r)))

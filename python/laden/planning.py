@@ -17,19 +17,17 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from . import _lib
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (_DTYPE_CODE, _device, _resolve_dtype, _resolve_storage,
-                     check_lookahead, describe, fill, find_blocks,
-                     new_schedule)
+from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
+                     _resolve_storage, check_lookahead, describe, fill,
+                     find_blocks, new_schedule)
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
 
-AUTO = 2**64 - 1  # LADEN_PLAN: "decide from the readings"
-DEFAULT_HEADROOM = "1.5GB"  # kept free for activations on CUDA
-
-# Free memory readings are rounded down to this, so that two runs whose
-# free memory differs by a little plan the same; the plan shows them.
-READING_STEP = 256 << 20
+# LADEN_PLAN_AUTO: "decide from the readings".  C takes and rounds the
+# readings (laden_plan_read), keeps the default headroom (reserve AUTO)
+# and builds stream_load's budgets (laden_plan_load_input).
+AUTO = 2**64 - 1
 
 
 class Tier(enum.IntEnum):
@@ -180,7 +178,8 @@ class Plan:
                             f"{fmt_bytes(r.get('ram_total', 0))}")
             if seen:
                 lines.append("  free memory read (rounded down to "
-                             f"{READING_STEP >> 20} MiB): " + ", ".join(seen))
+                             f"{_lib.PLAN_READING_STEP >> 20} MiB): "
+                             + ", ".join(seen))
         b = self.budgets
         if b:
             ram = (f"RAM tier {fmt_bytes(b.get('ram_avail', 0))} ("
@@ -239,12 +238,13 @@ _disk_cache: Dict[str, float] = {}
 
 
 def _h2d_rate(device) -> float:
+    """The link's rate in bytes/s (C's one probe, laden_plan_probe_h2d),
+    measured once per device and process; 0 on the CPU."""
     if device.type != "cuda":
         return 0.0
     if device.index not in _h2d_cache:
         r = ctypes.c_double()
-        check(lib.laden_dev_measure_copy(device.index, _lib.COPY_H2D_PINNED,
-                                         64 << 20, 5, ctypes.byref(r)))
+        check(lib.laden_plan_probe_h2d(device.index, ctypes.byref(r)))
         _h2d_cache[device.index] = r.value
     return _h2d_cache[device.index]
 
@@ -253,26 +253,19 @@ def _disk_rate(path: str) -> float:
     key = os.path.realpath(path)
     if key not in _disk_cache:
         r = ctypes.c_double()
-        st = lib.laden_io_measure_file(path.encode(), 256 << 20,
-                                       ctypes.byref(r))
-        _disk_cache[key] = r.value if st == 0 else 0.0
+        check(lib.laden_plan_probe_disk(os.fsencode(path), ctypes.byref(r)))
+        _disk_cache[key] = r.value
     return _disk_cache[key]
 
 
 def _readings(device) -> Dict[str, int]:
-    fr, tot = ctypes.c_uint64(), ctypes.c_uint64()
-    out = {}
-    if device.type == "cuda":
-        check(lib.laden_dev_mem_info(device.index, ctypes.byref(fr),
-                                     ctypes.byref(tot)))
-        out["vram_free"] = fr.value // READING_STEP * READING_STEP
-        out["vram_total"] = tot.value
-    check(lib.laden_dev_mem_info(_lib.DEVICE_CPU, ctypes.byref(fr),
-                                 ctypes.byref(tot)))
-    out["ram_free"] = fr.value // READING_STEP * READING_STEP
-    out["ram_free_exact"] = fr.value  # before rounding (shared loads)
-    out["ram_total"] = tot.value
-    return out
+    """C's readings (laden_plan_read: taken and rounded) as the plan
+    shows them."""
+    r = _lib.PlanReadings()
+    check(lib.laden_plan_read(_dev_index(device), ctypes.byref(r)))
+    vram = ("vram_free", "vram_total") if device.type == "cuda" else ()
+    return {k: getattr(r, k + "_bytes")
+            for k in (*vram, "ram_free", "ram_free_exact", "ram_total")}
 
 
 def no_cuda_reason() -> Optional[str]:
@@ -326,16 +319,14 @@ def _plan_input(dev, *, max_vram=None, headroom_vram=None,
                 disk_staging: bool = True) -> "_lib.PlanInput":
     """The planner's budgets, readings and rates (block fields empty).
     On the CPU device the VRAM options do not apply: giving one is an
-    error (the C planner names it), not a silent no-op."""
+    error (the C planner names it), not a silent no-op.  Without
+    activation_vram or headroom_vram the reserve is C's default (AUTO)."""
     cpu = dev.type == "cpu"
-    if headroom_vram is None and not cpu:
-        headroom_vram = DEFAULT_HEADROOM
     inp = _lib.PlanInput()
     inp.vram_free_bytes = 0 if cpu else readings.get("vram_free", 0)
     inp.max_vram_bytes = parse_size(max_vram) if max_vram is not None else 0
-    inp.reserve_bytes = parse_size(
-        activation_vram if activation_vram is not None
-        else headroom_vram or 0)
+    kept = activation_vram if activation_vram is not None else headroom_vram
+    inp.reserve_bytes = AUTO if kept is None else parse_size(kept)
     inp.ram_total_bytes = readings.get("ram_total", 0)
     inp.ram_free_bytes = readings.get("ram_free", 0)
     inp.ram_budget_bytes = AUTO if ram_budget is None else \
@@ -354,32 +345,24 @@ def _plan_input(dev, *, max_vram=None, headroom_vram=None,
 
 def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
                  lookahead: int, shared=None) -> "_lib.PlanInput":
-    """stream_load's budgets: ``vram_budget`` bounds the device bytes
-    (rest, resident blocks, slots; nothing reserved, no reading), blocks
-    stay resident while they fit it (or a VRAM context's budget: C caps
-    at its room); without either every block not asked resident streams.
-    ``ram_budget`` bounds the RAM tier alone (0: every streamed block on
-    disk); without it the free RAM, less the minimum kept free, and with
-    ``shared`` (the Checkpoint of a shared load) the segments already made
-    from its files counted as free (sharing.segments_bytes)."""
-    if vram_budget is not None and dev.type == "cpu":
-        raise InvalidArgumentError(
-            f"vram_budget {fmt_bytes(parse_size(vram_budget))}: the model "
-            "goes to the CPU, which has no VRAM; ram_budget bounds the host "
-            "memory of the streamed blocks", "E_INVAL")
-    r = _readings(dev)
-    if vram_budget is not None:
-        r["vram_free"] = parse_size(vram_budget)
-    if shared is not None and ram_budget is None:  # sharing.segments_bytes
+    """stream_load's budgets, in the user's words (a size, or None), made
+    into the planner's input by C (laden_plan_load_input: the policy, the
+    readings, and for ``shared``, the Checkpoint of a shared load, the
+    credit for the segments already made from its files)."""
+    opt = _lib.PlanLoadOptions()
+    opt.device = _dev_index(dev)
+    opt.lookahead = lookahead
+    opt.vram_budget_bytes = AUTO if vram_budget is None else \
+        parse_size(vram_budget)
+    opt.ram_budget_bytes = AUTO if ram_budget is None else \
+        parse_size(ram_budget)
+    if shared is not None and ram_budget is None:
         from .sharing import segments_bytes
-        credited = min(r["ram_free_exact"] + segments_bytes(shared),
-                       r["ram_total"])
-        r["ram_free"] = credited // READING_STEP * READING_STEP
-    inp = _plan_input(dev, headroom_vram=0, ram_budget=ram_budget,
-                      readings=r, bandwidths={}, disk_staging=False,
-                      lookahead=lookahead,
-                      resident_blocks=None if vram_budget is not None or
-                      vram_has_budget else 0)
+        opt.shared_bytes = segments_bytes(shared)
+    opt.vram_context_budget = int(vram_has_budget)
+    inp = _lib.PlanInput()
+    check(lib.laden_plan_load_input(ctypes.byref(opt), None,
+                                    ctypes.byref(inp)))
     return inp
 
 
@@ -421,7 +404,7 @@ def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
         bandwidths = {k: v for k, v in bandwidths.items() if k != "h2d"}
     else:
         budgets.update(vram_avail=res.vram_avail_bytes,
-                       reserve=inp.reserve_bytes,
+                       reserve=res.reserve_bytes,
                        max_vram=inp.max_vram_bytes)
     return Plan(blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
                 lookahead=lookahead, path=path, budgets=budgets,

@@ -136,12 +136,8 @@ def check_group(shared, got: Optional[Shared], where: str,
 def segments_bytes(ck) -> int:
     """Bytes of this user's laden segments in LADEN_SHM_DIR (default
     /dev/shm) made from checkpoint `ck`'s files (laden_sched_shared_bytes:
-    other models' segments are not counted).  A later process plans its
-    RAM tier with these counted as free: the free-memory reading drops by
-    a segment's size once the first process made it, and without that
-    credit a later process would plan fewer RAM-tier blocks, get another
-    layout and share nothing.  (An explicit ram_budget gives every process
-    the same plan anyway.)"""
+    other models' segments are not counted): a shared load's reading,
+    which C credits as free RAM (laden_plan_load_input says why)."""
     n = ctypes.c_uint64()
     check(lib.laden_sched_shared_bytes(ck._h, ctypes.byref(n)))
     return n.value

@@ -29,6 +29,8 @@ C_NAMES = {
     "CacheActivation": "laden_cache_activation",
     "PlanInput": "laden_plan_input",
     "PlanResult": "laden_plan_result",
+    "PlanReadings": "laden_plan_readings",
+    "PlanLoadOptions": "laden_plan_load_options",
     "HostStats": "laden_host_stats",
     "GgufTensor": "laden_gguf_tensor",
     "GgufKv": "laden_gguf_kv",

@@ -402,7 +402,7 @@ def test_ctrl_c_during_a_load_or_its_wait(tmp_path):
                   timeout=120).startswith("ok")
 
 
-# ---- release of a peft model (the README's LoRA recipe) ------------------------------
+# ---- release of a peft model (docs/training.md's LoRA recipe) ------------------------------
 
 def test_release_of_a_peft_model(tmp_path):
     peft = pytest.importorskip("peft")

@@ -2,6 +2,7 @@
  * rarely (once per activation): plain arrays and a sort per decision. */
 #define _POSIX_C_SOURCE 200809L
 #include "laden/cache.h"
+#include "laden/dev.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -10,6 +11,32 @@
 #include "../core/internal.h"
 #include "cache_internal.h"
 
+uint64_t laden__cache_budget_from_free(uint64_t free_bytes)
+{
+    return free_bytes > LADEN_CACHE_HEADROOM_DEFAULT + 1
+               ? free_bytes - LADEN_CACHE_HEADROOM_DEFAULT
+               : 1;
+}
+
+laden_status laden_cache_default_budget(int32_t device, uint64_t context,
+                                        uint64_t *out)
+{
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_cache_default_budget: out "
+                           "is NULL");
+    *out = 0;
+    if (context) {
+        *out = context;
+        return LADEN_OK;
+    }
+    if (device == LADEN_DEVICE_CPU)
+        return LADEN_OK;
+    uint64_t free_b, total;
+    laden_status s = laden_dev_mem_info(device, &free_b, &total);
+    if (!s)
+        *out = laden__cache_budget_from_free(free_b);
+    return s;
+}
 
 laden_status laden_cache_create(uint64_t vram_budget, uint64_t pinned_budget,
                                 laden_cache_t **out)

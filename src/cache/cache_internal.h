@@ -8,6 +8,10 @@
 
 #include "laden/cache.h"
 
+/* The default VRAM budget from a reading of free device memory (the
+ * pure half of laden_cache_default_budget, for tests). */
+uint64_t laden__cache_budget_from_free(uint64_t free_bytes);
+
 typedef struct model {
     char *key; /* NULL once removed */
     uint64_t size, vram, pinned, uses, last_use;

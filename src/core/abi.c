@@ -38,6 +38,8 @@
     S(laden_cache_activation) \
     S(laden_plan_input)       \
     S(laden_plan_result)      \
+    S(laden_plan_readings)    \
+    S(laden_plan_load_options) \
     S(laden_host_stats)       \
     S(laden_gguf_tensor)      \
     S(laden_gguf_kv)          \
@@ -110,7 +112,13 @@
     F(T, ram_limit_bytes) F(T, gpu_bytes) F(T, ram_bytes) F(T, disk_bytes) \
     F(T, slot_bytes) F(T, nslots) F(T, staging_bytes)                      \
     F(T, vram_used_bytes) F(T, ram_used_bytes) F(T, predicted_ms)          \
-    F(T, warnings)
+    F(T, warnings) F(T, reserve_bytes)
+#define FIELDS_laden_plan_readings(F, T)                                   \
+    F(T, vram_free_bytes) F(T, vram_total_bytes) F(T, ram_free_bytes)      \
+    F(T, ram_free_exact_bytes) F(T, ram_total_bytes)
+#define FIELDS_laden_plan_load_options(F, T)                               \
+    F(T, device) F(T, lookahead) F(T, vram_budget_bytes)                   \
+    F(T, ram_budget_bytes) F(T, shared_bytes) F(T, vram_context_budget)
 #define FIELDS_laden_host_stats(F, T)                                      \
     F(T, budget_bytes) F(T, in_use_bytes) F(T, cached_bytes)               \
     F(T, peak_bytes) F(T, allocs) F(T, reuses) F(T, pins) F(T, unpins)

@@ -54,20 +54,8 @@ uint64_t laden__thread_id(void);
 /* Monotonic clock in nanoseconds. */
 uint64_t laden__now_ns(void);
 
-/* IEEE half to float, exactly (src/stream/convert.c). */
-float laden__f32_of_f16(uint16_t h);
-
-/* Float to bfloat16, round to nearest even, a NaN kept and made quiet:
- * the one rounding of every F32 -> BF16 conversion on the host (inline:
- * element loops call it). */
-static inline uint16_t laden__bf16_of_f32(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+/* Dtype facts and the scalar float conversions (src/core/dtype.c). */
+#include "dtype_internal.h"
 
 #define LADEN__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 

@@ -7,6 +7,8 @@
 #include "../core/internal.h"
 #include "laden/gguf.h"
 
+/* Little-endian halves, decoded by core's scalar conversions (the ones
+ * every layer uses). */
 static float f16(const uint8_t *p)
 {
     return laden__f32_of_f16((uint16_t)(p[0] | p[1] << 8));
@@ -14,10 +16,7 @@ static float f16(const uint8_t *p)
 
 static float bf16(const uint8_t *p)
 {
-    uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return laden__f32_of_bf16((uint16_t)(p[0] | p[1] << 8));
 }
 
 /* Element e (0..31) of a 32-element block with 16 bytes of nibbles: the

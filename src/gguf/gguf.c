@@ -6,7 +6,6 @@
  * end.  Strings are copied into one pool per file. */
 #define _GNU_SOURCE
 #include "laden/gguf.h"
-#include "laden/st.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -28,107 +27,26 @@
 #define MAX_NAME 4096u
 #define DEFAULT_ALIGNMENT 32u
 
-/* ggml's type numbers and blocks (elements, bytes), as ggml defines them. */
-static const struct {
-    uint32_t type;
-    const char *name;
-    uint32_t elems, bytes;
-} TYPES[] = {
-    {0, "F32", 1, 4},        {1, "F16", 1, 2},        {2, "Q4_0", 32, 18},
-    {3, "Q4_1", 32, 20},     {6, "Q5_0", 32, 22},     {7, "Q5_1", 32, 24},
-    {8, "Q8_0", 32, 34},     {9, "Q8_1", 32, 40},     {10, "Q2_K", 256, 84},
-    {11, "Q3_K", 256, 110},  {12, "Q4_K", 256, 144},  {13, "Q5_K", 256, 176},
-    {14, "Q6_K", 256, 210},  {15, "Q8_K", 256, 292},  {16, "IQ2_XXS", 256, 66},
-    {17, "IQ2_XS", 256, 74}, {18, "IQ3_XXS", 256, 98}, {19, "IQ1_S", 256, 50},
-    {20, "IQ4_NL", 32, 18},  {21, "IQ3_S", 256, 110}, {22, "IQ2_S", 256, 82},
-    {23, "IQ4_XS", 256, 136}, {24, "I8", 1, 1},       {25, "I16", 1, 2},
-    {26, "I32", 1, 4},       {27, "I64", 1, 8},       {28, "F64", 1, 8},
-    {29, "IQ1_M", 256, 56},  {30, "BF16", 1, 2},      {34, "TQ1_0", 256, 54},
-    {35, "TQ2_0", 256, 66},  {39, "MXFP4", 32, 17},
-};
-
-static int type_index(uint32_t type)
-{
-    for (size_t i = 0; i < LADEN__ARRAY_LEN(TYPES); i++)
-        if (TYPES[i].type == type)
-            return (int)i;
-    return -1;
-}
+/* ggml's types are dtype facts: their table is core's (src/core/dtype.c). */
 
 const char *laden_gguf_type_name(uint32_t type)
 {
-    int i = type_index(type);
-    return i < 0 ? NULL : TYPES[i].name;
+    const char *name = NULL;
+    laden__ggml_type(type, &name, NULL, NULL);
+    return name;
 }
 
 laden_status laden_gguf_type_block(uint32_t type, uint32_t *block_elems,
                                    uint32_t *block_bytes)
 {
-    int i = type_index(type);
+    uint32_t elems, bytes;
     if (!block_elems || !block_bytes)
         return laden__fail(LADEN_E_INVAL, "laden_gguf_type_block: NULL");
-    if (i < 0)
+    if (!laden__ggml_type(type, NULL, &elems, &bytes))
         return laden__fail(LADEN_E_DTYPE, "unknown ggml type %u", type);
-    *block_elems = TYPES[i].elems;
-    *block_bytes = TYPES[i].bytes;
+    *block_elems = elems;
+    *block_bytes = bytes;
     return LADEN_OK;
-}
-
-/* ---- laden dtypes of ggml types --------------------------------------- */
-
-static const struct {
-    uint32_t ggml;
-    laden_dtype dtype;
-} AS_DTYPE[] = {
-    {0, LADEN_DTYPE_F32},   {1, LADEN_DTYPE_F16},   {2, LADEN_DTYPE_Q4_0},
-    {3, LADEN_DTYPE_Q4_1},  {6, LADEN_DTYPE_Q5_0},  {7, LADEN_DTYPE_Q5_1},
-    {8, LADEN_DTYPE_Q8_0},  {10, LADEN_DTYPE_Q2_K}, {11, LADEN_DTYPE_Q3_K},
-    {12, LADEN_DTYPE_Q4_K}, {13, LADEN_DTYPE_Q5_K}, {14, LADEN_DTYPE_Q6_K},
-    {24, LADEN_DTYPE_I8},   {25, LADEN_DTYPE_I16},  {26, LADEN_DTYPE_I32},
-    {27, LADEN_DTYPE_I64},  {28, LADEN_DTYPE_F64},  {30, LADEN_DTYPE_BF16},
-};
-
-laden_status laden_dtype_of_ggml(uint32_t ggml_type, laden_dtype *out)
-{
-    if (!out)
-        return laden__fail(LADEN_E_INVAL, "laden_dtype_of_ggml: NULL");
-    for (size_t i = 0; i < LADEN__ARRAY_LEN(AS_DTYPE); i++)
-        if (AS_DTYPE[i].ggml == ggml_type) {
-            *out = AS_DTYPE[i].dtype;
-            return LADEN_OK;
-        }
-    const char *n = laden_gguf_type_name(ggml_type);
-    return laden__fail(LADEN_E_UNSUPPORTED,
-                       "ggml type %s (%u) is not one laden holds (F32, F16, "
-                       "BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and "
-                       "the integer types)",
-                       n ? n : "unknown", ggml_type);
-}
-
-uint32_t laden_ggml_of_dtype(laden_dtype dtype)
-{
-    for (size_t i = 0; i < LADEN__ARRAY_LEN(AS_DTYPE); i++)
-        if (AS_DTYPE[i].dtype == dtype)
-            return AS_DTYPE[i].ggml;
-    return UINT32_MAX;
-}
-
-laden_status laden_dtype_block(laden_dtype dtype, uint32_t *block_elems,
-                               uint32_t *block_bytes)
-{
-    if (!block_elems || !block_bytes)
-        return laden__fail(LADEN_E_INVAL, "laden_dtype_block: NULL");
-    if ((unsigned)dtype >= LADEN_DTYPE_COUNT)
-        return laden__fail(LADEN_E_DTYPE, "dtype %d out of range",
-                           (int)dtype);
-    uint32_t bits = laden_dtype_bits(dtype);
-    if (bits) {
-        *block_elems = bits % 8 ? 8 : 1;
-        *block_bytes = bits % 8 ? bits : bits / 8;
-        return LADEN_OK;
-    }
-    return laden_gguf_type_block(laden_ggml_of_dtype(dtype), block_elems,
-                                 block_bytes);
 }
 
 /* ---- the cursor --------------------------------------------------------- */
@@ -464,8 +382,9 @@ static laden_status read_tensor(laden_gguf_t *g, cursor *c, tensor *t,
         t->dims[d] = 1;
     if ((s = u32(c, &t->type, t->name)) || (s = u64(c, &t->offset, t->name)))
         return s;
-    int ti = type_index(t->type);
-    if (ti < 0)
+    const char *tname;
+    uint32_t telems, tbytes;
+    if (!laden__ggml_type(t->type, &tname, &telems, &tbytes))
         return laden__fail(LADEN_E_DTYPE, "%s: tensor '%.200s' has ggml type "
                            "%u, which laden does not know", c->what, t->name,
                            t->type);
@@ -475,12 +394,12 @@ static laden_status read_tensor(laden_gguf_t *g, cursor *c, tensor *t,
             return laden__fail(LADEN_E_SHAPE, "%s: tensor '%.200s' has a "
                                "dimension of %llu", c->what, t->name,
                                (unsigned long long)t->dims[d]);
-    if (t->dims[0] % TYPES[ti].elems)
+    if (t->dims[0] % telems)
         return laden__fail(LADEN_E_SHAPE, "%s: tensor '%.200s' (%s) has rows "
                            "of %llu elements, not a multiple of its blocks of "
-                           "%u", c->what, t->name, TYPES[ti].name,
-                           (unsigned long long)t->dims[0], TYPES[ti].elems);
-    if (!laden__mul_u64(elems / TYPES[ti].elems, TYPES[ti].bytes, &t->size))
+                           "%u", c->what, t->name, tname,
+                           (unsigned long long)t->dims[0], telems);
+    if (!laden__mul_u64(elems / telems, tbytes, &t->size))
         return laden__fail(LADEN_E_SHAPE, "%s: tensor '%.200s' is too large",
                            c->what, t->name);
     return LADEN_OK;

@@ -537,12 +537,19 @@ laden_status laden_plan_compute(const laden_plan_input *in, int32_t *tiers,
         memset(out, 0, sizeof *out);
     if (!in || !out || (in->nblocks && (!in->block_bytes || !tiers || !why)))
         return laden__fail(LADEN_E_INVAL, "laden_plan_compute: NULL argument");
-    plan p = {.in = in, .tiers = tiers, .why = why, .out = out,
+    /* The default headroom is decided here, once, for every caller: on
+     * the host device nothing is VRAM, so AUTO keeps nothing. */
+    laden_plan_input eff = *in;
+    if (eff.reserve_bytes == LADEN_PLAN_AUTO)
+        eff.reserve_bytes = eff.host_device ? 0 : LADEN_PLAN_HEADROOM_DEFAULT;
+    plan p = {.in = &eff, .tiers = tiers, .why = why, .out = out,
               .host = in->host_device != 0, .want = in->resident_blocks};
     if (p.host && p.want < 0)
         p.want = 0;
     laden_status s = compute(&p);
     if (s)
         memset(out, 0, sizeof *out);
+    else
+        out->reserve_bytes = eff.reserve_bytes;
     return s;
 }

@@ -63,7 +63,7 @@ laden_status laden__json_need_value(laden__json *j);
 /* True if only white space remains. */
 bool laden__json_at_end(laden__json *j);
 
-/* ---- the index of a sharded checkpoint (st.c) ---------------------- */
+/* ---- the index of a sharded checkpoint (index.c) ------------------- */
 
 typedef struct laden__st_index_entry {
     const char *name;     /* tensor name, no NUL inside */
@@ -93,5 +93,9 @@ laden_status laden__st_index_parse(const void *json, size_t len,
 
 /* Frees what laden__st_index_parse gave and zeroes *ix; NULL is a no-op. */
 void laden__st_index_free(laden__st_index *ix);
+
+/* Grows *arr (of *cap elements of elem bytes, doubling from 16) to hold
+ * need; false, *arr unchanged, when out of memory (st.c). */
+bool laden__st_grow(void **arr, size_t *cap, size_t need, size_t elem);
 
 #endif

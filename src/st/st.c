@@ -56,40 +56,10 @@ struct laden_st {
     bool gguf; /* opened from a GGUF file */
 };
 
-static const char *const dtype_names[] = {
-#define NAME(name, bits) #name,
-    LADEN_DTYPE_LIST(NAME)
-#undef NAME
-};
-static const uint32_t dtype_bits[] = {
-#define BITS(name, bits) bits,
-    LADEN_DTYPE_LIST(BITS)
-#undef BITS
-};
-
-const char *laden_dtype_name(laden_dtype d)
-{
-    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_names[d] : NULL;
-}
-
-uint32_t laden_dtype_bits(laden_dtype d)
-{
-    return (unsigned)d < LADEN_DTYPE_COUNT ? dtype_bits[d] : 0;
-}
-
-static bool dtype_from_name(const char *s, laden_dtype *out)
-{
-    for (unsigned i = 0; i < LADEN_DTYPE_COUNT; i++)
-        if (dtype_bits[i] && strcmp(s, dtype_names[i]) == 0) {
-            *out = (laden_dtype)i;
-            return true;
-        }
-    return false;
-}
-
 /* ---- growth helpers ------------------------------------------------- */
 
-static bool grow(void **arr, size_t *cap, size_t need, size_t elem)
+/* See json.h. */
+bool laden__st_grow(void **arr, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap)
         return true;
@@ -168,8 +138,8 @@ static laden_status parse_metadata(parse_ctx *c, laden__json *j)
         if ((s = pool_string(c, j, &v, NULL, NULL)))
             return s;
         if (c->keep_meta) {
-            if (!grow((void **)&st->meta, &st->meta_cap, st->nmeta + 2,
-                      sizeof *st->meta))
+            if (!laden__st_grow((void **)&st->meta, &st->meta_cap,
+                                st->nmeta + 2, sizeof *st->meta))
                 return nomem("parsing __metadata__");
             st->meta[st->nmeta++] = k;
             st->meta[st->nmeta++] = v;
@@ -208,8 +178,8 @@ static laden_status parse_shape(parse_ctx *c, laden__json *j, const char *name,
             laden__error_prefix("shape of tensor '%.200s'", name);
             return s;
         }
-        if (!grow((void **)&st->dims, &st->dims_cap, st->ndims + 1,
-                  sizeof *st->dims))
+        if (!laden__st_grow((void **)&st->dims, &st->dims_cap,
+                            st->ndims + 1, sizeof *st->dims))
             return nomem("parsing shapes");
         st->dims[st->ndims++] = d;
         e->ndim++;
@@ -356,7 +326,7 @@ static laden_status parse_tensor(parse_ctx *c, laden__json *j, char *name)
                                    "dtype of tensor '%.200s' is not a string",
                                    name);
             s = laden__json_string(j, dt, sizeof dt, NULL, NULL);
-            if (s == LADEN_E_LIMIT || (!s && !dtype_from_name(dt, &e.dtype)))
+            if (s == LADEN_E_LIMIT || (!s && !laden__dtype_of_name(dt, &e.dtype)))
                 return laden__fail(LADEN_E_DTYPE,
                                    "tensor '%.200s' has unknown dtype '%s'",
                                    name, s ? "(too long)" : dt);
@@ -384,7 +354,8 @@ static laden_status parse_tensor(parse_ctx *c, laden__json *j, char *name)
     if (st->n >= LADEN_ST_MAX_TENSORS)
         return laden__fail(LADEN_E_LIMIT, "more than %u tensors",
                            LADEN_ST_MAX_TENSORS);
-    if (!grow((void **)&st->t, &st->cap, st->n + 1, sizeof *st->t))
+    if (!laden__st_grow((void **)&st->t, &st->cap, st->n + 1,
+                        sizeof *st->t))
         return nomem("parsing tensors");
     st->t[st->n++] = e;
     return LADEN_OK;
@@ -795,241 +766,6 @@ static bool ends_with(const char *s, const char *suffix)
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-static int cmp_map_name(const void *a, const void *b)
-{
-    return strcmp(((const laden__st_index_entry *)a)->name,
-                  ((const laden__st_index_entry *)b)->name);
-}
-
-/* A relative path of non-empty components, none "..", and not ending in
- * '/' (the name of a directory). */
-static bool safe_shard_name(const char *s)
-{
-    for (const char *p = s;;) {
-        const char *q = strchr(p, '/');
-        size_t n = q ? (size_t)(q - p) : strlen(p);
-        if (n == 0 || (n == 2 && p[0] == '.' && p[1] == '.'))
-            return false;
-        if (!q)
-            return true;
-        p = q + 1;
-    }
-}
-
-/* A weight_map entry's shard and its position in the map: the distinct
- * shards are found in first-use order by sorting, since a linear search per
- * entry is quadratic (millions of entries times 65536 shards). */
-typedef struct shard_use {
-    const char *shard;
-    size_t seq;
-    uint32_t group; /* the shard's number in name order */
-} shard_use;
-
-static int cmp_use_shard(const void *a, const void *b)
-{
-    const shard_use *x = a, *y = b;
-    int c = strcmp(x->shard, y->shard);
-    return c ? c : x->seq < y->seq ? -1 : x->seq > y->seq;
-}
-
-static int cmp_use_seq(const void *a, const void *b)
-{
-    const shard_use *x = a, *y = b;
-    return x->seq < y->seq ? -1 : x->seq > y->seq;
-}
-
-void laden__st_index_free(laden__st_index *ix)
-{
-    if (!ix)
-        return;
-    free(ix->pool);
-    free(ix->map);
-    free(ix->shards);
-    memset(ix, 0, sizeof *ix);
-}
-
-/* Lists the distinct shards of ix->map in first-use order and numbers
- * each entry's shard accordingly. */
-static laden_status index_shards(laden__st_index *ix)
-{
-    size_t n = ix->nmap, ngroups = 0;
-    shard_use *use = malloc(n * sizeof *use);
-    uint32_t *rank = NULL;
-    laden_status s = LADEN_OK;
-    if (!use)
-        return nomem("reading an index");
-    for (size_t i = 0; i < n; i++)
-        use[i] = (shard_use){ix->map[i].shard, i, 0};
-    qsort(use, n, sizeof *use, cmp_use_shard);
-    /* Groups of one shard; the first of each (its first use) is moved to
-     * the front, and every entry notes its group for now. */
-    for (size_t i = 0; i < n; i++) {
-        if (i == 0 || strcmp(use[i].shard, use[ngroups - 1].shard) != 0) {
-            if (ngroups == LADEN_ST_MAX_SHARDS) {
-                s = laden__fail(LADEN_E_LIMIT, "more than %u shards",
-                                LADEN_ST_MAX_SHARDS);
-                goto out;
-            }
-            use[ngroups] = use[i];
-            use[ngroups].group = (uint32_t)ngroups;
-            ngroups++;
-        }
-        ix->map[use[i].seq].shard_index = (uint32_t)(ngroups - 1);
-    }
-    qsort(use, ngroups, sizeof *use, cmp_use_seq);
-    ix->shards = malloc(ngroups * sizeof *ix->shards);
-    rank = malloc(ngroups * sizeof *rank);
-    if (!ix->shards || !rank) {
-        s = nomem("reading an index");
-        goto out;
-    }
-    for (size_t r = 0; r < ngroups; r++) {
-        ix->shards[r] = use[r].shard;
-        rank[use[r].group] = (uint32_t)r;
-    }
-    ix->nshards = ngroups;
-    for (size_t i = 0; i < n; i++)
-        ix->map[i].shard_index = rank[ix->map[i].shard_index];
-out:
-    free(use);
-    free(rank);
-    return s;
-}
-
-laden_status laden__st_index_parse(const void *json, size_t len,
-                                   laden__st_index *out)
-{
-    laden_status s = LADEN_OK;
-    laden__st_index ix = {0};
-    size_t cap = 0, pool_at = 0;
-    bool seen_map = false;
-    laden__json j;
-    int more;
-    if (!out)
-        return laden__fail(LADEN_E_INVAL, "laden__st_index_parse: out is NULL");
-    memset(out, 0, sizeof *out);
-    if (!json && len)
-        return laden__fail(LADEN_E_INVAL, "laden__st_index_parse: json NULL");
-    if (len > LADEN_ST_MAX_HEADER_BYTES)
-        return laden__fail(LADEN_E_LIMIT,
-                           "index of %zu bytes exceeds the %u-byte limit", len,
-                           LADEN_ST_MAX_HEADER_BYTES);
-    /* Decoded strings never outgrow their encoding: len + 1 holds them
-     * all, NULs included. */
-    if (!(ix.pool = malloc(len + 1)))
-        return nomem("reading an index");
-    laden__json_init(&j, json, len);
-    if ((s = laden__json_expect(&j, '{')))
-        goto out;
-    more = !laden__json_peek(&j, '}');
-    if (!more)
-        j.p++;
-    while (more) {
-        char *key = ix.pool + pool_at;
-        size_t n;
-        if ((s = laden__json_string(&j, key, len + 1 - pool_at, &n, NULL)) ||
-            (s = laden__json_expect(&j, ':')))
-            goto out;
-        /* By length too: "weight_map\u0000x" is some other key. */
-        if (n != sizeof "weight_map" - 1 || strcmp(key, "weight_map") != 0) {
-            /* Not kept: the next string reuses the space. */
-            if ((s = laden__json_skip(&j, LADEN_ST_MAX_DEPTH)))
-                goto out;
-        } else {
-            int m;
-            if (seen_map) {
-                s = laden__fail(LADEN_E_INDEX, "weight_map appears twice");
-                goto out;
-            }
-            seen_map = true;
-            if ((s = laden__json_need_value(&j)))
-                goto out;
-            if (laden__json_kind(&j) != '{') {
-                s = laden__fail(LADEN_E_INDEX, "weight_map is not an object");
-                goto out;
-            }
-            j.p++;
-            m = !laden__json_peek(&j, '}');
-            if (!m)
-                j.p++;
-            while (m) {
-                char *name = ix.pool + pool_at, *shard;
-                size_t k;
-                bool nul;
-                if ((s = laden__json_string(&j, name, len + 1 - pool_at, &k,
-                                            &nul)) ||
-                    (s = laden__json_expect(&j, ':')))
-                    goto out;
-                if (nul) {
-                    s = laden__fail(LADEN_E_INDEX,
-                                    "weight_map name '%.200s...' holds a NUL "
-                                    "character",
-                                    name);
-                    goto out;
-                }
-                pool_at += k + 1;
-                shard = ix.pool + pool_at;
-                if ((s = laden__json_need_value(&j)))
-                    goto out;
-                if (laden__json_kind(&j) != '"') {
-                    s = laden__fail(LADEN_E_INDEX,
-                                    "weight_map value of '%.200s' is not a "
-                                    "file name",
-                                    name);
-                    goto out;
-                }
-                if ((s = laden__json_string(&j, shard, len + 1 - pool_at, &k,
-                                            &nul)))
-                    goto out;
-                pool_at += k + 1;
-                if (nul || !safe_shard_name(shard)) {
-                    s = laden__fail(LADEN_E_INDEX,
-                                    "weight_map sends '%.200s' to '%.200s', "
-                                    "which is not a relative path inside the "
-                                    "index's directory",
-                                    name, shard);
-                    goto out;
-                }
-                if (!grow((void **)&ix.map, &cap, ix.nmap + 1,
-                          sizeof *ix.map)) {
-                    s = nomem("reading an index");
-                    goto out;
-                }
-                ix.map[ix.nmap++] = (laden__st_index_entry){name, shard, 0};
-                if ((s = laden__json_next(&j, '}', &m)))
-                    goto out;
-            }
-        }
-        if ((s = laden__json_next(&j, '}', &more)))
-            goto out;
-    }
-    if (!laden__json_at_end(&j)) {
-        s = laden__fail(LADEN_E_JSON, "bytes after the index object at "
-                        "byte %zu", laden__json_pos(&j));
-        goto out;
-    }
-    if (!seen_map || ix.nmap == 0) {
-        s = laden__fail(LADEN_E_INDEX, "index has no weight_map entries");
-        goto out;
-    }
-    if ((s = index_shards(&ix)))
-        goto out;
-    qsort(ix.map, ix.nmap, sizeof *ix.map, cmp_map_name);
-    for (size_t i = 1; i < ix.nmap; i++)
-        if (strcmp(ix.map[i - 1].name, ix.map[i].name) == 0) {
-            s = laden__fail(LADEN_E_INDEX, "weight_map lists '%.200s' twice",
-                            ix.map[i].name);
-            goto out;
-        }
-out:
-    if (s) {
-        laden__st_index_free(&ix);
-        return s;
-    }
-    *out = ix;
-    return LADEN_OK;
-}
-
 /* Opens a sharded checkpoint from its index. */
 static laden_status open_index(laden_st_t *st, const char *path)
 {
@@ -1230,12 +966,11 @@ static laden_status open_gguf(laden_st_t *st, const char *path)
     }
     f = &st->files[fi];
     char *at = f->pool;
-    if (!grow((void **)&st->t, &st->cap, n + 1, sizeof *st->t) ||
-        !grow((void **)&st->dims, &st->dims_cap,
-              n * LADEN_GGUF_MAX_DIMS + 1,
-              sizeof *st->dims) ||
-        !grow((void **)&st->meta, &st->meta_cap, 2 * nkv + 1,
-              sizeof *st->meta)) {
+    if (!laden__st_grow((void **)&st->t, &st->cap, n + 1, sizeof *st->t) ||
+        !laden__st_grow((void **)&st->dims, &st->dims_cap,
+                        n * LADEN_GGUF_MAX_DIMS + 1, sizeof *st->dims) ||
+        !laden__st_grow((void **)&st->meta, &st->meta_cap, 2 * nkv + 1,
+                        sizeof *st->meta)) {
         laden_gguf_close(g);
         return nomem("opening a GGUF file");
     }

@@ -7,106 +7,16 @@
 #include "laden/gguf.h"
 #include "stream_internal.h"
 
-static float f32_of_bits(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t bits_of_f32(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-float laden__f32_of_f16(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f)
-        return f32_of_bits(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) {
-        float f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24 */
-        return sign ? -f : f;
-    }
-    return f32_of_bits(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-static uint16_t f16_of_f32(float f)
-{
-    uint32_t u = bits_of_f32(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u)
-        return (uint16_t)(sign | 0x7e00u);
-    if (a >= 0x477ff000u) /* rounds to >= 65520: infinity */
-        return (uint16_t)(sign | 0x7c00u);
-    if (a < 0x38800000u) { /* below 2^-14: subnormal or zero */
-        /* Adding 0.5 aligns the mantissa so the FPU rounds to nearest even
-         * at the half's subnormal step (2^-24). */
-        float v = f32_of_bits(a) + 0.5f;
-        return (uint16_t)(sign | (uint16_t)(bits_of_f32(v) - 0x3f000000u));
-    }
-    uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd; /* rebias exponent, round to nearest even */
-    return (uint16_t)(sign | (uint16_t)(a >> 13));
-}
-
-/* float8 e4m3fn (bias 7, no infinities, 0x7f NaN, max 448) and e5m2
- * (bias 15, IEEE-like), decoded exactly. */
-static float f32_of_e4m3(uint8_t v)
-{
-    float sign = v & 0x80 ? -1.0f : 1.0f;
-    unsigned e = (v >> 3) & 0xf, m = v & 7;
-    if (e == 15 && m == 7)
-        return NAN;
-    if (e == 0)
-        return sign * ldexpf((float)m, -9);
-    return sign * ldexpf(1.0f + (float)m / 8.0f, (int)e - 7);
-}
-
-static float f32_of_e5m2(uint8_t v)
-{
-    uint16_t h = (uint16_t)(v << 8); /* e5m2 is the top byte of a half */
-    return laden__f32_of_f16(h);
-}
-
-/* Round to nearest even, saturating to +-448 (as a scaled quantization
- * wants: values are within range by construction). */
-static uint8_t e4m3_of_f32(float x)
-{
-    uint8_t sign = signbit(x) ? 0x80 : 0;
-    float a = fabsf(x);
-    if (isnan(x))
-        return (uint8_t)(sign | 0x7f);
-    if (a >= 448.0f)
-        return (uint8_t)(sign | 0x7e);
-    if (a < 0.015625f) { /* below the smallest normal, 2^-6: step 2^-9 */
-        float q = nearbyintf(a * 512.0f);
-        return (uint8_t)(sign | (uint8_t)q); /* q == 8 is the min normal */
-    }
-    int e;
-    float fr = frexpf(a, &e); /* a = fr * 2^e, fr in [0.5, 1) */
-    float m = nearbyintf((fr * 2.0f - 1.0f) * 8.0f);
-    int exp = e - 1 + 7;
-    if (m >= 8.0f) {
-        m = 0;
-        exp++;
-    }
-    if (exp > 15 || (exp == 15 && m >= 7.0f))
-        return (uint8_t)(sign | 0x7e);
-    return (uint8_t)(sign | (uint8_t)(exp << 3) | (uint8_t)m);
-}
+/* The scalar conversions are core's (src/core/dtype_internal.h): the
+ * loops here call them once per element. */
 
 static float load_f(laden_dtype d, const void *p, uint64_t i)
 {
     switch (d) {
     case LADEN_DTYPE_F8_E4M3:
-        return f32_of_e4m3(((const uint8_t *)p)[i]);
+        return laden__f32_of_e4m3(((const uint8_t *)p)[i]);
     case LADEN_DTYPE_F8_E5M2:
-        return f32_of_e5m2(((const uint8_t *)p)[i]);
+        return laden__f32_of_e5m2(((const uint8_t *)p)[i]);
     case LADEN_DTYPE_F32: {
         float f;
         memcpy(&f, (const char *)p + 4 * i, 4);
@@ -120,7 +30,7 @@ static float load_f(laden_dtype d, const void *p, uint64_t i)
     default: {
         uint16_t h;
         memcpy(&h, (const char *)p + 2 * i, 2);
-        return f32_of_bits((uint32_t)h << 16);
+        return laden__f32_of_bf16(h);
     }
     }
 }
@@ -190,7 +100,7 @@ void laden__quantize_rows(laden_dtype from, const void *src, uint64_t rows,
         float inv = 1.0f / scale;
         for (uint64_t c = 0; c < cols; c++)
             dst[r * cols + c] =
-                e4m3_of_f32(load_f(from, src, r * cols + c) * inv);
+                laden__e4m3_of_f32(load_f(from, src, r * cols + c) * inv);
         memcpy(&scales[r], &scale, sizeof scale);
     }
 }
@@ -218,7 +128,7 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
         if (to == LADEN_DTYPE_F32) {
             memcpy((char *)dst + 4 * i, &f, 4);
         } else {
-            uint16_t h = to == LADEN_DTYPE_F16 ? f16_of_f32(f)
+            uint16_t h = to == LADEN_DTYPE_F16 ? laden__f16_of_f32(f)
                                                : laden__bf16_of_f32(f);
             memcpy((char *)dst + 2 * i, &h, 2);
         }

@@ -1,5 +1,6 @@
 /* Block streaming: the public calls.  See include/laden/stream.h; the work
- * is in build.c, load.c, run.c, resident.c and convert.c, behind
+ * is in build.c, load.c, run.c, resident.c, share.c, grads.c and
+ * convert.c, behind
  * stream_internal.h.  Here: the queries, and the one-thread guard every
  * other call goes through. */
 #include <stdatomic.h>
