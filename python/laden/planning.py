@@ -24,7 +24,7 @@ from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
 
-AUTO = 2**64 - 1  # LADEN_PLAN: "decide from the readings"
+AUTO = _lib.PLAN_AUTO  # "decide from the readings"
 DEFAULT_HEADROOM = "1.5GB"  # kept free for activations on CUDA
 
 # Free memory readings are rounded down to this, so that two runs whose
@@ -39,11 +39,14 @@ class Tier(enum.IntEnum):
 
 
 _WARNINGS = {
-    1: "some blocks stream from disk: the drive's speed sets a floor on "
-       "the time per forward",
-    2: "no VRAM is kept for activations (headroom 0): a large input may "
-       "run out of memory",
-    4: "max_vram is above the free VRAM; the free VRAM was used",
+    _lib.PLAN_WARN_DISK:
+        "some blocks stream from disk: the drive's speed sets a floor on "
+        "the time per forward",
+    _lib.PLAN_WARN_NO_RESERVE:
+        "no VRAM is kept for activations (headroom 0): a large input may "
+        "run out of memory",
+    _lib.PLAN_WARN_MAX_VRAM_ABOVE_FREE:
+        "max_vram is above the free VRAM; the free VRAM was used",
 }
 
 
