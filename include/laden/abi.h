@@ -13,7 +13,8 @@
  * Structs are named by their C tag ("laden_plan_input" for struct
  * laden_plan_input, typedef'd laden_plan_input; "laden_st_tensor" for
  * laden_st_tensor_t).  Only structs the binding mirrors are listed.  A
- * layout check, not a type check: a uint64_t mirrored as a double passes.
+ * layout check, not a type check: a uint64_t mirrored as a double passes
+ * (python/tests/test_abi.py checks the types against these headers).
  *
  * The unit sits above every layer (src/api/abi.c): it includes each
  * layer's header to describe it, which no layer may do.

@@ -5,8 +5,9 @@
   found by introspection, so a new one cannot be left out: it fails here
   until it is named in C_NAMES and described by the library
   (src/api/abi.c);
-- every function laden._lib declares exists in include/laden*.h with the
-  same return and argument types (count, width, signedness, pointers);
+- every mirror's field types, and every function laden._lib declares
+  (which must exist in include/laden*.h), are the headers': return and
+  argument types (count, width, signedness, pointers);
 - every constant laden._lib exports is the value the library's table gives
   (its headers' macros and enums);
 - a library of another ABI version is refused at import."""
@@ -213,6 +214,11 @@ class Headers:
             self.structs[tag] = self.structs[name] = tag
         for tag in re.findall(r"(?<!typedef )\bstruct\s+(\w+)\s*\{", text):
             self.structs.setdefault(tag, tag)
+        self.bodies = dict(re.findall(r"\bstruct\s+(\w+)\s*\{(.*?)\}",
+                                      text, re.S))
+        self.numbers = {n: int(v, 0) for n, v in re.findall(
+            r"#define\s+(\w+)\s+\(?(\d+|0x[0-9a-fA-F]+)u?\)?\s*$", text,
+            re.M)}
         for old, name in re.findall(r"typedef\s+(\w+)\s+(\w+)\s*;", text):
             self.aliases[name] = old
         fn_typedefs = re.findall(
@@ -270,6 +276,29 @@ class Headers:
             return ("opaque",)  # declared, never defined: a handle
         raise ValueError(f"a C type this parser does not know: {base!r}")
 
+    def fields(self, tag):
+        """[(name, description)] of struct `tag`'s fields, in order; an
+        array field is ("array", length, element)."""
+        out = []
+        for decl in self.bodies[tag].split(";"):
+            decl = " ".join(decl.split())
+            if not decl:
+                continue
+            # "uint64_t a, b": the type is the first declarator's words
+            # but its name.
+            first, *rest = decl.split(",")
+            m = re.match(r"(.*?)(\**\s*\w+(?:\s*\[[^\]]*\])*)$", first)
+            base = m[1]
+            for d in [m[2], *rest]:
+                dims = re.findall(r"\[([^\]]*)\]", d)
+                name = re.search(r"\w+", d)[0]
+                desc = self.type_of(base + " " + re.sub(r"\[.*", "", d))
+                for n in reversed(dims):
+                    n = n.strip()
+                    desc = ("array", self.numbers.get(n) or int(n, 0), desc)
+                out.append((name, desc))
+        return out
+
     def args_of(self, text):
         text = text.strip()
         if text in ("", "void"):
@@ -302,6 +331,8 @@ def py_type(t):
         return ("struct", _STRUCT_TAGS[t])
     if isinstance(t, type) and issubclass(t, ctypes._Pointer):
         return ("ptr", py_type(t._type_))
+    if isinstance(t, type) and issubclass(t, ctypes.Array):
+        return ("array", t._length_, py_type(t._type_))
     if isinstance(t, type) and issubclass(t, ctypes._CFuncPtr):
         return ("fn", py_type(t._restype_),
                 tuple(py_type(a) for a in t._argtypes_))
@@ -328,6 +359,8 @@ def spell(desc):
         return spell(desc[1]) + " *"
     if kind == "struct":
         return f"struct {desc[1]}"
+    if kind == "array":
+        return f"{spell(desc[2])}[{desc[1]}]"
     if kind == "fn":
         return f"{spell(desc[1])} (*)({', '.join(map(spell, desc[2]))})"
     return {"void": "void", "char": "char", "opaque": "void"}[kind]
@@ -451,6 +484,50 @@ def test_a_wrong_entry_is_found():
             in bad)
     assert ("laden_vram_info: argument 2 is struct laden_vram_info * in C, "
             "struct laden_vbar_info * in laden._lib" in bad)
+
+
+def field_mismatches(cls, c_name, headers):
+    """One line per field of mirror `cls` whose type is not its C field's
+    (the layout test above checks names, offsets and sizes: a uint64_t
+    mirrored as a double passes that one, not this)."""
+    c_fields = headers.fields(c_name)
+    out = []
+    if [f[0] for f in cls._fields_] != [n for n, _ in c_fields]:
+        out.append(f"{cls.__name__}: fields {[f[0] for f in cls._fields_]} "
+                   f"in laden._lib, {[n for n, _ in c_fields]} in C")
+        return out
+    for (name, t), (_, c) in zip(cls._fields_, c_fields):
+        p = py_type(t)
+        if p != c:
+            out.append(f"{cls.__name__}.{name} is {spell(c)} in C, "
+                       f"{spell(p)} in laden._lib")
+    return out
+
+
+@pytest.mark.parametrize("py_name", sorted(C_NAMES))
+def test_field_types_match_the_headers(py_name):
+    bad = field_mismatches(getattr(_lib, py_name), C_NAMES[py_name],
+                           read_headers())
+    assert bad == [], "\n".join(bad)
+
+
+def test_a_wrong_field_type_is_found():
+    h = read_headers()
+
+    class VbarInfo(ctypes.Structure):  # priority as a double: same size
+        _fields_ = [(n, t if n != "priority" else ctypes.c_double)
+                    for n, t in _lib.VbarInfo._fields_]
+
+    class DevInfo(ctypes.Structure):  # a shorter name, signed total
+        _fields_ = [(n, {"name": ctypes.c_char * 64,
+                         "total_bytes": ctypes.c_int64}.get(n, t))
+                    for n, t in _lib.DevInfo._fields_]
+
+    assert field_mismatches(VbarInfo, "laden_vbar_info", h) == [
+        "VbarInfo.priority is uint64 in C, float64 in laden._lib"]
+    assert field_mismatches(DevInfo, "laden_dev_info", h) == [
+        "DevInfo.name is int8[128] in C, int8[64] in laden._lib",
+        "DevInfo.total_bytes is uint64 in C, int64 in laden._lib"]
 
 
 # ---- constants: laden._lib's are the library's table -----------------------
