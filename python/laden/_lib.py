@@ -473,24 +473,19 @@ _SIGNATURES = {
 ABI_VERSION = 1
 
 
-def _check_version(lib: ctypes.CDLL, path: str, where: str) -> None:
-    try:
-        fn = lib.laden_abi_version
-    except AttributeError:
-        raise ImportError(
-            f"libladen at {path}{where} has no laden_abi_version: it is older "
-            f"than this laden package (ABI version {ABI_VERSION}); rebuild "
-            "and reinstall laden ('pip install .') or point LADEN_LIBRARY "
-            "at a matching build") from None
-    fn.restype = c_uint32
-    fn.argtypes = []
-    got = fn()
+def _check_version(lib, path: str, where: str) -> None:
+    fn = getattr(lib, "laden_abi_version", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = c_uint32, []
+    got = fn() if fn is not None else None
     if got != ABI_VERSION:
+        has = (f"has ABI version {got}" if got is not None else
+               "has no laden_abi_version (it is older than this package)")
         raise ImportError(
-            f"libladen at {path}{where} has ABI version {got}, but this "
-            f"laden package is written for ABI version {ABI_VERSION}; rebuild "
-            "and reinstall laden ('pip install .') or point LADEN_LIBRARY "
-            "at a matching build")
+            f"libladen at {path}{where} {has}, but this laden package is "
+            f"written for ABI version {ABI_VERSION}; rebuild and reinstall "
+            "laden ('pip install .') or point LADEN_LIBRARY at a matching "
+            "build")
 
 
 def _load() -> ctypes.CDLL:
