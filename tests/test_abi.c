@@ -6,6 +6,7 @@
 #include "laden/cache.h"
 #include "laden/dev.h"
 #include "laden/gguf.h"
+#include "laden/grads.h"
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
@@ -16,7 +17,7 @@
 #include "laden/vram.h"
 
 /* The structs the tables must describe, with the compiler's answers written
- * here independently of src/core/abi.c. */
+ * here independently of src/api/abi.c. */
 #define ONE(T) {#T, sizeof(struct T), _Alignof(struct T)}
 static const struct {
     const char *name;
@@ -178,4 +179,101 @@ TEST(abi_refuses_unknown_names_and_bad_indexes)
     CHECK_STATUS(laden_abi_field(NULL, 0, &f, &off, &size), LADEN_E_INVAL);
     CHECK_OK(laden_abi_field("laden_io_config", 2, &f, &off, &size));
     CHECK(strcmp(f, "direct") == 0);
+}
+
+TEST(abi_version_is_the_header_s)
+{
+    CHECK_EQ(laden_abi_version(), LADEN_ABI_VERSION);
+    CHECK(laden_abi_version() > 0);
+}
+
+static int64_t const_of(const char *name, int32_t *is_unsigned)
+{
+    int64_t v = 7;
+    CHECK_OK(laden_abi_const(name, &v, is_unsigned));
+    return v;
+}
+
+/* The table's values against the macros and enums, read here from the
+ * headers independently of src/api/abi.c. */
+TEST(abi_constants_are_the_headers)
+{
+    int32_t u = 7;
+    CHECK_EQ(const_of("LADEN_TIER_AUTO", &u), LADEN_TIER_AUTO);
+    CHECK_EQ(u, 0);
+    CHECK_EQ(const_of("LADEN_TIER_AUTO", NULL), -1);
+    CHECK_EQ(const_of("LADEN_TIER_VRAM", &u), LADEN_TIER_VRAM);
+    CHECK_EQ(const_of("LADEN_DEVICE_CPU", &u), LADEN_DEVICE_CPU);
+    CHECK_EQ(u, 0);
+    CHECK_EQ(const_of("LADEN_LOOKAHEAD_DEFAULT", &u), LADEN_LOOKAHEAD_DEFAULT);
+    CHECK_EQ(u, 1);
+    CHECK_EQ(const_of("LADEN_LOOKAHEAD_MAX", &u), LADEN_LOOKAHEAD_MAX);
+    CHECK_EQ(const_of("LADEN_CACHE_STREAMING", &u), LADEN_CACHE_STREAMING);
+    CHECK_EQ(const_of("LADEN_COPY_D2H_PINNED", &u), LADEN_COPY_D2H_PINNED);
+    CHECK_EQ(const_of("LADEN_CAPTURE_STANDALONE", &u),
+             LADEN_CAPTURE_STANDALONE);
+    CHECK_EQ(const_of("LADEN_SHARE_FELL_BACK", &u), LADEN_SHARE_FELL_BACK);
+    CHECK_EQ(const_of("LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE", &u),
+             LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE);
+    CHECK_EQ(const_of("LADEN_GRADS_PINNED", &u), LADEN_GRADS_PINNED);
+    /* UINT64_MAX: its bits, flagged unsigned. */
+    int64_t v = const_of("LADEN_PLAN_AUTO", &u);
+    CHECK_EQ(u, 1);
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    CHECK(bits == LADEN_PLAN_AUTO);
+    CHECK_EQ(v, -1);
+}
+
+TEST(abi_constants_are_listed_once_by_name)
+{
+    uint32_t n = laden_abi_const_count();
+    CHECK(n >= 20);
+    for (uint32_t i = 0; i < n; i++) {
+        const char *name = NULL;
+        int64_t v = 0, w = 0;
+        int32_t u = -1, uw = -1;
+        CHECK_OK(laden_abi_const_at(i, &name, &v, &u));
+        CHECK(name && strncmp(name, "LADEN_", 6) == 0);
+        CHECK(u == 0 || u == 1);
+        /* By name, the same; and no other entry has the name. */
+        CHECK_OK(laden_abi_const(name, &w, &uw));
+        CHECK_EQ(w, v);
+        CHECK_EQ(uw, u);
+        for (uint32_t k = 0; k < i; k++) {
+            const char *other = NULL;
+            CHECK_OK(laden_abi_const_at(k, &other, NULL, NULL));
+            CHECK(strcmp(name, other) != 0);
+        }
+    }
+}
+
+TEST(abi_constants_refuse_unknown_names_and_bad_indexes)
+{
+    const char *name = "x";
+    int64_t v = 7;
+    int32_t u = 7;
+    uint32_t n = laden_abi_const_count();
+    CHECK_STATUS(laden_abi_const_at(n, &name, &v, &u), LADEN_E_INVAL);
+    CHECK_CONTAINS(laden_last_error(), "constants are listed");
+    CHECK_EQ(name, NULL);
+    CHECK_EQ(v, 0);
+    CHECK_EQ(u, 0);
+    CHECK_STATUS(laden_abi_const_at(UINT32_MAX, &name, &v, &u),
+                 LADEN_E_INVAL);
+    v = u = 7;
+    CHECK_STATUS(laden_abi_const_at(0, NULL, &v, &u), LADEN_E_INVAL);
+    CHECK_EQ(v, 0);
+    CHECK_EQ(u, 0);
+    v = u = 7;
+    CHECK_STATUS(laden_abi_const("LADEN_NOPE", &v, &u), LADEN_E_NOTFOUND);
+    CHECK_CONTAINS(laden_last_error(), "LADEN_NOPE");
+    CHECK_EQ(v, 0);
+    CHECK_EQ(u, 0);
+    /* C names only: the binding's short name is not one. */
+    CHECK_STATUS(laden_abi_const("TIER_GPU", &v, &u), LADEN_E_NOTFOUND);
+    CHECK_STATUS(laden_abi_const("", &v, &u), LADEN_E_NOTFOUND);
+    CHECK_STATUS(laden_abi_const(NULL, &v, &u), LADEN_E_INVAL);
+    CHECK_STATUS(laden_abi_const("LADEN_TIER_GPU", NULL, &u), LADEN_E_INVAL);
+    CHECK_EQ(u, 0);
 }

@@ -272,6 +272,11 @@ LADEN_API laden_status laden_sched_share_info(laden_sched_t *sched,
                                               char *name, size_t name_cap,
                                               uint64_t *out_bytes,
                                               int32_t *out_state);
+/* laden_sched_share_info's states, by name (for the binding's table). */
+#define LADEN_SHARE_NONE 0
+#define LADEN_SHARE_MADE 1
+#define LADEN_SHARE_ATTACHED 2
+#define LADEN_SHARE_FELL_BACK 3
 
 /* Why a load asked to share kept a private copy (state 3 of
  * laden_sched_share_info), NUL-terminated in why (why_cap bytes); "" if

@@ -248,6 +248,12 @@ _SIGNATURES = {
     "laden_status_name": (c_char_p, [c_int]),
     "laden_status_message": (c_char_p, [c_int]),
     "laden_last_error": (c_char_p, []),
+    # abi
+    "laden_abi_version": (c_uint32, []),
+    "laden_abi_const_count": (c_uint32, []),
+    "laden_abi_const_at": (status_t, [c_uint32, P(c_char_p), P(c_int64),
+                                      P(c_int32)]),
+    "laden_abi_const": (status_t, [c_char_p, P(c_int64), P(c_int32)]),
     "laden_abi_struct_name": (c_char_p, [c_uint32]),
     "laden_abi_struct": (status_t, [c_char_p, P(c_uint64), P(c_uint32)]),
     "laden_abi_field": (status_t, [c_char_p, c_uint32, P(c_char_p),
@@ -492,22 +498,30 @@ _SIGNATURES = {
     "laden_host_measure_memcpy": (status_t, [c_uint64, P(c_double)]),
 }
 
-DEVICE_CPU = -1
-TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
-# include/laden.h
-LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
-# include/laden/plan.h: readings are rounded down to it (shown in a plan)
-PLAN_READING_STEP = 256 << 20
-SCHED_CACHE = 1
-CACHE_AUTO, CACHE_RESIDENT, CACHE_STREAMING = 0, 1, 2
-# include/laden/cache.h: the host policy's idle entries without a RAM
-# budget, and "no RAM budget"
-CACHE_IDLE_HOST_BYTES, CACHE_RAM_UNLIMITED = 4 << 30, (1 << 64) - 1
-COPY_H2D_PINNED, COPY_H2D_PAGEABLE, COPY_D2H_PINNED = 0, 1, 2
+# The version of libladen's binary interface this binding is written for
+# (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
+# at import, since its signatures, structs or constants may not be these.
+ABI_VERSION = 1
+
+
+def _check_version(lib, path: str, where: str) -> None:
+    fn = getattr(lib, "laden_abi_version", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = c_uint32, []
+    got = fn() if fn is not None else None
+    if got != ABI_VERSION:
+        has = (f"has ABI version {got}" if got is not None else
+               "has no laden_abi_version (it is older than this package)")
+        raise ImportError(
+            f"libladen at {path}{where} {has}, but this laden package is "
+            f"written for ABI version {ABI_VERSION}; rebuild and reinstall "
+            "laden ('pip install .') or point LADEN_LIBRARY at a matching "
+            "build")
 
 
 def _load() -> ctypes.CDLL:
-    path = os.environ.get("LADEN_LIBRARY") or os.path.join(
+    env = os.environ.get("LADEN_LIBRARY")
+    path = env or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "libladen.so")
     try:
         lib = ctypes.CDLL(path)
@@ -515,6 +529,7 @@ def _load() -> ctypes.CDLL:
         raise ImportError(
             f"cannot load libladen from {path}: {e}; install laden with "
             "'pip install .' or set LADEN_LIBRARY") from None
+    _check_version(lib, path, " (LADEN_LIBRARY)" if env else "")
     for name, (res, args) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype = res
@@ -522,7 +537,31 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+def _constants(lib: ctypes.CDLL) -> dict:
+    """The library's table of constants, by their names without LADEN_
+    (LADEN_TIER_GPU is TIER_GPU), as C's headers define them."""
+    out = {}
+    name, value, unsigned = c_char_p(), c_int64(), c_int32()
+    for i in range(lib.laden_abi_const_count()):
+        if lib.laden_abi_const_at(i, ctypes.byref(name), ctypes.byref(value),
+                                  ctypes.byref(unsigned)) != 0:
+            raise ImportError(f"libladen: constant {i} of its table is "
+                              "unreadable")
+        # An unsigned 64-bit constant above INT64_MAX comes as its bits.
+        v = value.value % (1 << 64) if unsigned.value else value.value
+        out[name.value.decode()[len("LADEN_"):]] = v
+    return out
+
+
 lib = _load()
+# DEVICE_CPU, TIER_*, LOOKAHEAD_DEFAULT/MAX, SCHED_CACHE, CACHE_*, COPY_*,
+# PLAN_AUTO, PLAN_WARN_*, CAPTURE_STANDALONE, SHARE_*, GRADS_*: from C, not
+# copied (src/api/abi.c lists them).
+CONSTANTS = _constants(lib)
+if set(CONSTANTS) & set(globals()):  # a name added on one side only
+    raise ImportError(f"libladen's constants would hide laden._lib's "
+                      f"{sorted(set(CONSTANTS) & set(globals()))}")
+globals().update(CONSTANTS)
 
 
 def last_error() -> str:

@@ -20,12 +20,11 @@ import ctypes
 import logging
 from typing import Any, Callable, Tuple
 
+from ._lib import CAPTURE_STANDALONE as STANDALONE
 from ._lib import check, error_for, lib
 from .errors import DeviceError, InvalidArgumentError, StateError
 
 log = logging.getLogger("laden")
-
-STANDALONE = 1  # LADEN_CAPTURE_STANDALONE
 
 
 def _signature(x) -> Tuple:

@@ -27,7 +27,7 @@ from .errors import InvalidArgumentError
 # LADEN_PLAN_AUTO: "decide from the readings".  C takes and rounds the
 # readings (laden_plan_read), keeps the default headroom (reserve AUTO)
 # and builds stream_load's budgets (laden_plan_load_input).
-AUTO = 2**64 - 1
+AUTO = _lib.PLAN_AUTO
 
 
 class Tier(enum.IntEnum):
@@ -37,11 +37,14 @@ class Tier(enum.IntEnum):
 
 
 _WARNINGS = {
-    1: "some blocks stream from disk: the drive's speed sets a floor on "
-       "the time per forward",
-    2: "no VRAM is kept for activations (headroom 0): a large input may "
-       "run out of memory",
-    4: "max_vram is above the free VRAM; the free VRAM was used",
+    _lib.PLAN_WARN_DISK:
+        "some blocks stream from disk: the drive's speed sets a floor on "
+        "the time per forward",
+    _lib.PLAN_WARN_NO_RESERVE:
+        "no VRAM is kept for activations (headroom 0): a large input may "
+        "run out of memory",
+    _lib.PLAN_WARN_MAX_VRAM_ABOVE_FREE:
+        "max_vram is above the free VRAM; the free VRAM was used",
 }
 
 

@@ -29,8 +29,9 @@ from .errors import InvalidArgumentError, MismatchError, StateError
 
 log = logging.getLogger("laden")
 
-STATES = {0: None, 1: "made", 2: "attached"}
-FELL_BACK = 3  # asked, but the name was held by something else
+STATES = {_lib.SHARE_NONE: None, _lib.SHARE_MADE: "made",
+          _lib.SHARE_ATTACHED: "attached"}
+FELL_BACK = _lib.SHARE_FELL_BACK  # asked, but the name was held by something else
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,12 @@ import sys
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ._dtypes import checkpoint_dtype
-from ._lib import check, lib
+from ._lib import GRADS_ADD, GRADS_PINNED, check, lib
 from ._model import (_DTYPE_CODE, _compute_stream, _dev_index, _tensor_view,
                      run_of)
 from .errors import InvalidArgumentError, LadenError, StateError
 
 STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
-GRADS_ADD, GRADS_PINNED = 1, 2  # laden/grads.h's flags
 
 
 def grad_code(dtype) -> Optional[int]:

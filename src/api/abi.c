@@ -1,16 +1,20 @@
-/* The layout tables behind laden/abi.h, built by the compiler from the
- * headers: each struct's fields are listed once, below, and offsetof and
- * sizeof fill in the rest.  A field missing from a list shows as a hole the
- * C test finds (tests/test_abi.c); one listed out of order, as offsets that
- * go down. */
+/* The tables behind laden/abi.h, built by the compiler from the headers.
+ * Each struct's fields are listed once, below, and offsetof and sizeof fill
+ * in the rest: a field missing from a list shows as a hole the C test finds
+ * (tests/test_abi.c); one listed out of order, as offsets that go down.
+ * Each constant is listed by name and its value is the header's.
+ *
+ * A unit above the layers, not in core: describing every layer means
+ * including every layer's header. */
 #include <stddef.h>
 #include <string.h>
 
-#include "internal.h"
+#include "../core/internal.h"
 #include "laden/abi.h"
 #include "laden/cache.h"
 #include "laden/dev.h"
 #include "laden/gguf.h"
+#include "laden/grads.h"
 #include "laden/host.h"
 #include "laden/io.h"
 #include "laden/plan.h"
@@ -213,4 +217,106 @@ laden_status laden_abi_field(const char *struct_name, uint32_t i,
     *offset_bytes = s->fields[i].offset_bytes;
     *size_bytes = s->fields[i].size_bytes;
     return LADEN_OK;
+}
+
+uint32_t laden_abi_version(void)
+{
+    return LADEN_ABI_VERSION;
+}
+
+/* The constants the Python binding reads, by their C names.  Values come
+ * from the headers' own macros and enums, so they cannot drift from them;
+ * a constant the binding starts to use is added here (the Python tests
+ * fail on a name the package uses that the table lacks). */
+#define ABI_CONSTS(C)                                                      \
+    C(LADEN_DEVICE_CPU)                                                    \
+    C(LADEN_TIER_AUTO) C(LADEN_TIER_GPU) C(LADEN_TIER_RAM)                 \
+    C(LADEN_TIER_DISK) C(LADEN_TIER_VRAM)                                  \
+    C(LADEN_LOOKAHEAD_DEFAULT) C(LADEN_LOOKAHEAD_MAX)                      \
+    C(LADEN_SCHED_CACHE) C(LADEN_CAPTURE_STANDALONE)                       \
+    C(LADEN_SHARE_NONE) C(LADEN_SHARE_MADE) C(LADEN_SHARE_ATTACHED)        \
+    C(LADEN_SHARE_FELL_BACK)                                               \
+    C(LADEN_CACHE_AUTO) C(LADEN_CACHE_RESIDENT) C(LADEN_CACHE_STREAMING)   \
+    C(LADEN_COPY_H2D_PINNED) C(LADEN_COPY_H2D_PAGEABLE)                    \
+    C(LADEN_COPY_D2H_PINNED)                                               \
+    C(LADEN_PLAN_AUTO) C(LADEN_PLAN_WARN_DISK)                             \
+    C(LADEN_PLAN_WARN_NO_RESERVE) C(LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE)   \
+    C(LADEN_GRADS_ADD) C(LADEN_GRADS_PINNED)                               \
+    C(LADEN_PLAN_READING_STEP) C(LADEN_CACHE_IDLE_HOST_BYTES)              \
+    C(LADEN_CACHE_RAM_UNLIMITED)
+
+typedef struct abi_const {
+    const char *name;
+    uint64_t bits; /* the value converted to uint64 (modulo 2^64) */
+    int32_t is_unsigned;
+} abi_const;
+
+/* Whether x's type, after the usual promotions, is unsigned: enum
+ * constants and negative macros are int, "1u" and UINT64_MAX are not. */
+#define ABI_UNSIGNED(x)                                                    \
+    _Generic((x) + 0, unsigned int: 1, unsigned long: 1,                   \
+             unsigned long long: 1, default: 0)
+#define CONST_ENTRY(X) {#X, (uint64_t)(X), ABI_UNSIGNED(X)},
+static const abi_const abi_consts[] = {ABI_CONSTS(CONST_ENTRY)};
+#undef CONST_ENTRY
+
+/* int64 is two's complement, so the bits say the value of a signed
+ * constant exactly, and those of an unsigned one above INT64_MAX. */
+static int64_t const_value(const abi_const *c)
+{
+    int64_t v;
+    memcpy(&v, &c->bits, sizeof v);
+    return v;
+}
+
+uint32_t laden_abi_const_count(void)
+{
+    return (uint32_t)LADEN__ARRAY_LEN(abi_consts);
+}
+
+laden_status laden_abi_const_at(uint32_t i, const char **name,
+                                int64_t *value, int32_t *is_unsigned)
+{
+    if (name)
+        *name = NULL;
+    if (value)
+        *value = 0;
+    if (is_unsigned)
+        *is_unsigned = 0;
+    if (!name)
+        return laden__fail(LADEN_E_INVAL, "laden_abi_const_at: NULL name");
+    if (i >= LADEN__ARRAY_LEN(abi_consts))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_abi_const_at: %u constants are listed, "
+                           "asked for constant %u",
+                           laden_abi_const_count(), i);
+    *name = abi_consts[i].name;
+    if (value)
+        *value = const_value(&abi_consts[i]);
+    if (is_unsigned)
+        *is_unsigned = abi_consts[i].is_unsigned;
+    return LADEN_OK;
+}
+
+laden_status laden_abi_const(const char *name, int64_t *value,
+                             int32_t *is_unsigned)
+{
+    if (value)
+        *value = 0;
+    if (is_unsigned)
+        *is_unsigned = 0;
+    if (!name || !value)
+        return laden__fail(LADEN_E_INVAL, "laden_abi_const: NULL argument");
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(abi_consts); i++) {
+        if (strcmp(abi_consts[i].name, name) == 0) {
+            *value = const_value(&abi_consts[i]);
+            if (is_unsigned)
+                *is_unsigned = abi_consts[i].is_unsigned;
+            return LADEN_OK;
+        }
+    }
+    return laden__fail(LADEN_E_NOTFOUND,
+                       "laden_abi_const: no constant '%s' is listed (names "
+                       "are C names, such as LADEN_TIER_GPU)",
+                       name);
 }
