@@ -111,10 +111,10 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
     if (out_bytes)
         *out_bytes = sc->shm ? laden_shm_bytes(sc->shm) : 0;
     if (out_state)
-        *out_state = sc->share_note[0] ? 3
-                     : !sc->shm        ? 0
-                     : sc->share_created ? 1
-                                         : 2;
+        *out_state = sc->share_note[0]    ? LADEN_SHARE_FELL_BACK
+                     : !sc->shm          ? LADEN_SHARE_NONE
+                     : sc->share_created ? LADEN_SHARE_MADE
+                                         : LADEN_SHARE_ATTACHED;
     return LADEN_OK;
 }
 
@@ -372,7 +372,7 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
          * segment of another content, a file laden did not make, a FIFO,
          * another user's file...), or kept busy: a copy of this load's
          * own, never a failure nor another model's bytes.  The caller
-         * warns (laden_sched_share_info's state 3). */
+         * warns (LADEN_SHARE_FELL_BACK). */
         snprintf(sc->share_note, sizeof sc->share_note, "%s",
                  laden_last_error());
         memcpy(sc->share_name, name, sizeof name);
