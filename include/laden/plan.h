@@ -137,6 +137,11 @@ LADEN_API laden_status laden_plan_compute(const laden_plan_input *in,
 /* The text of a reason, or NULL. */
 LADEN_API const char *laden_plan_why_text(int32_t why);
 
+/* The text of one warning bit of laden_plan_result.warnings (a single
+ * LADEN_PLAN_WARN_* value), or NULL for any other value.  Static; any
+ * thread. */
+LADEN_API const char *laden_plan_warning_text(uint32_t bit);
+
 #ifdef __cplusplus
 }
 #endif

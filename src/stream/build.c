@@ -219,7 +219,7 @@ static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
     if (quantize) {
         /* e4m3 data, then one float32 scale per row, 16-byte aligned. */
         r->rows = t->shape[0];
-        r->dst_bytes = ((nelem + 15) & ~(uint64_t)15) + 4 * r->rows;
+        r->dst_bytes = laden__sched_scale_offset(nelem) + 4 * r->rows;
     }
     r->name = t->name;
     return LADEN_OK;
@@ -622,4 +622,31 @@ void laden_sched_destroy(laden_sched_t *sc)
     pthread_cond_destroy(&sc->cv);
     pthread_mutex_destroy(&sc->mu);
     free(sc);
+}
+
+laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
+                                uint64_t max_bytes, uint32_t *piece_of,
+                                uint32_t *npieces)
+{
+    if (npieces)
+        *npieces = 0;
+    if (!npieces || (n && (!bytes || !piece_of)))
+        return laden__fail(LADEN_E_INVAL, "laden_sched_pieces: NULL");
+    if (!max_bytes)
+        max_bytes = LADEN_SCHED_PIECE_BYTES;
+    uint32_t piece = 0;
+    uint64_t size = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        /* A piece that holds something and would pass the bound (or
+         * overflow) is closed: the next starts with this tensor. */
+        if (k && (size > UINT64_MAX - bytes[k] ||
+                  size + bytes[k] > max_bytes)) {
+            piece++;
+            size = 0;
+        }
+        piece_of[k] = piece;
+        size += bytes[k];
+    }
+    *npieces = n ? piece + 1 : 0;
+    return LADEN_OK;
 }
