@@ -662,8 +662,7 @@ LADEN_API laden_status laden_sched_tensor_layout(laden_sched_t *sched,
 
 /* The bytes of a piece when a schedule's rest (the tensors outside the
  * blocks) is added as several blocks instead of one: a cache schedule
- * does so, so that no one host mapping or upload is the size of a large
- * rest (embeddings, heads). */
+ * does so, so that a model gives up device memory in steps, not whole. */
 #define LADEN_SCHED_PIECE_BYTES (256ull << 20)
 
 /* Splits n tensors of bytes[k] bytes, in order, into pieces of at most

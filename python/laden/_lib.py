@@ -303,6 +303,7 @@ _SIGNATURES = {
     "laden_io_measure_file": (status_t, [c_char_p, c_uint64, P(c_double)]),
     # grads
     "laden_grads_create": (status_t, [c_int32, c_uint64, P(p)]),
+    "laden_grads_staging_bytes": (c_uint64, [c_uint64]),
     "laden_grads_destroy": (None, [p]),
     "laden_grads_push": (status_t, [p, c_uint64, c_int, c_uint64, c_void_p,
                                     c_int, c_int, c_size_t]),
@@ -394,6 +395,13 @@ _SIGNATURES = {
     "laden_sched_is_pinned": (c_int, [p, c_uint32]),
     "laden_sched_block_count": (c_uint32, [p]),
     "laden_sched_block_bytes": (c_uint64, [p, c_uint32]),
+    "laden_sched_block_state": (status_t, [p, c_uint32, P(c_int32),
+                                           P(c_uint64), P(c_uint32)]),
+    "laden_sched_tensor_layout": (status_t, [p, c_uint32, c_uint32,
+                                             P(c_uint64), P(c_uint64),
+                                             P(c_uint64)]),
+    "laden_sched_pieces": (status_t, [P(c_uint64), c_uint32, c_uint64,
+                                      P(c_uint32), P(c_uint32)]),
     "laden_sched_use_vram": (status_t, [p, p]),
     # cache
     "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
@@ -452,6 +460,7 @@ _SIGNATURES = {
     "laden_plan_compute": (status_t, [P(PlanInput), P(c_int32), P(c_int32),
                                       P(PlanResult)]),
     "laden_plan_why_text": (c_char_p, [c_int32]),
+    "laden_plan_warning_text": (c_char_p, [c_uint32]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_host_destroy": (None, [p]),
@@ -463,6 +472,7 @@ _SIGNATURES = {
 
 DEVICE_CPU = -1
 TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
+BLOCK_OFFLOADED = 1  # LADEN_SCHED_BLOCK_OFFLOADED (laden_sched_block_state)
 # include/laden.h
 LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
 SCHED_CACHE = 1

@@ -101,22 +101,34 @@ def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
     return flat.view(dtype).view(shape)
 
 
+def tensor_layout(h, block: int, index: int) -> Tuple[int, int, int]:
+    """C's layout of a tensor of schedule `h` (laden_sched_tensor_layout):
+    its bytes as kept, where its float32 row scales start in them (0:
+    none) and how many there are."""
+    size, off, rows = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    check(lib.laden_sched_tensor_layout(h, block, index, ctypes.byref(size),
+                                        ctypes.byref(off),
+                                        ctypes.byref(rows)))
+    return size.value, off.value, rows.value
+
+
 def _tensor_view(owner, t, where: str, device, track=None):
     """A tensor over t's bytes in the schedule `owner` holds: 'run' (the
     device address its block runs from; `device`), or 'home' (its host
-    copy, None when it has none: the disk tier)."""
+    copy, None when it has none: the disk tier).  Its length is C's."""
     import torch
 
+    nbytes = tensor_layout(owner.h, t.c_block, t.c_index)[0]
     if where == "run":
         p = ctypes.c_uint64()
         check(lib.laden_sched_tensor_ptr(owner.h, t.c_block, t.c_index,
                                          ctypes.byref(p)))
-        return _view(p.value, _nbytes(t), t.dtype, t.shape, device, owner,
+        return _view(p.value, nbytes, t.dtype, t.shape, device, owner,
                      track)
     hp = ctypes.c_void_p()
     check(lib.laden_sched_host_ptr(owner.h, t.c_block, t.c_index,
                                    ctypes.byref(hp)))
-    return _view(hp.value, _nbytes(t), t.dtype, t.shape,
+    return _view(hp.value, nbytes, t.dtype, t.shape,
                  torch.device("cpu"), owner) if hp.value else None
 
 
@@ -1315,25 +1327,27 @@ def _dtype_code(dtype, t: _Tensor) -> int:
 
 
 def fill(h, desc: Description, ck, rest_tier: int,
-         rest_chunk_bytes: Optional[int] = None) -> List[List[_Tensor]]:
+         rest_in_pieces: bool = False) -> List[List[_Tensor]]:
     """Adds the description to the C schedule `h`: the rest first (one
-    block on `rest_tier`, or pieces of at most `rest_chunk_bytes`), then
+    block on `rest_tier`, or with `rest_in_pieces` the pieces C splits it
+    into, laden_sched_pieces), then
     one block per block on its tier (b.tier: asked, or TIER_AUTO for the
     planner).  Sets every tensor's (c_block, c_index) and every block's
     c_block.  Returns the groups in C block order; tensors copied as built
     hold their host source in t.source until the caller drops it after
     load."""
-    groups: List[List[_Tensor]] = [[]]
-    size = 0
-    for t in desc.rest():
-        n = _nbytes(t)
-        if rest_chunk_bytes and groups[-1] and size + n > rest_chunk_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += n
-    if rest_chunk_bytes and not groups[-1]:
-        groups.pop()
+    rest = list(desc.rest())
+    groups: List[List[_Tensor]] = [rest]
+    if rest_in_pieces:
+        n = len(rest)
+        sizes = (ctypes.c_uint64 * max(n, 1))(*[_nbytes(t) for t in rest])
+        piece_of = (ctypes.c_uint32 * max(n, 1))()
+        npieces = ctypes.c_uint32()
+        check(lib.laden_sched_pieces(sizes, n, 0, piece_of,
+                                     ctypes.byref(npieces)))
+        groups = [[] for _ in range(npieces.value)]
+        for k, t in enumerate(rest):
+            groups[piece_of[k]].append(t)
     tiers = [rest_tier] * len(groups) + [b.tier for b in desc.blocks]
     groups += [b.tensors for b in desc.blocks]
     cb = ctypes.c_uint32()
