@@ -175,3 +175,104 @@ TEST(model_block_state)
     laden_sched_destroy(sc);
     laden_st_close(st);
 }
+
+/* The storage rule: which dtypes load into which, and when a compact form
+ * is kept; the reason as the message when none. */
+static uint32_t store_of(laden_dtype src, laden_dtype want, uint32_t ndim,
+                         uint64_t nelem, uint32_t flags)
+{
+    uint32_t k = 99;
+    CHECK_OK(laden_sched_storage_for(src, want, ndim, nelem, flags, &k));
+    return k;
+}
+
+static void refused(laden_dtype src, laden_dtype want, uint32_t flags,
+                    const char *why)
+{
+    uint32_t k = 99;
+    CHECK_EQ(laden_sched_storage_for(src, want, 2, 4, flags, &k),
+             LADEN_E_UNSUPPORTED);
+    CHECK_EQ(k, LADEN_STORE_PLAIN);
+    CHECK(strstr(laden_last_error(), why));
+}
+
+TEST(model_storage_for)
+{
+    const uint32_t C = LADEN_STORE_COMPACT, IN = LADEN_STORE_IN_BLOCK,
+                   X = LADEN_STORE_EXPANDS_BLOCKS, P = LADEN_STORE_PARAM;
+    const uint64_t BIG = LADEN_STORE_FP8_MIN_ELEMENTS;
+    /* Kept as the model runs it, converted among the three floats. */
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_BF16, LADEN_DTYPE_F16, 2, 4, 0),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_I64, LADEN_DTYPE_I64, 1, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_I64, LADEN_DTYPE_F32, C | IN, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F32, LADEN_DTYPE_I32, 0, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F64, LADEN_DTYPE_F32, 0, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F32, (laden_dtype)-1, 0, "F32, F16 and BF16");
+    /* The checkpoint's fp8: kept where a block expands it, else decoded
+     * on load (which a scale tensor cannot follow); into fp8 or an
+     * integer it is a conversion like any other. */
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, C | IN),
+             LADEN_STORE_CHECKPOINT_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E5M2, LADEN_DTYPE_F32, 2, 4, C | IN),
+             LADEN_STORE_CHECKPOINT_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, C),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, C | LADEN_STORE_SCALED,
+            "outside the streamed blocks");
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_F8_E4M3, 2, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_I8, C | IN, "F32, F16 and BF16");
+    /* GGUF blocks: kept where a block runs and the device expands them;
+     * only ever into a floating dtype. */
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, 256, C | IN | X),
+             LADEN_STORE_BLOCKS);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, 256, C | IN),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q8_0, LADEN_DTYPE_F32, 2, 32, C | X),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_Q6_K, LADEN_DTYPE_I32, C | IN | X,
+            "expands only to a floating dtype");
+    /* Storage asked: fp8 for large 2-D parameters of blocks, bf16 for the
+     * blocks' floating tensors not already so. */
+    const uint32_t F8 = LADEN_STORE_ASK_FP8, B16 = LADEN_STORE_ASK_BF16;
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, IN | P | F8),
+             LADEN_STORE_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG - 1,
+                      IN | P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 3, BIG, IN | P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, IN | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, BIG,
+                      C | IN | P | F8),
+             LADEN_STORE_FP8); /* expanded on load, then quantized */
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F16, 1, 4, IN | B16),
+             LADEN_STORE_BF16);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_BF16, 1, 4, IN | B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_I32, LADEN_DTYPE_I32, 1, 4, IN | B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F16, 1, 4, B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, BIG,
+                      C | IN | P | F8),
+             LADEN_STORE_CHECKPOINT_FP8); /* its own fp8 first */
+    /* Misuse. */
+    CHECK_EQ(laden_sched_storage_for(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 1, 1,
+                                     0, NULL),
+             LADEN_E_INVAL);
+    uint32_t k = 7;
+    CHECK_EQ(laden_sched_storage_for(LADEN_DTYPE_COUNT, LADEN_DTYPE_F32, 1,
+                                     1, 0, &k),
+             LADEN_E_INVAL);
+    CHECK_EQ(k, LADEN_STORE_PLAIN);
+}

@@ -676,6 +676,48 @@ LADEN_API laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
                                           uint32_t *piece_of,
                                           uint32_t *npieces);
 
+/* What a checkpoint tensor is kept as between load and use
+ * (laden_sched_storage_for). */
+#define LADEN_STORE_PLAIN 0u       /* the dtype it runs in, converted on load */
+#define LADEN_STORE_CHECKPOINT_FP8 1u /* the checkpoint's fp8, expanded
+                                        * (times its scale) when it runs */
+#define LADEN_STORE_BLOCKS 2u      /* GGUF blocks as stored, expanded when
+                                    * it runs */
+#define LADEN_STORE_FP8 3u         /* quantized to F8_E4M3 on load, one
+                                    * float32 scale per row */
+#define LADEN_STORE_BF16 4u        /* kept in BF16, widened when it runs */
+
+/* Facts about the tensor and the caller, for laden_sched_storage_for. */
+#define LADEN_STORE_COMPACT 1u   /* the caller expands compact forms when a
+                                  * block runs (streaming; a plain load
+                                  * decodes them on load) */
+#define LADEN_STORE_EXPANDS_BLOCKS 2u /* the device can expand GGUF blocks
+                                       * where blocks run */
+#define LADEN_STORE_IN_BLOCK 4u  /* the tensor belongs to a block (only a
+                                  * block's hook expands) */
+#define LADEN_STORE_PARAM 8u     /* a parameter, not a buffer */
+#define LADEN_STORE_SCALED 16u   /* fp8 with a scale tensor of its own */
+#define LADEN_STORE_ASK_FP8 32u  /* storage "fp8" asked */
+#define LADEN_STORE_ASK_BF16 64u /* storage "bf16" asked */
+/* Large 2-D weights only are quantized by LADEN_STORE_ASK_FP8: smaller
+ * tensors (norms, biases) cost little and lose the most. */
+#define LADEN_STORE_FP8_MIN_ELEMENTS (1ull << 16)
+
+/* How a checkpoint tensor of dtype src is kept for a model that runs it
+ * in dtype want (a value outside laden_dtype: a dtype laden has no name
+ * for), given its rank, element count and LADEN_STORE_* flags: *store
+ * receives a LADEN_STORE_* kind.  The one place that says which dtypes
+ * load into which and when a compact form is kept.  LADEN_E_UNSUPPORTED,
+ * with the reason as the message (the caller names the tensor), when the
+ * checkpoint's dtype cannot become want: GGUF blocks into anything but a
+ * floating dtype, a conversion other than between F32, F16 and BF16, an
+ * fp8 tensor with a scale outside the blocks.  Pure; any thread. */
+LADEN_API laden_status laden_sched_storage_for(laden_dtype src,
+                                               laden_dtype want,
+                                               uint32_t ndim, uint64_t nelem,
+                                               uint32_t flags,
+                                               uint32_t *store);
+
 /* Makes compute_stream wait until every copy laden_sched_set_resident
  * started has finished (the CPU device: waits for them). */
 LADEN_API laden_status laden_sched_ready(laden_sched_t *sched,
