@@ -402,6 +402,8 @@ _SIGNATURES = {
                                              P(c_uint64)]),
     "laden_sched_pieces": (status_t, [P(c_uint64), c_uint32, c_uint64,
                                       P(c_uint32), P(c_uint32)]),
+    "laden_sched_storage_for": (status_t, [c_int, c_int, c_uint32,
+                                           c_uint64, c_uint32, P(c_uint32)]),
     "laden_sched_use_vram": (status_t, [p, p]),
     # cache
     "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
@@ -473,6 +475,9 @@ _SIGNATURES = {
 DEVICE_CPU = -1
 TIER_AUTO, TIER_GPU, TIER_RAM, TIER_DISK, TIER_VRAM = -1, 0, 1, 2, 3
 BLOCK_OFFLOADED = 1  # LADEN_SCHED_BLOCK_OFFLOADED (laden_sched_block_state)
+# laden/stream.h's LADEN_STORE_* flags (laden_sched_storage_for)
+STORE_COMPACT, STORE_EXPANDS_BLOCKS, STORE_IN_BLOCK, STORE_PARAM = 1, 2, 4, 8
+STORE_SCALED, STORE_ASK_FP8, STORE_ASK_BF16 = 16, 32, 64
 # include/laden.h
 LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX = 2, 63
 SCHED_CACHE = 1
