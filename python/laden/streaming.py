@@ -266,16 +266,15 @@ def _compact_views(state, t: _Tensor, where: str):
     base = ptr(t.c_index)
     if not base:
         return None, None
-    n = _numel(t)
+    nb, off, rows = tensor_layout(o.h, t.c_block, t.c_index)  # C's sizes
     if t.store == "gq":  # the blocks as stored
-        nb = state.ckpt.info(t.ckpt_name).nbytes
         return _view(base, nb, torch.uint8, (nb,), dev, o, track), None
     if t.store == "c16":
-        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o, track), None
-    q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
-                                  "F8_E4M3"), t.shape, dev, o, track)
-    if t.store == "q8":  # where C put the row scales
-        _, off, rows = tensor_layout(o.h, t.c_block, t.c_index)
+        return _view(base, nb, torch.bfloat16, t.shape, dev, o, track), None
+    q = _view(base, _numel(t), _fp8_dtype(t.store_dtype if t.store == "ck8"
+                                          else "F8_E4M3"), t.shape, dev, o,
+              track)
+    if t.store == "q8":  # the row scales after the codes, where C put them
         scale = _view(base + off, 4 * rows, torch.float32, (rows,), dev, o,
                       track)
     elif t.scale_name:
