@@ -1088,6 +1088,20 @@ static void in_vram(int32_t dev)
     CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[4]), LADEN_TIER_RAM);
     CHECK_EQ(laden_sched_block_tier(v.m.sc, v.hb[5]), LADEN_TIER_RAM);
     CHECK_EQ(laden_sched_is_streamed(v.m.sc, v.hb[4]), (cuda ? 1 : 0));
+    /* What the load decided, in one call: only the VRAM-tier block
+     * without room is marked offloaded (the RAM-tier block was asked). */
+    for (int i = 0; i < NH; i++) {
+        int32_t tier;
+        uint64_t bytes;
+        uint32_t flags;
+        CHECK_OK(laden_sched_block_state(v.m.sc, v.hb[i], &tier, &bytes,
+                                         &flags));
+        CHECK_EQ(tier, laden_sched_block_tier(v.m.sc, v.hb[i]));
+        CHECK_EQ(bytes, laden_sched_block_bytes(v.m.sc, v.hb[i]));
+        CHECK_EQ(!!(flags & LADEN_SCHED_BLOCK_OFFLOADED), i == 4);
+        CHECK_EQ(!!(flags & LADEN_SCHED_BLOCK_STREAMED),
+                 laden_sched_is_streamed(v.m.sc, v.hb[i]));
+    }
     laden_sched_stats_t st;
     CHECK_OK(laden_sched_stats(v.m.sc, &st));
     CHECK_EQ(st.offloaded_bytes, 3 * VMB / 2);

@@ -35,6 +35,10 @@ LADEN_API laden_status laden_grads_create(int32_t device,
                                           uint64_t staging_bytes,
                                           laden_grads_t **out);
 
+/* The staging a sink wants when its largest gradient has largest_bytes:
+ * twice that, at least 1 MiB and at most 256 MiB.  Pure; any thread. */
+LADEN_API uint64_t laden_grads_staging_bytes(uint64_t largest_bytes);
+
 /* Waits for every push (what they were to write is written), then frees.
  * NULL is a no-op. */
 LADEN_API void laden_grads_destroy(laden_grads_t *g);

@@ -237,6 +237,11 @@ LADEN_API laden_status laden_plan_load_input(
     const laden_plan_load_options *opt, const laden_plan_readings *readings,
     laden_plan_input *out);
 
+/* The text of one warning bit of laden_plan_result.warnings (a single
+ * LADEN_PLAN_WARN_* value), or NULL for any other value.  Static; any
+ * thread. */
+LADEN_API const char *laden_plan_warning_text(uint32_t bit);
+
 #ifdef __cplusplus
 }
 #endif

@@ -638,6 +638,92 @@ LADEN_API uint32_t laden_sched_block_count(laden_sched_t *sched);
 LADEN_API uint64_t laden_sched_block_bytes(laden_sched_t *sched,
                                            uint32_t block);
 
+/* Block b's state as the plan and the load left it: *tier what
+ * laden_sched_block_tier says, *size_bytes what laden_sched_block_bytes
+ * says, *flags LADEN_SCHED_BLOCK_* bits.  Any may be NULL.  LADEN_E_INVAL
+ * for a bad schedule or block (outputs zeroed).  Does not hold the
+ * schedule: call it from the thread that loads it, or after the load. */
+#define LADEN_SCHED_BLOCK_OFFLOADED 1u /* chosen for the device (VRAM
+                                        * tier), the VRAM context had no
+                                        * room at load: streams from RAM */
+#define LADEN_SCHED_BLOCK_STREAMED 2u  /* runs from a slot */
+LADEN_API laden_status laden_sched_block_state(laden_sched_t *sched,
+                                               uint32_t block, int32_t *tier,
+                                               uint64_t *size_bytes,
+                                               uint32_t *flags);
+
+/* How block b's tensor i is laid out where laden keeps it: *size_bytes
+ * its bytes (the length of a view at laden_sched_tensor_ptr or
+ * laden_sched_host_ptr), *scale_offset_bytes where its float32 scales
+ * start inside them (a tensor quantized to F8_E4M3 on load: one scale per
+ * row after the codes) or 0 when it has none, *rows the number of those
+ * scales (0 without).  Any may be NULL.  Valid once the tensor is added;
+ * does not hold the schedule (the layout does not change after load).
+ * LADEN_E_INVAL for a bad schedule, block or tensor (outputs zeroed). */
+LADEN_API laden_status laden_sched_tensor_layout(laden_sched_t *sched,
+                                                 uint32_t block, uint32_t i,
+                                                 uint64_t *size_bytes,
+                                                 uint64_t *scale_offset_bytes,
+                                                 uint64_t *rows);
+
+/* The bytes of a piece when a schedule's rest (the tensors outside the
+ * blocks) is added as several blocks instead of one: a cache schedule
+ * does so, so that a model gives up device memory in steps, not whole. */
+#define LADEN_SCHED_PIECE_BYTES (256ull << 20)
+
+/* Splits n tensors of bytes[k] bytes, in order, into pieces of at most
+ * max_bytes (0: LADEN_SCHED_PIECE_BYTES) each; a tensor larger than that
+ * is a piece of its own.  piece_of[k] (n entries, the caller's) receives
+ * tensor k's piece, *npieces the number of pieces (0 when n is 0).
+ * LADEN_E_INVAL for NULL arrays with n > 0; a sum that would overflow
+ * starts a new piece.  Pure; any thread. */
+LADEN_API laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
+                                          uint64_t max_bytes,
+                                          uint32_t *piece_of,
+                                          uint32_t *npieces);
+
+/* What a checkpoint tensor is kept as between load and use
+ * (laden_sched_storage_for). */
+#define LADEN_STORE_PLAIN 0u       /* the dtype it runs in, converted on load */
+#define LADEN_STORE_CHECKPOINT_FP8 1u /* the checkpoint's fp8, expanded
+                                        * (times its scale) when it runs */
+#define LADEN_STORE_BLOCKS 2u      /* GGUF blocks as stored, expanded when
+                                    * it runs */
+#define LADEN_STORE_FP8 3u         /* quantized to F8_E4M3 on load, one
+                                    * float32 scale per row */
+#define LADEN_STORE_BF16 4u        /* kept in BF16, widened when it runs */
+
+/* Facts about the tensor and the caller, for laden_sched_storage_for. */
+#define LADEN_STORE_COMPACT 1u   /* the caller expands compact forms when a
+                                  * block runs (streaming; a plain load
+                                  * decodes them on load) */
+#define LADEN_STORE_EXPANDS_BLOCKS 2u /* the device can expand GGUF blocks
+                                       * where blocks run */
+#define LADEN_STORE_IN_BLOCK 4u  /* the tensor belongs to a block (only a
+                                  * block's hook expands) */
+#define LADEN_STORE_PARAM 8u     /* a parameter, not a buffer */
+#define LADEN_STORE_SCALED 16u   /* fp8 with a scale tensor of its own */
+#define LADEN_STORE_ASK_FP8 32u  /* storage "fp8" asked */
+#define LADEN_STORE_ASK_BF16 64u /* storage "bf16" asked */
+/* Large 2-D weights only are quantized by LADEN_STORE_ASK_FP8: smaller
+ * tensors (norms, biases) cost little and lose the most. */
+#define LADEN_STORE_FP8_MIN_ELEMENTS (1ull << 16)
+
+/* How a checkpoint tensor of dtype src is kept for a model that runs it
+ * in dtype want (a value outside laden_dtype: a dtype laden has no name
+ * for), given its rank, element count and LADEN_STORE_* flags: *store
+ * receives a LADEN_STORE_* kind.  The one place that says which dtypes
+ * load into which and when a compact form is kept.  LADEN_E_UNSUPPORTED,
+ * with the reason as the message (the caller names the tensor), when the
+ * checkpoint's dtype cannot become want: GGUF blocks into anything but a
+ * floating dtype, a conversion other than between F32, F16 and BF16, an
+ * fp8 tensor with a scale outside the blocks.  Pure; any thread. */
+LADEN_API laden_status laden_sched_storage_for(laden_dtype src,
+                                               laden_dtype want,
+                                               uint32_t ndim, uint64_t nelem,
+                                               uint32_t flags,
+                                               uint32_t *store);
+
 /* Makes compute_stream wait until every copy laden_sched_set_resident
  * started has finished (the CPU device: waits for them). */
 LADEN_API laden_status laden_sched_ready(laden_sched_t *sched,

@@ -323,6 +323,7 @@ _SIGNATURES = {
     "laden_io_measure_file": (status_t, [c_char_p, c_uint64, P(c_double)]),
     # grads
     "laden_grads_create": (status_t, [c_int32, c_uint64, P(p)]),
+    "laden_grads_staging_bytes": (c_uint64, [c_uint64]),
     "laden_grads_destroy": (None, [p]),
     "laden_grads_push": (status_t, [p, c_uint64, c_int, c_uint64, c_void_p,
                                     c_int, c_int, c_size_t]),
@@ -414,6 +415,15 @@ _SIGNATURES = {
     "laden_sched_is_pinned": (c_int, [p, c_uint32]),
     "laden_sched_block_count": (c_uint32, [p]),
     "laden_sched_block_bytes": (c_uint64, [p, c_uint32]),
+    "laden_sched_block_state": (status_t, [p, c_uint32, P(c_int32),
+                                           P(c_uint64), P(c_uint32)]),
+    "laden_sched_tensor_layout": (status_t, [p, c_uint32, c_uint32,
+                                             P(c_uint64), P(c_uint64),
+                                             P(c_uint64)]),
+    "laden_sched_pieces": (status_t, [P(c_uint64), c_uint32, c_uint64,
+                                      P(c_uint32), P(c_uint32)]),
+    "laden_sched_storage_for": (status_t, [c_int, c_int, c_uint32,
+                                           c_uint64, c_uint32, P(c_uint32)]),
     "laden_sched_use_vram": (status_t, [p, p]),
     # cache
     "laden_cache_create": (status_t, [c_uint64, c_uint64, P(p)]),
@@ -489,6 +499,7 @@ _SIGNATURES = {
     "laden_plan_probe_disk": (status_t, [c_char_p, P(c_double)]),
     "laden_plan_load_input": (status_t, [P(PlanLoadOptions),
                                          P(PlanReadings), P(PlanInput)]),
+    "laden_plan_warning_text": (c_char_p, [c_uint32]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_host_destroy": (None, [p]),

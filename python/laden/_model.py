@@ -36,9 +36,6 @@ for _i in range(64):
     if _n is None:
         break
     _DTYPE_CODE[_n.decode()] = _i
-# GGUF's block-quantized types: C sizes them by block, not by element.
-GGUF_BLOCK_TYPES = frozenset(n for n, c in _DTYPE_CODE.items()
-                             if lib.laden_dtype_bits(c) == 0)
 
 
 # ---- small helpers ---------------------------------------------------------
@@ -101,22 +98,34 @@ def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
     return flat.view(dtype).view(shape)
 
 
+def tensor_layout(h, block: int, index: int) -> Tuple[int, int, int]:
+    """C's layout of a tensor of schedule `h` (laden_sched_tensor_layout):
+    its bytes as kept, where its float32 row scales start in them (0:
+    none) and how many there are."""
+    size, off, rows = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    check(lib.laden_sched_tensor_layout(h, block, index, ctypes.byref(size),
+                                        ctypes.byref(off),
+                                        ctypes.byref(rows)))
+    return size.value, off.value, rows.value
+
+
 def _tensor_view(owner, t, where: str, device, track=None):
     """A tensor over t's bytes in the schedule `owner` holds: 'run' (the
     device address its block runs from; `device`), or 'home' (its host
-    copy, None when it has none: the disk tier)."""
+    copy, None when it has none: the disk tier).  Its length is C's."""
     import torch
 
+    nbytes = tensor_layout(owner.h, t.c_block, t.c_index)[0]
     if where == "run":
         p = ctypes.c_uint64()
         check(lib.laden_sched_tensor_ptr(owner.h, t.c_block, t.c_index,
                                          ctypes.byref(p)))
-        return _view(p.value, _nbytes(t), t.dtype, t.shape, device, owner,
+        return _view(p.value, nbytes, t.dtype, t.shape, device, owner,
                      track)
     hp = ctypes.c_void_p()
     check(lib.laden_sched_host_ptr(owner.h, t.c_block, t.c_index,
                                    ctypes.byref(hp)))
-    return _view(hp.value, _nbytes(t), t.dtype, t.shape,
+    return _view(hp.value, nbytes, t.dtype, t.shape,
                  torch.device("cpu"), owner) if hp.value else None
 
 
@@ -593,7 +602,6 @@ def _nbytes(t: _Tensor) -> int:
 
 
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")
-FP8_MIN_ELEMENTS = 1 << 16  # smaller tensors (norms, biases) stay as they are
 
 
 # ---- finding blocks ----------------------------------------------------------
@@ -978,7 +986,6 @@ def find_blocks(model, min_share: float = 0.05,
 # ---- the description -----------------------------------------------------------
 
 _FP8 = {"F8_E4M3", "F8_E5M2"}
-_CONVERTIBLE = {"F32", "F16", "BF16"}
 KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
 
 
@@ -1109,6 +1116,12 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
         raise MismatchError(_mismatch_text(ck.path, label, (
             ("shapes differ", bad),)), mismatched=[b.split("'")[1]
                                                    for b in bad])
+    flags = _lib.STORE_IN_BLOCK  # its block is not known yet: what
+    # refuses a dtype does not depend on it (laden_sched_storage_for)
+    if compact:
+        flags |= _lib.STORE_COMPACT
+    if expand_blocks:
+        flags |= _lib.STORE_EXPANDS_BLOCKS
     for t in tensors:
         if t.ckpt_name is None:
             continue  # copied as built, in its own dtype
@@ -1118,60 +1131,57 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
                 info.torch_dtype is not None and \
                 info.torch_dtype.is_floating_point:
             want = cdt
-        if info.dtype in _FP8 and want.is_floating_point and \
-                want.itemsize > 1:
-            if compact:
-                t.store, t.store_dtype = "ck8", info.dtype
-            # else decoded on load (libladen converts fp8 to F32/F16/BF16)
-        elif info.dtype in GGUF_BLOCK_TYPES:
-            if not want.is_floating_point:
-                raise MismatchError(
-                    f"tensor '{t.names[0]}': the checkpoint's "
-                    f"'{t.ckpt_name}' is {info.dtype} (GGUF block "
-                    f"quantized), {label} wants {want}; it expands only "
-                    "to a floating dtype", mismatched=[t.names[0]])
-            if compact and expand_blocks:
-                t.store, t.store_dtype = "gq", info.dtype
-            # else expanded on load by libladen, to `want`
-        elif info.torch_dtype != want and not (
-                {info.dtype, checkpoint_dtype(want)} <= _CONVERTIBLE):
+        s, _ = _storage_for(t, info, want, flags)
+        if s:
             raise MismatchError(
                 f"tensor '{t.names[0]}': the checkpoint's "
                 f"'{t.ckpt_name}' is {info.dtype}, {label} wants "
-                f"{want}; laden converts only between F32, F16 and BF16",
-                mismatched=[t.names[0]])
+                f"{want}; {error_for(s)}", mismatched=[t.names[0]])
         t.dtype = want
 
 
-def _choose_storage(ck, desc: Description, storage: Optional[str]) -> None:
-    """Compact forms, expanded on the device when their block runs: fp8
-    checkpoint tensors stay fp8; storage "fp8" quantizes the large 2-D
-    weights of blocks, "bf16" keeps floating block tensors in bf16."""
-    import torch
+_STORES = ("plain", "ck8", "gq", "q8", "c16")  # by LADEN_STORE_* value
 
+
+def _storage_for(t: _Tensor, info, want, flags: int):
+    """C's storage rule for t (laden_sched_storage_for): (status, kind)."""
+    try:
+        code = _DTYPE_CODE[checkpoint_dtype(want)]
+    except (KeyError, ValueError):
+        code = -1  # a dtype laden has no name for: C refuses it
+    kind = ctypes.c_uint32()
+    s = lib.laden_sched_storage_for(_DTYPE_CODE[info.dtype], code,
+                                    len(t.shape), _numel(t), flags,
+                                    ctypes.byref(kind))
+    return s, kind.value
+
+
+def _choose_storage(ck, desc: Description, storage: Optional[str],
+                    compact: bool, expand_blocks: bool) -> None:
+    """The form each checkpoint tensor is kept in, as C decides it
+    (laden_sched_storage_for): compact forms are expanded on the device
+    when their block runs (fp8 checkpoint tensors, GGUF blocks, storage
+    "fp8" or "bf16")."""
+    base = (_lib.STORE_COMPACT if compact else 0) | \
+        (_lib.STORE_EXPANDS_BLOCKS if expand_blocks else 0) | \
+        (_lib.STORE_ASK_FP8 if storage == "fp8" else 0) | \
+        (_lib.STORE_ASK_BF16 if storage == "bf16" else 0)
     for t in desc.tensors:
         if t.ckpt_name is None:
             continue
-        if t.store == "gq":
-            if t.block < 0:
-                t.store = "plain"  # no hook runs outside blocks: on load
-        elif t.store == "ck8":
-            t.scale_kind = _scale_kind(t, ck)
-            if t.block < 0:  # no hook runs outside blocks: decode on load
-                if t.scale_name:
-                    raise MismatchError(
-                        f"tensor '{t.names[0]}': fp8 with a scale tensor "
-                        "outside the streamed blocks is not supported; "
-                        "offload the module that holds it",
-                        mismatched=[t.names[0]])
-                t.store = "plain"
-        elif storage == "fp8" and t.block >= 0 and t.is_param and \
-                t.dtype.is_floating_point and len(t.shape) == 2 and \
-                _numel(t) >= FP8_MIN_ELEMENTS:
-            t.store = "q8"
-        elif storage == "bf16" and t.block >= 0 and \
-                t.dtype.is_floating_point and t.dtype != torch.bfloat16:
-            t.store = "c16"
+        info = ck.info(t.ckpt_name)
+        flags = base | (_lib.STORE_IN_BLOCK if t.block >= 0 else 0) | \
+            (_lib.STORE_PARAM if t.is_param else 0) | \
+            (_lib.STORE_SCALED if t.scale_name else 0)
+        s, kind = _storage_for(t, info, t.dtype, flags)
+        if t.scale_name and (s or _STORES[kind] == "ck8"):
+            t.scale_kind = _scale_kind(t, ck)  # its own error first
+        if s:
+            raise MismatchError(f"tensor '{t.names[0]}': {error_for(s)}",
+                                mismatched=[t.names[0]])
+        t.store = _STORES[kind]
+        if t.store in ("ck8", "gq"):
+            t.store_dtype = info.dtype
 
 
 def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
@@ -1244,7 +1254,7 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
     _assign_blocks(model, blocks, tensors, built_in_rest=ck is not None)
     desc = Description(tensors, blocks)
     if ck is not None:
-        _choose_storage(ck, desc, storage)
+        _choose_storage(ck, desc, storage, compact, expand_blocks)
     return desc
 
 
@@ -1315,25 +1325,27 @@ def _dtype_code(dtype, t: _Tensor) -> int:
 
 
 def fill(h, desc: Description, ck, rest_tier: int,
-         rest_chunk_bytes: Optional[int] = None) -> List[List[_Tensor]]:
+         rest_in_pieces: bool = False) -> List[List[_Tensor]]:
     """Adds the description to the C schedule `h`: the rest first (one
-    block on `rest_tier`, or pieces of at most `rest_chunk_bytes`), then
+    block on `rest_tier`, or with `rest_in_pieces` the pieces C splits it
+    into, laden_sched_pieces), then
     one block per block on its tier (b.tier: asked, or TIER_AUTO for the
     planner).  Sets every tensor's (c_block, c_index) and every block's
     c_block.  Returns the groups in C block order; tensors copied as built
     hold their host source in t.source until the caller drops it after
     load."""
-    groups: List[List[_Tensor]] = [[]]
-    size = 0
-    for t in desc.rest():
-        n = _nbytes(t)
-        if rest_chunk_bytes and groups[-1] and size + n > rest_chunk_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += n
-    if rest_chunk_bytes and not groups[-1]:
-        groups.pop()
+    rest = list(desc.rest())
+    groups: List[List[_Tensor]] = [rest]
+    if rest_in_pieces:
+        n = len(rest)
+        sizes = (ctypes.c_uint64 * max(n, 1))(*[_nbytes(t) for t in rest])
+        piece_of = (ctypes.c_uint32 * max(n, 1))()
+        npieces = ctypes.c_uint32()
+        check(lib.laden_sched_pieces(sizes, n, 0, piece_of,
+                                     ctypes.byref(npieces)))
+        groups = [[] for _ in range(npieces.value)]
+        for k, t in enumerate(rest):
+            groups[piece_of[k]].append(t)
     tiers = [rest_tier] * len(groups) + [b.tier for b in desc.blocks]
     groups += [b.tensors for b in desc.blocks]
     cb = ctypes.c_uint32()

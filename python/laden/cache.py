@@ -41,9 +41,6 @@ BLOCK_MODES = {"auto": _lib.CACHE_AUTO, "resident": _lib.CACHE_RESIDENT,
                "streaming": _lib.CACHE_STREAMING}
 _MODE_NAMES = {_lib.CACHE_RESIDENT: "resident",
                _lib.CACHE_STREAMING: "streaming"}
-# The parts of a model outside its blocks are packed in pieces of at most
-# this size, so that a model gives up device memory in steps, not whole.
-REST_CHUNK_BYTES = 256 << 20
 
 
 class _FrozenMap(dict):
@@ -270,7 +267,7 @@ class _Runtime:
             # The parts outside blocks in pieces, so that a model gives up
             # device memory in steps; then one per block.
             groups = fill(self.sched, desc, ck, _lib.TIER_RAM,
-                          REST_CHUNK_BYTES)
+                          rest_in_pieces=True)
             self.fixed = len(groups) - len(desc.blocks)
             total = sum(lib.laden_sched_block_bytes(self.sched, b)
                         for b in range(len(groups)))

@@ -36,18 +36,6 @@ class Tier(enum.IntEnum):
     DISK = _lib.TIER_DISK
 
 
-_WARNINGS = {
-    _lib.PLAN_WARN_DISK:
-        "some blocks stream from disk: the drive's speed sets a floor on "
-        "the time per forward",
-    _lib.PLAN_WARN_NO_RESERVE:
-        "no VRAM is kept for activations (headroom 0): a large input may "
-        "run out of memory",
-    _lib.PLAN_WARN_MAX_VRAM_ABOVE_FREE:
-        "max_vram is above the free VRAM; the free VRAM was used",
-}
-
-
 @dataclass
 class PlanBlock:
     name: str
@@ -394,7 +382,9 @@ def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
     blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
                         lib.laden_plan_why_text(why[i]).decode())
               for i in range(len(names))]
-    warnings = [msg for bit, msg in _WARNINGS.items() if res.warnings & bit]
+    texts = [lib.laden_plan_warning_text(1 << k) for k in range(32)
+             if res.warnings >> k & 1]  # C's words for its bits
+    warnings = [t.decode() for t in texts if t]
     budgets = dict(ram_avail=res.ram_avail_bytes,
                    ram_limit=res.ram_limit_bytes,
                    min_free_ram=res.min_free_ram_bytes,

@@ -28,7 +28,7 @@ from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      _meta,
                      _nbytes, _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_run, _set_tensor, _Tensor,
-                     _tensor_view,
+                     _tensor_view, tensor_layout,
                      _unwrap_all, _view, _wrap_forward, bind_out,
                      check_lookahead,
                      describe, expand_fp8, expand_fused,
@@ -266,17 +266,17 @@ def _compact_views(state, t: _Tensor, where: str):
     base = ptr(t.c_index)
     if not base:
         return None, None
-    n = _numel(t)
+    nb, off, rows = tensor_layout(o.h, t.c_block, t.c_index)  # C's sizes
     if t.store == "gq":  # the blocks as stored
-        nb = state.ckpt.info(t.ckpt_name).nbytes
         return _view(base, nb, torch.uint8, (nb,), dev, o, track), None
     if t.store == "c16":
-        return _view(base, 2 * n, torch.bfloat16, t.shape, dev, o, track), None
-    q = _view(base, n, _fp8_dtype(t.store_dtype if t.store == "ck8" else
-                                  "F8_E4M3"), t.shape, dev, o, track)
-    if t.store == "q8":
-        scale = _view(base + (n + 15) // 16 * 16, 4 * t.shape[0],
-                      torch.float32, (t.shape[0],), dev, o, track)
+        return _view(base, nb, torch.bfloat16, t.shape, dev, o, track), None
+    q = _view(base, _numel(t), _fp8_dtype(t.store_dtype if t.store == "ck8"
+                                          else "F8_E4M3"), t.shape, dev, o,
+              track)
+    if t.store == "q8":  # the row scales after the codes, where C put them
+        scale = _view(base + off, 4 * rows, torch.float32, (rows,), dev, o,
+                      track)
     elif t.scale_name:
         info = state.ckpt.info(t.scale_name)
         scale = _view(ptr(t.scale_index), info.nbytes, info.torch_dtype,
@@ -606,14 +606,16 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         sources = [t.source for t in desc.tensors if t.source is not None]
         for t in desc.tensors:
             t.source = None  # copied, failed, or kept for the background
+    # What the load decided (C: a VRAM-tier block without room streams).
+    tier, flags = ctypes.c_int32(), ctypes.c_uint32()
     for b in state.blocks:
-        got = lib.laden_sched_block_tier(o.h, b.c_block)
-        if got != b.tier:
-            if b.tier == _lib.TIER_VRAM and got == _lib.TIER_RAM:
-                log.info("block %s (%s): the VRAM context has no room, it "
-                         "streams from RAM", b.name, fmt_bytes(b.nbytes))
-                b.offloaded = True
-            b.tier = got
+        check(lib.laden_sched_block_state(o.h, b.c_block, ctypes.byref(tier),
+                                          None, ctypes.byref(flags)))
+        b.tier = tier.value
+        if flags.value & _lib.SCHED_BLOCK_OFFLOADED:
+            log.info("block %s (%s): the VRAM context has no room, it "
+                     "streams from RAM", b.name, fmt_bytes(b.nbytes))
+            b.offloaded = True
     state.ckpt = ck
     # Point the model at laden's memory: resident tensors where they run,
     # streamed ones at their home until install_offload.

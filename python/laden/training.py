@@ -39,7 +39,6 @@ from ._model import (_DTYPE_CODE, _compute_stream, _dev_index, _tensor_view,
                      run_of)
 from .errors import InvalidArgumentError, LadenError, StateError
 
-STAGING_BYTES = 256 << 20  # at most; two largest tensors at least
 
 
 def grad_code(dtype) -> Optional[int]:
@@ -159,7 +158,7 @@ class _Trainer:
                                                        self._pusher(t)))
         if not self.host:
             return
-        staging = min(STAGING_BYTES, max(2 * largest, 1 << 20))
+        staging = lib.laden_grads_staging_bytes(largest)
         h = ctypes.c_void_p()
         check(lib.laden_grads_create(_dev_index(self.device), staging,
                                      ctypes.byref(h)))

@@ -590,7 +590,10 @@ def test_constants_keep_their_values():
     assert (_lib.COPY_H2D_PINNED, _lib.COPY_H2D_PAGEABLE,
             _lib.COPY_D2H_PINNED) == (0, 1, 2)
     assert planning.AUTO == _lib.PLAN_AUTO == 2**64 - 1
-    assert sorted(planning._WARNINGS) == [1, 2, 4]
+    assert [b for b in range(32) if _lib.lib.laden_plan_warning_text(
+        1 << b)] == [0, 1, 2]  # the three PLAN_WARN_* bits, texts in C
+    assert (_lib.PLAN_WARN_DISK | _lib.PLAN_WARN_NO_RESERVE |
+            _lib.PLAN_WARN_MAX_VRAM_ABOVE_FREE) == 7
     assert graphs.STANDALONE == _lib.CAPTURE_STANDALONE == 1
     assert sharing.FELL_BACK == _lib.SHARE_FELL_BACK == 3
     assert sharing.STATES == {0: None, 1: "made", 2: "attached"}

@@ -62,6 +62,24 @@ const char *laden_plan_why_text(int32_t why)
     return why >= 0 && why < LADEN_PLAN_WHY_COUNT ? why_text[why] : NULL;
 }
 
+const char *laden_plan_warning_text(uint32_t bit)
+{
+    /* The reasons behind the bits, said once here for every caller (the
+     * Python Plan, the CLI) instead of a copy each. */
+    switch (bit) {
+    case LADEN_PLAN_WARN_DISK:
+        return "some blocks stream from disk: the drive's speed sets a floor "
+               "on the time per forward";
+    case LADEN_PLAN_WARN_NO_RESERVE:
+        return "no VRAM is kept for activations (headroom 0): a large input "
+               "may run out of memory";
+    case LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE:
+        return "max_vram is above the free VRAM; the free VRAM was used";
+    default:
+        return NULL;
+    }
+}
+
 #define B(x) (laden__bytes(x).s)
 
 /* The state of one computation. */

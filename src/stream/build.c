@@ -219,7 +219,7 @@ static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
     if (quantize) {
         /* e4m3 data, then one float32 scale per row, 16-byte aligned. */
         r->rows = t->shape[0];
-        r->dst_bytes = ((nelem + 15) & ~(uint64_t)15) + 4 * r->rows;
+        r->dst_bytes = laden__sched_scale_offset(nelem) + 4 * r->rows;
     }
     r->name = t->name;
     return LADEN_OK;
@@ -622,4 +622,97 @@ void laden_sched_destroy(laden_sched_t *sc)
     pthread_cond_destroy(&sc->cv);
     pthread_mutex_destroy(&sc->mu);
     free(sc);
+}
+
+laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
+                                uint64_t max_bytes, uint32_t *piece_of,
+                                uint32_t *npieces)
+{
+    if (npieces)
+        *npieces = 0;
+    if (!npieces || (n && (!bytes || !piece_of)))
+        return laden__fail(LADEN_E_INVAL, "laden_sched_pieces: NULL");
+    if (!max_bytes)
+        max_bytes = LADEN_SCHED_PIECE_BYTES;
+    uint32_t piece = 0;
+    uint64_t size = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        /* A piece that holds something and would pass the bound (or
+         * overflow) is closed: the next starts with this tensor. */
+        if (k && (size > UINT64_MAX - bytes[k] ||
+                  size + bytes[k] > max_bytes)) {
+            piece++;
+            size = 0;
+        }
+        piece_of[k] = piece;
+        size += bytes[k];
+    }
+    *npieces = n ? piece + 1 : 0;
+    return LADEN_OK;
+}
+
+static bool floating(laden_dtype d)
+{
+    switch (d) {
+    case LADEN_DTYPE_F8_E5M2: case LADEN_DTYPE_F8_E4M3:
+    case LADEN_DTYPE_F8_E8M0: case LADEN_DTYPE_F8_E4M3FNUZ:
+    case LADEN_DTYPE_F8_E5M2FNUZ: case LADEN_DTYPE_F16: case LADEN_DTYPE_BF16:
+    case LADEN_DTYPE_F32: case LADEN_DTYPE_F64: case LADEN_DTYPE_F4:
+    case LADEN_DTYPE_F6_E2M3: case LADEN_DTYPE_F6_E3M2:
+        return true;
+    default:
+        return false;
+    }
+}
+
+laden_status laden_sched_storage_for(laden_dtype src, laden_dtype want,
+                                     uint32_t ndim, uint64_t nelem,
+                                     uint32_t flags, uint32_t *store)
+{
+    if (store)
+        *store = LADEN_STORE_PLAIN;
+    if (!store)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_storage_for: NULL");
+    if ((unsigned)src >= LADEN_DTYPE_COUNT)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_storage_for: unknown dtype %d",
+                           (int)src);
+    bool known = (unsigned)want < LADEN_DTYPE_COUNT;
+    bool want_float = known && floating(want);
+    bool compact = flags & LADEN_STORE_COMPACT;
+    bool in_block = flags & LADEN_STORE_IN_BLOCK;
+    uint32_t kind = LADEN_STORE_PLAIN;
+    if ((src == LADEN_DTYPE_F8_E4M3 || src == LADEN_DTYPE_F8_E5M2) &&
+        want_float && laden_dtype_bits(want) > 8) {
+        /* Kept as fp8 only where a block's hook expands it; elsewhere
+         * decoded on load, which a scale tensor cannot follow. */
+        if (compact && in_block)
+            kind = LADEN_STORE_CHECKPOINT_FP8;
+        else if (compact && (flags & LADEN_STORE_SCALED))
+            return laden__fail(LADEN_E_UNSUPPORTED,
+                               "fp8 with a scale tensor outside the streamed "
+                               "blocks is not supported; offload the module "
+                               "that holds it");
+    } else if (laden_dtype_bits(src) == 0) { /* a GGUF block type */
+        if (!want_float)
+            return laden__fail(LADEN_E_UNSUPPORTED,
+                               "GGUF block quantized, it expands only to a "
+                               "floating dtype");
+        if (compact && in_block && (flags & LADEN_STORE_EXPANDS_BLOCKS))
+            kind = LADEN_STORE_BLOCKS;
+    } else if (src != want &&
+               !(laden__convertible(src) && known &&
+                 laden__convertible(want))) {
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden converts only between F32, F16 and BF16");
+    }
+    if (kind == LADEN_STORE_PLAIN && in_block && want_float) {
+        if ((flags & LADEN_STORE_ASK_FP8) && (flags & LADEN_STORE_PARAM) &&
+            ndim == 2 && nelem >= LADEN_STORE_FP8_MIN_ELEMENTS)
+            kind = LADEN_STORE_FP8;
+        else if ((flags & LADEN_STORE_ASK_BF16) && want != LADEN_DTYPE_BF16)
+            kind = LADEN_STORE_BF16;
+    }
+    *store = kind;
+    return LADEN_OK;
 }

@@ -304,6 +304,18 @@ static laden_status grow_jobs(laden_grads_t *g)
     return LADEN_OK;
 }
 
+/* The ring holds two of the largest gradients so that one lands while the
+ * next is copied off, bounded so that a model with a huge embedding does
+ * not pin its size twice (a larger gradient moves in parts). */
+#define MAX_STAGING (256ull << 20)
+
+uint64_t laden_grads_staging_bytes(uint64_t largest_bytes)
+{
+    uint64_t two = largest_bytes > MAX_STAGING / 2 ? MAX_STAGING
+                                                   : 2 * largest_bytes;
+    return two < MIN_STAGING ? MIN_STAGING : two;
+}
+
 laden_status laden_grads_create(int32_t device, uint64_t staging_bytes,
                                 laden_grads_t **out)
 {

@@ -83,7 +83,7 @@ static laden_status convert_then(void *arg)
     }
     if (!r->rows)
         return laden_sched_convert(r->src, c->tmp, r->dst, c->to, r->nelem);
-    uint64_t scales = (r->nelem + 15) & ~(uint64_t)15;
+    uint64_t scales = laden__sched_scale_offset(r->nelem);
     laden__quantize_rows(r->src, c->tmp, r->rows, r->nelem / r->rows,
                          (uint8_t *)c->to,
                          (float *)(void *)(c->to + scales));
@@ -395,6 +395,7 @@ static bool may_stream(const laden_sched_t *sc, const blk *b)
 static void demote(laden_sched_t *sc, blk *b)
 {
     b->tier = LADEN_TIER_RAM;
+    b->offloaded = true;
     b->region = 0;
     sc->st.gpu_bytes -= b->bytes;
     sc->st.ram_bytes += b->bytes;

@@ -67,6 +67,57 @@ uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
     return sc->b[block].bytes;
 }
 
+laden_status laden_sched_block_state(laden_sched_t *sc, uint32_t block,
+                                     int32_t *tier, uint64_t *size_bytes,
+                                     uint32_t *flags)
+{
+    if (tier)
+        *tier = 0;
+    if (size_bytes)
+        *size_bytes = 0;
+    if (flags)
+        *flags = 0;
+    if (!sc || block >= sc->nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_block_state: bad schedule or block");
+    const blk *b = &sc->b[block];
+    if (tier)
+        *tier = (int32_t)b->tier;
+    if (size_bytes)
+        *size_bytes = b->bytes;
+    if (flags)
+        *flags = (b->offloaded ? LADEN_SCHED_BLOCK_OFFLOADED : 0u) |
+                 (laden__sched_streamed(sc, b) ? LADEN_SCHED_BLOCK_STREAMED
+                                               : 0u);
+    return LADEN_OK;
+}
+
+laden_status laden_sched_tensor_layout(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i, uint64_t *size_bytes,
+                                       uint64_t *scale_offset_bytes,
+                                       uint64_t *rows)
+{
+    if (size_bytes)
+        *size_bytes = 0;
+    if (scale_offset_bytes)
+        *scale_offset_bytes = 0;
+    if (rows)
+        *rows = 0;
+    if (!sc || block >= sc->nb || i >= sc->b[block].nt)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_tensor_layout: bad "
+                                          "schedule, block or tensor");
+    const tref *r = &sc->b[block].t[i];
+    if (size_bytes)
+        *size_bytes = r->dst_bytes;
+    if (r->rows) { /* tensor_ref (build.c) lays them out so */
+        if (scale_offset_bytes)
+            *scale_offset_bytes = laden__sched_scale_offset(r->nelem);
+        if (rows)
+            *rows = r->rows;
+    }
+    return LADEN_OK;
+}
+
 /* ---- the public calls: one thread at a time ------------------------------
  *
  * Every call holds the schedule for its duration, laden_sched_enter holds

@@ -52,6 +52,14 @@ static inline bool laden__sched_as_stored(const tref *r)
     return !r->host && r->src == r->dst && !r->rope_heads && !r->pieces;
 }
 
+/* Where the float32 row scales of a tensor of nelem F8_E4M3 codes start
+ * in its bytes: after the codes, 16-byte aligned (build.c lays them out,
+ * convert.c writes them, laden_sched_tensor_layout says where). */
+static inline uint64_t laden__sched_scale_offset(uint64_t nelem)
+{
+    return (nelem + 15) & ~(uint64_t)15;
+}
+
 typedef struct blk {
     char *name;            /* laden_sched_set_block_name; NULL unnamed */
     uint64_t trace_entered; /* tracing: the session its open enters were
@@ -80,6 +88,8 @@ typedef struct blk {
                               written from the host copy */
     bool ready;            /* its bytes are in place (a load in progress
                               marks the blocks as it goes: load.c) */
+    bool offloaded;        /* VRAM tier without room at load: demoted to
+                              the RAM tier (load.c) */
     bool shared;           /* its host copy is in sc->shm (share.c) */
     uint64_t share_off;    /* its place there */
     uint32_t running;      /* enters not exited yet (stream.c) */

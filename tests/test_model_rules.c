@@ -1,0 +1,278 @@
+/* The sizes and texts the Python package asks C for instead of working
+ * them out itself (issue 34): a tensor's layout and its scales' offset,
+ * the rest's pieces, a gradient sink's staging, the planner's warnings,
+ * the state a load leaves a block in. */
+#include <stdint.h>
+
+#include "laden/grads.h"
+#include "laden/plan.h"
+#include "laden/st.h"
+#include "laden/stream.h"
+#include "test.h"
+
+/* A checkpoint with one F32 tensor "w" of 2 x 11 and one F32 "b" of 3. */
+static laden_st_t *two_tensors(void)
+{
+    float data[25];
+    for (int i = 0; i < 25; i++)
+        data[i] = (float)i - 5.0f;
+    char *p = test_path("f.safetensors");
+    test_write_st(p,
+                  "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,11],"
+                  "\"data_offsets\":[0,88]},"
+                  "\"b\":{\"dtype\":\"F32\",\"shape\":[3],"
+                  "\"data_offsets\":[88,100]}}",
+                  data, sizeof data);
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    return st;
+}
+
+static uint32_t index_of(laden_st_t *st, const char *name)
+{
+    size_t k = 0;
+    CHECK_OK(laden_st_find(st, name, &k));
+    return (uint32_t)k;
+}
+
+/* Sizes as laid out: fp8 codes then one float32 scale per row, 16-byte
+ * aligned (where the quantizer wrote them: the scales read there are the
+ * rows' amax / 448); a converted or kept tensor is its elements. */
+TEST(model_tensor_layout)
+{
+    laden_st_t *st = two_tensors();
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t b, q8, f16, f32;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+    uint32_t w = index_of(st, "w"), bias = index_of(st, "b");
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, w, LADEN_DTYPE_F8_E4M3, &q8));
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, w, LADEN_DTYPE_F16, &f16));
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, bias, LADEN_DTYPE_F32, &f32));
+    uint64_t size, off, rows;
+    /* Before load too: the layout is known once the tensor is added. */
+    CHECK_OK(laden_sched_tensor_layout(sc, b, q8, &size, &off, &rows));
+    CHECK_EQ(size, 32 + 2 * 4);
+    CHECK_EQ(off, 32);
+    CHECK_EQ(rows, 2);
+    CHECK_OK(laden_sched_tensor_layout(sc, b, f16, &size, &off, &rows));
+    CHECK(size == 44 && off == 0 && rows == 0);
+    CHECK_OK(laden_sched_tensor_layout(sc, b, f32, &size, NULL, NULL));
+    CHECK_EQ(size, 12);
+    CHECK_OK(laden_sched_load(sc));
+    void *hp;
+    CHECK_OK(laden_sched_host_ptr(sc, b, q8, &hp));
+    CHECK_OK(laden_sched_tensor_layout(sc, b, q8, &size, &off, &rows));
+    float scales[2];
+    memcpy(scales, (const char *)hp + off, sizeof scales);
+    CHECK(scales[0] == 5.0f / 448.0f && scales[1] == 16.0f / 448.0f);
+    /* Misuse: outputs zeroed, an error. */
+    size = off = rows = 7;
+    CHECK_EQ(laden_sched_tensor_layout(sc, b, 3, &size, &off, &rows),
+             LADEN_E_INVAL);
+    CHECK(size == 0 && off == 0 && rows == 0);
+    CHECK_EQ(laden_sched_tensor_layout(sc, b + 1, 0, &size, NULL, NULL),
+             LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_tensor_layout(NULL, 0, 0, &size, NULL, NULL),
+             LADEN_E_INVAL);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+/* The rest's pieces: in order, a new piece when the next tensor would
+ * pass the bound, a larger tensor alone, zero-byte tensors where they
+ * fall, nothing for nothing. */
+TEST(model_rest_pieces)
+{
+    uint32_t piece[8], n;
+    const uint64_t a[] = {10, 20, 30, 5, 100, 1, 0, 40};
+    CHECK_OK(laden_sched_pieces(a, 8, 40, piece, &n));
+    const uint32_t want[] = {0, 0, 1, 1, 2, 3, 3, 4};
+    for (int k = 0; k < 8; k++)
+        CHECK_EQ(piece[k], want[k]);
+    CHECK_EQ(n, 5);
+    /* 0: laden's own bound. */
+    const uint64_t big[] = {LADEN_SCHED_PIECE_BYTES - 1, 1, 1,
+                            LADEN_SCHED_PIECE_BYTES};
+    CHECK_OK(laden_sched_pieces(big, 4, 0, piece, &n));
+    CHECK(piece[0] == 0 && piece[1] == 0 && piece[2] == 1 && piece[3] == 2);
+    CHECK_EQ(n, 3);
+    /* A sum that would overflow closes the piece instead. */
+    const uint64_t huge[] = {UINT64_MAX - 1, 2};
+    CHECK_OK(laden_sched_pieces(huge, 2, UINT64_MAX, piece, &n));
+    CHECK(piece[0] == 0 && piece[1] == 1 && n == 2);
+    n = 9;
+    CHECK_OK(laden_sched_pieces(NULL, 0, 0, NULL, &n));
+    CHECK_EQ(n, 0);
+    CHECK_EQ(laden_sched_pieces(NULL, 2, 0, piece, &n), LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_pieces(a, 2, 0, NULL, &n), LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_pieces(a, 2, 0, piece, NULL), LADEN_E_INVAL);
+}
+
+/* Twice the largest gradient, within 1 MiB and 256 MiB, never wrapping. */
+TEST(model_grads_staging_bytes)
+{
+    const uint64_t MiB = 1ull << 20;
+    CHECK_EQ(laden_grads_staging_bytes(0), MiB);
+    CHECK_EQ(laden_grads_staging_bytes(MiB / 2 - 1), MiB);
+    CHECK_EQ(laden_grads_staging_bytes(3 * MiB), 6 * MiB);
+    CHECK_EQ(laden_grads_staging_bytes(128 * MiB), 256 * MiB);
+    CHECK_EQ(laden_grads_staging_bytes(128 * MiB + 1), 256 * MiB);
+    CHECK_EQ(laden_grads_staging_bytes(UINT64_MAX), 256 * MiB);
+}
+
+/* Each warning bit has its text; nothing else has one. */
+TEST(model_plan_warning_texts)
+{
+    const uint32_t bits[] = {LADEN_PLAN_WARN_DISK, LADEN_PLAN_WARN_NO_RESERVE,
+                             LADEN_PLAN_WARN_MAX_VRAM_ABOVE_FREE};
+    for (int k = 0; k < 3; k++) {
+        const char *t = laden_plan_warning_text(bits[k]);
+        CHECK(t && strlen(t) > 10);
+        for (int j = 0; j < k; j++)
+            CHECK(strcmp(t, laden_plan_warning_text(bits[j])));
+    }
+    CHECK(strstr(laden_plan_warning_text(LADEN_PLAN_WARN_DISK), "disk"));
+    CHECK(!laden_plan_warning_text(0));
+    CHECK(!laden_plan_warning_text(LADEN_PLAN_WARN_DISK |
+                                   LADEN_PLAN_WARN_NO_RESERVE));
+    for (uint32_t bit = 8; bit; bit <<= 1)
+        CHECK(!laden_plan_warning_text(bit));
+}
+
+/* A block's state without a VRAM context: the tier asked, never
+ * offloaded; a bad block is an error with the outputs zeroed. */
+TEST(model_block_state)
+{
+    laden_st_t *st = two_tensors();
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t b0, b1, i;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_GPU, &b0));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &b1));
+    CHECK_OK(laden_sched_add_tensor(sc, b0, st, index_of(st, "b"),
+                                    LADEN_DTYPE_F32, &i));
+    CHECK_OK(laden_sched_add_tensor(sc, b1, st, index_of(st, "w"),
+                                    LADEN_DTYPE_F32, &i));
+    CHECK_OK(laden_sched_load(sc));
+    int32_t tier;
+    uint64_t bytes;
+    uint32_t flags;
+    CHECK_OK(laden_sched_block_state(sc, b0, &tier, &bytes, &flags));
+    CHECK(tier == LADEN_TIER_GPU && bytes == 12 && flags == 0);
+    CHECK_OK(laden_sched_block_state(sc, b1, &tier, &bytes, &flags));
+    CHECK(tier == LADEN_TIER_DISK && bytes == 88 &&
+          flags == LADEN_SCHED_BLOCK_STREAMED);
+    CHECK_OK(laden_sched_block_state(sc, b1, NULL, NULL, NULL));
+    tier = 5, bytes = 5, flags = 5;
+    CHECK_EQ(laden_sched_block_state(sc, 2, &tier, &bytes, &flags),
+             LADEN_E_INVAL);
+    CHECK(tier == 0 && bytes == 0 && flags == 0);
+    CHECK_EQ(laden_sched_block_state(NULL, 0, &tier, NULL, NULL),
+             LADEN_E_INVAL);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+/* The storage rule: which dtypes load into which, and when a compact form
+ * is kept; the reason as the message when none. */
+static uint32_t store_of(laden_dtype src, laden_dtype want, uint32_t ndim,
+                         uint64_t nelem, uint32_t flags)
+{
+    uint32_t k = 99;
+    CHECK_OK(laden_sched_storage_for(src, want, ndim, nelem, flags, &k));
+    return k;
+}
+
+static void refused(laden_dtype src, laden_dtype want, uint32_t flags,
+                    const char *why)
+{
+    uint32_t k = 99;
+    CHECK_EQ(laden_sched_storage_for(src, want, 2, 4, flags, &k),
+             LADEN_E_UNSUPPORTED);
+    CHECK_EQ(k, LADEN_STORE_PLAIN);
+    CHECK(strstr(laden_last_error(), why));
+}
+
+TEST(model_storage_for)
+{
+    const uint32_t C = LADEN_STORE_COMPACT, IN = LADEN_STORE_IN_BLOCK,
+                   X = LADEN_STORE_EXPANDS_BLOCKS, P = LADEN_STORE_PARAM;
+    const uint64_t BIG = LADEN_STORE_FP8_MIN_ELEMENTS;
+    /* Kept as the model runs it, converted among the three floats. */
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_BF16, LADEN_DTYPE_F16, 2, 4, 0),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_I64, LADEN_DTYPE_I64, 1, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_I64, LADEN_DTYPE_F32, C | IN, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F32, LADEN_DTYPE_I32, 0, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F64, LADEN_DTYPE_F32, 0, "F32, F16 and BF16");
+    refused(LADEN_DTYPE_F32, (laden_dtype)-1, 0, "F32, F16 and BF16");
+    /* The checkpoint's fp8: kept where a block expands it, else decoded
+     * on load (which a scale tensor cannot follow); into fp8 or an
+     * integer it is a conversion like any other. */
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, C | IN),
+             LADEN_STORE_CHECKPOINT_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E5M2, LADEN_DTYPE_F32, 2, 4, C | IN),
+             LADEN_STORE_CHECKPOINT_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, C),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, 4, IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, C | LADEN_STORE_SCALED,
+            "outside the streamed blocks");
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_F8_E4M3, 2, 4, C | IN),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_I8, C | IN, "F32, F16 and BF16");
+    /* GGUF blocks: kept where a block runs and the device expands them;
+     * only ever into a floating dtype. */
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, 256, C | IN | X),
+             LADEN_STORE_BLOCKS);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, 256, C | IN),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q8_0, LADEN_DTYPE_F32, 2, 32, C | X),
+             LADEN_STORE_PLAIN);
+    refused(LADEN_DTYPE_Q6_K, LADEN_DTYPE_I32, C | IN | X,
+            "expands only to a floating dtype");
+    /* Storage asked: fp8 for large 2-D parameters of blocks, bf16 for the
+     * blocks' floating tensors not already so. */
+    const uint32_t F8 = LADEN_STORE_ASK_FP8, B16 = LADEN_STORE_ASK_BF16;
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, IN | P | F8),
+             LADEN_STORE_FP8);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG - 1,
+                      IN | P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 3, BIG, IN | P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, IN | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 2, BIG, P | F8),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_Q4_K, LADEN_DTYPE_F16, 2, BIG,
+                      C | IN | P | F8),
+             LADEN_STORE_FP8); /* expanded on load, then quantized */
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F16, 1, 4, IN | B16),
+             LADEN_STORE_BF16);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_BF16, 1, 4, IN | B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_I32, LADEN_DTYPE_I32, 1, 4, IN | B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F32, LADEN_DTYPE_F16, 1, 4, B16),
+             LADEN_STORE_PLAIN);
+    CHECK_EQ(store_of(LADEN_DTYPE_F8_E4M3, LADEN_DTYPE_BF16, 2, BIG,
+                      C | IN | P | F8),
+             LADEN_STORE_CHECKPOINT_FP8); /* its own fp8 first */
+    /* Misuse. */
+    CHECK_EQ(laden_sched_storage_for(LADEN_DTYPE_F32, LADEN_DTYPE_F32, 1, 1,
+                                     0, NULL),
+             LADEN_E_INVAL);
+    uint32_t k = 7;
+    CHECK_EQ(laden_sched_storage_for(LADEN_DTYPE_COUNT, LADEN_DTYPE_F32, 1,
+                                     1, 0, &k),
+             LADEN_E_INVAL);
+    CHECK_EQ(k, LADEN_STORE_PLAIN);
+}
