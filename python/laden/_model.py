@@ -814,9 +814,6 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         if s:
             raise error_for(s)
 
-    if trainer is not None:
-        from .training import train_call
-
     def plain(args, kwargs):
         stream = do_enter()
         try:
@@ -869,8 +866,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             guard()
         if trainer is not None:
             if grad_on():
-                return train_call(trainer, mod, c_block, do_enter, do_leave,
-                                  orig, plain, args, kwargs)
+                return trainer.call(mod, c_block, do_enter, do_leave, orig,
+                                    plain, args, kwargs)
             # An optimizer may have changed the host copies: a forward
             # without gradients must not run the slots' old bytes.
             trainer.refresh(c_block)

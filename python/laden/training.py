@@ -73,7 +73,14 @@ def _is_kv_cache(x) -> bool:
 
 class _Trainer:
     """One handle's training state: host copies of the streamed trainable
-    parameters, the C gradient sink, the hooks."""
+    parameters, the C gradient sink, the hooks.  A wrapped block calls
+    `call` (train_call) through it: _model.py, below this module, imports
+    nothing of it."""
+
+    def call(self, mod, c_block: int, enter, leave, orig, plain, args,
+             kwargs):
+        return train_call(self, mod, c_block, enter, leave, orig, plain,
+                          args, kwargs)
 
     def __init__(self, state, grad_dtype):
         import torch
