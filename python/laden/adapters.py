@@ -31,9 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import _lib
 from ._lib import check, error_for, lib
-from ._model import _Tensor, run_of
+from ._model import _dist_of, _Tensor, _tensor_view, run_of
+from ._sched import _pass
+from ._wrapped import is_dtensor
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, LadenError, StateError
+from .sharing import refuse_writes
 
 __all__ = ["AdapterSpec", "merge_adapter", "set_adapters"]
 
@@ -529,10 +532,10 @@ def resolve(spec: AdapterSpec, model, store: Optional[_HostAdapters] = None
         W = params[name]
         tg.adapter = spec.key
         where = f"adapter '{spec.key}' ({files.weights}), target '{name}'"
-        from ._wrapped import is_dtensor
         dist = None
-        if is_dtensor(W):  # checked against the whole (global) weight,
-            from ._model import _dist_of  # then sliced for this rank
+        # A DTensor: checked against the whole (global) weight, then
+        # sliced for this rank.
+        if is_dtensor(W):
             try:
                 dist = _dist_of(W, name)
             except InvalidArgumentError as e:
@@ -641,7 +644,6 @@ def _slice_for_rank(tg: _Target, dist, where: str) -> None:
 def _local(W):
     """The tensor an update is added to: a DTensor's local shard (laden's
     memory), else W."""
-    from ._wrapped import is_dtensor
     return W.to_local() if is_dtensor(W) else W
 
 
@@ -945,12 +947,8 @@ def set_adapters(handle, adapters: Sequence[AdapterSpec],
                          "E_STATE")
     if mode == "merge" and adapters and st.device.type != "cuda":
         # On the CPU the weights run from their host copy, in place.
-        from .sharing import refuse_writes
-
         refuse_writes(st, "set_adapters(mode='merge') on the CPU (use "
                       "mode='routed')")
-    from .streaming import _pass
-
     with _pass(st, o, "set_adapters"):
         _set(handle, st, o, model, adapters, strengths, mode)
 
@@ -1105,8 +1103,6 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
         raise StateError("merge_adapter: the model was not loaded by laden",
                          "E_STATE")
     o = st.live("merge_adapter")
-    from .sharing import refuse_writes
-
     refuse_writes(st, "merge_adapter")
     h = st.handle
     if h is not None and h.adapters.mode is not None:
@@ -1116,16 +1112,12 @@ def merge_adapter(model, adapter: AdapterSpec, strength: float = 1.0) -> None:
         raise StateError("merge_adapter: the model is still loading in the "
                          "background; wait for it (report.wait()) first",
                          "E_STATE")
-    from .streaming import _pass
-
     with _pass(st, o, "merge_adapter"):
         _merge_for_good(model, st, o, h, adapter, strength)
 
 
 def _merge_for_good(model, st, o, h, adapter, strength) -> None:
     import torch
-
-    from ._model import _tensor_view
 
     targets = resolve(adapter, model)
     by_name = _by_name(st.tensors)

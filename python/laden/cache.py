@@ -26,6 +26,8 @@ from . import _lib, doors, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
+from ._wrapped import detach_all
+from .adapters import _CacheAdapters, _HostAdapters
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
@@ -409,7 +411,6 @@ class _Runtime:
         for t in self.tensors:
             _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))
         if restore and self.model is not None:
-            from ._wrapped import detach_all
             detach_all(self.model)  # handed back: plain wrappers again
         if self.device.type == "cuda":
             # Its kernels must be done with the memory before it goes (a
@@ -547,7 +548,6 @@ class ModelCache:
         if _USE_COUNT is None:
             _USE_COUNT = _find_use_count() or False
         self._lock = threading.RLock()
-        from .adapters import _HostAdapters
         # Adapters as read, for all models and devices: entries of C's
         # host policy, in the group the device caches join.
         self._adapter_host = _HostAdapters(self.pinned_budget or 0)
@@ -678,7 +678,6 @@ class ModelCache:
             if adapters[0] or rt.adapters is not None:
                 try:
                     if rt.adapters is None:
-                        from .adapters import _CacheAdapters
                         rt.adapters = _CacheAdapters(rt,
                                                      self._adapter_host)
                     rt.adapters.apply(*adapters)

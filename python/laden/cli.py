@@ -11,8 +11,15 @@ import sys
 from collections import OrderedDict, defaultdict
 from typing import Dict, List, Sequence, Tuple
 
-from ._lib import LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX
+from . import _lib, demo, hf, planning, sharing
+from ._lib import LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX, check, lib
 from ._units import fmt_bytes, fmt_rate, parse_size
+from ._writer import save_file
+from .checkpoint import Checkpoint
+from .errors import LadenError
+from .gguf import GgufFile
+from .streaming import _device, release
+from .traceview import load, plot, summarize
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -167,8 +174,6 @@ def _usable_device(text):
     """The device a command runs on and a note saying why: ``--device``
     checked against this machine (BadArgument naming the device and why
     it cannot be used), or the default, cuda when present, else cpu."""
-    from . import planning
-
     if text is None:
         why = planning.no_cuda_reason()
         if why:
@@ -210,8 +215,6 @@ def _print_by_type(label: str, items, total: int) -> None:
 
 
 def _inspect_gguf(args) -> int:
-    from .gguf import GgufFile
-
     g = GgufFile(args.path)
     print(f"{g.path}: GGUF version {g.version}, {len(g.tensors)} tensors, "
           f"{fmt_bytes(g.total_bytes)} ({g.total_bytes} bytes), alignment "
@@ -234,8 +237,6 @@ def _inspect_gguf(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .checkpoint import Checkpoint
-
     if os.path.isfile(args.path):
         with open(args.path, "rb") as f:
             if f.read(4) == b"GGUF":
@@ -291,9 +292,6 @@ def _say(msg: str) -> None:
 
 def cmd_probe(args) -> int:
     import ctypes
-
-    from . import _lib
-    from ._lib import check, lib
 
     size, disk = args.size, args.disk_size
     rows = [["what", "measured"]]
@@ -362,8 +360,6 @@ def cmd_probe(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from ._writer import save_file
-
     total = args.size
     hidden = args.hidden
     per_block = (4 * hidden * hidden + 2 * hidden * 4 * hidden) * 2
@@ -396,9 +392,6 @@ def cmd_sample(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from . import planning
-    from .checkpoint import Checkpoint
-
     device, note = _usable_device(args.device)
     if device == "cpu":
         # The CPU has no VRAM: options about it would be ignored silently.
@@ -444,10 +437,6 @@ def cmd_generate(args) -> int:
     import time
 
     import torch
-
-    from . import hf
-    from ._lib import check, lib
-    from .streaming import _device, release
 
     try:
         import transformers
@@ -540,8 +529,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from . import demo
-
     device, note = _usable_device(args.device)
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
         raise BadArgument(
@@ -689,8 +676,6 @@ def cmd_shm(args) -> int:
     if getattr(args, "shm_cmd", None) not in ("list", "clean"):
         raise BadArgument("give a shm command: laden shm list, or laden shm "
                           "clean")
-    from . import sharing
-
     where = sharing.directory()
     if args.shm_cmd == "clean":
         gone, nbytes = sharing.reclaim()
@@ -726,8 +711,6 @@ def cmd_trace(args) -> int:
     if getattr(args, "trace_cmd", None) != "show":
         raise BadArgument("give a trace command: laden trace show "
                           "trace.json [-o timeline.png]")
-    from .traceview import load, plot, summarize
-
     t = load(args.path)
     print(summarize(t, args.link, args.top).text())
     if args.output:
@@ -748,13 +731,11 @@ def _sentence(e: BaseException) -> str:
 
 
 def main(argv: Sequence[str] = None) -> int:
-    from .errors import LadenError
-
     ap = _parser()
     args = ap.parse_args(argv)
     if args.version:
-        from . import __version__
-        print(f"laden {__version__}")
+        # laden.__version__, read from the library as __init__ reads it
+        print(f"laden {lib.laden_version().decode()}")
         return 0
     if not getattr(args, "fn", None):
         print("laden: error: give a command: inspect, probe, plan, demo, "

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, StateError
 
 # Modes without CUDA graphs: one captured graph replayed over streamed
 # weights whose slots change is not supported yet ("reduce-overhead" and
@@ -264,8 +264,6 @@ def _close(st) -> None:
 def _block(key: int, what: str) -> list:
     b = _BLOCKS.get(key)
     if b is None or b[0]() is None or b[1]() is None:
-        from .errors import StateError
-
         raise StateError(
             f"laden::{what}: a compiled graph ran a streamed block whose "
             "offload was removed or released; compile the model again "

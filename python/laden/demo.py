@@ -20,7 +20,11 @@ import time
 import unicodedata
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import checkpoint as ckmod
+from . import planning, streaming
+from ._lib import check, lib
 from ._units import fmt_bytes, parse_size
+from .planning import device_problem
 
 # Weights a sentence encoder does not use (BERT's pooler head).
 SKIP = ("pooler.",)
@@ -309,8 +313,6 @@ def _median_ms(fn, device, repeats: int) -> Tuple[float, object]:
 def _link_rate(device) -> Tuple[float, str]:
     """Bytes per second of the path streamed blocks take: pinned H2D on a
     GPU, the drive's direct read on the CPU (disk blocks)."""
-    from ._lib import check, lib
-
     r = ctypes.c_double()
     if device.type == "cuda":  # the planner's probe (one size, in C)
         check(lib.laden_plan_probe_h2d(device.index, ctypes.byref(r)))
@@ -327,10 +329,6 @@ def run(model_dir: Optional[str] = None, budget=None, device=None,
     bit-identical to the model loaded normally."""
     import torch
 
-    from . import checkpoint as ckmod
-    from . import streaming
-    from . import planning
-    from .planning import device_problem
 
     if repeats < 1:
         raise ValueError(f"repeats {repeats}: give 1 or more")

@@ -20,6 +20,7 @@ from typing import Dict, List, Tuple
 from . import _lib
 from ._lib import check, lib
 from .checkpoint import PathLike
+from .errors import FormatError
 
 __all__ = ["GgufFile", "GgufTensor", "llama_key_map", "LLAMA_NAMES",
            "rope_heads", "check_config"]
@@ -73,8 +74,6 @@ def _where(path) -> str:
 
 
 def _bad(path, key: str, v, need: str):
-    from .errors import FormatError
-
     return FormatError(
         f"{_where(path)}GGUF metadata '{key}' is "
         f"{'missing' if v is None else repr(v)}: {need}", "E_SCHEMA")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Tuple
 
 from ._lib import CAPTURE_STANDALONE as STANDALONE
 from ._lib import check, error_for, lib
+from ._sched import _pass
 from .errors import DeviceError, InvalidArgumentError, StateError
 
 log = logging.getLogger("laden")
@@ -94,8 +95,6 @@ class CapturedForward:
                 return self._fn(*inputs)
         st = self._handle.state
         stream = torch.cuda.current_stream(st.device).cuda_stream
-        from .streaming import _pass
-
         # Held from the inputs' copies on: another thread's call is
         # refused, not run over these inputs.
         with _pass(st, o, "captured forward"):
@@ -189,8 +188,6 @@ def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
     graph = torch.cuda.CUDAGraph()
     cap = ctypes.c_void_p()
     flags = STANDALONE if handle.adapters.merges else 0
-    from .streaming import _pass
-
     try:
         with _pass(st, o, what):
             # On a stream of the model's device: torch's default capture

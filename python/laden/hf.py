@@ -19,10 +19,18 @@ import stat
 import threading
 from typing import Dict, List, Optional
 
-from ._model import find_blocks
+from . import doors, streaming
+from ._model import _device, find_blocks
+# The move guard lives below streaming (release takes it off); the names
+# stay importable from here, where they were.
+from ._moves import (_MOVES, _guard_moves, _guard_one, _move_target,
+                     _same_device, unguard_moves)
+from .cache import ModelCache, ModelOffloader
 from .checkpoint import Checkpoint, PathLike
 from .errors import (FormatError, InvalidArgumentError, LadenError,
-                     MismatchError, StateError)
+                     MismatchError, ReadError, StateError)
+from .gguf import check_config as _gguf_check_config
+from .gguf import llama_key_map
 
 __all__ = ["from_pretrained", "find_blocks", "empty_weights"]
 
@@ -105,8 +113,6 @@ def read_config_json(path: str) -> dict:
     """The JSON object in config.json file `path`: FormatError naming the
     file (and the line and column where the JSON goes wrong) for what is
     not one; ReadError when it cannot be read."""
-    from .errors import ReadError
-
     try:
         # Non-blocking: a FIFO in its place is refused, not waited on.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -800,98 +806,6 @@ def _called_from_outside(model) -> Optional[List[str]]:
     return None
 
 
-# ---- moving an offloaded model ---------------------------------------------------
-
-_MOVES = ("to", "cuda", "cpu", "half", "float", "double", "bfloat16",
-          "to_empty", "type")
-
-
-def _move_target(args, kwargs):
-    """(device or None, dtype or None) of a Module.to(...) call."""
-    import torch
-
-    dev = kwargs.get("device")
-    dt = kwargs.get("dtype")
-    for a in args:
-        if isinstance(a, torch.dtype):
-            dt = a
-        elif isinstance(a, (str, torch.device, int)):
-            dev = a
-        elif isinstance(a, torch.Tensor):
-            dev, dt = a.device, a.dtype
-    if dev is not None:
-        dev = torch.device("cuda", dev) if isinstance(dev, int) else \
-            torch.device(dev)
-    return dev, dt
-
-
-def _same_device(d, device) -> bool:
-    """Whether a move to `d` stays on `device`; "cuda" without an index is
-    the current device, as for every torch move."""
-    from ._model import _device
-
-    if d.type != device.type:
-        return False
-    if d.type != "cuda":
-        return True
-    return _device(d) == _device(device)
-
-
-def _guard_moves(model, device, what: str = "the model") -> None:
-    """``.to(...)`` and friends on a model whose weights laden holds, and on
-    every module inside it: a move to where it runs, in the dtypes it has,
-    is a no-op; anything else raises (its weights live in laden's tiers,
-    which a move would bypass)."""
-    for mod in model.modules():
-        _guard_one(mod, model, device, what)
-
-
-def _guard_one(mod, root, device, what: str) -> None:
-    def refuse(call):
-        raise StateError(
-            f"{type(mod).__name__}.{call}: {what} is offloaded by laden "
-            f"(its weights live in laden's memory and run on {device}); "
-            "release it first (laden.release(model), or the pipeline "
-            "handle's remove()), or load it again with the device and "
-            "dtype wanted", "E_STATE")
-
-    def to(*args, **kwargs):
-        dev, dt = _move_target(args, kwargs)
-        if dt is not None and any(p.dtype != dt for p in mod.parameters()
-                                  if p.dtype.is_floating_point):
-            refuse(f"to({dt})")
-        if dev is not None and not _same_device(dev, device):
-            refuse(f"to({dev})")
-        return mod
-
-    def moved(call):
-        import torch
-
-        as_to = {"half": torch.float16, "float": torch.float32,
-                 "double": torch.float64, "bfloat16": torch.bfloat16,
-                 "cpu": "cpu", "cuda": "cuda"}
-
-        def f(*args, **kwargs):
-            if call in as_to and not args and not kwargs:
-                return to(as_to[call])  # a no-op where it already is
-            if call == "cuda" and args and not kwargs:
-                return to(torch.device("cuda", args[0])
-                          if isinstance(args[0], int) else args[0])
-            refuse(f"{call}()")
-        return f
-
-    mod.to = to
-    for call in _MOVES[1:]:
-        setattr(mod, call, moved(call))
-    mod._laden_guarded = _MOVES
-
-
-def unguard_moves(model) -> None:
-    for mod in model.modules():
-        for call in mod.__dict__.pop("_laden_guarded", ()):
-            mod.__dict__.pop(call, None)
-
-
 # ---- the one call ----------------------------------------------------------------
 
 def from_pretrained(model_cls, path: PathLike, *, device=None,
@@ -923,8 +837,6 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     ``laden.stream_load``).  ``model.to(...)`` to another device or dtype
     raises (release first); ``eval()``, ``train()``, ``device``,
     ``dtype`` behave as usual."""
-    from . import streaming
-
     path = os.fspath(path)
     if subfolder:
         path = os.path.join(path, subfolder)
@@ -944,9 +856,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             raise InvalidArgumentError(
                 f"laden.from_pretrained: {weights}: GGUF files load into "
                 "transformers models", "E_INVAL")
-        from .gguf import check_config
-
-        check_config(weights)  # before transformers builds a config of it
+        _gguf_check_config(weights)  # before transformers builds a config of it
         dtype = dtype if dtype is not None else "float32"  # as transformers
     else:
         _check_dir(path)
@@ -986,8 +896,6 @@ _GGUF_ARCHS = ("llama", "mistral", "qwen2")
 
 
 def _gguf_key_map(model, path: str):
-    from .gguf import llama_key_map
-
     mt = getattr(model.config, "model_type", "?")
     if mt not in _GGUF_ARCHS:
         raise InvalidArgumentError(
@@ -1059,8 +967,6 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
 
     import torch
 
-    from .cache import ModelCache, ModelOffloader
-    from .streaming import _device
 
     if getattr(pipe, "_laden_pipeline", None) is not None:
         raise StateError("offload_pipeline: the pipeline is offloaded "
@@ -1074,8 +980,6 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
     if not mods:
         raise InvalidArgumentError("offload_pipeline: the pipeline has no "
                                    "torch modules", "E_INVAL")
-    from . import doors
-
     for k, m in list(mods.items()):
         # A component laden streams already (laden.from_pretrained) is
         # adopted as it is: it keeps its own plan and budget, and the

@@ -23,6 +23,7 @@ from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
+from .sharing import segments_bytes
 
 # LADEN_PLAN_AUTO: "decide from the readings".  C takes and rounds the
 # readings (laden_plan_read), keeps the default headroom (reserve AUTO)
@@ -348,7 +349,6 @@ def load_budgets(dev, vram_budget, ram_budget, vram_has_budget: bool,
     opt.ram_budget_bytes = AUTO if ram_budget is None else \
         parse_size(ram_budget)
     if shared is not None and ram_budget is None:
-        from .sharing import segments_bytes
         opt.shared_bytes = segments_bytes(shared)
     opt.vram_context_budget = int(vram_has_budget)
     inp = _lib.PlanInput()

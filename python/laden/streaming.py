@@ -19,7 +19,7 @@ import time
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _lib, planning, sharing
+from . import _lib, doors, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
@@ -35,9 +35,17 @@ from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
                      expand_unavailable,
                      fill, new_schedule, progress_to)
 from ._units import fmt_bytes
+from ._moves import unguard_moves
+from ._sched import _end_interrupted, _pass
 from ._wrapped import detach_all
+from .adapters import _Adapters, set_adapters
 from .checkpoint import Checkpoint, PathLike
+from .compile import BlockCompiler, close_open, compiling
+from .compile import check as check_compile
+from .doors import refuse_owned
 from .errors import InvalidArgumentError, StateError
+from .graphs import capture
+from .training import _Fused, _Trainer, grad_code, materialize_adapters
 
 __all__ = ["stream_load", "install_offload", "offload_blocks", "release",
            "stage", "LoadReport", "OffloadHandle", "BlockInfo", "expand_fp8",
@@ -353,8 +361,6 @@ def _local_part(t: _Tensor, v):
 def _open_doors(model, state: _Stream, who: str) -> None:
     """state_dict(), load_state_dict(), copies and a second owner of the
     model (laden.doors)."""
-    from . import doors
-
     mods = ([(model, "")] if model is not None else []) + \
         [(b.module, b.name) for b in state.blocks]
     state.doors = doors.Doors(state.name, state.tensors,
@@ -364,8 +370,6 @@ def _open_doors(model, state: _Stream, who: str) -> None:
 
 
 def _close_doors(state: _Stream) -> None:
-    from . import doors
-
     if state.doors is not None:
         state.doors.close()
         state.doors = None
@@ -506,7 +510,6 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
                          "first", "E_STATE")
-    from .doors import refuse_owned
     refuse_owned(model, "stream_load")
     check_lookahead(lookahead)
     if sharing.group_of(shared, "stream_load") is not None and background:
@@ -684,17 +687,6 @@ def _await(state: _Stream, o: _Owned, c_block: int) -> None:
             return
 
 
-def _end_interrupted(state: _Stream, o: _Owned) -> None:
-    """Ends every pass and block this thread holds on the schedule (C:
-    laden_sched_end_all): at the end of a forward, its own pass; after an
-    interrupt, also what it left.  Blocks an interrupt left entered had
-    their slots bound into their modules: their own values go back."""
-    n = ctypes.c_uint32(0)
-    lib.laden_sched_end_all(o.h, ctypes.byref(n))
-    if n.value:
-        bind_out(state.tensors)
-
-
 def _awaits(state: _Stream, c_block: int):
     """A block that does not stream, while the model loads in the
     background: its forward waits for its bytes."""
@@ -751,8 +743,6 @@ def _wrap_root(model, state: _Stream) -> None:
     orig = model.forward
 
     import torch
-
-    from .compile import compiling
 
     @functools.wraps(orig)
     def forward(*args, **kwargs):
@@ -866,7 +856,6 @@ class OffloadHandle:
         self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
         self.trainer = None  # laden.training._Trainer with train=True
         self.compiler = None  # laden.compile.BlockCompiler with compile=
-        from .adapters import _Adapters
         self.adapters = _Adapters(self)
 
     def named_parameters(self):
@@ -911,8 +900,6 @@ class OffloadHandle:
         stepped already, and a step count kept as a tensor may have
         advanced.  ``None`` turns it off."""
         tr = self._trainer("step_in_backward")
-        from .training import _Fused
-
         tr.fused = None if optimizer is None else _Fused(tr, optimizer)
 
     def capture(self, fn, *example_inputs, warmup: int = 2):
@@ -929,8 +916,6 @@ class OffloadHandle:
         threads) cannot be captured, nor a handle made with train=True;
         after remove(), release() or set_adapters() the captured forward
         raises StateError (capture again).  CUDA only."""
-        from .graphs import capture
-
         return capture(self, fn, example_inputs, warmup)
 
     def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
@@ -945,7 +930,6 @@ class OffloadHandle:
         low-rank residual to ``nn.Linear`` outputs.  Everything is checked
         before anything changes: a key naming no parameter, a shape that
         does not fit, an fp8 or integer target raise AdapterError."""
-        from .adapters import set_adapters
         set_adapters(self, adapters, strengths, mode)
 
     def stats(self) -> Dict[str, int]:
@@ -1004,40 +988,6 @@ def _free_device_memory(ptr: int, device: int) -> None:
     lib.laden_dev_mem_free(device, ptr)
 
 
-class _pass:
-    """Holds the schedule for this thread (laden_sched_begin/end) around
-    work that rebinds a model, so that no other thread runs it meanwhile;
-    StateError at once if another thread holds it."""
-
-    def __init__(self, state: "_Stream", owner: _Owned, what: str):
-        self.state, self.owner, self.what = state, owner, what
-
-    def __enter__(self):
-        from .compile import close_open
-
-        close_open()  # what a compiled run that raised left entered
-        tl = self.state.passes
-        self.depth = getattr(tl, "n", 0)
-        if not self.depth:
-            _end_interrupted(self.state, self.owner)
-        s = lib.laden_sched_begin(self.owner.h)
-        if s:
-            err = error_for(s)
-            raise type(err)(f"{self.what}: {self.state.name}: {err}",
-                            err.status, err.code)
-        # A forward inside it (a capture's) is not this thread's
-        # outermost: it leaves this hold alone.
-        tl.n = self.depth + 1
-        return self
-
-    def __exit__(self, *exc):
-        self.state.passes.n = self.depth
-        if self.depth:
-            lib.laden_sched_end(self.owner.h)
-        else:
-            _end_interrupted(self.state, self.owner)
-
-
 def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
     """Stops the schedule (frees its slots) unless a tensor still uses a
     slot: one derived from a streamed weight (a view, a state_dict entry)
@@ -1087,8 +1037,6 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
     compiles each block's forward with ``torch.compile``, once per block
     class and shape, laden's enter and exit staying outside the compiled
     code."""
-    from .compile import check as check_compile
-
     block_compile = check_compile(compile)
     state = getattr(model, "_laden_stream", None)
     if state is None:
@@ -1113,8 +1061,6 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
     if train:
         sharing.refuse_writes(state, "install_offload(train=True)")
     if grad_dtype is not None:
-        from .training import grad_code
-
         if not train:
             raise InvalidArgumentError(
                 "install_offload: grad_dtype is for train=True", "E_INVAL")
@@ -1122,8 +1068,6 @@ def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
             raise InvalidArgumentError(
                 f"install_offload: grad_dtype must be torch.float32, "
                 f"float16 or bfloat16, not {grad_dtype}", "E_INVAL")
-    from .training import materialize_adapters
-
     materialize_adapters(state, getattr(model, "peft_config", None))
     return _start(state, lookahead, train, grad_dtype, block_compile)
 
@@ -1148,13 +1092,11 @@ def _start(state: _Stream, lookahead: int, train: bool = False,
         state.kept_lookahead = None
         handle = OffloadHandle(state, lookahead)
         if block_compile is not None:
-            from .compile import BlockCompiler
             handle.compiler = BlockCompiler(block_compile)
         state.handle = handle
         handle.active = True
         try:
             if train:
-                from .training import _Trainer
                 handle.trainer = _Trainer(state, grad_dtype)
                 state.training = True
             _bind_slots(state, o, handle)
@@ -1252,7 +1194,6 @@ def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
     if not blocks:
         raise InvalidArgumentError("offload_blocks: no blocks given",
                                    "E_INVAL")
-    from .doors import refuse_owned
     for b in blocks:
         refuse_owned(b, "offload_blocks")
     desc = describe(torch.nn.ModuleList(blocks), None, [""],
@@ -1294,8 +1235,6 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         # The module stream_load loaded, also when given a wrapper that
         # forwards attributes to it (a PeftModel made after the load).
         model = state.root[0]
-    from .compile import close_open
-
     close_open()  # what a compiled run that raised left entered
     if not getattr(state.passes, "n", 0):
         _end_interrupted(state, o)  # what an interrupted forward left
@@ -1311,7 +1250,6 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
     # that no forward of another thread runs half on meta weights).
     _mark_released(model, state)
     _unwrap_root(state)
-    from .hf import unguard_moves
     unguard_moves(model)
     for hk in state.hooks:
         hk.remove()

@@ -25,7 +25,8 @@ from typing import Optional
 
 from . import _lib
 from ._lib import check, lib
-from .errors import LadenError, StateError
+from .errors import InvalidArgumentError, LadenError, StateError
+from .traceview import load, summarize
 
 log = logging.getLogger("laden")
 
@@ -76,7 +77,6 @@ class Trace:
         self._cpath = os.fsencode(self.path) if path is not None else None
         self.max_events = int(max_events)
         if self.max_events < 0:
-            from .errors import InvalidArgumentError
             raise InvalidArgumentError(
                 f"max_events {max_events}: give 0 (the default bound) or "
                 "a positive number", "E_INVAL")
@@ -89,7 +89,6 @@ class Trace:
         if self.path is not None:
             d = os.path.dirname(os.path.abspath(self.path))
             if not os.path.isdir(d):
-                from .errors import InvalidArgumentError
                 raise InvalidArgumentError(
                     f"trace path {os.fsdecode(self.path)}: no directory "
                     f"{os.fsdecode(d)}", "E_INVAL")
@@ -136,7 +135,6 @@ class Trace:
         if self._on:
             raise StateError("the trace is still on: end the with block "
                              "first", "E_STATE")
-        from .traceview import load, summarize
         return summarize(load(self.path), link_gb_per_s).text()
 
     def __repr__(self) -> str:
