@@ -19,6 +19,10 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
 from . import _lib, _wrapped
+from . import compile as _compile
+from .checkpoint import _progress_bar
+from .gguf import rope_heads, rope_heads_of
+from .trace import ON as tracing_on, sample_torch_memory
 from ._dtypes import checkpoint_dtype
 from ._wrapped import (attach, detach_all, holders, is_dtensor,
                        is_wrapped, refresh)
@@ -762,9 +766,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     enter and exit only (bind_in, bind_out)."""
     import torch
 
-    from . import compile as _compile
 
-    from .trace import ON as tracing_on, sample_torch_memory
 
     enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
     had = "forward" in mod.__dict__
@@ -901,7 +903,6 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
 def _unwrap_all(wrapped: list) -> None:
     """Undoes _wrap_forward: forwards restored, guards removed."""
-    from . import compile as _compile
 
     for mod, prev, had in reversed(wrapped):
         if isinstance(mod, str) and mod == "hook":
@@ -1242,7 +1243,6 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
     if ck is not None:
         _check_dtypes(ck, tensors, cdt, label, compact, expand_blocks)
         if ck.format == "gguf":
-            from .gguf import rope_heads, rope_heads_of
 
             heads = rope_heads(ck.metadata, ck.path)
             for t in tensors:
@@ -1265,7 +1265,6 @@ class progress_to:
     calls into C."""
 
     def __init__(self, h, total: int, desc: str, progress):
-        from .checkpoint import _progress_bar
 
         self.h = h
         self.bar = _progress_bar(total, desc, progress)
