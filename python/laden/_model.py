@@ -20,7 +20,7 @@ from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
 
 from . import _lib, _wrapped
 from . import compile as _compile
-from .checkpoint import _progress_bar
+from . import checkpoint as _checkpoint  # its _progress_bar: tests swap it
 from .gguf import rope_heads, rope_heads_of
 from .trace import ON as tracing_on, sample_torch_memory
 from ._dtypes import checkpoint_dtype
@@ -1267,7 +1267,7 @@ class progress_to:
     def __init__(self, h, total: int, desc: str, progress):
 
         self.h = h
-        self.bar = _progress_bar(total, desc, progress)
+        self.bar = _checkpoint._progress_bar(total, desc, progress)
         self.fn = None
         self.raised: Optional[BaseException] = None
 
