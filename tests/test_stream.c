@@ -16,7 +16,8 @@
 #include "laden/dev.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
-#include "stream/stream_internal.h" /* stage_bytes, to stage in pieces */
+#include "stream/stream_internal.h" /* load.stage_bytes, to stage in pieces */
+#include "stream/stream_share.h"    /* laden__share_prepared_wait_ms */
 
 #define NB 7
 
@@ -1922,7 +1923,7 @@ static void staged_pieces(int32_t dev)
         LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU};
     model m;
     build(&m, dev, ALL_GPU, 0);
-    m.sc->stage_bytes = 1;
+    m.sc->load.stage_bytes = 1;
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 0));
     for (int i = 0; i <= NB; i++)
@@ -1978,7 +1979,7 @@ static void background(int32_t dev)
         slow w = {.nap = 2000};
         build(&m, dev, variant == 1 ? ALL_GPU : MIXED, 0);
         if (variant == 1)
-            m.sc->stage_bytes = 1;
+            m.sc->load.stage_bytes = 1;
         CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
         CHECK_OK(laden_sched_load_begin(m.sc));
         CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);

@@ -5,7 +5,8 @@
 #include <string.h>
 
 #include "laden/gguf.h"
-#include "stream_internal.h"
+#include "../core/internal.h"
+#include "stream_convert.h"
 
 /* The scalar conversions are core's (src/core/dtype_internal.h): the
  * loops here call them once per element. */

@@ -28,7 +28,8 @@
 #include <unistd.h>
 
 #include "laden/grads.h"
-#include "stream_internal.h"
+#include "../core/internal.h"
+#include "laden/stream.h"
 
 #define MIN_STAGING (1u << 20)
 #define LAND_CHUNK 2048 /* elements added through stack buffers */
