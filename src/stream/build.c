@@ -7,10 +7,6 @@
 
 #include "stream_layout.h"
 #include "stream_convert.h"
-#include "stream_hold.h"
-#include "stream_load.h"
-#include "stream_run.h"
-#include "stream_share.h"
 
 laden_status laden_sched_create(const laden_sched_config *cfg,
                                 const laden_st_t *st, laden_sched_t **out)
@@ -553,87 +549,7 @@ done:
     return s;
 }
 
-/* ---- destroy ------------------------------------------------------------ */
-
-void laden__sched_free_all(laden_sched_t *sc)
-{
-    laden__sched_free_slots(sc);
-    if (sc->cache.fenced)
-        laden_dev_event_synchronize(sc->cache.last_use);
-    for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        blk *b = &sc->layout.b[i];
-        bool in_segment = b->shared && b->tier == LADEN_TIER_GPU &&
-                          !b->resident; /* the CPU device (share.c) */
-        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
-            !sc->cache.vbar && !in_segment)
-            laden_dev_mem_free(sc->cfg.device, b->region);
-        if (b->shared) { /* in the segment, closed below */
-            if (b->pinned)
-                laden_dev_host_unregister(sc->cfg.device, b->ram);
-        } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
-            if (b->pinned)
-                laden_dev_host_unregister(sc->cfg.device, b->ram);
-            munmap(b->ram, b->ram_len);
-        } else if (b->ram) {
-            laden_host_free(sc->layout.host, b->ram);
-        }
-        b->region = 0;
-        b->ram = NULL;
-        b->ram_len = 0;
-        b->resident = b->pinned = b->ready = false;
-    }
-    sc->load.pinned_homes = 0;
-    laden__sched_share_close(sc);
-    laden_vbar_destroy(
-        sc->cache.vbar); /* after the copies (free_slots synced) */
-    sc->cache.vbar = NULL;
-    laden_dev_stream_destroy(sc->run.copy);
-    sc->run.copy = NULL;
-    laden_dev_event_destroy(sc->cache.uploaded);
-    laden_dev_event_destroy(sc->cache.last_use);
-    sc->cache.uploaded = sc->cache.last_use = NULL;
-    sc->cache.fenced = false;
-    free(sc->layout.order);
-    sc->layout.order = NULL;
-    laden_host_trim(sc->layout.host);
-}
-
-void laden_sched_destroy(laden_sched_t *sc)
-{
-    if (!sc)
-        return;
-    if (laden__sched_on_loader(sc)) { /* finished by the loader's thread */
-        atomic_store(&sc->load.destroy_asked, true);
-        return;
-    }
-    laden__sched_join_loader(sc); /* a load in the background stops */
-    laden__sched_abandon_load(sc);
-    /* Kernels of the model may still read its weights and slots (the
-     * caller dropped it right after enqueueing a forward); VBAR pages are
-     * unmapped without the implicit wait of a device free. */
-    if (sc->cuda && sc->run.compute)
-        laden_dev_stream_synchronize(sc->run.compute);
-    if (sc->cuda && sc->run.compute_alt)
-        laden_dev_stream_synchronize(sc->run.compute_alt);
-    laden__sched_free_all(sc);
-    for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            free((char *)sc->layout.b[i].t[k].name);
-        free(sc->layout.b[i].t);
-        free(sc->layout.b[i].name);
-    }
-    free(sc->layout.b);
-    for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
-        laden_io_file_close(sc->layout.files[i]);
-    free(sc->layout.files);
-    free(sc->share.key);
-    laden_host_destroy(sc->layout.host);
-    if (sc->layout.own_io)
-        laden_io_destroy(sc->layout.io);
-    pthread_cond_destroy(&sc->hold.cv);
-    pthread_mutex_destroy(&sc->hold.mu);
-    free(sc);
-}
+/* ---- pieces and storage dtypes ------------------------------------------ */
 
 laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
                                 uint64_t max_bytes, uint32_t *piece_of,
@@ -726,4 +642,79 @@ laden_status laden_sched_storage_for(laden_dtype src, laden_dtype want,
     }
     *store = kind;
     return LADEN_OK;
+}
+
+/* ---- streamed blocks' positions ----------------------------------------- */
+
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
+{
+    if (b->resident)
+        return false;
+    return b->tier == LADEN_TIER_DISK ||
+           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache.on));
+}
+
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc)
+{
+    sc->layout.nstreamed = 0;
+    sc->layout.slot_bytes = 0;
+    sc->layout.any_disk = false;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
+        b->pos = -1;
+        if (!laden__sched_streamed(sc, b))
+            continue;
+        b->pos = (int32_t)sc->layout.nstreamed;
+        sc->layout.order[sc->layout.nstreamed++] = i;
+        if (b->bytes > sc->layout.slot_bytes)
+            sc->layout.slot_bytes = b->bytes;
+        sc->layout.any_disk |= b->tier == LADEN_TIER_DISK;
+    }
+    sc->st.generation++;
+}
+
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
+{
+    laden_status s;
+    if (!sc->cache.vram || want == sc->layout.slot_charge)
+        return LADEN_OK;
+    if (want < sc->layout.slot_charge) {
+        laden_vram_uncharge(sc->cache.vram, sc->layout.slot_charge - want);
+        sc->layout.slot_charge = want;
+        return LADEN_OK;
+    }
+    if ((s = laden_vram_charge(sc->cache.vram,
+                               want - sc->layout.slot_charge))) {
+        laden__error_prefix("slots of %s", laden__bytes(want).s);
+        return s;
+    }
+    sc->layout.slot_charge = want;
+    return LADEN_OK;
+}
+
+/* ---- names for the trace ------------------------------------------------ */
+
+const char *laden__sched_trace_name(laden_sched_t *sc)
+{
+    uint64_t sess = laden__trace_session();
+    if (!sc->trace_name || sc->trace_session != sess) {
+        sc->trace_name = laden__trace_intern(sc->name);
+        sc->trace_session = sess;
+    }
+    return sc->trace_name;
+}
+
+const char *laden__sched_block_trace_name(blk *b)
+{
+    if (!b->name)
+        return NULL;
+    uint64_t sess = laden__trace_session();
+    if (!b->trace_name || b->trace_session != sess) {
+        b->trace_name = laden__trace_intern(b->name);
+        b->trace_session = sess;
+    }
+    return b->trace_name;
 }

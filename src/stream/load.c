@@ -1106,7 +1106,7 @@ void laden__sched_abandon_load(laden_sched_t *sc)
     }
 }
 
-/* ---- reading a tensor again ------------------------------------------- */
+/* ---- reading a tensor again --------------------------------------------- */
 
 laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 {
@@ -1164,4 +1164,65 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         sc->st.load_cached_bytes += c.cached;
     }
     return s;
+}
+
+/* ---- teardown ----------------------------------------------------------- */
+
+void laden__sched_free_all(laden_sched_t *sc)
+{
+    laden__sched_free_slots(sc);
+    if (sc->cache.fenced)
+        laden_dev_event_synchronize(sc->cache.last_use);
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
+        bool in_segment = b->shared && b->tier == LADEN_TIER_GPU &&
+                          !b->resident; /* the CPU device (share.c) */
+        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
+            !sc->cache.vbar && !in_segment)
+            laden_dev_mem_free(sc->cfg.device, b->region);
+        if (b->shared) { /* in the segment, closed below */
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+        } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+            munmap(b->ram, b->ram_len);
+        } else if (b->ram) {
+            laden_host_free(sc->layout.host, b->ram);
+        }
+        b->region = 0;
+        b->ram = NULL;
+        b->ram_len = 0;
+        b->resident = b->pinned = b->ready = false;
+    }
+    sc->load.pinned_homes = 0;
+    laden__sched_share_close(sc);
+    /* after the copies (free_slots synced) */
+    laden_vbar_destroy(sc->cache.vbar);
+    sc->cache.vbar = NULL;
+    laden_dev_stream_destroy(sc->run.copy);
+    sc->run.copy = NULL;
+    laden_dev_event_destroy(sc->cache.uploaded);
+    laden_dev_event_destroy(sc->cache.last_use);
+    sc->cache.uploaded = sc->cache.last_use = NULL;
+    sc->cache.fenced = false;
+    free(sc->layout.order);
+    sc->layout.order = NULL;
+    laden_host_trim(sc->layout.host);
+}
+
+laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
+                                      const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (sc->load.err)
+        return laden__sched_load_failure(sc);
+    if (!laden__sched_usable(sc))
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    if (block >= sc->layout.nb)
+        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
+                           block, sc->layout.nb);
+    return LADEN_OK;
 }

@@ -18,56 +18,8 @@
 #include <stdlib.h>
 
 #include "stream_run.h"
-#include "stream_hold.h"
+#include "stream_layout.h"
 #include "stream_load.h"
-
-bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
-{
-    if (b->resident)
-        return false;
-    return b->tier == LADEN_TIER_DISK ||
-           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache.on));
-}
-
-/* Positions and slot size after the set of streamed blocks changed. */
-void laden__sched_relayout(laden_sched_t *sc)
-{
-    sc->layout.nstreamed = 0;
-    sc->run.slot_bytes = 0;
-    sc->run.any_disk = false;
-    for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        blk *b = &sc->layout.b[i];
-        b->pos = -1;
-        if (!laden__sched_streamed(sc, b))
-            continue;
-        b->pos = (int32_t)sc->layout.nstreamed;
-        sc->layout.order[sc->layout.nstreamed++] = i;
-        if (b->bytes > sc->run.slot_bytes)
-            sc->run.slot_bytes = b->bytes;
-        sc->run.any_disk |= b->tier == LADEN_TIER_DISK;
-    }
-    sc->st.generation++;
-}
-
-/* Bytes charged to the VRAM context for the slots become `want`.
- * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
-laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
-{
-    laden_status s;
-    if (!sc->cache.vram || want == sc->run.slot_charge)
-        return LADEN_OK;
-    if (want < sc->run.slot_charge) {
-        laden_vram_uncharge(sc->cache.vram, sc->run.slot_charge - want);
-        sc->run.slot_charge = want;
-        return LADEN_OK;
-    }
-    if ((s = laden_vram_charge(sc->cache.vram, want - sc->run.slot_charge))) {
-        laden__error_prefix("slots of %s", laden__bytes(want).s);
-        return s;
-    }
-    sc->run.slot_charge = want;
-    return LADEN_OK;
-}
 
 /* Frees the slots and staging, after their copies and reads. */
 void laden__sched_free_slots(laden_sched_t *sc)
@@ -418,7 +370,7 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
         goto fail;
     }
     if ((s = laden__sched_charge_slots(sc, (uint64_t)sc->run.nslots *
-                                       sc->run.slot_bytes)))
+                                       sc->layout.slot_bytes)))
         goto fail;
     /* Also with no streamed block: a pass of resident blocks is captured
      * through it too. */
@@ -434,20 +386,21 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
             goto fail;
         }
         if ((s = laden_dev_mem_alloc(
-                 dev, sc->run.slot_bytes ? sc->run.slot_bytes : 1, &sl->ptr)))
+                 dev, sc->layout.slot_bytes ? sc->layout.slot_bytes : 1,
+                 &sl->ptr)))
             goto fail;
         if ((sc->cuda || sc->cache.on) &&
             ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
              (s = laden_dev_event_create(dev, 0, &sl->free)) ||
              (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
             goto fail;
-        if (sc->cuda && sc->run.any_disk &&
-            (s = laden_host_alloc(sc->layout.host, sc->run.slot_bytes,
+        if (sc->cuda && sc->layout.any_disk &&
+            (s = laden_host_alloc(sc->layout.host, sc->layout.slot_bytes,
                                   &sl->staging)))
             goto fail;
     }
     sc->run.started = true;
-    sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->run.slot_bytes;
+    sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
     laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->run.slot_gauge);
     sc->st.generation++; /* the slots' addresses */
     sc->run.dir = 1;
@@ -498,22 +451,6 @@ laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle)
     if (!s)
         sc->run.compute_handle = handle;
     return s;
-}
-
-laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
-                                      const char *call)
-{
-    if (!sc)
-        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (sc->load.err)
-        return laden__sched_load_failure(sc);
-    if (!laden__sched_usable(sc))
-        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
-                           call);
-    if (block >= sc->layout.nb)
-        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
-                           block, sc->layout.nb);
-    return LADEN_OK;
 }
 
 /* The slot a streamed block runs from; *out NULL for a resident block. */
@@ -799,7 +736,7 @@ static laden_status graph_usable(laden_sched_t *sc, const char *call)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "%s: a cached model's blocks move between tiers, "
                            "which a graph cannot follow", call);
-    if (sc->run.any_disk)
+    if (sc->layout.any_disk)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "%s: blocks on the disk tier are read by threads, "
                            "which a graph cannot replay; give them RAM "

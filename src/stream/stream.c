@@ -21,9 +21,9 @@ static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
     if (!sc || !out)
         return laden__fail(LADEN_E_INVAL, "laden_sched_stats: NULL");
     *out = sc->st;
-    out->slot_bytes = sc->run.slot_bytes;
+    out->slot_bytes = sc->layout.slot_bytes;
     out->nslots = sc->run.nslots;
-    out->device_bytes += (uint64_t)sc->run.nslots * sc->run.slot_bytes;
+    out->device_bytes += (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
     if (laden_host_stats(sc->layout.host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
     out->pinned_bytes += sc->load.pinned_homes;
@@ -208,7 +208,7 @@ static void unhold(laden_sched_t *sc)
         release_hold(sc);
 }
 
-/* ---- the background loader's thread (load.c drives the load) ---------- */
+/* ---- the background loader's thread (load.c drives the load) ------------ */
 
 bool laden__sched_hold_loader(laden_sched_t *sc)
 {
@@ -407,16 +407,6 @@ int laden_sched_is_closed(laden_sched_t *sc)
     return sc && atomic_load(&sc->hold.holder) == CLOSED;
 }
 
-const char *laden__sched_trace_name(laden_sched_t *sc)
-{
-    uint64_t sess = laden__trace_session();
-    if (!sc->trace_name || sc->trace_session != sess) {
-        sc->trace_name = laden__trace_intern(sc->name);
-        sc->trace_session = sess;
-    }
-    return sc->trace_name;
-}
-
 /* How many bytes of s to keep, at most max, not cutting a UTF-8
  * character. */
 static size_t name_len(const char *s, size_t max)
@@ -428,18 +418,6 @@ static size_t name_len(const char *s, size_t max)
         while (n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80)
             n--;
     return n;
-}
-
-const char *laden__sched_block_trace_name(blk *b)
-{
-    if (!b->name)
-        return NULL;
-    uint64_t sess = laden__trace_session();
-    if (!b->trace_name || b->trace_session != sess) {
-        b->trace_name = laden__trace_intern(b->name);
-        b->trace_session = sess;
-    }
-    return b->trace_name;
 }
 
 laden_status laden_sched_set_block_name(laden_sched_t *sc, uint32_t block,
@@ -900,4 +878,45 @@ laden_status laden_sched_ready(laden_sched_t *sc, uintptr_t compute_stream)
 laden_status laden_sched_fence(laden_sched_t *sc, uintptr_t compute_stream)
 {
     HELD("laden_sched_fence", laden__sched_fence(sc, compute_stream));
+}
+
+/* ---- destroy ------------------------------------------------------------ */
+
+/* Here, not in build.c: it stops the loader's thread (this file's) and
+ * frees what the load made (load.c) before the description (build.c). */
+void laden_sched_destroy(laden_sched_t *sc)
+{
+    if (!sc)
+        return;
+    if (laden__sched_on_loader(sc)) { /* finished by the loader's thread */
+        atomic_store(&sc->load.destroy_asked, true);
+        return;
+    }
+    laden__sched_join_loader(sc); /* a load in the background stops */
+    laden__sched_abandon_load(sc);
+    /* Kernels of the model may still read its weights and slots (the
+     * caller dropped it right after enqueueing a forward); VBAR pages are
+     * unmapped without the implicit wait of a device free. */
+    if (sc->cuda && sc->run.compute)
+        laden_dev_stream_synchronize(sc->run.compute);
+    if (sc->cuda && sc->run.compute_alt)
+        laden_dev_stream_synchronize(sc->run.compute_alt);
+    laden__sched_free_all(sc);
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            free((char *)sc->layout.b[i].t[k].name);
+        free(sc->layout.b[i].t);
+        free(sc->layout.b[i].name);
+    }
+    free(sc->layout.b);
+    for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
+        laden_io_file_close(sc->layout.files[i]);
+    free(sc->layout.files);
+    free(sc->share.key);
+    laden_host_destroy(sc->layout.host);
+    if (sc->layout.own_io)
+        laden_io_destroy(sc->layout.io);
+    pthread_cond_destroy(&sc->hold.cv);
+    pthread_mutex_destroy(&sc->hold.mu);
+    free(sc);
 }

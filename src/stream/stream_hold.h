@@ -46,10 +46,6 @@ laden_status laden__sched_start_loader(laden_sched_t *sc,
 void laden__sched_join_loader(laden_sched_t *sc);
 bool laden__sched_hold_loader(laden_sched_t *sc);
 void laden__sched_unhold_loader(laden_sched_t *sc);
-/* The schedule's and a block's names for the trace (tracing only; the
- * block's NULL when it has none). */
-const char *laden__sched_trace_name(laden_sched_t *sc);
-const char *laden__sched_block_trace_name(blk *b);
 
 #endif
 #endif

@@ -1,9 +1,11 @@
 /* The schedule's layout part (sc->layout): what was described (blocks,
  * their tensors, the checkpoint's files) and where each tensor lies in its
  * block.  Owner: build.c (create, add blocks and tensors, plan, destroy).
- * Writers: build.c while describing; load.c lays the blocks out once
- * (laid_out) and run.c's relayout sets order and nstreamed; share.c marks
- * blocks shared.  Everyone else reads.
+ * Writers: build.c while describing, and its relayout (called by load.c
+ * and resident.c) for the streamed blocks' positions and the slots' size;
+ * load.c lays the blocks out once (laid_out) and fills in their memory;
+ * resident.c and share.c set blocks' cache and share flags.  Everyone
+ * else reads.
  *
  * Like every part header: the first half is the part's types (also taken
  * by stream_internal.h to make struct laden_sched), the second the calls
@@ -100,8 +102,15 @@ typedef struct blk {
 typedef struct sched_layout {
     blk *b;
     uint32_t nb, bcap;
-    uint32_t *order; /* position -> block (run.c's relayout) */
+    /* Set by laden__sched_relayout whenever the set of streamed blocks
+     * changes (load, resident.c): */
+    uint32_t *order;     /* position -> block */
     uint32_t nstreamed;
+    uint64_t slot_bytes; /* the largest streamed block: a slot's size */
+    bool any_disk;       /* a streamed block reads from disk */
+    /* Slot bytes charged to sc->cache.vram (laden__sched_charge_slots:
+     * load.c as it places the blocks, run.c as it makes the slots). */
+    uint64_t slot_charge;
     uint32_t max_nt; /* most tensors in one block */
     laden_io_t *io;
     bool own_io;
@@ -120,13 +129,21 @@ typedef struct sched_layout {
 
 #include "stream_internal.h"
 
+/* 1 if block b runs from a slot. */
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc);
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
+/* The schedule's and a block's names for the trace (tracing only; the
+ * block's NULL when it has none). */
+const char *laden__sched_trace_name(laden_sched_t *sc);
+const char *laden__sched_block_trace_name(blk *b);
 /* LADEN_OK if tensor r can stream from disk, else the error naming it. */
 laden_status laden__sched_disk_check(const tref *r);
 /* Makes the planned blocks AUTO again: an input of the plan changed. */
 void laden__sched_unplan(laden_sched_t *sc);
-/* Frees the blocks' memory, slots, streams and events (not the
- * description): what load made. */
-void laden__sched_free_all(laden_sched_t *sc);
 laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
                                     uint32_t *out);
 laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,

@@ -55,7 +55,13 @@ static inline bool laden__sched_usable(const laden_sched_t *sc)
 /* A VBAR of `total` bytes in vram, and its base address. */
 laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
                                    laden_vbar_t **out, laden_devptr_t *base);
+/* Frees the blocks' memory, slots, streams and events (not the
+ * description): what load made. */
+void laden__sched_free_all(laden_sched_t *sc);
 laden_status laden__sched_load(laden_sched_t *sc);
+/* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
+laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
+                                      const char *call);
 laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block);
 laden_status laden__sched_load_begin(laden_sched_t *sc);
 laden_status laden__sched_load_wait(laden_sched_t *sc);

@@ -37,7 +37,6 @@ typedef struct slot {
 
 typedef struct sched_run {
     bool started;
-    bool any_disk;   /* a streamed block reads from disk (relayout) */
     /* The direction blocks are entered in, from the last two streamed
      * positions entered: +1 in order (a forward), -1 in reverse (a
      * backward's recomputation); prefetches follow it. */
@@ -45,9 +44,7 @@ typedef struct sched_run {
     int64_t last_pos; /* -1: none yet */
     slot *slots;
     uint32_t nslots;
-    uint64_t slot_bytes;
     uint64_t slot_gauge;  /* slot bytes counted in the trace's gauge */
-    uint64_t slot_charge; /* bytes charged to sc->cache.vram for the slots */
     uint64_t fill_seq;    /* slot fills so far (laden_sched_slot_fills) */
     laden_dev_stream_t *copy;
     /* The compute stream of the last enter or exit, wrapped, and the one
@@ -80,14 +77,6 @@ typedef struct sched_capture {
 
 #include "stream_internal.h"
 
-/* 1 if block b runs from a slot. */
-bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
-
-/* Positions and slot size after the set of streamed blocks changed. */
-void laden__sched_relayout(laden_sched_t *sc);
-/* Bytes charged to the VRAM context for the slots become `want`.
- * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
-laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
 /* Frees the slots and staging, after their copies and reads. */
 void laden__sched_free_slots(laden_sched_t *sc);
 /* The compute stream of CUDA handle `handle`, wrapped once. */
@@ -101,9 +90,6 @@ laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
                                        const laden_sched_capture_t *c);
 laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
                                      const laden_sched_capture_t *c);
-/* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
-laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
-                                      const char *call);
 
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
 laden_status laden__sched_stop(laden_sched_t *sc);
