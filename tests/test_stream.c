@@ -863,6 +863,82 @@ TEST(stream_convert)
                  LADEN_E_UNSUPPORTED);
 }
 
+/* Every float and fp8 source to every float destination, over several of
+ * the converter's runs and at odd addresses: each element as core's
+ * scalar conversion gives it (the converter picks the loop once per call,
+ * so this checks each loop against the rule it must keep). */
+TEST(stream_convert_each_pair_as_the_scalar_rule)
+{
+    enum { N = 2600 }; /* more than two runs of the converter's buffer */
+    const laden_dtype from[] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                                LADEN_DTYPE_BF16, LADEN_DTYPE_F8_E4M3,
+                                LADEN_DTYPE_F8_E5M2};
+    const laden_dtype to[] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                              LADEN_DTYPE_BF16};
+    static uint8_t src[4 * N + 1], dst[4 * N + 2];
+    uint32_t x = 12345;
+    for (size_t i = 0; i < sizeof src; i++) {
+        x = x * 1103515245u + 12345u;
+        src[i] = (uint8_t)(x >> 16);
+    }
+    for (size_t a = 0; a < sizeof from / sizeof from[0]; a++) {
+        /* F32 sources finite, so that no NaN's payload is compared */
+        if (from[a] == LADEN_DTYPE_F32)
+            for (uint32_t i = 0; i < N; i++) {
+                float f = (float)((int32_t)(i * 2654435761u) >> 8) * 1e-3f;
+                memcpy(src + 1 + 4 * i, &f, 4);
+            }
+        uint32_t ss = laden_dtype_bits(from[a]) / 8;
+        for (size_t b = 0; b < sizeof to / sizeof to[0]; b++) {
+            if (from[a] == to[b])
+                continue;
+            uint32_t ds = laden_dtype_bits(to[b]) / 8;
+            memset(dst, 0xee, sizeof dst);
+            CHECK_OK(laden_sched_convert(from[a], src + 1, to[b], dst + 1, N));
+            for (uint32_t i = 0; i < N; i++) {
+                const uint8_t *s = src + 1 + (size_t)i * ss;
+                uint16_t h;
+                float f;
+                switch (from[a]) {
+                case LADEN_DTYPE_F32:
+                    memcpy(&f, s, 4);
+                    break;
+                case LADEN_DTYPE_F16:
+                    memcpy(&h, s, 2);
+                    f = laden__f32_of_f16(h);
+                    break;
+                case LADEN_DTYPE_BF16:
+                    memcpy(&h, s, 2);
+                    f = laden__f32_of_bf16(h);
+                    break;
+                case LADEN_DTYPE_F8_E4M3:
+                    f = laden__f32_of_e4m3(*s);
+                    break;
+                default:
+                    f = laden__f32_of_e5m2(*s);
+                    break;
+                }
+                uint8_t want[4];
+                if (to[b] == LADEN_DTYPE_F32) {
+                    memcpy(want, &f, 4);
+                } else {
+                    h = to[b] == LADEN_DTYPE_F16 ? laden__f16_of_f32(f)
+                                                 : laden__bf16_of_f32(f);
+                    memcpy(want, &h, 2);
+                }
+                const uint8_t *got = dst + 1 + (size_t)i * ds;
+                if (memcmp(got, want, ds)) {
+                    fprintf(stderr, "%s -> %s [%u] differs\n",
+                            laden_dtype_name(from[a]),
+                            laden_dtype_name(to[b]), i);
+                    exit(1);
+                }
+            }
+            CHECK(dst[0] == 0xee && dst[1 + (size_t)N * ds] == 0xee);
+        }
+    }
+}
+
 /* Stop frees the slots and keeps the tiers; start again with another
  * lookahead; tensors from host memory load like checkpoint tensors. */
 static void restart_and_host(int32_t dev)
