@@ -1,5 +1,8 @@
-/* A schedule's life around its use: created, described (blocks and
- * their tensors), planned (each AUTO block's tier), destroyed. */
+/* A schedule's description: created, described (blocks and their
+ * tensors), planned (each AUTO block's tier), and the layout that follows
+ * from it (the streamed blocks' positions, the slots' size and charge,
+ * the trace's names).  Calls no other file of the layer: the load, the
+ * run and destroy (stream.c) build on it. */
 #define _POSIX_C_SOURCE 200809L /* strdup */
 #include <stdlib.h>
 #include <string.h>

@@ -1,8 +1,8 @@
 /* Block streaming: the public calls.  See include/laden/stream.h; the work
  * is in build.c, load.c, run.c, resident.c, share.c, grads.c and
- * convert.c, behind
- * stream_internal.h.  Here: the queries, and the one-thread guard every
- * other call goes through. */
+ * convert.c, each behind its part header (stream_internal.h lists them).
+ * Here: the queries, the one-thread guard every other call goes through,
+ * the background loader's thread, and destroy. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
