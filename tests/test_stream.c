@@ -16,7 +16,8 @@
 #include "laden/dev.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
-#include "stream/stream_internal.h" /* stage_bytes, to stage in pieces */
+#include "stream/stream_internal.h" /* load.stage_bytes, to stage in pieces */
+#include "stream/stream_share.h"    /* laden__share_prepared_wait_ms */
 
 #define NB 7
 
@@ -860,6 +861,82 @@ TEST(stream_convert)
     CHECK_STATUS(laden_sched_convert(LADEN_DTYPE_I32, in, LADEN_DTYPE_F32,
                                      back, 1),
                  LADEN_E_UNSUPPORTED);
+}
+
+/* Every float and fp8 source to every float destination, over several of
+ * the converter's runs and at odd addresses: each element as core's
+ * scalar conversion gives it (the converter picks the loop once per call,
+ * so this checks each loop against the rule it must keep). */
+TEST(stream_convert_each_pair_as_the_scalar_rule)
+{
+    enum { N = 2600 }; /* more than two runs of the converter's buffer */
+    const laden_dtype from[] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                                LADEN_DTYPE_BF16, LADEN_DTYPE_F8_E4M3,
+                                LADEN_DTYPE_F8_E5M2};
+    const laden_dtype to[] = {LADEN_DTYPE_F32, LADEN_DTYPE_F16,
+                              LADEN_DTYPE_BF16};
+    static uint8_t src[4 * N + 1], dst[4 * N + 2];
+    uint32_t x = 12345;
+    for (size_t i = 0; i < sizeof src; i++) {
+        x = x * 1103515245u + 12345u;
+        src[i] = (uint8_t)(x >> 16);
+    }
+    for (size_t a = 0; a < sizeof from / sizeof from[0]; a++) {
+        /* F32 sources finite, so that no NaN's payload is compared */
+        if (from[a] == LADEN_DTYPE_F32)
+            for (uint32_t i = 0; i < N; i++) {
+                float f = (float)((int32_t)(i * 2654435761u) >> 8) * 1e-3f;
+                memcpy(src + 1 + 4 * i, &f, 4);
+            }
+        uint32_t ss = laden_dtype_bits(from[a]) / 8;
+        for (size_t b = 0; b < sizeof to / sizeof to[0]; b++) {
+            if (from[a] == to[b])
+                continue;
+            uint32_t ds = laden_dtype_bits(to[b]) / 8;
+            memset(dst, 0xee, sizeof dst);
+            CHECK_OK(laden_sched_convert(from[a], src + 1, to[b], dst + 1, N));
+            for (uint32_t i = 0; i < N; i++) {
+                const uint8_t *s = src + 1 + (size_t)i * ss;
+                uint16_t h;
+                float f;
+                switch (from[a]) {
+                case LADEN_DTYPE_F32:
+                    memcpy(&f, s, 4);
+                    break;
+                case LADEN_DTYPE_F16:
+                    memcpy(&h, s, 2);
+                    f = laden__f32_of_f16(h);
+                    break;
+                case LADEN_DTYPE_BF16:
+                    memcpy(&h, s, 2);
+                    f = laden__f32_of_bf16(h);
+                    break;
+                case LADEN_DTYPE_F8_E4M3:
+                    f = laden__f32_of_e4m3(*s);
+                    break;
+                default:
+                    f = laden__f32_of_e5m2(*s);
+                    break;
+                }
+                uint8_t want[4];
+                if (to[b] == LADEN_DTYPE_F32) {
+                    memcpy(want, &f, 4);
+                } else {
+                    h = to[b] == LADEN_DTYPE_F16 ? laden__f16_of_f32(f)
+                                                 : laden__bf16_of_f32(f);
+                    memcpy(want, &h, 2);
+                }
+                const uint8_t *got = dst + 1 + (size_t)i * ds;
+                if (memcmp(got, want, ds)) {
+                    fprintf(stderr, "%s -> %s [%u] differs\n",
+                            laden_dtype_name(from[a]),
+                            laden_dtype_name(to[b]), i);
+                    exit(1);
+                }
+            }
+            CHECK(dst[0] == 0xee && dst[1 + (size_t)N * ds] == 0xee);
+        }
+    }
 }
 
 /* Stop frees the slots and keeps the tiers; start again with another
@@ -1922,7 +1999,7 @@ static void staged_pieces(int32_t dev)
         LADEN_TIER_GPU, LADEN_TIER_GPU, LADEN_TIER_GPU};
     model m;
     build(&m, dev, ALL_GPU, 0);
-    m.sc->stage_bytes = 1;
+    m.sc->load.stage_bytes = 1;
     CHECK_OK(laden_sched_load(m.sc));
     CHECK_OK(laden_sched_start(m.sc, 0));
     for (int i = 0; i <= NB; i++)
@@ -1978,7 +2055,7 @@ static void background(int32_t dev)
         slow w = {.nap = 2000};
         build(&m, dev, variant == 1 ? ALL_GPU : MIXED, 0);
         if (variant == 1)
-            m.sc->stage_bytes = 1;
+            m.sc->load.stage_bytes = 1;
         CHECK_OK(laden_sched_set_progress(m.sc, on_slow, &w));
         CHECK_OK(laden_sched_load_begin(m.sc));
         CHECK_STATUS(laden_sched_load(m.sc), LADEN_E_STATE);

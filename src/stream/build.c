@@ -1,11 +1,15 @@
-/* A schedule's life around its use: created, described (blocks and
- * their tensors), planned (each AUTO block's tier), destroyed. */
+/* A schedule's description: created, described (blocks and their
+ * tensors), planned (each AUTO block's tier), and the layout that follows
+ * from it (the streamed blocks' positions, the slots' size and charge,
+ * the trace's names).  Calls no other file of the layer: the load, the
+ * run and destroy (stream.c) build on it. */
 #define _POSIX_C_SOURCE 200809L /* strdup */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
-#include "stream_internal.h"
+#include "stream_layout.h"
+#include "stream_convert.h"
 
 laden_status laden_sched_create(const laden_sched_config *cfg,
                                 const laden_st_t *st, laden_sched_t **out)
@@ -31,30 +35,32 @@ laden_status laden_sched_create(const laden_sched_config *cfg,
                            cfg->lookahead, LADEN_LOOKAHEAD_MAX);
     }
     sc->cuda = info.kind == LADEN_DEV_KIND_CUDA;
-    sc->cache = (cfg->flags & LADEN_SCHED_CACHE) != 0;
+    sc->cache.on = (cfg->flags & LADEN_SCHED_CACHE) != 0;
     if (cfg->flags & ~LADEN_SCHED_CACHE) {
         free(sc);
         return laden__fail(LADEN_E_INVAL, "unknown schedule flags 0x%x",
                            cfg->flags);
     }
-    pthread_mutex_init(&sc->mu, NULL);
-    pthread_cond_init(&sc->cv, NULL);
-    sc->io = cfg->io;
-    if (!sc->io) {
-        if ((s = laden_io_create(NULL, &sc->io)))
+    pthread_mutex_init(&sc->hold.mu, NULL);
+    pthread_cond_init(&sc->hold.cv, NULL);
+    sc->layout.io = cfg->io;
+    if (!sc->layout.io) {
+        if ((s = laden_io_create(NULL, &sc->layout.io)))
             goto fail;
-        sc->own_io = true;
+        sc->layout.own_io = true;
     }
-    sc->nfiles = st ? (uint32_t)laden_st_file_count(st) : 0;
-    sc->files = calloc(sc->nfiles ? sc->nfiles : 1, sizeof *sc->files);
-    if (!sc->files) {
+    sc->layout.nfiles = st ? (uint32_t)laden_st_file_count(st) : 0;
+    sc->layout.files = calloc(sc->layout.nfiles ? sc->layout.nfiles : 1,
+                              sizeof *sc->layout.files);
+    if (!sc->layout.files) {
         s = laden__fail(LADEN_E_NOMEM, "out of memory creating a schedule");
         goto fail;
     }
-    for (uint32_t i = 0; i < sc->nfiles; i++)
-        if ((s = laden_st_file_open(st, i, &sc->files[i])))
+    for (uint32_t i = 0; i < sc->layout.nfiles; i++)
+        if ((s = laden_st_file_open(st, i, &sc->layout.files[i])))
             goto fail;
-    if ((s = laden_host_create(cfg->device, cfg->ram_budget_bytes, &sc->host)))
+    if ((s = laden_host_create(cfg->device, cfg->ram_budget_bytes,
+                               &sc->layout.host)))
         goto fail;
     *out = sc;
     return LADEN_OK;
@@ -102,12 +108,12 @@ void laden__sched_unplan(laden_sched_t *sc)
     /* Only after a plan: every block and tensor added calls this, and a
      * pass over the blocks each time made describing n blocks O(n^2)
      * (laden plan on a GGUF table of 131072 tensors: 140 s). */
-    if (!sc->planned)
+    if (!sc->layout.planned)
         return;
-    for (uint32_t i = 0; i < sc->nb; i++)
-        if (sc->b[i].asked == LADEN_TIER_AUTO)
-            sc->b[i].tier = LADEN_TIER_AUTO;
-    sc->planned = false;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].asked == LADEN_TIER_AUTO)
+            sc->layout.b[i].tier = LADEN_TIER_AUTO;
+    sc->layout.planned = false;
 }
 
 static laden_status grow_block(blk *b)
@@ -130,7 +136,7 @@ static laden_status grow_block(blk *b)
 static laden_status push_tensor(laden_sched_t *sc, uint32_t block,
                                 const tref *r, uint32_t *out)
 {
-    blk *b = &sc->b[block];
+    blk *b = &sc->layout.b[block];
     laden_status s;
     uint64_t at, end;
     if (b->asked == LADEN_TIER_DISK && (s = laden__sched_disk_check(r)))
@@ -160,27 +166,28 @@ laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
         *out = 0;
     if (!sc || !out)
         return laden__fail(LADEN_E_INVAL, "laden_sched_add_block: NULL");
-    if (sc->loaded || sc->laid_out)
+    if (sc->loaded || sc->layout.laid_out)
         return laden__fail(LADEN_E_STATE, "blocks cannot be added after load");
     if (tier < LADEN_TIER_AUTO || tier > LADEN_TIER_VRAM)
         return laden__fail(LADEN_E_INVAL, "unknown tier %d", (int)tier);
-    if (sc->cache && tier != LADEN_TIER_RAM)
+    if (sc->cache.on && tier != LADEN_TIER_RAM)
         return laden__fail(LADEN_E_INVAL,
                            "a cache schedule keeps every block on the RAM "
                            "tier (residency is set after load)");
-    if (sc->nb == sc->bcap) {
-        uint32_t n = sc->bcap ? sc->bcap * 2 : 16;
-        blk *b = realloc(sc->b, n * sizeof *b);
+    if (sc->layout.nb == sc->layout.bcap) {
+        uint32_t n = sc->layout.bcap ? sc->layout.bcap * 2 : 16;
+        blk *b = realloc(sc->layout.b, n * sizeof *b);
         if (!b)
             return laden__fail(LADEN_E_NOMEM, "out of memory adding a block");
-        sc->b = b;
-        sc->bcap = n;
+        sc->layout.b = b;
+        sc->layout.bcap = n;
     }
     laden__sched_unplan(sc);
-    memset(&sc->b[sc->nb], 0, sizeof sc->b[0]);
-    sc->b[sc->nb].tier = sc->b[sc->nb].asked = tier;
-    sc->b[sc->nb].pos = -1;
-    *out = sc->nb++;
+    blk *b = &sc->layout.b[sc->layout.nb];
+    memset(b, 0, sizeof *b);
+    b->tier = b->asked = tier;
+    b->pos = -1;
+    *out = sc->layout.nb++;
     return LADEN_OK;
 }
 
@@ -228,14 +235,14 @@ static laden_status tensor_ref(const laden_st_tensor_t *t, laden_dtype dtype,
 laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
                                     uint32_t index, uint64_t heads)
 {
-    if (!sc || block >= sc->nb || index >= sc->b[block].nt)
+    if (!sc || block >= sc->layout.nb || index >= sc->layout.b[block].nt)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_set_rope_rows: bad schedule, block "
                            "or tensor");
-    if (sc->loaded || sc->laid_out)
+    if (sc->loaded || sc->layout.laid_out)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_rope_rows: after load");
-    tref *r = &sc->b[block].t[index];
+    tref *r = &sc->layout.b[block].t[index];
     if (r->part && heads)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': a part of a tensor cannot have "
@@ -257,7 +264,7 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
     /* The tier asked, as push_tensor checks: a planned one is planned
      * again (laden__sched_unplan below; the planner keeps such blocks off
      * the disk). */
-    laden_status s = sc->b[block].asked == LADEN_TIER_DISK
+    laden_status s = sc->layout.b[block].asked == LADEN_TIER_DISK
                          ? laden__sched_disk_check(r)
                          : LADEN_OK;
     if (s) {
@@ -275,13 +282,14 @@ static laden_status checkpoint_tensor(laden_sched_t *sc, uint32_t block,
                                       const char *call, laden_st_tensor_t *t)
 {
     laden_status s;
-    if (!sc || !st || block >= sc->nb)
+    if (!sc || !st || block >= sc->layout.nb)
         return laden__fail(LADEN_E_INVAL, "%s: bad schedule or block", call);
-    if (sc->loaded || sc->laid_out)
-        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if (sc->loaded || sc->layout.laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "tensors cannot be added after load");
     if ((s = laden_st_tensor_at(st, st_index, t)))
         return s;
-    if (t->file_index >= sc->nfiles)
+    if (t->file_index >= sc->layout.nfiles)
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s' is from another checkpoint",
                            t->name);
@@ -325,12 +333,12 @@ laden_status laden__sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
         return s;
     uint32_t bits = laden_dtype_bits(t.dtype);
     if (dim >= t.ndim || !bits || bits % 8) /* block types: 0 bits */
-        return laden__fail(LADEN_E_INVAL,
-                           "tensor '%.200s': no part along dimension %u of a "
-                           "%u-dimensional %s tensor",
-                           t.name, dim, t.ndim,
-                           laden_dtype_name(t.dtype) ? laden_dtype_name(t.dtype)
-                                                     : "?");
+        return laden__fail(
+            LADEN_E_INVAL,
+            "tensor '%.200s': no part along dimension %u of a "
+            "%u-dimensional %s tensor",
+            t.name, dim, t.ndim,
+            laden_dtype_name(t.dtype) ? laden_dtype_name(t.dtype) : "?");
     if (start > t.shape[dim] || count > t.shape[dim] - start)
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': part [%llu, %llu) of dimension "
@@ -369,11 +377,12 @@ laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
     uint64_t bits, dbits;
     if (out)
         *out = 0;
-    if (!sc || !out || block >= sc->nb || (!src && n))
+    if (!sc || !out || block >= sc->layout.nb || (!src && n))
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_add_host_tensor: bad argument");
-    if (sc->loaded || sc->laid_out)
-        return laden__fail(LADEN_E_STATE, "tensors cannot be added after load");
+    if (sc->loaded || sc->layout.laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "tensors cannot be added after load");
     if (!laden_dtype_bits(sdt) || !laden_dtype_bits(dtype) ||
         (sdt != dtype &&
          (!laden__convertible(sdt) || !laden__convertible(dtype))))
@@ -427,7 +436,7 @@ static int32_t asked_of(const blk *b)
 
 static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
 {
-    size_t n = sc->nb ? sc->nb : 1;
+    size_t n = sc->layout.nb ? sc->layout.nb : 1;
     a->bytes = calloc(n, sizeof *a->bytes);
     a->asked = calloc(3 * n, sizeof *a->asked);
     a->flags = calloc(n, sizeof *a->flags);
@@ -435,8 +444,8 @@ static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
         return laden__fail(LADEN_E_NOMEM, "out of memory planning");
     a->tiers = a->asked + n;
     a->why = a->tiers + n;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         a->bytes[i] = b->bytes;
         a->asked[i] = asked_of(b);
         a->flags[i] = no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0;
@@ -460,9 +469,9 @@ static laden_status cap_vram(laden_sched_t *sc, laden_plan_input *in,
     laden_vram_info_t vi;
     laden_status s;
     *room = UINT64_MAX;
-    if (!sc->vram)
+    if (!sc->cache.vram)
         return LADEN_OK;
-    if ((s = laden_vram_info(sc->vram, &vi)))
+    if ((s = laden_vram_info(sc->cache.vram, &vi)))
         return s;
     if (!vi.budget_bytes)
         return LADEN_OK;
@@ -477,11 +486,11 @@ static laden_status cap_vram(laden_sched_t *sc, laden_plan_input *in,
  * context (if it has room at load) when it has one. */
 static void apply_plan(laden_sched_t *sc, const plan_arrays *a, int32_t *why)
 {
-    sc->planned = true;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    sc->layout.planned = true;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         if (b->asked == LADEN_TIER_AUTO)
-            b->tier = a->tiers[i] == LADEN_TIER_GPU && sc->vram
+            b->tier = a->tiers[i] == LADEN_TIER_GPU && sc->cache.vram
                           ? LADEN_TIER_VRAM
                           : (laden_tier)a->tiers[i];
         if (why)
@@ -493,11 +502,11 @@ static laden_status plan_arg(laden_sched_t *sc, const laden_plan_input *in)
 {
     if (!sc || !in)
         return laden__fail(LADEN_E_INVAL, "laden_sched_plan: NULL");
-    if (sc->cache)
+    if (sc->cache.on)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_plan: a cache schedule's residency is "
                            "decided by its cache, not planned");
-    if (sc->loaded || sc->laid_out || sc->broken)
+    if (sc->loaded || sc->layout.laid_out || sc->broken)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_plan: the schedule is loaded; plan "
                            "before load");
@@ -523,7 +532,7 @@ laden_status laden__sched_plan(laden_sched_t *sc,
     laden_plan_input in = *budgets;
     if ((s = plan_arrays_new(sc, &a)) || (s = cap_vram(sc, &in, &room)))
         goto done;
-    in.nblocks = sc->nb;
+    in.nblocks = sc->layout.nb;
     in.block_bytes = a.bytes;
     in.asked = a.asked;
     in.block_flags = a.flags;
@@ -543,86 +552,7 @@ done:
     return s;
 }
 
-/* ---- destroy ------------------------------------------------------------ */
-
-void laden__sched_free_all(laden_sched_t *sc)
-{
-    laden__sched_free_slots(sc);
-    if (sc->fenced)
-        laden_dev_event_synchronize(sc->last_use);
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        bool in_segment = b->shared && b->tier == LADEN_TIER_GPU &&
-                          !b->resident; /* the CPU device (share.c) */
-        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
-            !sc->vbar && !in_segment)
-            laden_dev_mem_free(sc->cfg.device, b->region);
-        if (b->shared) { /* in the segment, closed below */
-            if (b->pinned)
-                laden_dev_host_unregister(sc->cfg.device, b->ram);
-        } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
-            if (b->pinned)
-                laden_dev_host_unregister(sc->cfg.device, b->ram);
-            munmap(b->ram, b->ram_len);
-        } else if (b->ram) {
-            laden_host_free(sc->host, b->ram);
-        }
-        b->region = 0;
-        b->ram = NULL;
-        b->ram_len = 0;
-        b->resident = b->pinned = b->ready = false;
-    }
-    sc->pinned_homes = 0;
-    laden__sched_share_close(sc);
-    laden_vbar_destroy(sc->vbar); /* after the copies (free_slots synced) */
-    sc->vbar = NULL;
-    laden_dev_stream_destroy(sc->copy);
-    sc->copy = NULL;
-    laden_dev_event_destroy(sc->uploaded);
-    laden_dev_event_destroy(sc->last_use);
-    sc->uploaded = sc->last_use = NULL;
-    sc->fenced = false;
-    free(sc->order);
-    sc->order = NULL;
-    laden_host_trim(sc->host);
-}
-
-void laden_sched_destroy(laden_sched_t *sc)
-{
-    if (!sc)
-        return;
-    if (laden__sched_on_loader(sc)) { /* finished by the loader's thread */
-        atomic_store(&sc->destroy_asked, true);
-        return;
-    }
-    laden__sched_join_loader(sc); /* a load in the background stops */
-    laden__sched_abandon_load(sc);
-    /* Kernels of the model may still read its weights and slots (the
-     * caller dropped it right after enqueueing a forward); VBAR pages are
-     * unmapped without the implicit wait of a device free. */
-    if (sc->cuda && sc->compute)
-        laden_dev_stream_synchronize(sc->compute);
-    if (sc->cuda && sc->compute_alt)
-        laden_dev_stream_synchronize(sc->compute_alt);
-    laden__sched_free_all(sc);
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        for (uint32_t k = 0; k < sc->b[i].nt; k++)
-            free((char *)sc->b[i].t[k].name);
-        free(sc->b[i].t);
-        free(sc->b[i].name);
-    }
-    free(sc->b);
-    for (uint32_t i = 0; i < sc->nfiles && sc->files; i++)
-        laden_io_file_close(sc->files[i]);
-    free(sc->files);
-    free(sc->share_key);
-    laden_host_destroy(sc->host);
-    if (sc->own_io)
-        laden_io_destroy(sc->io);
-    pthread_cond_destroy(&sc->cv);
-    pthread_mutex_destroy(&sc->mu);
-    free(sc);
-}
+/* ---- pieces and storage dtypes ------------------------------------------ */
 
 laden_status laden_sched_pieces(const uint64_t *bytes, uint32_t n,
                                 uint64_t max_bytes, uint32_t *piece_of,
@@ -715,4 +645,79 @@ laden_status laden_sched_storage_for(laden_dtype src, laden_dtype want,
     }
     *store = kind;
     return LADEN_OK;
+}
+
+/* ---- streamed blocks' positions ----------------------------------------- */
+
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
+{
+    if (b->resident)
+        return false;
+    return b->tier == LADEN_TIER_DISK ||
+           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache.on));
+}
+
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc)
+{
+    sc->layout.nstreamed = 0;
+    sc->layout.slot_bytes = 0;
+    sc->layout.any_disk = false;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
+        b->pos = -1;
+        if (!laden__sched_streamed(sc, b))
+            continue;
+        b->pos = (int32_t)sc->layout.nstreamed;
+        sc->layout.order[sc->layout.nstreamed++] = i;
+        if (b->bytes > sc->layout.slot_bytes)
+            sc->layout.slot_bytes = b->bytes;
+        sc->layout.any_disk |= b->tier == LADEN_TIER_DISK;
+    }
+    sc->st.generation++;
+}
+
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
+{
+    laden_status s;
+    if (!sc->cache.vram || want == sc->layout.slot_charge)
+        return LADEN_OK;
+    if (want < sc->layout.slot_charge) {
+        laden_vram_uncharge(sc->cache.vram, sc->layout.slot_charge - want);
+        sc->layout.slot_charge = want;
+        return LADEN_OK;
+    }
+    if ((s = laden_vram_charge(sc->cache.vram,
+                               want - sc->layout.slot_charge))) {
+        laden__error_prefix("slots of %s", laden__bytes(want).s);
+        return s;
+    }
+    sc->layout.slot_charge = want;
+    return LADEN_OK;
+}
+
+/* ---- names for the trace ------------------------------------------------ */
+
+const char *laden__sched_trace_name(laden_sched_t *sc)
+{
+    uint64_t sess = laden__trace_session();
+    if (!sc->trace_name || sc->trace_session != sess) {
+        sc->trace_name = laden__trace_intern(sc->name);
+        sc->trace_session = sess;
+    }
+    return sc->trace_name;
+}
+
+const char *laden__sched_block_trace_name(blk *b)
+{
+    if (!b->name)
+        return NULL;
+    uint64_t sess = laden__trace_session();
+    if (!b->trace_name || b->trace_session != sess) {
+        b->trace_name = laden__trace_intern(b->name);
+        b->trace_session = sess;
+    }
+    return b->trace_name;
 }

@@ -5,7 +5,8 @@
 #include <string.h>
 
 #include "laden/gguf.h"
-#include "stream_internal.h"
+#include "../core/internal.h"
+#include "stream_convert.h"
 
 /* The scalar conversions are core's (src/core/dtype_internal.h): the
  * loops here call them once per element. */
@@ -33,6 +34,70 @@ static float load_f(laden_dtype d, const void *p, uint64_t i)
         return laden__f32_of_bf16(h);
     }
     }
+}
+
+/* n elements of `from` (a float or fp8 dtype) as float32, and n float32
+ * as `to` (F16 or BF16).  The dtype is picked once per call, not per
+ * element, so that each loop is one conversion the compiler keeps tight:
+ * the gradient sink lands its sums through laden_sched_convert. */
+static inline void put_f32(uint8_t *out, uint64_t i, float f)
+{
+    memcpy(out + 4 * i, &f, 4);
+}
+
+static void floats_of(laden_dtype from, const void *src, void *dst,
+                      uint64_t n)
+{
+    const uint8_t *p = src;
+    uint8_t *out = dst; /* stored through memcpy: dst may be unaligned */
+    switch (from) {
+    case LADEN_DTYPE_F8_E4M3:
+        for (uint64_t i = 0; i < n; i++)
+            put_f32(out, i, laden__f32_of_e4m3(p[i]));
+        return;
+    case LADEN_DTYPE_F8_E5M2:
+        for (uint64_t i = 0; i < n; i++)
+            put_f32(out, i, laden__f32_of_e5m2(p[i]));
+        return;
+    case LADEN_DTYPE_F32:
+        memcpy(out, src, n * 4);
+        return;
+    case LADEN_DTYPE_F16:
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            put_f32(out, i, laden__f32_of_f16(h));
+        }
+        return;
+    default:
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            put_f32(out, i, laden__f32_of_bf16(h));
+        }
+        return;
+    }
+}
+
+static void floats_to(const float *in, laden_dtype to, void *dst,
+                      uint64_t n)
+{
+    uint8_t *p = dst;
+    if (to == LADEN_DTYPE_F32) {
+        memcpy(dst, in, n * 4);
+        return;
+    }
+    bool f16 = to == LADEN_DTYPE_F16;
+    if (f16)
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h = laden__f16_of_f32(in[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
+    else
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h = laden__bf16_of_f32(in[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
 }
 
 bool laden__convertible(laden_dtype d)
@@ -123,15 +188,17 @@ laden_status laden_sched_convert(laden_dtype from, const void *src,
     }
     if (is_block(from))
         return convert_blocks(from, src, to, dst, n);
-    for (uint64_t i = 0; i < n; i++) {
-        float f = load_f(from, src, i);
-        if (to == LADEN_DTYPE_F32) {
-            memcpy((char *)dst + 4 * i, &f, 4);
-        } else {
-            uint16_t h = to == LADEN_DTYPE_F16 ? laden__f16_of_f32(f)
-                                               : laden__bf16_of_f32(f);
-            memcpy((char *)dst + 2 * i, &h, 2);
-        }
+    if (to == LADEN_DTYPE_F32) {
+        floats_of(from, src, dst, n);
+        return LADEN_OK;
+    }
+    enum { RUN = 1024 }; /* floats in a stack buffer, in cache */
+    float tmp[RUN];
+    uint32_t ss = laden_dtype_bits(from) / 8;
+    for (uint64_t at = 0; at < n; at += RUN) {
+        uint64_t k = n - at < RUN ? n - at : RUN;
+        floats_of(from, (const char *)src + at * ss, tmp, k);
+        floats_to(tmp, to, (char *)dst + 2 * at, k);
     }
     return LADEN_OK;
 }

@@ -8,7 +8,12 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "stream_internal.h"
+#include "stream_load.h"
+#include "stream_convert.h"
+#include "stream_hold.h"
+#include "stream_layout.h"
+#include "stream_run.h"
+#include "stream_share.h"
 
 /* A tensor being put in its place: its read (or NULL: done already),
  * and for a tensor stored in another dtype the buffer it is read into. */
@@ -34,12 +39,12 @@ static laden_status wait_tread(laden_sched_t *sc, tread *c, bool *done,
     *done = false;
     *cached = 0;
     if (c->req) {
-        s = laden_io_wait_cached(sc->io, c->req, &got);
+        s = laden_io_wait_cached(sc->layout.io, c->req, &got);
         c->req = NULL;
         sum = got;
     } else if (c->reqs) {
         for (uint64_t i = 0; i < c->nreqs; i++)
-            if ((w = laden_io_wait_cached(sc->io, c->reqs[i], &got))) {
+            if ((w = laden_io_wait_cached(sc->layout.io, c->reqs[i], &got))) {
                 if (!s)
                     s = w;
             } else {
@@ -103,7 +108,7 @@ static laden_status submit_pieces(laden_sched_t *sc, const tref *r,
                            r->name);
     laden_status s = LADEN_OK;
     for (uint64_t n = 0; n < r->pieces && !s; n++)
-        if (!(s = laden_io_submit(sc->io, sc->files[r->file],
+        if (!(s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
                                   r->off + n * r->stride, each,
                                   dst + n * each, &c->reqs[c->nreqs])))
             c->nreqs++;
@@ -143,8 +148,8 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
     if (r->host)
         return laden_sched_convert(r->src, r->host, r->dst, to, r->nelem);
     if (laden__sched_as_stored(r))
-        return laden_io_submit(sc->io, sc->files[r->file], r->off,
-                               r->src_bytes, to, req);
+        return laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+                               r->off, r->src_bytes, to, req);
     if (r->pieces && r->src == r->dst && !r->rope_heads)
         return submit_pieces(sc, r, to, c);
     if (!(c->tmp = malloc(r->src_bytes ? r->src_bytes : 1)))
@@ -156,8 +161,9 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
         laden_status s = read_pieces(sc, r, c->tmp, c);
         return s ? s : convert_then(c);
     }
-    return laden_io_submit_then(sc->io, sc->files[r->file], r->off,
-                                r->src_bytes, c->tmp, convert_then, c, req);
+    return laden_io_submit_then(sc->layout.io, sc->layout.files[r->file],
+                                r->off, r->src_bytes, c->tmp, convert_then, c,
+                                req);
 }
 
 /* A piece of a block whose reads are in flight: tensors t0 and after,
@@ -201,7 +207,8 @@ static laden_status start_piece(laden_sched_t *sc, blk *b, uint32_t t0,
 
 /* Waits for piece f's reads and conversions (all of them, also after a
  * failure: their buffers are freed here). */
-static laden_status finish_piece(laden_sched_t *sc, inflight *f, laden_status s)
+static laden_status finish_piece(laden_sched_t *sc, inflight *f,
+                                 laden_status s)
 {
     laden_status w;
     uint64_t cached;
@@ -240,29 +247,32 @@ static laden_status layout(laden_sched_t *sc)
 {
     laden_status s;
     int32_t dev = sc->cfg.device;
-    if (sc->laid_out)
+    if (sc->layout.laid_out)
         return LADEN_OK;
     laden__sched_share_sweep(sc); /* what dead processes left in shm */
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        if (b->nt > sc->max_nt)
-            sc->max_nt = b->nt;
-        uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM    ? &sc->st.ram_bytes
-                               : b->tier == LADEN_TIER_DISK ? &sc->st.disk_bytes
-                                                            : &sc->st.gpu_bytes;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
+        if (b->nt > sc->layout.max_nt)
+            sc->layout.max_nt = b->nt;
+        uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
+                               : b->tier == LADEN_TIER_DISK
+                                   ? &sc->st.disk_bytes
+                                   : &sc->st.gpu_bytes;
         *tier_bytes += b->bytes;
     }
-    sc->order = calloc(sc->nb ? sc->nb : 1, sizeof *sc->order);
-    if (!sc->order)
+    sc->layout.order =
+        calloc(sc->layout.nb ? sc->layout.nb : 1, sizeof *sc->layout.order);
+    if (!sc->layout.order)
         return laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
     laden__sched_relayout(sc);
-    if ((sc->cuda || sc->cache) &&
-        (s = laden_dev_stream_create(dev, &sc->copy)))
+    if ((sc->cuda || sc->cache.on) &&
+        (s = laden_dev_stream_create(dev, &sc->run.copy)))
         return s;
-    if (sc->cache && ((s = laden_dev_event_create(dev, 0, &sc->uploaded)) ||
-                      (s = laden_dev_event_create(dev, 0, &sc->last_use))))
+    if (sc->cache.on &&
+        ((s = laden_dev_event_create(dev, 0, &sc->cache.uploaded)) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.last_use))))
         return s;
-    sc->laid_out = true;
+    sc->layout.laid_out = true;
     return LADEN_OK;
 }
 
@@ -287,11 +297,12 @@ static laden_status map_home(laden_sched_t *sc, blk *b)
     char *m = mmap(NULL, (size_t)(len + extra), PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
-        return laden__fail(LADEN_E_NOMEM,
-                           "cannot allocate %s of host memory for block %u",
-                           laden__bytes(b->bytes).s, (unsigned)(b - sc->b));
+        return laden__fail(
+            LADEN_E_NOMEM, "cannot allocate %s of host memory for block %u",
+            laden__bytes(b->bytes).s, (unsigned)(b - sc->layout.b));
     if (extra) { /* trimmed to an aligned range of len bytes */
-        uintptr_t at = ((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+        uintptr_t at =
+            ((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
         size_t head = at - (uintptr_t)m;
         if (head)
             munmap(m, head);
@@ -325,22 +336,22 @@ static laden_status cancelled(void)
 static laden_status filled(laden_sched_t *sc, blk *b)
 {
     b->filled = true;
-    if (++sc->nfilled == sc->nb)
+    if (++sc->cache.nfilled == sc->layout.nb)
         sc->loaded = true;
-    if (!sc->progress)
+    if (!sc->load.progress)
         return LADEN_OK;
     uint64_t done = 0, total = 0;
-    for (uint32_t k = 0; k < sc->nb; k++) {
-        total += sc->b[k].bytes;
-        done += sc->b[k].filled ? sc->b[k].bytes : 0;
+    for (uint32_t k = 0; k < sc->layout.nb; k++) {
+        total += sc->layout.b[k].bytes;
+        done += sc->layout.b[k].filled ? sc->layout.b[k].bytes : 0;
     }
-    return sc->progress(sc->progress_arg, done, total) ? cancelled()
+    return sc->load.progress(sc->load.progress_arg, done, total) ? cancelled()
                                                        : LADEN_OK;
 }
 
 static laden_status fill_block(laden_sched_t *sc, uint32_t i)
 {
-    blk *b = &sc->b[i];
+    blk *b = &sc->layout.b[i];
     laden_status s;
     if (b->bytes && ((s = map_home(sc, b)) ||
                      (s = read_block_host(sc, b, b->ram)))) {
@@ -357,21 +368,21 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
     laden_status s;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_load_block: NULL");
-    if (!sc->cache)
+    if (!sc->cache.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_load_block: only for "
                            "schedules created with LADEN_SCHED_CACHE");
     if (sc->broken)
         return laden__fail(LADEN_E_STATE, "the schedule failed to load");
-    if (sc->loading)
+    if (sc->load.loading)
         return laden__fail(LADEN_E_STATE, "laden_sched_load_block: the "
                            "schedule is loading");
-    if (block >= sc->nb)
+    if (block >= sc->layout.nb)
         return laden__fail(LADEN_E_INVAL, "laden_sched_load_block: no block "
-                           "%u (%u blocks)", block, sc->nb);
-    if (sc->b[block].filled)
+                           "%u (%u blocks)", block, sc->layout.nb);
+    if (sc->layout.b[block].filled)
         return laden__fail(LADEN_E_STATE, "block %u is loaded already",
                            block);
-    if (sc->share_key)
+    if (sc->share.key)
         return laden__fail(LADEN_E_STATE, "laden_sched_load_block: a "
                            "schedule with a shared host copy loads whole "
                            "(laden_sched_load)");
@@ -422,19 +433,20 @@ laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
  * nothing else holds the block's bytes. */
 static laden_status place_block(laden_sched_t *sc, uint32_t i, bool *moved)
 {
-    blk *b = &sc->b[i];
+    blk *b = &sc->layout.b[i];
     laden_status s = LADEN_OK;
     int res = 1;
     if (b->shared) { /* the CPU device, in the segment (share.c) */
         sc->st.device_bytes += b->bytes;
         return LADEN_OK;
     }
-    if (b->bytes && sc->vbar) {
+    if (b->bytes && sc->cache.vbar) {
         uint64_t sig;
-        laden_vbar_alloc(sc->vbar, b->bytes, &b->voff); /* sized so */
-        if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
+        laden_vbar_alloc(sc->cache.vbar, b->bytes, &b->voff); /* sized so */
+        if ((s = laden_vbar_fault(sc->cache.vbar, b->voff, b->bytes, &res,
+                                  &sig)))
             return s;
-        b->region = res ? sc->vbar_base + b->voff : 0;
+        b->region = res ? sc->cache.vbar_base + b->voff : 0;
     } else if (b->bytes) {
         s = laden_dev_mem_alloc(sc->cfg.device, b->bytes, &b->region);
         res = s == LADEN_OK;
@@ -443,7 +455,7 @@ static laden_status place_block(laden_sched_t *sc, uint32_t i, bool *moved)
     }
     if (!res) {
         if (b->tier == LADEN_TIER_GPU)
-            return sc->vbar ? laden__fail(LADEN_E_BUDGET,
+            return sc->cache.vbar ? laden__fail(LADEN_E_BUDGET,
                                           "block %u (%s) must be on the "
                                           "device, and the VRAM context has "
                                           "no room for it",
@@ -467,11 +479,11 @@ static laden_status place_device_blocks(laden_sched_t *sc)
 {
     laden_status s;
     bool moved = false;
-    if (sc->vram) {
+    if (sc->cache.vram) {
         uint64_t total = 0, largest = 0;
         uint32_t nmay = 0;
-        for (uint32_t i = 0; i < sc->nb; i++) {
-            blk *b = &sc->b[i];
+        for (uint32_t i = 0; i < sc->layout.nb; i++) {
+            blk *b = &sc->layout.b[i];
             if (b->tier == LADEN_TIER_GPU || b->tier == LADEN_TIER_VRAM)
                 total += (b->bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
             if (may_stream(sc, b)) {
@@ -482,18 +494,20 @@ static laden_status place_device_blocks(laden_sched_t *sc)
         }
         uint32_t nslots = laden_slot_count(nmay, sc->cfg.lookahead);
         if ((s = laden__sched_charge_slots(sc, (uint64_t)nslots * largest)) ||
-            (total && (s = laden__sched_new_vbar(sc->vram, total, &sc->vbar,
-                                    &sc->vbar_base))))
+            (total &&
+             (s = laden__sched_new_vbar(sc->cache.vram, total, &sc->cache.vbar,
+                                        &sc->cache.vbar_base))))
             return s;
     }
     for (int pass = 0; pass < 2; pass++)
-        for (uint32_t i = 0; i < sc->nb; i++)
-            if (sc->b[i].tier == (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU) &&
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            if (sc->layout.b[i].tier ==
+                    (pass ? LADEN_TIER_VRAM : LADEN_TIER_GPU) &&
                 (s = place_block(sc, i, &moved)))
                 return s;
     if (moved)
         laden__sched_relayout(sc);
-    if (!sc->nstreamed)
+    if (!sc->layout.nstreamed)
         laden__sched_charge_slots(sc, 0);
     return LADEN_OK;
 }
@@ -503,8 +517,8 @@ static laden_status place_device_blocks(laden_sched_t *sc)
 static laden_status check_tiers(const laden_sched_t *sc)
 {
     laden_status s;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        const blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        const blk *b = &sc->layout.b[i];
         if (b->tier == LADEN_TIER_AUTO)
             return laden__fail(LADEN_E_STATE,
                                "block %u has no tier yet (LADEN_TIER_AUTO): "
@@ -529,7 +543,7 @@ static laden_status check_tiers(const laden_sched_t *sc)
 #define STAGE_BYTES (256ull << 20)
 #define QUEUE 64u
 
-/* A load in progress (sc->ld): blocks are loaded in their order, a piece
+/* A load in progress (sc->load.ld): blocks are loaded in their order, a piece
  * at a time, by step(); whoever holds the schedule drives it (the caller
  * of laden_sched_load, the background thread of laden_sched_load_begin,
  * or the owner waiting for a block in laden_sched_await or enter). */
@@ -547,14 +561,14 @@ struct laden_loader {
 /* Whether block b is loaded through the staging buffers. */
 static bool staged(const laden_sched_t *sc, const blk *b)
 {
-    return sc->cuda && !sc->cache && b->tier == LADEN_TIER_GPU;
+    return sc->cuda && !sc->cache.on && b->tier == LADEN_TIER_GPU;
 }
 
 /* Whether the loader reads block b (it has bytes in memory to fill). */
 static bool to_load(const laden_sched_t *sc, const blk *b)
 {
     return (b->tier == LADEN_TIER_RAM || b->tier == LADEN_TIER_GPU) &&
-           b->bytes && b->nt && !(sc->cache && b->filled) &&
+           b->bytes && b->nt && !(sc->cache.on && b->filled) &&
            !laden__sched_attached(sc, b);
 }
 
@@ -565,7 +579,7 @@ static uint32_t piece_end(const laden_sched_t *sc, const blk *b, uint32_t t0)
 {
     if (!staged(sc, b))
         return b->nt;
-    uint64_t cap = sc->stage_bytes ? sc->stage_bytes : STAGE_BYTES;
+    uint64_t cap = sc->load.stage_bytes ? sc->load.stage_bytes : STAGE_BYTES;
     uint32_t t1 = t0 + 1;
     while (t1 < b->nt &&
            b->t[t1].dst_off + b->t[t1].dst_bytes - b->t[t0].dst_off <= cap)
@@ -576,11 +590,11 @@ static uint32_t piece_end(const laden_sched_t *sc, const blk *b, uint32_t t0)
 static laden_status progress(loader *l, const inflight *f, bool last)
 {
     laden_sched_t *sc = l->sc;
-    if (sc->cache) /* counts the blocks loaded before too */
+    if (sc->cache.on) /* counts the blocks loaded before too */
         return last ? filled(sc, f->b) : LADEN_OK;
     l->done_bytes += f->bytes;
-    if (sc->progress &&
-        sc->progress(sc->progress_arg, l->done_bytes, l->total_bytes))
+    if (sc->load.progress && sc->load.progress(sc->load.progress_arg,
+                                               l->done_bytes, l->total_bytes))
         return cancelled();
     return LADEN_OK;
 }
@@ -595,13 +609,13 @@ laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b)
     if (s)
         return s;
     b->pinned = true;
-    sc->pinned_homes += b->ram_len;
+    sc->load.pinned_homes += b->ram_len;
     /* The arena (slots' staging, later) gets what the homes leave of the
      * RAM budget. */
     uint64_t budget = sc->cfg.ram_budget_bytes;
     if (budget)
-        laden_host_set_budget(sc->host, budget > sc->pinned_homes
-                                            ? budget - sc->pinned_homes
+        laden_host_set_budget(sc->layout.host, budget > sc->load.pinned_homes
+                                            ? budget - sc->load.pinned_homes
                                             : 1);
     return LADEN_OK;
 }
@@ -617,14 +631,15 @@ static laden_status finish_oldest(loader *l, laden_status s)
     bool last = f->t0 + f->n == f->b->nt; /* completes its block */
     s = finish_piece(sc, f, s);
     if (!s && f->staging >= 0 &&
-        !(s = laden_dev_copy_h2d(sc->copy, f->b->region + f->base, f->dst,
+        !(s = laden_dev_copy_h2d(sc->run.copy, f->b->region + f->base, f->dst,
                                  f->bytes)) &&
-        !(s = laden_dev_event_record(l->copied[f->staging], sc->copy)) &&
+        !(s = laden_dev_event_record(l->copied[f->staging], sc->run.copy)) &&
         last)
         s = laden_dev_event_synchronize(l->copied[f->staging]);
-    if (!s && last && sc->cuda && !sc->cache && f->b->tier == LADEN_TIER_RAM)
+    if (!s && last && sc->cuda && !sc->cache.on &&
+        f->b->tier == LADEN_TIER_RAM)
         s = laden__sched_pin_home(sc, f->b);
-    if (s && sc->cache)
+    if (s && sc->cache.on)
         unmap_home(f->b);
     if (!s && last)
         f->b->ready = true;
@@ -642,16 +657,17 @@ static laden_status finish_oldest(loader *l, laden_status s)
 static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
-    if (sc->cache || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
+    if (sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
         /* A shared block is in the segment, in 4 KiB pages (share.c), as
          * an attacher counts it too. */
         uint64_t budget = sc->cfg.ram_budget_bytes,
                  len = b->shared ? b->ram_len : home_len(b->bytes);
-        if (!sc->cache && budget && *homes_bytes + len > budget)
-            return laden__fail(LADEN_E_BUDGET, "block %u (%s) does not fit "
+        if (!sc->cache.on && budget && *homes_bytes + len > budget)
+            return laden__fail(LADEN_E_BUDGET,
+                               "block %u (%s) does not fit "
                                "the %s RAM budget (%s taken)",
-                               (unsigned)(b - sc->b), laden__bytes(len).s,
-                               laden__bytes(budget).s,
+                               (unsigned)(b - sc->layout.b),
+                               laden__bytes(len).s, laden__bytes(budget).s,
                                laden__bytes(*homes_bytes).s);
         laden_status s = b->shared ? LADEN_OK : map_home(sc, b);
         if (!s)
@@ -661,7 +677,7 @@ static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
     if (b->shared) /* in the segment (share.c) */
         return LADEN_OK;
     if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
-        laden_status s = laden_host_alloc(sc->host, b->bytes, &b->ram);
+        laden_status s = laden_host_alloc(sc->layout.host, b->bytes, &b->ram);
         if (!s)
             b->region = (laden_devptr_t)(uintptr_t)b->ram;
         return s;
@@ -693,7 +709,7 @@ static laden_status destination(loader *l, blk *b, uint32_t t0, char **dst,
         if (busy)
             continue;
         if (!l->staging[k] &&
-            ((s = laden_host_alloc(sc->host, l->staging_bytes,
+            ((s = laden_host_alloc(sc->layout.host, l->staging_bytes,
                                    &l->staging[k])) ||
              (s = laden_dev_event_create(sc->cfg.device, 0, &l->copied[k]))))
             return s;
@@ -725,15 +741,15 @@ static bool must_wait(const loader *l)
 static void skip_empty(loader *l)
 {
     laden_sched_t *sc = l->sc;
-    while (l->next < sc->nb && !to_load(sc, &sc->b[l->next])) {
-        blk *b = &sc->b[l->next++];
+    while (l->next < sc->layout.nb && !to_load(sc, &sc->layout.b[l->next])) {
+        blk *b = &sc->layout.b[l->next++];
         b->ready = true;
     }
 }
 
 static bool loader_done(const loader *l)
 {
-    return l->next >= l->sc->nb && !l->count;
+    return l->next >= l->sc->layout.nb && !l->count;
 }
 
 /* One unit of the load: the next piece started, or (when the window is
@@ -742,8 +758,8 @@ static laden_status step(loader *l)
 {
     laden_sched_t *sc = l->sc;
     laden_status s;
-    if (l->next < sc->nb && !(l->count && must_wait(l))) {
-        blk *b = &sc->b[l->next];
+    if (l->next < sc->layout.nb && !(l->count && must_wait(l))) {
+        blk *b = &sc->layout.b[l->next];
         uint32_t t1 = piece_end(sc, b, l->t0);
         char *dst = NULL;
         int staging;
@@ -774,16 +790,16 @@ static laden_status loader_new(laden_sched_t *sc)
     if (!l)
         return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
     l->sc = sc;
-    sc->ld = l;
+    sc->load.ld = l;
     /* Counted against the RAM budget with the homes read here: those an
      * attached shared copy holds (share.c). */
     uint64_t homes_bytes = 0;
-    for (uint32_t i = 0; i < sc->nb; i++)
-        if (laden__sched_attached(sc, &sc->b[i]) &&
-            sc->b[i].tier == LADEN_TIER_RAM)
-            homes_bytes += sc->b[i].ram_len;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (laden__sched_attached(sc, &sc->layout.b[i]) &&
+            sc->layout.b[i].tier == LADEN_TIER_RAM)
+            homes_bytes += sc->layout.b[i].ram_len;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         if (!to_load(sc, b))
             continue;
         l->total_bytes += b->bytes;
@@ -801,12 +817,12 @@ static laden_status loader_new(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-/* Ends the load (sc->ld): the pieces in flight finished (also after a
+/* Ends the load (sc->load.ld): the pieces in flight finished (also after a
  * failure s: the reads must end first), the staging freed.  The schedule
  * is loaded if all went well. */
 static laden_status loader_end(laden_sched_t *sc, laden_status s)
 {
-    loader *l = sc->ld;
+    loader *l = sc->load.ld;
     if (!l)
         return s;
     while (l->count)
@@ -815,37 +831,37 @@ static laden_status loader_end(laden_sched_t *sc, laden_status s)
         s = laden__fail(LADEN_E_STATE, "the load was stopped");
     s = laden__sched_share_end(sc, s);
     if (!s && (l->staging[0] || l->staging[1]))
-        s = laden_dev_stream_synchronize(sc->copy);
+        s = laden_dev_stream_synchronize(sc->run.copy);
     for (int k = 0; k < 2; k++) {
         if (l->staging[k])
-            laden_host_free(sc->host, l->staging[k]);
+            laden_host_free(sc->layout.host, l->staging[k]);
         laden_dev_event_destroy(l->copied[k]);
     }
-    laden_host_trim(sc->host); /* the GPU tier's staging is not kept */
+    laden_host_trim(sc->layout.host); /* the GPU tier's staging is not kept */
     free(l);
-    sc->ld = NULL;
-    sc->loading = false;
+    sc->load.ld = NULL;
+    sc->load.loading = false;
     if (!s)
         sc->loaded = true;
-    if (sc->trace_load_t0 && LADEN__TRACING()) {
+    if (sc->load.trace_t0 && LADEN__TRACING()) {
         uint64_t sess = laden__trace_session(); /* before the name */
-        laden__trace_span(LADEN__EV_LOAD, sess, sc->trace_load_t0, 0,
+        laden__trace_span(LADEN__EV_LOAD, sess, sc->load.trace_t0, 0,
                           sc->st.load_read_bytes, (uintptr_t)sc,
                           laden__sched_trace_name(sc));
     }
-    sc->trace_load_t0 = 0;
+    sc->load.trace_t0 = 0;
     return s;
 }
 
 /* LADEN_OK if the schedule may be loaded now (nothing is changed). */
 static laden_status may_load(const laden_sched_t *sc)
 {
-    if (sc->loaded || sc->broken || sc->loading)
-        return laden__fail(LADEN_E_STATE, sc->loading
+    if (sc->loaded || sc->broken || sc->load.loading)
+        return laden__fail(LADEN_E_STATE, sc->load.loading
                                               ? "the schedule is loading"
                                               : "the schedule is already "
                                                 "loaded");
-    return sc->laid_out ? LADEN_OK : check_tiers(sc);
+    return sc->layout.laid_out ? LADEN_OK : check_tiers(sc);
 }
 
 /* Everything a load does before its first read: the blocks laid out, the
@@ -853,21 +869,21 @@ static laden_status may_load(const laden_sched_t *sc)
 static laden_status begin(laden_sched_t *sc)
 {
     laden_status s;
-    sc->trace_load_t0 = LADEN__TRACING() ? laden__now_ns() : 0;
+    sc->load.trace_t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     if ((s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
-        (!sc->cache && (s = place_device_blocks(sc))) ||
+        (!sc->cache.on && (s = place_device_blocks(sc))) ||
         (s = loader_new(sc)))
         return s;
-    sc->loading = true;
+    sc->load.loading = true;
     return LADEN_OK;
 }
 
 /* A load that failed: everything freed, the schedule only destroyable. */
 static laden_status failed(laden_sched_t *sc, laden_status s)
 {
-    if (sc->ld)
+    if (sc->load.ld)
         s = loader_end(sc, s);
-    sc->loading = false;
+    sc->load.loading = false;
     laden__sched_free_all(sc);
     sc->broken = true;
     return s;
@@ -882,8 +898,8 @@ laden_status laden__sched_load(laden_sched_t *sc)
         return s;
     if ((s = begin(sc)))
         return failed(sc, s);
-    while (!s && !loader_done(sc->ld))
-        s = step(sc->ld);
+    while (!s && !loader_done(sc->load.ld))
+        s = step(sc->load.ld);
     if ((s = loader_end(sc, s)))
         return failed(sc, s);
     return LADEN_OK;
@@ -897,13 +913,13 @@ laden_status laden__sched_load(laden_sched_t *sc)
  * for a step to end, and take precedence over the next).  The owner drives
  * it too, on its own thread, while it waits for a block (laden__sched_until
  * from laden_sched_await and enter), so that a forward pass runs as the
- * blocks arrive.  A failure is kept (sc->load_err) and returned by the
+ * blocks arrive.  A failure is kept (sc->load.err) and returned by the
  * owner's next call that needs a block. */
 
 laden_status laden__sched_load_failure(laden_sched_t *sc)
 {
-    return laden__fail(sc->load_err ? sc->load_err : LADEN_E_STATE,
-                       "the schedule failed to load: %s", sc->load_msg);
+    return laden__fail(sc->load.err ? sc->load.err : LADEN_E_STATE,
+                       "the schedule failed to load: %s", sc->load.msg);
 }
 
 /* The end of a background load, on whichever thread reached it. */
@@ -911,22 +927,23 @@ static void ended(laden_sched_t *sc, laden_status s)
 {
     if (!(s = loader_end(sc, s)))
         return;
-    sc->load_err = s;
-    snprintf(sc->load_msg, sizeof sc->load_msg, "%s", laden_last_error());
+    sc->load.err = s;
+    snprintf(sc->load.msg, sizeof sc->load.msg, "%s", laden_last_error());
     /* The memory stays (its addresses were handed out) until destroy;
      * the calls that need a block return the failure meanwhile. */
-    sc->loading = true;
+    sc->load.loading = true;
     sc->broken = true;
 }
 
 static void *load_thread(void *arg)
 {
     laden_sched_t *sc = arg;
-    while (!atomic_load(&sc->destroy_asked) && laden__sched_hold_loader(sc)) {
-        bool end = !sc->ld;
+    while (!atomic_load(&sc->load.destroy_asked) &&
+           laden__sched_hold_loader(sc)) {
+        bool end = !sc->load.ld;
         if (!end) {
-            laden_status s = step(sc->ld);
-            if (s || loader_done(sc->ld)) {
+            laden_status s = step(sc->load.ld);
+            if (s || loader_done(sc->load.ld)) {
                 ended(sc, s);
                 end = true;
             }
@@ -935,15 +952,15 @@ static void *load_thread(void *arg)
         if (end)
             break;
     }
-    if (atomic_load(&sc->destroy_asked)) {
+    if (atomic_load(&sc->load.destroy_asked)) {
         /* Destroyed from this thread (its progress callback): nobody is
          * left to join it, so it finishes the destroy itself. */
-        pthread_mutex_lock(&sc->mu);
-        bool live = atomic_exchange(&sc->loader_live, false);
-        pthread_mutex_unlock(&sc->mu);
+        pthread_mutex_lock(&sc->hold.mu);
+        bool live = atomic_exchange(&sc->hold.loader_live, false);
+        pthread_mutex_unlock(&sc->hold.mu);
         if (live)
             pthread_detach(pthread_self());
-        atomic_store(&sc->loader_tid, 0);
+        atomic_store(&sc->hold.loader_tid, 0);
         laden_sched_destroy(sc);
     }
     return NULL;
@@ -951,9 +968,10 @@ static void *load_thread(void *arg)
 
 laden_status laden__sched_load_prepare(laden_sched_t *sc)
 {
-    if (sc->loading && sc->ld && !sc->loader_started && !sc->load_err)
+    if (sc->load.loading && sc->load.ld && !sc->load.loader_started &&
+        !sc->load.err)
         return LADEN_OK; /* prepared already */
-    if (sc->cache)
+    if (sc->cache.on)
         return laden__fail(LADEN_E_STATE, "a cache schedule loads with "
                            "laden_sched_load or laden_sched_load_block");
     laden_status s = may_load(sc);
@@ -969,14 +987,14 @@ laden_status laden__sched_load_begin(laden_sched_t *sc)
     laden_status s = laden__sched_load_prepare(sc);
     if (s)
         return s;
-    if (loader_done(sc->ld))
+    if (loader_done(sc->load.ld))
         return (s = loader_end(sc, LADEN_OK)) ? failed(sc, s) : LADEN_OK;
     if ((s = laden__sched_start_loader(sc, load_thread)))
         return failed(sc, s);
     return LADEN_OK;
 }
 
-/* Steps the load (sc->ld) on this thread until block `block` is in place
+/* Steps the load (sc->load.ld) on this thread until block `block` is in place
  * (-1: all of it), and ends it once it failed or is done: the load's
  * failure, if any. */
 static laden_status drive(laden_sched_t *sc, int64_t block)
@@ -995,29 +1013,29 @@ laden_status laden__sched_drive_for(laden_sched_t *sc, int64_t block,
 {
     laden_status s = LADEN_OK;
     *done = true;
-    while (!s && !loader_done(sc->ld) &&
-           (block < 0 || !sc->b[block].ready)) {
+    while (!s && !loader_done(sc->load.ld) &&
+           (block < 0 || !sc->layout.b[block].ready)) {
         if (deadline_ns && laden__now_ns() >= deadline_ns) {
             *done = false;
             return LADEN_OK;
         }
-        s = step(sc->ld);
+        s = step(sc->load.ld);
     }
-    if (s || loader_done(sc->ld))
+    if (s || loader_done(sc->load.ld))
         ended(sc, s);
-    return sc->load_err ? laden__sched_load_failure(sc) : LADEN_OK;
+    return sc->load.err ? laden__sched_load_failure(sc) : LADEN_OK;
 }
 
 laden_status laden__sched_until(laden_sched_t *sc, uint32_t block)
 {
-    if (block >= sc->nb)
+    if (block >= sc->layout.nb)
         return laden__fail(LADEN_E_INVAL, "no block %u (%u blocks)", block,
-                           sc->nb);
-    if (sc->load_err) /* also for blocks read before it failed */
+                           sc->layout.nb);
+    if (sc->load.err) /* also for blocks read before it failed */
         return laden__sched_load_failure(sc);
-    if (sc->b[block].ready || sc->loaded)
+    if (sc->layout.b[block].ready || sc->loaded)
         return LADEN_OK;
-    if (!sc->ld)
+    if (!sc->load.ld)
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
     return drive(sc, block);
 }
@@ -1026,16 +1044,16 @@ laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
                                     uint32_t timeout_ms, int *out_done)
 {
     *out_done = 0;
-    if (block >= (int64_t)sc->nb)
+    if (block >= (int64_t)sc->layout.nb)
         return laden__fail(LADEN_E_INVAL, "no block %lld (%u blocks)",
-                           (long long)block, sc->nb);
-    if (sc->load_err)
+                           (long long)block, sc->layout.nb);
+    if (sc->load.err)
         return laden__sched_load_failure(sc);
-    if (block >= 0 && (sc->b[block].ready || sc->loaded)) {
+    if (block >= 0 && (sc->layout.b[block].ready || sc->loaded)) {
         *out_done = 1;
         return LADEN_OK;
     }
-    if (!sc->ld) {
+    if (!sc->load.ld) {
         if (block >= 0 || !sc->loaded)
             return laden__fail(LADEN_E_STATE, "the schedule is not "
                                "loaded (no load was begun)");
@@ -1048,7 +1066,7 @@ laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
     }
     if (block < 0) {
         laden__sched_join_loader(sc);
-        if (sc->load_err)
+        if (sc->load.err)
             return laden__sched_load_failure(sc);
     }
     *out_done = 1;
@@ -1058,7 +1076,7 @@ laden_status laden__sched_await_for(laden_sched_t *sc, int64_t block,
 laden_status laden__sched_load_cancel(laden_sched_t *sc)
 {
     laden__sched_join_loader(sc); /* its step in progress ends first */
-    if (sc->ld) {
+    if (sc->load.ld) {
         laden_status s = laden__fail(LADEN_E_STATE, "the load was "
                                      "cancelled (laden_sched_load_cancel)");
         ended(sc, s);
@@ -1068,10 +1086,10 @@ laden_status laden__sched_load_cancel(laden_sched_t *sc)
 
 laden_status laden__sched_load_wait(laden_sched_t *sc)
 {
-    if (sc->ld)
+    if (sc->load.ld)
         (void)drive(sc, -1);
     laden__sched_join_loader(sc);
-    if (sc->load_err) /* the memory stays: its addresses were handed out */
+    if (sc->load.err) /* the memory stays: its addresses were handed out */
         return laden__sched_load_failure(sc);
     return sc->loaded ? LADEN_OK
                       : laden__fail(LADEN_E_STATE, "the schedule is not "
@@ -1081,28 +1099,28 @@ laden_status laden__sched_load_wait(laden_sched_t *sc)
 /* After the background thread has stopped: the load it left, ended. */
 void laden__sched_abandon_load(laden_sched_t *sc)
 {
-    if (sc->ld) {
+    if (sc->load.ld) {
         loader_end(sc, laden__fail(LADEN_E_STATE, "the load was stopped"));
         laden__error_clear();
         sc->broken = true;
     }
 }
 
-/* ---- reading a tensor again ------------------------------------------- */
+/* ---- reading a tensor again --------------------------------------------- */
 
 laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_reread: NULL");
-    if (!sc->loaded || sc->cache)
+    if (!sc->loaded || sc->cache.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_reread: %s",
-                           sc->cache ? "a cache schedule's device copy is "
+                           sc->cache.on ? "a cache schedule's device copy is "
                                        "uploaded from its host copy"
                                      : "the schedule is not loaded");
-    if (block >= sc->nb || i >= sc->b[block].nt)
+    if (block >= sc->layout.nb || i >= sc->layout.b[block].nt)
         return laden__fail(LADEN_E_INVAL, "laden_sched_reread: no tensor %u "
                            "of block %u", i, block);
-    blk *b = &sc->b[block];
+    blk *b = &sc->layout.b[block];
     const tref *r = &b->t[i];
     if (laden__sched_streamed(sc, b))
         return laden__fail(LADEN_E_STATE, "block %u is streamed: its slot is "
@@ -1120,9 +1138,9 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
     bool bounce = sc->cuda && b->tier == LADEN_TIER_GPU;
     char *to = NULL;
     laden_status s = LADEN_OK, w;
-    if (bounce && (s = laden_host_alloc(sc->host, r->dst_bytes ? r->dst_bytes
-                                                                : 1,
-                                        (void **)&to)))
+    if (bounce &&
+        (s = laden_host_alloc(sc->layout.host, r->dst_bytes ? r->dst_bytes : 1,
+                              (void **)&to)))
         return s;
     if (!bounce)
         to = (char *)(uintptr_t)b->region + r->dst_off;
@@ -1136,14 +1154,75 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         c.cached = cached;
     free(c.tmp);
     if (!s && bounce &&
-        !(s = laden_dev_copy_h2d(sc->copy, b->region + r->dst_off, to,
+        !(s = laden_dev_copy_h2d(sc->run.copy, b->region + r->dst_off, to,
                                  r->dst_bytes)))
-        s = laden_dev_stream_synchronize(sc->copy);
+        s = laden_dev_stream_synchronize(sc->run.copy);
     if (bounce)
-        laden_host_free(sc->host, to);
+        laden_host_free(sc->layout.host, to);
     if (!s) {
         sc->st.load_read_bytes += r->src_bytes;
         sc->st.load_cached_bytes += c.cached;
     }
     return s;
+}
+
+/* ---- teardown ----------------------------------------------------------- */
+
+void laden__sched_free_all(laden_sched_t *sc)
+{
+    laden__sched_free_slots(sc);
+    if (sc->cache.fenced)
+        laden_dev_event_synchronize(sc->cache.last_use);
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
+        bool in_segment = b->shared && b->tier == LADEN_TIER_GPU &&
+                          !b->resident; /* the CPU device (share.c) */
+        if ((b->tier == LADEN_TIER_GPU || b->resident) && b->region &&
+            !sc->cache.vbar && !in_segment)
+            laden_dev_mem_free(sc->cfg.device, b->region);
+        if (b->shared) { /* in the segment, closed below */
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+        } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
+            if (b->pinned)
+                laden_dev_host_unregister(sc->cfg.device, b->ram);
+            munmap(b->ram, b->ram_len);
+        } else if (b->ram) {
+            laden_host_free(sc->layout.host, b->ram);
+        }
+        b->region = 0;
+        b->ram = NULL;
+        b->ram_len = 0;
+        b->resident = b->pinned = b->ready = false;
+    }
+    sc->load.pinned_homes = 0;
+    laden__sched_share_close(sc);
+    /* after the copies (free_slots synced) */
+    laden_vbar_destroy(sc->cache.vbar);
+    sc->cache.vbar = NULL;
+    laden_dev_stream_destroy(sc->run.copy);
+    sc->run.copy = NULL;
+    laden_dev_event_destroy(sc->cache.uploaded);
+    laden_dev_event_destroy(sc->cache.last_use);
+    sc->cache.uploaded = sc->cache.last_use = NULL;
+    sc->cache.fenced = false;
+    free(sc->layout.order);
+    sc->layout.order = NULL;
+    laden_host_trim(sc->layout.host);
+}
+
+laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
+                                      const char *call)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
+    if (sc->load.err)
+        return laden__sched_load_failure(sc);
+    if (!laden__sched_usable(sc))
+        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
+                           call);
+    if (block >= sc->layout.nb)
+        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
+                           block, sc->layout.nb);
+    return LADEN_OK;
 }

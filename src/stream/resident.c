@@ -5,7 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "stream_internal.h"
+#include "stream_cache.h"
+#include "stream_layout.h"
+#include "stream_load.h"
+#include "stream_run.h"
 
 static laden_status cache_block(laden_sched_t *sc, uint32_t block,
                                 const char *call, blk **out)
@@ -13,12 +16,12 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     laden_status s = laden__sched_check_block(sc, block, call);
     if (s)
         return s;
-    if (!sc->cache)
+    if (!sc->cache.on)
         return laden__fail(LADEN_E_STATE,
                            "%s: only for schedules created with "
                            "LADEN_SCHED_CACHE",
                            call);
-    *out = &sc->b[block];
+    *out = &sc->layout.b[block];
     return LADEN_OK;
 }
 
@@ -33,16 +36,17 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
     int32_t dev = sc->cfg.device;
     bool copy = b->bytes != 0;
     uint64_t sig = 0;
-    if (b->bytes && sc->vbar) {
+    if (b->bytes && sc->cache.vbar) {
         int res;
-        if ((s = laden_vbar_fault(sc->vbar, b->voff, b->bytes, &res, &sig)))
+        if ((s = laden_vbar_fault(sc->cache.vbar, b->voff, b->bytes, &res,
+                                  &sig)))
             return s;
         if (!res)
             return laden__fail(LADEN_E_BUDGET,
                                "block of %s is offloaded: the VRAM budget has "
                                "no room for it (it streams)",
                                laden__bytes(b->bytes).s);
-        b->region = sc->vbar_base + b->voff;
+        b->region = sc->cache.vbar_base + b->voff;
         copy = sig != b->sig;
     } else if (b->bytes && !sc->cuda) {
         /* The CPU device runs from host memory: the host copy is where the
@@ -64,12 +68,12 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
             return s;
         }
     }
-    if (copy && ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram,
-                                         b->bytes)) ||
-                 (s = laden_dev_event_record(sc->uploaded, sc->copy)))) {
-        laden_dev_stream_synchronize(sc->copy);
-        if (sc->vbar)
-            laden_vbar_unpin(sc->vbar, b->voff, b->bytes);
+    if (copy &&
+        ((s = laden_dev_copy_h2d(sc->run.copy, b->region, b->ram, b->bytes)) ||
+         (s = laden_dev_event_record(sc->cache.uploaded, sc->run.copy)))) {
+        laden_dev_stream_synchronize(sc->run.copy);
+        if (sc->cache.vbar)
+            laden_vbar_unpin(sc->cache.vbar, b->voff, b->bytes);
         else if (!given)
             laden_dev_mem_free(dev, b->region);
         b->region = 0;
@@ -94,13 +98,15 @@ static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
 {
     laden_status s;
     /* Its last users: the model's work (fence) and the upload. */
-    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
-        (s = laden_dev_event_synchronize(sc->uploaded)))
+    if ((sc->cache.fenced &&
+         (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
+        (s = laden_dev_event_synchronize(sc->cache.uploaded)))
         return s;
-    if (sc->vbar) {
+    if (sc->cache.vbar) {
         /* Unpinned, not freed: the pages stay until the budget needs
          * them, and a later fault with the same signature copies nothing. */
-        if (b->bytes && (s = laden_vbar_unpin(sc->vbar, b->voff, b->bytes)))
+        if (b->bytes &&
+            (s = laden_vbar_unpin(sc->cache.vbar, b->voff, b->bytes)))
             return s;
         if (taken)
             *taken = 0;
@@ -127,7 +133,7 @@ static laden_status residency_arg(laden_sched_t *sc, uint32_t block,
     laden_status s = cache_block(sc, block, call, b);
     if (s)
         return s;
-    if (sc->started)
+    if (sc->run.started)
         return laden__fail(LADEN_E_STATE,
                            "%s: stop the schedule first (its slots are laid "
                            "out for the blocks that stream)",
@@ -177,10 +183,10 @@ laden_status laden__sched_set_resident_at(laden_sched_t *sc, uint32_t block,
                                    &b);
     if (s)
         return s;
-    if (b->resident || sc->vbar)
+    if (b->resident || sc->cache.vbar)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_resident_at: block %u %s",
-                           block, sc->vbar ? "lives in a VBAR"
+                           block, sc->cache.vbar ? "lives in a VBAR"
                                            : "has a device copy already");
     if (bytes != b->bytes || (!ptr && bytes))
         return laden__fail(LADEN_E_INVAL,
@@ -212,16 +218,16 @@ static laden_status vram_arg(laden_sched_t *sc, laden_vram_t *vram)
 static laden_status use_vram_streaming(laden_sched_t *sc, laden_vram_t *vram)
 {
     laden_status s;
-    if (sc->loaded || sc->broken || sc->laid_out)
+    if (sc->loaded || sc->broken || sc->layout.laid_out)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_use_vram: a schedule without "
                            "LADEN_SCHED_CACHE takes its context before "
                            "load");
     if ((s = vram_arg(sc, vram)))
         return s;
-    if (sc->vram != vram)
+    if (sc->cache.vram != vram)
         laden__sched_unplan(sc);
-    sc->vram = vram;
+    sc->cache.vram = vram;
     return LADEN_OK;
 }
 
@@ -233,19 +239,21 @@ static laden_status use_vram_cache(laden_sched_t *sc, laden_vram_t *vram)
     laden_devptr_t base = 0;
     if (vram) {
         uint64_t total = 0;
-        for (uint32_t i = 0; i < sc->nb; i++)
-            total += (sc->b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            total +=
+                (sc->layout.b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
         if ((s = laden__sched_new_vbar(vram, total, &v, &base)))
             return s;
-        for (uint32_t i = 0; i < sc->nb; i++) {
-            laden_vbar_alloc(v, sc->b[i].bytes, &sc->b[i].voff); /* sized so */
-            sc->b[i].sig = 0;
+        for (uint32_t i = 0; i < sc->layout.nb; i++) {
+            laden_vbar_alloc(v, sc->layout.b[i].bytes,
+                             &sc->layout.b[i].voff); /* sized so */
+            sc->layout.b[i].sig = 0;
         }
     }
-    laden_vbar_destroy(sc->vbar);
-    sc->vbar = v;
-    sc->vram = vram;
-    sc->vbar_base = base;
+    laden_vbar_destroy(sc->cache.vbar);
+    sc->cache.vbar = v;
+    sc->cache.vram = vram;
+    sc->cache.vbar_base = base;
     return LADEN_OK;
 }
 
@@ -254,17 +262,17 @@ laden_status laden__sched_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     laden_status s;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_use_vram: NULL");
-    if (!sc->cache)
+    if (!sc->cache.on)
         return use_vram_streaming(sc, vram);
     if (!sc->loaded)
         return laden__fail(LADEN_E_STATE, "laden_sched_use_vram: a cache "
                            "schedule takes its context once loaded");
-    if (sc->started || sc->st.resident_bytes)
+    if (sc->run.started || sc->st.resident_bytes)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_use_vram: the schedule holds device "
                            "memory; give it all back first");
-    for (uint32_t i = 0; i < sc->nb; i++)
-        if (sc->b[i].resident)
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].resident)
             return laden__fail(LADEN_E_STATE,
                                "laden_sched_use_vram: block %u is resident",
                                i);
@@ -279,17 +287,17 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
     laden_status s;
     if (!sc || (!want && n))
         return laden__fail(LADEN_E_INVAL, "laden_sched_reserve_vram: NULL");
-    if (!sc->cache || !sc->vbar)
+    if (!sc->cache.on || !sc->cache.vbar)
         return LADEN_OK; /* nothing is faulted: nothing to prepare */
-    if (n != sc->nb)
+    if (n != sc->layout.nb)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_reserve_vram: %u flags for %u "
                            "blocks",
-                           n, sc->nb);
+                           n, sc->layout.nb);
     laden_vbar_info_t vi;
     laden_vram_info_t ci;
-    if ((s = laden_vbar_info(sc->vbar, &vi)) ||
-        (s = laden_vram_info(sc->vram, &ci)))
+    if ((s = laden_vbar_info(sc->cache.vbar, &vi)) ||
+        (s = laden_vram_info(sc->cache.vram, &ci)))
         return s;
     if (!ci.budget_bytes)
         return LADEN_OK;
@@ -298,7 +306,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
     uint8_t *state = malloc(np ? np : 1);
     if (!state)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
-    if ((s = laden_vbar_residency(sc->vbar, state, np, &got))) {
+    if ((s = laden_vbar_residency(sc->cache.vbar, state, np, &got))) {
         free(state);
         return s;
     }
@@ -306,8 +314,8 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
      * ranges ascend). */
     uint64_t need = 0;
     int64_t last = -1;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         if (!want[i] || b->resident || !b->bytes)
             continue;
         int64_t p0 = (int64_t)(b->voff / page);
@@ -319,7 +327,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
             last = p1;
     }
     free(state);
-    return need ? laden_vram_make_room(sc->vram, need) : LADEN_OK;
+    return need ? laden_vram_make_room(sc->cache.vram, need) : LADEN_OK;
 }
 
 laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on)
@@ -334,7 +342,7 @@ laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on)
         s = laden_dev_host_register(sc->cfg.device, b->ram, b->ram_len);
     } else {
         /* Copies from it may be in flight (uploads, slots). */
-        if ((s = laden_dev_stream_synchronize(sc->copy)))
+        if ((s = laden_dev_stream_synchronize(sc->run.copy)))
             return s;
         s = laden_dev_host_unregister(sc->cfg.device, b->ram);
     }
@@ -353,7 +361,7 @@ static laden_status loaded_cache(laden_sched_t *sc, const char *call)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (!sc->cache || !sc->loaded)
+    if (!sc->cache.on || !sc->loaded)
         return laden__fail(LADEN_E_STATE, "%s: not a loaded cache schedule",
                            call);
     return LADEN_OK;
@@ -365,10 +373,10 @@ laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle)
     if (s)
         return s;
     if (!sc->cuda)
-        return laden_dev_event_synchronize(sc->uploaded);
+        return laden_dev_event_synchronize(sc->cache.uploaded);
     if ((s = laden__sched_compute_stream(sc, handle)))
         return s;
-    return laden_dev_stream_wait_event(sc->compute, sc->uploaded);
+    return laden_dev_stream_wait_event(sc->run.compute, sc->cache.uploaded);
 }
 
 laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle)
@@ -379,9 +387,9 @@ laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle)
     if (!sc->cuda)
         return LADEN_OK; /* the CPU's work is done when it returns */
     if ((s = laden__sched_compute_stream(sc, handle)) ||
-        (s = laden_dev_event_record(sc->last_use, sc->compute)))
+        (s = laden_dev_event_record(sc->cache.last_use, sc->run.compute)))
         return s;
-    sc->fenced = true;
+    sc->cache.fenced = true;
     return LADEN_OK;
 }
 
@@ -414,7 +422,8 @@ laden_status laden__sched_own_copy(laden_sched_t *sc, uint32_t block,
     if (!b->in_place)
         return LADEN_OK;
     laden_devptr_t r = 0;
-    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
+    if ((sc->cache.fenced &&
+         (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
         (s = laden_dev_mem_alloc(sc->cfg.device, b->bytes, &r)))
         return s;
     memcpy((void *)(uintptr_t)r, b->ram, b->bytes); /* the CPU device */
@@ -439,10 +448,11 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     if (b->in_place)
         return LADEN_OK; /* the host copy itself: the base already */
     /* The model's earlier work may still read the copy. */
-    if ((sc->fenced && (s = laden_dev_event_synchronize(sc->last_use))) ||
-        (b->bytes &&
-         ((s = laden_dev_copy_h2d(sc->copy, b->region, b->ram, b->bytes)) ||
-          (s = laden_dev_stream_synchronize(sc->copy)))))
+    if ((sc->cache.fenced &&
+         (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
+        (b->bytes && ((s = laden_dev_copy_h2d(sc->run.copy, b->region, b->ram,
+                                              b->bytes)) ||
+                      (s = laden_dev_stream_synchronize(sc->run.copy)))))
         return s;
     b->uploads++;
     sc->st.upload_bytes += b->bytes;

@@ -17,67 +17,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "stream_internal.h"
-
-bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
-{
-    if (b->resident)
-        return false;
-    return b->tier == LADEN_TIER_DISK ||
-           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache));
-}
-
-/* Positions and slot size after the set of streamed blocks changed. */
-void laden__sched_relayout(laden_sched_t *sc)
-{
-    sc->nstreamed = 0;
-    sc->slot_bytes = 0;
-    sc->any_disk = false;
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
-        b->pos = -1;
-        if (!laden__sched_streamed(sc, b))
-            continue;
-        b->pos = (int32_t)sc->nstreamed;
-        sc->order[sc->nstreamed++] = i;
-        if (b->bytes > sc->slot_bytes)
-            sc->slot_bytes = b->bytes;
-        sc->any_disk |= b->tier == LADEN_TIER_DISK;
-    }
-    sc->st.generation++;
-}
-
-/* Bytes charged to the VRAM context for the slots become `want`.
- * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
-laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
-{
-    laden_status s;
-    if (!sc->vram || want == sc->slot_charge)
-        return LADEN_OK;
-    if (want < sc->slot_charge) {
-        laden_vram_uncharge(sc->vram, sc->slot_charge - want);
-        sc->slot_charge = want;
-        return LADEN_OK;
-    }
-    if ((s = laden_vram_charge(sc->vram, want - sc->slot_charge))) {
-        laden__error_prefix("slots of %s", laden__bytes(want).s);
-        return s;
-    }
-    sc->slot_charge = want;
-    return LADEN_OK;
-}
+#include "stream_run.h"
+#include "stream_layout.h"
+#include "stream_load.h"
 
 /* Frees the slots and staging, after their copies and reads. */
 void laden__sched_free_slots(laden_sched_t *sc)
 {
-    if (sc->copy)
-        laden_dev_stream_synchronize(sc->copy);
-    if (!sc->slots)
-        sc->nslots = 0;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    if (sc->run.copy)
+        laden_dev_stream_synchronize(sc->run.copy);
+    if (!sc->run.slots)
+        sc->run.nslots = 0;
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         for (uint32_t k = 0; k < sl->nreqs; k++)
-            laden_io_wait(sc->io, sl->reqs[k]);
+            laden_io_wait(sc->layout.io, sl->reqs[k]);
         sl->nreqs = 0;
         free(sl->reqs);
         laden_dev_event_destroy(sl->ready);
@@ -86,34 +40,36 @@ void laden__sched_free_slots(laden_sched_t *sc)
         laden_dev_mem_free(sc->cfg.device, sl->ptr);
         sl->ready = sl->free = sl->staging_free = NULL;
         if (sl->staging)
-            laden_host_free(sc->host, sl->staging);
+            laden_host_free(sc->layout.host, sl->staging);
     }
-    free(sc->slots);
-    sc->slots = NULL;
-    sc->nslots = 0;
+    free(sc->run.slots);
+    sc->run.slots = NULL;
+    sc->run.nslots = 0;
     laden__gauge_add(LADEN__GAUGE_SLOTS, sc->cfg.device,
-                     -(int64_t)sc->slot_gauge);
-    sc->slot_gauge = 0;
-    laden_dev_event_destroy(sc->fork);
-    sc->fork = NULL;
-    sc->capturing = sc->captured_events = false;
+                     -(int64_t)sc->run.slot_gauge);
+    sc->run.slot_gauge = 0;
+    laden_dev_event_destroy(sc->capture.fork);
+    sc->capture.fork = NULL;
+    sc->capture.on = sc->capture.events = false;
     laden__sched_charge_slots(sc, 0);
-    laden_dev_stream_destroy(sc->compute);
-    laden_dev_stream_destroy(sc->compute_alt);
-    sc->compute = sc->compute_alt = NULL;
-    if (sc->started)
+    laden_dev_stream_destroy(sc->run.compute);
+    laden_dev_stream_destroy(sc->run.compute_alt);
+    sc->run.compute = sc->run.compute_alt = NULL;
+    if (sc->run.started)
         sc->st.generation++;
-    sc->started = false;
-    laden_host_trim(sc->host);
+    sc->run.started = false;
+    laden_host_trim(sc->layout.host);
 }
 
 /* Checks a (block, tensor) argument of a loaded schedule. */
 static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
                                bool have_out, const char *call)
 {
-    if (!sc || !have_out || block >= sc->nb || i >= sc->b[block].nt)
+    if (!sc || !have_out || block >= sc->layout.nb ||
+        i >= sc->layout.b[block].nt)
         return laden__fail(LADEN_E_INVAL, "%s: bad block or tensor", call);
-    if (!laden__sched_usable(sc) && !(sc->cache && sc->b[block].filled))
+    if (!laden__sched_usable(sc) &&
+        !(sc->cache.on && sc->layout.b[block].filled))
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
                            call);
     return LADEN_OK;
@@ -128,15 +84,16 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                 "laden_sched_tensor_ptr");
     if (s)
         return s;
-    blk *b = &sc->b[block];
-    if (laden__sched_streamed(sc, b) && !sc->started)
+    blk *b = &sc->layout.b[block];
+    if (laden__sched_streamed(sc, b) && !sc->run.started)
         return laden__fail(LADEN_E_STATE,
                            "block %u is streamed: its slot exists once the "
                            "schedule is started",
                            block);
-    laden_devptr_t base = laden__sched_streamed(sc, b)
-                              ? sc->slots[(uint32_t)b->pos % sc->nslots].ptr
-                              : b->region;
+    laden_devptr_t base =
+        laden__sched_streamed(sc, b)
+            ? sc->run.slots[(uint32_t)b->pos % sc->run.nslots].ptr
+            : b->region;
     *out = base + b->t[i].dst_off;
     return LADEN_OK;
 }
@@ -150,7 +107,7 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
                                 "laden_sched_host_ptr");
     if (s)
         return s;
-    blk *b = &sc->b[block];
+    blk *b = &sc->layout.b[block];
     if (b->ram)
         *out = (char *)b->ram + b->t[i].dst_off;
     return LADEN_OK;
@@ -161,8 +118,8 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 /* Tracing: block's name (NULL if it has none). */
 static const char *bname(laden_sched_t *sc, int64_t block)
 {
-    return block >= 0 && (uint64_t)block < sc->nb
-               ? laden__sched_block_trace_name(&sc->b[block])
+    return block >= 0 && (uint64_t)block < sc->layout.nb
+               ? laden__sched_block_trace_name(&sc->layout.b[block])
                : NULL;
 }
 
@@ -186,14 +143,14 @@ static laden_status traced_copy(laden_sched_t *sc, laden_devptr_t dst,
                                 const void *src, uint64_t n, void *m[2],
                                 uint64_t *sess)
 {
-    bool traced = LADEN__TRACING() && !sc->capturing;
+    bool traced = LADEN__TRACING() && !sc->capture.on;
     if (traced) {
         *sess = laden__trace_session(); /* before the marks */
-        m[0] = laden__dev_trace_mark(sc->copy);
+        m[0] = laden__dev_trace_mark(sc->run.copy);
     }
-    laden_status s = laden_dev_copy_h2d(sc->copy, dst, src, n);
+    laden_status s = laden_dev_copy_h2d(sc->run.copy, dst, src, n);
     if (!s && m[0])
-        m[1] = laden__dev_trace_mark(sc->copy);
+        m[1] = laden__dev_trace_mark(sc->run.copy);
     return s;
 }
 
@@ -203,7 +160,7 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     laden_status s = LADEN_OK, w;
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     for (uint32_t k = 0; k < sl->nreqs; k++)
-        if ((w = laden_io_wait(sc->io, sl->reqs[k])) && !s) {
+        if ((w = laden_io_wait(sc->layout.io, sl->reqs[k])) && !s) {
             s = w;
             snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
         }
@@ -217,16 +174,16 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
         sl->err = s;
         return LADEN_OK;
     }
-    blk *b = &sc->b[sl->block];
+    blk *b = &sc->layout.b[sl->block];
     sc->st.read_bytes += b->bytes;
     if (!sc->cuda)
         return LADEN_OK; /* read straight into the slot */
     void *m[2] = {NULL, NULL};
     uint64_t sess = 0;
-    if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
+    if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
         (s = traced_copy(sc, sl->ptr, sl->staging, b->bytes, m, &sess)) ||
-        (s = laden_dev_event_record(sl->ready, sc->copy)) ||
-        (s = laden_dev_event_record(sl->staging_free, sc->copy)))
+        (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
+        (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
         return s;
     laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1],
                         sl->block, b->bytes, (uintptr_t)sc,
@@ -239,22 +196,23 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
 static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
 {
     laden_status s;
-    blk *b = &sc->b[bi];
+    blk *b = &sc->layout.b[bi];
     if (sl->reads_pending)
         finish_reads(sc, sl, true);
     sl->block = bi;
     sl->err = LADEN_OK;
-    sl->fills = ++sc->fill_seq; /* never repeats, across stop and start */
+    sl->fills = ++sc->run.fill_seq; /* never repeats, across stop and start */
     if (b->tier == LADEN_TIER_RAM) {
         /* In a capture the slot's last use before it is ordered by the
          * fork (laden_sched_capture_begin); a record from outside the
          * capture cannot be waited for inside it. */
-        bool wait = !sc->capturing || sl->free_captured;
+        bool wait = !sc->capture.on || sl->free_captured;
         void *m[2] = {NULL, NULL};
         uint64_t sess = 0;
-        if ((wait && (s = laden_dev_stream_wait_event(sc->copy, sl->free))) ||
+        if ((wait &&
+             (s = laden_dev_stream_wait_event(sc->run.copy, sl->free))) ||
             (s = traced_copy(sc, sl->ptr, b->ram, b->bytes, m, &sess)) ||
-            (s = laden_dev_event_record(sl->ready, sc->copy))) {
+            (s = laden_dev_event_record(sl->ready, sc->run.copy))) {
             sl->block = -1;
             return s;
         }
@@ -262,8 +220,8 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
                             bi, b->bytes, (uintptr_t)sc,
                             m[0] ? bname(sc, bi) : NULL);
         /* A captured copy runs at each replay, which counts it. */
-        if (sc->capturing) {
-            sc->capture_h2d += b->bytes;
+        if (sc->capture.on) {
+            sc->capture.h2d += b->bytes;
             sl->ready_captured = true;
         } else {
             sc->st.h2d_bytes += b->bytes;
@@ -280,8 +238,9 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         host_stall(sc, t0, bi, LADEN__STALL_STAGING);
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
-        s = laden_io_submit(sc->io, sc->files[r->file], r->off, r->src_bytes,
-                            dst + r->dst_off, &sl->reqs[sl->nreqs]);
+        s = laden_io_submit(sc->layout.io, sc->layout.files[r->file], r->off,
+                            r->src_bytes, dst + r->dst_off,
+                            &sl->reqs[sl->nreqs]);
         if (s) {
             sl->err = s;
             snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
@@ -296,14 +255,14 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
 /* Enqueues the copies of disk blocks whose reads have finished. */
 static laden_status poll_reads(laden_sched_t *sc)
 {
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         if (!sl->reads_pending)
             continue;
         bool all = true;
         for (uint32_t k = 0; k < sl->nreqs && all; k++) {
             int done = 0;
-            laden_io_poll(sc->io, sl->reqs[k], &done);
+            laden_io_poll(sc->layout.io, sl->reqs[k], &done);
             all = done != 0;
         }
         if (all) {
@@ -319,8 +278,8 @@ static laden_status poll_reads(laden_sched_t *sc)
  * in (cyclically). */
 static uint32_t step_pos(const laden_sched_t *sc, uint32_t pos, uint32_t k)
 {
-    uint32_t n = sc->nstreamed;
-    return sc->dir < 0 ? (pos + n - k % n) % n : (pos + k) % n;
+    uint32_t n = sc->layout.nstreamed;
+    return sc->run.dir < 0 ? (pos + n - k % n) % n : (pos + k) % n;
 }
 
 /* Loads the blocks at positions pos, pos+1, ..., count of them (pos-1, ...
@@ -331,14 +290,14 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
                                   uint32_t count)
 {
     uint64_t claimed = 0;
-    for (uint32_t k = 0; k < count && k < sc->nstreamed; k++) {
+    for (uint32_t k = 0; k < count && k < sc->layout.nstreamed; k++) {
         uint32_t p = step_pos(sc, pos, k);
-        uint32_t bi = sc->order[p];
-        uint32_t si = p % sc->nslots;
-        slot *sl = &sc->slots[si];
+        uint32_t bi = sc->layout.order[p];
+        uint32_t si = p % sc->run.nslots;
+        slot *sl = &sc->run.slots[si];
         if (claimed & (1ull << si))
             break; /* the rest of the window must wait for this slot */
-        if (!sc->loaded && !sc->b[bi].ready)
+        if (!sc->loaded && !sc->layout.b[bi].ready)
             break; /* still loading: enter waits for it (and the rest) */
         claimed |= 1ull << si;
         if (sl->in_use || sl->block == (int64_t)bi)
@@ -357,8 +316,8 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
 static laden_status prefetch_after(laden_sched_t *sc, uint32_t pos)
 {
     uint32_t count = sc->cfg.lookahead;
-    if (sc->capturing && sc->capture_alone) {
-        uint32_t left = sc->dir < 0 ? pos : sc->nstreamed - 1 - pos;
+    if (sc->capture.on && sc->capture.alone) {
+        uint32_t left = sc->run.dir < 0 ? pos : sc->layout.nstreamed - 1 - pos;
         if (count > left)
             count = left;
     }
@@ -371,18 +330,18 @@ static laden_status prefetch_after(laden_sched_t *sc, uint32_t pos)
  * anything waits for them. */
 static laden_status settle(laden_sched_t *sc)
 {
-    if (!sc->captured_events)
+    if (!sc->capture.events)
         return LADEN_OK;
     laden_status s;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
-        if ((s = laden_dev_event_record(sl->free, sc->copy)) ||
-            (s = laden_dev_event_record(sl->ready, sc->copy)))
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
+        if ((s = laden_dev_event_record(sl->free, sc->run.copy)) ||
+            (s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
     }
-    if ((s = laden_dev_event_record(sc->fork, sc->copy)))
+    if ((s = laden_dev_event_record(sc->capture.fork, sc->run.copy)))
         return s;
-    sc->captured_events = false;
+    sc->capture.events = false;
     return LADEN_OK;
 }
 
@@ -391,11 +350,11 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     laden_status s = LADEN_OK;
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_start: NULL schedule");
-    if (sc->load_err)
+    if (sc->load.err)
         return laden__sched_load_failure(sc);
     if (!laden__sched_usable(sc))
         return laden__fail(LADEN_E_STATE, "the schedule is not loaded");
-    if (sc->started)
+    if (sc->run.started)
         return laden__fail(LADEN_E_STATE, "the schedule is already started");
     if (lookahead > LADEN_LOOKAHEAD_MAX)
         return laden__fail(LADEN_E_INVAL, "lookahead %u: at most %u",
@@ -403,46 +362,50 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     if (lookahead)
         sc->cfg.lookahead = lookahead;
     int32_t dev = sc->cfg.device;
-    sc->nslots = laden_slot_count(sc->nstreamed, sc->cfg.lookahead);
-    sc->slots = calloc(sc->nslots ? sc->nslots : 1, sizeof *sc->slots);
-    if (!sc->slots) {
+    sc->run.nslots = laden_slot_count(sc->layout.nstreamed, sc->cfg.lookahead);
+    sc->run.slots =
+        calloc(sc->run.nslots ? sc->run.nslots : 1, sizeof *sc->run.slots);
+    if (!sc->run.slots) {
         s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
         goto fail;
     }
-    if ((s = laden__sched_charge_slots(sc, (uint64_t)sc->nslots *
-                                       sc->slot_bytes)))
+    if ((s = laden__sched_charge_slots(sc, (uint64_t)sc->run.nslots *
+                                       sc->layout.slot_bytes)))
         goto fail;
     /* Also with no streamed block: a pass of resident blocks is captured
      * through it too. */
-    if (sc->cuda && (s = laden_dev_event_create(dev, 0, &sc->fork)))
+    if (sc->cuda && (s = laden_dev_event_create(dev, 0, &sc->capture.fork)))
         goto fail;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         sl->block = -1;
-        sl->reqs = calloc(sc->max_nt ? sc->max_nt : 1, sizeof *sl->reqs);
+        sl->reqs = calloc(sc->layout.max_nt ? sc->layout.max_nt : 1,
+                          sizeof *sl->reqs);
         if (!sl->reqs) {
             s = laden__fail(LADEN_E_NOMEM, "out of memory creating slots");
             goto fail;
         }
-        if ((s = laden_dev_mem_alloc(dev, sc->slot_bytes ? sc->slot_bytes : 1,
-                                     &sl->ptr)))
+        if ((s = laden_dev_mem_alloc(
+                 dev, sc->layout.slot_bytes ? sc->layout.slot_bytes : 1,
+                 &sl->ptr)))
             goto fail;
-        if ((sc->cuda || sc->cache) &&
+        if ((sc->cuda || sc->cache.on) &&
             ((s = laden_dev_event_create(dev, 0, &sl->ready)) ||
              (s = laden_dev_event_create(dev, 0, &sl->free)) ||
              (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
             goto fail;
-        if (sc->cuda && sc->any_disk &&
-            (s = laden_host_alloc(sc->host, sc->slot_bytes, &sl->staging)))
+        if (sc->cuda && sc->layout.any_disk &&
+            (s = laden_host_alloc(sc->layout.host, sc->layout.slot_bytes,
+                                  &sl->staging)))
             goto fail;
     }
-    sc->started = true;
-    sc->slot_gauge = (uint64_t)sc->nslots * sc->slot_bytes;
-    laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->slot_gauge);
+    sc->run.started = true;
+    sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
+    laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->run.slot_gauge);
     sc->st.generation++; /* the slots' addresses */
-    sc->dir = 1;
-    sc->last_pos = -1;
-    return prefetch_from(sc, 0, sc->nslots);
+    sc->run.dir = 1;
+    sc->run.last_pos = -1;
+    return prefetch_from(sc, 0, sc->run.nslots);
 fail:
     laden__sched_free_slots(sc);
     return s;
@@ -452,13 +415,13 @@ laden_status laden__sched_stop(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_stop: NULL schedule");
-    if (!sc->started)
+    if (!sc->run.started)
         return LADEN_OK;
-    if (sc->capturing)
+    if (sc->capture.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_stop: a capture is "
                            "in progress (end it first)");
-    if (sc->fenced) {
-        laden_status s = laden_dev_event_synchronize(sc->last_use);
+    if (sc->cache.fenced) {
+        laden_status s = laden_dev_event_synchronize(sc->cache.last_use);
         if (s)
             return s;
     }
@@ -468,42 +431,26 @@ laden_status laden__sched_stop(laden_sched_t *sc)
 
 laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle)
 {
-    if (sc->compute && sc->compute_handle == handle)
+    if (sc->run.compute && sc->run.compute_handle == handle)
         return LADEN_OK;
-    laden_dev_stream_t *t = sc->compute;
-    uintptr_t th = sc->compute_handle;
-    if (sc->compute_alt && sc->compute_alt_handle == handle) {
-        sc->compute = sc->compute_alt; /* swapped, not wrapped again */
-        sc->compute_handle = handle;
-        sc->compute_alt = t;
-        sc->compute_alt_handle = th;
+    laden_dev_stream_t *t = sc->run.compute;
+    uintptr_t th = sc->run.compute_handle;
+    if (sc->run.compute_alt && sc->run.compute_alt_handle == handle) {
+        sc->run.compute = sc->run.compute_alt; /* swapped, not wrapped again */
+        sc->run.compute_handle = handle;
+        sc->run.compute_alt = t;
+        sc->run.compute_alt_handle = th;
         return LADEN_OK;
     }
-    laden_dev_stream_destroy(sc->compute_alt);
-    sc->compute_alt = t;
-    sc->compute_alt_handle = th;
-    sc->compute = NULL;
+    laden_dev_stream_destroy(sc->run.compute_alt);
+    sc->run.compute_alt = t;
+    sc->run.compute_alt_handle = th;
+    sc->run.compute = NULL;
     laden_status s =
-        laden_dev_stream_wrap(sc->cfg.device, handle, &sc->compute);
+        laden_dev_stream_wrap(sc->cfg.device, handle, &sc->run.compute);
     if (!s)
-        sc->compute_handle = handle;
+        sc->run.compute_handle = handle;
     return s;
-}
-
-laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
-                                      const char *call)
-{
-    if (!sc)
-        return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (sc->load_err)
-        return laden__sched_load_failure(sc);
-    if (!laden__sched_usable(sc))
-        return laden__fail(LADEN_E_STATE, "%s: the schedule is not loaded",
-                           call);
-    if (block >= sc->nb)
-        return laden__fail(LADEN_E_INVAL, "%s: no block %u (%u blocks)", call,
-                           block, sc->nb);
-    return LADEN_OK;
 }
 
 /* The slot a streamed block runs from; *out NULL for a resident block. */
@@ -514,13 +461,13 @@ static laden_status block_slot(laden_sched_t *sc, uint32_t block,
     laden_status s = laden__sched_check_block(sc, block, call);
     if (s)
         return s;
-    blk *b = &sc->b[block];
+    blk *b = &sc->layout.b[block];
     if (!laden__sched_streamed(sc, b))
         return LADEN_OK;
-    if (!sc->started)
+    if (!sc->run.started)
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not started",
                            call);
-    *out = &sc->slots[(uint32_t)b->pos % sc->nslots];
+    *out = &sc->run.slots[(uint32_t)b->pos % sc->run.nslots];
     return LADEN_OK;
 }
 
@@ -529,15 +476,15 @@ static laden_status block_slot(laden_sched_t *sc, uint32_t block,
  * streamed blocks both are; the direction stays). */
 static void note_direction(laden_sched_t *sc, uint32_t pos)
 {
-    uint32_t n = sc->nstreamed;
-    if (sc->last_pos >= 0 && n > 2) {
-        uint32_t last = (uint32_t)sc->last_pos;
+    uint32_t n = sc->layout.nstreamed;
+    if (sc->run.last_pos >= 0 && n > 2) {
+        uint32_t last = (uint32_t)sc->run.last_pos;
         if (pos == (last + n - 1) % n)
-            sc->dir = -1;
+            sc->run.dir = -1;
         else if (pos == (last + 1) % n)
-            sc->dir = 1;
+            sc->run.dir = 1;
     }
-    sc->last_pos = pos;
+    sc->run.last_pos = pos;
 }
 
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
@@ -547,15 +494,15 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s || !sl)
         return s;
-    if (sc->capturing && handle != sc->capture_handle) {
-        sc->capture_broken = true;
+    if (sc->capture.on && handle != sc->capture.handle) {
+        sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,
                            "block %u entered on another stream than the "
                            "capture in progress", block);
     }
-    if (!sc->capturing && (s = settle(sc)))
+    if (!sc->capture.on && (s = settle(sc)))
         return s;
-    blk *b = &sc->b[block];
+    blk *b = &sc->layout.b[block];
     if (sl->in_use)
         return laden__fail(LADEN_E_STATE,
                            "block %u entered while block %lld, which shares "
@@ -583,9 +530,9 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     }
     if (sc->cuda && (s = laden__sched_compute_stream(sc, handle)))
         return s;
-    if (sc->cuda && !sc->capturing) {
+    if (sc->cuda && !sc->capture.on) {
         int cap = 0;
-        if ((s = laden_dev_stream_capturing(sc->compute, &cap)))
+        if ((s = laden_dev_stream_capturing(sc->run.compute, &cap)))
             return s;
         if (cap)
             return laden__fail(
@@ -598,15 +545,16 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     }
     /* In a capture, a block already in its slot when it began was put
      * there before it: ordered by the fork (replay_begin at replays). */
-    bool traced = LADEN__TRACING() && !sc->capturing;
+    bool traced = LADEN__TRACING() && !sc->capture.on;
     uint64_t sess = traced ? laden__trace_session() : 0; /* before marks */
-    void *m0 = traced && sc->cuda ? laden__dev_trace_mark(sc->compute) : NULL;
-    if (sc->cuda && (!sc->capturing || sl->ready_captured) &&
-        (s = laden_dev_stream_wait_event(sc->compute, sl->ready)))
+    void *m0 =
+        traced && sc->cuda ? laden__dev_trace_mark(sc->run.compute) : NULL;
+    if (sc->cuda && (!sc->capture.on || sl->ready_captured) &&
+        (s = laden_dev_stream_wait_event(sc->run.compute, sl->ready)))
         return s;
     sl->trace_mark = NULL;
     if (m0) {
-        sl->trace_mark = laden__dev_trace_mark(sc->compute);
+        sl->trace_mark = laden__dev_trace_mark(sc->run.compute);
         sl->trace_mark_session = sess;
         laden__trace_stream(LADEN__EV_STALL, sess, sc->cfg.device, m0,
                             sl->trace_mark, block, LADEN__STALL_COPY,
@@ -632,13 +580,13 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_exit", &sl);
     if (s || !sl)
         return s;
-    blk *b = &sc->b[block];
-    if (sc->capturing && handle != sc->capture_handle) {
+    blk *b = &sc->layout.b[block];
+    if (sc->capture.on && handle != sc->capture.handle) {
         /* The hold ends with this exit (stream.c): the slot too; the
          * capture is refused at its end. */
         if (sl->in_use && sl->block == (int64_t)block)
             sl->in_use = false;
-        sc->capture_broken = true;
+        sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_exit: block %u exited on another "
                            "stream than the capture in progress", block);
@@ -653,16 +601,16 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
     /* A mark of an earlier trace was freed when that trace stopped: the
      * record carries the mark's session, and one of an ended trace is
      * dropped (laden__trace_emit), never read. */
-    if (sl->trace_mark && LADEN__TRACING() && !sc->capturing &&
+    if (sl->trace_mark && LADEN__TRACING() && !sc->capture.on &&
         sl->trace_mark_session == laden__trace_session())
         laden__trace_stream(LADEN__EV_COMPUTE, sl->trace_mark_session,
                             sc->cfg.device, sl->trace_mark,
-                            laden__dev_trace_mark(sc->compute), block, 0,
+                            laden__dev_trace_mark(sc->run.compute), block, 0,
                             (uintptr_t)sc, bname(sc, block));
     sl->trace_mark = NULL;
-    if (sc->cuda && (s = laden_dev_event_record(sl->free, sc->compute)))
+    if (sc->cuda && (s = laden_dev_event_record(sl->free, sc->run.compute)))
         return s;
-    if (sc->capturing)
+    if (sc->capture.on)
         sl->free_captured = true;
     /* The slot just freed may be the one a block ahead needs: when the
      * schedule's length is not a multiple of nslots, the first blocks of the
@@ -673,17 +621,17 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
 laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
 {
     laden_status s = LADEN_OK;
-    if (sc->compute && sc->compute_handle == handle) {
-        s = laden_dev_stream_synchronize(sc->compute);
-        laden_dev_stream_destroy(sc->compute);
-        sc->compute = sc->compute_alt;
-        sc->compute_handle = sc->compute_alt_handle;
-        sc->compute_alt = NULL;
+    if (sc->run.compute && sc->run.compute_handle == handle) {
+        s = laden_dev_stream_synchronize(sc->run.compute);
+        laden_dev_stream_destroy(sc->run.compute);
+        sc->run.compute = sc->run.compute_alt;
+        sc->run.compute_handle = sc->run.compute_alt_handle;
+        sc->run.compute_alt = NULL;
     }
-    if (sc->compute_alt && sc->compute_alt_handle == handle) {
-        s = laden_dev_stream_synchronize(sc->compute_alt);
-        laden_dev_stream_destroy(sc->compute_alt);
-        sc->compute_alt = NULL;
+    if (sc->run.compute_alt && sc->run.compute_alt_handle == handle) {
+        s = laden_dev_stream_synchronize(sc->run.compute_alt);
+        laden_dev_stream_destroy(sc->run.compute_alt);
+        sc->run.compute_alt = NULL;
     }
     return s;
 }
@@ -692,10 +640,11 @@ laden_status laden__sched_synchronize(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_synchronize: NULL");
-    for (uint32_t i = 0; i < sc->nslots; i++)
-        if (sc->slots[i].reads_pending)
-            finish_reads(sc, &sc->slots[i], false);
-    return sc->copy ? laden_dev_stream_synchronize(sc->copy) : LADEN_OK;
+    for (uint32_t i = 0; i < sc->run.nslots; i++)
+        if (sc->run.slots[i].reads_pending)
+            finish_reads(sc, &sc->run.slots[i], false);
+    return sc->run.copy ? laden_dev_stream_synchronize(sc->run.copy)
+                        : LADEN_OK;
 }
 
 laden_status laden__sched_slot_fills(laden_sched_t *sc, uint32_t block,
@@ -720,8 +669,8 @@ laden_status laden__sched_refill(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_refill: NULL");
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         if (sl->in_use)
             continue;
         if (sl->reads_pending)
@@ -750,8 +699,9 @@ laden_status laden__sched_refill(laden_sched_t *sc)
  * capture's copies joined back; eager copies before a replay). */
 static laden_status join_copies(laden_sched_t *sc)
 {
-    laden_status s = laden_dev_event_record(sc->fork, sc->copy);
-    return s ? s : laden_dev_stream_wait_event(sc->compute, sc->fork);
+    laden_status s = laden_dev_event_record(sc->capture.fork, sc->run.copy);
+    return s ? s
+             : laden_dev_stream_wait_event(sc->run.compute, sc->capture.fork);
 }
 
 struct laden_sched_capture {
@@ -770,31 +720,31 @@ static laden_status graph_usable(laden_sched_t *sc, const char *call)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (sc->load_err)
+    if (sc->load.err)
         return laden__sched_load_failure(sc);
     if (!sc->cuda)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "%s: CUDA graphs need a CUDA device", call);
-    if (!sc->started)
+    if (!sc->run.started)
         return laden__fail(LADEN_E_STATE, "%s: the schedule is not started",
                            call);
     if (!sc->loaded)
         return laden__fail(LADEN_E_STATE,
                            "%s: the model is still loading (wait for it)",
                            call);
-    if (sc->cache)
+    if (sc->cache.on)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "%s: a cached model's blocks move between tiers, "
                            "which a graph cannot follow", call);
-    if (sc->any_disk)
+    if (sc->layout.any_disk)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "%s: blocks on the disk tier are read by threads, "
                            "which a graph cannot replay; give them RAM "
                            "(ram_budget) or keep them on the device", call);
-    for (uint32_t i = 0; i < sc->nslots; i++)
-        if (sc->slots[i].in_use)
+    for (uint32_t i = 0; i < sc->run.nslots; i++)
+        if (sc->run.slots[i].in_use)
             return laden__fail(LADEN_E_STATE, "%s: block %lld is running",
-                               call, (long long)sc->slots[i].block);
+                               call, (long long)sc->run.slots[i].block);
     return LADEN_OK;
 }
 
@@ -805,7 +755,7 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     laden_status s = graph_usable(sc, call);
     if (s)
         return s;
-    if (sc->capturing)
+    if (sc->capture.on)
         return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
                            call);
     if (flags & ~LADEN_CAPTURE_STANDALONE)
@@ -813,7 +763,7 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
                            flags);
     int cap = 0;
     if ((s = laden__sched_compute_stream(sc, handle)) ||
-        (s = laden_dev_stream_capturing(sc->compute, &cap)))
+        (s = laden_dev_stream_capturing(sc->run.compute, &cap)))
         return s;
     if (!cap)
         return laden__fail(LADEN_E_STATE,
@@ -824,46 +774,46 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     /* Before the copy stream joins the capture: ordered after everything
      * the slots were last used and filled by (events that settle, or a
      * later one, records again on the copy stream keep that order). */
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
-        if ((s = laden_dev_stream_wait_event(sc->copy, sl->free)) ||
-            (s = laden_dev_stream_wait_event(sc->copy, sl->ready)))
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
+        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+            (s = laden_dev_stream_wait_event(sc->run.copy, sl->ready)))
             return s;
     }
     bool alone = flags & LADEN_CAPTURE_STANDALONE;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         sl->at_capture = sl->block;
         sl->fills_at_capture = sl->fills;
         if (alone)
             sl->block = -1;
         sl->free_captured = sl->ready_captured = false;
     }
-    if ((s = laden_dev_event_record(sc->fork, sc->compute)) ||
-        (s = laden_dev_stream_wait_event(sc->copy, sc->fork)))
+    if ((s = laden_dev_event_record(sc->capture.fork, sc->run.compute)) ||
+        (s = laden_dev_stream_wait_event(sc->run.copy, sc->capture.fork)))
         goto undo;
-    sc->capturing = true;
-    sc->capture_broken = false;
-    sc->capture_handle = handle;
-    sc->capture_alone = alone;
-    sc->capture_h2d = 0;
-    sc->cap_pos = sc->last_pos;
-    sc->cap_dir = sc->dir;
+    sc->capture.on = true;
+    sc->capture.broken = false;
+    sc->capture.handle = handle;
+    sc->capture.alone = alone;
+    sc->capture.h2d = 0;
+    sc->capture.pos = sc->run.last_pos;
+    sc->capture.dir = sc->run.dir;
     if (!alone)
         return LADEN_OK;
-    sc->dir = 1;
-    sc->last_pos = -1;
-    if (!(s = prefetch_from(sc, 0, sc->nslots)))
+    sc->run.dir = 1;
+    sc->run.last_pos = -1;
+    if (!(s = prefetch_from(sc, 0, sc->run.nslots)))
         return LADEN_OK;
     /* Joined back and as before: the caller ends its capture. */
     join_copies(sc);
-    sc->capturing = false;
-    sc->captured_events = true;
-    sc->last_pos = sc->cap_pos;
-    sc->dir = sc->cap_dir;
+    sc->capture.on = false;
+    sc->capture.events = true;
+    sc->run.last_pos = sc->capture.pos;
+    sc->run.dir = sc->capture.dir;
 undo:
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         sl->block = sl->at_capture;
         sl->fills = sl->fills_at_capture;
     }
@@ -889,35 +839,35 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
     const char *call = "laden_sched_capture_end";
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
-    if (!sc->capturing)
+    if (!sc->capture.on)
         return laden__fail(LADEN_E_STATE, "%s: no capture in progress", call);
     bool running = false;
-    for (uint32_t i = 0; i < sc->nslots; i++)
-        running |= sc->slots[i].in_use;
+    for (uint32_t i = 0; i < sc->run.nslots; i++)
+        running |= sc->run.slots[i].in_use;
     /* Joined and ended even when a block is still running, so that the
      * capture can be ended; the graph is refused then. */
     laden_status s = laden__sched_compute_stream(sc, handle);
     if (!s)
         s = join_copies(sc);
     laden_sched_capture_t *c = calloc(1, sizeof *c);
-    if (c && !(c->start = calloc(2 * (size_t)sc->nslots + 1,
+    if (c && !(c->start = calloc(2 * (size_t)sc->run.nslots + 1,
                                  sizeof *c->start))) {
         free(c);
         c = NULL;
     }
     if (c) {
-        c->end = c->start + sc->nslots;
+        c->end = c->start + sc->run.nslots;
         c->sched = sc;
         c->generation = sc->st.generation;
-        c->bytes = sc->capture_h2d;
-        c->nslots = sc->nslots;
-        c->end_pos = sc->last_pos;
-        c->end_dir = sc->dir;
-        c->alone = sc->capture_alone;
+        c->bytes = sc->capture.h2d;
+        c->nslots = sc->run.nslots;
+        c->end_pos = sc->run.last_pos;
+        c->end_dir = sc->run.dir;
+        c->alone = sc->capture.alone;
     }
     /* Nothing ran: the slots hold what they held at capture_begin. */
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         if (c) { /* a standalone graph fills every slot itself */
             c->start[i] = c->alone ? -1 : sl->at_capture;
             c->end[i] = sl->block;
@@ -925,17 +875,17 @@ laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
         sl->block = sl->at_capture;
         sl->fills = sl->fills_at_capture;
     }
-    sc->last_pos = sc->cap_pos;
-    sc->dir = sc->cap_dir;
-    sc->capturing = false;
-    sc->captured_events = true;
+    sc->run.last_pos = sc->capture.pos;
+    sc->run.dir = sc->capture.dir;
+    sc->capture.on = false;
+    sc->capture.events = true;
     if (!s && !c)
         s = laden__fail(LADEN_E_NOMEM, "%s: out of memory", call);
     if (!s && running)
         s = laden__fail(LADEN_E_STATE,
                         "%s: a block entered in the capture has not exited",
                         call);
-    if (!s && sc->capture_broken)
+    if (!s && sc->capture.broken)
         s = laden__fail(LADEN_E_STATE,
                         "%s: an enter or exit on another stream was refused "
                         "during the capture: its graph is not kept", call);
@@ -956,14 +906,14 @@ static laden_status replay_check(laden_sched_t *sc,
         return s;
     if (!c)
         return laden__fail(LADEN_E_INVAL, "%s: NULL capture", call);
-    if (sc->capturing)
+    if (sc->capture.on)
         return laden__fail(LADEN_E_STATE, "%s: a capture is in progress",
                            call);
     if (c->sched != sc)
         return laden__fail(LADEN_E_INVAL,
                            "%s: the graph was captured on another schedule",
                            call);
-    if (c->generation != sc->st.generation || c->nslots != sc->nslots)
+    if (c->generation != sc->st.generation || c->nslots != sc->run.nslots)
         return laden__fail(LADEN_E_STATE,
                            "%s: the graph was captured over slots that have "
                            "since been replaced (the schedule was stopped "
@@ -980,21 +930,21 @@ laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
         (s = laden__sched_compute_stream(sc, handle)))
         return s;
     /* What the graph expects in the slots: copied in now where missing. */
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
         if (c->start[i] >= 0 && sl->block != c->start[i] &&
             (s = issue_load(sc, sl, (uint32_t)c->start[i])))
             return s;
     }
     if ((s = join_copies(sc)))
         return s;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
-        if ((s = laden_dev_stream_wait_event(sc->compute, sl->free)))
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
+        if ((s = laden_dev_stream_wait_event(sc->run.compute, sl->free)))
             return s;
         sl->block = -1; /* until replay_end: the graph writes it */
     }
-    sc->last_pos = -1;
+    sc->run.last_pos = -1;
     return LADEN_OK;
 }
 
@@ -1005,20 +955,20 @@ laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
     laden_status s = replay_check(sc, c, call);
     if (s || (s = laden__sched_compute_stream(sc, handle)))
         return s;
-    for (uint32_t i = 0; i < sc->nslots; i++) {
-        slot *sl = &sc->slots[i];
-        if ((s = laden_dev_event_record(sl->free, sc->compute)) ||
-            (s = laden_dev_event_record(sl->ready, sc->compute)))
+    for (uint32_t i = 0; i < sc->run.nslots; i++) {
+        slot *sl = &sc->run.slots[i];
+        if ((s = laden_dev_event_record(sl->free, sc->run.compute)) ||
+            (s = laden_dev_event_record(sl->ready, sc->run.compute)))
             return s;
         /* Standalone graphs may have changed their slots in place after
          * filling them (merged adapters): the slots are taken as empty, so
          * that an eager pass fills them again. */
         sl->block = c->alone ? -1 : c->end[i];
         if (!c->alone)
-            sl->fills = ++sc->fill_seq;
+            sl->fills = ++sc->run.fill_seq;
     }
-    sc->last_pos = c->alone ? -1 : c->end_pos;
-    sc->dir = c->alone ? 1 : c->end_dir;
+    sc->run.last_pos = c->alone ? -1 : c->end_pos;
+    sc->run.dir = c->alone ? 1 : c->end_dir;
     sc->st.h2d_bytes += c->bytes;
     return LADEN_OK;
 }

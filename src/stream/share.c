@@ -29,7 +29,8 @@
 
 #include "laden/io.h"
 #include "laden/shm.h"
-#include "stream_internal.h"
+#include "stream_share.h"
+#include "stream_load.h"
 
 /* Waiting for another process's load: until it ends (or dies: shm.c
  * notices), with no limit of our own. */
@@ -87,7 +88,7 @@ static bool shareable(const laden_sched_t *sc, const blk *b)
 
 laden_status laden__sched_share(laden_sched_t *sc, const char *key)
 {
-    if (sc->laid_out || sc->loaded || sc->loading || sc->broken)
+    if (sc->layout.laid_out || sc->loaded || sc->load.loading || sc->broken)
         return laden__fail(LADEN_E_STATE, "laden_sched_share: call it "
                            "before the load");
     if (key && strlen(key) > 4096)
@@ -96,8 +97,8 @@ laden_status laden__sched_share(laden_sched_t *sc, const char *key)
     char *k = strdup(key ? key : "");
     if (!k)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
-    free(sc->share_key);
-    sc->share_key = k;
+    free(sc->share.key);
+    sc->share.key = k;
     return LADEN_OK;
 }
 
@@ -107,13 +108,13 @@ laden_status laden__sched_share_info(laden_sched_t *sc, char *name,
 {
     if (name && name_cap)
         snprintf(name, name_cap, "%s",
-                 sc->shm || sc->share_note[0] ? sc->share_name : "");
+                 sc->share.shm || sc->share.note[0] ? sc->share.name : "");
     if (out_bytes)
-        *out_bytes = sc->shm ? laden_shm_bytes(sc->shm) : 0;
+        *out_bytes = sc->share.shm ? laden_shm_bytes(sc->share.shm) : 0;
     if (out_state)
-        *out_state = sc->share_note[0]    ? LADEN_SHARE_FELL_BACK
-                     : !sc->shm          ? LADEN_SHARE_NONE
-                     : sc->share_created ? LADEN_SHARE_MADE
+        *out_state = sc->share.note[0]    ? LADEN_SHARE_FELL_BACK
+                     : !sc->share.shm          ? LADEN_SHARE_NONE
+                     : sc->share.created ? LADEN_SHARE_MADE
                                          : LADEN_SHARE_ATTACHED;
     return LADEN_OK;
 }
@@ -123,13 +124,13 @@ laden_status laden__sched_share_note(laden_sched_t *sc, char *why,
 {
     if (!why || !why_cap)
         return laden__fail(LADEN_E_INVAL, "laden_sched_share_note: NULL");
-    snprintf(why, why_cap, "%s", sc->share_note);
+    snprintf(why, why_cap, "%s", sc->share.note);
     return LADEN_OK;
 }
 
 void laden__sched_share_sweep(laden_sched_t *sc)
 {
-    if (sc->nfiles) /* what it finds it cannot read is left */
+    if (sc->layout.nfiles) /* what it finds it cannot read is left */
         laden_shm_reclaim(NULL, 0, NULL, NULL);
 }
 
@@ -191,15 +192,15 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap,
 {
     digest d = {0x6c6164656e2d3139ull, 0x73686172652d7631ull};
     uint64_t off = 0, id[4];
-    add_text(&d, sc->share_key);
-    add(&d, sc->nfiles);
-    for (uint32_t f = 0; f < sc->nfiles; f++) {
-        laden_io_file_identity(sc->files[f], id);
+    add_text(&d, sc->share.key);
+    add(&d, sc->layout.nfiles);
+    for (uint32_t f = 0; f < sc->layout.nfiles; f++) {
+        laden_io_file_identity(sc->layout.files[f], id);
         for (int j = 0; j < 4; j++)
             add(&d, id[j]);
     }
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         b->shared = shareable(sc, b);
         if (!b->shared)
             continue;
@@ -223,19 +224,20 @@ static uint64_t lay_out_shared(laden_sched_t *sc, char *name, size_t cap,
     /* The files' prefix, then 96 bits of everything: a planning process
      * counts only its checkpoint's segments (laden_sched_shared_bytes). */
     char prefix[16];
-    files_prefix(sc->files, sc->nfiles, prefix);
+    files_prefix(sc->layout.files, sc->layout.nfiles, prefix);
     snprintf(name, cap, "%s%016llx%08llx", prefix, (unsigned long long)d.a,
              (unsigned long long)(d.b >> 32));
-    digest f = files_digest(sc->files, sc->nfiles);
+    digest f = files_digest(sc->layout.files, sc->layout.nfiles);
     memset(ident, 0, sizeof *ident);
     ident->content[0] = d.a;
     ident->content[1] = d.b;
     ident->source[0] = f.a;
     ident->source[1] = f.b;
-    const char *p = sc->nfiles ? laden_io_file_path(sc->files[0]) : NULL;
-    if (sc->nfiles > 1)
+    const char *p =
+        sc->layout.nfiles ? laden_io_file_path(sc->layout.files[0]) : NULL;
+    if (sc->layout.nfiles > 1)
         snprintf(ident->label, sizeof ident->label, "%s (and %u more files)",
-                 p ? p : "?", sc->nfiles - 1);
+                 p ? p : "?", sc->layout.nfiles - 1);
     else
         snprintf(ident->label, sizeof ident->label, "%s", p ? p : "");
     return off;
@@ -305,8 +307,8 @@ static int making_state(const char *name)
         if (strcmp(m->name, name))
             continue;
         laden_sched_t *o = (laden_sched_t *)m->sc;
-        uint64_t holder = atomic_load(&o->holder);
-        if (atomic_load(&o->loader_live) || (holder && holder != me))
+        uint64_t holder = atomic_load(&o->hold.holder);
+        if (atomic_load(&o->hold.loader_live) || (holder && holder != me))
             st = MAKING_FILLED_ELSEWHERE;
         else if (holder == me || m->by == me)
             st = MAKING_NEVER;
@@ -357,9 +359,9 @@ static laden_status await_maker(laden_shm_t *shm, const char *name)
 
 laden_status laden__sched_share_open(laden_sched_t *sc)
 {
-    if (!sc->share_key || sc->shm)
+    if (!sc->share.key || sc->share.shm)
         return LADEN_OK;
-    char name[sizeof sc->share_name];
+    char name[sizeof sc->share.name];
     laden_shm_ident ident;
     uint64_t bytes = lay_out_shared(sc, name, sizeof name, &ident);
     if (!bytes)
@@ -373,11 +375,11 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
          * another user's file...), or kept busy: a copy of this load's
          * own, never a failure nor another model's bytes.  The caller
          * warns (LADEN_SHARE_FELL_BACK). */
-        snprintf(sc->share_note, sizeof sc->share_note, "%s",
+        snprintf(sc->share.note, sizeof sc->share.note, "%s",
                  laden_last_error());
-        memcpy(sc->share_name, name, sizeof name);
-        for (uint32_t i = 0; i < sc->nb; i++)
-            sc->b[i].shared = false;
+        memcpy(sc->share.name, name, sizeof name);
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            sc->layout.b[i].shared = false;
         laden__error_clear();
         return LADEN_OK;
     }
@@ -390,19 +392,19 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
         s = await_maker(shm, name);
     if (s) {
         laden_shm_close(shm);
-        for (uint32_t i = 0; i < sc->nb; i++)
-            sc->b[i].shared = false;
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            sc->layout.b[i].shared = false;
         laden__error_prefix("the shared host copy");
         return s;
     }
-    sc->shm = shm;
-    sc->share_created = created;
+    sc->share.shm = shm;
+    sc->share.created = created;
     if (created)
         making_add(sc, name);
-    memcpy(sc->share_name, name, sizeof name);
+    memcpy(sc->share.name, name, sizeof name);
     char *data = laden_shm_data(shm);
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         if (!b->shared)
             continue;
         char *at = data + b->share_off;
@@ -412,7 +414,7 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
         }
         b->ram = at;
         b->ram_len = (b->bytes + PAGE - 1) & ~(uint64_t)(PAGE - 1);
-        if (!sc->cuda && !sc->cache)
+        if (!sc->cuda && !sc->cache.on)
             b->region = (laden_devptr_t)(uintptr_t)at; /* runs in place */
     }
     if (created)
@@ -422,20 +424,20 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
      * process's context now (the maker pinned them as they arrived),
      * within this process's RAM budget as a load would be. */
     uint64_t homes = 0, budget = sc->cfg.ram_budget_bytes;
-    for (uint32_t i = 0; i < sc->nb && !sc->cache; i++)
-        if (sc->b[i].shared && sc->b[i].tier == LADEN_TIER_RAM)
-            homes += sc->b[i].ram_len;
+    for (uint32_t i = 0; i < sc->layout.nb && !sc->cache.on; i++)
+        if (sc->layout.b[i].shared && sc->layout.b[i].tier == LADEN_TIER_RAM)
+            homes += sc->layout.b[i].ram_len;
     if (sc->cuda && budget && homes > budget)
         return laden__fail(LADEN_E_BUDGET, "the shared host copy's %s of "
                            "RAM-tier blocks do not fit the %s RAM budget",
                            laden__bytes(homes).s, laden__bytes(budget).s);
-    for (uint32_t i = 0; i < sc->nb; i++) {
-        blk *b = &sc->b[i];
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        blk *b = &sc->layout.b[i];
         if (!b->shared)
             continue;
-        if (sc->cache) {
+        if (sc->cache.on) {
             b->filled = true;
-            sc->nfilled++;
+            sc->cache.nfilled++;
         } else if (sc->cuda && b->tier == LADEN_TIER_RAM &&
                    (s = laden__sched_pin_home(sc, b))) {
             return s; /* free_all unpins what was pinned */
@@ -446,8 +448,8 @@ laden_status laden__sched_share_open(laden_sched_t *sc)
 
 laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s)
 {
-    if (sc->shm && sc->share_created) {
-        laden_shm_set_ready(sc->shm, s == LADEN_OK);
+    if (sc->share.shm && sc->share.created) {
+        laden_shm_set_ready(sc->share.shm, s == LADEN_OK);
         making_drop(sc);
     }
     return s;
@@ -456,6 +458,6 @@ laden_status laden__sched_share_end(laden_sched_t *sc, laden_status s)
 void laden__sched_share_close(laden_sched_t *sc)
 {
     making_drop(sc);
-    laden_shm_close(sc->shm);
-    sc->shm = NULL;
+    laden_shm_close(sc->share.shm);
+    sc->share.shm = NULL;
 }

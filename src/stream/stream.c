@@ -1,14 +1,19 @@
 /* Block streaming: the public calls.  See include/laden/stream.h; the work
  * is in build.c, load.c, run.c, resident.c, share.c, grads.c and
- * convert.c, behind
- * stream_internal.h.  Here: the queries, and the one-thread guard every
- * other call goes through. */
+ * convert.c, each behind its part header (stream_internal.h lists them).
+ * Here: the queries, the one-thread guard every other call goes through,
+ * the background loader's thread, and destroy. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "stream_internal.h"
+#include "stream_hold.h"
+#include "stream_cache.h"
+#include "stream_layout.h"
+#include "stream_load.h"
+#include "stream_run.h"
+#include "stream_share.h"
 
 static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
 {
@@ -16,38 +21,39 @@ static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
     if (!sc || !out)
         return laden__fail(LADEN_E_INVAL, "laden_sched_stats: NULL");
     *out = sc->st;
-    out->slot_bytes = sc->slot_bytes;
-    out->nslots = sc->nslots;
-    out->device_bytes += (uint64_t)sc->nslots * sc->slot_bytes;
-    if (laden_host_stats(sc->host, &hs) == LADEN_OK)
+    out->slot_bytes = sc->layout.slot_bytes;
+    out->nslots = sc->run.nslots;
+    out->device_bytes += (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
+    if (laden_host_stats(sc->layout.host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
-    out->pinned_bytes += sc->pinned_homes;
+    out->pinned_bytes += sc->load.pinned_homes;
     return LADEN_OK;
 }
 
 int laden_sched_is_streamed(laden_sched_t *sc, uint32_t block)
 {
-    return sc && block < sc->nb && laden__sched_streamed(sc, &sc->b[block]);
+    return sc && block < sc->layout.nb &&
+           laden__sched_streamed(sc, &sc->layout.b[block]);
 }
 
 laden_vbar_t *laden_sched_vbar(laden_sched_t *sc)
 {
-    return sc ? sc->vbar : NULL;
+    return sc ? sc->cache.vbar : NULL;
 }
 
 int laden_sched_block_tier(laden_sched_t *sc, uint32_t block)
 {
-    return sc && block < sc->nb ? (int)sc->b[block].tier : -2;
+    return sc && block < sc->layout.nb ? (int)sc->layout.b[block].tier : -2;
 }
 
 int laden_sched_is_resident(laden_sched_t *sc, uint32_t block)
 {
-    return sc && block < sc->nb && sc->b[block].resident;
+    return sc && block < sc->layout.nb && sc->layout.b[block].resident;
 }
 
 int laden_sched_is_cache(laden_sched_t *sc)
 {
-    return sc && sc->cache && sc->loaded;
+    return sc && sc->cache.on && sc->loaded;
 }
 
 int32_t laden_sched_device(laden_sched_t *sc)
@@ -57,14 +63,14 @@ int32_t laden_sched_device(laden_sched_t *sc)
 
 uint32_t laden_sched_block_count(laden_sched_t *sc)
 {
-    return sc ? sc->nb : 0;
+    return sc ? sc->layout.nb : 0;
 }
 
 uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
 {
-    if (!sc || block >= sc->nb)
+    if (!sc || block >= sc->layout.nb)
         return 0;
-    return sc->b[block].bytes;
+    return sc->layout.b[block].bytes;
 }
 
 laden_status laden_sched_block_state(laden_sched_t *sc, uint32_t block,
@@ -77,10 +83,10 @@ laden_status laden_sched_block_state(laden_sched_t *sc, uint32_t block,
         *size_bytes = 0;
     if (flags)
         *flags = 0;
-    if (!sc || block >= sc->nb)
+    if (!sc || block >= sc->layout.nb)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_block_state: bad schedule or block");
-    const blk *b = &sc->b[block];
+    const blk *b = &sc->layout.b[block];
     if (tier)
         *tier = (int32_t)b->tier;
     if (size_bytes)
@@ -103,10 +109,10 @@ laden_status laden_sched_tensor_layout(laden_sched_t *sc, uint32_t block,
         *scale_offset_bytes = 0;
     if (rows)
         *rows = 0;
-    if (!sc || block >= sc->nb || i >= sc->b[block].nt)
+    if (!sc || block >= sc->layout.nb || i >= sc->layout.b[block].nt)
         return laden__fail(LADEN_E_INVAL, "laden_sched_tensor_layout: bad "
                                           "schedule, block or tensor");
-    const tref *r = &sc->b[block].t[i];
+    const tref *r = &sc->layout.b[block].t[i];
     if (size_bytes)
         *size_bytes = r->dst_bytes;
     if (r->rows) { /* tensor_ref (build.c) lays them out so */
@@ -149,21 +155,21 @@ static laden_status wait_for_loader(laden_sched_t *sc, uint64_t me,
                                     const char *call)
 {
     uint64_t cur;
-    pthread_mutex_lock(&sc->mu);
-    sc->owner_waiting++;
+    pthread_mutex_lock(&sc->hold.mu);
+    sc->hold.owner_waiting++;
     for (;;) {
         cur = 0;
-        if (atomic_compare_exchange_strong(&sc->holder, &cur, me))
+        if (atomic_compare_exchange_strong(&sc->hold.holder, &cur, me))
             break;
-        if (cur != atomic_load(&sc->loader_tid))
+        if (cur != atomic_load(&sc->hold.loader_tid))
             break;
-        pthread_cond_wait(&sc->cv, &sc->mu);
+        pthread_cond_wait(&sc->hold.cv, &sc->hold.mu);
     }
-    sc->owner_waiting--;
-    pthread_mutex_unlock(&sc->mu);
+    sc->hold.owner_waiting--;
+    pthread_mutex_unlock(&sc->hold.mu);
     if (cur && cur != me)
         return refused(cur, call);
-    sc->depth = 1;
+    sc->hold.depth = 1;
     return LADEN_OK;
 }
 
@@ -172,15 +178,15 @@ static laden_status hold(laden_sched_t *sc, const char *call)
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "%s: NULL schedule", call);
     uint64_t me = laden__thread_id(), cur = 0;
-    if (atomic_compare_exchange_strong(&sc->holder, &cur, me)) {
-        sc->depth = 1;
+    if (atomic_compare_exchange_strong(&sc->hold.holder, &cur, me)) {
+        sc->hold.depth = 1;
         return LADEN_OK;
     }
     if (cur == me) {
-        sc->depth++;
+        sc->hold.depth++;
         return LADEN_OK;
     }
-    if (cur == atomic_load(&sc->loader_tid))
+    if (cur == atomic_load(&sc->hold.loader_tid))
         return wait_for_loader(sc, me, call);
     return refused(cur, call);
 }
@@ -188,47 +194,47 @@ static laden_status hold(laden_sched_t *sc, const char *call)
 /* A hold's end wakes the background loader (and a waiting owner). */
 static void release_hold(laden_sched_t *sc)
 {
-    atomic_store(&sc->holder, 0);
-    if (atomic_load(&sc->loader_live)) {
-        pthread_mutex_lock(&sc->mu);
-        pthread_cond_broadcast(&sc->cv);
-        pthread_mutex_unlock(&sc->mu);
+    atomic_store(&sc->hold.holder, 0);
+    if (atomic_load(&sc->hold.loader_live)) {
+        pthread_mutex_lock(&sc->hold.mu);
+        pthread_cond_broadcast(&sc->hold.cv);
+        pthread_mutex_unlock(&sc->hold.mu);
     }
 }
 
 static void unhold(laden_sched_t *sc)
 {
-    if (--sc->depth == 0)
+    if (--sc->hold.depth == 0)
         release_hold(sc);
 }
 
-/* ---- the background loader's thread (load.c drives the load) ---------- */
+/* ---- the background loader's thread (load.c drives the load) ------------ */
 
 bool laden__sched_hold_loader(laden_sched_t *sc)
 {
-    uint64_t me = atomic_load(&sc->loader_tid);
+    uint64_t me = atomic_load(&sc->hold.loader_tid);
     bool got = false;
-    pthread_mutex_lock(&sc->mu);
-    while (!atomic_load(&sc->loader_stop)) {
+    pthread_mutex_lock(&sc->hold.mu);
+    while (!atomic_load(&sc->hold.loader_stop)) {
         uint64_t cur = 0;
-        if (!sc->owner_waiting &&
-            atomic_compare_exchange_strong(&sc->holder, &cur, me)) {
-            sc->depth = 1; /* a nested hold (its progress callback) */
+        if (!sc->hold.owner_waiting &&
+            atomic_compare_exchange_strong(&sc->hold.holder, &cur, me)) {
+            sc->hold.depth = 1; /* a nested hold (its progress callback) */
             got = true;
             break;
         }
-        pthread_cond_wait(&sc->cv, &sc->mu);
+        pthread_cond_wait(&sc->hold.cv, &sc->hold.mu);
     }
-    pthread_mutex_unlock(&sc->mu);
+    pthread_mutex_unlock(&sc->hold.mu);
     return got;
 }
 
 void laden__sched_unhold_loader(laden_sched_t *sc)
 {
-    atomic_store(&sc->holder, 0);
-    pthread_mutex_lock(&sc->mu);
-    pthread_cond_broadcast(&sc->cv);
-    pthread_mutex_unlock(&sc->mu);
+    atomic_store(&sc->hold.holder, 0);
+    pthread_mutex_lock(&sc->hold.mu);
+    pthread_cond_broadcast(&sc->hold.cv);
+    pthread_mutex_unlock(&sc->hold.mu);
 }
 
 typedef struct loader_start {
@@ -240,10 +246,10 @@ static void *loader_main(void *arg)
 {
     loader_start st = *(loader_start *)arg;
     free(arg);
-    atomic_store(&st.sc->loader_tid, laden__thread_id());
-    pthread_mutex_lock(&st.sc->mu); /* the starter waits for the id */
-    pthread_cond_broadcast(&st.sc->cv);
-    pthread_mutex_unlock(&st.sc->mu);
+    atomic_store(&st.sc->hold.loader_tid, laden__thread_id());
+    pthread_mutex_lock(&st.sc->hold.mu); /* the starter waits for the id */
+    pthread_cond_broadcast(&st.sc->hold.cv);
+    pthread_mutex_unlock(&st.sc->hold.mu);
     return st.fn(st.sc);
 }
 
@@ -253,22 +259,22 @@ laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
     if (!st)
         return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
     *st = (loader_start){sc, fn};
-    atomic_store(&sc->loader_stop, 0);
+    atomic_store(&sc->hold.loader_stop, 0);
     /* Its id is known before this returns: a hold that finds the loader
      * holding must recognise it (else it would refuse the owner). */
-    pthread_mutex_lock(&sc->mu);
-    int e = pthread_create(&sc->loader_thread, NULL, loader_main, st);
+    pthread_mutex_lock(&sc->hold.mu);
+    int e = pthread_create(&sc->hold.loader_thread, NULL, loader_main, st);
     if (e) {
-        pthread_mutex_unlock(&sc->mu);
+        pthread_mutex_unlock(&sc->hold.mu);
         free(st);
         return laden__fail(LADEN_E_IO, "cannot start the loading thread "
                            "(error %d)", e);
     }
-    atomic_store(&sc->loader_live, true);
-    sc->loader_started = true;
-    while (!atomic_load(&sc->loader_tid))
-        pthread_cond_wait(&sc->cv, &sc->mu);
-    pthread_mutex_unlock(&sc->mu);
+    atomic_store(&sc->hold.loader_live, true);
+    sc->load.loader_started = true;
+    while (!atomic_load(&sc->hold.loader_tid))
+        pthread_cond_wait(&sc->hold.cv, &sc->hold.mu);
+    pthread_mutex_unlock(&sc->hold.mu);
     return LADEN_OK;
 }
 
@@ -277,36 +283,36 @@ laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
  * claims the thread (under mu) joins it, once. */
 void laden__sched_join_loader(laden_sched_t *sc)
 {
-    pthread_mutex_lock(&sc->mu);
-    bool live = atomic_exchange(&sc->loader_live, false);
-    pthread_t t = sc->loader_thread;
-    atomic_store(&sc->loader_stop, 1);
-    pthread_cond_broadcast(&sc->cv);
-    pthread_mutex_unlock(&sc->mu);
+    pthread_mutex_lock(&sc->hold.mu);
+    bool live = atomic_exchange(&sc->hold.loader_live, false);
+    pthread_t t = sc->hold.loader_thread;
+    atomic_store(&sc->hold.loader_stop, 1);
+    pthread_cond_broadcast(&sc->hold.cv);
+    pthread_mutex_unlock(&sc->hold.mu);
     if (live)
         pthread_join(t, NULL);
 }
 
 bool laden__sched_on_loader(laden_sched_t *sc)
 {
-    uint64_t t = atomic_load(&sc->loader_tid);
+    uint64_t t = atomic_load(&sc->hold.loader_tid);
     return t && t == laden__thread_id();
 }
 
 int laden_sched_is_pinned(laden_sched_t *sc, uint32_t block)
 {
-    if (!sc || block >= sc->nb || hold(sc, "laden_sched_is_pinned")) {
+    if (!sc || block >= sc->layout.nb || hold(sc, "laden_sched_is_pinned")) {
         laden__error_clear();
         return 0;
     }
-    int pinned = sc->b[block].pinned;
+    int pinned = sc->layout.b[block].pinned;
     unhold(sc);
     return pinned;
 }
 
 static bool holds(laden_sched_t *sc)
 {
-    return atomic_load(&sc->holder) == laden__thread_id();
+    return atomic_load(&sc->hold.holder) == laden__thread_id();
 }
 
 /* Runs `expr` holding the schedule. */
@@ -324,7 +330,7 @@ laden_status laden_sched_begin(laden_sched_t *sc)
 {
     laden_status s = hold(sc, "laden_sched_begin");
     if (!s)
-        sc->begun++;
+        sc->hold.begun++;
     return s;
 }
 
@@ -332,10 +338,10 @@ laden_status laden_sched_end(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_end: NULL schedule");
-    if (!holds(sc) || !sc->begun)
+    if (!holds(sc) || !sc->hold.begun)
         return laden__fail(LADEN_E_STATE, "laden_sched_end: no pass was "
                            "begun on this thread");
-    sc->begun--;
+    sc->hold.begun--;
     unhold(sc);
     return LADEN_OK;
 }
@@ -349,23 +355,24 @@ laden_status laden_sched_end_all(laden_sched_t *sc, uint32_t *out_exited)
                                           "schedule");
     if (!holds(sc))
         return LADEN_OK;
-    if (sc->capturing)
+    if (sc->capture.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_end_all: a CUDA "
                            "graph capture is in progress on this thread; "
                            "end it first (laden_sched_capture_end)");
     laden_status first = LADEN_OK;
     /* Each exit records the slot's free event on the stream the block
      * was entered on, as the exit that did not happen would have. */
-    for (uint32_t i = 0; i < sc->nb && sc->entered; i++)
-        while (sc->b[i].running && holds(sc)) {
-            laden_status s = laden_sched_exit(sc, i, sc->b[i].enter_handle);
+    for (uint32_t i = 0; i < sc->layout.nb && sc->hold.entered; i++)
+        while (sc->layout.b[i].running && holds(sc)) {
+            laden_status s =
+                laden_sched_exit(sc, i, sc->layout.b[i].enter_handle);
             if (s && !first)
                 first = s;
             if (out_exited)
                 ++*out_exited;
         }
-    while (sc->begun && holds(sc)) {
-        sc->begun--;
+    while (sc->hold.begun && holds(sc)) {
+        sc->hold.begun--;
         unhold(sc);
     }
     return first;
@@ -375,16 +382,16 @@ laden_status laden_sched_close(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_close: NULL schedule");
-    uint64_t held = atomic_load(&sc->holder);
+    uint64_t held = atomic_load(&sc->hold.holder);
     if (held == laden__thread_id() || laden__sched_on_loader(sc))
         return laden__fail(LADEN_E_STATE, "laden_sched_close: this thread "
                            "is inside a pass or a block of the schedule");
-    if (held && held != CLOSED && held != atomic_load(&sc->loader_tid))
+    if (held && held != CLOSED && held != atomic_load(&sc->hold.loader_tid))
         return laden__fail(LADEN_E_STATE, "laden_sched_close: the schedule "
                            "is in use by another thread");
     laden__sched_join_loader(sc); /* a load in the background stops */
     uint64_t cur = 0;
-    if (atomic_compare_exchange_strong(&sc->holder, &cur, CLOSED) ||
+    if (atomic_compare_exchange_strong(&sc->hold.holder, &cur, CLOSED) ||
         cur == CLOSED)
         return LADEN_OK;
     return laden__fail(LADEN_E_STATE,
@@ -397,17 +404,7 @@ laden_status laden_sched_close(laden_sched_t *sc)
 
 int laden_sched_is_closed(laden_sched_t *sc)
 {
-    return sc && atomic_load(&sc->holder) == CLOSED;
-}
-
-const char *laden__sched_trace_name(laden_sched_t *sc)
-{
-    uint64_t sess = laden__trace_session();
-    if (!sc->trace_name || sc->trace_session != sess) {
-        sc->trace_name = laden__trace_intern(sc->name);
-        sc->trace_session = sess;
-    }
-    return sc->trace_name;
+    return sc && atomic_load(&sc->hold.holder) == CLOSED;
 }
 
 /* How many bytes of s to keep, at most max, not cutting a UTF-8
@@ -423,25 +420,13 @@ static size_t name_len(const char *s, size_t max)
     return n;
 }
 
-const char *laden__sched_block_trace_name(blk *b)
-{
-    if (!b->name)
-        return NULL;
-    uint64_t sess = laden__trace_session();
-    if (!b->trace_name || b->trace_session != sess) {
-        b->trace_name = laden__trace_intern(b->name);
-        b->trace_session = sess;
-    }
-    return b->trace_name;
-}
-
 laden_status laden_sched_set_block_name(laden_sched_t *sc, uint32_t block,
                                         const char *name)
 {
     laden_status s = hold(sc, "laden_sched_set_block_name");
     if (s)
         return s;
-    if (block >= sc->nb || !name) {
+    if (block >= sc->layout.nb || !name) {
         unhold(sc);
         return laden__fail(LADEN_E_INVAL, "laden_sched_set_block_name: %s",
                            name ? "no such block" : "NULL name");
@@ -456,9 +441,9 @@ laden_status laden_sched_set_block_name(laden_sched_t *sc, uint32_t block,
         unhold(sc);
         return laden__fail(LADEN_E_NOMEM, "out of memory naming a block");
     }
-    free(sc->b[block].name);
-    sc->b[block].name = copy;
-    sc->b[block].trace_name = NULL;
+    free(sc->layout.b[block].name);
+    sc->layout.b[block].name = copy;
+    sc->layout.b[block].trace_name = NULL;
     unhold(sc);
     return LADEN_OK;
 }
@@ -489,18 +474,18 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
         unhold(sc);
         return s;
     }
-    sc->entered++;
-    sc->b[block].running++;
-    sc->b[block].enter_handle = compute_stream;
+    sc->hold.entered++;
+    sc->layout.b[block].running++;
+    sc->layout.b[block].enter_handle = compute_stream;
     if (t0) {
         laden__trace_rec r = {
             .session = sess, .t = t0, .a = block, .b = (uintptr_t)sc,
-            .c = (uint64_t)laden__sched_streamed(sc, &sc->b[block]) |
+            .c = (uint64_t)laden__sched_streamed(sc, &sc->layout.b[block]) |
                  (uint64_t)(sc->st.misses != misses) << 1,
-            .s = laden__sched_block_trace_name(&sc->b[block]),
+            .s = laden__sched_block_trace_name(&sc->layout.b[block]),
             .s2 = laden__sched_trace_name(sc), .ev = LADEN__EV_ENTER,
             .dev = (int16_t)sc->cfg.device};
-        blk *b = &sc->b[block];
+        blk *b = &sc->layout.b[block];
         if (!laden__trace_emit(&r))
             return LADEN_OK; /* that trace ended: no E is owed */
         if (b->trace_entered != sess) {
@@ -517,17 +502,17 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_exit: NULL schedule");
-    if (!holds(sc) || !sc->entered)
+    if (!holds(sc) || !sc->hold.entered)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_exit: block %u was not entered on "
                            "this thread",
                            block);
     /* Refused before anything changes: the hold, and the blocks that are
      * running, stay as they were. */
-    if (block >= sc->nb)
+    if (block >= sc->layout.nb)
         return laden__fail(LADEN_E_INVAL, "laden_sched_exit: no block %u "
-                           "(%u blocks)", block, sc->nb);
-    if (!sc->b[block].running)
+                           "(%u blocks)", block, sc->layout.nb);
+    if (!sc->layout.b[block].running)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_exit: block %u is not running",
                            block);
@@ -535,17 +520,21 @@ laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,
     /* The exit of an enter this trace recorded (not of one before it, nor
      * of a block that was not running): the pair stays matched. */
     uint64_t sess = LADEN__TRACING() ? laden__trace_session() : 0;
-    if (sess && block < sc->nb && sc->b[block].trace_entered == sess &&
-        sc->b[block].trace_open > 0) {
-        laden__trace_rec r = {.session = sess, .t = laden__now_ns(), .a = block,
-                              .b = (uintptr_t)sc, .ev = LADEN__EV_EXIT,
+    if (sess && block < sc->layout.nb &&
+        sc->layout.b[block].trace_entered == sess &&
+        sc->layout.b[block].trace_open > 0) {
+        laden__trace_rec r = {.session = sess,
+                              .t = laden__now_ns(),
+                              .a = block,
+                              .b = (uintptr_t)sc,
+                              .ev = LADEN__EV_EXIT,
                               .dev = (int16_t)sc->cfg.device};
-        r.s = laden__sched_block_trace_name(&sc->b[block]);
+        r.s = laden__sched_block_trace_name(&sc->layout.b[block]);
         laden__trace_emit(&r);
-        sc->b[block].trace_open--;
+        sc->layout.b[block].trace_open--;
     }
-    sc->b[block].running--;
-    sc->entered--;
+    sc->layout.b[block].running--;
+    sc->hold.entered--;
     unhold(sc);
     return s;
 }
@@ -597,8 +586,8 @@ laden_status laden_sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
     if (out_index)
         *out_index = 0;
     HELD("laden_sched_add_host_tensor",
-         laden__sched_add_host_tensor(sc, block, src, src_dtype, n_elems, dtype,
-                         out_index));
+         laden__sched_add_host_tensor(sc, block, src, src_dtype, n_elems,
+                                      dtype, out_index));
 }
 
 laden_status laden_sched_plan(laden_sched_t *sc,
@@ -696,8 +685,8 @@ laden_status laden_sched_host_ptr(laden_sched_t *sc, uint32_t block,
 static laden_status set_progress(laden_sched_t *sc, laden_sched_progress_fn fn,
                                  void *arg)
 {
-    sc->progress = fn;
-    sc->progress_arg = arg;
+    sc->load.progress = fn;
+    sc->load.progress_arg = arg;
     return LADEN_OK;
 }
 
@@ -714,10 +703,10 @@ laden_status laden_sched_forget_stream(laden_sched_t *sc, uintptr_t handle)
                            "laden_sched_forget_stream: NULL schedule");
     /* Also once closed (release closes before its trainer goes): no call
      * can hold it then, and destroy would synchronize the stream. */
-    if (atomic_load(&sc->holder) == CLOSED) {
-        pthread_mutex_lock(&sc->mu);
+    if (atomic_load(&sc->hold.holder) == CLOSED) {
+        pthread_mutex_lock(&sc->hold.mu);
         laden_status s = laden__sched_forget_stream(sc, handle);
-        pthread_mutex_unlock(&sc->mu);
+        pthread_mutex_unlock(&sc->hold.mu);
         return s;
     }
     HELD("laden_sched_forget_stream", laden__sched_forget_stream(sc, handle));
@@ -747,7 +736,7 @@ laden_status laden_sched_capture_end(laden_sched_t *sc,
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_capture_end: NULL "
                                           "schedule");
-    if (!holds(sc) || !sc->capturing)
+    if (!holds(sc) || !sc->capture.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_capture_end: no "
                            "capture in progress on this thread");
     laden_status s = laden__sched_capture_end(sc, compute_stream, out);
@@ -889,4 +878,45 @@ laden_status laden_sched_ready(laden_sched_t *sc, uintptr_t compute_stream)
 laden_status laden_sched_fence(laden_sched_t *sc, uintptr_t compute_stream)
 {
     HELD("laden_sched_fence", laden__sched_fence(sc, compute_stream));
+}
+
+/* ---- destroy ------------------------------------------------------------ */
+
+/* Here, not in build.c: it stops the loader's thread (this file's) and
+ * frees what the load made (load.c) before the description (build.c). */
+void laden_sched_destroy(laden_sched_t *sc)
+{
+    if (!sc)
+        return;
+    if (laden__sched_on_loader(sc)) { /* finished by the loader's thread */
+        atomic_store(&sc->load.destroy_asked, true);
+        return;
+    }
+    laden__sched_join_loader(sc); /* a load in the background stops */
+    laden__sched_abandon_load(sc);
+    /* Kernels of the model may still read its weights and slots (the
+     * caller dropped it right after enqueueing a forward); VBAR pages are
+     * unmapped without the implicit wait of a device free. */
+    if (sc->cuda && sc->run.compute)
+        laden_dev_stream_synchronize(sc->run.compute);
+    if (sc->cuda && sc->run.compute_alt)
+        laden_dev_stream_synchronize(sc->run.compute_alt);
+    laden__sched_free_all(sc);
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            free((char *)sc->layout.b[i].t[k].name);
+        free(sc->layout.b[i].t);
+        free(sc->layout.b[i].name);
+    }
+    free(sc->layout.b);
+    for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
+        laden_io_file_close(sc->layout.files[i]);
+    free(sc->layout.files);
+    free(sc->share.key);
+    laden_host_destroy(sc->layout.host);
+    if (sc->layout.own_io)
+        laden_io_destroy(sc->layout.io);
+    pthread_cond_destroy(&sc->hold.cv);
+    pthread_mutex_destroy(&sc->hold.mu);
+    free(sc);
 }

@@ -1,0 +1,168 @@
+/* The schedule's layout part (sc->layout): what was described (blocks,
+ * their tensors, the checkpoint's files) and where each tensor lies in its
+ * block.  Owner: build.c (create, add blocks and tensors, plan, destroy).
+ * Writers: build.c while describing, and its relayout (called by load.c
+ * and resident.c) for the streamed blocks' positions and the slots' size;
+ * load.c lays the blocks out once (laid_out) and fills in their memory;
+ * resident.c and share.c set blocks' cache and share flags.  Everyone
+ * else reads.
+ *
+ * Like every part header: the first half is the part's types (also taken
+ * by stream_internal.h to make struct laden_sched), the second the calls
+ * its owner makes for the other files, seen only by a file that includes
+ * this header.  Not installed. */
+#ifndef LADEN_STREAM_LAYOUT_TYPES
+#define LADEN_STREAM_LAYOUT_TYPES
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../core/internal.h"
+#include "laden/host.h"
+#include "laden/io.h"
+#include "laden/stream.h"
+
+/* Each tensor of a block starts at a multiple of this, for any kernel. */
+#define ALIGN 256u
+
+typedef struct tref {
+    uint32_t file;
+    uint64_t off;       /* absolute offset in the file */
+    uint64_t src_bytes;
+    laden_dtype src, dst;
+    uint64_t nelem;
+    uint64_t dst_off;   /* offset in the block's region */
+    uint64_t dst_bytes;
+    const char *name;   /* for messages; copied */
+    const void *host;   /* bytes in host memory instead of a file */
+    uint64_t rows;      /* quantized to F8_E4M3: rows with one scale each */
+    uint64_t rope_heads; /* rows in GGUF's rope order over this many heads:
+                          * put back in transformers' order on load */
+    uint64_t nrows;     /* shape[0] (1 for a scalar) */
+    /* A part of a checkpoint tensor (laden_sched_add_tensor_part) that is
+     * not one range: `pieces` ranges of src_bytes / pieces bytes, the
+     * first at `off`, each `stride` bytes after the one before; 0: one
+     * range. */
+    uint64_t pieces, stride;
+    bool part;          /* laden_sched_add_tensor_part */
+} tref;
+
+/* 1 if tensor r is kept as the checkpoint stores it, so that it can be
+ * read straight into a slot: from the file, in the file's dtype. */
+static inline bool laden__sched_as_stored(const tref *r)
+{
+    return !r->host && r->src == r->dst && !r->rope_heads && !r->pieces;
+}
+
+/* Where the float32 row scales of a tensor of nelem F8_E4M3 codes start
+ * in its bytes: after the codes, 16-byte aligned (build.c lays them out,
+ * convert.c writes them, laden_sched_tensor_layout says where). */
+static inline uint64_t laden__sched_scale_offset(uint64_t nelem)
+{
+    return (nelem + 15) & ~(uint64_t)15;
+}
+
+typedef struct blk {
+    char *name;            /* laden_sched_set_block_name; NULL unnamed */
+    uint64_t trace_entered; /* tracing: the session its open enters were
+                               recorded in, and how many are open */
+    uint32_t trace_open;
+    const char *trace_name; /* name interned for the trace of ... */
+    uint64_t trace_session; /* ... this session */
+    laden_tier tier;
+    laden_tier asked;      /* as added: LADEN_TIER_AUTO is the planner's */
+    tref *t;
+    uint32_t nt, cap;
+    uint64_t bytes;        /* packed size, kept as tensors are added */
+    int32_t pos;           /* schedule position; -1 if not streamed */
+    laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
+                              cache schedules: the block's own device copy */
+    void *ram;             /* RAM tier: pinned region (cache: pageable) */
+    uint64_t ram_len;      /* cache schedules: the mapping's length */
+    bool filled;           /* cache schedules: host copy loaded */
+    bool resident;         /* cache schedules: has a device copy of its own */
+    bool in_place;         /* cache schedules, CPU device: the "device copy"
+                              is the host copy itself (resident.c) */
+    uint64_t voff;         /* cache schedules with a VBAR: its range there */
+    uint64_t sig;          /* signature of the range when last written */
+    bool pinned;           /* cache schedules: host copy pinned in place */
+    uint64_t uploads;      /* cache schedules: times its device copy was
+                              written from the host copy */
+    bool ready;            /* its bytes are in place (a load in progress
+                              marks the blocks as it goes: load.c) */
+    bool offloaded;        /* VRAM tier without room at load: demoted to
+                              the RAM tier (load.c) */
+    bool shared;           /* its host copy is in sc->share.shm (share.c) */
+    uint64_t share_off;    /* its place there */
+    uint32_t running;      /* enters not exited yet (stream.c) */
+    uintptr_t enter_handle; /* the stream of its last enter, for an exit
+                               laden_sched_end_all makes in its place */
+} blk;
+
+typedef struct sched_layout {
+    blk *b;
+    uint32_t nb, bcap;
+    /* Set by laden__sched_relayout whenever the set of streamed blocks
+     * changes (load, resident.c): */
+    uint32_t *order;     /* position -> block */
+    uint32_t nstreamed;
+    uint64_t slot_bytes; /* the largest streamed block: a slot's size */
+    bool any_disk;       /* a streamed block reads from disk */
+    /* Slot bytes charged to sc->cache.vram (laden__sched_charge_slots:
+     * load.c as it places the blocks, run.c as it makes the slots). */
+    uint64_t slot_charge;
+    uint32_t max_nt; /* most tensors in one block */
+    laden_io_t *io;
+    bool own_io;
+    laden_io_file_t **files;
+    uint32_t nfiles;
+    laden_host_t *host;
+    bool laid_out;   /* load.c: offsets and tiers fixed */
+    bool planned;    /* an AUTO block has a planned tier */
+} sched_layout;
+
+#endif
+
+#ifndef LADEN_STREAM_TYPES_ONLY
+#ifndef LADEN_STREAM_LAYOUT_H
+#define LADEN_STREAM_LAYOUT_H
+
+#include "stream_internal.h"
+
+/* 1 if block b runs from a slot. */
+bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
+/* Positions and slot size after the set of streamed blocks changed. */
+void laden__sched_relayout(laden_sched_t *sc);
+/* Bytes charged to the VRAM context for the slots become `want`.
+ * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
+laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
+/* The schedule's and a block's names for the trace (tracing only; the
+ * block's NULL when it has none). */
+const char *laden__sched_trace_name(laden_sched_t *sc);
+const char *laden__sched_block_trace_name(blk *b);
+/* LADEN_OK if tensor r can stream from disk, else the error naming it. */
+laden_status laden__sched_disk_check(const tref *r);
+/* Makes the planned blocks AUTO again: an input of the plan changed. */
+void laden__sched_unplan(laden_sched_t *sc);
+laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
+                                    uint32_t *out);
+laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
+                                    uint32_t index, uint64_t heads);
+laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
+                                     const laden_st_t *st, size_t st_index,
+                                     laden_dtype dtype, uint32_t *out);
+laden_status laden__sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
+                                          const laden_st_t *st,
+                                          size_t st_index, laden_dtype dtype,
+                                          uint32_t dim, uint64_t start,
+                                          uint64_t count, uint32_t *out);
+laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
+                                          const void *src, laden_dtype sdt,
+                                          uint64_t n, laden_dtype dtype,
+                                          uint32_t *out);
+laden_status laden__sched_plan(laden_sched_t *sc,
+                               const laden_plan_input *budgets, int32_t *why,
+                               laden_plan_result *out);
+
+#endif
+#endif

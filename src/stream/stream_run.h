@@ -1,0 +1,110 @@
+/* The schedule's run part (sc->run) and capture part (sc->capture): the
+ * slots streamed blocks run from, the copy and compute streams, where the
+ * pass is and which way it goes, and a pass being captured into a CUDA
+ * graph.  Owner and only writer: run.c (start/stop, enter/exit, prefetch,
+ * capture and replay); build.c's free_all destroys the streams through
+ * laden__sched_free_slots and resident.c uses the copy stream for the
+ * uploads of cache schedules.  Not installed; see stream_layout.h for how
+ * a part header is laid out. */
+#ifndef LADEN_STREAM_RUN_TYPES
+#define LADEN_STREAM_RUN_TYPES
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../core/internal.h"
+#include "laden/stream.h"
+
+typedef struct slot {
+    laden_devptr_t ptr;
+    int64_t block; /* whose bytes are here or arriving; -1: none */
+    bool in_use;
+    bool reads_pending;
+    laden_event_t *ready, *free, *staging_free;
+    void *staging;
+    laden_io_req_t **reqs;
+    uint32_t nreqs;
+    laden_status err;
+    char errmsg[512];
+    uint64_t fills; /* the schedule's fill_seq when last filled */
+    bool free_captured;  /* capturing: `free` was recorded in this capture */
+    bool ready_captured; /* and `ready` */
+    int64_t at_capture;  /* block held when the capture began */
+    uint64_t fills_at_capture;
+    void *trace_mark; /* tracing: the compute stream's mark after the wait */
+    uint64_t trace_mark_session; /* the trace it belongs to */
+} slot;
+
+typedef struct sched_run {
+    bool started;
+    /* The direction blocks are entered in, from the last two streamed
+     * positions entered: +1 in order (a forward), -1 in reverse (a
+     * backward's recomputation); prefetches follow it. */
+    int32_t dir;
+    int64_t last_pos; /* -1: none yet */
+    slot *slots;
+    uint32_t nslots;
+    uint64_t slot_gauge;  /* slot bytes counted in the trace's gauge */
+    uint64_t fill_seq;    /* slot fills so far (laden_sched_slot_fills) */
+    laden_dev_stream_t *copy;
+    /* The compute stream of the last enter or exit, wrapped, and the one
+     * before it (a training step exits blocks on the gradient sink's
+     * stream: two handles alternate without wrapping again). */
+    laden_dev_stream_t *compute, *compute_alt;
+    uintptr_t compute_handle, compute_alt_handle;
+} sched_run;
+
+/* A pass being captured into a CUDA graph (laden_sched_capture_begin):
+ * the copy stream is forked from the capturing stream and joined back
+ * through `fork`; the bytes its copies move. */
+typedef struct sched_capture {
+    bool on;
+    bool alone;      /* LADEN_CAPTURE_STANDALONE */
+    bool broken;     /* a call was refused during it */
+    uintptr_t handle; /* the capturing stream */
+    bool events;     /* slot events last recorded in a capture */
+    int64_t pos;     /* run.last_pos and run.dir when the capture began */
+    int32_t dir;
+    laden_event_t *fork;
+    uint64_t h2d;
+} sched_capture;
+
+#endif
+
+#ifndef LADEN_STREAM_TYPES_ONLY
+#ifndef LADEN_STREAM_RUN_H
+#define LADEN_STREAM_RUN_H
+
+#include "stream_internal.h"
+
+/* Frees the slots and staging, after their copies and reads. */
+void laden__sched_free_slots(laden_sched_t *sc);
+/* The compute stream of CUDA handle `handle`, wrapped once. */
+laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_forget_stream(laden_sched_t *sc, uintptr_t handle);
+laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
+                                        uint32_t flags);
+laden_status laden__sched_capture_end(laden_sched_t *sc, uintptr_t handle,
+                                      laden_sched_capture_t **out);
+laden_status laden__sched_replay_begin(laden_sched_t *sc, uintptr_t handle,
+                                       const laden_sched_capture_t *c);
+laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
+                                     const laden_sched_capture_t *c);
+
+laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
+laden_status laden__sched_stop(laden_sched_t *sc);
+laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle);
+laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
+                               uintptr_t handle);
+laden_status laden__sched_synchronize(laden_sched_t *sc);
+laden_status laden__sched_slot_fills(laden_sched_t *sc, uint32_t block,
+                                     uint64_t *out);
+laden_status laden__sched_refill(laden_sched_t *sc);
+laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *out);
+laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
+                                   uint32_t i, void **out);
+
+#endif
+#endif
