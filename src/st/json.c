@@ -1,5 +1,7 @@
 #include "json.h"
 
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void laden__json_init(laden__json *j, const void *buf, size_t len)
@@ -396,4 +398,27 @@ laden_status laden__json_skip(laden__json *j, unsigned max_depth)
     default:
         return syntax(j, "expected a value");
     }
+}
+
+/* See json.h.  The doubling and the byte count are checked: a count a
+ * file can hold never wraps them, but this is the one place that grows
+ * every array of the format's readers. */
+bool laden__st_grow(void **arr, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return true;
+    size_t n = *cap ? *cap : 16;
+    while (n < need) {
+        if (n > SIZE_MAX / 2)
+            return false;
+        n *= 2;
+    }
+    if (elem && n > SIZE_MAX / elem)
+        return false;
+    void *p = realloc(*arr, n * elem);
+    if (!p)
+        return false;
+    *arr = p;
+    *cap = n;
+    return true;
 }

@@ -56,24 +56,6 @@ struct laden_st {
     bool gguf; /* opened from a GGUF file */
 };
 
-/* ---- growth helpers ------------------------------------------------- */
-
-/* See json.h. */
-bool laden__st_grow(void **arr, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return true;
-    size_t n = *cap ? *cap : 16;
-    while (n < need)
-        n *= 2;
-    void *p = realloc(*arr, n * elem);
-    if (!p)
-        return false;
-    *arr = p;
-    *cap = n;
-    return true;
-}
-
 static laden_status nomem(const char *what)
 {
     return laden__fail(LADEN_E_NOMEM, "out of memory while %s", what);
