@@ -401,33 +401,25 @@ def bind_in(ts, grad: bool) -> None:
             continue
         if grad and t.is_param and r.requires_grad != t.param.requires_grad:
             _follow_grad(t, r)
-        if t.is_param:
-            for mod, attr in t.aliases:
-                mod._parameters[attr] = r
-        else:
-            for mod, attr in t.aliases:
-                mod._buffers[attr] = r
-        if _wrapped._HOLDER is not None:
-            for mod, _ in t.aliases:
-                refresh(mod)
+        _put(t, r)
 
 
 def bind_out(ts) -> None:
     """After a block's exit: its modules hold each tensor's own value
     again."""
     for t in ts:
-        if t.run is None:
-            continue
-        p = t.param
-        if t.is_param:
-            for mod, attr in t.aliases:
-                mod._parameters[attr] = p
-        else:
-            for mod, attr in t.aliases:
-                mod._buffers[attr] = p
-        if _wrapped._HOLDER is not None:
-            for mod, _ in t.aliases:
-                refresh(mod)
+        if t.run is not None:
+            _put(t, t.param)
+
+
+def _put(t: "_Tensor", value) -> None:
+    """Every module that holds t (its aliases) holds `value` as it."""
+    slots = "_parameters" if t.is_param else "_buffers"
+    for mod, attr in t.aliases:
+        getattr(mod, slots)[attr] = value
+    if _wrapped._HOLDER is not None:
+        for mod, _ in t.aliases:
+            refresh(mod)
 
 
 def _follow_grad(t: _Tensor, r) -> None:
