@@ -1130,7 +1130,11 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
         t.dtype = want
 
 
-_STORES = ("plain", "ck8", "gq", "q8", "c16")  # by LADEN_STORE_* value
+# laden_sched_storage_for's kinds (LADEN_STORE_*, from C's table) by the
+# names the rest of the package uses.
+_STORES = {_lib.STORE_PLAIN: "plain", _lib.STORE_CHECKPOINT_FP8: "ck8",
+           _lib.STORE_BLOCKS: "gq", _lib.STORE_FP8: "q8",
+           _lib.STORE_BF16: "c16"}
 
 
 def _storage_for(t: _Tensor, info, want, flags: int):
