@@ -80,6 +80,68 @@ TEST(model_tensor_layout)
     laden_st_close(st);
 }
 
+/* The expansion workspace: each block's expanded tensors at 256-byte
+ * offsets from one base, as large as the block that needs the most;
+ * counted by the plan as always resident; made at start, gone at stop;
+ * misuse refused. */
+TEST(model_expansion_workspace)
+{
+    laden_st_t *st = two_tensors();
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    uint32_t a, b, q8, f16, f32, bq8;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &a));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+    uint32_t w = index_of(st, "w"), bias = index_of(st, "b");
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, w, LADEN_DTYPE_F8_E4M3, &q8));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, w, LADEN_DTYPE_F16, &f16));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, bias, LADEN_DTYPE_F32, &f32));
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, w, LADEN_DTYPE_F8_E4M3, &bq8));
+    CHECK_OK(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32));
+    CHECK_OK(laden_sched_set_expanded(sc, a, f16, LADEN_DTYPE_F32));
+    CHECK_OK(laden_sched_set_expanded(sc, b, bq8, LADEN_DTYPE_BF16));
+    CHECK_EQ(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32),
+             LADEN_E_STATE); /* once */
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F4),
+             LADEN_E_INVAL); /* no whole bytes */
+    CHECK_EQ(laden_sched_set_expanded(sc, a, 9, LADEN_DTYPE_F32),
+             LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_set_expanded(NULL, a, 0, LADEN_DTYPE_F32),
+             LADEN_E_INVAL);
+    /* The plan holds 2 x 256 bytes on the device for it. */
+    laden_plan_input in = {.ram_total_bytes = 1u << 30,
+                           .ram_free_bytes = 1u << 30,
+                           .ram_budget_bytes = 1u << 20};
+    laden_plan_result res;
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, &res));
+    CHECK_EQ(res.gpu_bytes, 512);
+    laden_devptr_t p = 7, p2, pb;
+    uint64_t n = 7;
+    CHECK_EQ(laden_sched_expanded_at(sc, a, q8, &p, &n), LADEN_E_STATE);
+    CHECK(p == 0 && n == 0);
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F32),
+             LADEN_E_STATE); /* after the load */
+    CHECK_OK(laden_sched_start(sc, 0));
+    CHECK_OK(laden_sched_expanded_at(sc, a, q8, &p, &n));
+    CHECK(p != 0 && n == 88);
+    CHECK_OK(laden_sched_expanded_at(sc, a, f16, &p2, &n));
+    CHECK(p2 == p + 256 && n == 88);
+    CHECK_OK(laden_sched_expanded_at(sc, b, bq8, &pb, &n));
+    CHECK(pb == p && n == 44);
+    memset((void *)(uintptr_t)p, 0x5a, 512); /* all of it is there */
+    CHECK_EQ(laden_sched_expanded_at(sc, a, f32, &p, &n), LADEN_E_INVAL);
+    CHECK(p == 0 && n == 0);
+    CHECK_EQ(laden_sched_expanded_at(sc, a, q8, NULL, &n), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_stop(sc));
+    CHECK_EQ(laden_sched_expanded_at(sc, a, q8, &p, &n), LADEN_E_STATE);
+    CHECK_OK(laden_sched_start(sc, 0)); /* made again; destroy frees it */
+    CHECK_OK(laden_sched_expanded_at(sc, a, q8, &p, &n));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
 /* The rest's pieces: in order, a new piece when the next tensor would
  * pass the bound, a larger tensor alone, zero-byte tensors where they
  * fall, nothing for nothing. */

@@ -652,6 +652,30 @@ LADEN_API laden_status laden_sched_block_state(laden_sched_t *sched,
                                                uint64_t *size_bytes,
                                                uint32_t *flags);
 
+/* Block b's tensor i is kept compact (fp8 codes, GGUF blocks, bf16 for
+ * a float32 model, ...) and expanded to `compute` before its block runs.
+ * laden_sched_start then also allocates the expansion workspace: as many
+ * bytes as the block with the most expanded bytes needs (each tensor
+ * aligned to 256 bytes), inside the schedule's VRAM context, freed with
+ * the slots; the plan counts it as always resident.  Before the load;
+ * once per tensor.  LADEN_E_INVAL for a bad schedule, block, tensor or
+ * dtype (a dtype without whole bytes per element), LADEN_E_STATE after
+ * the load or a second time. */
+LADEN_API laden_status laden_sched_set_expanded(laden_sched_t *sched,
+                                                uint32_t block, uint32_t i,
+                                                laden_dtype compute);
+
+/* Where tensor i of block b is expanded while its block runs: *ptr its
+ * address in the workspace, *size_bytes its expanded bytes.  The
+ * workspace is one for all blocks (they run one at a time): what is
+ * there is only the entered block's.  LADEN_E_INVAL for a bad schedule,
+ * block or tensor or one not laden_sched_set_expanded; LADEN_E_STATE
+ * before laden_sched_start (outputs zeroed). */
+LADEN_API laden_status laden_sched_expanded_at(laden_sched_t *sched,
+                                               uint32_t block, uint32_t i,
+                                               laden_devptr_t *ptr,
+                                               uint64_t *size_bytes);
+
 /* How block b's tensor i is laid out where laden keeps it: *size_bytes
  * its bytes (the length of a view at laden_sched_tensor_ptr or
  * laden_sched_host_ptr), *scale_offset_bytes where its float32 scales

@@ -1317,12 +1317,15 @@ def _dtype_code(dtype, t: _Tensor) -> int:
 
 
 def fill(h, desc: Description, ck, rest_tier: int,
-         rest_in_pieces: bool = False) -> List[List[_Tensor]]:
+         rest_in_pieces: bool = False,
+         expand: bool = False) -> List[List[_Tensor]]:
     """Adds the description to the C schedule `h`: the rest first (one
     block on `rest_tier`, or with `rest_in_pieces` the pieces C splits it
     into, laden_sched_pieces), then
     one block per block on its tier (b.tier: asked, or TIER_AUTO for the
-    planner).  Sets every tensor's (c_block, c_index) and every block's
+    planner).  With `expand`, each block's compact tensors are marked
+    for C's expansion workspace (laden_sched_set_expanded).  Sets every
+    tensor's (c_block, c_index) and every block's
     c_block.  Returns the groups in C block order; tensors copied as built
     hold their host source in t.source until the caller drops it after
     load."""
@@ -1353,6 +1356,9 @@ def fill(h, desc: Description, ck, rest_tier: int,
                                                              "replace")))
         for t in ts:
             _add_tensor(h, cb.value, t, ck)
+            if expand and gi >= nrest and t.store != "plain":
+                check(lib.laden_sched_set_expanded(
+                    h, cb.value, t.c_index, _dtype_code(t.dtype, t)))
     return groups
 
 

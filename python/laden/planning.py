@@ -495,7 +495,7 @@ def plan_description(desc, ck, dev, **kw) -> Plan:
     decisions stream_load gets."""
     try:
         return _plan_described(
-            dev, ck, lambda h: fill(h, desc, ck, _lib.TIER_GPU) and
+            dev, ck, lambda h: fill(h, desc, ck, _lib.TIER_GPU, expand=True) and
             [(b.name, b.c_block) for b in desc.blocks], **kw)
     finally:
         for t in desc.tensors:

@@ -577,7 +577,7 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
     try:
         if vram is not None:
             check(lib.laden_sched_use_vram(o.h, vram._h))
-        fill(o.h, desc, ck, _lib.TIER_GPU)
+        fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
         planning.plan_schedule(o.h, budgets, {b.c_block: b.name
                                               for b in desc.blocks})
         state.blocks = desc.blocks
@@ -853,7 +853,6 @@ class OffloadHandle:
         self.lookahead = lookahead
         self._wrapped: List[Tuple[object, object, bool]] = []
         self.active = False
-        self.workspace: Optional[_Owned] = None  # expanded fp8 tensors
         self.trainer = None  # laden.training._Trainer with train=True
         self.compiler = None  # laden.compile.BlockCompiler with compile=
         self.adapters = _Adapters(self)
@@ -962,7 +961,6 @@ class OffloadHandle:
                     if streamed or t.store != "plain":
                         st.bind(t, "home")
             self._unwrap()
-            self._drop_workspace()
             if not _free_slots(st, o):
                 st.kept_lookahead = self.lookahead
 
@@ -974,18 +972,6 @@ class OffloadHandle:
         self.active = False
         if self.state.handle is self:
             self.state.handle = None
-
-    def _drop_workspace(self) -> None:
-        ws, self.workspace = self.workspace, None
-        if ws is not None and self.state.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.state.device)
-        del ws  # freed now unless a tensor taken from the model holds it
-
-
-def _free_device_memory(ptr: int, device: int) -> None:
-    lib.laden_dev_mem_free(device, ptr)
 
 
 def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
@@ -1117,22 +1103,10 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
     block meanwhile is refused, not run on half-bound weights)."""
     import torch
 
-    # One workspace, the size of the largest block's expanded compact
-    # tensors: blocks run one after another on one stream.
-    ws = 0
-    for b in state.blocks:
-        need = sum((_nbytes(t) + 255) // 256 * 256 for t in b.tensors
-                   if t.store != "plain")
-        ws = max(ws, need)
-    if ws:
-        p = ctypes.c_uint64()
-        dev = _dev_index(state.device)
-        check(lib.laden_dev_mem_alloc(dev, ws, ctypes.byref(p)))
-        handle.workspace = _Owned(p.value, _free_device_memory, dev)
     # GGUF blocks (compact only where they can be expanded: C, on the CPU
     # or in a kernel) and, on CUDA with the kernels, fp8 and bf16 storage
     # go through laden_expand; fp8 otherwise through torch's two kernels.
-    fused = ws and state.device.type == "cuda" and \
+    fused = state.device.type == "cuda" and \
         expand_unavailable(state.device) is None
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
@@ -1148,20 +1122,16 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           binds=b.tensors)
         elif handle.compiler is not None:
             handle.compiler.install(b.module, handle._wrapped)
-        off = 0
         for t in b.tensors:
             if t.store == "plain":
                 if streamed:
                     state.bind(t, "run")
                 continue
             q, sc = _compact_views(state, t, "run")
-            ws_owner = handle.workspace
-            out = _view(ws_owner.h + off, _nbytes(t), t.dtype, t.shape,
-                        state.device, ws_owner)
-            off += (_nbytes(t) + 255) // 256 * 256
-            # The workspace is the next block's too: bound only inside
-            # the block; outside, meta (state_dict() expands the stored
-            # bytes).
+            # C's expansion workspace, made with the slots: the next
+            # block's too, so bound only inside the block; outside, meta
+            # (state_dict() expands the stored bytes).
+            out = _expanded_view(state, o, t)
             state.gone[out.untyped_storage().data_ptr()] = b.name
             _set_run(t, out, _meta(t), b.name)
             if t.store == "gq" or (fused and (sc is None or
@@ -1173,6 +1143,16 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                     state.device), ()))
             else:
                 expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
+
+
+def _expanded_view(state: _Stream, o: _Owned, t: _Tensor):
+    """Where C expands compact tensor t while its block runs
+    (laden_sched_expanded_at), tracked with the slots' views."""
+    p, n = ctypes.c_uint64(), ctypes.c_uint64()
+    check(lib.laden_sched_expanded_at(o.h, t.c_block, t.c_index,
+                                      ctypes.byref(p), ctypes.byref(n)))
+    return _view(p.value, n.value, t.dtype, t.shape, state.device, o,
+                 state.slot_views)
 
 
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,
@@ -1274,8 +1254,6 @@ def release(model, handle: Optional[OffloadHandle] = None) -> None:
         # The model's kernels must be done with its memory before it goes
         # (a VBAR's pages are unmapped without the wait of a device free).
         torch.cuda.synchronize(state.device)
-    if h is not None:
-        h._drop_workspace()
     left = weakref.ref(o)
     del o
     state.destroy()

@@ -536,7 +536,7 @@ laden_status laden__sched_plan(laden_sched_t *sc,
     in.block_bytes = a.bytes;
     in.asked = a.asked;
     in.block_flags = a.flags;
-    in.rest_bytes = 0;
+    in.rest_bytes = laden__sched_workspace_bytes(sc); /* always there */
     if (!in.lookahead)
         in.lookahead = sc->cfg.lookahead;
     in.disk_staging = sc->cuda && budgets->disk_staging;

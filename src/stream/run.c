@@ -45,6 +45,13 @@ void laden__sched_free_slots(laden_sched_t *sc)
     free(sc->run.slots);
     sc->run.slots = NULL;
     sc->run.nslots = 0;
+    if (sc->run.workspace) {
+        laden_dev_mem_free(sc->cfg.device, sc->run.workspace);
+        sc->run.workspace = 0;
+        if (sc->cache.vram)
+            laden_vram_uncharge(sc->cache.vram,
+                                laden__sched_workspace_bytes(sc));
+    }
     laden__gauge_add(LADEN__GAUGE_SLOTS, sc->cfg.device,
                      -(int64_t)sc->run.slot_gauge);
     sc->run.slot_gauge = 0;
@@ -345,6 +352,30 @@ static laden_status settle(laden_sched_t *sc)
     return LADEN_OK;
 }
 
+/* The expansion workspace (workspace.c), charged to the VRAM context
+ * apart from the slots (their charge follows the streamed blocks). */
+static laden_status make_workspace(laden_sched_t *sc)
+{
+    uint64_t n = laden__sched_workspace_bytes(sc);
+    laden_status s;
+    if (!n)
+        return LADEN_OK;
+    if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
+        laden__error_prefix("the expansion workspace (%s)",
+                            laden__bytes(n).s);
+        return s;
+    }
+    if ((s = laden_dev_mem_alloc(sc->cfg.device, n, &sc->run.workspace))) {
+        sc->run.workspace = 0;
+        if (sc->cache.vram)
+            laden_vram_uncharge(sc->cache.vram, n);
+        laden__error_prefix("the expansion workspace (%s)",
+                            laden__bytes(n).s);
+        return s;
+    }
+    return LADEN_OK;
+}
+
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
 {
     laden_status s = LADEN_OK;
@@ -399,6 +430,8 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
                                   &sl->staging)))
             goto fail;
     }
+    if ((s = make_workspace(sc)))
+        goto fail;
     sc->run.started = true;
     sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
     laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->run.slot_gauge);

@@ -570,6 +570,27 @@ laden_status laden_sched_add_tensor(laden_sched_t *sc, uint32_t block,
          laden__sched_add_tensor(sc, block, st, st_index, dtype, out_index));
 }
 
+laden_status laden_sched_set_expanded(laden_sched_t *sc, uint32_t block,
+                                      uint32_t i, laden_dtype compute)
+{
+    HELD("laden_sched_set_expanded",
+         laden__sched_set_expanded(sc, block, i, compute));
+}
+
+laden_status laden_sched_expanded_at(laden_sched_t *sc, uint32_t block,
+                                     uint32_t i, laden_devptr_t *ptr,
+                                     uint64_t *size_bytes)
+{
+    if (ptr)
+        *ptr = 0;
+    if (size_bytes)
+        *size_bytes = 0;
+    if (!ptr || !size_bytes)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_expanded_at: NULL");
+    HELD("laden_sched_expanded_at",
+         laden__sched_expanded_at(sc, block, i, ptr, size_bytes));
+}
+
 laden_status laden_sched_set_rope_rows(laden_sched_t *sc, uint32_t block,
                                        uint32_t index, uint64_t heads)
 {

@@ -45,6 +45,11 @@ typedef struct tref {
      * range. */
     uint64_t pieces, stride;
     bool part;          /* laden_sched_add_tensor_part */
+    /* laden_sched_set_expanded: stored compact, expanded to `expanded`
+     * in the workspace at ws_off before its block runs (workspace.c). */
+    bool expands;
+    laden_dtype expanded;
+    uint64_t ws_off;
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
@@ -74,6 +79,7 @@ typedef struct blk {
     tref *t;
     uint32_t nt, cap;
     uint64_t bytes;        /* packed size, kept as tensors are added */
+    uint64_t ws_bytes;     /* its expanded tensors' workspace (workspace.c) */
     int32_t pos;           /* schedule position; -1 if not streamed */
     laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
                               cache schedules: the block's own device copy */
@@ -136,6 +142,9 @@ void laden__sched_relayout(laden_sched_t *sc);
 /* Bytes charged to the VRAM context for the slots become `want`.
  * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
 laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want);
+/* The expansion workspace's bytes (workspace.c): the most any block's
+ * expanded tensors need. */
+uint64_t laden__sched_workspace_bytes(const laden_sched_t *sc);
 /* The schedule's and a block's names for the trace (tracing only; the
  * block's NULL when it has none). */
 const char *laden__sched_trace_name(laden_sched_t *sc);

@@ -45,6 +45,7 @@ typedef struct sched_run {
     slot *slots;
     uint32_t nslots;
     uint64_t slot_gauge;  /* slot bytes counted in the trace's gauge */
+    laden_devptr_t workspace; /* expansions (workspace.c), with the slots */
     uint64_t fill_seq;    /* slot fills so far (laden_sched_slot_fills) */
     laden_dev_stream_t *copy;
     /* The compute stream of the last enter or exit, wrapped, and the one
@@ -105,6 +106,13 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out);
 laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
                                    uint32_t i, void **out);
+
+/* workspace.c: the expansion workspace, made and freed with the slots. */
+laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i, laden_dtype compute);
+laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
+                                      uint32_t i, laden_devptr_t *ptr,
+                                      uint64_t *bytes);
 
 #endif
 #endif
