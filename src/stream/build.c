@@ -1,8 +1,10 @@
 /* A schedule's description: created, described (blocks and their
- * tensors), planned (each AUTO block's tier), and the layout that follows
- * from it (the streamed blocks' positions, the slots' size and charge,
- * the trace's names).  Calls no other file of the layer: the load, the
- * run and destroy (stream.c) build on it. */
+ * tensors), planned (each AUTO block's tier), and freed at the end of
+ * destroy (laden__sched_free_description).  The layout that follows from
+ * it (the streamed blocks' positions, the slots' size and charge, the
+ * trace's names) is parts.c's, for the files above that use it.  Calls
+ * only convert.c of the layer: share.c, the load, the run and stream.c
+ * build on it. */
 #define _POSIX_C_SOURCE 200809L /* strdup */
 #include <stdlib.h>
 #include <string.h>

@@ -1,6 +1,11 @@
 /* Loading a schedule: each block laid out, given its memory (the device
  * or a VBAR of a VRAM context, pinned RAM, nothing for the disk tier) and
- * read from the checkpoint once, converted where stored in another dtype. */
+ * read from the checkpoint once, converted where stored in another dtype;
+ * freeing what the load made, and destroy's work (laden__sched_destroy,
+ * for stream.c's laden_sched_destroy and the loader's own thread).
+ * Calls parts.c (positions, slot charge, free_slots, pin_home, the
+ * loader thread), build.c, share.c and convert.c: run.c, resident.c and
+ * stream.c are above it. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>

@@ -1,19 +1,12 @@
 /* The bottom of the layer: the few operations of a part that files below
- * its owner need, so that each file calls only files below it.  Order,
- * bottom to top (convert.c beside it, for build.c and load.c):
- *   parts.c    calls no file of the layer
- *   build.c    the description: create, describe, plan
- *   share.c    the shared host copy
- *   load.c     layout, placement, reading; the internal destroy
- *   run.c      slots, prefetch, enter/exit, capture and replay
- *   resident.c cache schedules' device copies
- *   stream.c   the public calls, the one-thread guard
- * (grads.c calls convert.c only.)  Here: the streamed blocks' positions
- * and the slots' charge (layout part, stream_layout.h), the trace's names,
- * freeing the slots (run part, stream_run.h), pinning a block's host copy
- * in place (load part, stream_load.h), and the background loader's thread
- * and holds (hold part, stream_hold.h).  Each stays declared in its part
- * header; the part's owner is still the file that header names. */
+ * its owner need, so that every file calls only files below it (the
+ * order is in stream_internal.h).  Calls no file of the layer.  Here:
+ * the streamed blocks' positions, the slots' charge and the trace's names
+ * (layout part, stream_layout.h; build.c owns it), freeing the slots (run
+ * part, stream_run.h; run.c, and load.c's free_all), pinning a block's
+ * host copy in place (load part, stream_load.h; load.c and share.c), and
+ * the background loader's thread and holds (hold part, stream_hold.h;
+ * load.c drives the load on that thread, stream.c owns the guard). */
 #include <stdatomic.h>
 #include <stdlib.h>
 

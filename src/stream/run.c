@@ -1,5 +1,7 @@
 /* Running a schedule: the slots its streamed blocks run from, the
- * prefetch ahead of the block running, start and stop.
+ * prefetch ahead of the block running, start and stop.  Freeing the slots
+ * (laden__sched_free_slots) is parts.c's, for load.c's free_all below.
+ * Calls parts.c and load.c; resident.c and stream.c are above it.
  *
  * Slots: streamed block at schedule position p always runs from slot
  * p % nslots.  A slot remembers which block's bytes it holds (or is

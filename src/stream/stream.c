@@ -1,8 +1,10 @@
-/* Block streaming: the public calls.  See include/laden/stream.h; the work
- * is in build.c, load.c, run.c, resident.c, share.c, grads.c and
- * convert.c, each behind its part header (stream_internal.h lists them).
+/* Block streaming: the public calls, the top of the layer.  See
+ * include/laden/stream.h; the work is in parts.c, build.c, share.c,
+ * load.c, run.c, resident.c, grads.c and convert.c, each behind its part
+ * header (stream_internal.h lists them), and none calls back up here.
  * Here: the queries, the one-thread guard every other call goes through,
- * the background loader's thread, and destroy. */
+ * and destroy's entry (its work is load.c's laden__sched_destroy; the
+ * background loader's thread and its holds are parts.c's). */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -4,8 +4,8 @@
  * graph.  Owner: run.c (start/stop, enter/exit, prefetch, capture and
  * replay); parts.c's laden__sched_free_slots frees the slots and destroys
  * the streams (there, below load.c, whose free_all calls it too), and
- * resident.c uses the copy stream for the uploads of cache schedules.  Not installed; see stream_layout.h for how
- * a part header is laid out. */
+ * resident.c uses the copy stream for the uploads of cache schedules.
+ * Not installed; see stream_layout.h for how a part header is laid out. */
 #ifndef LADEN_STREAM_RUN_TYPES
 #define LADEN_STREAM_RUN_TYPES
 
