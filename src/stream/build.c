@@ -1,8 +1,10 @@
 /* A schedule's description: created, described (blocks and their
- * tensors), planned (each AUTO block's tier), and the layout that follows
- * from it (the streamed blocks' positions, the slots' size and charge,
- * the trace's names).  Calls no other file of the layer: the load, the
- * run and destroy (stream.c) build on it. */
+ * tensors), planned (each AUTO block's tier), and freed at the end of
+ * destroy (laden__sched_free_description).  The layout that follows from
+ * it (the streamed blocks' positions, the slots' size and charge, the
+ * trace's names) is parts.c's, for the files above that use it.  Calls
+ * only convert.c of the layer: share.c, the load, the run and stream.c
+ * build on it. */
 #define _POSIX_C_SOURCE 200809L /* strdup */
 #include <stdlib.h>
 #include <string.h>
@@ -65,8 +67,32 @@ laden_status laden_sched_create(const laden_sched_config *cfg,
     *out = sc;
     return LADEN_OK;
 fail:
-    laden_sched_destroy(sc);
+    /* Nothing was loaded: the description is all there is to free. */
+    laden__sched_free_description(sc);
     return s;
+}
+
+/* The description and the schedule itself (destroy's last step, load.c's
+ * laden__sched_destroy, after what the load made). */
+void laden__sched_free_description(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            free((char *)sc->layout.b[i].t[k].name);
+        free(sc->layout.b[i].t);
+        free(sc->layout.b[i].name);
+    }
+    free(sc->layout.b);
+    for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
+        laden_io_file_close(sc->layout.files[i]);
+    free(sc->layout.files);
+    free(sc->share.key);
+    laden_host_destroy(sc->layout.host);
+    if (sc->layout.own_io)
+        laden_io_destroy(sc->layout.io);
+    pthread_cond_destroy(&sc->hold.cv);
+    pthread_mutex_destroy(&sc->hold.mu);
+    free(sc);
 }
 
 /* LADEN_OK if tensor r can stream from disk: the disk tier reads the file
@@ -645,79 +671,4 @@ laden_status laden_sched_storage_for(laden_dtype src, laden_dtype want,
     }
     *store = kind;
     return LADEN_OK;
-}
-
-/* ---- streamed blocks' positions ----------------------------------------- */
-
-bool laden__sched_streamed(const laden_sched_t *sc, const blk *b)
-{
-    if (b->resident)
-        return false;
-    return b->tier == LADEN_TIER_DISK ||
-           (b->tier == LADEN_TIER_RAM && (sc->cuda || sc->cache.on));
-}
-
-/* Positions and slot size after the set of streamed blocks changed. */
-void laden__sched_relayout(laden_sched_t *sc)
-{
-    sc->layout.nstreamed = 0;
-    sc->layout.slot_bytes = 0;
-    sc->layout.any_disk = false;
-    for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        blk *b = &sc->layout.b[i];
-        b->pos = -1;
-        if (!laden__sched_streamed(sc, b))
-            continue;
-        b->pos = (int32_t)sc->layout.nstreamed;
-        sc->layout.order[sc->layout.nstreamed++] = i;
-        if (b->bytes > sc->layout.slot_bytes)
-            sc->layout.slot_bytes = b->bytes;
-        sc->layout.any_disk |= b->tier == LADEN_TIER_DISK;
-    }
-    sc->st.generation++;
-}
-
-/* Bytes charged to the VRAM context for the slots become `want`.
- * LADEN_E_BUDGET, with the charge as it was, if the context has no room. */
-laden_status laden__sched_charge_slots(laden_sched_t *sc, uint64_t want)
-{
-    laden_status s;
-    if (!sc->cache.vram || want == sc->layout.slot_charge)
-        return LADEN_OK;
-    if (want < sc->layout.slot_charge) {
-        laden_vram_uncharge(sc->cache.vram, sc->layout.slot_charge - want);
-        sc->layout.slot_charge = want;
-        return LADEN_OK;
-    }
-    if ((s = laden_vram_charge(sc->cache.vram,
-                               want - sc->layout.slot_charge))) {
-        laden__error_prefix("slots of %s", laden__bytes(want).s);
-        return s;
-    }
-    sc->layout.slot_charge = want;
-    return LADEN_OK;
-}
-
-/* ---- names for the trace ------------------------------------------------ */
-
-const char *laden__sched_trace_name(laden_sched_t *sc)
-{
-    uint64_t sess = laden__trace_session();
-    if (!sc->trace_name || sc->trace_session != sess) {
-        sc->trace_name = laden__trace_intern(sc->name);
-        sc->trace_session = sess;
-    }
-    return sc->trace_name;
-}
-
-const char *laden__sched_block_trace_name(blk *b)
-{
-    if (!b->name)
-        return NULL;
-    uint64_t sess = laden__trace_session();
-    if (!b->trace_name || b->trace_session != sess) {
-        b->trace_name = laden__trace_intern(b->name);
-        b->trace_session = sess;
-    }
-    return b->trace_name;
 }

@@ -1,6 +1,11 @@
 /* Loading a schedule: each block laid out, given its memory (the device
  * or a VBAR of a VRAM context, pinned RAM, nothing for the disk tier) and
- * read from the checkpoint once, converted where stored in another dtype. */
+ * read from the checkpoint once, converted where stored in another dtype;
+ * freeing what the load made, and destroy's work (laden__sched_destroy,
+ * for stream.c's laden_sched_destroy and the loader's own thread).
+ * Calls parts.c (positions, slot charge, free_slots, pin_home, the
+ * loader thread), build.c, share.c and convert.c: run.c, resident.c and
+ * stream.c are above it. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -599,27 +604,6 @@ static laden_status progress(loader *l, const inflight *f, bool last)
     return LADEN_OK;
 }
 
-/* A RAM-tier block of a CUDA streaming schedule, read: its pages were
- * made by the reads (in the reader threads, in parallel); pinning them in
- * place now costs a fraction of allocating pinned memory up front. */
-laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b)
-{
-    laden_status s = laden_dev_host_register(sc->cfg.device, b->ram,
-                                             b->ram_len);
-    if (s)
-        return s;
-    b->pinned = true;
-    sc->load.pinned_homes += b->ram_len;
-    /* The arena (slots' staging, later) gets what the homes leave of the
-     * RAM budget. */
-    uint64_t budget = sc->cfg.ram_budget_bytes;
-    if (budget)
-        laden_host_set_budget(sc->layout.host, budget > sc->load.pinned_homes
-                                            ? budget - sc->load.pinned_homes
-                                            : 1);
-    return LADEN_OK;
-}
-
 /* Finishes the oldest piece in flight: waits for its reads, and for a
  * staged piece enqueues its copy to the device.  A block whose last piece
  * this is becomes ready: a staged one once its copy has finished, so that
@@ -961,7 +945,7 @@ static void *load_thread(void *arg)
         if (live)
             pthread_detach(pthread_self());
         atomic_store(&sc->hold.loader_tid, 0);
-        laden_sched_destroy(sc);
+        laden__sched_destroy(sc);
     }
     return NULL;
 }
@@ -1209,6 +1193,24 @@ void laden__sched_free_all(laden_sched_t *sc)
     free(sc->layout.order);
     sc->layout.order = NULL;
     laden_host_trim(sc->layout.host);
+}
+
+/* laden_sched_destroy's work, off the loader's thread (or on it, once it
+ * no longer counts as the loader: load_thread): the loader stopped, then
+ * what the load made, then the description (build.c). */
+void laden__sched_destroy(laden_sched_t *sc)
+{
+    laden__sched_join_loader(sc); /* a load in the background stops */
+    laden__sched_abandon_load(sc);
+    /* Kernels of the model may still read its weights and slots (the
+     * caller dropped it right after enqueueing a forward); VBAR pages are
+     * unmapped without the implicit wait of a device free. */
+    if (sc->cuda && sc->run.compute)
+        laden_dev_stream_synchronize(sc->run.compute);
+    if (sc->cuda && sc->run.compute_alt)
+        laden_dev_stream_synchronize(sc->run.compute_alt);
+    laden__sched_free_all(sc);
+    laden__sched_free_description(sc);
 }
 
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,

@@ -1,5 +1,7 @@
 /* Running a schedule: the slots its streamed blocks run from, the
- * prefetch ahead of the block running, start and stop.
+ * prefetch ahead of the block running, start and stop.  Freeing the slots
+ * (laden__sched_free_slots) is parts.c's, for load.c's free_all below.
+ * Calls parts.c and load.c; resident.c and stream.c are above it.
  *
  * Slots: streamed block at schedule position p always runs from slot
  * p % nslots.  A slot remembers which block's bytes it holds (or is
@@ -20,53 +22,6 @@
 #include "stream_run.h"
 #include "stream_layout.h"
 #include "stream_load.h"
-
-/* Frees the slots and staging, after their copies and reads. */
-void laden__sched_free_slots(laden_sched_t *sc)
-{
-    if (sc->run.copy)
-        laden_dev_stream_synchronize(sc->run.copy);
-    if (!sc->run.slots)
-        sc->run.nslots = 0;
-    for (uint32_t i = 0; i < sc->run.nslots; i++) {
-        slot *sl = &sc->run.slots[i];
-        for (uint32_t k = 0; k < sl->nreqs; k++)
-            laden_io_wait(sc->layout.io, sl->reqs[k]);
-        sl->nreqs = 0;
-        free(sl->reqs);
-        laden_dev_event_destroy(sl->ready);
-        laden_dev_event_destroy(sl->free);
-        laden_dev_event_destroy(sl->staging_free);
-        laden_dev_mem_free(sc->cfg.device, sl->ptr);
-        sl->ready = sl->free = sl->staging_free = NULL;
-        if (sl->staging)
-            laden_host_free(sc->layout.host, sl->staging);
-    }
-    free(sc->run.slots);
-    sc->run.slots = NULL;
-    sc->run.nslots = 0;
-    if (sc->run.workspace) {
-        laden_dev_mem_free(sc->cfg.device, sc->run.workspace);
-        sc->run.workspace = 0;
-        if (sc->cache.vram)
-            laden_vram_uncharge(sc->cache.vram,
-                                laden__sched_workspace_bytes(sc));
-    }
-    laden__gauge_add(LADEN__GAUGE_SLOTS, sc->cfg.device,
-                     -(int64_t)sc->run.slot_gauge);
-    sc->run.slot_gauge = 0;
-    laden_dev_event_destroy(sc->capture.fork);
-    sc->capture.fork = NULL;
-    sc->capture.on = sc->capture.events = false;
-    laden__sched_charge_slots(sc, 0);
-    laden_dev_stream_destroy(sc->run.compute);
-    laden_dev_stream_destroy(sc->run.compute_alt);
-    sc->run.compute = sc->run.compute_alt = NULL;
-    if (sc->run.started)
-        sc->st.generation++;
-    sc->run.started = false;
-    laden_host_trim(sc->layout.host);
-}
 
 /* Checks a (block, tensor) argument of a loaded schedule. */
 static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,

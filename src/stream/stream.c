@@ -1,8 +1,10 @@
-/* Block streaming: the public calls.  See include/laden/stream.h; the work
- * is in build.c, load.c, run.c, resident.c, share.c, grads.c and
- * convert.c, each behind its part header (stream_internal.h lists them).
+/* Block streaming: the public calls, the top of the layer.  See
+ * include/laden/stream.h; the work is in parts.c, build.c, share.c,
+ * load.c, run.c, resident.c, grads.c and convert.c, each behind its part
+ * header (stream_internal.h lists them), and none calls back up here.
  * Here: the queries, the one-thread guard every other call goes through,
- * the background loader's thread, and destroy. */
+ * and destroy's entry (its work is load.c's laden__sched_destroy; the
+ * background loader's thread and its holds are parts.c's). */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,97 +208,6 @@ static void unhold(laden_sched_t *sc)
 {
     if (--sc->hold.depth == 0)
         release_hold(sc);
-}
-
-/* ---- the background loader's thread (load.c drives the load) ------------ */
-
-bool laden__sched_hold_loader(laden_sched_t *sc)
-{
-    uint64_t me = atomic_load(&sc->hold.loader_tid);
-    bool got = false;
-    pthread_mutex_lock(&sc->hold.mu);
-    while (!atomic_load(&sc->hold.loader_stop)) {
-        uint64_t cur = 0;
-        if (!sc->hold.owner_waiting &&
-            atomic_compare_exchange_strong(&sc->hold.holder, &cur, me)) {
-            sc->hold.depth = 1; /* a nested hold (its progress callback) */
-            got = true;
-            break;
-        }
-        pthread_cond_wait(&sc->hold.cv, &sc->hold.mu);
-    }
-    pthread_mutex_unlock(&sc->hold.mu);
-    return got;
-}
-
-void laden__sched_unhold_loader(laden_sched_t *sc)
-{
-    atomic_store(&sc->hold.holder, 0);
-    pthread_mutex_lock(&sc->hold.mu);
-    pthread_cond_broadcast(&sc->hold.cv);
-    pthread_mutex_unlock(&sc->hold.mu);
-}
-
-typedef struct loader_start {
-    laden_sched_t *sc;
-    void *(*fn)(void *);
-} loader_start;
-
-static void *loader_main(void *arg)
-{
-    loader_start st = *(loader_start *)arg;
-    free(arg);
-    atomic_store(&st.sc->hold.loader_tid, laden__thread_id());
-    pthread_mutex_lock(&st.sc->hold.mu); /* the starter waits for the id */
-    pthread_cond_broadcast(&st.sc->hold.cv);
-    pthread_mutex_unlock(&st.sc->hold.mu);
-    return st.fn(st.sc);
-}
-
-laden_status laden__sched_start_loader(laden_sched_t *sc, void *(*fn)(void *))
-{
-    loader_start *st = malloc(sizeof *st);
-    if (!st)
-        return laden__fail(LADEN_E_NOMEM, "out of memory starting a load");
-    *st = (loader_start){sc, fn};
-    atomic_store(&sc->hold.loader_stop, 0);
-    /* Its id is known before this returns: a hold that finds the loader
-     * holding must recognise it (else it would refuse the owner). */
-    pthread_mutex_lock(&sc->hold.mu);
-    int e = pthread_create(&sc->hold.loader_thread, NULL, loader_main, st);
-    if (e) {
-        pthread_mutex_unlock(&sc->hold.mu);
-        free(st);
-        return laden__fail(LADEN_E_IO, "cannot start the loading thread "
-                           "(error %d)", e);
-    }
-    atomic_store(&sc->hold.loader_live, true);
-    sc->load.loader_started = true;
-    while (!atomic_load(&sc->hold.loader_tid))
-        pthread_cond_wait(&sc->hold.cv, &sc->hold.mu);
-    pthread_mutex_unlock(&sc->hold.mu);
-    return LADEN_OK;
-}
-
-/* Stops the background loader (its step in progress ends first) and
- * joins it; what it left of the load is the caller's.  Whichever thread
- * claims the thread (under mu) joins it, once. */
-void laden__sched_join_loader(laden_sched_t *sc)
-{
-    pthread_mutex_lock(&sc->hold.mu);
-    bool live = atomic_exchange(&sc->hold.loader_live, false);
-    pthread_t t = sc->hold.loader_thread;
-    atomic_store(&sc->hold.loader_stop, 1);
-    pthread_cond_broadcast(&sc->hold.cv);
-    pthread_mutex_unlock(&sc->hold.mu);
-    if (live)
-        pthread_join(t, NULL);
-}
-
-bool laden__sched_on_loader(laden_sched_t *sc)
-{
-    uint64_t t = atomic_load(&sc->hold.loader_tid);
-    return t && t == laden__thread_id();
 }
 
 int laden_sched_is_pinned(laden_sched_t *sc, uint32_t block)
@@ -903,8 +814,9 @@ laden_status laden_sched_fence(laden_sched_t *sc, uintptr_t compute_stream)
 
 /* ---- destroy ------------------------------------------------------------ */
 
-/* Here, not in build.c: it stops the loader's thread (this file's) and
- * frees what the load made (load.c) before the description (build.c). */
+/* Here for the loader's thread (its hold part): destroyed on that thread
+ * (its progress callback), the thread finishes it on its way out; else
+ * load.c's laden__sched_destroy does the work. */
 void laden_sched_destroy(laden_sched_t *sc)
 {
     if (!sc)
@@ -913,31 +825,5 @@ void laden_sched_destroy(laden_sched_t *sc)
         atomic_store(&sc->load.destroy_asked, true);
         return;
     }
-    laden__sched_join_loader(sc); /* a load in the background stops */
-    laden__sched_abandon_load(sc);
-    /* Kernels of the model may still read its weights and slots (the
-     * caller dropped it right after enqueueing a forward); VBAR pages are
-     * unmapped without the implicit wait of a device free. */
-    if (sc->cuda && sc->run.compute)
-        laden_dev_stream_synchronize(sc->run.compute);
-    if (sc->cuda && sc->run.compute_alt)
-        laden_dev_stream_synchronize(sc->run.compute_alt);
-    laden__sched_free_all(sc);
-    for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            free((char *)sc->layout.b[i].t[k].name);
-        free(sc->layout.b[i].t);
-        free(sc->layout.b[i].name);
-    }
-    free(sc->layout.b);
-    for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
-        laden_io_file_close(sc->layout.files[i]);
-    free(sc->layout.files);
-    free(sc->share.key);
-    laden_host_destroy(sc->layout.host);
-    if (sc->layout.own_io)
-        laden_io_destroy(sc->layout.io);
-    pthread_cond_destroy(&sc->hold.cv);
-    pthread_mutex_destroy(&sc->hold.mu);
-    free(sc);
+    laden__sched_destroy(sc);
 }

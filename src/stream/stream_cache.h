@@ -3,7 +3,7 @@
  * events that order uploads against the model's work.  Owner: resident.c
  * (device copies, pinning, VRAM contexts, fences); load.c makes the VBAR
  * and counts the host copies filled (nfilled, with share.c for attached
- * ones); build.c's free_all releases it; run.c charges its slots to
+ * ones); load.c's free_all releases it; run.c charges its slots to
  * `vram`.  Not installed; see stream_layout.h for how a part header is
  * laid out. */
 #ifndef LADEN_STREAM_CACHE_TYPES

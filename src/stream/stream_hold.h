@@ -2,12 +2,14 @@
  * thread's id, 0 when free, CLOSED once closed; the counts are the
  * holder's own.  laden_sched_load_begin's thread (loader_live until
  * joined) holds the schedule a step at a time as loader_tid, yielding to
- * the owner, who waits (owner_waiting) instead of being refused.  Owner
- * and only writer: stream.c (the guard every public call goes through,
- * and the loader thread's start, join and holds); build.c signals `cv` at
- * destroy, load.c takes `mu` to publish a background failure and share.c
- * reads another schedule's holder.  Not installed; see stream_layout.h
- * for how a part header is laid out. */
+ * the owner, who waits (owner_waiting) instead of being refused.  Owner:
+ * stream.c (the guard every public call goes through); parts.c writes it
+ * too, for the loader thread's start, join and holds (there, below
+ * load.c, which drives the load on that thread).  build.c makes `mu` and
+ * `cv` at create and destroys them with the description, load.c takes
+ * `mu` to publish a background failure and share.c reads another
+ * schedule's holder.  Not installed; see stream_layout.h for how a part
+ * header is laid out. */
 #ifndef LADEN_STREAM_HOLD_TYPES
 #define LADEN_STREAM_HOLD_TYPES
 
@@ -38,7 +40,7 @@ typedef struct sched_hold {
 
 #include "stream_internal.h"
 
-/* Whether the calling thread is the background loader's. */
+/* In parts.c.  Whether the calling thread is the background loader's. */
 bool laden__sched_on_loader(laden_sched_t *sc);
 /* The background loader's thread and its holds. */
 laden_status laden__sched_start_loader(laden_sched_t *sc,

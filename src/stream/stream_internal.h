@@ -9,6 +9,17 @@
  *   sc->share    stream_share.h    share.c    the shared host copy
  *   sc->hold     stream_hold.h     stream.c   the one-thread guard
  * (convert.c's stream_convert.h has no part; grads.c has none either.)
+ * parts.c defines the few operations of the layout, run, load and hold
+ * parts that files below their owner need, each declared in its part's
+ * header.  The files call only downwards, bottom to top:
+ *   parts.c, convert.c   call no file of the layer
+ *   build.c              convert.c
+ *   share.c              parts.c
+ *   load.c               parts.c, build.c, share.c, convert.c
+ *   run.c                parts.c, load.c
+ *   resident.c           parts.c, build.c, load.c, run.c
+ *   stream.c             all of them (the public laden_sched_* calls)
+ * (grads.c calls convert.c only.)
  * Here only the types: a file calls another's laden__sched_* operations
  * by including that file's part header, so its includes say which files
  * it depends on.  The operations are the public calls' bodies: they

@@ -1,9 +1,11 @@
 /* The schedule's layout part (sc->layout): what was described (blocks,
  * their tensors, the checkpoint's files) and where each tensor lies in its
- * block.  Owner: build.c (create, add blocks and tensors, plan, destroy).
- * Writers: build.c while describing, and its relayout (called by load.c
- * and resident.c) for the streamed blocks' positions and the slots' size;
- * load.c lays the blocks out once (laid_out) and fills in their memory;
+ * block.  Owner: build.c (create, add blocks and tensors, plan, free the
+ * description).  Writers: build.c while describing; parts.c's relayout
+ * (called by load.c and resident.c) for the streamed blocks' positions
+ * and the slots' size, and its charge_slots (load.c, run.c) for their
+ * charge; load.c lays the blocks out once (laid_out) and fills in their
+ * memory;
  * resident.c and share.c set blocks' cache and share flags.  Everyone
  * else reads.
  *
@@ -135,6 +137,10 @@ typedef struct sched_layout {
 
 #include "stream_internal.h"
 
+/* The description and the schedule itself: destroy's last step (and
+ * create's on failure). */
+void laden__sched_free_description(laden_sched_t *sc);
+/* parts.c (below every file that calls them): */
 /* 1 if block b runs from a slot. */
 bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
 /* Positions and slot size after the set of streamed blocks changed. */
@@ -149,6 +155,7 @@ uint64_t laden__sched_workspace_bytes(const laden_sched_t *sc);
  * block's NULL when it has none). */
 const char *laden__sched_trace_name(laden_sched_t *sc);
 const char *laden__sched_block_trace_name(blk *b);
+/* build.c: */
 /* LADEN_OK if tensor r can stream from disk, else the error naming it. */
 laden_status laden__sched_disk_check(const tref *r);
 /* Makes the planned blocks AUTO again: an input of the plan changed. */

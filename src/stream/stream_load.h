@@ -1,10 +1,12 @@
 /* The schedule's load part (sc->load): a load in progress or done, its
- * failure, its progress callback, and the pinned homes it made.  Owner
- * and only writer: load.c (lay out, place on the device, read the
- * checkpoint, in the foreground or on laden_sched_load_begin's thread);
- * build.c asks a loader thread to destroy on its way out (destroy_asked)
- * and stream.c's guard reads `ld` to drive a load for the owner.  Not
- * installed; see stream_layout.h for how a part header is laid out. */
+ * failure, its progress callback, and the pinned homes it made.  Owner:
+ * load.c (lay out, place on the device, read the checkpoint, in the
+ * foreground or on laden_sched_load_begin's thread); parts.c marks the
+ * thread started (loader_started) and counts the homes it pins
+ * (pinned_homes), stream.c's laden_sched_destroy asks a loader thread to
+ * destroy on its way out (destroy_asked) and its guard reads `ld` to
+ * drive a load for the owner.  Not installed; see stream_layout.h for
+ * how a part header is laid out. */
 #ifndef LADEN_STREAM_LOAD_TYPES
 #define LADEN_STREAM_LOAD_TYPES
 
@@ -58,6 +60,9 @@ laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
 /* Frees the blocks' memory, slots, streams and events (not the
  * description): what load made. */
 void laden__sched_free_all(laden_sched_t *sc);
+/* laden_sched_destroy's work, on any thread but the loader's: the loader
+ * stopped and joined, then free_all, then the description. */
+void laden__sched_destroy(laden_sched_t *sc);
 laden_status laden__sched_load(laden_sched_t *sc);
 /* LADEN_OK if sc is loaded and has block `block`; else names `call`. */
 laden_status laden__sched_check_block(laden_sched_t *sc, uint32_t block,
@@ -74,7 +79,7 @@ laden_status laden__sched_until(laden_sched_t *sc, uint32_t block);
 void laden__sched_abandon_load(laden_sched_t *sc);
 laden_status laden__sched_load_prepare(laden_sched_t *sc);
 /* Pins RAM-tier block b's host copy in place (CUDA streaming
- * schedules). */
+ * schedules).  In parts.c: share.c, below load.c, calls it too. */
 laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b);
 /* A background load's failure, as the error of the call that meets it. */
 laden_status laden__sched_load_failure(laden_sched_t *sc);

@@ -1,11 +1,11 @@
 /* The schedule's run part (sc->run) and capture part (sc->capture): the
  * slots streamed blocks run from, the copy and compute streams, where the
  * pass is and which way it goes, and a pass being captured into a CUDA
- * graph.  Owner and only writer: run.c (start/stop, enter/exit, prefetch,
- * capture and replay); build.c's free_all destroys the streams through
- * laden__sched_free_slots and resident.c uses the copy stream for the
- * uploads of cache schedules.  Not installed; see stream_layout.h for how
- * a part header is laid out. */
+ * graph.  Owner: run.c (start/stop, enter/exit, prefetch, capture and
+ * replay); parts.c's laden__sched_free_slots frees the slots and destroys
+ * the streams (there, below load.c, whose free_all calls it too), and
+ * resident.c uses the copy stream for the uploads of cache schedules.
+ * Not installed; see stream_layout.h for how a part header is laid out. */
 #ifndef LADEN_STREAM_RUN_TYPES
 #define LADEN_STREAM_RUN_TYPES
 
@@ -78,7 +78,8 @@ typedef struct sched_capture {
 
 #include "stream_internal.h"
 
-/* Frees the slots and staging, after their copies and reads. */
+/* Frees the slots and staging, after their copies and reads.  In
+ * parts.c: load.c's free_all, below run.c, calls it too. */
 void laden__sched_free_slots(laden_sched_t *sc);
 /* The compute stream of CUDA handle `handle`, wrapped once. */
 laden_status laden__sched_compute_stream(laden_sched_t *sc, uintptr_t handle);
