@@ -283,6 +283,21 @@ static void fetch_and_wait(int32_t dev)
                               LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
     CHECK_OK(laden_grads_flush(g));
     CHECK(memcmp(back, x, n * 4) == 0);
+    /* several fetches, one wait for them all; a second wait, nothing new */
+    void *y = values(LADEN_DTYPE_F32, n);
+    memcpy(host, y, n * 4);
+    CHECK_OK(laden_grads_fetch(g, d, host, n / 2 * 4));
+    CHECK_OK(laden_grads_fetch(g, d + n / 2 * 4, (char *)host + n / 2 * 4,
+                               (n - n / 2) * 4));
+    CHECK_OK(laden_grads_fetched(g, h));
+    CHECK_OK(laden_grads_fetched(g, h));
+    CHECK_OK(laden_grads_wait(g, h));
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, n, back,
+                              LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(back, y, n * 4) == 0);
+    CHECK_OK(laden_grads_fetched(g, h)); /* none since the flush */
+    free(y);
     CHECK_OK(laden_grads_fetch(g, d, host, 0)); /* nothing */
     CHECK_STATUS(laden_grads_fetch(g, 0, host, 4), LADEN_E_INVAL);
     CHECK_STATUS(laden_grads_fetch(NULL, d, host, 4), LADEN_E_INVAL);

@@ -101,8 +101,9 @@ struct laden_grads {
     uint64_t bytes, pushes;
     bool direct; /* copies outside the ring since the last flush */
     laden_dev_stream_t *up; /* fetches */
-    laden_event_t *fetched; /* after the last fetch */
+    laden_event_t *fetched; /* recorded by laden_grads_fetched */
     bool fetching;          /* fetches since the last flush */
+    bool unrecorded;        /* fetches since `fetched` was recorded */
     land_pool pool;
 };
 
@@ -630,7 +631,7 @@ laden_status laden_grads_flush(laden_grads_t *g)
         note_error(g, laden_dev_stream_synchronize(g->copy));
     }
     if (g->fetching) {
-        g->fetching = false;
+        g->fetching = g->unrecorded = false;
         note_error(g, laden_dev_stream_synchronize(g->up));
     }
     laden_status st = g->err;
@@ -690,9 +691,7 @@ laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
     pthread_mutex_lock(&g->mu);
     laden_status st = laden_dev_copy_h2d(g->up, dst, src, bytes);
     if (!st)
-        st = laden_dev_event_record(g->fetched, g->up);
-    if (!st)
-        g->fetching = true;
+        g->fetching = g->unrecorded = true;
     pthread_mutex_unlock(&g->mu);
     return st;
 }
@@ -705,7 +704,14 @@ laden_status laden_grads_fetched(laden_grads_t *g, uintptr_t compute_stream)
         return LADEN_OK;
     pthread_mutex_lock(&g->mu);
     laden_status st = LADEN_OK;
-    if (g->fetching) {
+    /* One record for the fetches since the last one (they are all on the
+     * upload stream); none new, the last record still follows them all. */
+    if (g->unrecorded) {
+        st = laden_dev_event_record(g->fetched, g->up);
+        if (!st)
+            g->unrecorded = false;
+    }
+    if (g->fetching && !st) {
         st = wrap_caller(g, compute_stream);
         if (!st)
             st = laden_dev_stream_wait_event(g->caller, g->fetched);
