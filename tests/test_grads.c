@@ -3,7 +3,9 @@
  * CPU device and on CUDA (tests/fake_cuda too); bad arguments name what is
  * wrong. */
 #define _GNU_SOURCE /* setenv */
+#include <dirent.h>
 #include <math.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -281,6 +283,21 @@ static void fetch_and_wait(int32_t dev)
                               LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
     CHECK_OK(laden_grads_flush(g));
     CHECK(memcmp(back, x, n * 4) == 0);
+    /* several fetches, one wait for them all; a second wait, nothing new */
+    void *y = values(LADEN_DTYPE_F32, n);
+    memcpy(host, y, n * 4);
+    CHECK_OK(laden_grads_fetch(g, d, host, n / 2 * 4));
+    CHECK_OK(laden_grads_fetch(g, d + n / 2 * 4, (char *)host + n / 2 * 4,
+                               (n - n / 2) * 4));
+    CHECK_OK(laden_grads_fetched(g, h));
+    CHECK_OK(laden_grads_fetched(g, h));
+    CHECK_OK(laden_grads_wait(g, h));
+    CHECK_OK(laden_grads_push(g, d, LADEN_DTYPE_F32, n, back,
+                              LADEN_DTYPE_F32, LADEN_GRADS_PINNED, h));
+    CHECK_OK(laden_grads_flush(g));
+    CHECK(memcmp(back, y, n * 4) == 0);
+    CHECK_OK(laden_grads_fetched(g, h)); /* none since the flush */
+    free(y);
     CHECK_OK(laden_grads_fetch(g, d, host, 0)); /* nothing */
     CHECK_STATUS(laden_grads_fetch(g, 0, host, 4), LADEN_E_INVAL);
     CHECK_STATUS(laden_grads_fetch(NULL, d, host, 4), LADEN_E_INVAL);
@@ -343,6 +360,85 @@ TEST(grads_large_land_on_threads)
     free(half);
     free(exph);
     laden_grads_destroy(g);
+}
+
+/* Threads of this process now. */
+static int tasks(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    CHECK(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/* Many jobs large enough to land on several threads, every dtype pair,
+ * set and added: the values those of the same pushes in pieces small
+ * enough to land on one thread; the sink's threads are started once (as
+ * many after the last job as after the first) and gone after destroy. */
+static void many_jobs_on_the_pool(int32_t dev)
+{
+    const uint64_t n = (2u << 21) + 4099, piece = 1u << 20;
+    const int njobs = 18;
+    laden_dev_stream_t *s = NULL;
+    CHECK_OK(laden_dev_stream_create(dev, &s));
+    uintptr_t h = laden_dev_stream_handle(s);
+    void *host[3];
+    laden_devptr_t src[3];
+    void *pooled[3], *alone[3];
+    for (int k = 0; k < 3; k++) {
+        host[k] = values(GD[k], n);
+        src[k] = on_device(dev, s, host[k], n * gsize(GD[k]));
+        pooled[k] = values(GD[k], n);
+        alone[k] = malloc(n * gsize(GD[k]));
+        CHECK(alone[k]);
+        memcpy(alone[k], pooled[k], n * gsize(GD[k]));
+    }
+    CHECK_OK(laden_dev_stream_synchronize(s));
+    int before = tasks(), first = 0;
+    laden_grads_t *g = NULL, *one = NULL;
+    uint64_t ring = laden_grads_staging_bytes(n * 4); /* a job, one part */
+    CHECK_OK(laden_grads_create(dev, ring, &g));
+    CHECK_OK(laden_grads_create(dev, ring, &one));
+    for (int j = 0; j < njobs; j++) {
+        int a = j % 3, b = (j / 3) % 3, acc = j % 2 ? LADEN_GRADS_ADD : 0;
+        CHECK_OK(laden_grads_push(g, src[a], GD[a], n, pooled[b], GD[b],
+                                  acc, h));
+        for (uint64_t i = 0; i < n; i += piece)
+            CHECK_OK(laden_grads_push(
+                one, src[a] + i * gsize(GD[a]), GD[a],
+                n - i < piece ? n - i : piece,
+                (char *)alone[b] + i * gsize(GD[b]), GD[b], acc, h));
+        if (j == 0) {
+            CHECK_OK(laden_grads_flush(g));
+            first = tasks();
+        }
+    }
+    CHECK_OK(laden_grads_flush(g));
+    CHECK_OK(laden_grads_flush(one));
+    CHECK_EQ(tasks(), first);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 1)
+        CHECK(first > before); /* it did land on more than one */
+    for (int k = 0; k < 3; k++)
+        CHECK(memcmp(pooled[k], alone[k], n * gsize(GD[k])) == 0);
+    laden_grads_destroy(g);
+    laden_grads_destroy(one);
+    CHECK_EQ(tasks(), before);
+    for (int k = 0; k < 3; k++) {
+        CHECK_OK(laden_dev_mem_free(dev, src[k]));
+        free(host[k]);
+        free(pooled[k]);
+        free(alone[k]);
+    }
+    laden_dev_stream_destroy(s);
+}
+
+TEST(grads_large_many_jobs_on_the_pool)
+{
+    test_on_every_device(many_jobs_on_the_pool);
 }
 
 TEST(grads_bad_arguments)

@@ -89,7 +89,10 @@ LADEN_API laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
                                          const void *src, uint64_t bytes);
 
 /* The work enqueued on compute_stream from now on comes after every fetch
- * so far. */
+ * so far.  The upload stream's event is recorded here, once for the
+ * fetches since the last call (not at each fetch), so an error recording
+ * it is this call's; the fetches are still ordered at the next call or
+ * complete at laden_grads_flush. */
 LADEN_API laden_status laden_grads_fetched(laden_grads_t *g,
                                            uintptr_t compute_stream);
 

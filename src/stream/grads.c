@@ -17,7 +17,11 @@
  * The ring: jobs occupy [head_off, tail) or, wrapped, [head_off, end) and
  * [0, tail).  A new part goes at tail, or at 0 when it does not fit before
  * the end; never up to head_off exactly (tail == head_off would be both
- * full and empty). */
+ * full and empty).
+ *
+ * A large job lands on the sink's own threads (land_pool), started at the
+ * first job large enough to split and joined at destroy: a job's ranges
+ * were once landed on threads started and joined for that job alone. */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <pthread.h>
 #include <sched.h>
@@ -45,6 +49,40 @@ typedef struct gjob {
     laden_event_t *ev;
 } gjob;
 
+typedef struct land_part {
+    const char *src;
+    char *dst;
+    laden_dtype sd, dd;
+    uint64_t n;
+    int acc;
+} land_part;
+
+/* The sink's landing threads: started when a job first needs them (and
+ * again, up to what a job needs, after one could not be started), fed one
+ * batch of disjoint ranges at a time, joined at destroy.  Worker i takes
+ * part[i + 1]; the caller takes part[0] and the parts of workers not
+ * started.  Only land_values feeds it, under the sink's mutex, so one
+ * batch is in flight at a time; workers take the pool's mutex only, never
+ * the sink's (the caller holds that one while it waits for them). */
+typedef struct land_worker {
+    struct land_pool *pool;
+    uint32_t idx;
+    uint64_t seen; /* the last batch looked at */
+} land_worker;
+
+typedef struct land_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    pthread_t th[LAND_THREADS - 1];
+    land_worker w[LAND_THREADS - 1];
+    uint32_t nth;     /* started: th[0..nth) */
+    uint64_t batch;   /* bumped per batch */
+    uint32_t nparts;  /* of this batch */
+    uint32_t running; /* workers not done with this batch */
+    bool quit;
+    land_part part[LAND_THREADS];
+} land_pool;
+
 struct laden_grads {
     int32_t device;
     pthread_mutex_t mu;
@@ -63,8 +101,10 @@ struct laden_grads {
     uint64_t bytes, pushes;
     bool direct; /* copies outside the ring since the last flush */
     laden_dev_stream_t *up; /* fetches */
-    laden_event_t *fetched; /* after the last fetch */
+    laden_event_t *fetched; /* recorded by laden_grads_fetched */
     bool fetching;          /* fetches since the last flush */
+    bool unrecorded;        /* fetches since `fetched` was recorded */
+    land_pool pool;
 };
 
 static uint32_t esize(laden_dtype d)
@@ -148,19 +188,72 @@ static void land_range(const char *src, laden_dtype sd, char *dst,
     }
 }
 
-typedef struct land_part {
-    const char *src;
-    char *dst;
-    laden_dtype sd, dd;
-    uint64_t n;
-    int acc;
-} land_part;
-
-static void *land_part_run(void *arg)
+static void land_part_run(const land_part *p)
 {
-    land_part *p = arg;
     land_range(p->src, p->sd, p->dst, p->dd, p->n, p->acc);
+}
+
+static void *land_worker_run(void *arg)
+{
+    land_worker *w = arg;
+    land_pool *p = w->pool;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->quit && p->batch == w->seen)
+            pthread_cond_wait(&p->go, &p->mu);
+        if (p->quit)
+            break;
+        w->seen = p->batch;
+        if (w->idx + 1 >= p->nparts || !p->part[w->idx + 1].n)
+            continue; /* not in this batch */
+        land_part part = p->part[w->idx + 1];
+        pthread_mutex_unlock(&p->mu);
+        land_part_run(&part);
+        pthread_mutex_lock(&p->mu);
+        if (--p->running == 0)
+            pthread_cond_signal(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
     return NULL;
+}
+
+static void pool_init(land_pool *p)
+{
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+}
+
+/* Joins the workers (no batch is in flight: the caller holds the sink's
+ * mutex, or the sink is being destroyed). */
+static void pool_destroy(land_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->quit = true;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (uint32_t i = 0; i < p->nth; i++)
+        pthread_join(p->th[i], NULL);
+    p->nth = 0;
+    pthread_cond_destroy(&p->done);
+    pthread_cond_destroy(&p->go);
+    pthread_mutex_destroy(&p->mu);
+}
+
+/* Workers up to `want` (fewer when one cannot be started: the caller
+ * then lands that range itself). */
+static void pool_start(land_pool *p, uint32_t want)
+{
+    pthread_mutex_lock(&p->mu);
+    uint64_t batch = p->batch;
+    pthread_mutex_unlock(&p->mu);
+    while (p->nth < want) {
+        land_worker *w = &p->w[p->nth];
+        *w = (land_worker){p, p->nth, batch};
+        if (pthread_create(&p->th[p->nth], NULL, land_worker_run, w))
+            break;
+        p->nth++;
+    }
 }
 
 /* Threads for landing n elements: one per LAND_PER_THREAD, at most the
@@ -187,23 +280,23 @@ static uint32_t land_threads(uint64_t n)
     return t ? (uint32_t)t : 1;
 }
 
-/* land_range over n elements, split in disjoint ranges over threads
- * (the same values: each element is computed alone).  The threads take
- * no lock (the caller may hold the sink's).  A thread that
- * cannot be started has its range done here. */
-static void land_values(const char *src, laden_dtype sd, char *dst,
-                        laden_dtype dd, uint64_t n, int acc)
+/* land_range over n elements, split in disjoint ranges over the pool's
+ * workers and the caller (the same values: each element is computed
+ * alone).  The caller holds the sink's mutex; a worker that cannot be
+ * started has its range done here. */
+static void land_values(land_pool *p, const char *src, laden_dtype sd,
+                        char *dst, laden_dtype dd, uint64_t n, int acc)
 {
     uint32_t nt = land_threads(n);
     if (nt <= 1) {
         land_range(src, sd, dst, dd, n, acc);
         return;
     }
-    pthread_t th[LAND_THREADS];
+    if (p->nth < nt - 1)
+        pool_start(p, nt - 1);
     land_part part[LAND_THREADS];
-    bool started[LAND_THREADS] = {false};
     uint64_t per = (n / nt + LAND_CHUNK - 1) / LAND_CHUNK * LAND_CHUNK;
-    uint32_t ss = esize(sd), ds = esize(dd);
+    uint32_t ss = esize(sd), ds = esize(dd), busy = 0;
     for (uint32_t i = 0; i < nt; i++) {
         uint64_t a = (uint64_t)i * per, e = i + 1 == nt ? n : a + per;
         if (a > n)
@@ -211,16 +304,27 @@ static void land_values(const char *src, laden_dtype sd, char *dst,
         if (e > n)
             e = n;
         part[i] = (land_part){src + a * ss, dst + a * ds, sd, dd, e - a, acc};
-        if (i > 0 && part[i].n)
-            started[i] = pthread_create(&th[i], NULL, land_part_run,
-                                        &part[i]) == 0;
+        if (i > 0 && i <= p->nth && part[i].n)
+            busy++;
+    }
+    if (busy) {
+        pthread_mutex_lock(&p->mu);
+        memcpy(p->part, part, sizeof part[0] * nt);
+        p->nparts = nt;
+        p->running = busy;
+        p->batch++;
+        pthread_cond_broadcast(&p->go);
+        pthread_mutex_unlock(&p->mu);
     }
     land_part_run(&part[0]);
-    for (uint32_t i = 1; i < nt; i++) {
-        if (started[i])
-            pthread_join(th[i], NULL);
-        else if (part[i].n)
+    for (uint32_t i = p->nth + 1; i < nt; i++)
+        if (part[i].n)
             land_part_run(&part[i]);
+    if (busy) {
+        pthread_mutex_lock(&p->mu);
+        while (p->running)
+            pthread_cond_wait(&p->done, &p->mu);
+        pthread_mutex_unlock(&p->mu);
     }
 }
 
@@ -240,7 +344,8 @@ static void land_one(laden_grads_t *g)
     if (st)
         note_error(g, st);
     else
-        land_values(g->staging + j->off, j->sd, j->dst, j->dd, j->n, j->acc);
+        land_values(&g->pool, g->staging + j->off, j->sd, j->dst, j->dd,
+                    j->n, j->acc);
     g->spare[g->nspare++] = j->ev; /* room: spare_cap >= cap */
     g->head = (g->head + 1) % g->cap;
     g->njobs--;
@@ -330,6 +435,7 @@ laden_status laden_grads_create(int32_t device, uint64_t staging_bytes,
         return laden__fail(LADEN_E_NOMEM, "laden_grads_create: out of memory");
     g->device = device;
     pthread_mutex_init(&g->mu, NULL);
+    pool_init(&g->pool);
     laden_status st = LADEN_OK;
     if (device != LADEN_DEVICE_CPU) {
         if (staging_bytes < MIN_STAGING)
@@ -371,6 +477,7 @@ void laden_grads_destroy(laden_grads_t *g)
     if (g->fetching)
         (void)laden_dev_stream_synchronize(g->up);
     pthread_mutex_unlock(&g->mu);
+    pool_destroy(&g->pool);
     for (uint32_t i = 0; i < g->nspare; i++)
         laden_dev_event_destroy(g->spare[i]);
     laden_dev_event_destroy(g->after);
@@ -501,8 +608,8 @@ laden_status laden_grads_push(laden_grads_t *g, laden_devptr_t src,
     laden_status st = LADEN_OK;
     g->pushes++;
     if (g->device == LADEN_DEVICE_CPU) {
-        land_values((const char *)(uintptr_t)src, src_dtype, dst, dst_dtype,
-                    n, (flags & LADEN_GRADS_ADD) != 0);
+        land_values(&g->pool, (const char *)(uintptr_t)src, src_dtype, dst,
+                    dst_dtype, n, (flags & LADEN_GRADS_ADD) != 0);
         g->bytes += n * esize(src_dtype);
     } else {
         st = push_cuda(g, src, src_dtype, n, dst, dst_dtype, flags,
@@ -524,7 +631,7 @@ laden_status laden_grads_flush(laden_grads_t *g)
         note_error(g, laden_dev_stream_synchronize(g->copy));
     }
     if (g->fetching) {
-        g->fetching = false;
+        g->fetching = g->unrecorded = false;
         note_error(g, laden_dev_stream_synchronize(g->up));
     }
     laden_status st = g->err;
@@ -584,9 +691,7 @@ laden_status laden_grads_fetch(laden_grads_t *g, laden_devptr_t dst,
     pthread_mutex_lock(&g->mu);
     laden_status st = laden_dev_copy_h2d(g->up, dst, src, bytes);
     if (!st)
-        st = laden_dev_event_record(g->fetched, g->up);
-    if (!st)
-        g->fetching = true;
+        g->fetching = g->unrecorded = true;
     pthread_mutex_unlock(&g->mu);
     return st;
 }
@@ -599,7 +704,14 @@ laden_status laden_grads_fetched(laden_grads_t *g, uintptr_t compute_stream)
         return LADEN_OK;
     pthread_mutex_lock(&g->mu);
     laden_status st = LADEN_OK;
-    if (g->fetching) {
+    /* One record for the fetches since the last one (they are all on the
+     * upload stream); none new, the last record still follows them all. */
+    if (g->unrecorded) {
+        st = laden_dev_event_record(g->fetched, g->up);
+        if (!st)
+            g->unrecorded = false;
+    }
+    if (g->fetching && !st) {
         st = wrap_caller(g, compute_stream);
         if (!st)
             st = laden_dev_stream_wait_event(g->caller, g->fetched);
