@@ -3,12 +3,16 @@
  * the rest's pieces, a gradient sink's staging, the planner's warnings,
  * the state a load leaves a block in. */
 #include <stdint.h>
+#include <string.h>
 
 #include "laden/grads.h"
 #include "laden/plan.h"
 #include "laden/st.h"
 #include "laden/stream.h"
 #include "test.h"
+
+/* No scale: laden_sched_set_expanded's last three arguments. */
+#define NOSC 0, LADEN_SCHED_NO_SCALE, LADEN_SCALE_NONE
 
 /* A checkpoint with one F32 tensor "w" of 2 x 11 and one F32 "b" of 3. */
 static laden_st_t *two_tensors(void)
@@ -98,17 +102,27 @@ TEST(model_expansion_workspace)
     CHECK_OK(laden_sched_add_tensor(sc, a, st, w, LADEN_DTYPE_F16, &f16));
     CHECK_OK(laden_sched_add_tensor(sc, a, st, bias, LADEN_DTYPE_F32, &f32));
     CHECK_OK(laden_sched_add_tensor(sc, b, st, w, LADEN_DTYPE_F8_E4M3, &bq8));
-    CHECK_OK(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32));
-    CHECK_OK(laden_sched_set_expanded(sc, a, f16, LADEN_DTYPE_F32));
-    CHECK_OK(laden_sched_set_expanded(sc, b, bq8, LADEN_DTYPE_BF16));
-    CHECK_EQ(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32),
+    CHECK_OK(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32, NOSC));
+    CHECK_OK(laden_sched_set_expanded(sc, a, f16, LADEN_DTYPE_F32, NOSC));
+    CHECK_OK(laden_sched_set_expanded(sc, b, bq8, LADEN_DTYPE_BF16, NOSC));
+    CHECK_EQ(laden_sched_set_expanded(sc, a, q8, LADEN_DTYPE_F32, NOSC),
              LADEN_E_STATE); /* once */
-    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F4),
-             LADEN_E_INVAL); /* no whole bytes */
-    CHECK_EQ(laden_sched_set_expanded(sc, a, 9, LADEN_DTYPE_F32),
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F4, NOSC),
+             LADEN_E_INVAL); /* not F32, F16, BF16 */
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F64, NOSC),
              LADEN_E_INVAL);
-    CHECK_EQ(laden_sched_set_expanded(NULL, a, 0, LADEN_DTYPE_F32),
+    CHECK_EQ(laden_sched_set_expanded(sc, a, 9, LADEN_DTYPE_F32, NOSC),
              LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_set_expanded(NULL, a, 0, LADEN_DTYPE_F32, NOSC),
+             LADEN_E_INVAL);
+    /* Scales: only on fp8, from another tensor of the block, as many as
+     * the kind wants; one quantized on load has its own. */
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F32, 0, q8,
+                                      LADEN_SCALE_TENSOR),
+             LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_set_expanded(sc, b, bq8, LADEN_DTYPE_F32, 0, 0,
+                                      LADEN_SCALE_TENSOR),
+             LADEN_E_STATE); /* marked above: checked first */
     /* The plan holds 2 x 256 bytes on the device for it. */
     laden_plan_input in = {.ram_total_bytes = 1u << 30,
                            .ram_free_bytes = 1u << 30,
@@ -121,7 +135,7 @@ TEST(model_expansion_workspace)
     CHECK_EQ(laden_sched_expanded_at(sc, a, q8, &p, &n), LADEN_E_STATE);
     CHECK(p == 0 && n == 0);
     CHECK_OK(laden_sched_load(sc));
-    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F32),
+    CHECK_EQ(laden_sched_set_expanded(sc, a, f32, LADEN_DTYPE_F32, NOSC),
              LADEN_E_STATE); /* after the load */
     CHECK_OK(laden_sched_start(sc, 0));
     CHECK_OK(laden_sched_expanded_at(sc, a, q8, &p, &n));
@@ -138,6 +152,129 @@ TEST(model_expansion_workspace)
     CHECK_EQ(laden_sched_expanded_at(sc, a, q8, &p, &n), LADEN_E_STATE);
     CHECK_OK(laden_sched_start(sc, 0)); /* made again; destroy frees it */
     CHECK_OK(laden_sched_expanded_at(sc, a, q8, &p, &n));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+/* Enter expands: a streamed block's checkpoint fp8 with a BF16 tensor
+ * scale and with F32 row scales, an F16 tensor widened, and a resident
+ * block's fp8 quantized on load, each found in the workspace after the
+ * block's one enter, as laden_expand gives them; the same values from
+ * laden_sched_tensor_value without running, and a disk-tier tensor's
+ * from its file. */
+TEST(model_enter_expands)
+{
+    unsigned char data[32] = {
+        0x38, 0x40, 0xB8, 0x3C, 0x00, 0x38, 0x40, 0x3C, /* q: 1 2 -1 1.5 ... */
+        0x38, 0x38, 0x40, 0x40, 0xB8, 0xB8, 0x3C, 0x3C, /* q2 */
+    };
+    const float rs[2] = {2.0f, 0.25f};
+    memcpy(data + 16, rs, sizeof rs);
+    const uint16_t h[3] = {0x3C00, 0xC000, 0x3800}; /* 1, -2, 0.5 */
+    memcpy(data + 24, h, sizeof h);
+    const uint16_t half = 0x3F00; /* BF16 0.5 */
+    memcpy(data + 30, &half, 2);
+    char *p = test_path("fp8.safetensors");
+    test_write_st(p,
+                  "{\"q\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,4],"
+                  "\"data_offsets\":[0,8]},"
+                  "\"q2\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,4],"
+                  "\"data_offsets\":[8,16]},"
+                  "\"r\":{\"dtype\":\"F32\",\"shape\":[2],"
+                  "\"data_offsets\":[16,24]},"
+                  "\"h\":{\"dtype\":\"F16\",\"shape\":[3],"
+                  "\"data_offsets\":[24,30]},"
+                  "\"s\":{\"dtype\":\"BF16\",\"shape\":[],"
+                  "\"data_offsets\":[30,32]}}",
+                  data, sizeof data);
+    laden_st_t *st;
+    CHECK_OK(laden_st_open(p, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    laden_sched_t *sc;
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t a, b, c, q, s, q2, r, hh, rq, dh;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &a));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_GPU, &b));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &c));
+    CHECK_OK(laden_sched_add_tensor(sc, c, st, index_of(st, "h"),
+                                    LADEN_DTYPE_F16, &dh));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "q"),
+                                    LADEN_DTYPE_F8_E4M3, &q));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "s"),
+                                    LADEN_DTYPE_BF16, &s));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "q2"),
+                                    LADEN_DTYPE_F8_E4M3, &q2));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "r"),
+                                    LADEN_DTYPE_F32, &r));
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "h"),
+                                    LADEN_DTYPE_F16, &hh));
+    CHECK_OK(laden_sched_add_tensor(sc, b, st, index_of(st, "r"),
+                                    LADEN_DTYPE_F8_E4M3, &rq));
+    CHECK_EQ(laden_sched_set_expanded(sc, b, rq, LADEN_DTYPE_F32, 1, r,
+                                      LADEN_SCALE_ROW),
+             LADEN_E_INVAL); /* quantized on load: its own scales */
+    CHECK_OK(laden_sched_set_expanded(sc, b, rq, LADEN_DTYPE_F32, NOSC));
+    /* Wrong counts for the kind: refused. */
+    CHECK_EQ(laden_sched_set_expanded(sc, a, q, LADEN_DTYPE_F32, 4, s,
+                                      LADEN_SCALE_ROW),
+             LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_set_expanded(sc, a, q2, LADEN_DTYPE_F32, 4, r,
+                                      LADEN_SCALE_TENSOR),
+             LADEN_E_INVAL);
+    CHECK_EQ(laden_sched_set_expanded(sc, a, q2, LADEN_DTYPE_F32, 3, r,
+                                      LADEN_SCALE_ROW),
+             LADEN_E_INVAL); /* 3 columns do not divide 8 elements */
+    CHECK_OK(laden_sched_set_expanded(sc, a, q, LADEN_DTYPE_F32, 4, s,
+                                      LADEN_SCALE_TENSOR));
+    CHECK_OK(laden_sched_set_expanded(sc, a, q2, LADEN_DTYPE_BF16, 4, r,
+                                      LADEN_SCALE_ROW));
+    CHECK_OK(laden_sched_set_expanded(sc, a, hh, LADEN_DTYPE_F32, NOSC));
+    CHECK_OK(laden_sched_load(sc));
+    /* Values, without running a block: from the RAM tier's host copy,
+     * the resident block's region and the disk tier's file. */
+    float v[8];
+    uint16_t v16[8];
+    CHECK_OK(laden_sched_tensor_value(sc, a, q, LADEN_DTYPE_F32, v, 32));
+    const float wq[8] = {0.5f, 1.0f, -0.5f, 0.75f, 0.0f, 0.5f, 1.0f, 0.75f};
+    CHECK(memcmp(v, wq, sizeof wq) == 0);
+    CHECK_OK(laden_sched_tensor_value(sc, a, q2, LADEN_DTYPE_BF16, v16, 16));
+    /* Rows times 2 and 0.25, in BF16: 2 2 4 4 / -0.25 -0.25 0.375 0.375 */
+    const uint16_t wq2[8] = {0x4000, 0x4000, 0x4080, 0x4080,
+                             0xBE80, 0xBE80, 0x3EC0, 0x3EC0};
+    CHECK(memcmp(v16, wq2, sizeof wq2) == 0);
+    CHECK_OK(laden_sched_tensor_value(sc, b, rq, LADEN_DTYPE_F32, v, 8));
+    CHECK(v[0] > 1.999f && v[0] < 2.001f && v[1] > 0.2499f &&
+          v[1] < 0.2501f);
+    CHECK_OK(laden_sched_tensor_value(sc, c, dh, LADEN_DTYPE_F16, v16, 6));
+    CHECK(memcmp(v16, h, sizeof h) == 0);
+    CHECK_OK(laden_sched_tensor_value(sc, c, dh, LADEN_DTYPE_F32, v, 12));
+    const float wh[3] = {1.0f, -2.0f, 0.5f};
+    CHECK(memcmp(v, wh, sizeof wh) == 0);
+    CHECK_EQ(laden_sched_tensor_value(sc, c, dh, LADEN_DTYPE_F32, v, 8),
+             LADEN_E_INVAL); /* not its size */
+    CHECK_EQ(laden_sched_tensor_value(sc, a, q, LADEN_DTYPE_F64, v, 64),
+             LADEN_E_UNSUPPORTED);
+    CHECK_EQ(laden_sched_tensor_value(sc, a, 9, LADEN_DTYPE_F32, v, 4),
+             LADEN_E_INVAL);
+    CHECK_OK(laden_sched_start(sc, 0));
+    laden_devptr_t pq, pq2, ph;
+    uint64_t n;
+    CHECK_OK(laden_sched_expanded_at(sc, a, q, &pq, &n));
+    CHECK_OK(laden_sched_expanded_at(sc, a, q2, &pq2, &n));
+    CHECK_OK(laden_sched_expanded_at(sc, a, hh, &ph, &n));
+    CHECK_OK(laden_sched_enter(sc, a, 0));
+    CHECK(memcmp((void *)(uintptr_t)pq, wq, sizeof wq) == 0);
+    CHECK(memcmp((void *)(uintptr_t)pq2, wq2, sizeof wq2) == 0);
+    CHECK(memcmp((void *)(uintptr_t)ph, wh, sizeof wh) == 0);
+    CHECK_OK(laden_sched_exit(sc, a, 0));
+    laden_devptr_t pr;
+    CHECK_OK(laden_sched_expanded_at(sc, b, rq, &pr, &n));
+    CHECK(pr == pq && n == 8); /* one workspace: blocks run one at a time */
+    CHECK_OK(laden_sched_enter(sc, b, 0)); /* resident: expanded too */
+    const float *vr = (const float *)(uintptr_t)pr;
+    CHECK(vr[0] > 1.999f && vr[0] < 2.001f && vr[1] > 0.2499f &&
+          vr[1] < 0.2501f);
+    CHECK_OK(laden_sched_exit(sc, b, 0));
     laden_sched_destroy(sc);
     laden_st_close(st);
 }

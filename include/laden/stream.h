@@ -45,6 +45,7 @@
 
 #include "../laden.h"
 #include "dev.h"
+#include "expand.h"
 #include "io.h"
 #include "plan.h"
 #include "st.h"
@@ -653,17 +654,33 @@ LADEN_API laden_status laden_sched_block_state(laden_sched_t *sched,
                                                uint32_t *flags);
 
 /* Block b's tensor i is kept compact (fp8 codes, GGUF blocks, bf16 for
- * a float32 model, ...) and expanded to `compute` before its block runs.
+ * a float32 model, ...) and expanded to `compute` (F32, F16 or BF16) by
+ * laden_sched_enter, on the stream the block is entered on, before its
+ * block runs: the caller binds the view laden_sched_expanded_at gives
+ * and does nothing per tensor.  The tensor's stored dtype (as added) is
+ * what is expanded: a GGUF block type, F8_E4M3 or F8_E5M2, F16, BF16 or
+ * F32.  fp8 scales: a tensor quantized to F8_E4M3 on load carries its own
+ * row scales (pass LADEN_SCALE_NONE); the checkpoint's fp8 names its
+ * scale by `scale`, the index of a tensor of the same block added before
+ * this call (F32, F16 or BF16: one not F32 is widened into the workspace
+ * first), applied as `kind` says, `cols` the elements per row (ROW,
+ * TILE128); LADEN_SCHED_NO_SCALE and LADEN_SCALE_NONE for none.
  * laden_sched_start then also allocates the expansion workspace: as many
  * bytes as the block with the most expanded bytes needs (each tensor
  * aligned to 256 bytes), inside the schedule's VRAM context, freed with
- * the slots; the plan counts it as always resident.  Before the load;
- * once per tensor.  LADEN_E_INVAL for a bad schedule, block, tensor or
- * dtype (a dtype without whole bytes per element), LADEN_E_STATE after
- * the load or a second time. */
+ * the slots; the plan counts it as always resident; it fails with
+ * laden_expand_ready's error where the device cannot expand.  Before the
+ * load; once per tensor.  LADEN_E_INVAL for a bad schedule, block,
+ * tensor, dtype (compute not F32/F16/BF16, a stored dtype laden_expand
+ * does not take) or scale (not in the block, not a float, a count or
+ * cols that do not fit the kind, a scale on what is not fp8),
+ * LADEN_E_STATE after the load or a second time. */
+#define LADEN_SCHED_NO_SCALE UINT32_MAX
 LADEN_API laden_status laden_sched_set_expanded(laden_sched_t *sched,
                                                 uint32_t block, uint32_t i,
-                                                laden_dtype compute);
+                                                laden_dtype compute,
+                                                uint64_t cols, uint32_t scale,
+                                                laden_scale_kind kind);
 
 /* Where tensor i of block b is expanded while its block runs: *ptr its
  * address in the workspace, *size_bytes its expanded bytes.  The
@@ -675,6 +692,23 @@ LADEN_API laden_status laden_sched_expanded_at(laden_sched_t *sched,
                                                uint32_t block, uint32_t i,
                                                laden_devptr_t *ptr,
                                                uint64_t *size_bytes);
+
+/* Block b's tensor i's value as its model computes with it, as `dtype`,
+ * into host memory dst (dst_bytes: its elements in dtype): read from
+ * where laden keeps it -- its host copy, its own device copy (copied
+ * back), or the checkpoint (the disk tier keeps tensors as stored) -- and
+ * expanded as laden_sched_enter expands it (fp8 times its scale, GGUF
+ * blocks, bf16 widened), or converted, on the calling thread.  For a
+ * state_dict entry whose module holds nothing.  LADEN_E_INVAL for a bad
+ * schedule, block, tensor or size; LADEN_E_STATE before the load, while
+ * its block is still loading, or for a tensor laden keeps nowhere it can
+ * read; LADEN_E_UNSUPPORTED for a conversion laden does not make (to F32,
+ * F16 or BF16, or a dtype to itself); the reader's and the device's
+ * errors (LADEN_E_CHANGED: the file changed under it). */
+LADEN_API laden_status laden_sched_tensor_value(laden_sched_t *sched,
+                                                uint32_t block, uint32_t i,
+                                                laden_dtype dtype, void *dst,
+                                                uint64_t dst_bytes);
 
 /* How block b's tensor i is laid out where laden keeps it: *size_bytes
  * its bytes (the length of a view at laden_sched_tensor_ptr or

@@ -375,7 +375,10 @@ _SIGNATURES = {
     "laden_sched_stop": (status_t, [p]),
     "laden_sched_tensor_ptr": (status_t, [p, c_uint32, c_uint32,
                                            P(c_uint64)]),
-    "laden_sched_set_expanded": (status_t, [p, c_uint32, c_uint32, c_int]),
+    "laden_sched_set_expanded": (status_t, [p, c_uint32, c_uint32, c_int,
+                                             c_uint64, c_uint32, c_int]),
+    "laden_sched_tensor_value": (status_t, [p, c_uint32, c_uint32, c_int,
+                                             c_void_p, c_uint64]),
     "laden_sched_expanded_at": (status_t, [p, c_uint32, c_uint32,
                                             P(c_uint64), P(c_uint64)]),
     "laden_sched_host_ptr": (status_t, [p, c_uint32, c_uint32,
@@ -515,7 +518,7 @@ _SIGNATURES = {
 # The version of libladen's binary interface this binding is written for
 # (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
 # at import, since its signatures, structs or constants may not be these.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 def _check_version(lib, path: str, where: str) -> None:

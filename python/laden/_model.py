@@ -561,32 +561,8 @@ def expand_unavailable(device) -> Optional[str]:
     return str(error_for(s)) if s else None
 
 
-_SCALE_KIND = {None: 0, "tensor": 1, "row": 2, "block": 3}
-
-
-def expand_fused(out, q, scale, kind: Optional[str], code: int, dcode: int,
-                 device) -> Callable[[], None]:
-    """What fills out (the block's workspace) with the compact tensor q
-    expanded by C in one pass on the device's current stream
-    (laden_expand): GGUF blocks, fp8 times its scale (a scale without a
-    kind is one per row: laden's own fp8 storage), bf16 widened.  On the
-    CPU device the same C code runs in the calling thread.  The arguments
-    are worked out once here; each call reads only the current stream."""
-    expand, stream = lib.laden_expand, _compute_stream
-    dev = _dev_index(device)
-    args = (code, q.data_ptr(), q.numel() * q.element_size(), out.numel(),
-            out.shape[-1] if out.dim() else 1,
-            scale.data_ptr() if scale is not None else 0,
-            _SCALE_KIND[kind or "row"] if scale is not None else 0, dcode,
-            out.data_ptr())
-
-    def run() -> None:
-        s = expand(dev, stream(device), *args)
-        if s:
-            raise error_for(s) from None
-
-    run.keep = (out, q, scale)  # the memory the pointers are in
-    return run
+_SCALE_KIND = {"tensor": _lib.SCALE_TENSOR, "row": _lib.SCALE_ROW,
+               "block": _lib.SCALE_TILE128}
 
 
 def _nbytes(t: _Tensor) -> int:
@@ -738,7 +714,7 @@ def _resolve_dtype(x):
 
 
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
-                  expansions=(), guard=None, gone=None, after_enter=None,
+                  guard=None, gone=None, after_enter=None,
                   slot_tensors=(), trainer=None, compiler=None, binds=()):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
@@ -788,8 +764,6 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         inside[0] = 1
         try:
             bind_in(binds, grad_on())
-            for fn, a in expansions:
-                fn(*a)
             if after_enter is not None:
                 after_enter(c_block)
         except BaseException:
@@ -1255,15 +1229,15 @@ class progress_to:
     """Context manager: while it is open the C schedule `h` reports load
     progress into a tqdm bar (see checkpoint._progress_bar: on a terminal
     for loads of 1 GiB or more, or when `progress` is True; never when it
-    is False).  The callback runs on the loading thread.  An exception in
-    it (KeyboardInterrupt: Ctrl-C during the load) cancels the load in C
-    and is raised when the block ends; `check()` raises it earlier, between
+    is False), made at C's first report with the total C counts.  The
+    callback runs on the loading thread.  An exception in it
+    (KeyboardInterrupt: Ctrl-C during the load) cancels the load in C and
+    is raised when the block ends; `check()` raises it earlier, between
     calls into C."""
 
-    def __init__(self, h, total: int, desc: str, progress):
-
-        self.h = h
-        self.bar = _checkpoint._progress_bar(total, desc, progress)
+    def __init__(self, h, desc: str, progress):
+        self.h, self.desc, self.progress = h, desc, progress
+        self.bar = None
         self.fn = None
         self.raised: Optional[BaseException] = None
 
@@ -1271,12 +1245,13 @@ class progress_to:
         # Installed with or without a bar: a load on this thread calls it
         # between pieces, which is where Ctrl-C reaches Python (a call
         # into C is not interrupted): it stops the load there.
-        bar = self.bar
-
         def update(arg, done, total):
             try:
-                if bar is not None:
-                    bar.update(done - bar.n)
+                if self.bar is None and self.progress is not False:
+                    self.bar = _checkpoint._progress_bar(
+                        total, self.desc, self.progress) or False
+                if self.bar:
+                    self.bar.update(done - self.bar.n)
                 return 0
             except BaseException as e:  # Ctrl-C lands here too
                 self.raised = e
@@ -1293,7 +1268,7 @@ class progress_to:
     def __exit__(self, *exc):
         if self.fn is not None:
             lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(), None)
-            if self.bar is not None:
+            if self.bar:
                 self.bar.close()
         self.check()
 
@@ -1356,9 +1331,14 @@ def fill(h, desc: Description, ck, rest_tier: int,
                                                              "replace")))
         for t in ts:
             _add_tensor(h, cb.value, t, ck)
-            if expand and gi >= nrest and t.store != "plain":
+        for t in ts if expand and gi >= nrest else ():
+            if t.store != "plain":  # expanded by C's enter (its scale added)
+                scaled = t.store == "ck8" and t.scale_name
                 check(lib.laden_sched_set_expanded(
-                    h, cb.value, t.c_index, _dtype_code(t.dtype, t)))
+                    h, cb.value, t.c_index, _dtype_code(t.dtype, t),
+                    t.shape[-1] if t.shape else 1,
+                    t.scale_index if scaled else _lib.SCHED_NO_SCALE,
+                    _SCALE_KIND[t.scale_kind] if scaled else 0))
     return groups
 
 

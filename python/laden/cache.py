@@ -271,8 +271,6 @@ class _Runtime:
             groups = fill(self.sched, desc, ck, _lib.TIER_RAM,
                           rest_in_pieces=True)
             self.fixed = len(groups) - len(desc.blocks)
-            total = sum(lib.laden_sched_block_bytes(self.sched, b)
-                        for b in range(len(groups)))
             from_ckpt = all(t.ckpt_name is not None for t in desc.tensors)
             if self.spec.shared:
                 if not from_ckpt:
@@ -283,8 +281,7 @@ class _Runtime:
                                     if t.ckpt_name is None)[:300] + ")",
                         "E_INVAL")
                 sharing.ask(self.sched, True, f"model '{self.spec.key}'")
-            with progress_to(self.sched, total, self.spec.key,
-                             None) as pt:
+            with progress_to(self.sched, self.spec.key, None) as pt:
                 if from_ckpt:
                     # All from the checkpoint: one load, several blocks'
                     # reads in flight.

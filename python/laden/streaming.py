@@ -22,18 +22,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _lib, doors, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
+from ._model import (TIER_NAMES, BlockInfo, KeyMap,
                      _destroy_schedule, _dtype_code,
-                     _dev_index, _device, _fp8_dtype, _matches,
+                     _device, _fp8_dtype, _matches,
                      _meta,
                      _numel, _Owned, _resolve_dtype,
                      _resolve_storage, _set_run, _set_tensor, _Tensor,
                      _tensor_view, tensor_layout,
                      _unwrap_all, _view, _wrap_forward,
                      check_lookahead,
-                     describe, expand_fp8, expand_fused,
-                     expand_unavailable,
-                     fill, new_schedule, progress_to)
+                     describe, expand_fp8, fill, new_schedule, progress_to)
 from ._units import fmt_bytes
 from ._moves import unguard_moves
 from ._sched import _end_interrupted, _pass
@@ -231,7 +229,7 @@ class _Stream:
             _set_tensor(t, _meta(t))
             return
         if t.store != "plain":
-            q, _ = _compact_views(self, t, "home")
+            q = _stored_view(self, t)
             _set_tensor(t, q if q is not None else _meta(t))
             return
         if where == "home":
@@ -255,107 +253,39 @@ class _Stream:
                  None if self.training else block)
 
 
-def _compact_views(state, t: _Tensor, where: str):
-    """Views of a compact tensor's bytes: the fp8 data and its scale (or
-    None), where the block runs ('run') or in its RAM home ('home')."""
+def _stored_view(state, t: _Tensor):
+    """A compact tensor's stored bytes in its RAM home (fp8 codes, GGUF
+    blocks, bf16), or None where it has none."""
     import torch
 
-    fetch = lib.laden_sched_tensor_ptr if where == "run" else \
-        lib.laden_sched_host_ptr
-    dev = state.device if where == "run" else torch.device("cpu")
     o = state.live("bind")
-    track = state.slot_views if where == "run" else None
-
-    def ptr(index):
-        out = ctypes.c_uint64() if where == "run" else ctypes.c_void_p()
-        check(fetch(o.h, t.c_block, index, ctypes.byref(out)))
-        return out.value or 0
-
-    base = ptr(t.c_index)
-    if not base:
-        return None, None
-    nb, off, rows = tensor_layout(o.h, t.c_block, t.c_index)  # C's sizes
+    out = ctypes.c_void_p()
+    check(lib.laden_sched_host_ptr(o.h, t.c_block, t.c_index,
+                                   ctypes.byref(out)))
+    if not out.value:
+        return None
+    nb, _, _ = tensor_layout(o.h, t.c_block, t.c_index)  # C's sizes
+    cpu = torch.device("cpu")
     if t.store == "gq":  # the blocks as stored
-        return _view(base, nb, torch.uint8, (nb,), dev, o, track), None
-    if t.store == "c16":
-        return _view(base, nb, torch.bfloat16, t.shape, dev, o, track), None
-    q = _view(base, _numel(t), _fp8_dtype(t.store_dtype if t.store == "ck8"
-                                          else "F8_E4M3"), t.shape, dev, o,
-              track)
-    if t.store == "q8":  # the row scales after the codes, where C put them
-        scale = _view(base + off, 4 * rows, torch.float32, (rows,), dev, o,
-                      track)
-    elif t.scale_name:
-        info = state.ckpt.info(t.scale_name)
-        scale = _view(ptr(t.scale_index), info.nbytes, info.torch_dtype,
-                      info.shape, dev, o, track)
-    else:
-        scale = None
-    return q, scale
+        return _view(out.value, nb, torch.uint8, (nb,), cpu, o)
+    dtype = torch.bfloat16 if t.store == "c16" else _fp8_dtype(
+        t.store_dtype if t.store == "ck8" else "F8_E4M3")
+    return _view(out.value, _numel(t), dtype, t.shape, cpu, o)
 
 
 def _own_value(state: _Stream, t: _Tensor):
-    """t's true value, for a state_dict entry whose module holds meta: a
-    disk-tier tensor read from the checkpoint; a compact one (fp8, GGUF
-    blocks, bf16 storage) expanded by C on the host from its stored bytes,
-    as the forward expands it.  A new CPU tensor, the caller's."""
+    """t's true value, for a state_dict entry whose module holds meta (a
+    disk-tier tensor; a compact one, which exists expanded only inside
+    its block): read and expanded by C from where it is kept
+    (laden_sched_tensor_value).  A new CPU tensor, the caller's."""
     import torch
 
     o = state.live("state_dict")
-    ck = state.ckpt
-    if t.store == "plain":
-        if ck is None or t.ckpt_name is None:
-            raise StateError(
-                f"state_dict of {state.name}: '{t.names[0]}' has no value in "
-                "memory and no checkpoint to read it from", "E_STATE")
-        v = ck.tensor(t.ckpt_name)
-        if v.dtype != t.dtype:
-            v = v.to(t.dtype)
-        return _local_part(t, v)
-    q, sc = _compact_views(state, t, "home")
-    if q is None:
-        run = lib.laden_sched_is_streamed(o.h, t.c_block) == 0
-        if run:  # resident on the device: its own region, not a slot
-            q, sc = _compact_views(state, t, "run")
-            q = q.cpu()
-            sc = sc.cpu() if sc is not None else None
-        else:  # on the disk tier: the stored bytes from the checkpoint
-            q, sc = _stored_compact(state, t)
     out = torch.empty(t.shape, dtype=t.dtype)
-    if t.store == "gq":
-        code = _DTYPE_CODE[t.store_dtype]
-    else:
-        code = _dtype_code(q.dtype, t)
-    expand_fused(out, q, sc, t.scale_kind, code, _dtype_code(t.dtype, t),
-                 torch.device("cpu"))()
+    check(lib.laden_sched_tensor_value(
+        o.h, t.c_block, t.c_index, _dtype_code(t.dtype, t),
+        ctypes.c_void_p(out.data_ptr()), out.numel() * out.element_size()))
     return out
-
-
-def _stored_compact(state: _Stream, t: _Tensor):
-    """A disk-tier compact tensor's stored bytes (and scale), read from
-    the checkpoint into host memory, viewed as _compact_views gives them."""
-    import torch
-
-    ck = state.ckpt
-    info = ck.info(t.ckpt_name)
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
-    ck.read_into(t.ckpt_name, raw)
-    if t.store == "gq":
-        return raw, None
-    if t.store == "c16":
-        return raw.view(torch.bfloat16).view(t.shape), None
-    q = raw.view(_fp8_dtype(t.store_dtype if t.store == "ck8" else
-                            "F8_E4M3")).view(t.shape)
-    scale = ck.tensor(t.scale_name) if t.scale_name else None
-    return q, scale
-
-
-def _local_part(t: _Tensor, v):
-    """A whole checkpoint tensor cut to this rank's shard (a DTensor's
-    local tensor), as laden loaded it."""
-    if t.dist is None or t.dist.dim is None:
-        return v
-    return v.narrow(t.dist.dim, t.dist.start, t.dist.count).contiguous()
 
 
 def _open_doors(model, state: _Stream, who: str) -> None:
@@ -584,13 +514,10 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         state.tensors = desc.tensors
         state.kept = desc.kept
         state.rest_bytes = lib.laden_sched_block_bytes(o.h, 0)
-        total = state.rest_bytes
         for b in state.blocks:
             b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)
             b.tier = lib.laden_sched_block_tier(o.h, b.c_block)
-            total += b.nbytes if b.tier != _lib.TIER_DISK else 0
-        bar = progress_to(o.h, total, os.path.basename(state.path or
-                                                       "laden load"),
+        bar = progress_to(o.h, os.path.basename(state.path or "laden load"),
                           progress)
         sharing.ask(o.h, shared, "stream_load")
         if background:  # memory given, addresses known, nothing read yet
@@ -1101,20 +1028,12 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
     """Wraps the blocks that stream or expand compact tensors, then points
     their tensors where they run (wrapped first: another thread calling a
     block meanwhile is refused, not run on half-bound weights)."""
-    import torch
-
-    # GGUF blocks (compact only where they can be expanded: C, on the CPU
-    # or in a kernel) and, on CUDA with the kernels, fp8 and bf16 storage
-    # go through laden_expand; fp8 otherwise through torch's two kernels.
-    fused = state.device.type == "cuda" and \
-        expand_unavailable(state.device) is None
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
         compact = any(t.store != "plain" for t in b.tensors)
-        expansions: list = []
-        if streamed or compact:
+        if streamed or compact:  # C's enter fills slots, expands compacts
             _wrap_forward(b.module, o, b.c_block, state.device,
-                          handle._wrapped, expansions, gone=state.gone,
+                          handle._wrapped, gone=state.gone,
                           after_enter=handle.adapters.after_enter
                           if streamed else None,
                           slot_tensors=b.tensors if streamed else (),
@@ -1127,22 +1046,12 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                 if streamed:
                     state.bind(t, "run")
                 continue
-            q, sc = _compact_views(state, t, "run")
             # C's expansion workspace, made with the slots: the next
             # block's too, so bound only inside the block; outside, meta
             # (state_dict() expands the stored bytes).
             out = _expanded_view(state, o, t)
             state.gone[out.untyped_storage().data_ptr()] = b.name
             _set_run(t, out, _meta(t), b.name)
-            if t.store == "gq" or (fused and (sc is None or
-                                              sc.dtype == torch.float32)):
-                code = _DTYPE_CODE[t.store_dtype] if t.store == "gq" \
-                    else _dtype_code(q.dtype, t)
-                expansions.append((expand_fused(
-                    out, q, sc, t.scale_kind, code, _dtype_code(t.dtype, t),
-                    state.device), ()))
-            else:
-                expansions.append((expand_fp8, (out, q, sc, t.scale_kind)))
 
 
 def _expanded_view(state: _Stream, o: _Owned, t: _Tensor):

@@ -248,7 +248,9 @@ uint32_t laden_abi_version(void)
     C(LADEN_STORE_IN_BLOCK) C(LADEN_STORE_PARAM) C(LADEN_STORE_SCALED)     \
     C(LADEN_STORE_ASK_FP8) C(LADEN_STORE_ASK_BF16)                        \
     C(LADEN_STORE_PLAIN) C(LADEN_STORE_CHECKPOINT_FP8) C(LADEN_STORE_BLOCKS) \
-    C(LADEN_STORE_FP8) C(LADEN_STORE_BF16)
+    C(LADEN_STORE_FP8) C(LADEN_STORE_BF16)                                 \
+    C(LADEN_SCHED_NO_SCALE) C(LADEN_SCALE_NONE) C(LADEN_SCALE_TENSOR)      \
+    C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128)
 
 typedef struct abi_const {
     const char *name;

@@ -315,6 +315,8 @@ static laden_status make_workspace(laden_sched_t *sc)
     laden_status s;
     if (!n)
         return LADEN_OK;
+    if ((s = laden__sched_can_expand(sc)))
+        return s;
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
         laden__error_prefix("the expansion workspace (%s)",
                             laden__bytes(n).s);
@@ -480,8 +482,10 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
 {
     slot *sl;
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
-    if (s || !sl)
+    if (s)
         return s;
+    if (!sl) /* resident: its compact tensors expand from its region */
+        return laden__sched_expand_block(sc, block, handle);
     if (sc->capture.on && handle != sc->capture.handle) {
         sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,
@@ -554,6 +558,8 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
         return s; /* the CPU device's copy worker */
     if (t0 && !sc->cuda && b->tier == LADEN_TIER_RAM)
         host_stall(sc, t0, block, LADEN__STALL_COPY);
+    if ((s = laden__sched_expand_block(sc, block, handle)))
+        return s;
     sl->in_use = true;
     note_direction(sc, (uint32_t)b->pos);
     if ((s = prefetch_after(sc, (uint32_t)b->pos)))

@@ -482,10 +482,20 @@ laden_status laden_sched_add_tensor(laden_sched_t *sc, uint32_t block,
 }
 
 laden_status laden_sched_set_expanded(laden_sched_t *sc, uint32_t block,
-                                      uint32_t i, laden_dtype compute)
+                                      uint32_t i, laden_dtype compute,
+                                      uint64_t cols, uint32_t scale,
+                                      laden_scale_kind kind)
 {
     HELD("laden_sched_set_expanded",
-         laden__sched_set_expanded(sc, block, i, compute));
+         laden__sched_set_expanded(sc, block, i, compute, cols, scale, kind));
+}
+
+laden_status laden_sched_tensor_value(laden_sched_t *sc, uint32_t block,
+                                      uint32_t i, laden_dtype dtype, void *dst,
+                                      uint64_t dst_bytes)
+{
+    HELD("laden_sched_tensor_value",
+         laden__sched_tensor_value(sc, block, i, dtype, dst, dst_bytes));
 }
 
 laden_status laden_sched_expanded_at(laden_sched_t *sc, uint32_t block,

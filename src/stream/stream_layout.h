@@ -52,6 +52,13 @@ typedef struct tref {
     bool expands;
     laden_dtype expanded;
     uint64_t ws_off;
+    /* fp8 from the checkpoint: its scale, tensor `scale` of the block
+     * (LADEN_SCHED_NO_SCALE: none), applied as scale_kind, cols elements
+     * a row; a scale not F32 widened at sws_off first (workspace.c). */
+    uint32_t scale;
+    laden_scale_kind scale_kind;
+    uint64_t cols;
+    uint64_t sws_off;
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be

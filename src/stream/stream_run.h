@@ -110,7 +110,20 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* workspace.c: the expansion workspace, made and freed with the slots. */
 laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
-                                       uint32_t i, laden_dtype compute);
+                                       uint32_t i, laden_dtype compute,
+                                       uint64_t cols, uint32_t scale,
+                                       laden_scale_kind kind);
+/* Expands block's compact tensors into the workspace on `handle` (the
+ * stream it is entered on; the CPU device: now), after its bytes are in
+ * place: laden__sched_enter's last step. */
+laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
+                                       uintptr_t handle);
+/* value.c: laden_sched_tensor_value's work. */
+laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i, laden_dtype dtype,
+                                       void *dst, uint64_t dst_bytes);
+/* LADEN_OK, or laden_expand_ready's error, where a tensor expands. */
+laden_status laden__sched_can_expand(laden_sched_t *sc);
 laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
                                       uint32_t i, laden_devptr_t *ptr,
                                       uint64_t *bytes);

@@ -9,6 +9,8 @@
 #include "stream_run.h"
 #include "stream_layout.h"
 
+#include "laden/expand.h"
+
 static uint64_t aligned(uint64_t n)
 {
     return (n + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
@@ -23,36 +25,189 @@ uint64_t laden__sched_workspace_bytes(const laden_sched_t *sc)
     return most;
 }
 
+/* How many float32 scales tensor r's kind wants; 0 if cols does not fit. */
+static uint64_t scales_wanted(const tref *r, laden_scale_kind kind,
+                              uint64_t cols)
+{
+    if (kind == LADEN_SCALE_TENSOR)
+        return 1;
+    if (!cols || r->nelem % cols)
+        return 0;
+    uint64_t rows = r->nelem / cols;
+    if (kind == LADEN_SCALE_ROW)
+        return rows;
+    return (rows / 128 + (rows % 128 != 0)) * (cols / 128 + (cols % 128 != 0));
+}
+
+static bool is_fp8(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F8_E4M3 || d == LADEN_DTYPE_F8_E5M2;
+}
+
+static bool is_float(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F32 || d == LADEN_DTYPE_F16 ||
+           d == LADEN_DTYPE_BF16;
+}
+
+/* LADEN_OK if tensor r of block b can take `scale` as `kind`. */
+static laden_status check_scale(const blk *b, uint32_t i, uint64_t cols,
+                                uint32_t scale, laden_scale_kind kind)
+{
+    const tref *r = &b->t[i];
+    const char *name = r->name ? r->name : "?";
+    if (kind == LADEN_SCALE_NONE && scale == LADEN_SCHED_NO_SCALE)
+        return LADEN_OK;
+    if (r->rows)
+        return laden__fail(LADEN_E_INVAL, "tensor '%.200s': quantized on "
+                           "load, it carries its own scales", name);
+    if (!is_fp8(r->dst) || (unsigned)kind > LADEN_SCALE_TILE128 ||
+        kind == LADEN_SCALE_NONE || scale >= b->nt || scale == i)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': scale %u of kind %d (an fp8 "
+                           "tensor's scale is another tensor of its block, "
+                           "added before it is marked)",
+                           name, scale, (int)kind);
+    const tref *sr = &b->t[scale];
+    uint64_t want = scales_wanted(r, kind, cols);
+    if (!is_float(sr->dst) || !want || sr->nelem != want)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': its scale has %llu %s values; "
+                           "kind %d with %llu columns wants %llu float ones",
+                           name, (unsigned long long)sr->nelem,
+                           laden_dtype_name(sr->dst) ? laden_dtype_name(sr->dst)
+                                                     : "?",
+                           (int)kind, (unsigned long long)cols,
+                           (unsigned long long)want);
+    return LADEN_OK;
+}
+
+/* Reserves n bytes of block b's workspace; *off where they start. */
+static laden_status reserve(blk *b, const tref *r, uint64_t n, uint64_t *off)
+{
+    n = aligned(n);
+    if (b->ws_bytes > UINT64_MAX - n)
+        return laden__fail(LADEN_E_INVAL, "tensor '%.200s': the workspace "
+                           "would overflow", r->name ? r->name : "?");
+    *off = b->ws_bytes;
+    b->ws_bytes += n;
+    return LADEN_OK;
+}
+
 laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
-                                       uint32_t i, laden_dtype compute)
+                                       uint32_t i, laden_dtype compute,
+                                       uint64_t cols, uint32_t scale,
+                                       laden_scale_kind kind)
 {
     if (block >= sc->layout.nb || i >= sc->layout.b[block].nt)
         return laden__fail(LADEN_E_INVAL, "laden_sched_set_expanded: bad "
                                           "block or tensor");
-    uint32_t bits = laden_dtype_bits(compute);
-    if (!bits || bits % 8)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_sched_set_expanded: dtype %d has no whole "
-                           "bytes per element", (int)compute);
     blk *b = &sc->layout.b[block];
     tref *r = &b->t[i];
+    const char *name = r->name ? r->name : "?";
+    if (!is_float(compute))
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': expanded to dtype %d; laden "
+                           "expands to F32, F16 or BF16", name, (int)compute);
+    if (!is_float(r->dst) && !is_fp8(r->dst) && laden_dtype_bits(r->dst))
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': stored as %s, which laden does "
+                           "not expand", name,
+                           laden_dtype_name(r->dst) ? laden_dtype_name(r->dst)
+                                                    : "?");
     if (sc->loaded || sc->layout.laid_out)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_expanded: after load");
     if (r->expands)
         return laden__fail(LADEN_E_STATE,
-                           "tensor '%.200s': already marked expanded",
-                           r->name ? r->name : "?");
-    /* nelem * bits / 8 cannot overflow: the tensor's own bytes fit. */
-    uint64_t n = aligned(r->nelem * (bits / 8));
-    if (b->ws_bytes > UINT64_MAX - n)
-        return laden__fail(LADEN_E_INVAL, "tensor '%.200s': the workspace "
-                           "would overflow", r->name ? r->name : "?");
+                           "tensor '%.200s': already marked expanded", name);
+    laden_status s = check_scale(b, i, cols, scale, kind);
+    uint64_t before = b->ws_bytes, off = 0, soff = 0;
+    /* nelem * 4 cannot overflow: the tensor's own bytes fit. */
+    if (s || (s = reserve(b, r, r->nelem * (laden_dtype_bits(compute) / 8),
+                          &off)))
+        return s;
+    if (scale != LADEN_SCHED_NO_SCALE && b->t[scale].dst != LADEN_DTYPE_F32 &&
+        (s = reserve(b, r, b->t[scale].nelem * 4, &soff))) {
+        b->ws_bytes = before;
+        return s;
+    }
     r->expands = true;
     r->expanded = compute;
-    r->ws_off = b->ws_bytes;
-    b->ws_bytes += n;
+    r->ws_off = off;
+    r->scale = scale;
+    r->scale_kind = kind;
+    r->cols = r->rows ? r->nelem / r->rows : cols;
+    r->sws_off = soff;
     return LADEN_OK;
+}
+
+/* Tensor r's stored bytes as laden_expand counts them: fp8 codes without
+ * the row scales laid out after them. */
+static uint64_t stored_bytes(const tref *r)
+{
+    uint32_t elems = 1, bytes = 1;
+    if (is_fp8(r->dst))
+        return r->nelem;
+    if (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1)
+        return r->nelem / elems * bytes;
+    return r->nelem * (laden_dtype_bits(r->dst) / 8);
+}
+
+laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
+                                       uintptr_t handle)
+{
+    blk *b = &sc->layout.b[block];
+    if (!b->ws_bytes)
+        return LADEN_OK;
+    if (!sc->run.workspace)
+        return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
+                           "they expand once the schedule is started", block);
+    int32_t dev = sc->cfg.device;
+    laden_devptr_t ws = sc->run.workspace, base;
+    laden_status s = laden__sched_tensor_ptr(sc, block, 0, &base);
+    if (s)
+        return s;
+    base -= b->t[0].dst_off;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        const tref *r = &b->t[k];
+        if (!r->expands)
+            continue;
+        laden_devptr_t src = base + r->dst_off, scale = 0;
+        laden_scale_kind kind = r->scale_kind;
+        if (r->rows) {
+            scale = src + laden__sched_scale_offset(r->nelem);
+            kind = LADEN_SCALE_ROW;
+        } else if (r->scale != LADEN_SCHED_NO_SCALE) {
+            const tref *sr = &b->t[r->scale];
+            scale = base + sr->dst_off;
+            if (sr->dst != LADEN_DTYPE_F32) {
+                if ((s = laden_expand(dev, handle, sr->dst, scale,
+                                      stored_bytes(sr), sr->nelem, 0, 0,
+                                      LADEN_SCALE_NONE, LADEN_DTYPE_F32,
+                                      ws + r->sws_off)))
+                    return s;
+                scale = ws + r->sws_off;
+            }
+        }
+        if ((s = laden_expand(dev, handle, r->dst, src, stored_bytes(r),
+                              r->nelem, r->cols, scale, kind, r->expanded,
+                              ws + r->ws_off))) {
+            laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
+            return s;
+        }
+    }
+    return LADEN_OK;
+}
+
+laden_status laden__sched_can_expand(laden_sched_t *sc)
+{
+    if (!laden__sched_workspace_bytes(sc))
+        return LADEN_OK;
+    laden_status s = laden_expand_ready(sc->cfg.device);
+    if (s)
+        laden__error_prefix("compact tensors expand when their block runs");
+    return s;
 }
 
 laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
