@@ -1,6 +1,8 @@
 /* The rules for what the planner plans from (src/plan/budget.c) and the
  * cache's default VRAM budget, with injected readings: none of these
  * tests depends on how much memory this machine has free. */
+#include <string.h>
+
 #include "test.h"
 
 #include "laden/cache.h"
@@ -218,6 +220,19 @@ TEST(budget_probes_on_the_cpu)
     CHECK_OK(laden_plan_probe_disk("/nonexistent/laden/probe", &rate));
     CHECK(rate == 0.0);
     CHECK_STATUS(laden_plan_probe_disk(NULL, &rate), LADEN_E_INVAL);
+    /* A file measured once per process: the second call returns the
+     * first measurement (two timings of a read would differ). */
+    char *p = test_path("probe.bin");
+    static char data[4 << 20];
+    memset(data, 7, sizeof data);
+    test_write_file(p, data, sizeof data);
+    double a = -1.0, b = -2.0;
+    CHECK_OK(laden_plan_probe_disk(p, &a));
+    CHECK_OK(laden_plan_probe_disk(p, &b));
+    CHECK(a == b && a >= 0.0);
+    /* A directory is not measured. */
+    CHECK_OK(laden_plan_probe_disk(test_path(""), &rate));
+    CHECK(rate == 0.0);
 }
 
 TEST(budget_cache_default_vram_budget)

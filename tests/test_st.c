@@ -1,6 +1,7 @@
 #define _DEFAULT_SOURCE /* alarm */
 #define _POSIX_C_SOURCE 200809L /* utimensat */
 #include <fcntl.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -768,4 +769,58 @@ TEST(st_file_open_refuses_a_changed_gguf)
     CHECK_EQ(t.offset_bytes, 96);
     laden_st_close(st);
     file_open_cases(p, 48); /* the metadata string "hi" */
+}
+
+/* Small text and JSON files (laden_st_read_text): read whole and checked,
+ * each refusal naming the path and what is wrong, with the line, column
+ * and text where the JSON goes wrong. */
+static laden_status read_text(const char *body, uint64_t max, uint32_t flags,
+                              void **out)
+{
+    char *p = test_path("t.json");
+    test_write_file(p, body, strlen(body));
+    uint64_t n = 7;
+    laden_status s = laden_st_read_text(p, max, flags, out, &n);
+    CHECK(s ? (*out == NULL && n == 0) : n == strlen(body));
+    return s;
+}
+
+TEST(st_read_text)
+{
+    void *t = NULL;
+    CHECK_OK(read_text("{\"a\": [1, 2.5e3, \"\\u00e9\"]}\n", 1024,
+                       LADEN_ST_TEXT_JSON, &t));
+    CHECK(strcmp((const char *)t, "{\"a\": [1, 2.5e3, \"\\u00e9\"]}\n") == 0);
+    laden_st_text_free(t);
+    CHECK_OK(read_text("plain words, not JSON", 1024, 0, &t));
+    laden_st_text_free(t);
+    CHECK_EQ(read_text("{\"r\": 4,,}", 1024, LADEN_ST_TEXT_JSON, &t),
+             LADEN_E_JSON);
+    CHECK(strstr(laden_last_error(), "t.json") &&
+          strstr(laden_last_error(), "line 1 column 9"));
+    CHECK_EQ(read_text("{\n \"x\": NaN}", 1024, LADEN_ST_TEXT_JSON, &t),
+             LADEN_E_JSON);
+    CHECK(strstr(laden_last_error(), "line 2 column 7") &&
+          strstr(laden_last_error(), "NaN"));
+    CHECK_EQ(read_text("{} {}", 1024, LADEN_ST_TEXT_JSON, &t), LADEN_E_JSON);
+    static char deep[300];
+    memset(deep, '[', 150);
+    memset(deep + 150, ']', 150);
+    CHECK_EQ(read_text(deep, 1024, LADEN_ST_TEXT_JSON, &t), LADEN_E_LIMIT);
+    CHECK(strstr(laden_last_error(), "nested too deeply"));
+    CHECK_EQ(read_text("\"\xc3\x28\"", 1024, 0, &t), LADEN_E_JSON);
+    CHECK(strstr(laden_last_error(), "not UTF-8"));
+    CHECK_EQ(read_text("{\"a\": 1}", 4, LADEN_ST_TEXT_JSON, &t),
+             LADEN_E_LIMIT);
+    CHECK(strstr(laden_last_error(), "larger than 4 bytes"));
+    CHECK_OK(read_text("{\"a\": 1}", 8, LADEN_ST_TEXT_JSON, &t));
+    laden_st_text_free(t);
+    uint64_t n;
+    CHECK_EQ(laden_st_read_text(test_path("absent.json"), 1024, 0, &t, &n),
+             LADEN_E_NOENT);
+    char *f = test_path("fifo.json");
+    CHECK_EQ(mkfifo(f, 0600), 0);
+    CHECK_EQ(laden_st_read_text(f, 1024, 0, &t, &n), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "not a regular file (a FIFO)"));
+    CHECK_EQ(laden_st_read_text(NULL, 1024, 0, &t, &n), LADEN_E_INVAL);
 }

@@ -191,14 +191,18 @@ LADEN_API laden_status laden_plan_read(int32_t device,
 
 /* The host-to-device rate of `device` in bytes/s: pinned copies of
  * LADEN_PLAN_PROBE_BYTES, LADEN_PLAN_PROBE_REPEATS times (the one probe
- * the planner, the CLI and the demo share).  0 for LADEN_DEVICE_CPU,
- * which copies nothing host to device.  Blocks for the measurement. */
+ * the planner, the CLI and the demo share), measured once per device and
+ * process: later calls return the first measurement.  0 for
+ * LADEN_DEVICE_CPU, which copies nothing host to device.  Blocks for the
+ * measurement.  Any thread. */
 LADEN_API laden_status laden_plan_probe_h2d(int32_t device,
                                             double *out_bytes_per_s);
 
 /* The read rate of the drive under the file at `path` (at most
  * LADEN_PLAN_DISK_PROBE_BYTES of it, dropped from the page cache first),
- * or 0 when it cannot be measured: no prediction, not an error. */
+ * or 0 when it cannot be measured (not a regular file, ...): no
+ * prediction, not an error.  Measured once per file (device and inode)
+ * and process.  Any thread. */
 LADEN_API laden_status laden_plan_probe_disk(const char *path,
                                              double *out_bytes_per_s);
 

@@ -87,6 +87,24 @@ LADEN_API laden_status laden_st_metadata_at(const laden_st_t *st, size_t i,
  * are llama.cpp's), else "safetensors"; NULL for NULL.  Static storage. */
 LADEN_API const char *laden_st_format(const laden_st_t *st);
 
+/* A small file read whole and checked: the JSON and text files beside a
+ * checkpoint (config.json, adapter_config.json, a tokenizer's files) and
+ * laden's trace files.  Opened without blocking (a FIFO or device in its
+ * place is refused, not waited on); a regular file of at most max_bytes;
+ * UTF-8; with LADEN_ST_TEXT_JSON also one JSON value (RFC 8259, strict:
+ * no NaN, comments or trailing commas) nested at most 64 deep.  *out a
+ * NUL-terminated copy for laden_st_text_free, *len its bytes.  Errors,
+ * each naming the path: LADEN_E_NOENT, LADEN_E_IO (cannot read it: the
+ * system's reason), LADEN_E_INVAL (not a regular file, and what it is),
+ * LADEN_E_LIMIT (larger than max_bytes, nested too deeply), LADEN_E_JSON
+ * (not UTF-8, not JSON: the parser's reason, the line, column and text
+ * there).  Any thread. */
+#define LADEN_ST_TEXT_JSON 1u
+LADEN_API laden_status laden_st_read_text(const char *path,
+                                          uint64_t max_bytes, uint32_t flags,
+                                          void **out, uint64_t *len);
+LADEN_API void laden_st_text_free(void *text);
+
 /* Total bytes of tensor data over all files. */
 LADEN_API uint64_t laden_st_total_bytes(const laden_st_t *st);
 

@@ -282,6 +282,9 @@ _SIGNATURES = {
     "laden_expand_describe": (status_t, [c_int32, c_char_p, c_uint64]),
     "laden_st_open": (status_t, [c_char_p, P(p)]),
     "laden_st_format": (c_char_p, [p]),
+    "laden_st_read_text": (status_t, [c_char_p, c_uint64, c_uint32,
+                                       P(c_void_p), P(c_uint64)]),
+    "laden_st_text_free": (None, [c_void_p]),
     # gguf
     "laden_gguf_open": (status_t, [c_char_p, P(p)]),
     "laden_gguf_close": (None, [p]),

@@ -34,7 +34,7 @@ from ._lib import check, error_for, lib
 from ._model import _dist_of, _Tensor, _tensor_view, run_of
 from ._sched import _pass
 from ._wrapped import is_dtensor
-from .checkpoint import Checkpoint, PathLike
+from .checkpoint import Checkpoint, PathLike, read_text
 from .errors import InvalidArgumentError, LadenError, StateError
 from .sharing import refuse_writes
 
@@ -185,31 +185,10 @@ def _peft_config(spec: AdapterSpec, path: str) -> dict:
     import re
 
     where = f"adapter '{spec.key}': {path}"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 24)  # 16 MiB: far beyond any peft config
-            if f.read(1):
-                raise AdapterError(f"{where}: larger than 16 MiB: not a "
-                                   "peft adapter config", "E_INVAL")
-        cfg = json.loads(raw.decode("utf-8"),
-                         parse_constant=_no_constant)
-    except AdapterError:
-        raise
-    except OSError as e:
-        raise AdapterError(f"{where}: cannot read it: "
-                           f"{e.strerror or e}", "E_INVAL") from None
-    except UnicodeDecodeError as e:
-        raise AdapterError(f"{where}: not UTF-8 text (byte {e.start})",
-                           "E_INVAL") from None
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{where}: not JSON: {e.msg} at line {e.lineno}"
-                           f" column {e.colno}", "E_INVAL") from None
-    except ValueError as e:  # NaN, Infinity, too many digits
-        raise AdapterError(f"{where}: not JSON laden reads: {e}",
-                           "E_INVAL") from None
-    except RecursionError:
-        raise AdapterError(f"{where}: nested too deeply to be a peft "
-                           "config", "E_INVAL") from None
+    try:  # 16 MiB: far beyond any peft config
+        cfg = read_text(path, 1 << 24, is_json=True)
+    except LadenError as e:
+        raise AdapterError(f"adapter '{spec.key}': {e}", "E_INVAL") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{where}: a JSON {type(cfg).__name__}, not an "
                            "object of peft's fields", "E_INVAL")
@@ -254,10 +233,6 @@ def _peft_config(spec: AdapterSpec, path: str) -> dict:
                     f"{where}: field '{field}': pattern {p!r} is not a "
                     f"regular expression ({e})", "E_INVAL") from None
     return cfg
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _finite_number(v) -> bool:
@@ -1194,7 +1169,6 @@ class _CacheAdapters:
         resolved = _resolved(self.resolved, adapters, model, rt.device,
                              self.host)
         by_name = _by_name(rt.tensors)
-        params = dict(model.named_parameters(remove_duplicate=False))
         _check_targets(resolved, mode, model, by_name)
         by_block: Dict[int, list] = {}
         routes: list = []

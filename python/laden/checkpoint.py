@@ -4,6 +4,7 @@ reads through the C reader pool."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 from . import _lib
 from ._dtypes import torch_dtype
 from ._lib import check, lib
-from .errors import InvalidArgumentError
+from .errors import FormatError, InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -24,6 +25,35 @@ log = logging.getLogger("laden")
 # Reads of more bytes than this show a progress bar when stderr is a
 # terminal and tqdm is installed.
 PROGRESS_MIN_BYTES = 1 << 30
+
+
+def read_text(path: PathLike, max_bytes: int, is_json: bool = False):
+    """A small file's text, read whole and checked by C
+    (laden_st_read_text: a regular file of at most max_bytes, UTF-8, with
+    is_json strict JSON nested at most 64 deep), and with is_json parsed.
+    A typed LadenError naming the path and what is wrong."""
+    out, n = ctypes.c_void_p(), ctypes.c_uint64()
+    check(lib.laden_st_read_text(os.fsencode(path), max_bytes,
+                                 _lib.ST_TEXT_JSON if is_json else 0,
+                                 ctypes.byref(out), ctypes.byref(n)))
+    try:
+        text = ctypes.string_at(out.value, n.value).decode("utf-8")
+    finally:
+        lib.laden_st_text_free(out)
+    if not is_json:
+        return text
+    try:
+        return json.loads(text, parse_float=_finite)
+    except ValueError as e:  # a number beyond what Python reads
+        raise FormatError(f"{os.fspath(path)}: not JSON laden reads: {e}",
+                          "E_JSON") from None
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} does not fit a double")
+    return v
 
 
 def _progress_bar(total: int, desc: str, progress: Optional[bool]):

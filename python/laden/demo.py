@@ -11,10 +11,8 @@ model library; any BERT-family directory with ``config.json``,
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
-import stat
 import tempfile
 import time
 import unicodedata
@@ -148,30 +146,16 @@ def _bert_classes():
     return Bert
 
 
-def _read_text(path: str) -> str:
-    """A regular file's text.  Opened without blocking and checked before
-    reading, so that a FIFO (or a device) in its place is an error, not a
-    wait for a writer."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise FileNotFoundError(f"{path}: {e.strerror}") from None
-    with os.fdopen(fd, encoding="utf-8") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        try:
-            return f.read()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text: {e.reason}") from None
+def _read_text(path: str, is_json: bool = False):
+    """A regular file's text (or JSON), read and checked by C
+    (checkpoint.read_text): a FIFO in its place is an error, not a wait
+    for a writer."""
+    return ckmod.read_text(path, 1 << 30, is_json)
 
 
 def load_config(model_dir: str) -> Dict:
     path = os.path.join(model_dir, "config.json")
-    text = _read_text(path)
-    try:
-        c = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{path}: not JSON: {e}") from None
+    c = _read_text(path, is_json=True)
     if not isinstance(c, dict):
         raise ValueError(f"{path}: not a BERT config (not a JSON object)")
     need = ("hidden_size", "num_attention_heads", "num_hidden_layers",
@@ -200,11 +184,7 @@ class WordPiece:
         self.vocab = {w: i for i, w in enumerate(words)}
         cfg = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(cfg):
-            text = _read_text(cfg)
-            try:
-                tc = json.loads(text)
-            except ValueError as e:
-                raise ValueError(f"{cfg}: not JSON: {e}") from None
+            tc = _read_text(cfg, is_json=True)
             if isinstance(tc, dict):
                 lower = tc.get("do_lower_case", lower)
         self.lower = lower

@@ -12,10 +12,8 @@ diffusers are optional: imported only when a class of theirs is given.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import stat
 import threading
 from typing import Dict, List, Optional
 
@@ -26,9 +24,9 @@ from ._model import _device, find_blocks
 from ._moves import (_MOVES, _guard_moves, _guard_one, _move_target,
                      _same_device, unguard_moves)
 from .cache import ModelCache, ModelOffloader
-from .checkpoint import Checkpoint, PathLike
+from .checkpoint import Checkpoint, PathLike, read_text
 from .errors import (FormatError, InvalidArgumentError, LadenError,
-                     MismatchError, ReadError, StateError)
+                     MismatchError, StateError)
 from .gguf import check_config as _gguf_check_config
 from .gguf import llama_key_map
 
@@ -110,38 +108,11 @@ _CONFIG_BYTES = 64 << 20
 
 
 def read_config_json(path: str) -> dict:
-    """The JSON object in config.json file `path`: FormatError naming the
-    file (and the line and column where the JSON goes wrong) for what is
-    not one; ReadError when it cannot be read."""
-    try:
-        # Non-blocking: a FIFO in its place is refused, not waited on.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise FormatError(f"{path}: not a regular file", "E_JSON")
-            raw = f.read(_CONFIG_BYTES)
-            if f.read(1):
-                raise FormatError(f"{path}: larger than "
-                                  f"{_CONFIG_BYTES >> 20} MiB: not a model "
-                                  "config", "E_LIMIT")
-    except OSError as e:
-        raise ReadError(f"{path}: cannot read it: {e.strerror or e}",
-                        "E_IO") from None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{path}: not UTF-8 text (byte {e.start})",
-                          "E_JSON") from None
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path}: not JSON: {e.msg} at line {e.lineno} "
-                          f"column {e.colno} (byte {e.pos})",
-                          "E_JSON") from None
-    except ValueError as e:  # a number of more digits than Python reads
-        raise FormatError(f"{path}: not JSON laden reads: {e}",
-                          "E_JSON") from None
-    except RecursionError:
-        raise FormatError(f"{path}: nested too deeply to be a model config",
-                          "E_JSON") from None
+    """The JSON object in config.json file `path` (read and checked by C:
+    checkpoint.read_text): FormatError naming the file (and the line and
+    column where the JSON goes wrong) for what is not one; ReadError when
+    it cannot be read."""
+    doc = read_text(path, _CONFIG_BYTES, is_json=True)
     if not isinstance(doc, dict):
         raise FormatError(f"{path}: a JSON {type(doc).__name__}, not an "
                           "object of config fields", "E_SCHEMA")

@@ -225,29 +225,20 @@ class Plan:
 
 # ---- measuring ------------------------------------------------------------------
 
-_h2d_cache: Dict[int, float] = {}
-_disk_cache: Dict[str, float] = {}
-
-
 def _h2d_rate(device) -> float:
-    """The link's rate in bytes/s (C's one probe, laden_plan_probe_h2d),
-    measured once per device and process; 0 on the CPU."""
-    if device.type != "cuda":
-        return 0.0
-    if device.index not in _h2d_cache:
-        r = ctypes.c_double()
-        check(lib.laden_plan_probe_h2d(device.index, ctypes.byref(r)))
-        _h2d_cache[device.index] = r.value
-    return _h2d_cache[device.index]
+    """The link's rate in bytes/s (C's one probe, laden_plan_probe_h2d,
+    measured once per device and process); 0 on the CPU."""
+    r = ctypes.c_double()
+    check(lib.laden_plan_probe_h2d(_dev_index(device), ctypes.byref(r)))
+    return r.value
 
 
 def _disk_rate(path: str) -> float:
-    key = os.path.realpath(path)
-    if key not in _disk_cache:
-        r = ctypes.c_double()
-        check(lib.laden_plan_probe_disk(os.fsencode(path), ctypes.byref(r)))
-        _disk_cache[key] = r.value
-    return _disk_cache[key]
+    """The drive's rate under `path` (laden_plan_probe_disk, once per file
+    and process); 0 where it cannot be measured."""
+    r = ctypes.c_double()
+    check(lib.laden_plan_probe_disk(os.fsencode(path), ctypes.byref(r)))
+    return r.value
 
 
 def _readings(device) -> Dict[str, int]:
@@ -409,8 +400,7 @@ def _measured(dev, path, readings, bandwidths):
     readings = readings if readings is not None else _readings(dev)
     if bandwidths is None:
         bandwidths = {"h2d": _h2d_rate(dev),
-                      "disk": _disk_rate(path) if path and os.path.isfile(
-                          path) else 0.0}
+                      "disk": _disk_rate(path) if path else 0.0}
     return readings, bandwidths
 
 

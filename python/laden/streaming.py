@@ -268,9 +268,10 @@ def _stored_view(state, t: _Tensor):
     cpu = torch.device("cpu")
     if t.store == "gq":  # the blocks as stored
         return _view(out.value, nb, torch.uint8, (nb,), cpu, o)
-    dtype = torch.bfloat16 if t.store == "c16" else _fp8_dtype(
-        t.store_dtype if t.store == "ck8" else "F8_E4M3")
-    return _view(out.value, _numel(t), dtype, t.shape, cpu, o)
+    if t.store == "c16":
+        return _view(out.value, nb, torch.bfloat16, t.shape, cpu, o)
+    dtype = _fp8_dtype(t.store_dtype if t.store == "ck8" else "F8_E4M3")
+    return _view(out.value, _numel(t), dtype, t.shape, cpu, o)  # the codes
 
 
 def _own_value(state: _Stream, t: _Tensor):

@@ -3,14 +3,13 @@
 this only adds them up and draws them."""
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ._units import fmt_bytes
-from .errors import InvalidArgumentError
+from .checkpoint import read_text
+from .errors import InvalidArgumentError, LadenError
 
 Span = Tuple[float, float]  # start, end in microseconds
 
@@ -31,20 +30,10 @@ def load(path: str) -> TraceData:
     naming the file when it is not one (not JSON, nested deeper than a
     trace is, numbers no trace holds: NaN, infinities, times or byte
     counts out of range)."""
-    try:
-        with open(path, "rb") as f:
-            doc = json.load(f, parse_constant=_no_constant,
-                            parse_float=_finite_float)
-    except OSError as e:
-        raise InvalidArgumentError(f"trace {path}: {e.strerror}",
-                                   "E_INVAL") from None
-    except RecursionError:
-        raise InvalidArgumentError(f"trace {path}: not JSON laden reads "
-                                   "(nested too deeply): not a trace of "
-                                   "laden.trace", "E_INVAL") from None
-    except ValueError as e:
-        raise InvalidArgumentError(f"trace {path}: not JSON ({e})",
-                                   "E_INVAL") from None
+    try:  # read and checked by C: NaN, infinities, nesting refused there
+        doc = read_text(path, 1 << 36, is_json=True)
+    except LadenError as e:
+        raise InvalidArgumentError(f"trace {e}", "E_INVAL") from None
     if not isinstance(doc, dict) or not isinstance(
             doc.get("traceEvents"), list):
         raise InvalidArgumentError(
@@ -74,17 +63,6 @@ def load(path: str) -> TraceData:
 _MAX_US = 3.2e13
 _MAX_S = _MAX_US / 1e6
 _MAX_COUNT = 2**63 - 1
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not a number a trace holds")
-
-
-def _finite_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"{text} is out of range")
-    return v
 
 
 def _time(v, what: str, bound: float = _MAX_US) -> float:

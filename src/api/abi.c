@@ -250,7 +250,7 @@ uint32_t laden_abi_version(void)
     C(LADEN_STORE_PLAIN) C(LADEN_STORE_CHECKPOINT_FP8) C(LADEN_STORE_BLOCKS) \
     C(LADEN_STORE_FP8) C(LADEN_STORE_BF16)                                 \
     C(LADEN_SCHED_NO_SCALE) C(LADEN_SCALE_NONE) C(LADEN_SCALE_TENSOR)      \
-    C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128)
+    C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128) C(LADEN_ST_TEXT_JSON)
 
 typedef struct abi_const {
     const char *name;

@@ -6,7 +6,10 @@
 #include "laden/io.h"
 #include "laden/plan.h"
 
+#include <pthread.h>
+#include <stdbool.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../core/internal.h"
 
@@ -44,17 +47,56 @@ laden_status laden_plan_read(int32_t device, laden_plan_readings *out)
     return s;
 }
 
+/* Probes already taken in this process: a link's rate per device, a
+ * drive's per file (its device and inode), so that planning again costs
+ * no second measurement.  A small table; a full one forgets the oldest. */
+enum { PROBES = 32 };
+static struct probe {
+    uint64_t key[2];
+    double rate;
+} probes[PROBES];
+static unsigned nprobes, next_probe;
+static pthread_mutex_t probe_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static bool probe_known(uint64_t a, uint64_t b, double *out)
+{
+    pthread_mutex_lock(&probe_mu);
+    bool hit = false;
+    for (unsigned k = 0; k < nprobes && !hit; k++)
+        if (probes[k].key[0] == a && probes[k].key[1] == b) {
+            *out = probes[k].rate;
+            hit = true;
+        }
+    pthread_mutex_unlock(&probe_mu);
+    return hit;
+}
+
+static void probe_keep(uint64_t a, uint64_t b, double rate)
+{
+    pthread_mutex_lock(&probe_mu);
+    probes[next_probe] = (struct probe){{a, b}, rate};
+    next_probe = (next_probe + 1) % PROBES;
+    if (nprobes < PROBES)
+        nprobes++;
+    pthread_mutex_unlock(&probe_mu);
+}
+
 laden_status laden_plan_probe_h2d(int32_t device, double *out)
 {
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_plan_probe_h2d: out is "
                            "NULL");
     *out = 0.0;
-    if (device == LADEN_DEVICE_CPU)
+    /* Keys of links: UINT64_MAX beside the device, no inode is that. */
+    if (device == LADEN_DEVICE_CPU ||
+        probe_known((uint64_t)(uint32_t)device, UINT64_MAX, out))
         return LADEN_OK;
-    return laden_dev_measure_copy(device, LADEN_COPY_H2D_PINNED,
-                                  LADEN_PLAN_PROBE_BYTES,
-                                  LADEN_PLAN_PROBE_REPEATS, out);
+    laden_status s = laden_dev_measure_copy(device, LADEN_COPY_H2D_PINNED,
+                                            LADEN_PLAN_PROBE_BYTES,
+                                            LADEN_PLAN_PROBE_REPEATS, out);
+    if (!s)
+        probe_keep((uint64_t)(uint32_t)device, UINT64_MAX, *out);
+    return s;
 }
 
 laden_status laden_plan_probe_disk(const char *path, double *out)
@@ -62,10 +104,19 @@ laden_status laden_plan_probe_disk(const char *path, double *out)
     if (!out || !path)
         return laden__fail(LADEN_E_INVAL, "laden_plan_probe_disk: NULL "
                            "argument");
-    /* A drive that cannot be measured (a file on a pipe, a filesystem
-     * without direct reads) only costs the plan its prediction. */
+    *out = 0.0;
+    /* A drive that cannot be measured (no such regular file, a file on a
+     * pipe, a filesystem without direct reads) only costs the plan its
+     * prediction. */
+    struct stat sb;
+    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode))
+        return LADEN_OK;
+    if (probe_known((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, out))
+        return LADEN_OK;
     if (laden_io_measure_file(path, LADEN_PLAN_DISK_PROBE_BYTES, out))
         *out = 0.0;
+    else
+        probe_keep((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, *out);
     return LADEN_OK;
 }
 

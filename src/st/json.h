@@ -63,6 +63,18 @@ laden_status laden__json_need_value(laden__json *j);
 /* True if only white space remains. */
 bool laden__json_at_end(laden__json *j);
 
+/* ---- small files (text.c) ---------------------------------------------- */
+
+struct stat;
+/* Opens a regular file for reading: O_NONBLOCK because open() itself
+ * blocks on a FIFO until a writer comes (forever, for a stray FIFO named
+ * like a checkpoint or a shard); O_NOCTTY so a terminal never becomes
+ * ours.  Anything but a regular file is refused once open (LADEN_E_INVAL
+ * naming what it is), and the descriptor is made blocking again for the
+ * reads.  *size its stated size, *sb (may be NULL) its stat. */
+laden_status laden__st_open_fd(const char *path, int *fd, uint64_t *size,
+                               struct stat *sb);
+
 /* ---- the index of a sharded checkpoint (index.c) ------------------- */
 
 typedef struct laden__st_index_entry {

@@ -622,60 +622,6 @@ static laden_status read_exact(int fd, const char *path, void *buf, size_t n,
     return LADEN_OK;
 }
 
-static const char *file_kind(mode_t m)
-{
-    return S_ISDIR(m)    ? "a directory"
-           : S_ISFIFO(m) ? "a FIFO"
-           : S_ISSOCK(m) ? "a socket"
-           : S_ISCHR(m)  ? "a character device"
-           : S_ISBLK(m)  ? "a block device"
-                         : "not a file";
-}
-
-/* Opens a regular file for reading.  O_NONBLOCK because open() itself
- * blocks on a FIFO until a writer comes (forever, for a stray FIFO named
- * like a checkpoint or a shard); O_NOCTTY so a terminal never becomes ours.
- * Anything but a regular file is refused once open, and the descriptor is
- * made blocking again for the reads. */
-static laden_status open_fd(const char *path, int *fd, uint64_t *size,
-                            struct stat *out_sb)
-{
-    struct stat sb;
-    int flags;
-    *size = 0;
-    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (*fd < 0) {
-        int e = errno;
-        return laden__fail(e == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
-                           "%s: cannot open: %s", path, strerror(e));
-    }
-    if (fstat(*fd, &sb) != 0) {
-        int e = errno;
-        close(*fd);
-        *fd = -1;
-        return laden__fail(LADEN_E_IO, "%s: cannot stat: %s", path,
-                           strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(*fd);
-        *fd = -1;
-        return laden__fail(LADEN_E_INVAL, "%s: not a regular file (%s)", path,
-                           file_kind(sb.st_mode));
-    }
-    if ((flags = fcntl(*fd, F_GETFL)) < 0 ||
-        fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-        int e = errno;
-        close(*fd);
-        *fd = -1;
-        return laden__fail(LADEN_E_IO, "%s: cannot clear O_NONBLOCK: %s", path,
-                           strerror(e));
-    }
-    *size = (uint64_t)sb.st_size;
-    if (out_sb)
-        *out_sb = sb;
-    return LADEN_OK;
-}
-
 static uint64_t ns_of(struct timespec t)
 {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
@@ -718,7 +664,7 @@ static laden_status open_one(laden_st_t *st, const char *path, bool keep_meta)
     uint64_t size, hlen;
     unsigned char first8[8];
     struct stat sb;
-    laden_status s = open_fd(path, &fd, &size, &sb);
+    laden_status s = laden__st_open_fd(path, &fd, &size, &sb);
     if (s)
         return s;
     if (size < 8)
@@ -755,7 +701,7 @@ static laden_status open_index(laden_st_t *st, const char *path)
     uint64_t size;
     laden__st_index ix = {0};
     char *buf = NULL, *dir = NULL, *joined = NULL;
-    laden_status s = open_fd(path, &fd, &size, NULL);
+    laden_status s = laden__st_open_fd(path, &fd, &size, NULL);
     if (s)
         return s;
     if (size > LADEN_ST_MAX_HEADER_BYTES) {
@@ -915,7 +861,7 @@ static laden_status open_gguf(laden_st_t *st, const char *path)
     int fd;
     uint64_t fsize;
     struct stat sb;
-    laden_status s = open_fd(path, &fd, &fsize, &sb);
+    laden_status s = laden__st_open_fd(path, &fd, &fsize, &sb);
     if (s)
         return s;
     s = laden__gguf_open_fd(fd, path, &g);
