@@ -1,6 +1,7 @@
 /* libFuzzer target: a whole GGUF file from memory.  Any input may fail to
  * parse; none may crash, read out of bounds or leak.  Successful parses
- * are walked so every table entry is touched and checked. */
+ * are walked so every table entry is touched and checked, and their
+ * model metadata checked (laden_gguf_check_model). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -31,6 +32,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             __builtin_trap();
         total += strlen(kv.key) + (kv.str ? strlen(kv.str) : 0);
     }
+    /* The config's metadata checked: an error or OK, never a crash. */
+    laden_status s = laden_gguf_check_model(g, "fuzz.gguf");
+    if (s != LADEN_OK && s != LADEN_E_SCHEMA)
+        __builtin_trap();
     laden_gguf_close(g);
     return (int)(total & 0);
 }

@@ -625,3 +625,69 @@ TEST(gguf_added_after_plan_is_planned_again)
     laden_sched_destroy(sc);
     laden_st_close(st);
 }
+
+/* A GGUF of metadata alone: architecture "llama", then `n` entries of
+ * u32 values or one f32, as `keys`/`vals` say (val < 0: f32 NaN). */
+static laden_status model_check(const char *arch, int n,
+                                const char *const *keys, const int64_t *vals)
+{
+    buf b = {0};
+    put(&b, "GGUF", 4);
+    u32(&b, 3);
+    u64(&b, 0);
+    u64(&b, 1 + (uint64_t)n);
+    str(&b, "general.architecture");
+    u32(&b, LADEN_GGUF_STRING);
+    str(&b, arch);
+    for (int k = 0; k < n; k++) {
+        str(&b, keys[k]);
+        if (vals[k] < 0) {
+            float nan = 0.0f / 0.0f;
+            u32(&b, LADEN_GGUF_F32);
+            put(&b, &nan, 4);
+        } else {
+            u32(&b, LADEN_GGUF_U32);
+            u32(&b, (uint32_t)vals[k]);
+        }
+    }
+    laden_gguf_t *g;
+    CHECK_OK(laden_gguf_open_memory(b.p, b.n, &g));
+    laden_status s = laden_gguf_check_model(g, "m.gguf");
+    laden_gguf_close(g);
+    free(b.p);
+    return s;
+}
+
+/* The metadata a config is built from: each bad value refused naming the
+ * file, the key, the value and what laden needs. */
+TEST(gguf_check_model_names_the_key)
+{
+    static const char *const k[] = {"llama.block_count",
+                                    "llama.attention.head_count",
+                                    "llama.attention.head_count_kv",
+                                    "llama.embedding_length"};
+    const int64_t good[] = {1, 8, 2, 64};
+    CHECK_OK(model_check("llama", 4, k, good));
+    const int64_t kv3[] = {1, 8, 3, 64};
+    CHECK_EQ(model_check("llama", 4, k, kv3), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "m.gguf: GGUF metadata "
+                                     "'llama.attention.head_count_kv' is 3"));
+    CHECK(strstr(laden_last_error(), "does not divide"));
+    const int64_t zero[] = {1, 0, 2, 64};
+    CHECK_EQ(model_check("llama", 4, k, zero), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "'llama.attention.head_count' is 0: "
+                                     "laden needs an integer from 1"));
+    const int64_t blocks[] = {2, 8, 2, 64}; /* more blocks than tensors */
+    CHECK_EQ(model_check("llama", 4, k, blocks), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "integer from 1 to 1"));
+    const int64_t wide[] = {1, 128, 2, 64};
+    CHECK_EQ(model_check("llama", 4, k, wide), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "more heads than"));
+    static const char *const f[] = {"llama.rope.freq_base"};
+    const int64_t nan[] = {-1};
+    CHECK_EQ(model_check("llama", 1, f, nan), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "finite float above 0"));
+    CHECK_EQ(model_check("", 0, k, good), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "'general.architecture' is ''"));
+    CHECK_EQ(laden_gguf_check_model(NULL, "x"), LADEN_E_INVAL);
+}

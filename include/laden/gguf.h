@@ -94,6 +94,20 @@ LADEN_API laden_status laden_gguf_metadata_find(const laden_gguf_t *g,
                                                 const char *key,
                                                 laden_gguf_kv_t *out);
 
+/* The metadata a model's config is built from (transformers reads it
+ * as <architecture>.*), checked for type and range before anything is
+ * built: general.architecture a non-empty string, general.name a string;
+ * the sizes of <architecture>.* (block count, context, embedding and
+ * feed-forward lengths, head counts, rope dimensions, vocabulary, expert
+ * counts) integers from 1 to 2^31 - 1, the block count at most the
+ * tensor count; head counts at most the embedding length, kv heads
+ * dividing heads, experts used at most the experts; rope base and norm
+ * epsilons finite floats above 0.  LADEN_E_SCHEMA naming `path` (for
+ * messages), the key, its value and what laden needs; LADEN_E_INVAL for
+ * NULL.  Any thread. */
+LADEN_API laden_status laden_gguf_check_model(const laden_gguf_t *g,
+                                              const char *path);
+
 /* A ggml type's name ("Q4_K"), or NULL for a number laden does not know;
  * its block: elements per block and bytes per block. */
 LADEN_API const char *laden_gguf_type_name(uint32_t type);

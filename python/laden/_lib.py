@@ -286,6 +286,7 @@ _SIGNATURES = {
                                        P(c_void_p), P(c_uint64)]),
     "laden_st_text_free": (None, [c_void_p]),
     # gguf
+    "laden_gguf_check_model": (status_t, [p, c_char_p]),
     "laden_gguf_open": (status_t, [c_char_p, P(p)]),
     "laden_gguf_close": (None, [p]),
     "laden_gguf_version": (c_uint32, [p]),

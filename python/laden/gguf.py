@@ -124,64 +124,22 @@ def rope_heads(metadata, path=None) -> Dict[str, int]:
     return {"attn_q": heads, "attn_k": kv}
 
 
-# The metadata a GGUF file's config is built from (transformers reads
-# these as <architecture>.<field>; see check_config): integer sizes, and
-# positive floats.
-_CONFIG_SIZES = ("block_count", "context_length", "embedding_length",
-                 "feed_forward_length", "attention.head_count",
-                 "attention.head_count_kv", "rope.dimension_count",
-                 "vocab_size", "expert_count", "expert_used_count")
-_CONFIG_FLOATS = ("rope.freq_base", "attention.layer_norm_rms_epsilon",
-                  "attention.layer_norm_epsilon")
-
-
 def check_config(path: PathLike) -> "GgufFile":
     """Checks the metadata a model's config is built from
     (``from_pretrained`` on a .gguf: transformers reads it) for type and
-    range, and returns the file's table: ``general.architecture`` a
-    non-empty string, ``general.name`` a string; the sizes of
-    ``<architecture>.*`` (block count, lengths, head counts, vocabulary)
-    integers from 1 to 2^31 - 1, the block count at most the tensor count,
-    head counts at most the embedding length and kv heads dividing heads;
-    rope base and norm epsilons finite positive floats.  A bad one raises
-    FormatError naming the key and the file, before transformers would
-    raise TypeError or ZeroDivisionError, or build a model of a billion
-    layers."""
-    import math
-
-    g = GgufFile(path)
-    md = g.metadata
-    arch = md.get("general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise _bad(path, "general.architecture", arch,
-                   "laden needs the architecture's name")
-    name = md.get("general.name")
-    if name is not None and not isinstance(name, str):
-        raise _bad(path, "general.name", name, "a name is a string")
-    got = {}
-    for f in _CONFIG_SIZES:
-        hi = max(len(g.tensors), 1) if f == "block_count" else _MAX_SIZE
-        got[f] = _size(md, f"{arch}.{f}", path, hi, typed=True)
-    for f in _CONFIG_FLOATS:
-        key, v = f"{arch}.{f}", md.get(f"{arch}.{f}")
-        if v is not None and (not isinstance(v, float) or
-                              not math.isfinite(v) or v <= 0):
-            raise _bad(path, key, v, "laden needs a finite float above 0")
-    heads, kv, emb = (got["attention.head_count"],
-                      got["attention.head_count_kv"],
-                      got["embedding_length"])
-    if heads and emb and heads > emb:
-        raise _bad(path, f"{arch}.attention.head_count", heads,
-                   f"more heads than {arch}.embedding_length ({emb})")
-    if heads and kv and heads % kv:
-        raise _bad(path, f"{arch}.attention.head_count_kv", kv,
-                   f"it does not divide {arch}.attention.head_count "
-                   f"({heads})")
-    used, experts = got["expert_used_count"], got["expert_count"]
-    if used and experts and used > experts:
-        raise _bad(path, f"{arch}.expert_used_count", used,
-                   f"more than {arch}.expert_count ({experts})")
-    return g
+    range in C (laden_gguf_check_model: sizes integers from 1 to 2^31 - 1,
+    the block count at most the tensor count, kv heads dividing heads,
+    rope base and norm epsilons finite positive floats, ...), and returns
+    the file's table.  A bad one raises FormatError naming the key and the
+    file, before transformers would raise TypeError or ZeroDivisionError,
+    or build a model of a billion layers."""
+    h = ctypes.c_void_p()
+    check(lib.laden_gguf_open(os.fsencode(path), ctypes.byref(h)))
+    try:
+        check(lib.laden_gguf_check_model(h, os.fsencode(path)))
+    finally:
+        lib.laden_gguf_close(h)
+    return GgufFile(path)
 
 
 def rope_heads_of(name: str, heads: Dict[str, int]) -> int:
