@@ -22,18 +22,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _lib, doors, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
-                     _destroy_schedule, _dtype_code,
-                     _dev_index, _device, _fp8_dtype, _matches,
-                     _meta,
-                     _numel, _Owned, _resolve_dtype,
-                     _resolve_storage, _set_run, _set_tensor, _Tensor,
-                     _tensor_view, tensor_layout,
-                     _unwrap_all, _view, _wrap_forward,
-                     check_lookahead,
-                     describe, expand_fp8, expand_fused,
-                     expand_unavailable,
-                     fill, new_schedule, progress_to)
+from ._bind import (_fp8_dtype, _meta, _Owned, _set_run, _set_tensor,
+                    _tensor_view, _view, tensor_layout)
+from ._describe import (_DTYPE_CODE, TIER_NAMES, BlockInfo, KeyMap,
+                        _destroy_schedule, _dtype_code, _matches, _numel,
+                        _resolve_dtype, _resolve_storage, _Tensor,
+                        check_lookahead, describe, fill, new_schedule,
+                        progress_to)
+from ._devices import _device
+from ._expand import expand_fp8, expand_fused, expand_unavailable
+from ._hooks import _unwrap_all, _wrap_forward
 from ._units import fmt_bytes
 from ._moves import unguard_moves
 from ._sched import _end_interrupted, _pass
