@@ -47,20 +47,30 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   slot_tensors=(), trainer=None, compiler=None, binds=()):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit); records (module, previous forward, had own) in `wrapped` so it
-    can be undone.  `guard()`, if given, runs first (it may raise).  With
-    `gone` (storage address -> block, for memory that later blocks
-    overwrite), what the forward saves for backward from that memory
-    raises when backward unpacks it, instead of giving a wrong gradient.
-    `after_enter(c_block)` runs once the block's bytes are in place (an
-    adapter merged into its slot).  The parts of mod that hold
-    `slot_tensors` (the block's tensors in its slot) refuse to run outside
-    its forward.  With `trainer` (install_offload(train=True)), a call
-    with gradients enabled is a checkpointed node (laden.training) that
-    enters the block again in backward.  With `compiler`
-    (laden.compile.BlockCompiler), the block's own forward runs compiled
-    between enter and exit.  `binds` (a list the caller may refill) are
-    the block's tensors whose ``run`` is bound into the modules between
-    enter and exit only (bind_in, bind_out)."""
+    can be undone.  The optional parts, each off when left at its default
+    (callers: offload._bind_slots, cache's blocks):
+
+    - `binds` (a list the caller may refill): the block's tensors whose
+      ``run`` is bound into the modules between enter and exit only
+      (bind_in, bind_out);
+    - `expansions` ((fn, args) pairs, offload): run after enter, each
+      fills the expansion workspace from a compact tensor;
+    - `after_enter(c_block)`: runs once the block's bytes are in place
+      (an adapter merged into its slot);
+    - `guard()` (the cache): runs first (it may raise);
+    - `gone` (storage address -> block, for memory that later blocks
+      overwrite): what the forward saves for backward from that memory
+      raises when backward unpacks it, instead of giving a wrong gradient;
+    - `slot_tensors` (the block's tensors in its slot): the parts of mod
+      that hold them refuse to run outside its forward;
+    - `trainer` (install_offload(train=True)): a call with gradients
+      enabled is a checkpointed node (laden.training) that enters the
+      block again in backward;
+    - `compiler` (laden.compile.BlockCompiler): the block's own forward
+      runs compiled between enter and exit.
+
+    Without `guard` and `trainer`, under torch.compile without gradients,
+    enter and exit are ops in the traced graph (laden.compile)."""
     import torch
 
 
