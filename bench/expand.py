@@ -55,14 +55,14 @@ SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_TILE128 = 0, 1, 2, 3
 
 
 def dtype_codes() -> dict:
-    from laden._model import _DTYPE_CODE
+    from laden._describe import _DTYPE_CODE
 
     return dict(_DTYPE_CODE)
 
 
 def nvrtc_path():
     """The NVRTC that torch's CUDA wheels bring, as laden finds it."""
-    from laden._model import _nvrtc_path
+    from laden._expand import _nvrtc_path
 
     return _nvrtc_path()
 

@@ -110,7 +110,7 @@ def main() -> int:
         if not os.path.exists(paths[q]):
             print(f"writing {paths[q]} ...", flush=True)
             write_gguf(a, paths[q], q)
-    from laden._model import expand_unavailable
+    from laden._expand import expand_unavailable
     why = expand_unavailable(torch.device(a.device))
     x = torch.randn(1, a.tokens, a.hidden, dtype=torch.bfloat16,
                     device=a.device)

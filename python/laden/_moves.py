@@ -9,7 +9,7 @@ off: the core must not import an integration.
 
 from __future__ import annotations
 
-from ._model import _device
+from ._devices import _device
 from .errors import StateError
 
 _MOVES = ("to", "cuda", "cpu", "half", "float", "double", "bfloat16",

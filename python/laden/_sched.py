@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from ._lib import error_for, lib
-from ._model import _Owned, bind_out
+from ._bind import _Owned, bind_out
 from .compile import close_open
 
 

@@ -30,7 +30,7 @@ def _plain(t) -> bool:
 
 def is_dtensor(t) -> bool:
     """A torch.distributed DTensor (tensor parallel): laden holds its local
-    shard itself (laden._model), not as a wrapper's inner tensor."""
+    shard itself (laden._describe), not as a wrapper's inner tensor."""
     return any(c.__name__ == "DTensor" and
                c.__module__.startswith("torch.distributed")
                for c in type(t).__mro__)

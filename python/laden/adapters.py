@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import _lib
 from ._lib import check, error_for, lib
-from ._model import _dist_of, _Tensor, _tensor_view, run_of
+from ._bind import _tensor_view, run_of
+from ._describe import _dist_of, _Tensor
 from ._sched import _pass
 from ._wrapped import is_dtensor
 from .checkpoint import Checkpoint, PathLike, read_text

@@ -30,12 +30,12 @@ from ._wrapped import detach_all
 from .adapters import _CacheAdapters, _HostAdapters
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
-from ._model import (KeyMap, _compute_stream, _destroy_schedule, _dev_index,
-                     _device, _meta, _Owned, _set_run, _set_tensor,
-                     _Tensor, run_of,
-                     _tensor_view, _unwrap_all, _wrap_forward,
-                     check_lookahead, describe, fill, new_schedule,
-                     progress_to)
+from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
+                    run_of)
+from ._describe import (KeyMap, _destroy_schedule, _Tensor, check_lookahead,
+                        describe, fill, new_schedule, progress_to)
+from ._devices import _compute_stream, _dev_index, _device
+from ._hooks import _unwrap_all, _wrap_forward
 
 log = logging.getLogger("laden")
 

@@ -3,7 +3,7 @@
 handed the model a second time.
 
 What the model's modules hold outside a block's forward is each tensor's
-own value (laden._model.bind_in / bind_out put a slot there only inside
+own value (laden._bind.bind_in / bind_out put a slot there only inside
 the block), so ``parameters()`` and attribute reads never see another
 block's bytes.  Where a module holds ``meta`` instead (a disk-tier weight,
 which has no copy in memory; a compact weight, expanded only where it

@@ -18,7 +18,8 @@ import threading
 from typing import Dict, List, Optional
 
 from . import doors, streaming
-from ._model import _device, find_blocks
+from ._describe import find_blocks
+from ._devices import _device
 # The move guard lives below streaming (release takes it off); the names
 # stay importable from here, where they were.
 from ._moves import (_MOVES, _guard_moves, _guard_one, _move_target,

@@ -17,9 +17,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from . import _lib
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (_DTYPE_CODE, _dev_index, _device, _resolve_dtype,
-                     _resolve_storage, check_lookahead, describe, fill,
-                     find_blocks, new_schedule)
+from ._describe import (_DTYPE_CODE, _resolve_dtype, _resolve_storage,
+                        check_lookahead, describe, fill, find_blocks,
+                        new_schedule)
+from ._devices import _dev_index, _device
 from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError

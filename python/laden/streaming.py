@@ -5,6 +5,7 @@ matches the model's tensors to the checkpoint's, asks libladen's ``stream``
 layer to load every tensor into its tier, points the parameters at the
 memory laden owns, and wraps each streamed block's forward with one C call
 before and one after.  Deciding, reading, copying and waiting happen in C.
+Here: loading and releasing; running from slots is ``offload``'s.
 """
 
 from __future__ import annotations
@@ -14,42 +15,36 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 from . import _lib, doors, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
-from ._model import (TIER_NAMES, BlockInfo, KeyMap,
-                     _destroy_schedule, _dtype_code,
-                     _device, _fp8_dtype, _matches,
-                     _meta,
-                     _numel, _Owned, _resolve_dtype,
-                     _resolve_storage, _set_run, _set_tensor, _Tensor,
-                     _tensor_view, tensor_layout,
-                     _unwrap_all, _view, _wrap_forward,
-                     check_lookahead,
-                     describe, expand_fp8, fill, new_schedule, progress_to)
+from ._bind import _meta, _Owned, _set_tensor
+from ._describe import (TIER_NAMES, BlockInfo, KeyMap, _matches,
+                        _resolve_dtype, _resolve_storage, check_lookahead,
+                        describe, fill, progress_to)
+from ._devices import _device
+from ._expand import expand_fp8  # in __all__: its users import it here
 from ._units import fmt_bytes
 from ._moves import unguard_moves
-from ._sched import _end_interrupted, _pass
+from ._sched import _end_interrupted, _pass  # _pass: importable here
+from ._state import _own_value, _Stream
 from ._wrapped import detach_all
-from .adapters import _Adapters, set_adapters
 from .checkpoint import Checkpoint, PathLike
-from .compile import BlockCompiler, close_open, compiling
-from .compile import check as check_compile
+from .compile import close_open, compiling
 from .doors import refuse_owned
 from .errors import InvalidArgumentError, StateError
-from .graphs import capture
-from .training import _Fused, _Trainer, grad_code, materialize_adapters
+from .offload import OffloadHandle, _start, install_offload
 
 __all__ = ["stream_load", "install_offload", "offload_blocks", "release",
            "stage", "LoadReport", "OffloadHandle", "BlockInfo", "expand_fp8",
            "TIER_NAMES"]
 
 log = logging.getLogger("laden")
+
 
 class LoadReport:
     """What ``stream_load`` did; ``str(report)`` is a table."""
@@ -142,151 +137,6 @@ class LoadReport:
         return "\n".join(lines)
 
     __repr__ = __str__
-
-
-class _Stream:
-    """laden's state for one model: the C schedule and what is bound."""
-
-    def __init__(self, device, path: Optional[str]):
-        self.device = device
-        self.path = path
-        self.owner: Optional[_Owned] = None  # the schedule, until release
-        self.blocks: List[BlockInfo] = []
-        self.tensors: List[_Tensor] = []
-        self.rest_bytes = 0
-        self.kept: List[str] = []  # built, not in the checkpoint
-        self.ckpt: Optional[Checkpoint] = None
-        self.handle: Optional["OffloadHandle"] = None
-        self.vram = None  # a laden.vbar.VRAM the schedule's memory is from
-        self.name = "the model"
-        self.hooks: list = []    # hook handles on disk-tier blocks
-        self.gone: Dict[int, str] = {}  # storage address -> streamed block
-        self.passes = threading.local()  # this thread's pass depth
-        self.root = None  # (model, its previous forward, had its own)
-        self.slot_views: list = []  # weakrefs to what views of slots hold
-        self.kept_lookahead: Optional[int] = None  # slots remove() kept
-        self.merged_for_good: set = set()  # merge_adapter's targets
-        # A background load in progress: its progress bar (or None)
-        # inside a one-element list; None once it has ended.
-        self.loading: Optional[list] = None
-        # Blocks must be awaited before they run: from the start of a
-        # background load until it ends well (after a failure, for good:
-        # every await raises the failure).
-        self.awaiting = False
-        self.load_t0 = 0.0
-        self.load_seconds: Optional[float] = None
-        self.training = False  # install_offload(train=True) is bound
-        self.shared = None  # a sharing.Shared: the host copy is shared
-        self.doors = None  # laden.doors.Doors: state_dict, copies, loads
-        self.claimed: list = []  # modules claimed (laden.doors.claim)
-
-    def create(self, ck, lookahead: int, vram=None) -> None:
-        """Creates the C schedule, destroyed when the last tensor over its
-        memory (or this state) lets go of it; `vram` (the context its
-        memory comes from) outlives it."""
-        h = new_schedule(self.device, ck, lookahead, name=self.name)
-        self.vram = vram
-        # What C may call or read until the schedule is destroyed (a
-        # background load's progress callback and host sources): held by
-        # the owner, which tensors over laden's memory keep alive.
-        self.keep = []
-        self.owner = _Owned(h, _destroy_schedule, None, vram, self.keep)
-
-    def live(self, what: str) -> _Owned:
-        """The schedule's owner, or StateError once the model was
-        released.  Callers keep the returned object in a local while they
-        call into C, so that the schedule outlives the call."""
-        o = self.owner
-        if o is None:
-            raise StateError(
-                f"{what}: {self.name} was released (laden.release); load it "
-                "again with laden.stream_load", "E_STATE")
-        return o
-
-    def destroy(self) -> None:
-        """Drops this state's hold on the schedule (freed now unless
-        tensors taken from the model still use its memory) and closes the
-        checkpoint."""
-        self.owner = None
-        if self.ckpt is not None:
-            self.ckpt.close()
-            self.ckpt = None
-
-    def stats(self, what: str = "stats") -> "_lib.SchedStats":
-        o = self.live(what)
-        st = _lib.SchedStats()
-        check(lib.laden_sched_stats(o.h, ctypes.byref(st)))
-        return st
-
-    # -- binding parameters to laden memory --------------------------------
-    def bind(self, t: _Tensor, where: str) -> None:
-        """Points t at laden memory: 'run' (where the block runs from) or
-        'home' (its RAM copy).  Disk-tier tensors have no home: they are
-        on meta outside install_offload (a view of the checkpoint's pages
-        would raise SIGBUS once the file is truncated)."""
-        o = self.live("bind")
-        if t.store == "gq":  # no view of its blocks has the tensor's shape
-            _set_tensor(t, _meta(t))
-            return
-        if t.store != "plain":
-            q = _stored_view(self, t)
-            _set_tensor(t, q if q is not None else _meta(t))
-            return
-        if where == "home":
-            value = _tensor_view(o, t, "home", None)
-            _set_tensor(t, value if value is not None else _meta(t))
-            return
-        streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
-        value = _tensor_view(o, t, "run", self.device,
-                             self.slot_views if streamed else None)
-        if not streamed:
-            _set_tensor(t, value)
-            return
-        block = self.blocks[t.block].name if t.block >= 0 else ""
-        self.gone[value.untyped_storage().data_ptr()] = block
-        # The slot is bound only inside the block; outside, its host copy
-        # (meta on the disk tier).  In training, backward enters the block
-        # again (laden.training): its gradients are right, so nothing
-        # refuses them.
-        home = _tensor_view(o, t, "home", None)
-        _set_run(t, value, home if home is not None else _meta(t),
-                 None if self.training else block)
-
-
-def _stored_view(state, t: _Tensor):
-    """A compact tensor's stored bytes in its RAM home (fp8 codes, GGUF
-    blocks, bf16), or None where it has none."""
-    import torch
-
-    o = state.live("bind")
-    out = ctypes.c_void_p()
-    check(lib.laden_sched_host_ptr(o.h, t.c_block, t.c_index,
-                                   ctypes.byref(out)))
-    if not out.value:
-        return None
-    nb, _, _ = tensor_layout(o.h, t.c_block, t.c_index)  # C's sizes
-    cpu = torch.device("cpu")
-    if t.store == "gq":  # the blocks as stored
-        return _view(out.value, nb, torch.uint8, (nb,), cpu, o)
-    if t.store == "c16":
-        return _view(out.value, nb, torch.bfloat16, t.shape, cpu, o)
-    dtype = _fp8_dtype(t.store_dtype if t.store == "ck8" else "F8_E4M3")
-    return _view(out.value, _numel(t), dtype, t.shape, cpu, o)  # the codes
-
-
-def _own_value(state: _Stream, t: _Tensor):
-    """t's true value, for a state_dict entry whose module holds meta (a
-    disk-tier tensor; a compact one, which exists expanded only inside
-    its block): read and expanded by C from where it is kept
-    (laden_sched_tensor_value).  A new CPU tensor, the caller's."""
-    import torch
-
-    o = state.live("state_dict")
-    out = torch.empty(t.shape, dtype=t.dtype)
-    check(lib.laden_sched_tensor_value(
-        o.h, t.c_block, t.c_index, _dtype_code(t.dtype, t),
-        ctypes.c_void_p(out.data_ptr()), out.numel() * out.element_size()))
-    return out
 
 
 def _open_doors(model, state: _Stream, who: str) -> None:
@@ -768,301 +618,6 @@ def _mark_released(model, state: _Stream) -> None:
 def _unmark_released(model) -> None:
     for h in model.__dict__.pop("_laden_released", ()):
         h.remove()
-
-
-class OffloadHandle:
-    """Returned by install_offload / offload_blocks.  ``remove()`` restores
-    plain modules; their weights stay where laden keeps them (resident
-    blocks on the device, streamed blocks in RAM; disk-tier blocks have no
-    copy in memory and refuse to run until install_offload again)."""
-
-    def __init__(self, state: _Stream, lookahead: int):
-        self.state = state
-        self.lookahead = lookahead
-        self._wrapped: List[Tuple[object, object, bool]] = []
-        self.active = False
-        self.trainer = None  # laden.training._Trainer with train=True
-        self.compiler = None  # laden.compile.BlockCompiler with compile=
-        self.adapters = _Adapters(self)
-
-    def named_parameters(self):
-        """(name, parameter) for what an optimizer steps after
-        ``install_offload(train=True)``: for a streamed parameter its host
-        copy (whose ``.grad`` backward fills; the next forward streams
-        what the optimizer wrote), for any other its parameter as it is;
-        only those with ``requires_grad``."""
-        return self._trainer("named_parameters").named_parameters()
-
-    def _trainer(self, what: str):
-        """The training state, for OffloadHandle.<what>; StateError unless
-        made with train=True and not removed."""
-        self.state.live(f"OffloadHandle.{what}")
-        if self.trainer is None or not self.active:
-            raise StateError(
-                f"OffloadHandle.{what}: only for a handle made by "
-                "install_offload(..., train=True) and not removed",
-                "E_STATE")
-        return self.trainer
-
-    def parameters(self):
-        """The parameters of ``named_parameters()``, for an optimizer."""
-        return (p for _, p in self.named_parameters())
-
-    def step_in_backward(self, optimizer) -> None:
-        """From the next backward on, ``optimizer`` (built over
-        ``parameters()``) steps the streamed parameters it holds on the
-        device, inside backward, as each one's gradient is ready: its
-        state comes up from ``optimizer.state`` (kept in page-locked host
-        memory), a one-parameter optimizer of its class and group settings
-        steps the weights in their slot, and weights and state go home.
-        Their gradients never leave the device (no ``.grad`` on the host
-        copies), so ``optimizer.step()`` after backward steps only the
-        other parameters.  Each backward is then one step: no accumulation
-        over micro-batches, no clipping by the global norm, and no
-        ``torch.amp.GradScaler`` (the gradients would step scaled and
-        unchecked); a weight that gets two gradients in one backward (its
-        block ran twice) and optimizer state that is not one float per
-        weight (8-bit optimizers) are refused by name: the refused
-        weight is put back, but other weights of its block may have
-        stepped already, and a step count kept as a tensor may have
-        advanced.  ``None`` turns it off."""
-        tr = self._trainer("step_in_backward")
-        tr.fused = None if optimizer is None else _Fused(tr, optimizer)
-
-    def capture(self, fn, *example_inputs, warmup: int = 2):
-        """Captures ``fn(*example_inputs)`` -- a forward of the streamed
-        model, run without gradients -- into a CUDA graph and returns a
-        ``laden.CapturedForward``: calling it with inputs of the same
-        shapes, dtypes and devices replays the whole streamed forward
-        (the copies into the slots, the event waits and the kernels) with
-        no host work per block, and returns the captured outputs, which
-        the next call overwrites.  Inputs that differ run ``fn`` eagerly
-        (a warning says so once).  ``fn`` runs ``warmup`` times first, on
-        a side stream.  The captured forward copies every streamed block
-        it reads, from pinned RAM: blocks on the disk tier (read by
-        threads) cannot be captured, nor a handle made with train=True;
-        after remove(), release() or set_adapters() the captured forward
-        raises StateError (capture again).  CUDA only."""
-        return capture(self, fn, example_inputs, warmup)
-
-    def set_adapters(self, adapters, strengths=None, mode: str = "merge"):
-        """Applies adapters (``laden.AdapterSpec``: LoRA factors, deltas,
-        replacement values) with their ``strengths`` (default 1.0 each),
-        replacing the ones set before; ``[]`` removes them and restores
-        the exact base weights.  ``mode="merge"`` adds each update where
-        its weight runs, never to the host copy: into a streamed block's
-        slot right after it lands (once per fill), into resident tensors
-        in place (read again from the checkpoint when the adapters
-        change).  ``mode="routed"`` leaves the weights and adds the
-        low-rank residual to ``nn.Linear`` outputs.  Everything is checked
-        before anything changes: a key naming no parameter, a shape that
-        does not fit, an fp8 or integer target raise AdapterError."""
-        set_adapters(self, adapters, strengths, mode)
-
-    def stats(self) -> Dict[str, int]:
-        """Counters of the schedule: enters, misses, bytes copied and
-        read, device and pinned bytes held.  StateError after release."""
-        st = self.state.stats("OffloadHandle.stats")
-        return {f: getattr(st, f) for f, _ in st._fields_}
-
-    def remove(self) -> None:
-        """Unwraps the blocks, points their weights at their RAM copies and
-        frees the slots.  StateError after release, or while another
-        thread runs the model (nothing changes then).  While tensors
-        derived from streamed weights (views, ``state_dict()`` entries)
-        are alive, the slots under them stay allocated (a warning says so);
-        they are freed by a later remove() or release()."""
-        st = self.state
-        o = st.live("OffloadHandle.remove")
-        if not self.active:
-            return
-        with _pass(st, o, "OffloadHandle.remove"):
-            self.adapters.clear()  # the base weights back first
-            self.adapters.host.clear()  # and the adapters read for it
-            st.gone.clear()
-            # Weights first, while the blocks are still wrapped: another
-            # thread calling a block meanwhile is refused, not run on
-            # half-moved weights.
-            for b in st.blocks:
-                streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
-                for t in b.tensors:
-                    if streamed or t.store != "plain":
-                        st.bind(t, "home")
-            self._unwrap()
-            if not _free_slots(st, o):
-                st.kept_lookahead = self.lookahead
-
-    def _unwrap(self) -> None:
-        _unwrap_all(self._wrapped)
-        if self.trainer is not None:
-            self.trainer.close()
-        self.state.training = False
-        self.active = False
-        if self.state.handle is self:
-            self.state.handle = None
-
-
-def _free_slots(state: "_Stream", o: _Owned, quiet: bool = False) -> bool:
-    """Stops the schedule (frees its slots) unless a tensor still uses a
-    slot: one derived from a streamed weight (a view, a state_dict entry)
-    would point at freed memory.  True if stopped."""
-    state.slot_views = [r for r in state.slot_views if r() is not None]
-    if state.slot_views:
-        if quiet:
-            return False
-        log.warning("laden: %d tensor(s) derived from the streamed weights "
-                    "of %s are alive; its slots stay allocated until they "
-                    "are gone (freed by a later remove() or release())",
-                    len(state.slot_views), state.name)
-        return False
-    check(lib.laden_sched_stop(o.h))
-    return True
-
-
-def install_offload(model, *, device=None, lookahead: int = LOOKAHEAD,
-                    train: bool = False, grad_dtype=None,
-                    compile=None) -> OffloadHandle:
-    """Makes the streamed blocks of a model loaded with ``stream_load`` run
-    from device slots: allocates ``lookahead + 1`` slots, points the
-    blocks' parameters at them (for good: a block always runs from the
-    same slot) and wraps each streamed block's forward with one C call
-    before and one after.  Returns a handle; ``handle.remove()`` undoes
-    it.
-
-    ``train=True``: backward through streamed blocks works (without it, it
-    raises).  Each wrapped block is checkpointed: backward streams the
-    blocks again, last to first, recomputes each and runs its backward
-    before its slot is reused.  Gradients of streamed parameters go to the
-    host as each block's backward ends, into the ``.grad`` of their host
-    copies (``grad_dtype``: ``torch.float32``, or None for the parameter's
-    dtype); ``handle.parameters()`` is what an optimizer steps, and the
-    next forward streams what it wrote.  Streamed parameters that train
-    need a copy in RAM (not the disk tier) and plain storage (not fp8 or
-    GGUF): others must be frozen (``requires_grad_(False)``).
-
-    peft adapters added after ``stream_load`` (``get_peft_model``) inside
-    streamed blocks are made here on the model's device (peft put them on
-    the streamed weights' ``meta``) and initialized by peft; pass the
-    ``PeftModel`` so its ``init_lora_weights`` is used.  They stay
-    resident and train as ordinary parameters: LoRA over a streamed,
-    frozen base.
-
-    ``compile=laden.BlockCompile(...)`` (or True for its defaults)
-    compiles each block's forward with ``torch.compile``, once per block
-    class and shape, laden's enter and exit staying outside the compiled
-    code."""
-    block_compile = check_compile(compile)
-    state = getattr(model, "_laden_stream", None)
-    if state is None:
-        why = ("was released (laden.release); load it again with "
-               "laden.stream_load" if "_laden_released" in
-               getattr(model, "__dict__", {}) else
-               "was not loaded with laden.stream_load")
-        raise StateError(f"install_offload: the model {why}", "E_STATE")
-    state.live("install_offload")
-    if device is not None and _device(device) != state.device:
-        raise InvalidArgumentError(
-            f"install_offload: device {device} differs from {state.device}, "
-            "where stream_load put the model", "E_INVAL")
-    if state.handle is not None:
-        raise StateError("install_offload: already installed; remove() the "
-                         "handle first", "E_STATE")
-    check_lookahead(lookahead)
-    if not isinstance(train, bool):
-        raise InvalidArgumentError(
-            f"install_offload: train must be True or False, not {train!r}",
-            "E_INVAL")
-    if train:
-        sharing.refuse_writes(state, "install_offload(train=True)")
-    if grad_dtype is not None:
-        if not train:
-            raise InvalidArgumentError(
-                "install_offload: grad_dtype is for train=True", "E_INVAL")
-        if grad_code(grad_dtype) is None:
-            raise InvalidArgumentError(
-                f"install_offload: grad_dtype must be torch.float32, "
-                f"float16 or bfloat16, not {grad_dtype}", "E_INVAL")
-    materialize_adapters(state, getattr(model, "peft_config", None))
-    return _start(state, lookahead, train, grad_dtype, block_compile)
-
-
-def _start(state: _Stream, lookahead: int, train: bool = False,
-           grad_dtype=None, block_compile=None) -> OffloadHandle:
-    o = state.live("install_offload")
-    with _pass(state, o, "install_offload"):
-        kept = state.kept_lookahead
-        if kept is not None and _free_slots(state, o, quiet=True):
-            kept = None
-        if kept is None:
-            check(lib.laden_sched_start(o.h, lookahead))
-        elif kept != lookahead:
-            # Slots kept by remove() for tensors still alive are reused
-            # as they are laid out.
-            raise StateError(
-                f"install_offload: tensors derived from the streamed "
-                f"weights of {state.name} still use its slots, laid out for "
-                f"lookahead={kept}; drop them or install with that "
-                "lookahead", "E_STATE")
-        state.kept_lookahead = None
-        handle = OffloadHandle(state, lookahead)
-        if block_compile is not None:
-            handle.compiler = BlockCompiler(block_compile)
-        state.handle = handle
-        handle.active = True
-        try:
-            if train:
-                handle.trainer = _Trainer(state, grad_dtype)
-                state.training = True
-            _bind_slots(state, o, handle)
-            if train:
-                handle.trainer.attach(o)
-        except BaseException:
-            try:
-                handle.remove()
-            finally:
-                handle._unwrap()
-            raise
-    return handle
-
-
-def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
-    """Wraps the blocks that stream or expand compact tensors, then points
-    their tensors where they run (wrapped first: another thread calling a
-    block meanwhile is refused, not run on half-bound weights)."""
-    for b in state.blocks:
-        streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
-        compact = any(t.store != "plain" for t in b.tensors)
-        if streamed or compact:  # C's enter fills slots, expands compacts
-            _wrap_forward(b.module, o, b.c_block, state.device,
-                          handle._wrapped, gone=state.gone,
-                          after_enter=handle.adapters.after_enter
-                          if streamed else None,
-                          slot_tensors=b.tensors if streamed else (),
-                          trainer=handle.trainer, compiler=handle.compiler,
-                          binds=b.tensors)
-        elif handle.compiler is not None:
-            handle.compiler.install(b.module, handle._wrapped)
-        for t in b.tensors:
-            if t.store == "plain":
-                if streamed:
-                    state.bind(t, "run")
-                continue
-            # C's expansion workspace, made with the slots: the next
-            # block's too, so bound only inside the block; outside, meta
-            # (state_dict() expands the stored bytes).
-            out = _expanded_view(state, o, t)
-            state.gone[out.untyped_storage().data_ptr()] = b.name
-            _set_run(t, out, _meta(t), b.name)
-
-
-def _expanded_view(state: _Stream, o: _Owned, t: _Tensor):
-    """Where C expands compact tensor t while its block runs
-    (laden_sched_expanded_at), tracked with the slots' views."""
-    p, n = ctypes.c_uint64(), ctypes.c_uint64()
-    check(lib.laden_sched_expanded_at(o.h, t.c_block, t.c_index,
-                                      ctypes.byref(p), ctypes.byref(n)))
-    return _view(p.value, n.value, t.dtype, t.shape, state.device, o,
-                 state.slot_views)
 
 
 def offload_blocks(blocks: Sequence, *, device, compute_dtype=None,

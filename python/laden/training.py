@@ -35,8 +35,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ._dtypes import checkpoint_dtype
 from ._lib import GRADS_ADD, GRADS_PINNED, check, lib
-from ._model import (_DTYPE_CODE, _compute_stream, _dev_index, _tensor_view,
-                     run_of)
+from ._bind import _tensor_view, run_of
+from ._describe import _DTYPE_CODE
+from ._devices import _compute_stream, _dev_index
 from .errors import InvalidArgumentError, LadenError, StateError
 
 
@@ -74,7 +75,7 @@ def _is_kv_cache(x) -> bool:
 class _Trainer:
     """One handle's training state: host copies of the streamed trainable
     parameters, the C gradient sink, the hooks.  A wrapped block calls
-    `call` (train_call) through it: _model.py, below this module, imports
+    `call` (train_call) through it: _hooks.py, below this module, imports
     nothing of it."""
 
     def call(self, mod, c_block: int, enter, leave, orig, plain, args,

@@ -38,7 +38,8 @@ from . import _lib
 from ._lib import check, lib
 from ._units import parse_size
 from .errors import DeviceError, InvalidArgumentError, StateError
-from ._model import _compute_stream, _dev_index, _device, _view
+from ._bind import _view
+from ._devices import _compute_stream, _dev_index, _device
 
 _DEFAULT: Dict[object, "VRAM"] = {}
 

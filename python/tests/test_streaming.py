@@ -144,7 +144,7 @@ def test_disk_blocks_have_no_copy_outside_install_offload(ckpt):
                                device="cpu", ram_budget="40kB")
     disk = [name for name, _, tier in report.blocks if tier == "disk"]
     assert disk
-    blk = laden._model._module_at(m, disk[0].rstrip("."))
+    blk = laden._describe._module_at(m, disk[0].rstrip("."))
     assert blk.up.weight.device.type == "meta"
     with pytest.raises(laden.StateError, match=f"'{disk[0]}'.*disk tier"):
         with torch.no_grad():

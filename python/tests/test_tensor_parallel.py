@@ -219,7 +219,7 @@ def test_placements_laden_cannot_read_are_refused():
     """A Partial (or _StridedShard) placement: the checkpoint's whole
     tensor is not what the rank holds; refused by name before anything is
     read."""
-    from laden._model import _dist_of
+    from laden._describe import _dist_of
 
     class Partial:
         def is_shard(self):

@@ -1,33 +1,29 @@
 """How laden sees a model: its unique tensors (tied aliases grouped), its
 blocks, which checkpoint tensor fills each (``key_map``, ``skip_prefixes``,
 fp8 scale companions), how each is stored, and the C schedule that holds
-them; then tensors over laden's memory, pointing a model's parameters at
-them, and the per-block hooks.  The one description that streaming, the
-cache, planning and the VBAR surface share: sizes and tiers are decided
-in C (``laden_sched_plan``), never here.
+them.  The one description that streaming, the cache, planning and the
+VBAR surface share: sizes and tiers are decided in C
+(``laden_sched_plan``), never here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
-from . import _lib, _wrapped
-from . import compile as _compile
+from . import _lib
 from . import checkpoint as _checkpoint  # its _progress_bar: tests swap it
 from .gguf import rope_heads, rope_heads_of
-from .trace import ON as tracing_on, sample_torch_memory
+from ._devices import _dev_index
 from ._dtypes import checkpoint_dtype
-from ._wrapped import (attach, detach_all, holders, is_dtensor,
-                       is_wrapped, refresh)
+from ._expand import expand_unavailable
+from ._wrapped import attach, detach_all, holders, is_dtensor, is_wrapped
 from ._lib import check, error_for, lib
-from .errors import InvalidArgumentError, MismatchError, StateError
+from .errors import InvalidArgumentError, MismatchError
+
 
 log = logging.getLogger("laden")
 
@@ -40,118 +36,6 @@ for _i in range(64):
     if _n is None:
         break
     _DTYPE_CODE[_n.decode()] = _i
-
-
-# ---- small helpers ---------------------------------------------------------
-
-def _device(device) -> "torch.device":
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        # The current device; before CUDA is initialized that is 0 (asking
-        # torch would initialize it, which install_elastic must come before).
-        device = torch.device("cuda", torch.cuda.current_device()
-                              if torch.cuda.is_initialized() else 0)
-    if device.type not in ("cuda", "cpu"):
-        raise InvalidArgumentError(
-            f"device {device}: laden streams to CUDA devices and the CPU",
-            "E_INVAL")
-    return device
-
-
-def _dev_index(device) -> int:
-    return device.index if device.type == "cuda" else _lib.DEVICE_CPU
-
-
-class _CudaMemory:
-    """Device memory owned by a schedule, as torch sees it.  Holds the
-    memory's owner (an _Owned), so the memory lives while any view of it
-    does."""
-
-    def __init__(self, ptr: int, nbytes: int, owner):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-            "version": 3}
-        self.owner = owner
-
-
-def _view(ptr: int, nbytes: int, dtype, shape, device, owner, track=None):
-    """A tensor over memory laden owns (no copy).  With `track` (a list), a
-    weakref is appended that dies when the last tensor sharing this view's
-    storage (the view, and anything derived from it) is gone."""
-    import torch
-
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cuda":
-        buf = _CudaMemory(ptr, nbytes, owner)
-        with torch.cuda.device(device):
-            flat = torch.as_tensor(buf, device=device)
-    else:
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._laden_owner = owner
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-    if track is not None:
-        track.append(weakref.ref(buf))
-    return flat.view(dtype).view(shape)
-
-
-def tensor_layout(h, block: int, index: int) -> Tuple[int, int, int]:
-    """C's layout of a tensor of schedule `h` (laden_sched_tensor_layout):
-    its bytes as kept, where its float32 row scales start in them (0:
-    none) and how many there are."""
-    size, off, rows = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
-    check(lib.laden_sched_tensor_layout(h, block, index, ctypes.byref(size),
-                                        ctypes.byref(off),
-                                        ctypes.byref(rows)))
-    return size.value, off.value, rows.value
-
-
-def _tensor_view(owner, t, where: str, device, track=None):
-    """A tensor over t's bytes in the schedule `owner` holds: 'run' (the
-    device address its block runs from; `device`), or 'home' (its host
-    copy, None when it has none: the disk tier).  Its length is C's."""
-    import torch
-
-    nbytes = tensor_layout(owner.h, t.c_block, t.c_index)[0]
-    if where == "run":
-        p = ctypes.c_uint64()
-        check(lib.laden_sched_tensor_ptr(owner.h, t.c_block, t.c_index,
-                                         ctypes.byref(p)))
-        return _view(p.value, nbytes, t.dtype, t.shape, device, owner,
-                     track)
-    hp = ctypes.c_void_p()
-    check(lib.laden_sched_host_ptr(owner.h, t.c_block, t.c_index,
-                                   ctypes.byref(hp)))
-    return _view(hp.value, nbytes, t.dtype, t.shape,
-                 torch.device("cpu"), owner) if hp.value else None
-
-
-_RAW_STREAM = None
-
-
-def _compute_stream(device) -> int:
-    """The handle of the current CUDA stream of `device` (0 on the CPU).
-    On every block call: torch's raw getter when it has one (a fraction of
-    a microsecond; torch.cuda.current_stream builds a Python object)."""
-    global _RAW_STREAM
-    if device.type != "cuda":
-        return 0
-    if _RAW_STREAM is None:
-        import torch
-
-        _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", False)
-    if _RAW_STREAM:
-        return _RAW_STREAM(device.index)
-    import torch
-
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 # ---- model description -----------------------------------------------------
@@ -264,23 +148,6 @@ class BlockInfo:
         return TIER_NAMES[self.tier]
 
 
-
-class _Owned:
-    """One C object (a schedule, a cache, device memory) and its
-    destructor.  Every tensor over its memory holds this object, and this
-    object holds nothing that holds a module: dropping a model then frees
-    its memory by reference counting, and tensors taken from it keep the
-    memory valid for as long as they live (no cycle through a C++ storage,
-    which Python's collector cannot see, keeps a model alive for good).
-    ``keep`` are objects that must outlive the C object (a VRAM context)."""
-
-    __slots__ = ("h", "_fin", "__weakref__")
-
-    def __init__(self, h, destroy, *keep):
-        self.h = h
-        self._fin = weakref.finalize(self, destroy, h, *keep)
-
-
 def new_schedule(device, ck, lookahead: int = 0, flags: int = 0,
                  name: str = ""):
     """A C schedule for `device` over checkpoint `ck` (a Checkpoint, or
@@ -310,255 +177,11 @@ def _destroy_schedule(sched, binding=None, *keep) -> None:
     lib.laden_sched_destroy(sched)
 
 
-
-def _meta(t: _Tensor):
-    import torch
-
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _swap(old, new) -> bool:
-    """Gives the tensor object `old` the contents of `new`, so that every
-    reference to `old` (held by the user, an optimizer, tied modules)
-    follows laden's memory as it moves, and nothing keeps pointing at
-    memory laden gave back.  False where torch refuses (weakrefs)."""
-    import torch
-
-    try:
-        torch.utils.swap_tensors(old, new)
-        return True
-    except (RuntimeError, TypeError, AttributeError):
-        return False
-
-
-def _dtensor_cls():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.4
-        from torch.distributed._tensor import DTensor
-    return DTensor
-
-
-def _make(t: _Tensor, value, streamed_in: Optional[str] = None):
-    """The tensor object t's aliases get for `value`: a Parameter
-    following the user's requires_grad, a DTensor around a shard."""
-    import torch
-
-    if t.dist is not None and not is_dtensor(value):
-        d = t.dist
-        from_local = _dtensor_cls().from_local
-        value = from_local(value, d.mesh, d.placements, run_check=False,
-                           shape=torch.Size(d.shape), stride=d.stride)
-    if not t.is_param:
-        return value.detach()
-    # The user may have frozen or unfrozen it since it was loaded.
-    rg = t.param.requires_grad if t.param is not None else t.requires_grad
-    new = torch.nn.Parameter(
-        value, requires_grad=rg and value.dtype.is_floating_point)
-    if streamed_in is not None and new.requires_grad:
-        new.register_hook(_refuse_grad(t.names[0], streamed_in))
-        new._laden_refusing = True
-    return new
-
-
-def _set_tensor(t: _Tensor, value, streamed_in: Optional[str] = None
-                ) -> None:
-    """Points every alias of t at `value`, for good (no run binding).
-    The tensor object laden made for t keeps its identity (its contents
-    are swapped); `streamed_in` names the block whose slot or workspace
-    `value` is in: a gradient for it would be wrong, so computing one
-    raises."""
-    t.run = t.run_block = None
-    new = _make(t, value, streamed_in)
-    if t.param is not None and t.param.__class__ is new.__class__ and \
-            _swap(t.param, new):
-        new = t.param
-    t.param = new
-    table = "_parameters" if t.is_param else "_buffers"
-    for mod, attr in t.aliases:
-        getattr(mod, table)[attr] = new
-        refresh(mod)  # a quantized wrapper's inner tensor: rebuilt
-
-
-def _set_run(t: _Tensor, value, home, streamed_in: Optional[str]) -> None:
-    """t runs from `value`, memory other blocks reuse (a slot, the
-    expansion workspace), bound into its modules only inside its block
-    (bind_in); outside, they hold `home` (its host copy; meta where it has
-    none), so that state_dict(), parameters() and attribute reads never
-    see another block's bytes.  `streamed_in`: see _set_tensor."""
-    _set_tensor(t, home)
-    t.run = _make(t, value, streamed_in)
-    t.run_block = streamed_in
-
-
-def bind_in(ts, grad: bool) -> None:
-    """Between a block's enter and exit: its modules hold what it runs
-    from.  With gradients on, each run tensor follows its own tensor's
-    requires_grad (the user may freeze the parameters they can see)."""
-    for t in ts:
-        r = t.run
-        if r is None:
-            continue
-        if grad and t.is_param and r.requires_grad != t.param.requires_grad:
-            _follow_grad(t, r)
-        _put(t, r)
-
-
-def bind_out(ts) -> None:
-    """After a block's exit: its modules hold each tensor's own value
-    again."""
-    for t in ts:
-        if t.run is not None:
-            _put(t, t.param)
-
-
-def _put(t: "_Tensor", value) -> None:
-    """Every module that holds t (its aliases) holds `value` as it."""
-    slots = "_parameters" if t.is_param else "_buffers"
-    for mod, attr in t.aliases:
-        getattr(mod, slots)[attr] = value
-    if _wrapped._HOLDER is not None:
-        for mod, _ in t.aliases:
-            refresh(mod)
-
-
-def _follow_grad(t: _Tensor, r) -> None:
-    want = t.param.requires_grad and r.dtype.is_floating_point
-    r.requires_grad_(want)
-    if want and t.run_block is not None and \
-            not getattr(r, "_laden_refusing", False):
-        r.register_hook(_refuse_grad(t.names[0], t.run_block))
-        r._laden_refusing = True
-
-
-def run_of(t: _Tensor):
-    """The tensor object t's block computes with: where adapters merge
-    and gradients land."""
-    return t.run if t.run is not None else t.param
-
-
-class _Gone:
-    """A tensor saved for backward that lived in streamed memory."""
-
-    __slots__ = ("block",)
-
-    def __init__(self, block: str):
-        self.block = block
-
-
-def _training_error(what: str) -> StateError:
-    return StateError(
-        f"backward through {what}: laden streamed its weights through "
-        "device memory that later blocks have overwritten, so its gradient "
-        "would be wrong. To train through streamed blocks, load the model "
-        "with laden.stream_load and call laden.install_offload(model, "
-        "train=True) (a ModelCache model has no training mode yet); for "
-        "inference run the forward under torch.no_grad() or "
-        "torch.inference_mode(); or keep the blocks that need gradients "
-        "resident (resident_prefixes)", "E_STATE")
-
-
-def _refuse_grad(name: str, block: str):
-    def hook(grad):
-        raise _training_error(f"parameter '{name}' of streamed block "
-                              f"'{block}'")
-    return hook
-
-
-def _saved_hooks(gone: Dict[int, str]):
-    """saved_tensors_hooks that let a streamed block's forward save what
-    backward needs, except tensors in streamed memory: those become a
-    marker whose unpacking raises."""
-    def pack(x):
-        try:
-            block = gone.get(x.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return x
-        return x if block is None else _Gone(block)
-
-    def unpack(x):
-        if isinstance(x, _Gone):
-            raise _training_error(f"streamed block '{x.block}'")
-        return x
-
-    return pack, unpack
-
-
-
 def _numel(t: _Tensor) -> int:
     n = 1
     for d in t.shape:
         n *= d
     return n
-
-
-def _fp8_dtype(name: Optional[str]):
-    import torch
-
-    return torch.float8_e5m2 if name == "F8_E5M2" else torch.float8_e4m3fn
-
-
-
-def expand_fp8(out, q, scale, kind: Optional[str]) -> None:
-    """out = q x scale in out's dtype, rounded once (the product is formed
-    in float32): the dequantized form laden runs with."""
-    out.copy_(q)
-    if scale is None:
-        return
-    if kind == "row" or kind is None:
-        out.mul_(scale.reshape(-1, 1))
-    elif kind == "tensor":
-        out.mul_(scale.reshape(()))
-    else:
-        r, c = out.shape
-        full = scale.repeat_interleave(128, 0)[:r].repeat_interleave(
-            128, 1)[:, :c]
-        out.mul_(full)
-
-
-_NVRTC_SET = False
-_NVRTC_LOCK = threading.Lock()
-
-
-def _nvrtc_path() -> Optional[str]:
-    """The NVRTC library that torch's CUDA wheels bring, if any: in
-    nvidia/*/lib beside torch (CUDA 12: cuda_nvrtc, 13: cu13) or in
-    torch/lib; the one of torch's CUDA major version first."""
-    import glob
-    import sys
-
-    import torch
-
-    major = (torch.version.cuda or "").split(".")[0]
-    found = []
-    for root in sys.path:
-        found += glob.glob(os.path.join(root, "nvidia", "*", "lib",
-                                        "libnvrtc.so*"))
-    found += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                    "libnvrtc*.so*"))
-    found = [f for f in found if "builtins" not in os.path.basename(f)]
-    found.sort(key=lambda f: (f".so.{major}" not in f, len(f)))
-    return found[0] if found else None
-
-
-def expand_unavailable(device) -> Optional[str]:
-    """None if compact tensors (GGUF block types) can be expanded where
-    `device` runs blocks, else why not (they are then expanded on load)."""
-    global _NVRTC_SET
-    if device.type != "cuda":
-        return None
-    if not hasattr(lib, "laden_expand_ready"):
-        return "this libladen has no device expansion"
-    with _NVRTC_LOCK:  # the path set before any thread's first compile
-        if not _NVRTC_SET:
-            path = _nvrtc_path()
-            if path:
-                s = lib.laden_expand_set_nvrtc(path.encode())
-                if s:
-                    log.warning("laden: NVRTC %s: %s", path, error_for(s))
-            _NVRTC_SET = True
-    s = lib.laden_expand_ready(_dev_index(device))
-    return str(error_for(s)) if s else None
 
 
 _SCALE_KIND = {"tensor": _lib.SCALE_TENSOR, "row": _lib.SCALE_ROW,
@@ -710,178 +333,6 @@ def _resolve_dtype(x):
             f"compute_dtype {x!r}: use a torch dtype or 'bf16', 'fp16', "
             "'fp32'", "E_INVAL")
     return names[str(x).lower()]
-
-
-
-def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
-                  guard=None, gone=None, after_enter=None,
-                  slot_tensors=(), trainer=None, compiler=None, binds=()):
-    """Wraps mod.forward with one C call before (enter) and one after
-    (exit); records (module, previous forward, had own) in `wrapped` so it
-    can be undone.  `guard()`, if given, runs first (it may raise).  With
-    `gone` (storage address -> block, for memory that later blocks
-    overwrite), what the forward saves for backward from that memory
-    raises when backward unpacks it, instead of giving a wrong gradient.
-    `after_enter(c_block)` runs once the block's bytes are in place (an
-    adapter merged into its slot).  The parts of mod that hold
-    `slot_tensors` (the block's tensors in its slot) refuse to run outside
-    its forward.  With `trainer` (install_offload(train=True)), a call
-    with gradients enabled is a checkpointed node (laden.training) that
-    enters the block again in backward.  With `compiler`
-    (laden.compile.BlockCompiler), the block's own forward runs compiled
-    between enter and exit.  `binds` (a list the caller may refill) are
-    the block's tensors whose ``run`` is bound into the modules between
-    enter and exit only (bind_in, bind_out)."""
-    import torch
-
-
-
-    enter, leave = lib.laden_sched_enter, lib.laden_sched_exit
-    had = "forward" in mod.__dict__
-    orig = raw = mod.forward
-    if compiler is not None:
-        orig = compiler.forward_of(mod, orig, had)
-    compiling = _compile.compiling
-    traced_ops = _compile.ops() if guard is None and trainer is None \
-        else None
-    grad_on = torch.is_grad_enabled
-    hooks = _saved_hooks(gone) if gone is not None else None
-    saved = torch.autograd.graph.saved_tensors_hooks
-
-    inside = [0]
-
-    def do_enter() -> int:
-        _compile.close_open()  # what a compiled run that raised left
-        stream = _compute_stream(device)  # once: enter and exit share it
-        if tracing_on[0]:
-            sample_torch_memory(device)
-        s = enter(owner.h, c_block, stream)
-        if s:
-            raise error_for(s)
-        # Set, not counted: laden's blocks never nest, and a count an
-        # interrupt left off (Ctrl-C between C's enter and here) is
-        # mended by the block's next enter.
-        inside[0] = 1
-        try:
-            bind_in(binds, grad_on())
-            if after_enter is not None:
-                after_enter(c_block)
-        except BaseException:
-            inside[0] = 0
-            bind_out(binds)
-            leave(owner.h, c_block, stream)
-            raise
-        return stream
-
-    def do_leave(stream: int) -> None:
-        inside[0] = 0
-        bind_out(binds)
-        s = leave(owner.h, c_block, stream)
-        if tracing_on[0]:
-            sample_torch_memory(device)
-        if s:
-            raise error_for(s)
-
-    def plain(args, kwargs):
-        stream = do_enter()
-        try:
-            if hooks is not None and grad_on():
-                with saved(*hooks):
-                    out = orig(*args, **kwargs)
-            else:
-                out = orig(*args, **kwargs)
-        except BaseException:
-            inside[0] = 0
-            bind_out(binds)
-            leave(owner.h, c_block, stream)
-            raise
-        do_leave(stream)
-        return out
-
-    key = _compile.register(do_enter, do_leave) if traced_ops else 0
-
-    tracing = [0]  # inside traced(), as Dynamo traces it
-
-    def traced(xs, args, kwargs):
-        # Under torch.compile, without gradients: enter and exit are ops
-        # in the graph (laden.compile); the block's own forward is traced
-        # between them.  Both take the block's weights, declared mutated:
-        # every read of them is ordered after enter and before exit, also
-        # work on weights alone that feeds no output.  Exit takes the
-        # inputs too: a block that returns nothing still has its exit
-        # ordered after its in-place writes (and not dropped as dead
-        # code).
-        # The module holds what the block runs from while it is traced,
-        # as it does between an eager enter and exit.
-        bind_in(binds, False)
-        ws = _compile.weights_of(mod)
-        traced_ops[0](xs + ws, key)
-        tracing[0] += 1
-        try:
-            out = raw(*args, **kwargs)
-        finally:
-            tracing[0] -= 1
-        traced_ops[1](_compile.tensors_of((args, kwargs, out)) + ws, key)
-        bind_out(binds)
-        return out
-
-    def forward(*args, **kwargs):
-        if traced_ops and compiling() and not grad_on():
-            xs = _compile.tensors_of((args, kwargs))
-            if xs:
-                return traced(xs, args, kwargs)
-        if guard is not None:
-            guard()
-        if trainer is not None:
-            if grad_on():
-                return trainer.call(mod, c_block, do_enter, do_leave, orig,
-                                    plain, args, kwargs)
-            # An optimizer may have changed the host copies: a forward
-            # without gradients must not run the slots' old bytes.
-            trainer.refresh(c_block)
-        return plain(args, kwargs)
-
-    def outside(part, args):
-        # Inside: between the block's enter and exit (eager, or around a
-        # BlockCompile call), or traced between its enter and exit ops.
-        if not inside[0] and not tracing[0]:
-            _compile.refuse(StateError(
-                f"a {type(part).__name__} inside streamed block {c_block} "
-                f"({type(mod).__name__}) was called outside the block's "
-                "forward: its weights live in a slot that other blocks "
-                "reuse, so they may be another block's by now; keep that "
-                "block resident (resident_prefixes) or call it through "
-                "the block", "E_STATE"))
-
-    if key:
-        wrapped.append(("key", key, None))
-    wrapped.append((mod, mod.__dict__.get("forward"), had))
-    mod.forward = forward
-    # Parts of the block with weights of their own run only inside it
-    # (found in review: DiT calls transformer_blocks[0].norm1.emb after
-    # the loop, reading block 0's slot after later blocks refilled it).
-    owners = {id(m) for t in slot_tensors for m, _ in t.aliases}
-    for part in mod.modules():
-        if part is not mod and id(part) in owners:
-            wrapped.append(("hook", part.register_forward_pre_hook(outside),
-                            None))
-
-
-def _unwrap_all(wrapped: list) -> None:
-    """Undoes _wrap_forward: forwards restored, guards removed."""
-
-    for mod, prev, had in reversed(wrapped):
-        if isinstance(mod, str) and mod == "hook":
-            prev.remove()
-        elif isinstance(mod, str) and mod == "key":
-            _compile.forget(prev)
-        elif had:
-            mod.forward = prev
-        else:
-            mod.__dict__.pop("forward", None)
-    wrapped.clear()
-
-
 
 
 def check_lookahead(n) -> None:
