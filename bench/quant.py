@@ -111,7 +111,7 @@ def main() -> int:
             print(f"writing {paths[q]} ...", flush=True)
             write_gguf(a, paths[q], q)
     from laden._expand import expand_unavailable
-    why = expand_unavailable(torch.device(a.device))
+    why = expand_unavailable(a.device)
     x = torch.randn(1, a.tokens, a.hidden, dtype=torch.bfloat16,
                     device=a.device)
     buf = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)

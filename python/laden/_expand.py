@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Optional
 
-from ._devices import _dev_index
+from ._devices import _dev_index, _device
 from ._lib import error_for, lib
 
 log = logging.getLogger("laden")
@@ -64,6 +64,7 @@ def expand_unavailable(device) -> Optional[str]:
     """None if compact tensors (GGUF block types) can be expanded where
     `device` runs blocks, else why not (they are then expanded on load)."""
     global _NVRTC_SET
+    device = _device(device)  # "cuda" means the current one
     if device.type != "cuda":
         return None
     if not hasattr(lib, "laden_expand_ready"):

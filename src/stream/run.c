@@ -23,6 +23,8 @@
 #include "stream_layout.h"
 #include "stream_load.h"
 
+#include "laden/expand.h"
+
 /* Checks a (block, tensor) argument of a loaded schedule. */
 static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
                                bool have_out, const char *call)
@@ -76,6 +78,68 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 }
 
 /* ---- the hot path ------------------------------------------------------- */
+
+/* Tensor r's stored bytes as laden_expand counts them: fp8 codes without
+ * the row scales laid out after them. */
+static uint64_t stored_bytes(const tref *r)
+{
+    uint32_t elems = 1, bytes = 1;
+    if (r->dst == LADEN_DTYPE_F8_E4M3 || r->dst == LADEN_DTYPE_F8_E5M2)
+        return r->nelem;
+    if (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1)
+        return r->nelem / elems * bytes;
+    return r->nelem * (laden_dtype_bits(r->dst) / 8);
+}
+
+/* Block's compact tensors expanded into the workspace (workspace.c laid
+ * it out) on `handle`, from where the block runs: enter's last step. */
+laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
+                                       uintptr_t handle)
+{
+    blk *b = &sc->layout.b[block];
+    if (!b->ws_bytes)
+        return LADEN_OK;
+    if (!sc->run.workspace)
+        return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
+                           "they expand once the schedule is started", block);
+    int32_t dev = sc->cfg.device;
+    laden_devptr_t ws = sc->run.workspace;
+    laden_devptr_t base =
+        laden__sched_streamed(sc, b)
+            ? sc->run.slots[(uint32_t)b->pos % sc->run.nslots].ptr
+            : b->region;
+    laden_status s;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        const tref *r = &b->t[k];
+        if (!r->expands)
+            continue;
+        laden_devptr_t src = base + r->dst_off, scale = 0;
+        laden_scale_kind kind = r->scale_kind;
+        if (r->rows) {
+            scale = src + laden__sched_scale_offset(r->nelem);
+            kind = LADEN_SCALE_ROW;
+        } else if (r->scale != LADEN_SCHED_NO_SCALE) {
+            const tref *sr = &b->t[r->scale];
+            scale = base + sr->dst_off;
+            if (sr->dst != LADEN_DTYPE_F32) {
+                if ((s = laden_expand(dev, handle, sr->dst, scale,
+                                      stored_bytes(sr), sr->nelem, 0, 0,
+                                      LADEN_SCALE_NONE, LADEN_DTYPE_F32,
+                                      ws + r->sws_off)))
+                    return s;
+                scale = ws + r->sws_off;
+            }
+        }
+        if ((s = laden_expand(dev, handle, r->dst, src, stored_bytes(r),
+                              r->nelem, r->cols, scale, kind, r->expanded,
+                              ws + r->ws_off))) {
+            laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
+            return s;
+        }
+    }
+    return LADEN_OK;
+}
+
 
 /* Tracing: block's name (NULL if it has none). */
 static const char *bname(laden_sched_t *sc, int64_t block)

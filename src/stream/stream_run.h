@@ -113,9 +113,9 @@ laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
                                        uint32_t i, laden_dtype compute,
                                        uint64_t cols, uint32_t scale,
                                        laden_scale_kind kind);
-/* Expands block's compact tensors into the workspace on `handle` (the
- * stream it is entered on; the CPU device: now), after its bytes are in
- * place: laden__sched_enter's last step. */
+/* run.c: expands block's compact tensors into the workspace on `handle`
+ * (the stream it is entered on; the CPU device: now), after its bytes are
+ * in place: laden__sched_enter's last step. */
 laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                                        uintptr_t handle);
 /* value.c: laden_sched_tensor_value's work. */

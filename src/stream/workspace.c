@@ -5,7 +5,8 @@
  * whose expanded tensors need the most bytes.  Its offsets are fixed as
  * tensors are marked (before the load), so the plan counts its size; the
  * memory is made with the slots (run.c's start) inside the schedule's
- * VRAM context and freed with them. */
+ * VRAM context and freed with them; run.c's enter expands into it.  Calls
+ * nothing above it in src/stream (parts.c and build.c call it). */
 #include "stream_run.h"
 #include "stream_layout.h"
 
@@ -139,64 +140,6 @@ laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
     r->scale_kind = kind;
     r->cols = r->rows ? r->nelem / r->rows : cols;
     r->sws_off = soff;
-    return LADEN_OK;
-}
-
-/* Tensor r's stored bytes as laden_expand counts them: fp8 codes without
- * the row scales laid out after them. */
-static uint64_t stored_bytes(const tref *r)
-{
-    uint32_t elems = 1, bytes = 1;
-    if (is_fp8(r->dst))
-        return r->nelem;
-    if (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1)
-        return r->nelem / elems * bytes;
-    return r->nelem * (laden_dtype_bits(r->dst) / 8);
-}
-
-laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
-                                       uintptr_t handle)
-{
-    blk *b = &sc->layout.b[block];
-    if (!b->ws_bytes)
-        return LADEN_OK;
-    if (!sc->run.workspace)
-        return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
-                           "they expand once the schedule is started", block);
-    int32_t dev = sc->cfg.device;
-    laden_devptr_t ws = sc->run.workspace, base;
-    laden_status s = laden__sched_tensor_ptr(sc, block, 0, &base);
-    if (s)
-        return s;
-    base -= b->t[0].dst_off;
-    for (uint32_t k = 0; k < b->nt; k++) {
-        const tref *r = &b->t[k];
-        if (!r->expands)
-            continue;
-        laden_devptr_t src = base + r->dst_off, scale = 0;
-        laden_scale_kind kind = r->scale_kind;
-        if (r->rows) {
-            scale = src + laden__sched_scale_offset(r->nelem);
-            kind = LADEN_SCALE_ROW;
-        } else if (r->scale != LADEN_SCHED_NO_SCALE) {
-            const tref *sr = &b->t[r->scale];
-            scale = base + sr->dst_off;
-            if (sr->dst != LADEN_DTYPE_F32) {
-                if ((s = laden_expand(dev, handle, sr->dst, scale,
-                                      stored_bytes(sr), sr->nelem, 0, 0,
-                                      LADEN_SCALE_NONE, LADEN_DTYPE_F32,
-                                      ws + r->sws_off)))
-                    return s;
-                scale = ws + r->sws_off;
-            }
-        }
-        if ((s = laden_expand(dev, handle, r->dst, src, stored_bytes(r),
-                              r->nelem, r->cols, scale, kind, r->expanded,
-                              ws + r->ws_off))) {
-            laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
-            return s;
-        }
-    }
     return LADEN_OK;
 }
 
