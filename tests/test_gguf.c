@@ -687,6 +687,16 @@ TEST(gguf_check_model_names_the_key)
     const int64_t nan[] = {-1};
     CHECK_EQ(model_check("llama", 1, f, nan), LADEN_E_SCHEMA);
     CHECK(strstr(laden_last_error(), "finite float above 0"));
+    static const char *const ex[] = {"llama.expert_count",
+                                     "llama.expert_used_count"};
+    const int64_t used[] = {2, 4};
+    CHECK_EQ(model_check("llama", 2, ex, used), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "more than llama.expert_count (2)"));
+    char longname[80];
+    memset(longname, 'a', 70);
+    longname[70] = '\0';
+    CHECK_EQ(model_check(longname, 0, k, good), LADEN_E_SCHEMA);
+    CHECK(strstr(laden_last_error(), "at most 64"));
     CHECK_EQ(model_check("", 0, k, good), LADEN_E_SCHEMA);
     CHECK(strstr(laden_last_error(), "'general.architecture' is ''"));
     CHECK_EQ(laden_gguf_check_model(NULL, "x"), LADEN_E_INVAL);

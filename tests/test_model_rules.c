@@ -185,19 +185,28 @@ TEST(model_enter_expands)
                   "\"h\":{\"dtype\":\"F16\",\"shape\":[3],"
                   "\"data_offsets\":[24,30]},"
                   "\"s\":{\"dtype\":\"BF16\",\"shape\":[],"
-                  "\"data_offsets\":[30,32]}}",
+                  "\"data_offsets\":[30,32]},"
+                  "\"e\":{\"dtype\":\"F16\",\"shape\":[0],"
+                  "\"data_offsets\":[32,32]}}",
                   data, sizeof data);
     laden_st_t *st;
     CHECK_OK(laden_st_open(p, &st));
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
     laden_sched_t *sc;
     CHECK_OK(laden_sched_create(&cfg, st, &sc));
-    uint32_t a, b, c, q, s, q2, r, hh, rq, dh;
+    uint32_t a, b, c, q, s, q2, r, hh, rq, dh, e, cq, cs;
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &a));
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_GPU, &b));
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &c));
     CHECK_OK(laden_sched_add_tensor(sc, c, st, index_of(st, "h"),
                                     LADEN_DTYPE_F16, &dh));
+    /* The disk tier streams through a slot: its fp8 expands from there. */
+    CHECK_OK(laden_sched_add_tensor(sc, c, st, index_of(st, "q"),
+                                    LADEN_DTYPE_F8_E4M3, &cq));
+    CHECK_OK(laden_sched_add_tensor(sc, c, st, index_of(st, "s"),
+                                    LADEN_DTYPE_BF16, &cs));
+    CHECK_OK(laden_sched_set_expanded(sc, c, cq, LADEN_DTYPE_F32, 4, cs,
+                                      LADEN_SCALE_TENSOR));
     CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "q"),
                                     LADEN_DTYPE_F8_E4M3, &q));
     CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "s"),
@@ -229,6 +238,10 @@ TEST(model_enter_expands)
     CHECK_OK(laden_sched_set_expanded(sc, a, q2, LADEN_DTYPE_BF16, 4, r,
                                       LADEN_SCALE_ROW));
     CHECK_OK(laden_sched_set_expanded(sc, a, hh, LADEN_DTYPE_F32, NOSC));
+    /* No elements: nothing to expand, the block's enter still works. */
+    CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "e"),
+                                    LADEN_DTYPE_F16, &e));
+    CHECK_OK(laden_sched_set_expanded(sc, a, e, LADEN_DTYPE_F32, NOSC));
     CHECK_OK(laden_sched_load(sc));
     /* Values, without running a block: from the RAM tier's host copy,
      * the resident block's region and the disk tier's file. */
@@ -275,6 +288,13 @@ TEST(model_enter_expands)
     CHECK(vr[0] > 1.999f && vr[0] < 2.001f && vr[1] > 0.2499f &&
           vr[1] < 0.2501f);
     CHECK_OK(laden_sched_exit(sc, b, 0));
+    CHECK(laden_sched_is_streamed(sc, c)); /* from its slot, read from disk */
+    laden_devptr_t pc;
+    CHECK_OK(laden_sched_expanded_at(sc, c, cq, &pc, &n));
+    memset((void *)(uintptr_t)pc, 0, sizeof wq);
+    CHECK_OK(laden_sched_enter(sc, c, 0));
+    CHECK(memcmp((void *)(uintptr_t)pc, wq, sizeof wq) == 0);
+    CHECK_OK(laden_sched_exit(sc, c, 0));
     laden_sched_destroy(sc);
     laden_st_close(st);
 }

@@ -803,7 +803,7 @@ TEST(st_read_text)
     CHECK(strstr(laden_last_error(), "line 2 column 7") &&
           strstr(laden_last_error(), "NaN"));
     CHECK_EQ(read_text("{} {}", 1024, LADEN_ST_TEXT_JSON, &t), LADEN_E_JSON);
-    static char deep[300];
+    static char deep[301]; /* NUL-terminated */
     memset(deep, '[', 150);
     memset(deep + 150, ']', 150);
     CHECK_EQ(read_text(deep, 1024, LADEN_ST_TEXT_JSON, &t), LADEN_E_LIMIT);
@@ -823,4 +823,12 @@ TEST(st_read_text)
     CHECK_EQ(laden_st_read_text(f, 1024, 0, &t, &n), LADEN_E_INVAL);
     CHECK(strstr(laden_last_error(), "not a regular file (a FIFO)"));
     CHECK_EQ(laden_st_read_text(NULL, 1024, 0, &t, &n), LADEN_E_INVAL);
+    /* A file whose stated size (0) understates it: the buffer grows. */
+    CHECK_OK(laden_st_read_text("/proc/self/status", 1 << 20, 0, &t, &n));
+    CHECK(n > 100 && strstr((const char *)t, "Name:"));
+    laden_st_text_free(t);
+    CHECK_EQ(laden_st_read_text("/proc/self/status", 16, 0, &t, &n),
+             LADEN_E_LIMIT);
+    CHECK_OK(laden_st_read_text("/proc/self/status", UINT64_MAX, 0, &t, &n));
+    laden_st_text_free(t);
 }

@@ -665,6 +665,9 @@ LADEN_API laden_status laden_sched_block_state(laden_sched_t *sched,
  * this call (F32, F16 or BF16: one not F32 is widened into the workspace
  * first), applied as `kind` says, `cols` the elements per row (ROW,
  * TILE128); LADEN_SCHED_NO_SCALE and LADEN_SCALE_NONE for none.
+ * The workspace is one for all blocks, ordered by the one stream blocks
+ * are entered on: enter consecutive blocks with compact tensors on one
+ * stream.
  * laden_sched_start then also allocates the expansion workspace: as many
  * bytes as the block with the most expanded bytes needs (each tensor
  * aligned to 256 bytes), inside the schedule's VRAM context, freed with

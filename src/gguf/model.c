@@ -86,6 +86,12 @@ laden_status laden_gguf_check_model(const laden_gguf_t *g, const char *path)
     if (!v || v->type != LADEN_GGUF_STRING || !v->count)
         return bad(path, "general.architecture", v,
                    "laden needs the architecture's name");
+    if (v->count > 64 || strspn(v->str, "abcdefghijklmnopqrstuvwxyz"
+                                        "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                        "0123456789_-.") != v->count)
+        return bad(path, "general.architecture", v,
+                   "an architecture's name is at most 64 letters, digits, "
+                   "'_', '-' or '.'");
     char arch[128], key[256];
     snprintf(arch, sizeof arch, "%s", v->str);
     if ((v = find(g, "general.name", &kv)) && v->type != LADEN_GGUF_STRING)

@@ -57,6 +57,9 @@ static struct probe {
 } probes[PROBES];
 static unsigned nprobes, next_probe;
 static pthread_mutex_t probe_mu = PTHREAD_MUTEX_INITIALIZER;
+/* One measurement at a time: two at once would each see a shared link or
+ * drive, and the skewed first one would be kept. */
+static pthread_mutex_t measure_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static bool probe_known(uint64_t a, uint64_t b, double *out)
 {
@@ -88,14 +91,16 @@ laden_status laden_plan_probe_h2d(int32_t device, double *out)
                            "NULL");
     *out = 0.0;
     /* Keys of links: UINT64_MAX beside the device, no inode is that. */
-    if (device == LADEN_DEVICE_CPU ||
-        probe_known((uint64_t)(uint32_t)device, UINT64_MAX, out))
+    if (device == LADEN_DEVICE_CPU)
         return LADEN_OK;
-    laden_status s = laden_dev_measure_copy(device, LADEN_COPY_H2D_PINNED,
-                                            LADEN_PLAN_PROBE_BYTES,
-                                            LADEN_PLAN_PROBE_REPEATS, out);
-    if (!s)
+    laden_status s = LADEN_OK;
+    pthread_mutex_lock(&measure_mu);
+    if (!probe_known((uint64_t)(uint32_t)device, UINT64_MAX, out) &&
+        !(s = laden_dev_measure_copy(device, LADEN_COPY_H2D_PINNED,
+                                     LADEN_PLAN_PROBE_BYTES,
+                                     LADEN_PLAN_PROBE_REPEATS, out)))
         probe_keep((uint64_t)(uint32_t)device, UINT64_MAX, *out);
+    pthread_mutex_unlock(&measure_mu);
     return s;
 }
 
@@ -111,12 +116,14 @@ laden_status laden_plan_probe_disk(const char *path, double *out)
     struct stat sb;
     if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode))
         return LADEN_OK;
-    if (probe_known((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, out))
-        return LADEN_OK;
-    if (laden_io_measure_file(path, LADEN_PLAN_DISK_PROBE_BYTES, out))
-        *out = 0.0;
-    else
-        probe_keep((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, *out);
+    pthread_mutex_lock(&measure_mu);
+    if (!probe_known((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, out)) {
+        if (laden_io_measure_file(path, LADEN_PLAN_DISK_PROBE_BYTES, out))
+            *out = 0.0;
+        else
+            probe_keep((uint64_t)sb.st_dev, (uint64_t)sb.st_ino, *out);
+    }
+    pthread_mutex_unlock(&measure_mu);
     return LADEN_OK;
 }
 

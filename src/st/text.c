@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -151,6 +152,14 @@ laden_status laden_st_read_text(const char *path, uint64_t max_bytes,
     laden_status s = laden__st_open_fd(path, &fd, &size, NULL);
     if (s)
         return s;
+    if (max_bytes > ((uint64_t)SIZE_MAX >> 1))
+        max_bytes = (uint64_t)SIZE_MAX >> 1; /* cap + 1 cannot wrap */
+    if (size > max_bytes) {
+        close(fd);
+        return laden__fail(LADEN_E_LIMIT, "%s: larger than %llu bytes: not "
+                           "a file laden reads here",
+                           path, (unsigned long long)max_bytes);
+    }
     s = read_all(path, fd, size, max_bytes, &text, len);
     close(fd);
     if (s)

@@ -111,7 +111,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
     laden_status s;
     for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
-        if (!r->expands)
+        if (!r->expands || !r->nelem) /* nothing to expand */
             continue;
         laden_devptr_t src = base + r->dst_off, scale = 0;
         laden_scale_kind kind = r->scale_kind;
@@ -125,8 +125,11 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                 if ((s = laden_expand(dev, handle, sr->dst, scale,
                                       stored_bytes(sr), sr->nelem, 0, 0,
                                       LADEN_SCALE_NONE, LADEN_DTYPE_F32,
-                                      ws + r->sws_off)))
+                                      ws + r->sws_off))) {
+                    laden__error_prefix("the scale of tensor '%.200s'",
+                                        r->name ? r->name : "?");
                     return s;
+                }
                 scale = ws + r->sws_off;
             }
         }
@@ -548,14 +551,19 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s)
         return s;
-    if (!sl) /* resident: its compact tensors expand from its region */
-        return laden__sched_expand_block(sc, block, handle);
+    if (!sl && !sc->layout.b[block].ws_bytes)
+        return LADEN_OK;
     if (sc->capture.on && handle != sc->capture.handle) {
         sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,
                            "block %u entered on another stream than the "
                            "capture in progress", block);
     }
+    if (!sl) /* resident: its compact tensors expand from its region, once
+                its bytes are in (a background load may still write it) */
+        return (s = laden__sched_until(sc, block))
+                   ? s
+                   : laden__sched_expand_block(sc, block, handle);
     if (!sc->capture.on && (s = settle(sc)))
         return s;
     blk *b = &sc->layout.b[block];

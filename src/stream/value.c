@@ -60,12 +60,13 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
 {
     uintptr_t src = (uintptr_t)raw;
     bool codes = fp8(r->dst) || r->rows;
-    if (!codes && !r->expands && laden_dtype_bits(r->dst)) {
-        if (r->dst != dtype)
-            return laden_sched_convert(r->dst, raw, dtype, dst, r->nelem);
-        memcpy(dst, raw, r->dst_bytes);
+    if (r->dst == dtype && !r->rows && !(r->expands && r->scale !=
+                                         LADEN_SCHED_NO_SCALE)) {
+        memcpy(dst, raw, r->dst_bytes); /* a dtype to itself */
         return LADEN_OK;
     }
+    if (!codes && !r->expands && laden_dtype_bits(r->dst))
+        return laden_sched_convert(r->dst, raw, dtype, dst, r->nelem);
     laden_scale_kind kind = scale ? r->scale_kind : LADEN_SCALE_NONE;
     uintptr_t at = (uintptr_t)scale;
     if (r->rows) { /* quantized on load: the row scales after the codes */
@@ -96,12 +97,11 @@ laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
                            "not %llu bytes",
                            name, (unsigned long long)r->nelem, (int)dtype,
                            (unsigned long long)dst_bytes);
-    if (!laden__sched_usable(sc) || !b->ready)
+    bool usable = laden__sched_usable(sc) || (sc->cache.on && b->filled);
+    if (!usable || !(b->ready || sc->loaded || (sc->cache.on && b->filled)))
         return laden__fail(LADEN_E_STATE, "tensor '%.200s': %s", name,
-                           laden__sched_usable(sc) ? "its block is still "
-                                                     "loading"
-                                                   : "the schedule is not "
-                                                     "loaded");
+                           usable ? "its block is still loading"
+                                  : "the schedule is not loaded");
     bool scaled = fp8(r->dst) && !r->rows && r->expands &&
                   r->scale != LADEN_SCHED_NO_SCALE;
     const tref *sr = scaled ? &b->t[r->scale] : NULL;
