@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "laden/dev.h"
 #include "laden/grads.h"
 #include "laden/plan.h"
 #include "laden/st.h"
@@ -242,11 +243,17 @@ TEST(model_enter_expands)
     CHECK_OK(laden_sched_add_tensor(sc, a, st, index_of(st, "e"),
                                     LADEN_DTYPE_F16, &e));
     CHECK_OK(laden_sched_set_expanded(sc, a, e, LADEN_DTYPE_F32, NOSC));
-    CHECK_OK(laden_sched_load(sc));
-    /* Values, without running a block: from the RAM tier's host copy,
-     * the resident block's region and the disk tier's file. */
     float v[8];
     uint16_t v16[8];
+    CHECK_EQ(laden_sched_tensor_value(sc, a, q, LADEN_DTYPE_F32, v, 32),
+             LADEN_E_STATE); /* nothing loaded yet */
+    CHECK_CONTAINS(laden_last_error(), "not loaded");
+    CHECK_OK(laden_sched_load(sc));
+    /* A resident block's compact tensors expand only once started. */
+    CHECK_EQ(laden_sched_enter(sc, b, 0), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "once the schedule is started");
+    /* Values, without running a block: from the RAM tier's host copy,
+     * the resident block's region and the disk tier's file. */
     CHECK_OK(laden_sched_tensor_value(sc, a, q, LADEN_DTYPE_F32, v, 32));
     const float wq[8] = {0.5f, 1.0f, -0.5f, 0.75f, 0.0f, 0.5f, 1.0f, 0.75f};
     CHECK(memcmp(v, wq, sizeof wq) == 0);
@@ -296,6 +303,46 @@ TEST(model_enter_expands)
     CHECK(memcmp((void *)(uintptr_t)pc, wq, sizeof wq) == 0);
     CHECK_OK(laden_sched_exit(sc, c, 0));
     laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+/* Where the device cannot expand (the stand-in driver has no module
+ * calls, so no kernels), a schedule with compact tensors is refused at
+ * start, saying why, and a CPU schedule of the same tensors starts. */
+TEST(stream_compact_start_needs_device_kernels)
+{
+    int32_t n = 0;
+    CHECK_OK(laden_dev_count(&n));
+    if (n == 0)
+        SKIP("no CUDA driver");
+    laden_dev_info_t info;
+    CHECK_OK(laden_dev_info(0, &info));
+    if (strncmp(info.name, "fake_cuda", 9) != 0)
+        SKIP("a real CUDA device expands (the H200's pytest covers it)");
+    laden_st_t *st = two_tensors();
+    for (int dev = 0; dev >= LADEN_DEVICE_CPU; dev--) {
+        laden_sched_config cfg = {.device = dev};
+        laden_sched_t *sc;
+        uint32_t b, q8;
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b));
+        CHECK_OK(laden_sched_add_tensor(sc, b, st, index_of(st, "w"),
+                                        LADEN_DTYPE_F8_E4M3, &q8));
+        CHECK_OK(laden_sched_set_expanded(sc, b, q8, LADEN_DTYPE_F32, NOSC));
+        CHECK_OK(laden_sched_load(sc));
+        if (dev == 0) {
+            CHECK_STATUS(laden_sched_start(sc, 0), LADEN_E_UNSUPPORTED);
+            CHECK_CONTAINS(laden_last_error(),
+                           "compact tensors expand when their block runs");
+            laden_devptr_t p;
+            uint64_t bytes;
+            CHECK_EQ(laden_sched_expanded_at(sc, b, q8, &p, &bytes),
+                     LADEN_E_STATE); /* nothing was started */
+        } else {
+            CHECK_OK(laden_sched_start(sc, 0));
+        }
+        laden_sched_destroy(sc);
+    }
     laden_st_close(st);
 }
 

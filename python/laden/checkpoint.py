@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -50,8 +51,8 @@ def read_text(path: PathLike, max_bytes: int, is_json: bool = False):
 
 
 def _finite(text: str) -> float:
-    v = float(text)
-    if v != v or v in (float("inf"), float("-inf")):
+    v = float(text)  # C refused NaN; 1e999 is JSON but not a double
+    if math.isinf(v):
         raise ValueError(f"{text} does not fit a double")
     return v
 

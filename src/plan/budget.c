@@ -56,32 +56,27 @@ static struct probe {
     double rate;
 } probes[PROBES];
 static unsigned nprobes, next_probe;
-static pthread_mutex_t probe_mu = PTHREAD_MUTEX_INITIALIZER;
-/* One measurement at a time: two at once would each see a shared link or
- * drive, and the skewed first one would be kept. */
+/* The table, and one measurement at a time: two at once would each see a
+ * shared link or drive, and the skewed first one would be kept. */
 static pthread_mutex_t measure_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* Both called with measure_mu held. */
 static bool probe_known(uint64_t a, uint64_t b, double *out)
 {
-    pthread_mutex_lock(&probe_mu);
-    bool hit = false;
-    for (unsigned k = 0; k < nprobes && !hit; k++)
+    for (unsigned k = 0; k < nprobes; k++)
         if (probes[k].key[0] == a && probes[k].key[1] == b) {
             *out = probes[k].rate;
-            hit = true;
+            return true;
         }
-    pthread_mutex_unlock(&probe_mu);
-    return hit;
+    return false;
 }
 
 static void probe_keep(uint64_t a, uint64_t b, double rate)
 {
-    pthread_mutex_lock(&probe_mu);
     probes[next_probe] = (struct probe){{a, b}, rate};
     next_probe = (next_probe + 1) % PROBES;
     if (nprobes < PROBES)
         nprobes++;
-    pthread_mutex_unlock(&probe_mu);
 }
 
 laden_status laden_plan_probe_h2d(int32_t device, double *out)

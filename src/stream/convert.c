@@ -115,8 +115,12 @@ static bool is_block(laden_dtype d)
  * types (as the gguf reference dequantizes them). */
 bool laden__decodable(laden_dtype d)
 {
-    return laden__convertible(d) || d == LADEN_DTYPE_F8_E4M3 ||
-           d == LADEN_DTYPE_F8_E5M2 || is_block(d);
+    return laden__convertible(d) || laden__fp8(d) || is_block(d);
+}
+
+bool laden__fp8(laden_dtype d)
+{
+    return d == LADEN_DTYPE_F8_E4M3 || d == LADEN_DTYPE_F8_E5M2;
 }
 
 /* A block type's n elements expanded to float32 a run of blocks at a

@@ -39,6 +39,15 @@ static laden_status tensor_arg(laden_sched_t *sc, uint32_t block, uint32_t i,
     return LADEN_OK;
 }
 
+/* Where block b runs from: its slot when streamed (the schedule started),
+ * else its own region. */
+static laden_devptr_t run_base(const laden_sched_t *sc, const blk *b)
+{
+    return laden__sched_streamed(sc, b)
+               ? sc->run.slots[(uint32_t)b->pos % sc->run.nslots].ptr
+               : b->region;
+}
+
 laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out)
 {
@@ -54,11 +63,7 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                            "block %u is streamed: its slot exists once the "
                            "schedule is started",
                            block);
-    laden_devptr_t base =
-        laden__sched_streamed(sc, b)
-            ? sc->run.slots[(uint32_t)b->pos % sc->run.nslots].ptr
-            : b->region;
-    *out = base + b->t[i].dst_off;
+    *out = run_base(sc, b) + b->t[i].dst_off;
     return LADEN_OK;
 }
 
@@ -79,18 +84,6 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* ---- the hot path ------------------------------------------------------- */
 
-/* Tensor r's stored bytes as laden_expand counts them: fp8 codes without
- * the row scales laid out after them. */
-static uint64_t stored_bytes(const tref *r)
-{
-    uint32_t elems = 1, bytes = 1;
-    if (r->dst == LADEN_DTYPE_F8_E4M3 || r->dst == LADEN_DTYPE_F8_E5M2)
-        return r->nelem;
-    if (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1)
-        return r->nelem / elems * bytes;
-    return r->nelem * (laden_dtype_bits(r->dst) / 8);
-}
-
 /* Block's compact tensors expanded into the workspace (workspace.c laid
  * it out) on `handle`, from where the block runs: enter's last step. */
 laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
@@ -104,10 +97,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                            "they expand once the schedule is started", block);
     int32_t dev = sc->cfg.device;
     laden_devptr_t ws = sc->run.workspace;
-    laden_devptr_t base =
-        laden__sched_streamed(sc, b)
-            ? sc->run.slots[(uint32_t)b->pos % sc->run.nslots].ptr
-            : b->region;
+    laden_devptr_t base = run_base(sc, b);
     laden_status s;
     for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
@@ -123,7 +113,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
             scale = base + sr->dst_off;
             if (sr->dst != LADEN_DTYPE_F32) {
                 if ((s = laden_expand(dev, handle, sr->dst, scale,
-                                      stored_bytes(sr), sr->nelem, 0, 0,
+                                      laden__sched_code_bytes(sr), sr->nelem, 0, 0,
                                       LADEN_SCALE_NONE, LADEN_DTYPE_F32,
                                       ws + r->sws_off))) {
                     laden__error_prefix("the scale of tensor '%.200s'",
@@ -133,7 +123,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                 scale = ws + r->sws_off;
             }
         }
-        if ((s = laden_expand(dev, handle, r->dst, src, stored_bytes(r),
+        if ((s = laden_expand(dev, handle, r->dst, src, laden__sched_code_bytes(r),
                               r->nelem, r->cols, scale, kind, r->expanded,
                               ws + r->ws_off))) {
             laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");

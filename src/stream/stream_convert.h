@@ -13,6 +13,8 @@
 bool laden__convertible(laden_dtype d);
 /* The dtypes converted from: those and fp8, which decode exactly. */
 bool laden__decodable(laden_dtype d);
+/* F8_E4M3 or F8_E5M2. */
+bool laden__fp8(laden_dtype d);
 /* Quantizes rows x cols floats to e4m3 with one float32 scale per row
  * (amax / 448). */
 void laden__quantize_rows(laden_dtype from, const void *src, uint64_t rows,

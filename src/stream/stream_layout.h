@@ -76,6 +76,18 @@ static inline uint64_t laden__sched_scale_offset(uint64_t nelem)
     return (nelem + 15) & ~(uint64_t)15;
 }
 
+/* Tensor r's stored bytes as laden_expand counts them: fp8 codes without
+ * the row scales laid out after them, GGUF blocks, or whole elements. */
+static inline uint64_t laden__sched_code_bytes(const tref *r)
+{
+    uint32_t elems = 1, bytes = 1;
+    if (r->dst == LADEN_DTYPE_F8_E4M3 || r->dst == LADEN_DTYPE_F8_E5M2)
+        return r->nelem;
+    if (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1)
+        return r->nelem / elems * bytes;
+    return r->nelem * (laden_dtype_bits(r->dst) / 8);
+}
+
 typedef struct blk {
     char *name;            /* laden_sched_set_block_name; NULL unnamed */
     uint64_t trace_entered; /* tracing: the session its open enters were

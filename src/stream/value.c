@@ -4,13 +4,14 @@
  * only inside its block).  Read from where laden keeps the tensor, then
  * expanded on the calling thread by the code the CPU device runs
  * (laden_expand), so the value is the one a block computes with.  Calls
- * run.c (where a tensor lies) and the dev and io layers. */
+ * parts.c and convert.c, and the dev and io layers. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "stream_run.h"
 #include "stream_layout.h"
 #include "stream_load.h"
+#include "stream_convert.h"
 
 #include "laden/expand.h"
 
@@ -47,11 +48,6 @@ static laden_status laid_out(laden_sched_t *sc, uint32_t block,
                          r->src_bytes, out);
 }
 
-static bool fp8(laden_dtype d)
-{
-    return d == LADEN_DTYPE_F8_E4M3 || d == LADEN_DTYPE_F8_E5M2;
-}
-
 /* Decodes r's laid-out bytes `raw` into dst as dtype (scale: its scale's
  * values as float32, or NULL): a compact tensor as laden_sched_enter
  * expands it, a plain one copied or converted. */
@@ -59,7 +55,7 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
                            laden_dtype dtype, void *dst)
 {
     uintptr_t src = (uintptr_t)raw;
-    bool codes = fp8(r->dst) || r->rows;
+    bool codes = laden__fp8(r->dst) || r->rows;
     if (r->dst == dtype && !r->rows && !(r->expands && r->scale !=
                                          LADEN_SCHED_NO_SCALE)) {
         memcpy(dst, raw, r->dst_bytes); /* a dtype to itself */
@@ -74,7 +70,7 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
         at = src + laden__sched_scale_offset(r->nelem);
     }
     return laden_expand(LADEN_DEVICE_CPU, 0, r->dst, src,
-                        codes ? r->nelem : r->dst_bytes, r->nelem,
+                        laden__sched_code_bytes(r), r->nelem,
                         r->rows ? r->nelem / r->rows : r->cols, at, kind,
                         dtype, (uintptr_t)dst);
 }
@@ -102,7 +98,7 @@ laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_STATE, "tensor '%.200s': %s", name,
                            usable ? "its block is still loading"
                                   : "the schedule is not loaded");
-    bool scaled = fp8(r->dst) && !r->rows && r->expands &&
+    bool scaled = laden__fp8(r->dst) && !r->rows && r->expands &&
                   r->scale != LADEN_SCHED_NO_SCALE;
     const tref *sr = scaled ? &b->t[r->scale] : NULL;
     void *raw = malloc(r->dst_bytes ? r->dst_bytes : 1);

@@ -6,9 +6,11 @@
  * tensors are marked (before the load), so the plan counts its size; the
  * memory is made with the slots (run.c's start) inside the schedule's
  * VRAM context and freed with them; run.c's enter expands into it.  Calls
- * nothing above it in src/stream (parts.c and build.c call it). */
+ * only convert.c's dtype facts in src/stream (parts.c and build.c call
+ * it). */
 #include "stream_run.h"
 #include "stream_layout.h"
+#include "stream_convert.h"
 
 #include "laden/expand.h"
 
@@ -40,17 +42,6 @@ static uint64_t scales_wanted(const tref *r, laden_scale_kind kind,
     return (rows / 128 + (rows % 128 != 0)) * (cols / 128 + (cols % 128 != 0));
 }
 
-static bool is_fp8(laden_dtype d)
-{
-    return d == LADEN_DTYPE_F8_E4M3 || d == LADEN_DTYPE_F8_E5M2;
-}
-
-static bool is_float(laden_dtype d)
-{
-    return d == LADEN_DTYPE_F32 || d == LADEN_DTYPE_F16 ||
-           d == LADEN_DTYPE_BF16;
-}
-
 /* LADEN_OK if tensor r of block b can take `scale` as `kind`. */
 static laden_status check_scale(const blk *b, uint32_t i, uint64_t cols,
                                 uint32_t scale, laden_scale_kind kind)
@@ -62,7 +53,7 @@ static laden_status check_scale(const blk *b, uint32_t i, uint64_t cols,
     if (r->rows)
         return laden__fail(LADEN_E_INVAL, "tensor '%.200s': quantized on "
                            "load, it carries its own scales", name);
-    if (!is_fp8(r->dst) || (unsigned)kind > LADEN_SCALE_TILE128 ||
+    if (!laden__fp8(r->dst) || (unsigned)kind > LADEN_SCALE_TILE128 ||
         kind == LADEN_SCALE_NONE || scale >= b->nt || scale == i)
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': scale %u of kind %d (an fp8 "
@@ -71,7 +62,7 @@ static laden_status check_scale(const blk *b, uint32_t i, uint64_t cols,
                            name, scale, (int)kind);
     const tref *sr = &b->t[scale];
     uint64_t want = scales_wanted(r, kind, cols);
-    if (!is_float(sr->dst) || !want || sr->nelem != want)
+    if (!laden__convertible(sr->dst) || !want || sr->nelem != want)
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': its scale has %llu %s values; "
                            "kind %d with %llu columns wants %llu float ones",
@@ -106,11 +97,11 @@ laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
     blk *b = &sc->layout.b[block];
     tref *r = &b->t[i];
     const char *name = r->name ? r->name : "?";
-    if (!is_float(compute))
+    if (!laden__convertible(compute))
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': expanded to dtype %d; laden "
                            "expands to F32, F16 or BF16", name, (int)compute);
-    if (!is_float(r->dst) && !is_fp8(r->dst) && laden_dtype_bits(r->dst))
+    if (!laden__convertible(r->dst) && !laden__fp8(r->dst) && laden_dtype_bits(r->dst))
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s': stored as %s, which laden does "
                            "not expand", name,
