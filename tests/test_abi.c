@@ -24,7 +24,8 @@ static const struct {
     size_t size, align;
 } want[] = {
     ONE(laden_st_tensor),     ONE(laden_dev_info),
-    ONE(laden_io_config),     ONE(laden_sched_config),
+    ONE(laden_io_config),     ONE(laden_io_ways),
+    ONE(laden_sched_config),
     ONE(laden_sched_stats),   ONE(laden_vram_info),
     ONE(laden_vbar_info),     ONE(laden_elastic_stats),
     ONE(laden_cache_evict),   ONE(laden_cache_host_evict), ONE(laden_cache_info),

@@ -1,7 +1,9 @@
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <pthread.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "test.h"
@@ -38,6 +40,43 @@ static void check_range(const unsigned char *dst, uint64_t off, uint64_t n)
         }
 }
 
+/* Pages of the file at p the page cache holds (mincore: reads nothing). */
+static uint64_t resident_pages(const char *p)
+{
+    int fd = open(p, O_RDONLY);
+    CHECK(fd >= 0);
+    struct stat sb;
+    CHECK_EQ(fstat(fd, &sb), 0);
+    size_t n = (size_t)sb.st_size, pages = (n + 4095) / 4096;
+    void *m = mmap(NULL, n, PROT_READ, MAP_SHARED, fd, 0);
+    CHECK(m != MAP_FAILED);
+    unsigned char *vec = malloc(pages);
+    CHECK_EQ(mincore(m, n, vec), 0);
+    uint64_t in = 0;
+    for (size_t i = 0; i < pages; i++)
+        in += vec[i] & 1;
+    free(vec);
+    munmap(m, n);
+    close(fd);
+    return in;
+}
+
+/* The file's pages dropped (way 1), or every other 64 KiB of it read
+ * back in after (way 2: cached and cold runs alternate in each chunk). */
+static void cool(laden_io_file_t *f, const char *p, int way)
+{
+    if (!way)
+        return;
+    CHECK_OK(laden_io_drop_cache(f));
+    if (way == 2) {
+        int fd = open(p, O_RDONLY);
+        char b[65536];
+        for (off_t at = 0; at < (off_t)laden_io_file_size(f); at += 131072)
+            CHECK(pread(fd, b, sizeof b, at) >= 0);
+        close(fd);
+    }
+}
+
 static void read_cases(laden_io_direct mode, uint64_t chunk)
 {
     const uint64_t n = (9u << 20) + 12345; /* not a multiple of anything */
@@ -58,17 +97,20 @@ static void read_cases(laden_io_direct mode, uint64_t chunk)
                  {4097, 3u << 20, 1}, {4097, 5u << 20, 0}, {12345, 7u << 20, 7},
                  {n - 10, 10, 3},     {n - 5000, 5000, 0}, {0, 0, 0},
                  {8192, (4u << 20) + 4096, 0}};
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    for (size_t i = 0; i < 3 * sizeof cases / sizeof cases[0]; i++) {
+        size_t c = i / 3;
+        cool(f, p, (int)(i % 3)); /* cached, dropped, half-cached */
         memset(buf, 0xee, n + 8192);
-        CHECK_OK(laden_io_read(io, f, cases[i].off, cases[i].len,
-                               buf + cases[i].dst));
-        check_range(buf + cases[i].dst, cases[i].off, cases[i].len);
+        CHECK_OK(laden_io_read(io, f, cases[c].off, cases[c].len,
+                               buf + cases[c].dst));
+        check_range(buf + cases[c].dst, cases[c].off, cases[c].len);
         /* Bytes around the destination are untouched. */
-        if (cases[i].dst)
-            CHECK_EQ(buf[cases[i].dst - 1], 0xee);
-        CHECK_EQ(buf[cases[i].dst + cases[i].len], 0xee);
+        if (cases[c].dst)
+            CHECK_EQ(buf[cases[c].dst - 1], 0xee);
+        CHECK_EQ(buf[cases[c].dst + cases[c].len], 0xee);
     }
     /* Many requests in flight at once. */
+    cool(f, p, 2);
     laden_io_req_t *reqs[16];
     uint64_t step = n / 16;
     for (int i = 0; i < 16; i++)
@@ -83,6 +125,11 @@ static void read_cases(laden_io_direct mode, uint64_t chunk)
 }
 
 TEST(io_reads_direct)
+{
+    read_cases(LADEN_IO_DIRECT_ON, 1u << 20);
+}
+
+TEST(io_reads_auto)
 {
     read_cases(LADEN_IO_DIRECT_AUTO, 1u << 20);
 }
@@ -305,7 +352,8 @@ TEST(io_page_cache_reads_counted)
         laden_io_file_close(f);
         SKIP("the file system takes no O_DIRECT: every read is buffered");
     }
-    laden_io_config cfg = {.threads = 2, .chunk_bytes = 4u << 20};
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 4u << 20,
+                           .direct = LADEN_IO_DIRECT_ON};
     laden_io_t *io;
     CHECK_OK(laden_io_create(&cfg, &io));
     /* Just written: in the page cache. */
@@ -328,6 +376,7 @@ TEST(io_page_cache_reads_counted)
     CHECK_OK(laden_io_stats(io, &st));
     CHECK(cached < n / 2); /* a page or two may have come back meanwhile */
     CHECK(st.direct_bytes > n / 2);
+    CHECK_EQ(st.dropped_bytes, 0); /* O_DIRECT brings nothing in */
     CHECK_EQ(st.direct_bytes + st.cached_bytes + st.buffered_bytes,
              2 * n - 8192);
     /* A read whose buffer agrees with the file offset modulo 4 KiB goes
@@ -590,4 +639,166 @@ TEST(io_checksum)
     CHECK(laden_io_checksum(b, 0) != laden_io_checksum(b, 1));
     laden_io_file_close(f);
     free(b);
+}
+
+/* Read buffered from the drive, the pages the pool brought in are dropped
+ * once copied; pages the page cache held before are left where they were. */
+TEST(io_cold_buffered_drops_behind)
+{
+    const uint64_t n = (24u << 20) + 5000;
+    char *p = make_file("cold.bin", n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    laden_io_config cfg = {.threads = 3, .chunk_bytes = 1u << 20,
+                           .direct = LADEN_IO_DIRECT_OFF};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    unsigned char *buf = malloc(n);
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK(resident_pages(p) < 16);
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    laden_io_stats_t st;
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK_EQ(st.direct_bytes, 0);
+    CHECK_EQ(st.direct_bytes + st.cached_bytes + st.buffered_bytes, n);
+    CHECK(st.buffered_bytes > n - (64u << 10));
+    CHECK_EQ(st.dropped_bytes, st.buffered_bytes);
+    CHECK(resident_pages(p) < 64); /* a page or two may come back */
+    /* Warm: all copied from the page cache, which keeps every page. */
+    int fd = open(p, O_RDONLY);
+    for (uint64_t at = 0; at < n; at += 1u << 20)
+        CHECK(pread(fd, buf, 1u << 20, (off_t)at) > 0);
+    close(fd);
+    uint64_t warm = resident_pages(p);
+    CHECK_EQ(warm, (n + 4095) / 4096);
+    laden_io_stats_t before = st;
+    memset(buf, 0, n);
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK_EQ(st.cached_bytes - before.cached_bytes, n);
+    CHECK_EQ(st.dropped_bytes, before.dropped_bytes); /* no drop asked */
+    CHECK(resident_pages(p) + 16 >= warm); /* the kernel may take a few */
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(buf);
+}
+
+/* In AUTO mode the first cold reads on a file system measure both ways
+ * side by side, then the faster is kept. */
+TEST(io_auto_measures_then_keeps)
+{
+    const uint64_t n = 24u << 20;
+    char *p = make_file("auto.bin", n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    if (!laden_io_file_direct(f)) {
+        laden_io_file_close(f);
+        SKIP("the file system takes no O_DIRECT: nothing to choose");
+    }
+    unsetenv("LADEN_IO_DIRECT");
+    CHECK_OK(laden_io_forget_ways(f));
+    laden_io_ways w;
+    CHECK_OK(laden_io_file_ways(f, &w));
+    CHECK_EQ(w.chosen, LADEN_IO_WAY_UNKNOWN);
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    unsigned char *buf = malloc(n);
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    CHECK_OK(laden_io_file_ways(f, &w));
+    CHECK(w.chosen == LADEN_IO_WAY_DIRECT || w.chosen == LADEN_IO_WAY_BUFFERED);
+    CHECK(w.samples >= 4);
+    CHECK(w.direct_bps > 0 && w.buffered_bps > 0);
+    laden_io_stats_t st;
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK(st.direct_bytes >= 4u << 20);   /* both ways were tried */
+    CHECK(st.buffered_bytes >= 4u << 20);
+    /* Then every cold byte goes the chosen way. */
+    laden_io_stats_t before = st;
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    CHECK_OK(laden_io_stats(io, &st));
+    uint64_t d = st.direct_bytes - before.direct_bytes;
+    uint64_t b = st.buffered_bytes - before.buffered_bytes;
+    if (w.chosen == LADEN_IO_WAY_DIRECT)
+        CHECK(b < (64u << 10));
+    else
+        CHECK_EQ(d, 0);
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(buf);
+}
+
+/* LADEN_IO_DIRECT overrides AUTO, and only AUTO; a value it does not know
+ * is refused, naming it. */
+TEST(io_direct_env_override)
+{
+    const uint64_t n = 6u << 20;
+    char *p = make_file("env.bin", n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    unsigned char *buf = malloc(n);
+    laden_io_t *io;
+    laden_io_stats_t st;
+    setenv("LADEN_IO_DIRECT", "off", 1);
+    CHECK_OK(laden_io_create(NULL, &io));
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK_EQ(st.direct_bytes, 0);
+    laden_io_destroy(io);
+    if (laden_io_file_direct(f)) {
+        setenv("LADEN_IO_DIRECT", "on", 1);
+        CHECK_OK(laden_io_create(NULL, &io));
+        CHECK_OK(laden_io_drop_cache(f));
+        CHECK_OK(laden_io_read(io, f, 0, n, buf));
+        check_range(buf, 0, n);
+        CHECK_OK(laden_io_stats(io, &st));
+        CHECK(st.direct_bytes > n - (64u << 10));
+        laden_io_destroy(io);
+        /* A pool asking for buffered reads keeps them. */
+        laden_io_config off = {.direct = LADEN_IO_DIRECT_OFF};
+        CHECK_OK(laden_io_create(&off, &io));
+        CHECK_OK(laden_io_drop_cache(f));
+        CHECK_OK(laden_io_read(io, f, 0, n, buf));
+        CHECK_OK(laden_io_stats(io, &st));
+        CHECK_EQ(st.direct_bytes, 0);
+        laden_io_destroy(io);
+    }
+    setenv("LADEN_IO_DIRECT", "sideways", 1);
+    CHECK_STATUS(laden_io_create(NULL, &io), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "LADEN_IO_DIRECT=sideways") != NULL);
+    laden_io_config bad = {.direct = (laden_io_direct)7};
+    unsetenv("LADEN_IO_DIRECT");
+    CHECK_STATUS(laden_io_create(&bad, &io), LADEN_E_INVAL);
+    laden_io_file_close(f);
+    free(buf);
+}
+
+/* laden probe's measurement: both ways on a file of its own, the faster
+ * kept for that file system. */
+TEST(io_measure_ways)
+{
+    laden_io_ways w;
+    CHECK_STATUS(laden_io_measure_ways(test_tmpdir(), 1u << 20, &w),
+                 LADEN_E_INVAL);
+    CHECK_OK(laden_io_measure_ways(test_tmpdir(), 32u << 20, &w));
+    CHECK(w.buffered_bps > 0);
+    CHECK(w.chosen == LADEN_IO_WAY_DIRECT || w.chosen == LADEN_IO_WAY_BUFFERED);
+    if (w.direct_bps == 0)
+        CHECK_EQ(w.chosen, LADEN_IO_WAY_BUFFERED);
+    char *p = make_file("ways.bin", 4096);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    laden_io_ways again;
+    CHECK_OK(laden_io_file_ways(f, &again));
+    CHECK_EQ(again.chosen, w.chosen);
+    CHECK(again.buffered_bps == w.buffered_bps);
+    laden_io_file_close(f);
 }

@@ -232,6 +232,125 @@ static void orders(int32_t dev)
 
 TEST(stream_any_call_order) { test_on_every_device(orders); }
 
+/* Streamed bytes of one pass over every block (each once). */
+static uint64_t streamed_bytes(model *m)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < NB; i++)
+        if (laden_sched_is_streamed(m->sc, m->block_of[i]))
+            n += laden_sched_block_bytes(m->sc, m->block_of[i]);
+    return n;
+}
+
+/* One pass in `order` (n blocks); *misses and *moved get what it missed
+ * and copied (read from disk on the CPU device, into slots on CUDA). */
+static void pass_in(model *m, const int *order, int n, uint64_t *misses,
+                    uint64_t *moved)
+{
+    laden_sched_stats_t a, b;
+    CHECK_OK(laden_sched_stats(m->sc, &a));
+    for (int k = 0; k < n; k++)
+        run_block(m, order[k]);
+    /* The next pass's first blocks, prefetched, counted in this one: in
+     * the steady state a pass then moves each streamed block once. */
+    CHECK_OK(laden_sched_synchronize(m->sc));
+    CHECK_OK(laden_sched_stats(m->sc, &b));
+    *misses = b.misses - a.misses;
+    *moved = m->dev == LADEN_DEVICE_CPU ? b.read_bytes - a.read_bytes
+                                        : b.h2d_bytes - a.h2d_bytes;
+}
+
+/* Blocks called in another order than they were added (a UNet's resnets
+ * and attentions): from the pass after the first, the positions are the
+ * call order, so nothing misses and each streamed block moves once per
+ * pass; its reverse (a backward) keeps them; a new order is learned again;
+ * a pass that repeats a block, or a schedule told not to learn, keeps
+ * them too. */
+static void learns_order(int32_t dev)
+{
+    static const laden_tier DISK[NB] = {
+        LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK,
+        LADEN_TIER_DISK, LADEN_TIER_DISK, LADEN_TIER_DISK};
+    static const int CALLED[NB + 1] = {NB, 1, 0, 3, 2, 5, 4, 6};
+    static const int REVERSE[NB + 1] = {6, 4, 5, 2, 3, 0, 1, NB};
+    static const int ADDED[NB + 1] = {NB, 0, 1, 2, 3, 4, 5, 6};
+    static const int REPEATS[NB + 2] = {NB, 0, 1, 2, 2, 3, 4, 5, 6};
+    model m;
+    build(&m, dev, DISK, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, 2));
+    uint64_t all = streamed_bytes(&m), misses, moved;
+    laden_sched_stats_t st;
+    CHECK(all > 0);
+    pass_in(&m, CALLED, NB + 1, &misses, &moved);
+    CHECK(misses > 0); /* prefetched in the order blocks were added */
+    for (int pass = 0; pass < 4; pass++) { /* from the second pass on */
+        pass_in(&m, CALLED, NB + 1, &misses, &moved);
+        CHECK_EQ(misses, 0);
+        CHECK_EQ(moved, all);
+    }
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 1);
+    uint64_t gen = st.generation;
+    CHECK_EQ(*laden_sched_generation_word(m.sc), gen);
+    /* Backward: the reverse keeps the positions; it turns once. */
+    for (int pass = 0; pass < 3; pass++)
+        pass_in(&m, REVERSE, NB + 1, &misses, &moved);
+    CHECK_EQ(misses, 0);
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 1);
+    CHECK_EQ(st.generation, gen);
+    /* Another order: learned again, in one pass. */
+    pass_in(&m, ADDED, NB + 1, &misses, &moved);
+    for (int pass = 0; pass < 3; pass++) {
+        pass_in(&m, ADDED, NB + 1, &misses, &moved);
+        CHECK_EQ(misses, 0);
+        CHECK_EQ(moved, all);
+    }
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 2);
+    CHECK(st.generation > gen);
+    /* A block called twice in a pass: no pass is whole; nothing moves. */
+    for (int pass = 0; pass < 3; pass++)
+        pass_in(&m, REPEATS, NB + 2, &misses, &moved);
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 2);
+    /* Told not to learn: the positions stay. */
+    CHECK_OK(laden_sched_learn_order(m.sc, 0));
+    for (int pass = 0; pass < 3; pass++)
+        pass_in(&m, CALLED, NB + 1, &misses, &moved);
+    CHECK(misses > 0);
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 2);
+    CHECK_OK(laden_sched_learn_order(m.sc, 1));
+    pass_in(&m, CALLED, NB + 1, &misses, &moved);
+    pass_in(&m, CALLED, NB + 1, &misses, &moved);
+    CHECK_EQ(misses, 0);
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 3);
+    /* Not while a block runs: its slot would move under it.  (With a
+     * slot per block, so that one can stay entered.) */
+    CHECK_OK(laden_sched_stop(m.sc));
+    CHECK_OK(laden_sched_start(m.sc, NB));
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.nslots, NB);
+    for (int k = 0; k < NB - 1; k++)
+        run_block(&m, ADDED[k]);
+    CHECK_OK(laden_sched_enter(m.sc, m.block_of[5], 0));
+    run_block(&m, 6); /* every block entered, block 5 still running */
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 3);
+    CHECK_OK(laden_sched_exit(m.sc, m.block_of[5], 0));
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    CHECK_EQ(st.reorders, 4); /* at the exit that leaves none running */
+    CHECK_STATUS(laden_sched_learn_order(NULL, 1), LADEN_E_INVAL);
+    CHECK(laden_sched_generation_word(NULL) == NULL);
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    destroy(&m);
+}
+
+TEST(stream_learns_the_call_order) { test_on_every_device(learns_order); }
+
 /* A pass captured into a CUDA graph (laden_sched_capture_begin/_end) and
  * replayed, with eager passes between: each replay copies every block in
  * (nothing at capture), the bytes are the blocks' own, the copies move

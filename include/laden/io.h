@@ -17,9 +17,15 @@ typedef struct laden_io laden_io_t;          /* reader pool, opaque */
 typedef struct laden_io_file laden_io_file_t; /* an open file, opaque */
 typedef struct laden_io_req laden_io_req_t;   /* a submitted read, opaque */
 
+/* How bytes the page cache does not hold are read (what it holds is
+ * copied from there in every mode). */
 typedef enum laden_io_direct {
-    LADEN_IO_DIRECT_AUTO = 0, /* O_DIRECT where the file system takes it */
-    LADEN_IO_DIRECT_OFF = 1,  /* always buffered (page cache) */
+    /* The faster of O_DIRECT and buffered reads, measured per file system
+     * by the first reads there (see laden_io_file_ways); the environment
+     * variable LADEN_IO_DIRECT=auto|on|off overrides this mode only. */
+    LADEN_IO_DIRECT_AUTO = 0,
+    LADEN_IO_DIRECT_OFF = 1, /* buffered, pages dropped behind the copy */
+    LADEN_IO_DIRECT_ON = 2,  /* O_DIRECT where the file system takes it */
 } laden_io_direct;
 
 typedef struct laden_io_config {
@@ -117,9 +123,12 @@ LADEN_API laden_status laden_io_wait_cached(laden_io_t *io,
 typedef struct laden_io_stats {
     uint64_t direct_bytes;   /* read from the drive with O_DIRECT */
     uint64_t cached_bytes;   /* copied from the page cache: cached already */
-    uint64_t buffered_bytes; /* read buffered for other reasons (unaligned
-                                edges, a file system without O_DIRECT) */
+    uint64_t buffered_bytes; /* read from the drive buffered (the faster way
+                                there, unaligned edges, a file system
+                                without O_DIRECT) */
     uint32_t threads;
+    uint64_t dropped_bytes;  /* of those, dropped from the page cache once
+                                copied (what the pool brought in only) */
 } laden_io_stats_t;
 
 /* Bytes the pool has read each way since it was created.  Any thread. */
@@ -146,6 +155,34 @@ LADEN_API laden_status laden_io_map(laden_io_file_t *file, void **out,
                                     uint64_t *out_size);
 LADEN_API void laden_io_unmap(void *addr, uint64_t size);
 
+/* Which way reads a file system's cold bytes faster, as far as this
+ * process measured (LADEN_IO_DIRECT_AUTO pools measure as they read). */
+typedef enum laden_io_way {
+    LADEN_IO_WAY_UNKNOWN = 0, /* not measured enough yet */
+    LADEN_IO_WAY_DIRECT = 1,
+    LADEN_IO_WAY_BUFFERED = 2,
+} laden_io_way;
+typedef struct laden_io_ways {
+    int32_t chosen;      /* laden_io_way */
+    uint32_t samples;    /* reads measured (the fewer of the two ways) */
+    double direct_bps;   /* measured rates; 0 where not measured */
+    double buffered_bps;
+} laden_io_ways;
+/* What was measured for the file system the file lies on (zeros and
+ * UNKNOWN where nothing was).  Any thread. */
+LADEN_API laden_status laden_io_file_ways(const laden_io_file_t *file,
+                                          laden_io_ways *out);
+/* Forgets what was measured for the file's file system: the next cold
+ * reads there measure again.  Any thread. */
+LADEN_API laden_status laden_io_forget_ways(const laden_io_file_t *file);
+/* Measures both ways in dir: writes a temporary file of size_bytes (at
+ * least 32 MiB), reads one half with O_DIRECT and the other buffered, each
+ * from a dropped page cache, deletes it, and keeps the faster for dir's
+ * file system as AUTO pools would (*out: both rates and the choice; a
+ * file system without O_DIRECT gives direct_bps 0).  Blocks. */
+LADEN_API laden_status laden_io_measure_ways(const char *dir,
+                                             uint64_t size_bytes,
+                                             laden_io_ways *out);
 /* Drops the file's pages from the page cache (written out first, then
  * posix_fadvise DONTNEED), so a following read measures the drive.  Used by benchmarks and probe. */
 LADEN_API laden_status laden_io_drop_cache(laden_io_file_t *file);

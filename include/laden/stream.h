@@ -96,6 +96,9 @@ typedef struct laden_sched_stats {
     uint64_t offloaded_bytes;   /* VRAM-tier blocks that went to RAM at load */
     uint64_t load_cached_bytes; /* of load_read_bytes, read from the page
                                    cache (at memory speed) */
+    uint64_t reorders;          /* times the streamed blocks' positions
+                                   took the order they are called in
+                                   (laden_sched_learn_order) */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -394,6 +397,28 @@ LADEN_API laden_status laden_sched_load_block(laden_sched_t *sched,
  * loading the first blocks of the schedule so the first forward does not
  * wait for them.  lookahead 0 keeps the configured one.  After
  * laden_sched_stop it may be called again with another lookahead. */
+/* Whether the schedule learns the order its blocks are entered in (on by
+ * default).  Streamed blocks are prefetched by position, which starts as
+ * the order they were added; learning, a pass that enters every streamed
+ * block once (a block entered again ends it) in another order than the
+ * positions' or their reverse makes that order the positions' at the
+ * next enter: a new generation, since blocks then run from other slots
+ * (whoever holds views of the slots takes them again; see
+ * laden_sched_generation_word).  Not while a block is running.  A model
+ * whose call order is fixed is relaid once, at its second pass, and
+ * misses nothing from then on; one whose order changes is relaid at each
+ * change.  Off: positions stay (what was half watched is dropped).  On
+ * again is refused (LADEN_E_STATE) once a CUDA graph was captured from
+ * the schedule, which turns it off for good. */
+LADEN_API laden_status laden_sched_learn_order(laden_sched_t *sched, int on);
+
+/* The address of the schedule's generation (laden_sched_stats'
+ * generation), valid until laden_sched_destroy, for callers that check it
+ * at every enter without a call (a relayout changes it inside
+ * laden_sched_enter).  Read it on the thread that calls enter.  NULL for
+ * NULL. */
+LADEN_API const uint64_t *laden_sched_generation_word(laden_sched_t *sched);
+
 LADEN_API laden_status laden_sched_start(laden_sched_t *sched,
                                          uint32_t lookahead);
 

@@ -10,7 +10,7 @@ from . import compile as _compile
 from .trace import ON as tracing_on, sample_torch_memory
 from ._bind import _Owned, _training_error, bind_in, bind_out
 from ._devices import _compute_stream
-from ._lib import error_for, lib
+from ._lib import check as check_ok, error_for, lib
 from .errors import StateError
 
 
@@ -42,9 +42,30 @@ def _saved_hooks(gone: Dict[int, str]):
     return pack, unpack
 
 
+def relaid_check(owner: _Owned, rebind):
+    """What a block's enter runs after C's: `rebind()` once C has laid the
+    streamed blocks out again (laden_sched_learn_order: they now run from
+    other slots), found by the schedule's generation, read from its
+    address (no call)."""
+    import ctypes
+
+    word = ctypes.c_uint64.from_address(
+        lib.laden_sched_generation_word(owner.h))
+    seen = [word.value]
+
+    def check() -> None:
+        g = word.value
+        if g != seen[0]:
+            rebind()
+            seen[0] = g
+
+    return check
+
+
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   guard=None, gone=None, after_enter=None,
-                  slot_tensors=(), trainer=None, compiler=None, binds=()):
+                  slot_tensors=(), trainer=None, compiler=None, binds=(),
+                  relaid=None):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit: C's enter also expands the block's compact tensors); records
     (module, previous forward, had own) in `wrapped` so it can be undone.
@@ -66,7 +87,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
       enabled is a checkpointed node (laden.training) that enters the
       block again in backward;
     - `compiler` (laden.compile.BlockCompiler): the block's own forward
-      runs compiled between enter and exit.
+      runs compiled between enter and exit;
+    - `relaid` (relaid_check): runs right after C's enter, to take the
+      slots again where C moved the blocks (taught their call order).
 
     Without `guard` and `trainer`, under torch.compile without gradients,
     enter and exit are ops in the traced graph (laden.compile)."""
@@ -99,6 +122,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         # mended by the block's next enter.
         inside[0] = 1
         try:
+            if relaid is not None:
+                relaid()
             bind_in(binds, grad_on())
             if after_enter is not None:
                 after_enter(c_block)
@@ -134,9 +159,19 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         do_leave(stream)
         return out
 
-    key = _compile.register(do_enter, do_leave) if traced_ops else 0
+    def do_enter_compiled() -> int:
+        # The enter op of a compiled graph, which keeps the slots it was
+        # traced with: C stops moving blocks (laden_sched_learn_order).
+        if not learning_stopped[0]:
+            check_ok(lib.laden_sched_learn_order(owner.h, 0))
+            learning_stopped[0] = True
+        return do_enter()
+
+    key = _compile.register(do_enter_compiled, do_leave) if traced_ops \
+        else 0
 
     tracing = [0]  # inside traced(), as Dynamo traces it
+    learning_stopped = [False]
 
     def traced(xs, args, kwargs):
         # Under torch.compile, without gradients: enter and exit are ops
@@ -193,6 +228,7 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         wrapped.append(("key", key, None))
     wrapped.append((mod, mod.__dict__.get("forward"), had))
     mod.forward = forward
+    forward._laden_compiled_enter = do_enter_compiled  # the ops' weakref
     # Parts of the block with weights of their own run only inside it
     # (found in review: DiT calls transformer_blocks[0].norm1.emb after
     # the loop, reading block 0's slot after later blocks refilled it).

@@ -76,6 +76,15 @@ class IoConfig(Structure):
     ]
 
 
+class IoWays(Structure):
+    _fields_ = [
+        ("chosen", c_int32),
+        ("samples", c_uint32),
+        ("direct_bps", c_double),
+        ("buffered_bps", c_double),
+    ]
+
+
 class SchedConfig(Structure):
     _fields_ = [
         ("device", c_int32),
@@ -107,6 +116,7 @@ class SchedStats(Structure):
         ("resident_bytes", c_uint64), ("registered_bytes", c_uint64),
         ("upload_bytes", c_uint64), ("generation", c_uint64),
         ("offloaded_bytes", c_uint64), ("load_cached_bytes", c_uint64),
+        ("reorders", c_uint64),
     ]
 
 
@@ -325,6 +335,9 @@ _SIGNATURES = {
     "laden_io_drop_cache": (status_t, [p]),
     "laden_io_measure_read": (status_t, [c_char_p, c_uint64, P(c_double)]),
     "laden_io_measure_file": (status_t, [c_char_p, c_uint64, P(c_double)]),
+    "laden_io_measure_ways": (status_t, [c_char_p, c_uint64, P(IoWays)]),
+    "laden_io_file_ways": (status_t, [p, P(IoWays)]),
+    "laden_io_forget_ways": (status_t, [p]),
     # grads
     "laden_grads_create": (status_t, [c_int32, c_uint64, P(p)]),
     "laden_grads_staging_bytes": (c_uint64, [c_uint64]),
@@ -390,6 +403,8 @@ _SIGNATURES = {
     "laden_sched_is_streamed": (c_int, [p, c_uint32]),
     "laden_sched_block_tier": (c_int, [p, c_uint32]),
     "laden_sched_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
+    "laden_sched_learn_order": (status_t, [p, c_int]),
+    "laden_sched_generation_word": (c_void_p, [p]),
     "laden_sched_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_sched_synchronize": (status_t, [p]),
     "laden_sched_forget_stream": (status_t, [p, c_size_t]),
@@ -522,7 +537,7 @@ _SIGNATURES = {
 # The version of libladen's binary interface this binding is written for
 # (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
 # at import, since its signatures, structs or constants may not be these.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 def _check_version(lib, path: str, where: str) -> None:

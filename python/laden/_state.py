@@ -10,8 +10,8 @@ import threading
 from typing import Dict, List, Optional
 
 from . import _lib
-from ._bind import (_fp8_dtype, _meta, _Owned, _set_run, _set_tensor,
-                    _tensor_view, _view, tensor_layout)
+from ._bind import (_fp8_dtype, _make, _meta, _Owned, _set_run,
+                    _set_tensor, _tensor_view, _view, tensor_layout)
 from ._describe import (BlockInfo, _destroy_schedule, _dtype_code, _numel,
                         _Tensor, new_schedule)
 from ._lib import check, lib
@@ -94,6 +94,23 @@ class _Stream:
         return st
 
     # -- binding parameters to laden memory --------------------------------
+    def rebind_slots(self) -> None:
+        """After C laid the streamed blocks out again (taught their call
+        order: laden_sched_learn_order), each streamed tensor runs from its
+        block's new slot.  Between a block's enter and its binding: no
+        block holds its slot views then."""
+        o = self.live("bind")
+        for b in self.blocks:
+            if not lib.laden_sched_is_streamed(o.h, b.c_block):
+                continue
+            for t in b.tensors:
+                if t.store != "plain" or t.run is None:
+                    continue
+                value = _tensor_view(o, t, "run", self.device,
+                                     self.slot_views)
+                self.gone[value.untyped_storage().data_ptr()] = b.name
+                t.run = _make(t, value, t.run_block)
+
     def bind(self, t: _Tensor, where: str) -> None:
         """Points t at laden memory: 'run' (where the block runs from) or
         'home' (its RAM copy).  Disk-tier tensors have no home: they are

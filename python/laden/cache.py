@@ -35,7 +35,7 @@ from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
 from ._describe import (KeyMap, _destroy_schedule, _Tensor, check_lookahead,
                         describe, fill, new_schedule, progress_to)
 from ._devices import _compute_stream, _dev_index, _device
-from ._hooks import _unwrap_all, _wrap_forward
+from ._hooks import _unwrap_all, _wrap_forward, relaid_check
 
 log = logging.getLogger("laden")
 
@@ -383,9 +383,11 @@ class _Runtime:
                 rt.adapters.after_enter(c)
 
         mine = [t for t in self.tensors if t.c_block == c_block]
+        if getattr(self, "relaid", None) is None:
+            self.relaid = relaid_check(self.owner, self.rebind)
         _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
                       guard=guard, gone=self.gone, after_enter=after_enter,
-                      slot_tensors=mine, binds=mine)
+                      slot_tensors=mine, binds=mine, relaid=self.relaid)
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()

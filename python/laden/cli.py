@@ -344,11 +344,22 @@ def cmd_probe(args) -> int:
                                              ctypes.byref(rate)))
             rows.append([f"cuda:{d} {label}, {fmt_bytes(size)} copies",
                          fmt_rate(rate.value)])
-    _say(f"measuring disk read in {args.dir} ...")
-    check(lib.laden_io_measure_read(os.fsencode(args.dir), disk,
-                                    ctypes.byref(rate)))
-    rows.append([f"disk read, reader pool ({args.dir}, {fmt_bytes(disk)})",
-                 fmt_rate(rate.value)])
+    _say(f"measuring disk reads in {args.dir} (O_DIRECT and buffered) ...")
+    ways = _lib.IoWays()
+    check(lib.laden_io_measure_ways(os.fsencode(args.dir), disk,
+                                    ctypes.byref(ways)))
+    where = f"{args.dir}, {fmt_bytes(disk // 2)} each"
+    rows.append([f"disk read, O_DIRECT ({where})",
+                 fmt_rate(ways.direct_bps) if ways.direct_bps
+                 else "not supported by this file system"])
+    rows.append([f"disk read, buffered ({where})",
+                 fmt_rate(ways.buffered_bps)])
+    chosen = ("O_DIRECT" if ways.chosen == _lib.IO_WAY_DIRECT
+              else "buffered, pages dropped behind")
+    env = os.environ.get("LADEN_IO_DIRECT")
+    rows.append(["cold reads here use",
+                 chosen + (f" (but LADEN_IO_DIRECT={env} is set)"
+                           if env and env != "auto" else "")])
     _say("measuring host memcpy ...")
     check(lib.laden_host_measure_memcpy(size, ctypes.byref(rate)))
     rows.append([f"host memcpy, one thread, {fmt_bytes(size)}",
@@ -565,7 +576,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="256MiB", help="bytes per copy",
                    type=_size_arg("--size", 4 << 10))
     p.add_argument("--disk-size", default="1GiB", help="bytes read from "
-                   "disk", type=_size_arg("--disk-size", 16 << 20))
+                   "disk", type=_size_arg("--disk-size", 32 << 20))
     p.add_argument("--repeats", type=_int_arg("--repeats", 1, 10**6),
                    default=10)
     p.add_argument("--device", type=_int_arg("--device", 0), default=None,

@@ -14,7 +14,7 @@ from ._lib import check, lib
 from ._bind import _meta, _Owned, _set_run, _view
 from ._describe import _Tensor, check_lookahead
 from ._devices import _device
-from ._hooks import _unwrap_all, _wrap_forward
+from ._hooks import _unwrap_all, _wrap_forward, relaid_check
 from ._sched import _pass
 from ._state import _Stream
 from .adapters import _Adapters, set_adapters
@@ -286,6 +286,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
     """Wraps the blocks that stream or expand compact tensors, then points
     their tensors where they run (wrapped first: another thread calling a
     block meanwhile is refused, not run on half-bound weights)."""
+    relaid = relaid_check(o, state.rebind_slots)
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
         compact = any(t.store != "plain" for t in b.tensors)
@@ -296,7 +297,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           if streamed else None,
                           slot_tensors=b.tensors if streamed else (),
                           trainer=handle.trainer, compiler=handle.compiler,
-                          binds=b.tensors)
+                          binds=b.tensors, relaid=relaid if streamed else None)
         elif handle.compiler is not None:
             handle.compiler.install(b.module, handle._wrapped)
         for t in b.tensors:

@@ -30,6 +30,7 @@ C_NAMES = {
     "StTensor": "laden_st_tensor",
     "DevInfo": "laden_dev_info",
     "IoConfig": "laden_io_config",
+    "IoWays": "laden_io_ways",
     "SchedConfig": "laden_sched_config",
     "SchedStats": "laden_sched_stats",
     "VramInfo": "laden_vram_info",

@@ -9,9 +9,10 @@ import torch
 import laden
 
 
-def run(*args):
+def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "laden", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_sample_then_inspect(tmp_path):
@@ -57,7 +58,19 @@ def test_probe_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "disk read" in r.stdout and "host memcpy" in r.stdout
     assert "GB/s" in r.stdout
+    # Both ways measured, and the one cold reads will take named.
+    assert "disk read, O_DIRECT" in r.stdout
+    assert "disk read, buffered" in r.stdout
+    assert "cold reads here use" in r.stdout
     assert os.listdir(tmp_path) == []  # the probe file is removed
+
+
+def test_probe_names_an_override(tmp_path):
+    env = dict(os.environ, LADEN_IO_DIRECT="off")
+    r = run("probe", "--dir", str(tmp_path), "--size", "8MiB",
+            "--disk-size", "32MiB", "--repeats", "2", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "LADEN_IO_DIRECT=off is set" in r.stdout
 
 
 def test_version():

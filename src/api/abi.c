@@ -30,6 +30,7 @@
     S(laden_st_tensor)        \
     S(laden_dev_info)         \
     S(laden_io_config)        \
+    S(laden_io_ways)          \
     S(laden_sched_config)     \
     S(laden_sched_stats)      \
     S(laden_vram_info)        \
@@ -65,6 +66,8 @@
     F(T, cc_minor) F(T, vmm_supported) F(T, vmm_granularity_bytes)
 #define FIELDS_laden_io_config(F, T) \
     F(T, threads) F(T, chunk_bytes) F(T, direct)
+#define FIELDS_laden_io_ways(F, T) \
+    F(T, chosen) F(T, samples) F(T, direct_bps) F(T, buffered_bps)
 #define FIELDS_laden_sched_config(F, T)                                    \
     F(T, device) F(T, lookahead) F(T, ram_budget_bytes) F(T, io)           \
     F(T, flags)
@@ -73,7 +76,8 @@
     F(T, nslots) F(T, device_bytes) F(T, pinned_bytes) F(T, enters)        \
     F(T, misses) F(T, h2d_bytes) F(T, read_bytes) F(T, load_read_bytes)    \
     F(T, resident_bytes) F(T, registered_bytes) F(T, upload_bytes)         \
-    F(T, generation) F(T, offloaded_bytes) F(T, load_cached_bytes)
+    F(T, generation) F(T, offloaded_bytes) F(T, load_cached_bytes)        \
+    F(T, reorders)
 #define FIELDS_laden_vram_info(F, T)                                       \
     F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
     F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \
@@ -250,7 +254,9 @@ uint32_t laden_abi_version(void)
     C(LADEN_STORE_PLAIN) C(LADEN_STORE_CHECKPOINT_FP8) C(LADEN_STORE_BLOCKS) \
     C(LADEN_STORE_FP8) C(LADEN_STORE_BF16)                                 \
     C(LADEN_SCHED_NO_SCALE) C(LADEN_SCALE_NONE) C(LADEN_SCALE_TENSOR)      \
-    C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128) C(LADEN_ST_TEXT_JSON)
+    C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128) C(LADEN_ST_TEXT_JSON)       \
+    C(LADEN_IO_DIRECT_AUTO) C(LADEN_IO_DIRECT_OFF) C(LADEN_IO_DIRECT_ON)   \
+    C(LADEN_IO_WAY_UNKNOWN) C(LADEN_IO_WAY_DIRECT) C(LADEN_IO_WAY_BUFFERED)
 
 typedef struct abi_const {
     const char *name;

@@ -33,6 +33,7 @@
 
 #include "../core/internal.h"
 #include "../trace/trace_internal.h"
+#include "cold.h"
 
 #define IO_ALIGN 4096u
 /* Threads: enough requests in flight for a drive (4), and for copies out
@@ -41,6 +42,13 @@
 #define MAX_DEFAULT_THREADS 16u
 #define DEFAULT_CHUNK (16ull << 20)
 #define MAX_THREADS 64u
+/* Pages a pool brought into the page cache are dropped once this many
+ * bytes of a request wait for it, and at the request's end: one
+ * posix_fadvise(DONTNEED) per chunk costs more than the reading (it
+ * drains every CPU's page lists). */
+#define DROP_BATCH (256ull << 20)
+/* Cold runs of one chunk noted for dropping; past this, dropped at once. */
+#define CHUNK_DROPS 8u
 
 /* What a file's bytes read so far hash to: see check_chunk(). */
 typedef struct sum_entry {
@@ -53,6 +61,8 @@ typedef struct sum_entry {
 struct laden_io_file {
     int fd;  /* buffered */
     int dfd; /* O_DIRECT, or -1 */
+    int cfd; /* buffered without readahead, for cold reads; or fd */
+    bool residency; /* the kernel says which pages it caches (cold.h) */
     atomic_int direct_ok;
     uint64_t size;
     struct timespec mtime, ctime0; /* at open: see check_chunk() */
@@ -67,6 +77,18 @@ struct laden_io_file {
     bool changed;           /* refused for good; why says why */
     char why[400];
 };
+
+/* A range of a file the pool read into the page cache itself. */
+typedef struct drop_range {
+    laden_io_file_t *file;
+    uint64_t off, len;
+} drop_range;
+
+/* The cold runs of one chunk read buffered, to be dropped. */
+typedef struct chunk_drops {
+    drop_range r[CHUNK_DROPS];
+    unsigned n;
+} chunk_drops;
 
 typedef struct job {
     struct job *next;
@@ -85,6 +107,9 @@ struct laden_io_req {
     char err[512];
     job *jobs;
     size_t jobs_cap;
+    drop_range *drops; /* waiting to be dropped; guarded by io->mu */
+    size_t ndrops, drops_cap;
+    uint64_t drop_bytes;
     struct laden_io_req *next_free;
 };
 
@@ -93,6 +118,7 @@ typedef struct worker {
     pthread_t thread;
     char *bounce;
     size_t bounce_bytes;
+    unsigned char *vec; /* a chunk's page residency (mincore) */
 } worker;
 
 struct laden_io {
@@ -181,6 +207,18 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         f->dfd = -1;
     }
     atomic_init(&f->direct_ok, f->dfd >= 0);
+    /* Cold buffered reads ask for their whole range (WILLNEED) and no
+     * more: readahead past it would leave pages nobody drops. */
+    f->cfd = open_regular(path, 0, &dsb);
+    if (f->cfd >= 0 && (dsb.st_dev != sb.st_dev || dsb.st_ino != sb.st_ino)) {
+        close(f->cfd);
+        f->cfd = -1;
+    }
+    if (f->cfd >= 0)
+        posix_fadvise(f->cfd, 0, 0, POSIX_FADV_RANDOM);
+    else
+        f->cfd = f->fd;
+    f->residency = laden__residency_known(f->fd, (uint64_t)sb.st_uid);
     *out = f;
     return LADEN_OK;
 }
@@ -189,6 +227,8 @@ void laden_io_file_close(laden_io_file_t *f)
 {
     if (!f)
         return;
+    if (f->cfd != f->fd)
+        close(f->cfd);
     close(f->fd);
     if (f->dfd >= 0)
         close(f->dfd);
@@ -392,14 +432,14 @@ static laden_status read_failed(laden_io_file_t *f, uint64_t at, int e)
                        (unsigned long long)at, strerror(e));
 }
 
-static laden_status read_buffered(laden_io_file_t *f, uint64_t off,
-                                  uint64_t len, char *dst)
+static laden_status read_fd(laden_io_file_t *f, int fd, uint64_t off,
+                            uint64_t len, char *dst)
 {
     uint64_t done = 0;
     while (done < len) {
         size_t want = (size_t)(len - done > (1u << 30) ? (1u << 30)
                                                        : len - done);
-        ssize_t r = pread(f->fd, dst + done, want, (off_t)(off + done));
+        ssize_t r = pread(fd, dst + done, want, (off_t)(off + done));
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0)
@@ -409,6 +449,12 @@ static laden_status read_buffered(laden_io_file_t *f, uint64_t off,
         done += (uint64_t)r;
     }
     return LADEN_OK;
+}
+
+static laden_status read_buffered(laden_io_file_t *f, uint64_t off,
+                                  uint64_t len, char *dst)
+{
+    return read_fd(f, f->fd, off, len, dst);
 }
 
 /* O_DIRECT read of [off, off+len) (aligned) into buf (aligned).  Stops at
@@ -464,19 +510,22 @@ static void read_cached(laden_io_t *io, laden_io_file_t *f, uint64_t off,
     }
 }
 
-/* read_buffered, with a hasher a piece at a time, each hashed while it is
- * in the cache. */
-static laden_status read_buffered_hashed(laden_io_file_t *f, uint64_t off,
-                                         uint64_t len, char *dst, hasher *h)
+/* [off, off+len) of fd, part of the chunk that starts at file offset
+ * c_off in c_dst and holds c_len bytes: with a hasher, a piece at a time,
+ * each hashed while it is in the CPU's cache. */
+static laden_status read_pieces(laden_io_file_t *f, int fd, uint64_t off,
+                                uint64_t len, char *c_dst, uint64_t c_off,
+                                uint64_t c_len, hasher *h)
 {
+    char *dst = c_dst + (off - c_off);
     if (!h)
-        return read_buffered(f, off, len, dst);
+        return read_fd(f, fd, off, len, dst);
     for (uint64_t at = 0; at < len; at += SUM_PIECE) {
         uint64_t n = len - at < SUM_PIECE ? len - at : SUM_PIECE;
-        laden_status s = read_buffered(f, off + at, n, dst + at);
+        laden_status s = read_fd(f, fd, off + at, n, dst + at);
         if (s)
             return s;
-        hash_upto(h, dst, at + n, len);
+        hash_upto(h, c_dst, off + at + n - c_off, c_len);
     }
     return LADEN_OK;
 }
@@ -537,28 +586,95 @@ static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
     return LADEN_OK;
 }
 
-/* Reads one chunk: what the page cache holds from there, the rest with
- * O_DIRECT where the file takes it, else buffered.  Counts the bytes
- * each way in n[0] direct, n[1] from the cache, n[2] buffered.  With a
+/* Notes a cold range read buffered for dropping once copied; a chunk
+ * with more such runs than fit drops the rest at once. */
+static void note_drop(chunk_drops *d, laden_io_file_t *f, uint64_t off,
+                      uint64_t len)
+{
+    if (d->n < CHUNK_DROPS)
+        d->r[d->n++] = (drop_range){f, off, len};
+    else
+        posix_fadvise(f->cfd, (off_t)off, (off_t)len, POSIX_FADV_DONTNEED);
+}
+
+/* A run of a chunk (chunk: c_dst, c_off, c_len) that the page cache does
+ * not hold, read the way its file system reads faster (cold.c); counted
+ * in n[] as read_chunk counts.  Buffered runs are noted in d for
+ * dropping where the pool knows they were not cached before (d NULL:
+ * it cannot tell, and drops nothing). */
+static laden_status read_cold(worker *w, laden_io_file_t *f, uint64_t off,
+                              uint64_t len, char *c_dst, uint64_t c_off,
+                              uint64_t c_len, uint64_t n[3], chunk_drops *d)
+{
+    bool trial;
+    int way = laden__way_for(w->io->direct, f->dev,
+                             atomic_load(&f->direct_ok) && len >= IO_ALIGN,
+                             &trial);
+    uint64_t t0 = trial ? laden__now_ns() : 0, buffered;
+    laden_status s;
+    if (way == LADEN__WAY_DIRECT) {
+        s = read_direct_chunk(w, f, off, len, c_dst + (off - c_off),
+                              &buffered);
+        if (!s) {
+            n[0] += len - buffered;
+            n[2] += buffered;
+        }
+    } else {
+        /* The whole run asked for at once: the drive sees every page of
+         * it in flight, as O_DIRECT's one large read would; read in one
+         * call too, and hashed after (as O_DIRECT's bytes are). */
+        posix_fadvise(f->cfd, (off_t)off, (off_t)len, POSIX_FADV_WILLNEED);
+        s = read_pieces(f, f->cfd, off, len, c_dst, c_off, c_len, NULL);
+        if (!s) {
+            n[2] += len;
+            if (d)
+                note_drop(d, f, off, len);
+        }
+    }
+    if (!s && trial)
+        laden__way_sample(f->dev, way, len, laden__now_ns() - t0);
+    return s;
+}
+
+/* Reads one chunk: what the page cache holds is copied from there, the
+ * rest read from the drive (read_cold).  Counts the bytes each way in
+ * n[0] direct, n[1] from the cache, n[2] buffered from the drive.  With a
  * hasher (a first read: see check_chunk), its checksum too: what came
  * from the page cache or buffered is hashed a piece at a time as it
- * arrives, the rest (written by the drive, never in the cache) after. */
+ * arrives, the rest (written by the drive, never in the cache) after.
+ * Where the kernel tells which pages it caches (mincore: reads nothing),
+ * every cached run is taken; elsewhere what preadv2(RWF_NOWAIT) finds
+ * from the chunk's start (which may start readahead of the rest, so the
+ * pool cannot tell what it brought in and drops nothing). */
 static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
                                uint64_t len, char *dst, uint64_t n[3],
-                               hasher *h)
+                               hasher *h, chunk_drops *d)
 {
     laden_status s = LADEN_OK;
-    if (!atomic_load(&f->direct_ok) || w->io->direct == LADEN_IO_DIRECT_OFF ||
-        len < IO_ALIGN) {
-        n[2] = len;
-        s = read_buffered_hashed(f, off, len, dst, h);
+    uint64_t end = off + len;
+    if (f->residency && len && laden__resident(f->fd, off, len, w->vec)) {
+        uint64_t first = off / IO_ALIGN;
+        for (uint64_t at = off; at < end && !s;) {
+            int in = w->vec[at / IO_ALIGN - first] & 1;
+            uint64_t to = (at / IO_ALIGN + 1) * IO_ALIGN;
+            while (to < end && (w->vec[to / IO_ALIGN - first] & 1) == in)
+                to += IO_ALIGN;
+            if (to > end)
+                to = end;
+            if (in) {
+                s = read_pieces(f, f->fd, at, to - at, dst, off, len, h);
+                if (!s)
+                    n[1] += to - at;
+            } else {
+                s = read_cold(w, f, at, to - at, dst, off, len, n, d);
+            }
+            at = to;
+        }
     } else {
         read_cached(w->io, f, off, len, dst, &n[1], h);
-        if (n[1] < len) {
-            s = read_direct_chunk(w, f, off + n[1], len - n[1], dst + n[1],
-                                  &n[2]);
-            n[0] = len - n[1] - n[2];
-        }
+        if (n[1] < len)
+            s = read_cold(w, f, off + n[1], len - n[1], dst, off, len, n,
+                          NULL);
     }
     if (!s && h)
         hash_upto(h, dst, len, len);
@@ -822,6 +938,71 @@ static laden_status check_chunk(laden_io_file_t *f, uint64_t off,
 
 /* ---- the pool ---------------------------------------------------------- */
 
+/* Drops ranges the pool read into the page cache, adjacent ones of a file
+ * in one call; returns the bytes.  No lock held: the files stay open
+ * while their request is not finished. */
+static uint64_t drop_ranges(drop_range *r, size_t n)
+{
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n;) {
+        drop_range a = r[i++];
+        for (bool grew = true; grew;) {
+            grew = false;
+            for (size_t j = i; j < n; j++)
+                if (r[j].file == a.file && r[j].len &&
+                    (r[j].off == a.off + a.len || r[j].off + r[j].len == a.off)) {
+                    if (r[j].off < a.off)
+                        a.off = r[j].off;
+                    a.len += r[j].len;
+                    r[j].len = 0;
+                    grew = true;
+                }
+        }
+        if (a.len) {
+            posix_fadvise(a.file->cfd, (off_t)a.off, (off_t)a.len,
+                          POSIX_FADV_DONTNEED);
+            bytes += a.len;
+        }
+    }
+    return bytes;
+}
+
+/* Adds a chunk's cold runs to its request's ranges.  io->mu held. */
+static void queue_drops(laden_io_req_t *r, const chunk_drops *d)
+{
+    for (unsigned i = 0; i < d->n; i++) {
+        if (r->ndrops == r->drops_cap) {
+            size_t cap = r->drops_cap ? 2 * r->drops_cap : 16;
+            drop_range *t = realloc(r->drops, cap * sizeof *t);
+            if (!t) { /* out of memory: dropped now, unbatched */
+                posix_fadvise(d->r[i].file->cfd, (off_t)d->r[i].off,
+                              (off_t)d->r[i].len, POSIX_FADV_DONTNEED);
+                continue;
+            }
+            r->drops = t;
+            r->drops_cap = cap;
+        }
+        r->drops[r->ndrops++] = d->r[i];
+        r->drop_bytes += d->r[i].len;
+    }
+}
+
+/* Takes the request's ranges to drop (*take: a copy the caller frees);
+ * 0 when there is no memory for the copy (they are dropped unbatched,
+ * with the lock held: rare).  io->mu held. */
+static size_t take_drops(laden_io_req_t *r, drop_range **take)
+{
+    size_t n = r->ndrops;
+    *take = malloc(n * sizeof **take);
+    if (*take)
+        memcpy(*take, r->drops, n * sizeof **take);
+    else
+        drop_ranges(r->drops, n);
+    r->ndrops = 0;
+    r->drop_bytes = 0;
+    return *take ? n : 0;
+}
+
 static void *worker_main(void *arg)
 {
     worker *w = arg;
@@ -842,6 +1023,7 @@ static void *worker_main(void *arg)
         pthread_mutex_unlock(&io->mu);
         laden_status s = LADEN_OK;
         uint64_t n[3] = {0, 0, 0};
+        chunk_drops drops = {.n = 0};
         uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
         hasher h, *hp = NULL;
         if (!skip && first_read(jb->file, jb->off, jb->len)) {
@@ -850,7 +1032,7 @@ static void *worker_main(void *arg)
             hp = &h;
         }
         if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
-                                      jb->dst, n, hp)))
+                                      jb->dst, n, hp, &drops)))
             s = check_chunk(jb->file, jb->off, jb->len, jb->dst, hp);
         if (t0 && !skip) {
             uint64_t sess = laden__trace_session(); /* before the name */
@@ -858,6 +1040,23 @@ static void *worker_main(void *arg)
                               n[1], laden__trace_intern(jb->file->path));
         }
         pthread_mutex_lock(&io->mu);
+        queue_drops(req, &drops);
+        /* A batch is dropped by whoever fills it, the rest by the last
+         * chunk's reader (pending 1 is checked and decremented in one
+         * hold of the lock), before anyone waiting sees the request
+         * done: its files stay open until then. */
+        for (drop_range *take; req->ndrops &&
+                               (req->pending == 1 ||
+                                req->drop_bytes >= DROP_BATCH);) {
+            size_t ntake = take_drops(req, &take);
+            if (!ntake)
+                break;
+            pthread_mutex_unlock(&io->mu);
+            uint64_t dropped = drop_ranges(take, ntake);
+            free(take);
+            pthread_mutex_lock(&io->mu);
+            io->st.dropped_bytes += dropped;
+        }
         if (!s) {
             io->st.direct_bytes += n[0];
             io->st.cached_bytes += n[1];
@@ -909,8 +1108,13 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
                            "laden_io_create: chunk of %s, at most 1 GiB",
                            laden__bytes(c.chunk_bytes).s);
     c.chunk_bytes = (c.chunk_bytes + (1u << 20) - 1) & ~((1ull << 20) - 1);
-    if (c.direct != LADEN_IO_DIRECT_AUTO && c.direct != LADEN_IO_DIRECT_OFF)
-        return laden__fail(LADEN_E_INVAL, "laden_io_create: bad direct mode");
+    if (c.direct != LADEN_IO_DIRECT_AUTO && c.direct != LADEN_IO_DIRECT_OFF &&
+        c.direct != LADEN_IO_DIRECT_ON)
+        return laden__fail(LADEN_E_INVAL, "laden_io_create: bad direct mode "
+                           "%d", (int)c.direct);
+    laden_status es = laden__way_env(c.direct, &c.direct);
+    if (es)
+        return es;
 
     laden_io_t *io = calloc(1, sizeof *io);
     if (!io)
@@ -930,10 +1134,18 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
     for (uint32_t i = 0; i < c.threads; i++) {
         worker *w = &io->workers[i];
         w->io = io;
-        if (c.direct == LADEN_IO_DIRECT_AUTO) {
+        w->vec = malloc((size_t)(c.chunk_bytes / IO_ALIGN) + 2);
+        if (!w->vec) {
+            io->nthreads = i;
+            laden_io_destroy(io);
+            return laden__fail(LADEN_E_NOMEM,
+                               "out of memory for reader page maps");
+        }
+        if (c.direct != LADEN_IO_DIRECT_OFF) {
             w->bounce_bytes = (size_t)c.chunk_bytes + 2 * IO_ALIGN;
             void *p = NULL;
             if (posix_memalign(&p, IO_ALIGN, w->bounce_bytes) != 0) {
+                free(w->vec);
                 io->nthreads = i;
                 laden_io_destroy(io);
                 return laden__fail(LADEN_E_NOMEM,
@@ -944,6 +1156,7 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
         int e = pthread_create(&w->thread, NULL, worker_main, w);
         if (e) {
             free(w->bounce);
+            free(w->vec);
             w->bounce = NULL;
             io->nthreads = i;
             laden_io_destroy(io);
@@ -966,12 +1179,14 @@ void laden_io_destroy(laden_io_t *io)
     for (uint32_t i = 0; i < io->nthreads; i++) {
         pthread_join(io->workers[i].thread, NULL);
         free(io->workers[i].bounce);
+        free(io->workers[i].vec);
     }
     free(io->workers);
     while (io->free_reqs) {
         laden_io_req_t *r = io->free_reqs;
         io->free_reqs = r->next_free;
         free(r->jobs);
+        free(r->drops);
         free(r);
     }
     pthread_cond_destroy(&io->work_cv);
@@ -1019,6 +1234,8 @@ laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
     if (r) {
         r->status = LADEN_OK;
         r->cached = 0;
+        r->ndrops = 0;
+        r->drop_bytes = 0;
         r->then = NULL;
         r->err[0] = '\0';
         r->next_free = NULL;
@@ -1090,6 +1307,7 @@ laden_status laden_io_wait_cached(laden_io_t *io, laden_io_req_t *r,
     pthread_mutex_unlock(&io->mu);
     if (r) {
         free(r->jobs);
+        free(r->drops);
         free(r);
     }
     return s;
@@ -1162,6 +1380,76 @@ void laden_io_unmap(void *addr, uint64_t size)
 
 /* ---- measuring --------------------------------------------------------- */
 
+#define PROBE_WINDOW (256ull << 20)
+
+/* Writes a temporary file of size bytes in dir, synced to the drive, into
+ * *path (cap bytes) and *buf (a PROBE_WINDOW buffer, aligned, the
+ * caller frees); the caller unlinks it. */
+static laden_status probe_file(const char *dir, uint64_t size, char *path,
+                               size_t cap, char **buf)
+{
+    *buf = NULL;
+    snprintf(path, cap, "%s/laden-probe-XXXXXX", dir);
+    int fd = mkstemp(path);
+    if (fd < 0) {
+        laden_status s = laden__fail(LADEN_E_IO, "%s: cannot create a file: "
+                                     "%s", dir, strerror(errno));
+        path[0] = '\0';
+        return s;
+    }
+    laden_status s = LADEN_OK;
+    if (posix_memalign((void **)buf, IO_ALIGN, (size_t)PROBE_WINDOW) != 0) {
+        *buf = NULL;
+        close(fd);
+        return laden__fail(LADEN_E_NOMEM, "out of memory for the probe "
+                           "buffer");
+    }
+    for (uint64_t i = 0; i < PROBE_WINDOW / 8; i++)
+        ((uint64_t *)*buf)[i] = i * 0x9e3779b97f4a7c15ull;
+    for (uint64_t at = 0; at < size && !s;) {
+        uint64_t n = size - at < PROBE_WINDOW ? size - at : PROBE_WINDOW;
+        ssize_t w = pwrite(fd, *buf, (size_t)n, (off_t)at);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            s = laden__fail(LADEN_E_IO, "%s: write failed: %s", path,
+                            w < 0 ? strerror(errno) : "no space");
+        else
+            at += (uint64_t)w;
+    }
+    if (!s && fsync(fd) != 0)
+        s = laden__fail(LADEN_E_IO, "%s: fsync: %s", path, strerror(errno));
+    close(fd);
+    return s;
+}
+
+/* Reads [off, off+len) of f from a dropped page cache through a pool of
+ * the given mode, PROBE_WINDOW at a time into buf; *bps gets the rate. */
+static laden_status probe_pass(laden_io_file_t *f, laden_io_direct mode,
+                               uint64_t off, uint64_t len, char *buf,
+                               double *bps)
+{
+    laden_io_t *io = NULL;
+    laden_io_config c = {.direct = mode};
+    laden_status s;
+    *bps = 0;
+    if ((s = laden_io_drop_cache(f)))
+        return s;
+    /* laden_io_create reads LADEN_IO_DIRECT for AUTO only. */
+    if ((s = laden_io_create(&c, &io)))
+        return s;
+    uint64_t t0 = laden__now_ns();
+    for (uint64_t at = 0; at < len && !s; at += PROBE_WINDOW) {
+        uint64_t n = len - at < PROBE_WINDOW ? len - at : PROBE_WINDOW;
+        s = laden_io_read(io, f, off + at, n, buf);
+    }
+    uint64_t t1 = laden__now_ns();
+    laden_io_destroy(io);
+    if (!s)
+        *bps = (double)len / ((double)(t1 - t0) * 1e-9);
+    return s;
+}
+
 laden_status laden_io_measure_read(const char *dir, uint64_t size,
                                    double *out_bps)
 {
@@ -1171,56 +1459,42 @@ laden_status laden_io_measure_read(const char *dir, uint64_t size,
         return laden__fail(LADEN_E_INVAL,
                            "laden_io_measure_read: need a directory and at "
                            "least 16 MiB");
-    const uint64_t window = 256ull << 20;
     char path[4096];
-    snprintf(path, sizeof path, "%s/laden-probe-XXXXXX", dir);
-    int fd = mkstemp(path);
-    if (fd < 0)
-        return laden__fail(LADEN_E_IO, "%s: cannot create a file: %s", dir,
-                           strerror(errno));
-    laden_status s = LADEN_OK;
     char *buf = NULL;
-    laden_io_t *io = NULL;
     laden_io_file_t *f = NULL;
-    if (posix_memalign((void **)&buf, IO_ALIGN, (size_t)window) != 0) {
-        buf = NULL;
-        s = laden__fail(LADEN_E_NOMEM, "out of memory for the probe buffer");
-        goto out;
-    }
-    for (uint64_t i = 0; i < window / 8; i++)
-        ((uint64_t *)buf)[i] = i * 0x9e3779b97f4a7c15ull;
-    for (uint64_t at = 0; at < size;) {
-        uint64_t n = size - at < window ? size - at : window;
-        ssize_t w = pwrite(fd, buf, (size_t)n, (off_t)at);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            s = laden__fail(LADEN_E_IO, "%s: write failed: %s", path,
-                            w < 0 ? strerror(errno) : "no space");
-            goto out;
-        }
-        at += (uint64_t)w;
-    }
-    if (fsync(fd) != 0) {
-        s = laden__fail(LADEN_E_IO, "%s: fsync: %s", path, strerror(errno));
-        goto out;
-    }
-    if ((s = laden_io_file_open(path, &f)) || (s = laden_io_drop_cache(f)) ||
-        (s = laden_io_create(NULL, &io)))
-        goto out;
-    uint64_t t0 = laden__now_ns();
-    for (uint64_t at = 0; at < size && !s; at += window) {
-        uint64_t n = size - at < window ? size - at : window;
-        s = laden_io_read(io, f, at, n, buf);
-    }
-    uint64_t t1 = laden__now_ns();
-    if (!s)
-        *out_bps = (double)size / ((double)(t1 - t0) * 1e-9);
-out:
-    laden_io_destroy(io);
+    laden_status s = probe_file(dir, size, path, sizeof path, &buf);
+    if (!s && !(s = laden_io_file_open(path, &f)))
+        s = probe_pass(f, LADEN_IO_DIRECT_AUTO, 0, size, buf, out_bps);
     laden_io_file_close(f);
-    close(fd);
-    unlink(path);
+    if (path[0])
+        unlink(path);
+    free(buf);
+    return s;
+}
+
+laden_status laden_io_measure_ways(const char *dir, uint64_t size,
+                                   laden_io_ways *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!dir || !out || size < (32u << 20))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_io_measure_ways: need a directory and at "
+                           "least 32 MiB");
+    char path[4096];
+    char *buf = NULL;
+    laden_io_file_t *f = NULL;
+    double d = 0, b = 0;
+    uint64_t half = (size / 2) & ~(uint64_t)(IO_ALIGN - 1);
+    laden_status s = probe_file(dir, size, path, sizeof path, &buf);
+    if (!s && !(s = laden_io_file_open(path, &f)) &&
+        (!laden_io_file_direct(f) ||
+         !(s = probe_pass(f, LADEN_IO_DIRECT_ON, 0, half, buf, &d))) &&
+        !(s = probe_pass(f, LADEN_IO_DIRECT_OFF, half, half, buf, &b)))
+        laden__way_measured(f->dev, laden_io_file_direct(f) ? d : 0, b, out);
+    laden_io_file_close(f);
+    if (path[0])
+        unlink(path);
     free(buf);
     return s;
 }

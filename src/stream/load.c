@@ -265,10 +265,17 @@ static laden_status layout(laden_sched_t *sc)
                                    : &sc->st.gpu_bytes;
         *tier_bytes += b->bytes;
     }
-    sc->layout.order =
-        calloc(sc->layout.nb ? sc->layout.nb : 1, sizeof *sc->layout.order);
-    if (!sc->layout.order)
+    size_t nb = sc->layout.nb ? sc->layout.nb : 1;
+    sc->layout.order = calloc(nb, sizeof *sc->layout.order);
+    sc->layout.call_rank = malloc(nb * sizeof *sc->layout.call_rank);
+    sc->layout.rec = calloc(nb, sizeof *sc->layout.rec);
+    sc->layout.seen = calloc(nb, 1);
+    sc->layout.nrec = sc->layout.nrec_streamed = 0;
+    if (!sc->layout.order || !sc->layout.call_rank || !sc->layout.rec ||
+        !sc->layout.seen)
         return laden__fail(LADEN_E_NOMEM, "out of memory laying out blocks");
+    for (size_t i = 0; i < nb; i++)
+        sc->layout.call_rank[i] = UINT32_MAX;
     laden__sched_relayout(sc);
     if ((sc->cuda || sc->cache.on) &&
         (s = laden_dev_stream_create(dev, &sc->run.copy)))
@@ -1191,7 +1198,12 @@ void laden__sched_free_all(laden_sched_t *sc)
     sc->cache.uploaded = sc->cache.last_use = NULL;
     sc->cache.fenced = false;
     free(sc->layout.order);
-    sc->layout.order = NULL;
+    free(sc->layout.call_rank);
+    free(sc->layout.rec);
+    free(sc->layout.seen);
+    sc->layout.order = sc->layout.call_rank = sc->layout.rec = NULL;
+    sc->layout.seen = NULL;
+    sc->layout.nrec = sc->layout.nrec_streamed = 0;
     laden_host_trim(sc->layout.host);
 }
 

@@ -36,12 +36,26 @@ void laden__sched_relayout(laden_sched_t *sc)
         b->pos = -1;
         if (!laden__sched_streamed(sc, b))
             continue;
-        b->pos = (int32_t)sc->layout.nstreamed;
         sc->layout.order[sc->layout.nstreamed++] = i;
         if (b->bytes > sc->layout.slot_bytes)
             sc->layout.slot_bytes = b->bytes;
         sc->layout.any_disk |= b->tier == LADEN_TIER_DISK;
     }
+    /* In call order where it is known (insertion: stable, and the order
+     * is mostly sorted already). */
+    const uint32_t *rank = sc->layout.call_rank;
+    uint32_t *o = sc->layout.order;
+    for (uint32_t k = 1; rank && k < sc->layout.nstreamed; k++) {
+        uint32_t bi = o[k], j = k;
+        for (; j > 0 && rank[o[j - 1]] > rank[bi]; j--)
+            o[j] = o[j - 1];
+        o[j] = bi;
+    }
+    for (uint32_t p = 0; p < sc->layout.nstreamed; p++)
+        sc->layout.b[o[p]].pos = (int32_t)p;
+    sc->layout.nrec_streamed = 0; /* the watch's count (run.c) */
+    for (uint32_t i = 0; i < sc->layout.nrec; i++)
+        sc->layout.nrec_streamed += sc->layout.b[sc->layout.rec[i]].pos >= 0;
     sc->st.generation++;
 }
 

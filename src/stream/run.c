@@ -534,10 +534,116 @@ static void note_direction(laden_sched_t *sc, uint32_t pos)
     sc->run.last_pos = pos;
 }
 
+/* ---- learning the call order ------------------------------------------
+ *
+ * Streamed positions start in the order blocks were added, which is the
+ * order modules are registered, not always the order they are called: a
+ * UNet lists a level's attentions before its resnets and calls them
+ * interleaved, so a prefetch by position fetches the wrong blocks and
+ * most enters miss.  So enter and exit watch the order blocks come in: a
+ * pass is watched from a block entered until one is entered again (then
+ * the watch starts over from it).  Once the pass watched has entered
+ * every streamed block, at the exit that leaves no block running: if its
+ * order is neither the positions' nor their reverse (a backward pass),
+ * both taken cyclically (where a watch starts depends on the calls), the
+ * positions become that order, a new generation (blocks run from other
+ * slots), before that exit's prefetch, which then wraps to the next
+ * pass's first blocks in the order they will come.  So a model whose
+ * order is fixed is relaid once, at the end of its first pass, and misses
+ * nothing from its second on; one whose order changes is relaid at each
+ * change.  Not while a block is running (its slot would move under it),
+ * nor once a CUDA graph was captured (its replays copy into the slots the
+ * capture saw). */
+
+/* Whether the streamed blocks of the pass watched came in position order
+ * (dir 1) or its reverse (dir -1), cyclically; false if one was missing
+ * or twice. */
+static bool pass_in_positions(const laden_sched_t *sc, int dir)
+{
+    uint32_t n = sc->layout.nstreamed, k = 0, at = 0;
+    for (uint32_t i = 0; i < sc->layout.nrec; i++) {
+        const blk *b = &sc->layout.b[sc->layout.rec[i]];
+        if (b->pos < 0)
+            continue;
+        if (k == 0)
+            at = (uint32_t)b->pos;
+        uint32_t want = dir > 0 ? (at + k) % n : (at + n - k % n) % n;
+        if (k >= n || (uint32_t)b->pos != want)
+            return false;
+        k++;
+    }
+    return k == n;
+}
+
+static void watch_again(sched_layout *l)
+{
+    for (uint32_t i = 0; i < l->nrec; i++)
+        l->seen[l->rec[i]] = 0;
+    l->nrec = 0;
+    l->nrec_streamed = 0;
+}
+
+static bool learning(const laden_sched_t *sc)
+{
+    return !sc->layout.learn_off && !sc->capture.on && sc->layout.seen;
+}
+
+/* Block entered: watched (a block seen already starts the watch over). */
+static void watch_enter(laden_sched_t *sc, uint32_t block)
+{
+    sched_layout *l = &sc->layout;
+    if (!learning(sc) || block >= l->nb)
+        return;
+    if (l->seen[block])
+        watch_again(l);
+    l->seen[block] = 1;
+    l->rec[l->nrec++] = block;
+    l->nrec_streamed += l->b[block].pos >= 0;
+}
+
+/* A block exited: once the pass watched entered every streamed block and
+ * none runs, its order is taken (see above) and the watch starts over. */
+static void watch_exit(laden_sched_t *sc)
+{
+    sched_layout *l = &sc->layout;
+    if (!learning(sc) || l->nstreamed < 3 || l->nrec_streamed < l->nstreamed)
+        return;
+    for (uint32_t i = 0; i < sc->run.nslots; i++)
+        if (sc->run.slots[i].in_use)
+            return; /* at the exit that leaves none */
+    if (l->nrec_streamed == l->nstreamed && !pass_in_positions(sc, 1) &&
+        !pass_in_positions(sc, -1)) {
+        for (uint32_t i = 0; i < l->nrec; i++)
+            l->call_rank[l->rec[i]] = i;
+        laden__sched_relayout(sc);
+        sc->run.last_pos = -1;
+        sc->run.dir = 1;
+        sc->st.reorders++;
+    }
+    watch_again(l);
+}
+
+laden_status laden__sched_learn_order(laden_sched_t *sc, int on)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_learn_order: NULL");
+    if (on && sc->capture.made)
+        return laden__fail(LADEN_E_STATE, "laden_sched_learn_order: a CUDA "
+                           "graph was captured from this schedule: its "
+                           "replays copy into the slots it saw, so the "
+                           "blocks' positions stay as they are");
+    sc->layout.learn_off = !on;
+    if (!on && sc->layout.seen) /* a pass half watched is dropped */
+        watch_again(&sc->layout);
+    return LADEN_OK;
+}
+
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                                 uintptr_t handle)
 {
     slot *sl;
+    if (sc && sc->run.started)
+        watch_enter(sc, block);
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s)
         return s;
@@ -634,6 +740,8 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
 {
     slot *sl;
     laden_status s = block_slot(sc, block, "laden_sched_exit", &sl);
+    if (!s && !sl) /* resident: a pass may end with it */
+        watch_exit(sc);
     if (s || !sl)
         return s;
     blk *b = &sc->layout.b[block];
@@ -668,6 +776,7 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
         return s;
     if (sc->capture.on)
         sl->free_captured = true;
+    watch_exit(sc); /* may move b: its position is read after */
     /* The slot just freed may be the one a block ahead needs: when the
      * schedule's length is not a multiple of nslots, the first blocks of the
      * next pass share slots with the last of this one. */
@@ -849,6 +958,8 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
         (s = laden_dev_stream_wait_event(sc->run.copy, sc->capture.fork)))
         goto undo;
     sc->capture.on = true;
+    sc->capture.made = true; /* the positions stay (learn_order) */
+    laden__sched_learn_order(sc, 0);
     sc->capture.broken = false;
     sc->capture.handle = handle;
     sc->capture.alone = alone;

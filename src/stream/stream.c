@@ -603,6 +603,16 @@ laden_status laden_sched_start(laden_sched_t *sc, uint32_t lookahead)
     HELD("laden_sched_start", laden__sched_start(sc, lookahead));
 }
 
+laden_status laden_sched_learn_order(laden_sched_t *sc, int on)
+{
+    HELD("laden_sched_learn_order", laden__sched_learn_order(sc, on));
+}
+
+const uint64_t *laden_sched_generation_word(laden_sched_t *sc)
+{
+    return sc ? &sc->st.generation : NULL;
+}
+
 laden_status laden_sched_stop(laden_sched_t *sc)
 {
     HELD("laden_sched_stop", laden__sched_stop(sc));

@@ -133,6 +133,15 @@ typedef struct sched_layout {
      * changes (load, resident.c): */
     uint32_t *order;     /* position -> block */
     uint32_t nstreamed;
+    /* The call order (run.c learns it from the blocks entered, a whole
+     * pass at a time): each block's place in the last pass whose order was
+     * taken, UINT32_MAX for a block never entered; streamed positions
+     * follow it, else the order blocks were added in.  rec, seen, nrec:
+     * the pass being watched. */
+    uint32_t *call_rank, *rec;
+    uint8_t *seen;
+    uint32_t nrec, nrec_streamed; /* of rec, streamed (relayout counts) */
+    bool learn_off; /* laden_sched_learn_order(0), or a capture was made */
     uint64_t slot_bytes; /* the largest streamed block: a slot's size */
     bool any_disk;       /* a streamed block reads from disk */
     /* Slot bytes charged to sc->cache.vram (laden__sched_charge_slots:

@@ -60,6 +60,7 @@ typedef struct sched_run {
  * through `fork`; the bytes its copies move. */
 typedef struct sched_capture {
     bool on;
+    bool made;       /* a capture was begun: positions are fixed */
     bool alone;      /* LADEN_CAPTURE_STANDALONE */
     bool broken;     /* a call was refused during it */
     uintptr_t handle; /* the capturing stream */
@@ -94,6 +95,7 @@ laden_status laden__sched_replay_end(laden_sched_t *sc, uintptr_t handle,
                                      const laden_sched_capture_t *c);
 
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead);
+laden_status laden__sched_learn_order(laden_sched_t *sc, int on);
 laden_status laden__sched_stop(laden_sched_t *sc);
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                                 uintptr_t handle);

@@ -1,0 +1,224 @@
+/* What the page cache holds of a file, and the faster way to read what it
+ * does not, per file system.
+ *
+ * Bytes the page cache holds are copied from there.  The rest come from
+ * the drive one of two ways: O_DIRECT (no copy through the page cache,
+ * nothing to drop after) or buffered reads with the whole range asked for
+ * at once (posix_fadvise WILLNEED), the pages dropped behind once copied.
+ * Which is faster depends on the drive and its driver: a local NVMe drive
+ * usually serves O_DIRECT faster, while virtual disks have measured 1.5-2x
+ * faster buffered (ANCHORS.md, BENCHMARK.md).  So in AUTO mode the pool
+ * measures: the first cold reads on a file system alternate between the
+ * two ways, under the same load, and once each way has TRIAL_SAMPLES
+ * reads the faster is kept for that file system for the process's life
+ * (`laden probe` measures both on a file of its own and sets the choice
+ * the same way).  The reads measured are the load's own: nothing is read
+ * twice. */
+#define _GNU_SOURCE
+#include "cold.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "../core/internal.h"
+
+#define PAGE 4096u
+#define FS_MAX 16u
+#define TRIAL_SAMPLES 4u
+#define TRIAL_MIN_BYTES (1ull << 20) /* smaller reads say little */
+/* Buffered is kept only when clearly faster: O_DIRECT costs no CPU for
+ * a copy through the page cache and nothing to drop. */
+#define BUFFERED_MARGIN 1.10
+
+bool laden__residency_known(int fd, uint64_t uid)
+{
+    if (geteuid() == 0 || (uint64_t)geteuid() == uid)
+        return true;
+    /* Writable by this process: faccessat on the descriptor's path. */
+    char p[64];
+    snprintf(p, sizeof p, "/proc/self/fd/%d", fd);
+    return faccessat(AT_FDCWD, p, W_OK, AT_EACCESS) == 0;
+}
+
+bool laden__resident(int fd, uint64_t off, uint64_t len, unsigned char *vec)
+{
+    uint64_t a0 = off & ~(uint64_t)(PAGE - 1);
+    uint64_t span = off + len - a0;
+    if (!len)
+        return true;
+    void *m = mmap(NULL, (size_t)span, PROT_READ, MAP_SHARED, fd, (off_t)a0);
+    if (m == MAP_FAILED)
+        return false;
+    bool ok = mincore(m, (size_t)span, vec) == 0;
+    munmap(m, (size_t)span);
+    return ok;
+}
+
+/* ---- the choice per file system ------------------------------------- */
+
+typedef struct fs_way {
+    uint64_t dev;
+    bool used;
+    int chosen; /* -1: not yet */
+    uint32_t n[2];
+    uint64_t bytes[2], ns[2];
+} fs_way;
+
+static pthread_mutex_t fs_mu = PTHREAD_MUTEX_INITIALIZER;
+static fs_way fs_ways[FS_MAX];
+static unsigned fs_next;
+
+/* The entry of dev, made if absent (the oldest made way for it).  fs_mu
+ * held. */
+static fs_way *fs_entry(uint64_t dev)
+{
+    for (unsigned i = 0; i < FS_MAX; i++)
+        if (fs_ways[i].used && fs_ways[i].dev == dev)
+            return &fs_ways[i];
+    fs_way *e = &fs_ways[fs_next];
+    fs_next = (fs_next + 1) % FS_MAX;
+    *e = (fs_way){.dev = dev, .used = true, .chosen = -1};
+    return e;
+}
+
+static double rate_of(const fs_way *e, int way)
+{
+    return e->ns[way] ? (double)e->bytes[way] / ((double)e->ns[way] * 1e-9)
+                      : 0.0;
+}
+
+/* fs_mu held. */
+static void choose(fs_way *e)
+{
+    double d = rate_of(e, LADEN__WAY_DIRECT);
+    double b = rate_of(e, LADEN__WAY_BUFFERED);
+    e->chosen = b > BUFFERED_MARGIN * d ? LADEN__WAY_BUFFERED
+                                        : LADEN__WAY_DIRECT;
+}
+
+int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
+                   bool *trial)
+{
+    *trial = false;
+    if (!direct_ok || mode == LADEN_IO_DIRECT_OFF)
+        return LADEN__WAY_BUFFERED;
+    if (mode == LADEN_IO_DIRECT_ON)
+        return LADEN__WAY_DIRECT;
+    pthread_mutex_lock(&fs_mu);
+    fs_way *e = fs_entry(dev);
+    int way = e->chosen;
+    if (way < 0) {
+        /* The way measured less so far; both run side by side. */
+        way = e->n[LADEN__WAY_BUFFERED] < e->n[LADEN__WAY_DIRECT]
+                  ? LADEN__WAY_BUFFERED
+                  : LADEN__WAY_DIRECT;
+        *trial = true;
+    }
+    pthread_mutex_unlock(&fs_mu);
+    return way;
+}
+
+void laden__way_sample(uint64_t dev, int way, uint64_t bytes, uint64_t ns)
+{
+    if (bytes < TRIAL_MIN_BYTES || !ns || (way != 0 && way != 1))
+        return;
+    pthread_mutex_lock(&fs_mu);
+    fs_way *e = fs_entry(dev);
+    if (e->chosen < 0) {
+        e->n[way]++;
+        e->bytes[way] += bytes;
+        e->ns[way] += ns;
+        if (e->n[0] >= TRIAL_SAMPLES && e->n[1] >= TRIAL_SAMPLES)
+            choose(e);
+    }
+    pthread_mutex_unlock(&fs_mu);
+}
+
+laden_status laden__way_env(laden_io_direct mode, laden_io_direct *out)
+{
+    *out = mode;
+    const char *v = getenv("LADEN_IO_DIRECT");
+    if (mode != LADEN_IO_DIRECT_AUTO || !v || !*v)
+        return LADEN_OK;
+    if (!strcmp(v, "auto"))
+        *out = LADEN_IO_DIRECT_AUTO;
+    else if (!strcmp(v, "on"))
+        *out = LADEN_IO_DIRECT_ON;
+    else if (!strcmp(v, "off"))
+        *out = LADEN_IO_DIRECT_OFF;
+    else
+        return laden__fail(LADEN_E_INVAL,
+                           "LADEN_IO_DIRECT=%.64s: give auto (measure which "
+                           "way reads faster on each file system), on "
+                           "(O_DIRECT) or off (buffered)", v);
+    return LADEN_OK;
+}
+
+static void ways_of(const fs_way *e, laden_io_ways *out)
+{
+    out->chosen = e->chosen < 0                       ? LADEN_IO_WAY_UNKNOWN
+                  : e->chosen == LADEN__WAY_DIRECT ? LADEN_IO_WAY_DIRECT
+                                                   : LADEN_IO_WAY_BUFFERED;
+    out->samples = e->n[0] < e->n[1] ? e->n[0] : e->n[1];
+    out->direct_bps = rate_of(e, LADEN__WAY_DIRECT);
+    out->buffered_bps = rate_of(e, LADEN__WAY_BUFFERED);
+}
+
+laden_status laden_io_file_ways(const laden_io_file_t *f, laden_io_ways *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!f || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_io_file_ways: NULL "
+                           "argument");
+    uint64_t id[4];
+    laden_io_file_identity(f, id);
+    pthread_mutex_lock(&fs_mu);
+    for (unsigned i = 0; i < FS_MAX; i++)
+        if (fs_ways[i].used && fs_ways[i].dev == id[0])
+            ways_of(&fs_ways[i], out);
+    pthread_mutex_unlock(&fs_mu);
+    return LADEN_OK;
+}
+
+laden_status laden_io_forget_ways(const laden_io_file_t *f)
+{
+    if (!f)
+        return laden__fail(LADEN_E_INVAL, "laden_io_forget_ways: NULL file");
+    uint64_t id[4];
+    laden_io_file_identity(f, id);
+    pthread_mutex_lock(&fs_mu);
+    for (unsigned i = 0; i < FS_MAX; i++)
+        if (fs_ways[i].used && fs_ways[i].dev == id[0])
+            fs_ways[i].used = false;
+    pthread_mutex_unlock(&fs_mu);
+    return LADEN_OK;
+}
+
+/* Sets dev's choice from two whole measurements (laden_io_measure_ways),
+ * in place of what trials found. */
+void laden__way_measured(uint64_t dev, double direct_bps, double buffered_bps,
+                         laden_io_ways *out)
+{
+    pthread_mutex_lock(&fs_mu);
+    fs_way *e = fs_entry(dev);
+    *e = (fs_way){.dev = dev, .used = true, .chosen = -1};
+    double r[2] = {direct_bps, buffered_bps};
+    for (int w = 0; w < 2; w++)
+        if (r[w] > 0) {
+            e->n[w] = TRIAL_SAMPLES;
+            e->ns[w] = 1000000000ull;
+            e->bytes[w] = (uint64_t)r[w];
+        }
+    if (direct_bps <= 0)
+        e->chosen = LADEN__WAY_BUFFERED;
+    else
+        choose(e);
+    ways_of(e, out);
+    pthread_mutex_unlock(&fs_mu);
+}
