@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Cold read of a whole checkpoint into host memory: laden's reader against
-safetensors (load_file and safe_open) and dd iflag=direct, the drive's raw
-rate, in one run.  Each method runs in its own process after the file is
-dropped from the page cache, and reports its time and peak RSS.
+"""Cold read of a whole checkpoint into host memory: laden's reader (its
+automatic choice, O_DIRECT, buffered) against safetensors (load_file and
+safe_open) and the best plain reads a user could pick, `cat` (buffered,
+the kernel's readahead) and `dd iflag=direct`, in one run.  Each method
+runs in its own process after the file is dropped from the page cache,
+and reports its time, peak RSS and how much of the file the page cache
+still holds after it (laden drops what it brought in: one copy in RAM).
+With --repeat N every method runs N times, interleaved, and the median
+counts (virtual disks vary run to run).
 
-    python bench/read.py [--size 4GB] [--dir bench/out] [--keep]
+    python bench/read.py [--size 4GB] [--dir bench/out] [--repeat 3] [--keep]
 
 Prints a table; asserts nothing about timings."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import platform
 import resource
@@ -48,6 +55,33 @@ def drop_cache(path: str) -> None:
         lib.laden_io_file_close(h)
 
 
+def resident_fraction(path: str) -> float:
+    """The share of the file's pages in the page cache (mincore over a
+    mapping: reads nothing)."""
+    n = os.path.getsize(path)
+    if n == 0:
+        return 0.0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return float("nan")
+        pages = (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(pages)
+        ok = libc.mincore(addr, n, vec) == 0
+        libc.munmap(addr, n)
+        return sum(b & 1 for b in vec.raw) / pages if ok else float("nan")
+    finally:
+        os.close(fd)
+
+
 def make_checkpoint(path: str, size: int) -> None:
     import torch
 
@@ -81,7 +115,7 @@ def child(method: str, path: str, threads: int) -> dict:
 
     base = rss_now()
     out = {}
-    if method in ("laden", "laden-buffered"):
+    if method == "laden":
         import laden
 
         with laden.open(path) as ck:
@@ -92,8 +126,7 @@ def child(method: str, path: str, threads: int) -> dict:
             for t in ck.tensors():
                 items.append((t.name, buf.narrow(0, at, t.nbytes)))
                 at += t.nbytes
-            reader = laden.Reader(threads=threads,
-                                  direct=method == "laden")
+            reader = laden.Reader(threads=threads)  # LADEN_IO_DIRECT
             t0 = time.perf_counter()
             ck.read_into_many(items, reader)
             out["seconds"] = time.perf_counter() - t0
@@ -138,29 +171,43 @@ def child(method: str, path: str, threads: int) -> dict:
     return out
 
 
-def run_child(method: str, path: str, threads: int) -> dict:
+def run_child(method: str, path: str, threads: int, io=None) -> dict:
     drop_cache(path)
+    env = dict(os.environ)
+    env.pop("LADEN_IO_DIRECT", None)
+    if io:
+        env["LADEN_IO_DIRECT"] = io
     r = subprocess.run([sys.executable, __file__, "--child", method,
                         "--path", path, "--threads", str(threads)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["cached_after"] = resident_fraction(path)
+    return out
 
 
-def run_dd(path: str) -> dict:
-    if not shutil.which("dd"):
-        return {"error": "dd not found"}
+def run_plain(path: str, argv) -> dict:
+    """A plain command reading the file cold (cat, dd)."""
+    if not shutil.which(argv[0]):
+        return {"error": f"{argv[0]} not found"}
     drop_cache(path)
     t0 = time.perf_counter()
-    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M",
-                        "iflag=direct", "status=none"], capture_output=True,
-                       text=True)
+    r = subprocess.run(argv, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
     sec = time.perf_counter() - t0
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
     return {"seconds": sec, "bytes": os.path.getsize(path), "peak_rss": 0,
-            "base_rss": 0}
+            "base_rss": 0, "cached_after": resident_fraction(path)}
+
+
+def median_of(runs) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r["seconds"])
+    return ok[len(ok) // 2]
 
 
 def main() -> int:
@@ -171,6 +218,9 @@ def main() -> int:
                     help="reader threads (0: laden's default)")
     ap.add_argument("--sweep", action="store_true",
                     help="also run laden with 1, 2, 4, 8, 16 threads")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each method, interleaved; the median "
+                         "counts")
     ap.add_argument("--keep", action="store_true",
                     help="keep the generated checkpoint")
     ap.add_argument("--child")
@@ -192,37 +242,52 @@ def main() -> int:
         make_checkpoint(path, size)
     fsize = os.path.getsize(path)
 
-    rows = [("dd iflag=direct bs=16M", run_dd(path))]
-    rows.append((f"laden read_into_many ({args.threads or 'default'} thr)",
-                 run_child("laden", path, args.threads)))
-    rows.append(("laden incl. allocating the buffer",
-                 run_child("laden+alloc", path, args.threads)))
-    rows.append(("laden, buffered reads (no O_DIRECT)",
-                 run_child("laden-buffered", path, args.threads)))
+    th = args.threads
+    methods = [
+        ("cat (buffered, readahead)", lambda: run_plain(path, ["cat", path])),
+        ("dd iflag=direct bs=64M", lambda: run_plain(
+            path, ["dd", f"if={path}", "of=/dev/null", "bs=64M",
+                   "iflag=direct", "status=none"])),
+        (f"laden, auto ({th or 'default'} threads)",
+         lambda: run_child("laden", path, th)),
+        ("laden, O_DIRECT (LADEN_IO_DIRECT=on)",
+         lambda: run_child("laden", path, th, "on")),
+        ("laden, buffered (LADEN_IO_DIRECT=off)",
+         lambda: run_child("laden", path, th, "off")),
+        ("laden auto, incl. allocating the buffer",
+         lambda: run_child("laden+alloc", path, th)),
+    ]
     if args.sweep:
-        for th in (1, 2, 4, 8, 16):
-            rows.append((f"laden, {th} threads",
-                         run_child("laden", path, th)))
+        for n in (1, 2, 4, 8, 16):
+            methods.append((f"laden auto, {n} threads",
+                            lambda n=n: run_child("laden", path, n)))
     try:
         import safetensors  # noqa: F401
-        rows.append(("safetensors load_file",
-                     run_child("st.load_file", path, 0)))
-        rows.append(("safetensors safe_open + get_tensor",
-                     run_child("st.safe_open", path, 0)))
+        methods.append(("safetensors load_file",
+                        lambda: run_child("st.load_file", path, 0)))
+        methods.append(("safetensors safe_open + get_tensor",
+                        lambda: run_child("st.safe_open", path, 0)))
     except ImportError:
-        rows.append(("safetensors", {"error": "not installed"}))
+        methods.append(("safetensors", lambda: {"error": "not installed"}))
+    runs = {name: [] for name, _ in methods}
+    for _ in range(max(1, args.repeat)):
+        for name, fn in methods:
+            runs[name].append(fn())
+    rows = [(name, median_of(runs[name])) for name, _ in methods]
 
-    raw = rows[0][1]
-    raw_rate = raw["bytes"] / raw["seconds"] if "seconds" in raw else None
+    plain = [r["bytes"] / r["seconds"] for _, r in rows[:2]
+             if "seconds" in r]
+    raw_rate = max(plain) if plain else None
     print(f"\nread.py  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  "
           f"file {fmt_bytes(fsize)} ({fsize} bytes), page cache dropped "
-          "before each\n")
-    hdr = ("method", "s", "GB/s", "÷ dd", "peak RSS", "RSS − base",
-           "÷ file")
+          f"before each, median of {max(1, args.repeat)}\n")
+    hdr = ("method", "s", "GB/s", "÷ best plain", "peak RSS", "RSS − base",
+           "÷ file", "cached after")
     table = [hdr]
     for name, r in rows:
         if "error" in r:
-            table.append((name, "-", "-", "-", "-", "-", r["error"][:60]))
+            table.append((name, "-", "-", "-", "-", "-", r["error"][:60],
+                          "-"))
             continue
         rate = r["bytes"] / r["seconds"]
         over = r["peak_rss"] - r["base_rss"]
@@ -231,7 +296,8 @@ def main() -> int:
             f"{rate / raw_rate:.2f}" if raw_rate else "-",
             fmt_bytes(r["peak_rss"]) if r["peak_rss"] else "-",
             fmt_bytes(over) if r["peak_rss"] else "-",
-            f"{over / fsize:.2f}" if r["peak_rss"] else "-"))
+            f"{over / fsize:.2f}" if r["peak_rss"] else "-",
+            f"{r['cached_after']:.0%}"))
     w = [max(len(str(row[i])) for row in table) for i in range(len(hdr))]
     for j, row in enumerate(table):
         print("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i])
@@ -240,7 +306,19 @@ def main() -> int:
             print("  ".join("-" * x for x in w))
     print("\nRSS − base: peak resident memory above the process's level "
           "before reading (torch imported; for laden, the buffer "
-          "allocated).")
+          "allocated).  ÷ best plain: against the faster of cat and dd "
+          "in this run.  cached after: the file's pages the page cache "
+          "holds once the method is done (a second copy of the file in "
+          "RAM, unless reclaimed).")
+    import ctypes as _c
+    from laden._lib import IoWays, check, lib
+    w, h = IoWays(), _c.c_void_p()
+    check(lib.laden_io_file_open(path.encode(), _c.byref(h)))
+    lib.laden_io_measure_ways(os.path.dirname(path).encode(), 512 << 20,
+                              _c.byref(w))
+    lib.laden_io_file_close(h)
+    print(f"laden probe here: O_DIRECT {w.direct_bps / 1e9:.2f} GB/s, "
+          f"buffered {w.buffered_bps / 1e9:.2f} GB/s")
     if not args.keep:
         os.unlink(path)
     return 0

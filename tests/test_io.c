@@ -689,7 +689,7 @@ TEST(io_cold_buffered_drops_behind)
  * side by side, then the faster is kept. */
 TEST(io_auto_measures_then_keeps)
 {
-    const uint64_t n = 24u << 20;
+    const uint64_t n = 64u << 20; /* three 8 MiB windows each way, and more */
     char *p = make_file("auto.bin", n);
     laden_io_file_t *f;
     CHECK_OK(laden_io_file_open(p, &f));
@@ -711,12 +711,12 @@ TEST(io_auto_measures_then_keeps)
     check_range(buf, 0, n);
     CHECK_OK(laden_io_file_ways(f, &w));
     CHECK(w.chosen == LADEN_IO_WAY_DIRECT || w.chosen == LADEN_IO_WAY_BUFFERED);
-    CHECK(w.samples >= 4);
+    CHECK(w.samples >= 3);
     CHECK(w.direct_bps > 0 && w.buffered_bps > 0);
     laden_io_stats_t st;
     CHECK_OK(laden_io_stats(io, &st));
-    CHECK(st.direct_bytes >= 4u << 20);   /* both ways were tried */
-    CHECK(st.buffered_bytes >= 4u << 20);
+    CHECK(st.direct_bytes >= 24u << 20);   /* both ways were tried */
+    CHECK(st.buffered_bytes >= 24u << 20);
     /* Then every cold byte goes the chosen way. */
     laden_io_stats_t before = st;
     CHECK_OK(laden_io_drop_cache(f));

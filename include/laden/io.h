@@ -164,7 +164,7 @@ typedef enum laden_io_way {
 } laden_io_way;
 typedef struct laden_io_ways {
     int32_t chosen;      /* laden_io_way */
-    uint32_t samples;    /* reads measured (the fewer of the two ways) */
+    uint32_t samples;    /* windows measured (the fewer of the two ways) */
     double direct_bps;   /* measured rates; 0 where not measured */
     double buffered_bps;
 } laden_io_ways;

@@ -47,10 +47,7 @@ def relaid_check(owner: _Owned, rebind):
     streamed blocks out again (laden_sched_learn_order: they now run from
     other slots), found by the schedule's generation, read from its
     address (no call)."""
-    import ctypes
-
-    word = ctypes.c_uint64.from_address(
-        lib.laden_sched_generation_word(owner.h))
+    word = lib.laden_sched_generation_word(owner.h).contents
     seen = [word.value]
 
     def check() -> None:

@@ -404,7 +404,7 @@ _SIGNATURES = {
     "laden_sched_block_tier": (c_int, [p, c_uint32]),
     "laden_sched_enter": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_sched_learn_order": (status_t, [p, c_int]),
-    "laden_sched_generation_word": (c_void_p, [p]),
+    "laden_sched_generation_word": (P(c_uint64), [p]),
     "laden_sched_exit": (status_t, [p, c_uint32, ctypes.c_size_t]),
     "laden_sched_synchronize": (status_t, [p]),
     "laden_sched_forget_stream": (status_t, [p, c_size_t]),

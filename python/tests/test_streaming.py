@@ -937,3 +937,90 @@ def test_prefetch_in_call_order(tmp_path, make):
     # taken again by the hooks: the outputs above are exact).
     assert st["reorders"] == reorders
     laden.release(m)
+
+
+def _resident_fraction(path):
+    """The share of the file's pages in the page cache (mincore over a
+    mapping: reads nothing)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_char_p]
+    n = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, n, vec) == 0
+        libc.munmap(addr, n)
+        return sum(b & 1 for b in vec.raw) / pages
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(path):
+    import ctypes
+    from laden._lib import check, lib
+    h = ctypes.c_void_p()
+    check(lib.laden_io_file_open(path.encode(), ctypes.byref(h)))
+    try:
+        check(lib.laden_io_drop_cache(h))
+    finally:
+        lib.laden_io_file_close(h)
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Linear(1024, 1024) for _ in range(10))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+@pytest.mark.parametrize("way", ["on", "off", "auto"])
+def test_cold_load_every_way(tmp_path, monkeypatch, way):
+    """A cold load reads the same bytes whichever way the reader takes
+    (LADEN_IO_DIRECT), and leaves the page cache without the file: the
+    RAM tier is the one copy in host memory."""
+    torch.manual_seed(0)
+    ref = _Wide().eval()
+    path = str(tmp_path / "wide.safetensors")
+    laden.save_file(dict(ref.state_dict()), path)  # 40 MiB
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+    monkeypatch.setenv("LADEN_IO_DIRECT", way)
+    _drop_cache(path)
+    assert _resident_fraction(path) < 0.01
+    with torch.device("meta"):
+        m = _Wide().eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cpu")
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    # O_DIRECT brings nothing in; buffered reads drop what they brought.
+    assert _resident_fraction(path) < 0.05, way
+    laden.release(m)
+
+
+def test_bad_io_direct_value_is_refused(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    path = str(tmp_path / "wide.safetensors")
+    laden.save_file(dict(_Wide().state_dict()), path)
+    monkeypatch.setenv("LADEN_IO_DIRECT", "fast")
+    with torch.device("meta"):
+        m = _Wide()
+    with pytest.raises(laden.InvalidArgumentError,
+                       match="LADEN_IO_DIRECT=fast"):
+        laden.stream_load(m, path, offload_prefixes=["blocks."],
+                          device="cpu")
+    assert m.blocks[0].weight.device.type == "meta"  # left as it was

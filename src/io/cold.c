@@ -8,12 +8,15 @@
  * Which is faster depends on the drive and its driver: a local NVMe drive
  * usually serves O_DIRECT faster, while virtual disks have measured 1.5-2x
  * faster buffered (ANCHORS.md, BENCHMARK.md).  So in AUTO mode the pool
- * measures: the first cold reads on a file system alternate between the
- * two ways, under the same load, and once each way has TRIAL_SAMPLES
- * reads the faster is kept for that file system for the process's life
- * (`laden probe` measures both on a file of its own and sets the choice
- * the same way).  The reads measured are the load's own: nothing is read
- * twice. */
+ * measures: the first cold reads on a file system go in windows of bytes,
+ * each window one way, the ways alternating, and a window's rate is its
+ * bytes over the time from its first read's start to its last read's end
+ * (the whole pool reading that way: what a way gives is its throughput
+ * with every thread on it, not a read's share while the other way's
+ * reads compete).  Once each way has TRIAL_WINDOWS windows the faster
+ * is kept for that file system for the process's life (`laden probe`
+ * measures both on a file of its own and sets the choice the same way).
+ * The reads measured are the load's own: nothing is read twice. */
 #define _GNU_SOURCE
 #include "cold.h"
 
@@ -29,8 +32,9 @@
 
 #define PAGE 4096u
 #define FS_MAX 16u
-#define TRIAL_SAMPLES 4u
-#define TRIAL_MIN_BYTES (1ull << 20) /* smaller reads say little */
+#define TRIAL_WINDOWS 3u
+#define MIN_WINDOW (8ull << 20)
+#define RING 4u /* windows being read at once, at most */
 /* Buffered is kept only when clearly faster: O_DIRECT costs no CPU for
  * a copy through the page cache and nothing to drop. */
 #define BUFFERED_MARGIN 1.10
@@ -61,12 +65,21 @@ bool laden__resident(int fd, uint64_t off, uint64_t len, unsigned char *vec)
 
 /* ---- the choice per file system ------------------------------------- */
 
+typedef struct window {
+    uint64_t number; /* which window of the trial; 0: the slot is free */
+    uint64_t t0, t1, bytes;
+    uint32_t pending; /* reads started, not yet done */
+} window;
+
 typedef struct fs_way {
     uint64_t dev;
     bool used;
     int chosen; /* -1: not yet */
-    uint32_t n[2];
+    uint32_t n[2];         /* windows measured each way */
     uint64_t bytes[2], ns[2];
+    uint64_t window_bytes; /* set by the trial's first read */
+    uint64_t started;      /* trial bytes whose reads started */
+    window ring[RING];
 } fs_way;
 
 static pthread_mutex_t fs_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -102,9 +115,9 @@ static void choose(fs_way *e)
 }
 
 int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
-                   bool *trial)
+                   uint64_t len, uint64_t window_bytes, uint64_t *trial)
 {
-    *trial = false;
+    *trial = 0;
     if (!direct_ok || mode == LADEN_IO_DIRECT_OFF)
         return LADEN__WAY_BUFFERED;
     if (mode == LADEN_IO_DIRECT_ON)
@@ -113,28 +126,48 @@ int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
     fs_way *e = fs_entry(dev);
     int way = e->chosen;
     if (way < 0) {
-        /* The way measured less so far; both run side by side. */
-        way = e->n[LADEN__WAY_BUFFERED] < e->n[LADEN__WAY_DIRECT]
-                  ? LADEN__WAY_BUFFERED
-                  : LADEN__WAY_DIRECT;
-        *trial = true;
+        if (!e->window_bytes)
+            e->window_bytes = window_bytes > MIN_WINDOW ? window_bytes
+                                                        : MIN_WINDOW;
+        uint64_t number = e->started / e->window_bytes + 1;
+        window *w = &e->ring[number % RING];
+        if (w->number != number) {
+            /* A window RING back that never finished (its reads failed,
+             * or were abandoned) is not measured. */
+            *w = (window){.number = number, .t0 = laden__now_ns()};
+        }
+        w->pending++;
+        e->started += len;
+        way = (int)(number % 2 ? LADEN__WAY_DIRECT : LADEN__WAY_BUFFERED);
+        *trial = number;
     }
     pthread_mutex_unlock(&fs_mu);
     return way;
 }
 
-void laden__way_sample(uint64_t dev, int way, uint64_t bytes, uint64_t ns)
+void laden__way_done(uint64_t dev, uint64_t trial, uint64_t bytes)
 {
-    if (bytes < TRIAL_MIN_BYTES || !ns || (way != 0 && way != 1))
+    if (!trial)
         return;
+    uint64_t now = laden__now_ns();
     pthread_mutex_lock(&fs_mu);
     fs_way *e = fs_entry(dev);
-    if (e->chosen < 0) {
-        e->n[way]++;
-        e->bytes[way] += bytes;
-        e->ns[way] += ns;
-        if (e->n[0] >= TRIAL_SAMPLES && e->n[1] >= TRIAL_SAMPLES)
-            choose(e);
+    window *w = &e->ring[trial % RING];
+    if (e->chosen < 0 && w->number == trial && w->pending) {
+        w->bytes += bytes;
+        w->t1 = now;
+        /* Measured once every read of it ended and none will start. */
+        if (!--w->pending && e->started >= trial * e->window_bytes &&
+            w->t1 > w->t0) {
+            int way = (int)(trial % 2 ? LADEN__WAY_DIRECT
+                                      : LADEN__WAY_BUFFERED);
+            e->n[way]++;
+            e->bytes[way] += w->bytes;
+            e->ns[way] += w->t1 - w->t0;
+            w->number = 0;
+            if (e->n[0] >= TRIAL_WINDOWS && e->n[1] >= TRIAL_WINDOWS)
+                choose(e);
+        }
     }
     pthread_mutex_unlock(&fs_mu);
 }
@@ -211,7 +244,7 @@ void laden__way_measured(uint64_t dev, double direct_bps, double buffered_bps,
     double r[2] = {direct_bps, buffered_bps};
     for (int w = 0; w < 2; w++)
         if (r[w] > 0) {
-            e->n[w] = TRIAL_SAMPLES;
+            e->n[w] = TRIAL_WINDOWS;
             e->ns[w] = 1000000000ull;
             e->bytes[w] = (uint64_t)r[w];
         }

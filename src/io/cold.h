@@ -19,14 +19,16 @@ bool laden__residency_known(int fd, uint64_t uid);
  * mapping failed (vec untouched). */
 bool laden__resident(int fd, uint64_t off, uint64_t len, unsigned char *vec);
 
-/* The way a pool whose mode is `mode` reads a cold part of a file on
- * device dev that takes O_DIRECT (direct_ok).  *trial is set when the
- * file system's choice is not made yet and this read counts toward it
- * (report it with laden__way_sample). */
+/* The way a pool whose mode is `mode` reads a cold part of len bytes of
+ * a file on device dev that takes O_DIRECT (direct_ok).  Where the file
+ * system's choice is not made yet the read is part of the trial (a window
+ * of window_bytes, or at least 8 MiB, one way): *trial gets its window,
+ * handed to laden__way_done when the read ended; else 0. */
 int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
-                   bool *trial);
-/* A trial read of bytes in ns the way `way` on device dev. */
-void laden__way_sample(uint64_t dev, int way, uint64_t bytes, uint64_t ns);
+                   uint64_t len, uint64_t window_bytes, uint64_t *trial);
+/* A read of the trial window `trial` (0: none) on device dev ended,
+ * bytes of it read (0 if it failed). */
+void laden__way_done(uint64_t dev, uint64_t trial, uint64_t bytes);
 /* The mode LADEN_IO_DIRECT asks for, or `mode` where it is not set or the
  * mode is not AUTO.  LADEN_E_INVAL naming the value if it is not one of
  * auto, on, off. */

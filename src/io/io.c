@@ -59,9 +59,8 @@ typedef struct sum_entry {
 } sum_entry;
 
 struct laden_io_file {
-    int fd;  /* buffered */
+    int fd;  /* buffered, without readahead (see open) */
     int dfd; /* O_DIRECT, or -1 */
-    int cfd; /* buffered without readahead, for cold reads; or fd */
     bool residency; /* the kernel says which pages it caches (cold.h) */
     atomic_int direct_ok;
     uint64_t size;
@@ -207,17 +206,12 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
         f->dfd = -1;
     }
     atomic_init(&f->direct_ok, f->dfd >= 0);
-    /* Cold buffered reads ask for their whole range (WILLNEED) and no
-     * more: readahead past it would leave pages nobody drops. */
-    f->cfd = open_regular(path, 0, &dsb);
-    if (f->cfd >= 0 && (dsb.st_dev != sb.st_dev || dsb.st_ino != sb.st_ino)) {
-        close(f->cfd);
-        f->cfd = -1;
-    }
-    if (f->cfd >= 0)
-        posix_fadvise(f->cfd, 0, 0, POSIX_FADV_RANDOM);
-    else
-        f->cfd = f->fd;
+    /* No readahead on the buffered descriptor: cold buffered reads ask
+     * for their whole range (WILLNEED) and no more, and a read of a few
+     * pages (a header, an unaligned edge, a cached run) brings no window
+     * with it.  Readahead past a range leaves pages nobody drops, and
+     * marks pages whose later reads start more of it. */
+    posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
     f->residency = laden__residency_known(f->fd, (uint64_t)sb.st_uid);
     *out = f;
     return LADEN_OK;
@@ -227,8 +221,6 @@ void laden_io_file_close(laden_io_file_t *f)
 {
     if (!f)
         return;
-    if (f->cfd != f->fd)
-        close(f->cfd);
     close(f->fd);
     if (f->dfd >= 0)
         close(f->dfd);
@@ -586,6 +578,18 @@ static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
     return LADEN_OK;
 }
 
+/* Drops [off, off+len) of f from the page cache, the pages it touches
+ * whole: a cold run starts and ends in pages that were not cached when
+ * it was read (a tensor's first page may hold its neighbour's last bytes:
+ * dropping it costs that neighbour, if still reading, a page read
+ * again). */
+static void drop_pages(laden_io_file_t *f, uint64_t off, uint64_t len)
+{
+    uint64_t a = off & ~(uint64_t)(IO_ALIGN - 1);
+    uint64_t b = (off + len + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
+    posix_fadvise(f->fd, (off_t)a, (off_t)(b - a), POSIX_FADV_DONTNEED);
+}
+
 /* Notes a cold range read buffered for dropping once copied; a chunk
  * with more such runs than fit drops the rest at once. */
 static void note_drop(chunk_drops *d, laden_io_file_t *f, uint64_t off,
@@ -594,7 +598,7 @@ static void note_drop(chunk_drops *d, laden_io_file_t *f, uint64_t off,
     if (d->n < CHUNK_DROPS)
         d->r[d->n++] = (drop_range){f, off, len};
     else
-        posix_fadvise(f->cfd, (off_t)off, (off_t)len, POSIX_FADV_DONTNEED);
+        drop_pages(f, off, len);
 }
 
 /* A run of a chunk (chunk: c_dst, c_off, c_len) that the page cache does
@@ -606,11 +610,11 @@ static laden_status read_cold(worker *w, laden_io_file_t *f, uint64_t off,
                               uint64_t len, char *c_dst, uint64_t c_off,
                               uint64_t c_len, uint64_t n[3], chunk_drops *d)
 {
-    bool trial;
+    uint64_t trial, buffered;
     int way = laden__way_for(w->io->direct, f->dev,
                              atomic_load(&f->direct_ok) && len >= IO_ALIGN,
+                             len, (uint64_t)w->io->nthreads * w->io->chunk,
                              &trial);
-    uint64_t t0 = trial ? laden__now_ns() : 0, buffered;
     laden_status s;
     if (way == LADEN__WAY_DIRECT) {
         s = read_direct_chunk(w, f, off, len, c_dst + (off - c_off),
@@ -623,16 +627,15 @@ static laden_status read_cold(worker *w, laden_io_file_t *f, uint64_t off,
         /* The whole run asked for at once: the drive sees every page of
          * it in flight, as O_DIRECT's one large read would; read in one
          * call too, and hashed after (as O_DIRECT's bytes are). */
-        posix_fadvise(f->cfd, (off_t)off, (off_t)len, POSIX_FADV_WILLNEED);
-        s = read_pieces(f, f->cfd, off, len, c_dst, c_off, c_len, NULL);
+        posix_fadvise(f->fd, (off_t)off, (off_t)len, POSIX_FADV_WILLNEED);
+        s = read_pieces(f, f->fd, off, len, c_dst, c_off, c_len, NULL);
         if (!s) {
             n[2] += len;
             if (d)
                 note_drop(d, f, off, len);
         }
     }
-    if (!s && trial)
-        laden__way_sample(f->dev, way, len, laden__now_ns() - t0);
+    laden__way_done(f->dev, trial, s ? 0 : len);
     return s;
 }
 
@@ -959,8 +962,7 @@ static uint64_t drop_ranges(drop_range *r, size_t n)
                 }
         }
         if (a.len) {
-            posix_fadvise(a.file->cfd, (off_t)a.off, (off_t)a.len,
-                          POSIX_FADV_DONTNEED);
+            drop_pages(a.file, a.off, a.len);
             bytes += a.len;
         }
     }
@@ -975,8 +977,7 @@ static void queue_drops(laden_io_req_t *r, const chunk_drops *d)
             size_t cap = r->drops_cap ? 2 * r->drops_cap : 16;
             drop_range *t = realloc(r->drops, cap * sizeof *t);
             if (!t) { /* out of memory: dropped now, unbatched */
-                posix_fadvise(d->r[i].file->cfd, (off_t)d->r[i].off,
-                              (off_t)d->r[i].len, POSIX_FADV_DONTNEED);
+                drop_pages(d->r[i].file, d->r[i].off, d->r[i].len);
                 continue;
             }
             r->drops = t;
