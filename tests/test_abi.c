@@ -32,7 +32,8 @@ static const struct {
     ONE(laden_cache_stats),   ONE(laden_cache_activation),
     ONE(laden_plan_input),    ONE(laden_plan_result),
     ONE(laden_plan_readings), ONE(laden_plan_load_options),
-    ONE(laden_host_stats),    ONE(laden_gguf_tensor),
+    ONE(laden_host_stats),    ONE(laden_pinned_pool_stats),
+    ONE(laden_gguf_tensor),
     ONE(laden_gguf_kv),       ONE(laden_trace_result),
     ONE(laden_shm_entry),
 };

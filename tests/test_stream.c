@@ -14,6 +14,7 @@
 #include "test.h"
 
 #include "laden/dev.h"
+#include "laden/host.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
 #include "stream/stream_internal.h" /* load.stage_bytes, to stage in pieces */
@@ -1098,6 +1099,72 @@ static void restart_and_host(int32_t dev)
 }
 
 TEST(stream_restart_and_host_tensors) { test_on_every_device(restart_and_host); }
+
+/* A schedule released and made again in one process, with a pinned pool:
+ * its RAM-tier homes come back pinned, nothing pinned anew, the bytes
+ * are the new load's; without one (the default) release gives all back. */
+static void pinned_pool(int32_t dev)
+{
+    if (dev == LADEN_DEVICE_CPU)
+        return; /* the CPU device pins nothing */
+    static const laden_tier RAM[NB] = {
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM,
+        LADEN_TIER_RAM, LADEN_TIER_RAM, LADEN_TIER_RAM};
+    laden_pinned_pool_stats_t ps;
+    CHECK_OK(laden_pinned_pool_set(dev, 0));
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    uint64_t kept0 = ps.kept_bytes, reused0 = ps.reused_bytes;
+    model m;
+    char *path = write_model();
+    build_from(&m, path, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    laden_sched_stats_t st;
+    CHECK_OK(laden_sched_stats(m.sc, &st));
+    uint64_t homes = st.pinned_bytes;
+    CHECK(homes > 0);
+    destroy(&m); /* no pool: everything unpinned */
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    CHECK_EQ(ps.kept_bytes, kept0);
+    CHECK_EQ(ps.held_bytes, 0);
+    CHECK_OK(laden_pinned_pool_set(dev, 1ull << 30));
+    build_from(&m, path, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    destroy(&m); /* into the pool */
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    uint64_t held = ps.held_bytes;
+    CHECK(held > 0 && held <= homes);
+    CHECK_EQ(ps.kept_bytes - kept0, held);
+    build_from(&m, path, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    CHECK_EQ(ps.reused_bytes - reused0, held); /* every home taken back */
+    CHECK_EQ(ps.held_bytes, 0);
+    CHECK_OK(laden_sched_start(m.sc, 0));
+    for (int pass = 0; pass < 2; pass++) /* the new load's bytes */
+        for (int i = 0; i <= NB; i++)
+            run_block(&m, i);
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    destroy(&m);
+    /* Lowered: unpinned at once; a budget below a home keeps nothing. */
+    CHECK_OK(laden_pinned_pool_set(dev, 0));
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    CHECK_EQ(ps.held_bytes, 0);
+    CHECK(ps.freed_bytes >= held);
+    CHECK_OK(laden_pinned_pool_set(dev, 4096));
+    build_from(&m, path, dev, RAM, 0);
+    CHECK_OK(laden_sched_load(m.sc));
+    destroy(&m);
+    CHECK_OK(laden_pinned_pool_stats(dev, &ps));
+    CHECK(ps.held_bytes <= 4096);
+    CHECK_OK(laden_pinned_pool_set(dev, 0));
+    CHECK_STATUS(laden_pinned_pool_set(LADEN_DEVICE_CPU, 1), LADEN_E_INVAL);
+    CHECK_STATUS(laden_pinned_pool_stats(dev, NULL), LADEN_E_INVAL);
+}
+
+TEST(stream_pinned_pool_same_process_reload)
+{
+    test_on_every_device(pinned_pool);
+}
 
 TEST(stream_fp8_decode_all_codes)
 {

@@ -58,6 +58,24 @@ LADEN_API laden_status laden_host_set_budget(laden_host_t *host,
 LADEN_API laden_status laden_host_stats(laden_host_t *host,
                                         laden_host_stats_t *out);
 
+/* The process's pool of pinned host memory for `device` (a CUDA device
+ * index): RAM-tier blocks of a released streaming schedule that fit its
+ * budget stay pinned and mapped, and a later load in this process whose
+ * blocks have those lengths takes them instead of pinning new pages (a
+ * model released and loaded again: ComfyUI switching workflows).  0 (the
+ * default): release gives every byte back.  Lowering it unpins the oldest
+ * at once.  The memory held counts as used by the process (laden plans
+ * with the free RAM it sees).  Any thread. */
+LADEN_API laden_status laden_pinned_pool_set(int32_t device, uint64_t bytes);
+typedef struct laden_pinned_pool_stats {
+    uint64_t budget_bytes;
+    uint64_t held_bytes;   /* pinned, waiting for a load */
+    uint64_t reused_bytes; /* taken by loads instead of pinned anew */
+    uint64_t kept_bytes;   /* given to the pool by releases */
+    uint64_t freed_bytes;  /* unpinned to keep the budget */
+} laden_pinned_pool_stats_t;
+LADEN_API laden_status laden_pinned_pool_stats(int32_t device,
+                                               laden_pinned_pool_stats_t *out);
 /* Measures single-threaded host memcpy over size_bytes buffers. */
 LADEN_API laden_status laden_host_measure_memcpy(uint64_t size_bytes,
                                                  double *out_bytes_per_s);

@@ -76,6 +76,14 @@ class IoConfig(Structure):
     ]
 
 
+class PinnedPoolStats(Structure):
+    _fields_ = [
+        ("budget_bytes", c_uint64), ("held_bytes", c_uint64),
+        ("reused_bytes", c_uint64), ("kept_bytes", c_uint64),
+        ("freed_bytes", c_uint64),
+    ]
+
+
 class IoWays(Structure):
     _fields_ = [
         ("chosen", c_int32),
@@ -527,6 +535,8 @@ _SIGNATURES = {
     "laden_plan_warning_text": (c_char_p, [c_uint32]),
     # host
     "laden_host_create": (status_t, [c_int32, c_uint64, P(p)]),
+    "laden_pinned_pool_set": (status_t, [c_int32, c_uint64]),
+    "laden_pinned_pool_stats": (status_t, [c_int32, P(PinnedPoolStats)]),
     "laden_host_destroy": (None, [p]),
     "laden_host_alloc": (status_t, [p, c_uint64, P(c_void_p)]),
     "laden_host_free": (status_t, [p, c_void_p]),

@@ -785,7 +785,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     lookahead: int = 2, progress: Optional[bool] = None,
                     subfolder: Optional[str] = None,
                     variant: Optional[str] = None, shared=False,
-                    **kwargs):
+                    pinned_pool=None, **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -808,7 +808,9 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     host's other processes that load the same directory the same way (see
     ``laden.stream_load``).  ``model.to(...)`` to another device or dtype
     raises (release first); ``eval()``, ``train()``, ``device``,
-    ``dtype`` behave as usual."""
+    ``dtype`` behave as usual.  ``pinned_pool``: see
+    ``laden.set_pinned_pool`` (a model released and loaded again pins
+    nothing anew)."""
     path = os.fspath(path)
     if subfolder:
         path = os.path.join(path, subfolder)
@@ -850,7 +852,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=key_map, lookahead=lookahead,
-            progress=progress, shared=shared)
+            progress=progress, shared=shared, pinned_pool=pinned_pool)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

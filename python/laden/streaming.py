@@ -28,7 +28,7 @@ from ._describe import (TIER_NAMES, BlockInfo, KeyMap, _matches,
                         describe, fill, progress_to)
 from ._devices import _device
 from ._expand import expand_fp8  # in __all__: its users import it here
-from ._units import fmt_bytes
+from ._units import fmt_bytes, parse_size
 from ._moves import unguard_moves
 from ._sched import _end_interrupted, _pass  # _pass: importable here
 from ._state import _own_value, _Stream
@@ -160,6 +160,30 @@ def _close_doors(state: _Stream) -> None:
 
 # ---- the public API ------------------------------------------------------------
 
+def set_pinned_pool(size, device=None) -> Dict[str, int]:
+    """Keeps up to ``size`` bytes (an int or "20GB") of pinned host memory
+    in this process after a release, for the next load on ``device`` (a
+    CUDA device; default the current one): a model released and loaded
+    again (a workflow switched back) takes its RAM-tier blocks' pinned
+    memory back instead of pinning new pages.  0, the default, gives every
+    byte back at release; lowering it unpins the oldest at once.  Returns
+    the pool's counters (budget, held, reused, kept, freed bytes)."""
+    dev = _device(device)
+    if dev.type != "cuda":
+        raise InvalidArgumentError(
+            f"set_pinned_pool: device {dev}: the CPU device pins nothing; "
+            "give a CUDA device", "E_INVAL")
+    try:
+        n = parse_size(size)
+    except ValueError as e:
+        raise InvalidArgumentError(f"set_pinned_pool: {e}", "E_INVAL") \
+            from None
+    check(lib.laden_pinned_pool_set(dev.index, n))
+    st = _lib.PinnedPoolStats()
+    check(lib.laden_pinned_pool_stats(dev.index, ctypes.byref(st)))
+    return {f: getattr(st, f) for f, _ in st._fields_}
+
+
 def stream_load(model, path: PathLike, *, plan=None,
                 offload_prefixes: Optional[Sequence[str]] = None,
                 resident_prefixes: Optional[Sequence[str]] = None,
@@ -169,7 +193,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                 device=None, vram_budget=None, ram_budget=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
                 vram=None, progress: Optional[bool] = None,
-                background: bool = False, shared=False) -> LoadReport:
+                background: bool = False, shared=False,
+                pinned_pool=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -237,12 +262,17 @@ def stream_load(model, path: PathLike, *, plan=None,
       pinned RAM instead of failing (``report.offloaded``).  Without
       ``vram_budget`` the blocks are chosen against the context's free
       room.
+    - ``pinned_pool``: bytes of pinned host memory this process keeps
+      after the model's release for the next load (``set_pinned_pool``):
+      a model released and loaded again pins nothing anew.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
     cannot be loaded raises naming the tensor.  Then call install_offload.
     """
     group_checked = [False]  # shared=<group>: the ranks' check took place
+    if pinned_pool is not None:
+        set_pinned_pool(pinned_pool, device)
     try:
         return _stream_load(model, path, plan, offload_prefixes,
                             resident_prefixes, disk_prefixes, compute_dtype,

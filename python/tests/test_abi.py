@@ -31,6 +31,7 @@ C_NAMES = {
     "DevInfo": "laden_dev_info",
     "IoConfig": "laden_io_config",
     "IoWays": "laden_io_ways",
+    "PinnedPoolStats": "laden_pinned_pool_stats",
     "SchedConfig": "laden_sched_config",
     "SchedStats": "laden_sched_stats",
     "VramInfo": "laden_vram_info",

@@ -62,3 +62,38 @@ def test_read_into_pinned_then_upload(tmp_path):
         pinned = torch.empty_like(x).pin_memory()
         ck.read_into("x", pinned)
         assert torch.equal(pinned.to("cuda", non_blocking=True).cpu(), x)
+
+
+def test_pinned_pool_reload_pins_nothing_anew(tmp_path):
+    """Released and loaded again in one process with a pinned pool: the
+    RAM-tier blocks take back the pinned memory the first load left, and
+    the second load computes the same outputs."""
+    import laden
+    from test_streaming import _Wide
+
+    torch.manual_seed(0)
+    ref = _Wide().eval()
+    path = str(tmp_path / "wide.safetensors")
+    laden.save_file(dict(ref.state_dict()), path)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref.cuda()(x.cuda())
+    before = laden.set_pinned_pool("1GB", device="cuda")
+    try:
+        outs = []
+        for _ in range(2):
+            with torch.device("meta"):
+                m = _Wide().eval()
+            laden.stream_load(m, path, offload_prefixes=["blocks."],
+                              device="cuda")  # streamed from pinned RAM
+            laden.install_offload(m)
+            with torch.no_grad():
+                outs.append(m(x.cuda()))
+            laden.release(m)
+        after = laden.set_pinned_pool("1GB", device="cuda")
+        assert after["kept_bytes"] - before["kept_bytes"] >= 40 << 20
+        assert after["reused_bytes"] - before["reused_bytes"] >= 40 << 20
+        for o in outs:
+            torch.testing.assert_close(o, want)
+    finally:
+        laden.set_pinned_pool(0, device="cuda")

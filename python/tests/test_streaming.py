@@ -1024,3 +1024,22 @@ def test_bad_io_direct_value_is_refused(tmp_path, monkeypatch):
         laden.stream_load(m, path, offload_prefixes=["blocks."],
                           device="cpu")
     assert m.blocks[0].weight.device.type == "meta"  # left as it was
+
+
+def test_pinned_pool_needs_a_cuda_device(tmp_path):
+    """The pinned pool is for CUDA loads (the CPU device pins nothing);
+    a bad size names itself.  (Reuse itself: tests/test_stream.c on the
+    stand-in driver, and test_gpu.py on a GPU.)"""
+    with pytest.raises(laden.InvalidArgumentError, match="CPU device"):
+        laden.set_pinned_pool("1GB", device="cpu")
+    path = str(tmp_path / "wide.safetensors")
+    laden.save_file(dict(_Wide().state_dict()), path)
+    with torch.device("meta"):
+        m = _Wide()
+    with pytest.raises(laden.InvalidArgumentError, match="CPU device"):
+        laden.stream_load(m, path, offload_prefixes=["blocks."],
+                          device="cpu", pinned_pool="1GB")
+    assert m.blocks[0].weight.device.type == "meta"
+    if torch.cuda.is_available():
+        with pytest.raises(laden.InvalidArgumentError, match="size"):
+            laden.set_pinned_pool("lots")

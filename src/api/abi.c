@@ -46,6 +46,7 @@
     S(laden_plan_readings)    \
     S(laden_plan_load_options) \
     S(laden_host_stats)       \
+    S(laden_pinned_pool_stats) \
     S(laden_gguf_tensor)      \
     S(laden_gguf_kv)          \
     S(laden_trace_result)     \
@@ -66,6 +67,9 @@
     F(T, cc_minor) F(T, vmm_supported) F(T, vmm_granularity_bytes)
 #define FIELDS_laden_io_config(F, T) \
     F(T, threads) F(T, chunk_bytes) F(T, direct)
+#define FIELDS_laden_pinned_pool_stats(F, T)                               \
+    F(T, budget_bytes) F(T, held_bytes) F(T, reused_bytes) F(T, kept_bytes) \
+    F(T, freed_bytes)
 #define FIELDS_laden_io_ways(F, T) \
     F(T, chosen) F(T, samples) F(T, direct_bps) F(T, buffered_bps)
 #define FIELDS_laden_sched_config(F, T)                                    \

@@ -18,6 +18,7 @@
 #include "stream_hold.h"
 #include "stream_layout.h"
 #include "stream_run.h"
+#include "../host/pool.h"
 #include "stream_share.h"
 
 /* A tensor being put in its place: its read (or NULL: done already),
@@ -305,6 +306,16 @@ static uint64_t home_len(uint64_t bytes)
 static laden_status map_home(laden_sched_t *sc, blk *b)
 {
     uint64_t len = home_len(b->bytes);
+    void *kept;
+    /* A RAM-tier home a released schedule left in the process's pinned
+     * pool (laden_pinned_pool_set): pinned already (pin_home skips it). */
+    if (!sc->cache.on && sc->cuda && b->tier == LADEN_TIER_RAM &&
+        laden__pool_take(sc->cfg.device, len, &kept)) {
+        b->ram = kept;
+        b->ram_len = len;
+        b->pinned = true;
+        return LADEN_OK;
+    }
     uint64_t extra = len >= HUGE_PAGE ? HUGE_PAGE : 0;
     char *m = mmap(NULL, (size_t)(len + extra), PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -330,11 +341,23 @@ static laden_status map_home(laden_sched_t *sc, blk *b)
     return LADEN_OK;
 }
 
-static void unmap_home(blk *b)
+/* A home of its own let go: into the pinned pool if it is pinned and
+ * the pool has room, else unpinned and unmapped. */
+static void let_go_home(laden_sched_t *sc, blk *b)
+{
+    if (b->pinned && laden__pool_keep(sc->cfg.device, b->ram, b->ram_len))
+        return;
+    if (b->pinned)
+        laden_dev_host_unregister(sc->cfg.device, b->ram);
+    munmap(b->ram, b->ram_len);
+}
+
+static void unmap_home(laden_sched_t *sc, blk *b)
 {
     if (b->ram && !b->shared)
-        munmap(b->ram, b->ram_len);
+        let_go_home(sc, b);
     b->ram = NULL;
+    b->pinned = false;
 }
 
 static laden_status cancelled(void)
@@ -367,7 +390,7 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
     laden_status s;
     if (b->bytes && ((s = map_home(sc, b)) ||
                      (s = read_block_host(sc, b, b->ram)))) {
-        unmap_home(b);
+        unmap_home(sc, b);
         return s;
     }
     (void)filled(sc, b); /* a cancel: the caller has control after it */
@@ -631,7 +654,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
         f->b->tier == LADEN_TIER_RAM)
         s = laden__sched_pin_home(sc, f->b);
     if (s && sc->cache.on)
-        unmap_home(f->b);
+        unmap_home(sc, f->b);
     if (!s && last)
         f->b->ready = true;
     l->inflight_bytes -= f->bytes;
@@ -1175,9 +1198,7 @@ void laden__sched_free_all(laden_sched_t *sc)
             if (b->pinned)
                 laden_dev_host_unregister(sc->cfg.device, b->ram);
         } else if (b->ram && b->ram_len) { /* a mapping of its own (load.c) */
-            if (b->pinned)
-                laden_dev_host_unregister(sc->cfg.device, b->ram);
-            munmap(b->ram, b->ram_len);
+            let_go_home(sc, b);
         } else if (b->ram) {
             laden_host_free(sc->layout.host, b->ram);
         }

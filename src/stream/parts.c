@@ -160,8 +160,10 @@ void laden__sched_free_slots(laden_sched_t *sc)
  * place now costs a fraction of allocating pinned memory up front. */
 laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b)
 {
-    laden_status s = laden_dev_host_register(sc->cfg.device, b->ram,
-                                             b->ram_len);
+    /* Pinned already when it came from the process's pinned pool. */
+    laden_status s = b->pinned ? LADEN_OK
+                               : laden_dev_host_register(sc->cfg.device,
+                                                         b->ram, b->ram_len);
     if (s)
         return s;
     b->pinned = true;
