@@ -10,6 +10,7 @@
 
 #include "laden/io.h"
 #include "core/internal.h" /* laden__fail, for a follow-up that fails */
+#include "io/cold.h"          /* laden__io_cachestat */
 
 /* A file of n bytes whose byte i is a hash of i, so any misplaced byte
  * shows. */
@@ -801,4 +802,36 @@ TEST(io_measure_ways)
     CHECK_EQ(again.chosen, w.chosen);
     CHECK(again.buffered_bps == w.buffered_bps);
     laden_io_file_close(f);
+}
+
+/* Kernels before 6.5 have no cachestat: the page cache is asked with
+ * mincore over a mapping, with the same bytes and the same drops. */
+TEST(io_without_cachestat)
+{
+    laden__io_cachestat(false);
+    read_cases(LADEN_IO_DIRECT_ON, 1u << 20);
+    read_cases(LADEN_IO_DIRECT_OFF, 1u << 20);
+    const uint64_t n = 8u << 20;
+    char *p = make_file("nocs.bin", n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20,
+                           .direct = LADEN_IO_DIRECT_OFF};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    unsigned char *buf = malloc(n);
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_read(io, f, 0, n, buf));
+    check_range(buf, 0, n);
+    laden_io_stats_t st;
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK_EQ(st.dropped_bytes, n);
+    CHECK(resident_pages(p) < 64);
+    CHECK_OK(laden_io_read(io, f, 0, n, buf)); /* cold again: dropped */
+    CHECK_OK(laden_io_stats(io, &st));
+    CHECK(st.cached_bytes < n / 2);
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(buf);
+    laden__io_cachestat(true);
 }

@@ -20,12 +20,15 @@
 #define _GNU_SOURCE
 #include "cold.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "../core/internal.h"
@@ -39,6 +42,23 @@
  * a copy through the page cache and nothing to drop. */
 #define BUFFERED_MARGIN 1.10
 
+/* Whether this process locks its future mappings (mlockall MCL_FUTURE
+ * shows as locked memory): a mapping made to ask mincore would then be
+ * read and locked whole. */
+static bool locks_memory(void)
+{
+    FILE *f = fopen("/proc/self/status", "re");
+    if (!f)
+        return true; /* cannot tell: do not map */
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmLck: %llu", &kb) == 1)
+            break;
+    fclose(f);
+    return kb > 0;
+}
+
 bool laden__residency_known(int fd, uint64_t uid)
 {
     if (geteuid() == 0 || (uint64_t)geteuid() == uid)
@@ -49,18 +69,82 @@ bool laden__residency_known(int fd, uint64_t uid)
     return faccessat(AT_FDCWD, p, W_OK, AT_EACCESS) == 0;
 }
 
-bool laden__resident(int fd, uint64_t off, uint64_t len, unsigned char *vec)
+/* cachestat(2) (Linux 6.5): how many pages of a range the page cache
+ * holds, without a mapping.  Ours, since libc may not wrap it. */
+struct cs_range {
+    uint64_t off, len;
+};
+struct cs_stat {
+    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted,
+        nr_recently_evicted;
+};
+#if defined(SYS_cachestat)
+#define CACHESTAT SYS_cachestat
+#elif defined(__x86_64__) || defined(__aarch64__) || defined(__riscv)
+#define CACHESTAT 451
+#endif
+
+static atomic_int cachestat_ok = 1; /* 0 once the kernel lacks it */
+
+/* Pages [a, b) (page indices; vec[0] is page `first`): marked whole where
+ * all or none are cached, halved where mixed, down to 16 pages, where a
+ * mixed piece counts as cached (read buffered, never dropped).  0, or
+ * the errno of the call. */
+static int stat_pages(int fd, uint64_t a, uint64_t b, uint64_t first,
+                      unsigned char *vec)
 {
-    uint64_t a0 = off & ~(uint64_t)(PAGE - 1);
-    uint64_t span = off + len - a0;
+#ifdef CACHESTAT
+    struct cs_range r = {a * PAGE, (b - a) * PAGE};
+    struct cs_stat st;
+    if (syscall(CACHESTAT, fd, &r, &st, 0) != 0)
+        return errno ? errno : EIO;
+    if (st.nr_cache == 0 || st.nr_cache >= b - a || b - a <= 16) {
+        memset(vec + (a - first), st.nr_cache ? 1 : 0, (size_t)(b - a));
+        return 0;
+    }
+    uint64_t mid = a + (b - a) / 2;
+    int e = stat_pages(fd, a, mid, first, vec);
+    return e ? e : stat_pages(fd, mid, b, first, vec);
+#else
+    (void)fd, (void)a, (void)b, (void)first, (void)vec;
+    return ENOSYS;
+#endif
+}
+
+bool laden__resident(int fd, bool may_map, uint64_t off, uint64_t len,
+                     unsigned char *vec)
+{
     if (!len)
         return true;
-    void *m = mmap(NULL, (size_t)span, PROT_READ, MAP_SHARED, fd, (off_t)a0);
+    uint64_t a = off / PAGE, b = (off + len + PAGE - 1) / PAGE;
+    if (atomic_load(&cachestat_ok)) {
+        int e = stat_pages(fd, a, b, a, vec);
+        if (!e)
+            return true;
+        if (e != ENOSYS)
+            return false; /* EPERM: the kernel will not say */
+        atomic_store(&cachestat_ok, 0);
+    }
+    if (!may_map)
+        return false;
+    uint64_t span = (b - a) * PAGE;
+    void *m = mmap(NULL, (size_t)span, PROT_READ, MAP_SHARED, fd,
+                   (off_t)(a * PAGE));
     if (m == MAP_FAILED)
         return false;
     bool ok = mincore(m, (size_t)span, vec) == 0;
     munmap(m, (size_t)span);
     return ok;
+}
+
+void laden__io_cachestat(bool on)
+{
+    atomic_store(&cachestat_ok, on);
+}
+
+bool laden__may_map(int fd, uint64_t uid)
+{
+    return laden__residency_known(fd, uid) && !locks_memory();
 }
 
 /* ---- the choice per file system ------------------------------------- */

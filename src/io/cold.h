@@ -10,14 +10,23 @@
 /* The two ways to read bytes the page cache does not hold. */
 enum { LADEN__WAY_DIRECT = 0, LADEN__WAY_BUFFERED = 1 };
 
-/* Whether the kernel tells this process which pages of the file it caches
- * (mincore answers truthfully only to the file's owner, to whoever may
- * write it, and to root). */
+/* Whether the kernel's mincore tells this process the truth about the
+ * file's pages (it answers only the file's owner, whoever may write it,
+ * and root; to others it says every page is cached). */
 bool laden__residency_known(int fd, uint64_t uid);
+/* Whether a mapping may be made to ask mincore: the answer is the truth
+ * and the process does not lock its mappings (mlockall would read and
+ * lock the whole range). */
+bool laden__may_map(int fd, uint64_t uid);
 /* Marks in vec[i] (one byte per page from off's page on) whether the page
- * cache holds page i of [off, off+len).  Reads nothing.  false: the
- * mapping failed (vec untouched). */
-bool laden__resident(int fd, uint64_t off, uint64_t len, unsigned char *vec);
+ * cache holds page i of [off, off+len), without reading: cachestat(2)
+ * where the kernel has it (6.5), else mincore over a mapping where
+ * may_map.  false: the kernel will not say (vec untouched). */
+bool laden__resident(int fd, bool may_map, uint64_t off, uint64_t len,
+                     unsigned char *vec);
+/* Tests: cachestat off (the mincore path, as on kernels before 6.5) or
+ * on again. */
+void laden__io_cachestat(bool on);
 
 /* The way a pool whose mode is `mode` reads a cold part of len bytes of
  * a file on device dev that takes O_DIRECT (direct_ok).  Where the file

@@ -61,7 +61,7 @@ typedef struct sum_entry {
 struct laden_io_file {
     int fd;  /* buffered, without readahead (see open) */
     int dfd; /* O_DIRECT, or -1 */
-    bool residency; /* the kernel says which pages it caches (cold.h) */
+    bool may_map;   /* mincore may be asked (cold.h) */
     atomic_int direct_ok;
     uint64_t size;
     struct timespec mtime, ctime0; /* at open: see check_chunk() */
@@ -117,7 +117,7 @@ typedef struct worker {
     pthread_t thread;
     char *bounce;
     size_t bounce_bytes;
-    unsigned char *vec; /* a chunk's page residency (mincore) */
+    unsigned char *vec; /* a chunk's page residency (cold.h) */
 } worker;
 
 struct laden_io {
@@ -212,7 +212,7 @@ laden_status laden_io_file_open(const char *path, laden_io_file_t **out)
      * with it.  Readahead past a range leaves pages nobody drops, and
      * marks pages whose later reads start more of it. */
     posix_fadvise(f->fd, 0, 0, POSIX_FADV_RANDOM);
-    f->residency = laden__residency_known(f->fd, (uint64_t)sb.st_uid);
+    f->may_map = laden__may_map(f->fd, (uint64_t)sb.st_uid);
     *out = f;
     return LADEN_OK;
 }
@@ -645,17 +645,18 @@ static laden_status read_cold(worker *w, laden_io_file_t *f, uint64_t off,
  * hasher (a first read: see check_chunk), its checksum too: what came
  * from the page cache or buffered is hashed a piece at a time as it
  * arrives, the rest (written by the drive, never in the cache) after.
- * Where the kernel tells which pages it caches (mincore: reads nothing),
- * every cached run is taken; elsewhere what preadv2(RWF_NOWAIT) finds
- * from the chunk's start (which may start readahead of the rest, so the
- * pool cannot tell what it brought in and drops nothing). */
+ * Where the kernel tells which pages it caches (cachestat, or mincore:
+ * neither reads), every cached run is taken; elsewhere what
+ * preadv2(RWF_NOWAIT) finds from the chunk's start (which may start
+ * readahead of the rest, so the pool cannot tell what it brought in and
+ * drops nothing). */
 static laden_status read_chunk(worker *w, laden_io_file_t *f, uint64_t off,
                                uint64_t len, char *dst, uint64_t n[3],
                                hasher *h, chunk_drops *d)
 {
     laden_status s = LADEN_OK;
     uint64_t end = off + len;
-    if (f->residency && len && laden__resident(f->fd, off, len, w->vec)) {
+    if (len && laden__resident(f->fd, f->may_map, off, len, w->vec)) {
         uint64_t first = off / IO_ALIGN;
         for (uint64_t at = off; at < end && !s;) {
             int in = w->vec[at / IO_ALIGN - first] & 1;
