@@ -835,3 +835,36 @@ TEST(io_without_cachestat)
     free(buf);
     laden__io_cachestat(true);
 }
+
+/* A load that ends inside a trial window leaves it idle until the next
+ * load reads: the idle time is not counted as the window's (it once made
+ * the slower way look 16 times faster). */
+TEST(io_auto_trial_ignores_idle_time)
+{
+    const uint64_t n = 64u << 20;
+    char *p = make_file("idle.bin", n);
+    laden_io_file_t *f;
+    CHECK_OK(laden_io_file_open(p, &f));
+    if (!laden_io_file_direct(f)) {
+        laden_io_file_close(f);
+        SKIP("the file system takes no O_DIRECT: nothing to choose");
+    }
+    unsetenv("LADEN_IO_DIRECT");
+    CHECK_OK(laden_io_forget_ways(f));
+    laden_io_config cfg = {.threads = 2, .chunk_bytes = 1u << 20};
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(&cfg, &io));
+    unsigned char *buf = malloc(n);
+    CHECK_OK(laden_io_drop_cache(f));
+    CHECK_OK(laden_io_read(io, f, 0, 4u << 20, buf)); /* half a window */
+    usleep(400 * 1000);
+    CHECK_OK(laden_io_read(io, f, 4u << 20, n - (4u << 20), buf));
+    laden_io_ways w;
+    CHECK_OK(laden_io_file_ways(f, &w));
+    CHECK(w.chosen != LADEN_IO_WAY_UNKNOWN);
+    /* 400 ms in an 8 MiB window would put O_DIRECT below 21 MB/s. */
+    CHECK(w.direct_bps > 0.3 * w.buffered_bps);
+    laden_io_destroy(io);
+    laden_io_file_close(f);
+    free(buf);
+}

@@ -85,8 +85,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
       block again in backward;
     - `compiler` (laden.compile.BlockCompiler): the block's own forward
       runs compiled between enter and exit;
-    - `relaid` (relaid_check): runs right after C's enter, to take the
-      slots again where C moved the blocks (taught their call order).
+    - `relaid` (relaid_check): runs right after C's enter and exit, to
+      take the slots again where C moved the blocks (taught their call
+      order, at the exit that ends a pass: before anything binds them).
 
     Without `guard` and `trainer`, under torch.compile without gradients,
     enter and exit are ops in the traced graph (laden.compile)."""
@@ -139,6 +140,8 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             sample_torch_memory(device)
         if s:
             raise error_for(s)
+        if relaid is not None:  # C relays out at the exit that ends a pass
+            relaid()
 
     def plain(args, kwargs):
         stream = do_enter()

@@ -287,6 +287,10 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
     their tensors where they run (wrapped first: another thread calling a
     block meanwhile is refused, not run on half-bound weights)."""
     relaid = relaid_check(o, state.rebind_slots)
+    if handle.trainer is not None or handle.compiler is not None:
+        # The trainer hooks the slot views' Parameters, a BlockCompiler's
+        # graphs may keep their addresses: the blocks stay where they are.
+        check(lib.laden_sched_learn_order(o.h, 0))
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
         compact = any(t.store != "plain" for t in b.tensors)

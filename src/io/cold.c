@@ -10,10 +10,11 @@
  * faster buffered (ANCHORS.md, BENCHMARK.md).  So in AUTO mode the pool
  * measures: the first cold reads on a file system go in windows of bytes,
  * each window one way, the ways alternating, and a window's rate is its
- * bytes over the time from its first read's start to its last read's end
- * (the whole pool reading that way: what a way gives is its throughput
- * with every thread on it, not a read's share while the other way's
- * reads compete).  Once each way has TRIAL_WINDOWS windows the faster
+ * bytes over the time its reads were in flight, from the first's start to
+ * the last's end (the whole pool reading that way: what a way gives is
+ * its throughput with every thread on it, not a read's share while the
+ * other way's reads compete), less any time none of its reads was (a
+ * load that ended inside the window).  Once each way has TRIAL_WINDOWS windows the faster
  * is kept for that file system for the process's life (`laden probe`
  * measures both on a file of its own and sets the choice the same way).
  * The reads measured are the load's own: nothing is read twice. */
@@ -98,7 +99,11 @@ static int stat_pages(int fd, uint64_t a, uint64_t b, uint64_t first,
     struct cs_stat st;
     if (syscall(CACHESTAT, fd, &r, &st, 0) != 0)
         return errno ? errno : EIO;
-    if (st.nr_cache == 0 || st.nr_cache >= b - a || b - a <= 16) {
+    /* It counts the kernel's pages, which may be larger than 4 KiB. */
+    uint64_t ps = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t all = ps > PAGE ? (b * PAGE + ps - 1) / ps - a * PAGE / ps
+                             : b - a;
+    if (st.nr_cache == 0 || st.nr_cache >= all || b - a <= 16) {
         memset(vec + (a - first), st.nr_cache ? 1 : 0, (size_t)(b - a));
         return 0;
     }
@@ -121,8 +126,10 @@ bool laden__resident(int fd, bool may_map, uint64_t off, uint64_t len,
         int e = stat_pages(fd, a, b, a, vec);
         if (!e)
             return true;
-        if (e != ENOSYS)
-            return false; /* EPERM: the kernel will not say */
+        /* EPERM for a file we may not write, or for every file where a
+         * seccomp filter refuses the call (then mincore, where it may). */
+        if (e != ENOSYS && !(e == EPERM && may_map))
+            return false;
         atomic_store(&cachestat_ok, 0);
     }
     if (!may_map)
@@ -144,14 +151,19 @@ void laden__io_cachestat(bool on)
 
 bool laden__may_map(int fd, uint64_t uid)
 {
-    return laden__residency_known(fd, uid) && !locks_memory();
+    /* One byte of mincore's vector is one of the kernel's pages: the
+     * reader's map is of 4 KiB pages. */
+    return sysconf(_SC_PAGESIZE) == PAGE && laden__residency_known(fd, uid) &&
+           !locks_memory();
 }
 
 /* ---- the choice per file system ------------------------------------- */
 
 typedef struct window {
     uint64_t number; /* which window of the trial; 0: the slot is free */
-    uint64_t t0, t1, bytes;
+    uint64_t t0;      /* when its reads last went from none to some */
+    uint64_t busy_ns; /* time with reads of it in flight, so far */
+    uint64_t bytes;
     uint32_t pending; /* reads started, not yet done */
 } window;
 
@@ -218,9 +230,12 @@ int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
         if (w->number != number) {
             /* A window RING back that never finished (its reads failed,
              * or were abandoned) is not measured. */
-            *w = (window){.number = number, .t0 = laden__now_ns()};
+            *w = (window){.number = number};
         }
-        w->pending++;
+        /* Only time with its reads in flight counts: a load that ends
+         * inside a window leaves it idle until the next one reads. */
+        if (w->pending++ == 0)
+            w->t0 = laden__now_ns();
         e->started += len;
         way = (int)(number % 2 ? LADEN__WAY_DIRECT : LADEN__WAY_BUFFERED);
         *trial = number;
@@ -239,15 +254,16 @@ void laden__way_done(uint64_t dev, uint64_t trial, uint64_t bytes)
     window *w = &e->ring[trial % RING];
     if (e->chosen < 0 && w->number == trial && w->pending) {
         w->bytes += bytes;
-        w->t1 = now;
+        if (--w->pending == 0)
+            w->busy_ns += now - w->t0;
         /* Measured once every read of it ended and none will start. */
-        if (!--w->pending && e->started >= trial * e->window_bytes &&
-            w->t1 > w->t0) {
+        if (!w->pending && e->started >= trial * e->window_bytes &&
+            w->busy_ns) {
             int way = (int)(trial % 2 ? LADEN__WAY_DIRECT
                                       : LADEN__WAY_BUFFERED);
             e->n[way]++;
             e->bytes[way] += w->bytes;
-            e->ns[way] += w->t1 - w->t0;
+            e->ns[way] += w->busy_ns;
             w->number = 0;
             if (e->n[0] >= TRIAL_WINDOWS && e->n[1] >= TRIAL_WINDOWS)
                 choose(e);

@@ -603,14 +603,15 @@ static void watch_enter(laden_sched_t *sc, uint32_t block)
 
 /* A block exited: once the pass watched entered every streamed block and
  * none runs, its order is taken (see above) and the watch starts over. */
-static void watch_exit(laden_sched_t *sc)
+static bool watch_exit(laden_sched_t *sc)
 {
     sched_layout *l = &sc->layout;
+    bool relaid = false;
     if (!learning(sc) || l->nstreamed < 3 || l->nrec_streamed < l->nstreamed)
-        return;
+        return false;
     for (uint32_t i = 0; i < sc->run.nslots; i++)
         if (sc->run.slots[i].in_use)
-            return; /* at the exit that leaves none */
+            return false; /* at the exit that leaves none */
     if (l->nrec_streamed == l->nstreamed && !pass_in_positions(sc, 1) &&
         !pass_in_positions(sc, -1)) {
         for (uint32_t i = 0; i < l->nrec; i++)
@@ -619,8 +620,10 @@ static void watch_exit(laden_sched_t *sc)
         sc->run.last_pos = -1;
         sc->run.dir = 1;
         sc->st.reorders++;
+        relaid = true;
     }
     watch_again(l);
+    return relaid;
 }
 
 laden_status laden__sched_learn_order(laden_sched_t *sc, int on)
@@ -740,8 +743,11 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
 {
     slot *sl;
     laden_status s = block_slot(sc, block, "laden_sched_exit", &sl);
-    if (!s && !sl) /* resident: a pass may end with it */
-        watch_exit(sc);
+    /* A resident block may end a pass: relaid, the next pass's first
+     * positions are prefetched now (a streamed block's exit does it
+     * below, from its new position). */
+    if (!s && !sl && watch_exit(sc))
+        return prefetch_from(sc, 0, sc->cfg.lookahead);
     if (s || !sl)
         return s;
     blk *b = &sc->layout.b[block];
@@ -776,7 +782,7 @@ laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
         return s;
     if (sc->capture.on)
         sl->free_captured = true;
-    watch_exit(sc); /* may move b: its position is read after */
+    (void)watch_exit(sc); /* may move b: its position is read after */
     /* The slot just freed may be the one a block ahead needs: when the
      * schedule's length is not a multiple of nslots, the first blocks of the
      * next pass share slots with the last of this one. */
