@@ -210,13 +210,13 @@ static void choose(fs_way *e)
                                         : LADEN__WAY_DIRECT;
 }
 
-int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
+int laden__way_for(int mode, uint64_t dev, bool direct_ok,
                    uint64_t len, uint64_t window_bytes, uint64_t *trial)
 {
     *trial = 0;
-    if (!direct_ok || mode == LADEN_IO_DIRECT_OFF)
+    if (!direct_ok || mode == LADEN__MODE_OFF)
         return LADEN__WAY_BUFFERED;
-    if (mode == LADEN_IO_DIRECT_ON)
+    if (mode == LADEN__MODE_ON)
         return LADEN__WAY_DIRECT;
     pthread_mutex_lock(&fs_mu);
     fs_way *e = fs_entry(dev);
@@ -272,18 +272,18 @@ void laden__way_done(uint64_t dev, uint64_t trial, uint64_t bytes)
     pthread_mutex_unlock(&fs_mu);
 }
 
-laden_status laden__way_env(laden_io_direct mode, laden_io_direct *out)
+laden_status laden__way_env(int mode, int *out)
 {
     *out = mode;
     const char *v = getenv("LADEN_IO_DIRECT");
-    if (mode != LADEN_IO_DIRECT_AUTO || !v || !*v)
+    if (mode != LADEN__MODE_AUTO || !v || !*v)
         return LADEN_OK;
     if (!strcmp(v, "auto"))
-        *out = LADEN_IO_DIRECT_AUTO;
+        *out = LADEN__MODE_AUTO;
     else if (!strcmp(v, "on"))
-        *out = LADEN_IO_DIRECT_ON;
+        *out = LADEN__MODE_ON;
     else if (!strcmp(v, "off"))
-        *out = LADEN_IO_DIRECT_OFF;
+        *out = LADEN__MODE_OFF;
     else
         return laden__fail(LADEN_E_INVAL,
                            "LADEN_IO_DIRECT=%.64s: give auto (measure which "
@@ -292,51 +292,37 @@ laden_status laden__way_env(laden_io_direct mode, laden_io_direct *out)
     return LADEN_OK;
 }
 
-static void ways_of(const fs_way *e, laden_io_ways *out)
+static void ways_of(const fs_way *e, laden__ways *out)
 {
-    out->chosen = e->chosen < 0                       ? LADEN_IO_WAY_UNKNOWN
-                  : e->chosen == LADEN__WAY_DIRECT ? LADEN_IO_WAY_DIRECT
-                                                   : LADEN_IO_WAY_BUFFERED;
+    out->chosen = e->chosen;
     out->samples = e->n[0] < e->n[1] ? e->n[0] : e->n[1];
     out->direct_bps = rate_of(e, LADEN__WAY_DIRECT);
     out->buffered_bps = rate_of(e, LADEN__WAY_BUFFERED);
 }
 
-laden_status laden_io_file_ways(const laden_io_file_t *f, laden_io_ways *out)
+void laden__ways_of(uint64_t dev, laden__ways *out)
 {
-    if (out)
-        memset(out, 0, sizeof *out);
-    if (!f || !out)
-        return laden__fail(LADEN_E_INVAL, "laden_io_file_ways: NULL "
-                           "argument");
-    uint64_t id[4];
-    laden_io_file_identity(f, id);
+    *out = (laden__ways){.chosen = -1};
     pthread_mutex_lock(&fs_mu);
     for (unsigned i = 0; i < FS_MAX; i++)
-        if (fs_ways[i].used && fs_ways[i].dev == id[0])
+        if (fs_ways[i].used && fs_ways[i].dev == dev)
             ways_of(&fs_ways[i], out);
     pthread_mutex_unlock(&fs_mu);
-    return LADEN_OK;
 }
 
-laden_status laden_io_forget_ways(const laden_io_file_t *f)
+void laden__ways_forget(uint64_t dev)
 {
-    if (!f)
-        return laden__fail(LADEN_E_INVAL, "laden_io_forget_ways: NULL file");
-    uint64_t id[4];
-    laden_io_file_identity(f, id);
     pthread_mutex_lock(&fs_mu);
     for (unsigned i = 0; i < FS_MAX; i++)
-        if (fs_ways[i].used && fs_ways[i].dev == id[0])
+        if (fs_ways[i].used && fs_ways[i].dev == dev)
             fs_ways[i].used = false;
     pthread_mutex_unlock(&fs_mu);
-    return LADEN_OK;
 }
 
 /* Sets dev's choice from two whole measurements (laden_io_measure_ways),
  * in place of what trials found. */
 void laden__way_measured(uint64_t dev, double direct_bps, double buffered_bps,
-                         laden_io_ways *out)
+                         laden__ways *out)
 {
     pthread_mutex_lock(&fs_mu);
     fs_way *e = fs_entry(dev);

@@ -5,10 +5,18 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "laden/io.h"
+#include "../core/internal.h"
 
 /* The two ways to read bytes the page cache does not hold. */
 enum { LADEN__WAY_DIRECT = 0, LADEN__WAY_BUFFERED = 1 };
+/* A pool's mode, as laden_io_direct numbers it (io.c checks they agree). */
+enum { LADEN__MODE_AUTO = 0, LADEN__MODE_OFF = 1, LADEN__MODE_ON = 2 };
+/* What was measured on a file system: chosen -1 (not yet) or a way. */
+typedef struct laden__ways {
+    int chosen;
+    uint32_t samples; /* windows measured, the fewer of the two ways */
+    double direct_bps, buffered_bps;
+} laden__ways;
 
 /* Whether the kernel's mincore tells this process the truth about the
  * file's pages (it answers only the file's owner, whoever may write it,
@@ -33,7 +41,7 @@ void laden__io_cachestat(bool on);
  * system's choice is not made yet the read is part of the trial (a window
  * of window_bytes, or at least 8 MiB, one way): *trial gets its window,
  * handed to laden__way_done when the read ended; else 0. */
-int laden__way_for(laden_io_direct mode, uint64_t dev, bool direct_ok,
+int laden__way_for(int mode, uint64_t dev, bool direct_ok,
                    uint64_t len, uint64_t window_bytes, uint64_t *trial);
 /* A read of the trial window `trial` (0: none) on device dev ended,
  * bytes of it read (0 if it failed). */
@@ -41,10 +49,14 @@ void laden__way_done(uint64_t dev, uint64_t trial, uint64_t bytes);
 /* The mode LADEN_IO_DIRECT asks for, or `mode` where it is not set or the
  * mode is not AUTO.  LADEN_E_INVAL naming the value if it is not one of
  * auto, on, off. */
-laden_status laden__way_env(laden_io_direct mode, laden_io_direct *out);
+laden_status laden__way_env(int mode, int *out);
 /* Sets dev's choice from a measurement of each way (a rate of 0: the way
  * is not available), in place of what trials found; *out gets it. */
 void laden__way_measured(uint64_t dev, double direct_bps, double buffered_bps,
-                         laden_io_ways *out);
+                         laden__ways *out);
+/* What was measured on dev (chosen -1 and zeros where nothing was). */
+void laden__ways_of(uint64_t dev, laden__ways *out);
+/* Forgets it: the next cold reads there measure again. */
+void laden__ways_forget(uint64_t dev);
 
 #endif

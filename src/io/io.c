@@ -289,6 +289,44 @@ laden_status laden_io_drop_cache(laden_io_file_t *f)
     return LADEN_OK;
 }
 
+/* ---- what was measured of the ways (cold.c measures) ------------------ */
+
+_Static_assert((int)LADEN__MODE_AUTO == (int)LADEN_IO_DIRECT_AUTO &&
+                   (int)LADEN__MODE_OFF == (int)LADEN_IO_DIRECT_OFF &&
+                   (int)LADEN__MODE_ON == (int)LADEN_IO_DIRECT_ON,
+               "cold.h numbers the modes as laden_io_direct does");
+
+static void ways_public(const laden__ways *w, laden_io_ways *out)
+{
+    out->chosen = w->chosen < 0                       ? LADEN_IO_WAY_UNKNOWN
+                  : w->chosen == LADEN__WAY_DIRECT ? LADEN_IO_WAY_DIRECT
+                                                   : LADEN_IO_WAY_BUFFERED;
+    out->samples = w->samples;
+    out->direct_bps = w->direct_bps;
+    out->buffered_bps = w->buffered_bps;
+}
+
+laden_status laden_io_file_ways(const laden_io_file_t *f, laden_io_ways *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!f || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_io_file_ways: NULL "
+                           "argument");
+    laden__ways w;
+    laden__ways_of(f->dev, &w);
+    ways_public(&w, out);
+    return LADEN_OK;
+}
+
+laden_status laden_io_forget_ways(const laden_io_file_t *f)
+{
+    if (!f)
+        return laden__fail(LADEN_E_INVAL, "laden_io_forget_ways: NULL file");
+    laden__ways_forget(f->dev);
+    return LADEN_OK;
+}
+
 /* ---- the checksum (see "knowing a file changed" below) ------------- */
 
 /* The checksum's unit: hashed as soon as it is read, while it is still
@@ -1114,9 +1152,11 @@ laden_status laden_io_create(const laden_io_config *cfg, laden_io_t **out)
         c.direct != LADEN_IO_DIRECT_ON)
         return laden__fail(LADEN_E_INVAL, "laden_io_create: bad direct mode "
                            "%d", (int)c.direct);
-    laden_status es = laden__way_env(c.direct, &c.direct);
+    int mode;
+    laden_status es = laden__way_env((int)c.direct, &mode);
     if (es)
         return es;
+    c.direct = (laden_io_direct)mode;
 
     laden_io_t *io = calloc(1, sizeof *io);
     if (!io)
@@ -1487,13 +1527,16 @@ laden_status laden_io_measure_ways(const char *dir, uint64_t size,
     char *buf = NULL;
     laden_io_file_t *f = NULL;
     double d = 0, b = 0;
+    laden__ways w = {.chosen = -1};
     uint64_t half = (size / 2) & ~(uint64_t)(IO_ALIGN - 1);
     laden_status s = probe_file(dir, size, path, sizeof path, &buf);
     if (!s && !(s = laden_io_file_open(path, &f)) &&
         (!laden_io_file_direct(f) ||
          !(s = probe_pass(f, LADEN_IO_DIRECT_ON, 0, half, buf, &d))) &&
         !(s = probe_pass(f, LADEN_IO_DIRECT_OFF, half, half, buf, &b)))
-        laden__way_measured(f->dev, laden_io_file_direct(f) ? d : 0, b, out);
+        laden__way_measured(f->dev, laden_io_file_direct(f) ? d : 0, b,
+                            &w);
+    ways_public(&w, out);
     laden_io_file_close(f);
     if (path[0])
         unlink(path);
