@@ -862,8 +862,9 @@ TEST(io_auto_trial_ignores_idle_time)
     laden_io_ways w;
     CHECK_OK(laden_io_file_ways(f, &w));
     CHECK(w.chosen != LADEN_IO_WAY_UNKNOWN);
-    /* 400 ms in an 8 MiB window would put O_DIRECT below 21 MB/s. */
-    CHECK(w.direct_bps > 0.3 * w.buffered_bps);
+    /* 400 ms in an 8 MiB window would put O_DIRECT below 21 MB/s, and
+     * far below buffered (the failure measured 16 x). */
+    CHECK(w.direct_bps > 60e6 || w.direct_bps > 0.3 * w.buffered_bps);
     laden_io_destroy(io);
     laden_io_file_close(f);
     free(buf);
