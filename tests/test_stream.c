@@ -541,6 +541,10 @@ static void captured(int32_t dev)
     CHECK_EQ(capture_and_replay(&m, cs, LADEN_CAPTURE_STANDALONE),
              block_bytes);
     CHECK_EQ(capture_and_replay(&m, cs, 0), block_bytes);
+    /* Captured: the positions stay; learning cannot be turned on again. */
+    CHECK_STATUS(laden_sched_learn_order(m.sc, 1), LADEN_E_STATE);
+    CHECK_CONTAINS(laden_last_error(), "CUDA graph was captured");
+    CHECK_OK(laden_sched_learn_order(m.sc, 0));
     CHECK_OK(laden_sched_forget_stream(m.sc, h));
     laden_dev_stream_destroy(cs);
     destroy(&m);

@@ -94,6 +94,14 @@ class _Stream:
         return st
 
     # -- binding parameters to laden memory --------------------------------
+    def _slot_view(self, o: _Owned, t: _Tensor):
+        """Streamed tensor t's view of its block's slot, tracked with the
+        slots' views and named for what backward may find there."""
+        value = _tensor_view(o, t, "run", self.device, self.slot_views)
+        block = self.blocks[t.block].name if t.block >= 0 else ""
+        self.gone[value.untyped_storage().data_ptr()] = block
+        return value, block
+
     def rebind_slots(self) -> None:
         """After C laid the streamed blocks out again (taught their call
         order: laden_sched_learn_order), each streamed tensor runs from its
@@ -104,12 +112,8 @@ class _Stream:
             if not lib.laden_sched_is_streamed(o.h, b.c_block):
                 continue
             for t in b.tensors:
-                if t.store != "plain" or t.run is None:
-                    continue
-                value = _tensor_view(o, t, "run", self.device,
-                                     self.slot_views)
-                self.gone[value.untyped_storage().data_ptr()] = b.name
-                t.run = _make(t, value, t.run_block)
+                if t.store == "plain" and t.run is not None:
+                    t.run = _make(t, self._slot_view(o, t)[0], t.run_block)
 
     def bind(self, t: _Tensor, where: str) -> None:
         """Points t at laden memory: 'run' (where the block runs from) or
@@ -128,14 +132,10 @@ class _Stream:
             value = _tensor_view(o, t, "home", None)
             _set_tensor(t, value if value is not None else _meta(t))
             return
-        streamed = lib.laden_sched_is_streamed(o.h, t.c_block)
-        value = _tensor_view(o, t, "run", self.device,
-                             self.slot_views if streamed else None)
-        if not streamed:
-            _set_tensor(t, value)
+        if not lib.laden_sched_is_streamed(o.h, t.c_block):
+            _set_tensor(t, _tensor_view(o, t, "run", self.device, None))
             return
-        block = self.blocks[t.block].name if t.block >= 0 else ""
-        self.gone[value.untyped_storage().data_ptr()] = block
+        value, block = self._slot_view(o, t)
         # The slot is bound only inside the block; outside, its host copy
         # (meta on the disk tier).  In training, backward enters the block
         # again (laden.training): its gradients are right, so nothing

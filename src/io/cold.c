@@ -60,7 +60,7 @@ static bool locks_memory(void)
     return kb > 0;
 }
 
-bool laden__residency_known(int fd, uint64_t uid)
+static bool residency_known(int fd, uint64_t uid)
 {
     if (geteuid() == 0 || (uint64_t)geteuid() == uid)
         return true;
@@ -153,7 +153,7 @@ bool laden__may_map(int fd, uint64_t uid)
 {
     /* One byte of mincore's vector is one of the kernel's pages: the
      * reader's map is of 4 KiB pages. */
-    return sysconf(_SC_PAGESIZE) == PAGE && laden__residency_known(fd, uid) &&
+    return sysconf(_SC_PAGESIZE) == PAGE && residency_known(fd, uid) &&
            !locks_memory();
 }
 

@@ -18,13 +18,11 @@ typedef struct laden__ways {
     double direct_bps, buffered_bps;
 } laden__ways;
 
-/* Whether the kernel's mincore tells this process the truth about the
- * file's pages (it answers only the file's owner, whoever may write it,
- * and root; to others it says every page is cached). */
-bool laden__residency_known(int fd, uint64_t uid);
-/* Whether a mapping may be made to ask mincore: the answer is the truth
- * and the process does not lock its mappings (mlockall would read and
- * lock the whole range). */
+/* Whether a mapping may be made to ask mincore: 4 KiB pages, an answer
+ * that is the truth (mincore answers only the file's owner, whoever may
+ * write it, and root; to others it says every page is cached), and a
+ * process that does not lock its mappings (mlockall would read and lock
+ * the whole range). */
 bool laden__may_map(int fd, uint64_t uid);
 /* Marks in vec[i] (one byte per page from off's page on) whether the page
  * cache holds page i of [off, off+len), without reading: cachestat(2)

@@ -1027,20 +1027,16 @@ static void queue_drops(laden_io_req_t *r, const chunk_drops *d)
     }
 }
 
-/* Takes the request's ranges to drop (*take: a copy the caller frees);
- * 0 when there is no memory for the copy (they are dropped unbatched,
- * with the lock held: rare).  io->mu held. */
+/* Takes the request's ranges to drop (*take: the caller frees them);
+ * the next chunk's start a new list.  io->mu held. */
 static size_t take_drops(laden_io_req_t *r, drop_range **take)
 {
     size_t n = r->ndrops;
-    *take = malloc(n * sizeof **take);
-    if (*take)
-        memcpy(*take, r->drops, n * sizeof **take);
-    else
-        drop_ranges(r->drops, n);
-    r->ndrops = 0;
+    *take = r->drops;
+    r->drops = NULL;
+    r->ndrops = r->drops_cap = 0;
     r->drop_bytes = 0;
-    return *take ? n : 0;
+    return n;
 }
 
 static void *worker_main(void *arg)
@@ -1089,8 +1085,6 @@ static void *worker_main(void *arg)
                                (req->pending == 1 ||
                                 req->drop_bytes >= DROP_BATCH);) {
             size_t ntake = take_drops(req, &take);
-            if (!ntake)
-                break;
             pthread_mutex_unlock(&io->mu);
             uint64_t dropped = drop_ranges(take, ntake);
             free(take);
