@@ -24,7 +24,7 @@ from .hf import (PipelineHandle, find_blocks, from_pretrained,
 from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
 from .streaming import (LoadReport, OffloadHandle, install_offload,
                         offload_blocks, release, set_pinned_pool, stage,
-                        stream_load)
+                        stream_load, wait)
 from .trace import Trace, trace
 
 __version__ = _clib.laden_version().decode()
@@ -36,7 +36,7 @@ __all__ = [
     "AdapterSpec", "AdapterError", "merge_adapter",
     "offload_pipeline", "PipelineHandle", "plan", "Plan", "PlanBlock", "Tier", "stage",
     "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
-    "release", "set_pinned_pool", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
+    "release", "wait", "set_pinned_pool", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
     "CacheInfo", "ModelNotFoundError", "vbar", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",
     "DeviceError", "InvalidArgumentError", "StateError", "trace", "Trace",

@@ -49,6 +49,7 @@ class _Stream:
         # every await raises the failure).
         self.awaiting = False
         self.load_t0 = 0.0
+        self.report = None  # the LoadReport stream_load returned
         self.load_seconds: Optional[float] = None
         self.training = False  # install_offload(train=True) is bound
         self.shared = None  # a sharing.Shared: the host copy is shared

@@ -92,11 +92,20 @@ class Doors:
     as a CPU or device tensor, for one whose module holds meta;
     ``modules``: (module, its path from the root with a trailing dot) for
     the root and the blocks, which refuse copies and check a whole
-    load_state_dict before anything in them is written."""
+    load_state_dict before anything in them is written.
+
+    ``loaded``: while the model's bytes are still arriving (a background
+    load), called before ``state_dict()`` of those modules reads a value:
+    it waits for the load to end, or raises its error (None: the values
+    are there).  ``parameters()`` does not wait: libraries read a
+    parameter's dtype and device through it while the model runs (a
+    transformers model's ``dtype``), which must not wait for the whole
+    load."""
 
     def __init__(self, name: str, tensors: List[object],
                  value_of: Callable[[object], object],
-                 modules: List[tuple]):
+                 modules: List[tuple],
+                 loaded: Optional[Callable[[], None]] = None):
         self.name = name
         self.handles: list = []
         self.patched: list = []  # modules with our __reduce_ex__
@@ -122,6 +131,12 @@ class Doors:
                 self.handles.append(mod._register_load_state_dict_pre_hook(
                     _refuse_load(name, rel)))
             self._patch(mod)
+        if loaded is not None:  # every module a state_dict may start at
+            waits = {id(m): m for m, _ in modules if m is not None}
+            waits.update(by_id)
+            for mod in waits.values():
+                self.handles.append(mod.register_state_dict_pre_hook(
+                    lambda m, prefix, keep_vars: loaded()))
 
     def _patch(self, mod) -> None:
         if "__reduce_ex__" in mod.__dict__:

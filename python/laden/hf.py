@@ -785,7 +785,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     lookahead: int = 2, progress: Optional[bool] = None,
                     subfolder: Optional[str] = None,
                     variant: Optional[str] = None, shared=False,
-                    pinned_pool=None, **kwargs):
+                    pinned_pool=None, background: bool = False, **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -810,7 +810,13 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     raises (release first); ``eval()``, ``train()``, ``device``,
     ``dtype`` behave as usual.  ``pinned_pool``: see
     ``laden.set_pinned_pool`` (a model released and loaded again pins
-    nothing anew)."""
+    nothing anew).  ``background=True`` returns as soon as the model's
+    memory is given, its bytes still arriving (see ``laden.stream_load``):
+    a first forward or ``generate()`` starts at once, each block waiting
+    for its own bytes, so a cold start's first output comes about one
+    block after the last byte instead of after the load and a whole
+    forward; ``laden.wait(model)`` waits for the load and raises its
+    error."""
     path = os.fspath(path)
     if subfolder:
         path = os.path.join(path, subfolder)
@@ -852,7 +858,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             resident_prefixes=None if plan is not None else resident,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=key_map, lookahead=lookahead,
-            progress=progress, shared=shared, pinned_pool=pinned_pool)
+            progress=progress, shared=shared, pinned_pool=pinned_pool,
+            background=background)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

@@ -40,6 +40,7 @@ from .errors import InvalidArgumentError, StateError
 from .offload import OffloadHandle, _start, install_offload
 
 __all__ = ["stream_load", "install_offload", "offload_blocks", "release",
+           "wait",
            "stage", "LoadReport", "OffloadHandle", "BlockInfo", "expand_fp8",
            "TIER_NAMES"]
 
@@ -84,7 +85,7 @@ class LoadReport:
         st = self._state
         if st is None or st.owner is None:  # ended, or released
             return self
-        _finish_load(st)
+        _loaded(st, "LoadReport.wait")  # raises a failure each time
         self._state = None
         self.seconds = st.load_seconds or time.perf_counter() - self._t0
         stats = st.stats("LoadReport.wait")
@@ -144,8 +145,10 @@ def _open_doors(model, state: _Stream, who: str) -> None:
     model (laden.doors)."""
     mods = ([(model, "")] if model is not None else []) + \
         [(b.module, b.name) for b in state.blocks]
-    state.doors = doors.Doors(state.name, state.tensors,
-                              lambda t: _own_value(state, t), mods)
+    state.doors = doors.Doors(
+        state.name, state.tensors, lambda t: _own_value(state, t), mods,
+        loaded=(lambda: _loaded(state, "state_dict")) if state.awaiting
+        else None)
     state.claimed = [m for m, _ in mods]
     doors.claim(state.claimed, who)
 
@@ -230,9 +233,12 @@ def stream_load(model, path: PathLike, *, plan=None,
       meanwhile.  A forward of the model (and install_offload) may start
       at once: each block waits for its own bytes, so the first output
       comes about one block after the last byte is read instead of after
-      the load plus a whole forward.  Outside a forward the weights are
-      not valid until ``report.wait()`` (which raises the load's error if
-      it failed; a forward raises it too).  ``release()`` stops the load.
+      the load plus a whole forward.  ``state_dict()`` of the model and
+      of its blocks waits for the load to end; a weight read outside a
+      forward (an attribute, ``parameters()``) is not valid until
+      ``report.wait()`` or ``laden.wait(model)`` (which raise the load's
+      error if it failed; a forward raises it too).  ``release()`` stops
+      the load.
     - ``lookahead``: the lookahead install_offload will use, so that
       ``vram_budget`` reserves room for its ``lookahead + 1`` slots.
     - ``shared``: one host copy for the processes of this host (data
@@ -374,6 +380,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     st = state.stats()
     report = LoadReport(state, seconds, st.load_read_bytes,
                         st.load_cached_bytes)
+    state.report = report
     log.info("%s", report)
     return report
 
@@ -541,6 +548,38 @@ def _finish_load(state: _Stream) -> None:
         _end_background(state, ok=False)
         raise
     _end_background(state, ok=True)
+
+
+def _loaded(state: _Stream, what: str) -> None:
+    """Before a value of the model is read outside a forward: waits for
+    a background load to end, or raises its error (after a failure,
+    each time)."""
+    if not state.awaiting:
+        return
+    if state.loading is not None:
+        _finish_load(state)
+    else:
+        _await(state, state.live(what), -1)
+
+
+def wait(model) -> LoadReport:
+    """Waits for the background load of ``model`` (``stream_load`` or
+    ``from_pretrained`` with ``background=True``) to end, raising its
+    error if it failed; returns its LoadReport (at once when the load has
+    ended).  A forward needs no wait (each block waits for its own
+    bytes), nor does ``state_dict()`` (it waits by itself); a weight read
+    outside a forward (an attribute, ``parameters()``) does."""
+    state = getattr(model, "_laden_stream", None)
+    if state is None:
+        raise InvalidArgumentError(
+            f"laden.wait: {type(model).__name__} was not loaded by "
+            "laden.stream_load or laden.from_pretrained (or was released)",
+            "E_INVAL")
+    report = state.report
+    if report is None:  # cannot be: set before the model is returned
+        raise StateError(f"laden.wait: {state.name} has no load",
+                         "E_STATE")
+    return report.wait()
 
 
 def _wrap_root(model, state: _Stream) -> None:

@@ -92,6 +92,49 @@ def test_causal_lm_generates_the_same_tokens(tmp_path, device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_background_load_generates_before_it_ends(tmp_path, device, tier,
+                                                  monkeypatch):
+    """from_pretrained(background=True) returns while the bytes are still
+    arriving (a slowed progress callback); generate() at once gives the
+    plain model's tokens, state_dict() the checkpoint's values, and
+    laden.wait(model) the load's report."""
+    import laden.checkpoint as ckmod
+
+    class Slow:
+        def __init__(self, total):
+            self.n = 0
+
+        def update(self, k):
+            import time
+            self.n += k
+            time.sleep(0.02)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ckmod, "_progress_bar",
+                        lambda total, desc, p: Slow(total) if p else None)
+    ref = tiny_llama()
+    d = save(ref, tmp_path, "bg")
+    want = greedy(ref.to(device), device)
+    b = budget(device, nbytes(ref)) if tier == "ram" else {"ram_budget": 0}
+    if device == "cuda" and tier == "disk":
+        b = dict(b, vram_budget=nbytes(ref) // 2)
+    m = laden.from_pretrained(type(ref), d, device=device, background=True,
+                              progress=True, **b)
+    rep = m._laden_stream.report
+    assert not rep.done
+    assert torch.equal(greedy(m, device), want)
+    sd = m.state_dict()
+    assert rep.done
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k].cpu(), v.cpu()), k
+    assert laden.wait(m) is rep and rep.read_bytes > 0
+    laden.release(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_encoder_decoder_and_encoder(tmp_path, device):
     """T5 (encoder.block and decoder.block, a shared embedding) generates
     the same tokens; a BERT checkpoint saved with its head loads into the

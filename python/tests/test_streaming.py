@@ -782,6 +782,68 @@ def test_background_load_released_or_failed(ckpt, device, monkeypatch):
     assert rep.wait().done  # after release: nothing to wait for
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiers", ["ram", "mixed", "resident"])
+def test_background_load_values_through_the_doors(ckpt, device, tiers,
+                                                  monkeypatch):
+    """Right after stream_load(background=True), before the bytes have
+    arrived: state_dict() of the model and of a block waits for the load
+    and gives the checkpoint's values (found when making background loads
+    one keyword away in from_pretrained: it read the memory the loader
+    was still writing); laden.wait(model) returns the load's report, and
+    parameters() after it hold the checkpoint's values."""
+    ref, path = ckpt
+    want = ref.state_dict()
+    m = on_meta()
+    kw = TIERS.get(tiers, {})
+    prefixes = () if tiers == "resident" else PREFIXES
+    for first in ("model", "block", "wait"):
+        bars = _slow_bars(monkeypatch)
+        rep = laden.stream_load(m, path, offload_prefixes=prefixes,
+                                device=device, background=True,
+                                progress=True, **kw)
+        assert not rep.done  # a slowed load: still arriving
+        if first == "model":
+            got = m.state_dict()
+            assert got.keys() == want.keys()
+        elif first == "block":
+            got = m.blocks[2].state_dict(prefix="blocks.2.")
+            assert got and all(k in want for k in got)
+        else:
+            assert laden.wait(m) is rep
+            got = {k: v for k, v in m.named_parameters()
+                   if v.device.type != "meta"}
+            assert got
+        assert rep.done and bars[-1].n == bars[-1].total, first
+        for k, v in got.items():
+            assert torch.equal(v.detach().cpu(), want[k]), (first, k)
+        assert laden.wait(m) is rep
+        laden.release(m)
+    with pytest.raises(laden.InvalidArgumentError, match="not loaded"):
+        laden.wait(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_background_load_failed_raises_at_the_doors(ckpt, device,
+                                                    monkeypatch):
+    """A background load that failed raises its error from state_dict()
+    and laden.wait, each time, instead of handing out what it left."""
+    _, path = ckpt
+    _slow_bars(monkeypatch, fail=True)
+    m = on_meta()
+    laden.stream_load(m, path, offload_prefixes=PREFIXES, device=device,
+                      background=True, progress=True)
+    for _ in range(2):
+        with pytest.raises(laden.StateError, match="cancelled"):
+            m.state_dict()
+        with pytest.raises(laden.StateError, match="cancelled"):
+            m.blocks[0].state_dict()
+        with pytest.raises(laden.StateError, match="cancelled"):
+            laden.wait(m)
+    laden.release(m)
+    m.state_dict()  # its doors gone with the model
+
+
 def _move_ctime(path, was):
     """Puts path's modification time back to `was` (an os.stat), waiting
     until its status change time has moved past was's: what a rewrite
