@@ -208,3 +208,234 @@ TEST(stream_parts_refused)
     laden_sched_destroy(sc);
     laden_st_close(st);
 }
+
+/* ---- joined tensors (laden_sched_join_tensor) ------------------------------
+ *
+ * The inverse of a part: several checkpoint tensors laid end to end as one
+ * tensor of the model -- transformers' fused MoE experts.  E experts of
+ * w1, w3 [I, H] and w2 [H, I], stored in the file in another order than
+ * the fused tensors' (w3 before w1); the model holds gate_up [E, 2I, H]
+ * (w1_e then w3_e for each e) and down [E, H, I]. */
+
+#define NE 3
+#define NI 2
+#define NH 4
+
+static float expert_value(int e, int which, int k)
+{
+    return (float)(1000 * e + 100 * which + k); /* which: 1, 3 or 2 */
+}
+
+static char *write_experts(void)
+{
+    enum { PER = NI * NH };
+    float data[NE * 3 * PER];
+    char hdr[4096];
+    size_t at = 0, n = 0, h = 0;
+    h += (size_t)snprintf(hdr + h, sizeof hdr - h, "{");
+    for (int e = 0; e < NE; e++) {
+        static const int order[3] = {3, 1, 2};
+        for (int w = 0; w < 3; w++) {
+            int which = order[w];
+            for (int k = 0; k < PER; k++)
+                data[n++] = expert_value(e, which, k);
+            h += (size_t)snprintf(
+                hdr + h, sizeof hdr - h,
+                "%s\"e.%d.w%d\":{\"dtype\":\"F32\",\"shape\":[%d,%d],"
+                "\"data_offsets\":[%zu,%zu]}",
+                h > 1 ? "," : "", e, which, which == 2 ? NH : NI,
+                which == 2 ? NI : NH, at, at + PER * 4);
+            at += PER * 4;
+        }
+    }
+    snprintf(hdr + h, sizeof hdr - h, "}");
+    char *p = test_path("experts.safetensors");
+    test_write_st(p, hdr, data, sizeof data);
+    return p;
+}
+
+/* Adds gate_up (w1_e, w3_e for each e) and down (w2_e) as two joined runs
+ * to block blk; their first tensors' indices in *gu and *down. */
+static void add_fused(laden_sched_t *sc, const laden_st_t *st, uint32_t blk,
+                      laden_dtype dt, uint32_t *gu, uint32_t *down)
+{
+    char name[32];
+    for (int f = 0; f < 2; f++) {
+        for (int e = 0; e < NE; e++) {
+            for (int w = 0; w < (f ? 1 : 2); w++) {
+                snprintf(name, sizeof name, "e.%d.w%d", e, f ? 2 : w ? 3 : 1);
+                size_t idx;
+                uint32_t k;
+                CHECK_OK(laden_st_find(st, name, &idx));
+                CHECK_OK(laden_sched_add_tensor(sc, blk, st, idx, dt, &k));
+                if (e == 0 && w == 0)
+                    *(f ? down : gu) = k;
+                else
+                    CHECK_OK(laden_sched_join_tensor(sc, blk, k));
+            }
+        }
+    }
+}
+
+/* The fused tensors' element k, as float. */
+static float fused_want(int down, uint64_t k)
+{
+    uint64_t per = NI * NH;
+    if (down)
+        return expert_value((int)(k / per), 2, (int)(k % per));
+    uint64_t e = k / (2 * per), r = k % (2 * per);
+    return expert_value((int)e, r < per ? 1 : 3, (int)(r % per));
+}
+
+/* got: the fused tensor as dt, from tensors stored as `stored`. */
+static void check_fused(const unsigned char *got, laden_dtype dt,
+                        laden_dtype stored, int down, const char *what)
+{
+    uint64_t n = (uint64_t)NE * NI * NH * (down ? 1 : 2);
+    for (uint64_t k = 0; k < n; k++) {
+        float v;
+        if (dt == LADEN_DTYPE_F32) {
+            memcpy(&v, got + 4 * k, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, got + 2 * k, 2);
+            v = bf16(h);
+        }
+        float w = fused_want(down, k), d = v - w;
+        float tol = stored == LADEN_DTYPE_F32 ? 0.0f : w / 128;
+        if (d > tol || -d > tol) {
+            fprintf(stderr, "%s: %s element %llu is %g, want %g\n", what,
+                    down ? "down" : "gate_up", (unsigned long long)k, v, w);
+            exit(1);
+        }
+    }
+}
+
+static void joined_on(int32_t dev)
+{
+    static const laden_tier tiers[] = {LADEN_TIER_RAM, LADEN_TIER_GPU,
+                                       LADEN_TIER_DISK};
+    char *path = write_experts();
+    for (size_t ti = 0; ti < 3; ti++) {
+        for (int conv = 0; conv < (tiers[ti] == LADEN_TIER_DISK ? 1 : 2);
+             conv++) {
+            laden_dtype dt = conv ? LADEN_DTYPE_BF16 : LADEN_DTYPE_F32;
+            uint64_t es = conv ? 2 : 4;
+            laden_st_t *st;
+            laden_sched_t *sc;
+            CHECK_OK(laden_st_open(path, &st));
+            laden_sched_config cfg = {.device = dev, .lookahead = 1};
+            CHECK_OK(laden_sched_create(&cfg, st, &sc));
+            uint32_t blk, gu = 0, dn = 0;
+            CHECK_OK(laden_sched_add_block(sc, tiers[ti], &blk));
+            add_fused(sc, st, blk, dt, &gu, &dn);
+            uint64_t bytes[2];
+            CHECK_OK(laden_sched_tensor_layout(sc, blk, gu, &bytes[0], NULL,
+                                               NULL));
+            CHECK_OK(laden_sched_tensor_layout(sc, blk, dn, &bytes[1], NULL,
+                                               NULL));
+            CHECK_EQ(bytes[0], (uint64_t)NE * 2 * NI * NH * es);
+            CHECK_EQ(bytes[1], (uint64_t)NE * NI * NH * es);
+            CHECK_OK(laden_sched_load(sc));
+            bool streamed = laden_sched_is_streamed(sc, blk);
+            if (streamed) {
+                CHECK_OK(laden_sched_start(sc, 0));
+                CHECK_OK(laden_sched_enter(sc, blk, 0));
+            }
+            for (int f = 0; f < 2; f++) {
+                laden_devptr_t dp = 0;
+                CHECK_OK(laden_sched_tensor_ptr(sc, blk, f ? dn : gu, &dp));
+                unsigned char *got = malloc(bytes[f]);
+                if (dev == LADEN_DEVICE_CPU) {
+                    memcpy(got, (void *)(uintptr_t)dp, bytes[f]);
+                } else {
+                    laden_dev_stream_t *rd;
+                    CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+                    CHECK_OK(laden_dev_copy_d2h(rd, got, dp, bytes[f]));
+                    CHECK_OK(laden_dev_stream_synchronize(rd));
+                    laden_dev_stream_destroy(rd);
+                }
+                check_fused(got, dt, dt, f, "where it runs");
+                free(got);
+            }
+            if (streamed) {
+                CHECK_OK(laden_sched_exit(sc, blk, 0));
+                CHECK_OK(laden_sched_synchronize(sc));
+                CHECK_OK(laden_sched_stop(sc));
+            }
+            /* Its value (a state_dict's), in its dtype and as F32. */
+            for (int f = 0; f < 2; f++) {
+                uint64_t n = bytes[f] / es;
+                unsigned char *v = malloc(n * 4);
+                CHECK_OK(laden_sched_tensor_value(sc, blk, f ? dn : gu,
+                                                  LADEN_DTYPE_F32, v, n * 4));
+                check_fused(v, LADEN_DTYPE_F32, dt, f, "its value");
+                CHECK_STATUS(laden_sched_tensor_value(sc, blk, f ? dn : gu,
+                                                      LADEN_DTYPE_F32, v,
+                                                      n * 4 - 4),
+                             LADEN_E_INVAL);
+                free(v);
+            }
+            laden_sched_destroy(sc);
+            laden_st_close(st);
+        }
+    }
+}
+
+TEST(stream_joined_tensors_on_every_device)
+{
+    test_on_every_device(joined_on);
+}
+
+TEST(stream_joined_tensors_refused)
+{
+    char *path = write_experts();
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk, k0, k1, k2;
+    size_t a, b, c;
+    CHECK_OK(laden_st_find(st, "e.0.w1", &a));
+    CHECK_OK(laden_st_find(st, "e.0.w3", &b));
+    CHECK_OK(laden_st_find(st, "e.1.w1", &c));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, 0), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F32, &k0));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k0), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "not its first"));
+    /* Another dtype. */
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, b, LADEN_DTYPE_BF16, &k1));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k1), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "one dtype"));
+    /* Quantized on load. */
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, c, LADEN_DTYPE_F8_E4M3, &k2));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k2), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "compact"));
+    /* Not the last tensor. */
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k1), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "last tensor"));
+    laden_sched_destroy(sc);
+    /* A joined run is never marked compact nor reordered, and joins once;
+     * the run's bytes are counted as the block's. */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F32, &k0));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, b, LADEN_DTYPE_F32, &k1));
+    CHECK_OK(laden_sched_join_tensor(sc, blk, k1));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k1), LADEN_E_STATE);
+    CHECK_STATUS(laden_sched_set_expanded(sc, blk, k0, LADEN_DTYPE_F32, NH,
+                                          LADEN_SCHED_NO_SCALE, 0),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_set_expanded(sc, blk, k1, LADEN_DTYPE_F32, NH,
+                                          LADEN_SCHED_NO_SCALE, 0),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_set_rope_rows(sc, blk, k0, 1),
+                 LADEN_E_UNSUPPORTED);
+    CHECK_EQ(laden_sched_block_bytes(sc, blk), (uint64_t)2 * NI * NH * 4);
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_STATUS(laden_sched_join_tensor(sc, blk, k1), LADEN_E_STATE);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}

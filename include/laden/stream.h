@@ -174,6 +174,21 @@ LADEN_API laden_status laden_sched_add_tensor_part(
     size_t st_index, laden_dtype dtype, uint32_t dim, uint64_t start,
     uint64_t count, uint32_t *out_index);
 
+/* Lays tensor `index` of `block` right after tensor index - 1, with no
+ * gap: the two (with those joined before) are then one tensor of the
+ * model, their bytes end to end -- checkpoint tensors that the model holds
+ * fused into one (transformers' MoE experts: each expert's gate and up
+ * projections in turn, stacked over the experts).  `index` must be the
+ * block's last tensor so far; both are checkpoint tensors kept in the same
+ * whole-byte dtype, neither quantized on load, reordered, nor marked
+ * expanded.  Before the plan.  The joined run's laden_sched_tensor_layout
+ * size and laden_sched_tensor_value are asked of its first tensor (a view
+ * at its laden_sched_tensor_ptr spans the run).  LADEN_E_INVAL naming the
+ * tensor otherwise. */
+LADEN_API laden_status laden_sched_join_tensor(laden_sched_t *sched,
+                                               uint32_t block,
+                                               uint32_t index);
+
 /* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
  * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on
  * load; disk-tier blocks must keep the checkpoint's dtype).  *out_index is
@@ -745,6 +760,8 @@ LADEN_API laden_status laden_sched_tensor_value(laden_sched_t *sched,
  * row after the codes) or 0 when it has none, *rows the number of those
  * scales (0 without).  Any may be NULL.  Valid once the tensor is added;
  * does not hold the schedule (the layout does not change after load).
+ * For the first tensor of a joined run (laden_sched_join_tensor) the size
+ * is the whole run's.
  * LADEN_E_INVAL for a bad schedule, block or tensor (outputs zeroed). */
 LADEN_API laden_status laden_sched_tensor_layout(laden_sched_t *sched,
                                                  uint32_t block, uint32_t i,

@@ -291,6 +291,7 @@ _SIGNATURES = {
     "laden_dtype_of_ggml": (status_t, [c_uint32, P(c_int)]),
     "laden_ggml_of_dtype": (c_uint32, [c_int]),
     "laden_sched_set_rope_rows": (status_t, [p, c_uint32, c_uint32, c_uint64]),
+    "laden_sched_join_tensor": (status_t, [p, c_uint32, c_uint32]),
     # expand (device expansion of compact weights): entries below
     "laden_expand": (status_t, [c_int32, ctypes.c_size_t, c_int, c_uint64,
                                 c_uint64, c_uint64, c_uint64, c_uint64, c_int,

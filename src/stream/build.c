@@ -269,6 +269,11 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_rope_rows: after load");
     tref *r = &sc->layout.b[block].t[index];
+    if (heads && (r->joined || (index + 1 < sc->layout.b[block].nt &&
+                                sc->layout.b[block].t[index + 1].joined)))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': a joined tensor cannot have its "
+                           "rows reordered on load", r->name);
     if (r->part && heads)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': a part of a tensor cannot have "
@@ -299,6 +304,79 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
     }
     laden__sched_unplan(sc);
     return LADEN_OK;
+}
+
+/* Why tensor r cannot be a part of a joined run (NULL: it can). */
+static const char *unjoinable(const tref *r)
+{
+    uint32_t elems = 1, bytes = 1;
+    if (r->host)
+        return "it is from host memory";
+    if (r->rows || r->expands)
+        return "it is stored compact (expanded where it runs)";
+    if (r->rope_heads)
+        return "its rows are reordered on load";
+    if (!laden_dtype_bits(r->dst) || laden_dtype_bits(r->dst) % 8 ||
+        (laden_dtype_block(r->dst, &elems, &bytes) == LADEN_OK && elems > 1))
+        return "its dtype is not whole bytes per element";
+    return NULL;
+}
+
+laden_status laden__sched_join_tensor(laden_sched_t *sc, uint32_t block,
+                                      uint32_t index)
+{
+    if (!sc || block >= sc->layout.nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_join_tensor: bad schedule or block");
+    blk *b = &sc->layout.b[block];
+    if (sc->loaded || sc->layout.laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_join_tensor: after load");
+    if (index == 0 || index >= b->nt || index + 1 != b->nt)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_join_tensor: tensor %u of block %u "
+                           "(it has %u): join the block's last tensor, not "
+                           "its first", index, block, b->nt);
+    tref *prev = &b->t[index - 1], *r = &b->t[index];
+    const char *why = unjoinable(r);
+    const tref *bad = r;
+    if (!why) {
+        why = unjoinable(prev);
+        bad = prev;
+    }
+    if (why)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' cannot be joined to another: %s",
+                           bad->name ? bad->name : "?", why);
+    if (r->joined)
+        return laden__fail(LADEN_E_STATE, "tensor '%.200s': joined already",
+                           r->name ? r->name : "?");
+    if (prev->dst != r->dst)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' (%s) cannot be joined to "
+                           "'%.200s' (%s): one tensor has one dtype",
+                           r->name ? r->name : "?",
+                           laden_dtype_name(r->dst),
+                           prev->name ? prev->name : "?",
+                           laden_dtype_name(prev->dst));
+    /* It is the last tensor: moving it down to the end of the one before
+     * changes nothing else in the block. */
+    r->dst_off = prev->dst_off + prev->dst_bytes;
+    b->bytes = r->dst_off + r->dst_bytes;
+    r->joined = true;
+    laden__sched_unplan(sc);
+    return LADEN_OK;
+}
+
+uint32_t laden__sched_run_of(const blk *b, uint32_t i, uint64_t *bytes)
+{
+    uint32_t n = 1;
+    uint64_t sum = b->t[i].dst_bytes;
+    while (i + n < b->nt && b->t[i + n].joined)
+        sum += b->t[i + n++].dst_bytes;
+    if (bytes)
+        *bytes = sum;
+    return n;
 }
 
 /* Checkpoint tensor st_index, checked to be addable to `block` (the

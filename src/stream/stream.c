@@ -116,7 +116,7 @@ laden_status laden_sched_tensor_layout(laden_sched_t *sc, uint32_t block,
                                           "schedule, block or tensor");
     const tref *r = &sc->layout.b[block].t[i];
     if (size_bytes)
-        *size_bytes = r->dst_bytes;
+        laden__sched_run_of(&sc->layout.b[block], i, size_bytes);
     if (r->rows) { /* tensor_ref (build.c) lays them out so */
         if (scale_offset_bytes)
             *scale_offset_bytes = laden__sched_scale_offset(r->nelem);
@@ -469,6 +469,13 @@ laden_status laden_sched_add_tensor_part(laden_sched_t *sc, uint32_t block,
     HELD("laden_sched_add_tensor_part",
          laden__sched_add_tensor_part(sc, block, st, st_index, dtype, dim,
                                       start, count, out_index));
+}
+
+laden_status laden_sched_join_tensor(laden_sched_t *sc, uint32_t block,
+                                     uint32_t index)
+{
+    HELD("laden_sched_join_tensor",
+         laden__sched_join_tensor(sc, block, index));
 }
 
 laden_status laden_sched_add_tensor(laden_sched_t *sc, uint32_t block,

@@ -47,6 +47,9 @@ typedef struct tref {
      * range. */
     uint64_t pieces, stride;
     bool part;          /* laden_sched_add_tensor_part */
+    /* laden_sched_join_tensor: laid right after the tensor before it, the
+     * two one tensor of the model (its first tensor's `joined` false). */
+    bool joined;
     /* laden_sched_set_expanded: stored compact, expanded to `expanded`
      * in the workspace at ws_off before its block runs (workspace.c). */
     bool expands;
@@ -192,6 +195,11 @@ laden_status laden__sched_add_block(laden_sched_t *sc, laden_tier tier,
                                     uint32_t *out);
 laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
                                     uint32_t index, uint64_t heads);
+laden_status laden__sched_join_tensor(laden_sched_t *sc, uint32_t block,
+                                      uint32_t index);
+/* The tensors of the run that starts at tensor i of b: i and those joined
+ * after it (1 for a tensor joined to nothing), and their bytes. */
+uint32_t laden__sched_run_of(const blk *b, uint32_t i, uint64_t *bytes);
 laden_status laden__sched_add_tensor(laden_sched_t *sc, uint32_t block,
                                      const laden_st_t *st, size_t st_index,
                                      laden_dtype dtype, uint32_t *out);

@@ -75,29 +75,13 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
                         dtype, (uintptr_t)dst);
 }
 
-laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
-                                       uint32_t i, laden_dtype dtype,
-                                       void *dst, uint64_t dst_bytes)
+/* Tensor r of block `block` decoded as dtype into dst (r->nelem
+ * elements). */
+static laden_status piece_value(laden_sched_t *sc, uint32_t block,
+                                const tref *r, laden_dtype dtype, void *dst)
 {
-    if (block >= sc->layout.nb || i >= sc->layout.b[block].nt || !dst)
-        return laden__fail(LADEN_E_INVAL, "laden_sched_tensor_value: bad "
-                                          "block, tensor or destination");
     blk *b = &sc->layout.b[block];
-    const tref *r = &b->t[i];
     const char *name = r->name ? r->name : "?";
-    uint64_t want = 0, bits = laden_dtype_bits(dtype);
-    if (!bits || bits % 8 || !laden__mul_u64(r->nelem, bits / 8, &want) ||
-        want != dst_bytes)
-        return laden__fail(LADEN_E_INVAL,
-                           "tensor '%.200s': %llu elements as dtype %d are "
-                           "not %llu bytes",
-                           name, (unsigned long long)r->nelem, (int)dtype,
-                           (unsigned long long)dst_bytes);
-    bool usable = laden__sched_usable(sc) || (sc->cache.on && b->filled);
-    if (!usable || !(b->ready || sc->loaded || (sc->cache.on && b->filled)))
-        return laden__fail(LADEN_E_STATE, "tensor '%.200s': %s", name,
-                           usable ? "its block is still loading"
-                                  : "the schedule is not loaded");
     bool scaled = laden__fp8(r->dst) && !r->rows && r->expands &&
                   r->scale != LADEN_SCHED_NO_SCALE;
     const tref *sr = scaled ? &b->t[r->scale] : NULL;
@@ -113,10 +97,46 @@ laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
                                 sr->nelem);
     if (!s && !(s = laid_out(sc, block, r, raw)) && r->nelem)
         s = decode(r, raw, scale, dtype, dst);
-    if (s && s != LADEN_E_NOMEM)
-        laden__error_prefix("the value of tensor '%.200s'", name);
     free(scale);
     free(sraw);
     free(raw);
+    return s;
+}
+
+laden_status laden__sched_tensor_value(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i, laden_dtype dtype,
+                                       void *dst, uint64_t dst_bytes)
+{
+    if (block >= sc->layout.nb || i >= sc->layout.b[block].nt || !dst)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_tensor_value: bad "
+                                          "block, tensor or destination");
+    blk *b = &sc->layout.b[block];
+    const tref *r = &b->t[i];
+    const char *name = r->name ? r->name : "?";
+    /* A joined run (laden_sched_join_tensor) is one tensor: its pieces'
+     * values end to end.  Its pieces are plain (never scaled). */
+    uint32_t run = laden__sched_run_of(b, i, NULL);
+    uint64_t nelem = 0, want = 0, bits = laden_dtype_bits(dtype);
+    for (uint32_t k = 0; k < run; k++)
+        nelem += b->t[i + k].nelem; /* each fits memory: no overflow */
+    if (!bits || bits % 8 || !laden__mul_u64(nelem, bits / 8, &want) ||
+        want != dst_bytes)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s': %llu elements as dtype %d are "
+                           "not %llu bytes",
+                           name, (unsigned long long)nelem, (int)dtype,
+                           (unsigned long long)dst_bytes);
+    bool usable = laden__sched_usable(sc) || (sc->cache.on && b->filled);
+    if (!usable || !(b->ready || sc->loaded || (sc->cache.on && b->filled)))
+        return laden__fail(LADEN_E_STATE, "tensor '%.200s': %s", name,
+                           usable ? "its block is still loading"
+                                  : "the schedule is not loaded");
+    laden_status s = LADEN_OK;
+    for (uint32_t k = 0; k < run && !s; k++) {
+        s = piece_value(sc, block, &b->t[i + k], dtype, dst);
+        dst = (char *)dst + b->t[i + k].nelem * (bits / 8);
+    }
+    if (s && s != LADEN_E_NOMEM)
+        laden__error_prefix("the value of tensor '%.200s'", name);
     return s;
 }

@@ -113,6 +113,11 @@ laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
     if (r->expands)
         return laden__fail(LADEN_E_STATE,
                            "tensor '%.200s': already marked expanded", name);
+    if (r->joined || (i + 1 < b->nt && b->t[i + 1].joined))
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is joined to another "
+                           "(laden_sched_join_tensor) and cannot be stored "
+                           "compact", name);
     laden_status s = check_scale(b, i, cols, scale, kind);
     uint64_t before = b->ws_bytes, off = 0, soff = 0;
     /* nelem * 4 cannot overflow: the tensor's own bytes fit. */
