@@ -20,6 +20,7 @@ from .gguf import rope_heads, rope_heads_of
 from ._devices import _dev_index
 from ._dtypes import checkpoint_dtype
 from ._expand import expand_unavailable
+from ._hfnames import key_map_for
 from ._wrapped import attach, detach_all, holders, is_dtensor, is_wrapped
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError
@@ -51,6 +52,9 @@ class _Tensor:
     dtype: "torch.dtype"               # what it is stored and runs as
     requires_grad: bool = False
     ckpt_name: Optional[str] = None
+    # Several checkpoint tensors laid end to end make this one, in order
+    # (ckpt_name is the first): transformers' fused MoE experts.
+    pieces: Optional[List[str]] = None
     block: int = -1                    # index into _Stream.blocks; -1: rest
     c_block: int = 0
     c_index: int = 0
@@ -401,7 +405,11 @@ def find_blocks(model, min_share: float = 0.05,
 # ---- the description -----------------------------------------------------------
 
 _FP8 = {"F8_E4M3", "F8_E5M2"}
-KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
+# A checkpoint name -> the model's name (None: dropped), or (the model's
+# name, k): the k-th of several checkpoint tensors laid end to end as that
+# one tensor (transformers' fused MoE experts; C joins them on load).
+KeyTarget = Union[None, str, Tuple[str, int]]
+KeyMap = Union[None, Mapping[str, KeyTarget], Callable[[str], KeyTarget]]
 
 
 @dataclass
@@ -471,6 +479,7 @@ def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
     MismatchError listing every missing, unexpected and unbuilt name."""
     owner: Dict[str, _Tensor] = {n: t for t in tensors for n in t.names}
     unexpected: List[str] = []
+    pieces: Dict[int, Tuple[_Tensor, List[Tuple[int, str]]]] = {}
     for cname in ck.names():
         if skip_prefixes and any(cname.startswith(p) for p in skip_prefixes):
             continue
@@ -480,11 +489,27 @@ def _match_names(ck, tensors: List[_Tensor], key_map: KeyMap,
                 cname, cname)
             if mname is None:
                 continue
+        k = None
+        if isinstance(mname, tuple):  # a piece of a joined tensor
+            mname, k = mname
         t = owner.get(mname)
         if t is None:
             unexpected.append(cname)
+        elif k is not None:
+            pieces.setdefault(id(t), (t, []))[1].append((k, cname))
         elif t.ckpt_name is None:
             t.ckpt_name = cname  # a tied alias's second name is the same
+    for t, parts in pieces.values():
+        parts.sort()
+        ks = [k for k, _ in parts]
+        if t.ckpt_name is not None or len(set(ks)) != len(ks):
+            raise MismatchError(
+                f"{ck.path}: the key map gives '{t.names[0]}' "
+                + (f"both '{t.ckpt_name}' and pieces" if t.ckpt_name
+                   else f"two pieces numbered alike ({ks})"),
+                mismatched=[t.names[0]])
+        t.pieces = [c for _, c in parts]
+        t.ckpt_name = t.pieces[0]
     # Scale tensors of fp8 checkpoint tensors are companions, not strays.
     by_ckpt = {t.ckpt_name: t for t in tensors if t.ckpt_name}
     still = []
@@ -522,6 +547,11 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
     for t in tensors:
         if t.ckpt_name is None:
             continue
+        if t.pieces is not None:
+            why = _pieces_mismatch(ck, t)
+            if why:
+                bad.append(f"'{t.names[0]}' ({why})")
+            continue
         info = ck.info(t.ckpt_name)
         whole = t.dist.shape if t.dist is not None else t.shape
         if tuple(info.shape) != tuple(whole):
@@ -553,6 +583,34 @@ def _check_dtypes(ck, tensors: List[_Tensor], cdt, label: str,
                 f"'{t.ckpt_name}' is {info.dtype}, {label} wants "
                 f"{want}; {error_for(s)}", mismatched=[t.names[0]])
         t.dtype = want
+
+
+def _pieces_mismatch(ck, t: _Tensor) -> Optional[str]:
+    """Why t's pieces cannot be laid end to end as t (None: they can):
+    one dtype, rows as wide as t's, as many elements as t."""
+    infos = [ck.info(n) for n in t.pieces]
+    if t.dist is not None:
+        return "a DTensor shard cannot be made of several checkpoint " \
+            "tensors"
+    dts = {i.dtype for i in infos}
+    if len(dts) > 1:
+        return f"its pieces {t.pieces[0]} ... are of dtypes " \
+            f"{', '.join(sorted(dts))}"
+    n = 0
+    for i in infos:
+        shape = tuple(i.shape)
+        k = len(shape) - 1
+        if k < 0 or k > len(t.shape) or (k and shape[1:] != t.shape[-k:]):
+            return f"piece '{i.name}' {list(shape)} is not rows of " \
+                f"{list(t.shape)}"
+        m = 1
+        for d in shape:
+            m *= d
+        n += m
+    if n != _numel(t):
+        return f"its {len(infos)} pieces ({t.pieces[0]} ...) hold {n} " \
+            f"elements, the model's {list(t.shape)} {_numel(t)}"
+    return None
 
 
 # laden_sched_storage_for's kinds (LADEN_STORE_*, from C's table) by the
@@ -592,7 +650,15 @@ def _choose_storage(ck, desc: Description, storage: Optional[str],
         flags = base | (_lib.STORE_IN_BLOCK if t.block >= 0 else 0) | \
             (_lib.STORE_PARAM if t.is_param else 0) | \
             (_lib.STORE_SCALED if t.scale_name else 0)
+        if t.pieces is not None:  # joined in C: kept as read, never compact
+            flags &= ~(_lib.STORE_ASK_FP8 | _lib.STORE_ASK_BF16)
         s, kind = _storage_for(t, info, t.dtype, flags)
+        if t.pieces is not None and not s and _STORES[kind] != "plain":
+            raise InvalidArgumentError(
+                f"tensor '{t.names[0]}': its checkpoint pieces "
+                f"({t.pieces[0]} ...) are {info.dtype}, kept compact, and "
+                "laden joins only plain tensors (F32, F16, BF16 and other "
+                "whole-byte dtypes)", "E_INVAL")
         if t.scale_name and (s or _STORES[kind] == "ck8"):
             t.scale_kind = _scale_kind(t, ck)  # its own error first
         if s:
@@ -650,6 +716,10 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
             expand_blocks = False
     blocks = _find_blocks(model, list(prefixes))
     tensors = _collect(model)
+    if ck is not None and key_map is None and ck.format != "gguf":
+        # A transformers model: its checkpoint's names as transformers
+        # loads them (renames, fused experts).
+        key_map = key_map_for(model, ck.names())
     if ck is not None:
         _match_names(ck, tensors, key_map, skip_prefixes, label, compact)
     else:
@@ -808,6 +878,16 @@ def _add_tensor(h, block: int, t: _Tensor, ck) -> None:
             h, block, ck._h, ck._index[t.ckpt_name], _store_code(t), d.dim,
             d.start, d.count, ctypes.byref(ci)))
         t.c_block, t.c_index = block, ci.value
+        return
+    if t.pieces is not None:  # laid end to end by C
+        code = _store_code(t)
+        for k, n in enumerate(t.pieces):
+            check(lib.laden_sched_add_tensor(h, block, ck._h, ck._index[n],
+                                             code, ctypes.byref(ci)))
+            if k == 0:
+                t.c_block, t.c_index = block, ci.value
+            else:
+                check(lib.laden_sched_join_tensor(h, block, ci.value))
         return
     if t.ckpt_name is not None:  # C names the checkpoint tensor
         check(lib.laden_sched_add_tensor(h, block, ck._h,

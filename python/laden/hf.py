@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 from . import doors, streaming
 from ._describe import find_blocks
+from ._hfnames import key_map_for
 from ._devices import _device
 # The move guard lives below streaming (release takes it off); the names
 # stay importable from here, where they were.
@@ -693,78 +694,6 @@ def _keep_in_fp32(model, dtype) -> None:
                 mod._parameters[pn] = q
 
 
-def _renames(model, names: List[str]):
-    """transformers 5's renames of checkpoint names for this class (its
-    conversion mapping: GPT-NeoX's ``embed_out`` is ``lm_head`` now), as a
-    function; InvalidArgumentError when the checkpoint needs one of its
-    converters that merge or split tensors (fused MoE experts), which
-    laden does not do."""
-    import re
-
-    try:
-        from transformers import conversion_mapping as cm
-        rules = cm.get_model_conversion_mapping(model) or []
-    except Exception:  # older transformers: names are as stored
-        return None
-    renames = []
-    for r in rules:
-        src = getattr(r, "source_patterns", None) or []
-        dst = getattr(r, "target_patterns", None) or []
-        if type(r).__name__ == "WeightRenaming":
-            renames += [(re.compile(a), b) for a, b in zip(src, dst)]
-            continue
-        pats = [re.compile(a) for a in src]
-        hit = [n for n in names if any(p_.search(n) for p_ in pats)]
-        if hit:
-            raise InvalidArgumentError(
-                f"{type(model).__name__}'s checkpoint "
-                f"stores tensors transformers merges or splits on load "
-                f"({', '.join(hit[:3])}{' ...' if len(hit) > 3 else ''}: "
-                f"{type(r).__name__}); laden loads tensors as stored and "
-                "cannot convert these yet", "E_INVAL")
-    if not renames:
-        return None
-
-    def rename(n: str) -> str:
-        for pat, to in renames:
-            n = pat.sub(to, n)
-        return n
-    return rename
-
-
-def _key_map(model, names: List[str]):
-    """Checkpoint names (`names`) to the model's: transformers' own
-    renames (_renames), then a checkpoint saved from the model with its
-    head loads into the base model and back: the base model's prefix
-    (``model.``, ``transformer.``) is taken off or put on when only one
-    side has it."""
-    want = set(model.state_dict().keys())
-    ren = _renames(model, [n for n in names if n not in want])
-    if ren is not None:
-        names = [n if n in want else ren(n) for n in names]
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    strip = add = None
-    if prefix:
-        p = prefix + "."
-        ck_pre = sum(n.startswith(p) for n in names)
-        mod_pre = sum(n.startswith(p) for n in want)
-        if ck_pre > len(names) // 2 and mod_pre == 0:
-            strip = p
-        elif ck_pre == 0 and mod_pre > len(want) // 2:
-            add = p
-    if ren is None and strip is None and add is None:
-        return None
-
-    def key_map(n: str):
-        if ren is not None and n not in want:
-            n = ren(n)
-        if strip is not None:
-            return n[len(strip):] if n.startswith(strip) and \
-                n[len(strip):] in want else None
-        return add + n if add is not None else n
-    return key_map
-
-
 def _called_from_outside(model) -> Optional[List[str]]:
     """Blocks whose parts the model's forward calls outside the block: they
     stay resident (a streamed block's parts refuse to run outside it).
@@ -846,7 +775,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     dtype = _dtype_of(dtype)
     model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs), table)
     key_map = _gguf_key_map(model, weights) if gguf else \
-        _key_map(model, [t.name for t in table])
+        key_map_for(model, [t.name for t in table])
     model.eval()
     blocks = find_blocks(model)
     resident = _called_from_outside(model)

@@ -1,0 +1,226 @@
+"""Mixture-of-experts checkpoints (issue 36): transformers 5 fuses each
+MoE layer's per-expert tensors into one parameter when it loads a
+checkpoint; laden lays them end to end in C while reading
+(laden_sched_join_tensor) from transformers' own conversion rules.  Tiny
+models of six families from configs, random weights, saved with
+save_pretrained: logits and greedy tokens identical to transformers' own
+loading, through from_pretrained, stream_load and the cache, on every
+tier; a conversion laden cannot apply is refused naming it."""
+
+import os
+
+import pytest
+import torch
+
+import laden
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.core_model_loading")  # transformers 5
+
+T = transformers
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+
+
+def _config(family):
+    if family == "mixtral":
+        return T.MixtralForCausalLM, T.MixtralConfig(
+            intermediate_size=48, num_local_experts=4,
+            num_experts_per_tok=2, **COMMON)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16,
+            **COMMON)
+    if family == "olmoe":
+        return T.OlmoeForCausalLM, T.OlmoeConfig(
+            intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            eos_token_id=None, **COMMON)
+    if family == "deepseek_v3":
+        return T.DeepseekV3ForCausalLM, T.DeepseekV3Config(
+            intermediate_size=96, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, **COMMON)
+    if family == "glm4_moe":
+        return T.Glm4MoeForCausalLM, T.Glm4MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16,
+            **COMMON)
+    if family == "gpt_oss":  # stores its experts fused already
+        return T.GptOssForCausalLM, T.GptOssConfig(
+            intermediate_size=32, num_local_experts=4,
+            num_experts_per_tok=2, head_dim=16, sliding_window=32,
+            layer_types=["sliding_attention", "full_attention",
+                         "sliding_attention"], **COMMON)
+    raise AssertionError(family)
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe",
+            "gpt_oss"]
+
+
+def _saved(tmp_path, family):
+    cls, cfg = _config(family)
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    d = str(tmp_path / family)
+    ref.save_pretrained(d)
+    return cls, d
+
+
+def _ids():
+    return torch.randint(0, 128, (2, 9),
+                         generator=torch.Generator().manual_seed(1))
+
+
+def _plain(cls, d, device):
+    """transformers' own loading: what laden must equal."""
+    return cls.from_pretrained(d).eval().to(device)
+
+
+def _logits(m, device):
+    with torch.no_grad():
+        return m(_ids().to(device)).logits.cpu()
+
+
+def _greedy(m, device):
+    with torch.no_grad():
+        return m.generate(_ids().to(device), max_new_tokens=6,
+                          do_sample=False, pad_token_id=0).cpu()
+
+
+def _stored_per_expert(d):
+    from safetensors import safe_open
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        return any(".experts.0." in k for k in f.keys())
+
+
+def _budget(device, tier):
+    if tier == "disk":
+        return {"ram_budget": 0, **({"vram_budget": "1MB"}
+                                    if device == "cuda" else {})}
+    return {"vram_budget": "1MB"} if device == "cuda" else {}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_equals_transformers(tmp_path, family, tier, device):
+    cls, d = _saved(tmp_path, family)
+    if family != "gpt_oss":
+        assert _stored_per_expert(d)  # what transformers fuses on load
+    plain = _plain(cls, d, device)
+    want, want_tokens = _logits(plain, device), _greedy(plain, device)
+    m = laden.from_pretrained(cls, d, device=device, **_budget(device, tier))
+    tiers = {b.tier_name for b in m._laden_stream.blocks}
+    assert tiers == {"disk" if tier == "disk" else "ram"}, tiers
+    assert torch.equal(_logits(m, device), want)
+    assert torch.equal(_greedy(m, device), want_tokens)
+    # The fused parameters' true values through state_dict (the disk
+    # tier's read from the checkpoint's pieces by C).
+    sd = m.state_dict()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(sd[k].cpu(), v.cpu()), k
+    laden.release(m)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_stream_load_and_cache(tmp_path, family):
+    """The same rules apply to a model built on meta by the user
+    (stream_load) and to a ModelSpec of the cache."""
+    cls, d = _saved(tmp_path, family)
+    path = os.path.join(d, "model.safetensors")
+    plain = _plain(cls, d, "cpu")
+    want = _logits(plain, "cpu")
+
+    def build():
+        with laden.hf.empty_weights():
+            return cls(plain.config).eval()
+    m = build()
+    laden.stream_load(m, path, offload_prefixes=laden.find_blocks(m),
+                      device="cpu", ram_budget=0)
+    laden.install_offload(m)
+    assert torch.equal(_logits(m, "cpu"), want)
+    laden.release(m)
+    cache = laden.ModelCache()
+    spec = laden.ModelSpec("moe", build, checkpoint=path,
+                           block_paths=("model.layers",))
+    with cache.use(spec, device="cpu") as mm:
+        assert torch.equal(_logits(mm, "cpu"), want)
+    cache.clear()
+
+
+def test_save_pretrained_round_trips(tmp_path):
+    """A laden MoE model saves back in the per-expert form transformers
+    writes, and that loads to the same logits."""
+    cls, d = _saved(tmp_path, "mixtral")
+    want = _logits(_plain(cls, d, "cpu"), "cpu")
+    m = laden.from_pretrained(cls, d, device="cpu", ram_budget=0)
+    out = str(tmp_path / "again")
+    m.save_pretrained(out)
+    laden.release(m)
+    assert _stored_per_expert(out)
+    assert torch.equal(_logits(_plain(cls, out, "cpu"), "cpu"), want)
+
+
+def test_missing_expert_is_a_mismatch(tmp_path):
+    """A checkpoint with an expert too few names the tensor whose pieces
+    do not add up, before anything is allocated."""
+    from safetensors.torch import load_file, save_file
+    cls, d = _saved(tmp_path, "qwen3_moe")
+    path = os.path.join(d, "model.safetensors")
+    sd = load_file(path)
+    for k in [k for k in sd if ".layers.1.mlp.experts.7." in k]:
+        del sd[k]
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(laden.MismatchError,
+                       match=r"layers\.1\.mlp\.experts\.gate_up_proj"):
+        laden.from_pretrained(cls, d, device="cpu")
+
+
+def test_a_conversion_laden_cannot_apply_is_refused():
+    """Pieces that are not laid end to end (a concatenation along an inner
+    dimension, a transpose) are refused naming the operation."""
+    from transformers.core_model_loading import (Concatenate,
+                                                 MergeModulelist, Transpose,
+                                                 WeightConverter)
+
+    from laden import _hfnames
+
+    class Model:  # only its class name is used in the message
+        pass
+
+    for ops in ([MergeModulelist(dim=0), Concatenate(dim=2)],
+                [Transpose(1, 2)]):
+        conv = WeightConverter(source_patterns=["experts.*.w1.weight"],
+                               target_patterns="experts.w", operations=ops)
+        pats = {conv.source_patterns[0]: ["experts.0.w1.weight",
+                                          "experts.1.w1.weight"]}
+        with pytest.raises(laden.InvalidArgumentError,
+                           match=type(ops[-1]).__name__):
+            _hfnames._pieces(Model(), "layers.0.experts.w", conv, pats)
+
+
+def test_key_map_pieces_from_the_user(tmp_path):
+    """The key map's (name, k) form is public: any model whose tensor is
+    several checkpoint tensors end to end loads through stream_load."""
+    w = torch.randn(6, 4)
+    laden.save_file({"a": w[:2].clone(), "b": w[2:].clone()},
+                    str(tmp_path / "w.safetensors"))
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False))
+    laden.stream_load(m, str(tmp_path / "w.safetensors"), device="cpu",
+                      key_map={"a": ("0.weight", 0), "b": ("0.weight", 1)})
+    assert torch.equal(m[0].weight, w)
+    laden.release(m)
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False))
+    with pytest.raises(laden.MismatchError, match="numbered alike"):
+        laden.stream_load(m, str(tmp_path / "w.safetensors"), device="cpu",
+                          key_map={"a": ("0.weight", 0),
+                                   "b": ("0.weight", 0)})
