@@ -171,16 +171,16 @@ def set_pinned_pool(size, device=None) -> Dict[str, int]:
     memory back instead of pinning new pages.  0, the default, gives every
     byte back at release; lowering it unpins the oldest at once.  Returns
     the pool's counters (budget, held, reused, kept, freed bytes)."""
+    try:  # the size first: a bad one is named on any machine
+        n = parse_size(size)
+    except ValueError as e:
+        raise InvalidArgumentError(f"set_pinned_pool: {e}", "E_INVAL") \
+            from None
     dev = _device(device)
     if dev.type != "cuda":
         raise InvalidArgumentError(
             f"set_pinned_pool: device {dev}: the CPU device pins nothing; "
             "give a CUDA device", "E_INVAL")
-    try:
-        n = parse_size(size)
-    except ValueError as e:
-        raise InvalidArgumentError(f"set_pinned_pool: {e}", "E_INVAL") \
-            from None
     check(lib.laden_pinned_pool_set(dev.index, n))
     st = _lib.PinnedPoolStats()
     check(lib.laden_pinned_pool_stats(dev.index, ctypes.byref(st)))

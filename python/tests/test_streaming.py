@@ -1102,6 +1102,6 @@ def test_pinned_pool_needs_a_cuda_device(tmp_path):
         laden.stream_load(m, path, offload_prefixes=["blocks."],
                           device="cpu", pinned_pool="1GB")
     assert m.blocks[0].weight.device.type == "meta"
-    if torch.cuda.is_available():
-        with pytest.raises(laden.InvalidArgumentError, match="size"):
-            laden.set_pinned_pool("lots")
+    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        with pytest.raises(laden.InvalidArgumentError, match="lots"):
+            laden.set_pinned_pool("lots", device=dev)

@@ -560,62 +560,6 @@ static laden_status read_pieces(laden_io_file_t *f, int fd, uint64_t off,
     return LADEN_OK;
 }
 
-/* [off, off+len) with O_DIRECT; *buffered receives the bytes read
- * buffered instead (unaligned edges, a file system refusing O_DIRECT, a
- * range too large for the bounce buffer). */
-static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
-                                      uint64_t off, uint64_t len, char *dst,
-                                      uint64_t *buffered)
-{
-    laden_status s;
-    uint64_t got;
-    *buffered = 0;
-    if (len < IO_ALIGN) {
-        *buffered = len;
-        return read_buffered(f, off, len, dst);
-    }
-    if (((uintptr_t)dst - off) % IO_ALIGN == 0) {
-        uint64_t head = (IO_ALIGN - off % IO_ALIGN) % IO_ALIGN;
-        uint64_t mid = (len - head) & ~(uint64_t)(IO_ALIGN - 1);
-        *buffered = head;
-        if (head && (s = read_buffered(f, off, head, dst)))
-            return s;
-        s = read_direct(f, off + head, mid, dst + head, &got);
-        if (s == LADEN_E_UNSUPPORTED) {
-            atomic_store(&f->direct_ok, 0);
-            *buffered = len;
-            return read_buffered(f, off, len, dst);
-        }
-        if (s)
-            return s;
-        if (got < mid)
-            return ended_early(f, off + head + got, off, len);
-        *buffered += len - head - mid;
-        if (len > head + mid)
-            return read_buffered(f, off + head + mid, len - head - mid,
-                                 dst + head + mid);
-        return LADEN_OK;
-    }
-    uint64_t a0 = off & ~(uint64_t)(IO_ALIGN - 1);
-    uint64_t a1 = (off + len + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
-    if (a1 - a0 > w->bounce_bytes) {
-        *buffered = len;
-        return read_buffered(f, off, len, dst);
-    }
-    s = read_direct(f, a0, a1 - a0, w->bounce, &got);
-    if (s == LADEN_E_UNSUPPORTED) {
-        atomic_store(&f->direct_ok, 0);
-        *buffered = len;
-        return read_buffered(f, off, len, dst);
-    }
-    if (s)
-        return s;
-    if (got < off + len - a0)
-        return ended_early(f, a0 + got, off, len);
-    memcpy(dst, w->bounce + (off - a0), len);
-    return LADEN_OK;
-}
-
 /* Drops [off, off+len) of f from the page cache, the pages it touches
  * whole: a cold run starts and ends in pages that were not cached when
  * it was read (a tensor's first page may hold its neighbour's last bytes:
@@ -639,6 +583,75 @@ static void note_drop(chunk_drops *d, laden_io_file_t *f, uint64_t off,
         drop_pages(f, off, len);
 }
 
+/* Reads [off, off+len) of f buffered, a cold range: noted in d for
+ * dropping once copied (d NULL: nothing is dropped). */
+static laden_status read_buffered_cold(laden_io_file_t *f, uint64_t off,
+                                       uint64_t len, char *dst,
+                                       chunk_drops *d)
+{
+    laden_status s = read_buffered(f, off, len, dst);
+    if (!s && d && len)
+        note_drop(d, f, off, len);
+    return s;
+}
+
+/* [off, off+len) with O_DIRECT; *buffered receives the bytes read
+ * buffered instead (unaligned edges, a file system refusing O_DIRECT, a
+ * range too large for the bounce buffer), noted in d for dropping: they
+ * were not cached before either. */
+static laden_status read_direct_chunk(worker *w, laden_io_file_t *f,
+                                      uint64_t off, uint64_t len, char *dst,
+                                      uint64_t *buffered, chunk_drops *d)
+{
+    laden_status s;
+    uint64_t got;
+    *buffered = 0;
+    if (len < IO_ALIGN) {
+        *buffered = len;
+        return read_buffered_cold(f, off, len, dst, d);
+    }
+    if (((uintptr_t)dst - off) % IO_ALIGN == 0) {
+        uint64_t head = (IO_ALIGN - off % IO_ALIGN) % IO_ALIGN;
+        uint64_t mid = (len - head) & ~(uint64_t)(IO_ALIGN - 1);
+        *buffered = head;
+        if (head && (s = read_buffered_cold(f, off, head, dst, d)))
+            return s;
+        s = read_direct(f, off + head, mid, dst + head, &got);
+        if (s == LADEN_E_UNSUPPORTED) {
+            atomic_store(&f->direct_ok, 0);
+            *buffered = len;
+            return read_buffered_cold(f, off, len, dst, d);
+        }
+        if (s)
+            return s;
+        if (got < mid)
+            return ended_early(f, off + head + got, off, len);
+        *buffered += len - head - mid;
+        if (len > head + mid)
+            return read_buffered_cold(f, off + head + mid, len - head - mid,
+                                      dst + head + mid, d);
+        return LADEN_OK;
+    }
+    uint64_t a0 = off & ~(uint64_t)(IO_ALIGN - 1);
+    uint64_t a1 = (off + len + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
+    if (a1 - a0 > w->bounce_bytes) {
+        *buffered = len;
+        return read_buffered_cold(f, off, len, dst, d);
+    }
+    s = read_direct(f, a0, a1 - a0, w->bounce, &got);
+    if (s == LADEN_E_UNSUPPORTED) {
+        atomic_store(&f->direct_ok, 0);
+        *buffered = len;
+        return read_buffered_cold(f, off, len, dst, d);
+    }
+    if (s)
+        return s;
+    if (got < off + len - a0)
+        return ended_early(f, a0 + got, off, len);
+    memcpy(dst, w->bounce + (off - a0), len);
+    return LADEN_OK;
+}
+
 /* A run of a chunk (chunk: c_dst, c_off, c_len) that the page cache does
  * not hold, read the way its file system reads faster (cold.c); counted
  * in n[] as read_chunk counts.  Buffered runs are noted in d for
@@ -656,7 +669,7 @@ static laden_status read_cold(worker *w, laden_io_file_t *f, uint64_t off,
     laden_status s;
     if (way == LADEN__WAY_DIRECT) {
         s = read_direct_chunk(w, f, off, len, c_dst + (off - c_off),
-                              &buffered);
+                              &buffered, d);
         if (!s) {
             n[0] += len - buffered;
             n[2] += buffered;

@@ -963,6 +963,7 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     if ((s = laden_dev_event_record(sc->capture.fork, sc->run.compute)) ||
         (s = laden_dev_stream_wait_event(sc->run.copy, sc->capture.fork)))
         goto undo;
+    bool made = sc->capture.made, learn_off = sc->layout.learn_off;
     sc->capture.on = true;
     sc->capture.made = true; /* the positions stay (learn_order) */
     laden__sched_learn_order(sc, 0);
@@ -978,9 +979,12 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     sc->run.last_pos = -1;
     if (!(s = prefetch_from(sc, 0, sc->run.nslots)))
         return LADEN_OK;
-    /* Joined back and as before: the caller ends its capture. */
+    /* Joined back and as before: the caller ends its capture.  No graph
+     * holds the positions: learning is as it was. */
     join_copies(sc);
     sc->capture.on = false;
+    sc->capture.made = made;
+    sc->layout.learn_off = learn_off;
     sc->capture.events = true;
     sc->run.last_pos = sc->capture.pos;
     sc->run.dir = sc->capture.dir;
