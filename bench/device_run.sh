@@ -18,6 +18,9 @@
 #   adapters: bench/adapters.py (ADAPTERS_ARGS are passed to it)
 #   expand: bench/expand.py (device expansion GB/s per format)
 #   train: bench/train.py (training through streamed blocks; TRAIN_ARGS)
+#   cold:  bench/cold.py --drop-all (cold and warm starts in fresh
+#          processes: cat, dd, load_file, transformers, laden; COLD_ARGS)
+#   unet:  bench/unet.py --config sdxl (call-order prefetch; UNET_ARGS)
 #   quant: bench/quant.py (bf16, fp8, GGUF Q8_0/Q4_K streamed and resident;
 #          QUANT_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
@@ -114,6 +117,15 @@ fi
 if want quant; then
   log "bench/quant.py"
   python3 bench/quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
+fi
+if want cold; then
+  # Issue 35's table: fresh processes, cold (drop_caches as root) and warm.
+  log "bench/cold.py"
+  python3 bench/cold.py --drop-all ${COLD_ARGS:-} 2>&1 | tee "$OUT/cold.log"
+fi
+if want unet; then
+  log "bench/unet.py (SDXL-shaped UNet under half its size)"
+  python3 bench/unet.py --config sdxl ${UNET_ARGS:-} 2>&1 | tee "$OUT/unet.log"
 fi
 if want train; then
   log "bench/train.py"
