@@ -439,3 +439,159 @@ TEST(stream_joined_tensors_refused)
     laden_sched_destroy(sc);
     laden_st_close(st);
 }
+
+/* ---- expert blocks (laden_sched_set_experts) -------------------------------
+ *
+ * The fused experts as a block of their own: a prefetch copies nothing,
+ * an enter with the routed experts copies (on the disk tier: reads) their
+ * rows alone, each at its place, counted as such. */
+
+/* The fused tensors' rows of expert e, read back from where block blk
+ * runs now (its slot, or in place) into `got` (both tensors, F32). */
+static void rows_of(laden_sched_t *sc, int32_t dev, uint32_t blk,
+                    uint32_t gu, uint32_t dn, int e, float *got)
+{
+    uint64_t per = NI * NH * 4;
+    for (int f = 0; f < 2; f++) {
+        laden_devptr_t dp = 0;
+        CHECK_OK(laden_sched_tensor_ptr(sc, blk, f ? dn : gu, &dp));
+        uint64_t row = f ? per : 2 * per;
+        laden_devptr_t at = dp + (uint64_t)e * row;
+        char *to = (char *)got + (f ? 2 * per : 0);
+        if (dev == LADEN_DEVICE_CPU) {
+            memcpy(to, (void *)(uintptr_t)at, row);
+        } else {
+            laden_dev_stream_t *rd;
+            CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+            CHECK_OK(laden_dev_copy_d2h(rd, to, at, row));
+            CHECK_OK(laden_dev_stream_synchronize(rd));
+            laden_dev_stream_destroy(rd);
+        }
+    }
+}
+
+static void check_expert(const float *got, int e, const char *what)
+{
+    uint64_t per = NI * NH;
+    for (uint64_t k = 0; k < 3 * per; k++) {
+        float w = k < 2 * per ? fused_want(0, e * 2 * per + k)
+                              : fused_want(1, e * per + (k - 2 * per));
+        if (got[k] != w) {
+            fprintf(stderr, "%s: expert %d element %llu is %g, want %g\n",
+                    what, e, (unsigned long long)k, got[k], w);
+            exit(1);
+        }
+    }
+}
+
+static void experts_on(int32_t dev)
+{
+    static const laden_tier tiers[] = {LADEN_TIER_RAM, LADEN_TIER_DISK};
+    char *path = write_experts();
+    const uint64_t row = 3 * NI * NH * 4; /* one expert: gate, up, down */
+    for (size_t ti = 0; ti < 2; ti++) {
+        laden_st_t *st;
+        laden_sched_t *sc;
+        CHECK_OK(laden_st_open(path, &st));
+        laden_sched_config cfg = {.device = dev, .lookahead = 1};
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        uint32_t attn, ex, gu = 0, dn = 0, k;
+        size_t w;
+        CHECK_OK(laden_sched_add_block(sc, tiers[ti], &attn));
+        CHECK_OK(laden_st_find(st, "e.0.w1", &w)); /* a stand-in */
+        CHECK_OK(laden_sched_add_tensor(sc, attn, st, w, LADEN_DTYPE_F32,
+                                        &k));
+        CHECK_OK(laden_sched_add_block(sc, tiers[ti], &ex));
+        add_fused(sc, st, ex, LADEN_DTYPE_F32, &gu, &dn);
+        CHECK_STATUS(laden_sched_set_experts(sc, ex, 5), LADEN_E_INVAL);
+        CHECK(strstr(laden_last_error(), "equal rows"));
+        CHECK_OK(laden_sched_set_experts(sc, ex, NE));
+        CHECK_STATUS(laden_sched_set_expanded(sc, ex, gu, LADEN_DTYPE_F32, NH,
+                                              LADEN_SCHED_NO_SCALE, 0),
+                     LADEN_E_INVAL);
+        CHECK_OK(laden_sched_load(sc));
+        CHECK_OK(laden_sched_start(sc, 0));
+        bool streamed = laden_sched_is_streamed(sc, ex);
+        CHECK_EQ(streamed, dev != LADEN_DEVICE_CPU || ti == 1);
+        if (streamed) {
+            CHECK_STATUS(laden_sched_enter(sc, ex, 0), LADEN_E_STATE);
+            CHECK(strstr(laden_last_error(), "laden_sched_enter_experts"));
+            if (dev != LADEN_DEVICE_CPU)
+                CHECK_STATUS(laden_sched_capture_begin(sc, 0, 0),
+                             LADEN_E_UNSUPPORTED);
+        }
+        uint32_t bad = NE;
+        CHECK_STATUS(laden_sched_enter_experts(sc, ex, &bad, 1, 0),
+                     LADEN_E_INVAL);
+        CHECK_STATUS(laden_sched_enter_experts(sc, attn, &bad, 0, 0),
+                     LADEN_E_INVAL);
+        float got[3 * NI * NH];
+        /* Two passes: attention block, then the experts routed to. */
+        static const uint32_t routed[2][3] = {{2, 0, 2}, {1, 1, 1}};
+        for (int pass = 0; pass < 2; pass++) {
+            CHECK_OK(laden_sched_enter(sc, attn, 0));
+            CHECK_OK(laden_sched_exit(sc, attn, 0));
+            laden_sched_stats_t a, b;
+            CHECK_OK(laden_sched_synchronize(sc));
+            CHECK_OK(laden_sched_stats(sc, &a));
+            CHECK_OK(laden_sched_enter_experts(sc, ex, routed[pass], 3, 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            for (int e = 0; e < NE; e++) {
+                bool want = e == (int)routed[pass][0] ||
+                            e == (int)routed[pass][1];
+                if (!want && streamed)
+                    continue; /* stale: never read */
+                rows_of(sc, dev, ex, gu, dn, e, got);
+                check_expert(got, e, "routed");
+            }
+            CHECK_OK(laden_sched_exit(sc, ex, 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            CHECK_OK(laden_sched_stats(sc, &b));
+            uint64_t moved = pass ? row : 2 * row;
+            if (streamed && ti == 1)
+                CHECK_EQ(b.read_bytes - a.read_bytes, moved);
+            if (streamed && dev != LADEN_DEVICE_CPU)
+                CHECK_EQ(b.h2d_bytes - a.h2d_bytes, moved);
+            if (!streamed)
+                CHECK_EQ(b.h2d_bytes + b.read_bytes,
+                         a.h2d_bytes + a.read_bytes);
+        }
+        CHECK_OK(laden_sched_stop(sc));
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+    }
+}
+
+TEST(stream_experts_move_routed_rows_on_every_device)
+{
+    test_on_every_device(experts_on);
+}
+
+TEST(stream_experts_refused)
+{
+    char *path = write_experts();
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk, k;
+    size_t a;
+    CHECK_OK(laden_st_find(st, "e.0.w1", &a));
+    CHECK_STATUS(laden_sched_set_experts(sc, 0, 2), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_STATUS(laden_sched_set_experts(sc, blk, 2), LADEN_E_INVAL);
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F8_E4M3, &k));
+    CHECK_STATUS(laden_sched_set_experts(sc, blk, 2), LADEN_E_INVAL);
+    CHECK(strstr(laden_last_error(), "compact"));
+    CHECK_STATUS(laden_sched_set_experts(sc, blk, 0), LADEN_E_INVAL);
+    laden_sched_destroy(sc);
+    laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
+                             .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cc, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F32, &k));
+    CHECK_STATUS(laden_sched_set_experts(sc, blk, 2), LADEN_E_UNSUPPORTED);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}

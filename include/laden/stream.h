@@ -189,6 +189,37 @@ LADEN_API laden_status laden_sched_join_tensor(laden_sched_t *sched,
                                                uint32_t block,
                                                uint32_t index);
 
+/* Block `block` holds the experts of one mixture-of-experts layer: each of
+ * its tensors (a joined run counts as one) is `experts` rows of equal
+ * bytes, one per expert, in order (a transformers experts module:
+ * gate_up_proj [E, 2I, H], down_proj [E, H, I], their biases).  When it
+ * streams, a prefetch copies nothing into its slot: it is entered with
+ * laden_sched_enter_experts, which copies (on the disk tier: reads) the
+ * rows of the experts a call is routed to, alone; the slot then holds each
+ * of those rows at its place and the others stale, so a kernel that
+ * indexes the tensors by expert computes as with the whole tensors.  Not
+ * in cache schedules, nor with compact tensors; a schedule with a streamed
+ * expert block cannot be captured (its rows change every call).  Before
+ * the plan.  LADEN_E_INVAL naming the tensor whose bytes are not
+ * `experts` equal rows. */
+LADEN_API laden_status laden_sched_set_experts(laden_sched_t *sched,
+                                               uint32_t block,
+                                               uint32_t experts);
+
+/* Enters expert block `block` (laden_sched_set_experts) for a call routed
+ * to experts[0..n) (each below the block's experts; any order, repeats
+ * allowed): as laden_sched_enter, but a streamed block's slot receives
+ * only those experts' rows, on the copy stream (the disk tier: read, then
+ * copied), counted in h2d_bytes and read_bytes as such.  A block that does
+ * not stream is entered as by laden_sched_enter.  laden_sched_enter of a
+ * streamed expert block is refused (LADEN_E_STATE): its slot would hold no
+ * row. */
+LADEN_API laden_status laden_sched_enter_experts(laden_sched_t *sched,
+                                                 uint32_t block,
+                                                 const uint32_t *experts,
+                                                 uint32_t n,
+                                                 uintptr_t compute_stream);
+
 /* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
  * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on
  * load; disk-tier blocks must keep the checkpoint's dtype).  *out_index is

@@ -368,6 +368,47 @@ laden_status laden__sched_join_tensor(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+laden_status laden__sched_set_experts(laden_sched_t *sc, uint32_t block,
+                                      uint32_t experts)
+{
+    if (!sc || block >= sc->layout.nb)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_set_experts: bad schedule or block");
+    if (sc->loaded || sc->layout.laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_set_experts: after load");
+    if (sc->cache.on)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden_sched_set_experts: a cache schedule moves "
+                           "whole blocks");
+    blk *b = &sc->layout.b[block];
+    if (!experts || !b->nt)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_set_experts: block %u: %u experts "
+                           "of %u tensors", block, experts, b->nt);
+    for (uint32_t k = 0; k < b->nt;) {
+        uint64_t bytes;
+        uint32_t run = laden__sched_run_of(b, k, &bytes);
+        const tref *r = &b->t[k];
+        const char *name = r->name ? r->name : "?";
+        for (uint32_t j = k; j < k + run; j++)
+            if (b->t[j].expands || b->t[j].rows)
+                return laden__fail(LADEN_E_INVAL,
+                                   "tensor '%.200s' of expert block %u is "
+                                   "stored compact: experts move as stored",
+                                   name, block);
+        if (bytes % experts)
+            return laden__fail(LADEN_E_INVAL,
+                               "tensor '%.200s': %llu bytes are not %u equal "
+                               "rows, one per expert",
+                               name, (unsigned long long)bytes, experts);
+        k += run;
+    }
+    b->experts = experts;
+    laden__sched_unplan(sc);
+    return LADEN_OK;
+}
+
 uint32_t laden__sched_run_of(const blk *b, uint32_t i, uint64_t *bytes)
 {
     uint32_t n = 1;

@@ -18,6 +18,7 @@
  * after its last H2D, which finished a lookahead ago in the steady state. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "stream_run.h"
 #include "stream_layout.h"
@@ -319,8 +320,9 @@ static laden_status prefetch_from(laden_sched_t *sc, uint32_t pos,
         if (!sc->loaded && !sc->layout.b[bi].ready)
             break; /* still loading: enter waits for it (and the rest) */
         claimed |= 1ull << si;
-        if (sl->in_use || sl->block == (int64_t)bi)
-            continue;
+        if (sl->in_use || sl->block == (int64_t)bi ||
+            sc->layout.b[bi].experts)
+            continue; /* an expert block is filled at its enter, routed */
         laden_status s = issue_load(sc, sl, bi);
         if (s)
             return s;
@@ -641,8 +643,162 @@ laden_status laden__sched_learn_order(laden_sched_t *sc, int on)
     return LADEN_OK;
 }
 
-laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
-                                uintptr_t handle)
+/* ---- expert blocks (laden_sched_set_experts) ---------------------------
+ *
+ * A mixture-of-experts layer's experts: each tensor is one row per expert.
+ * A prefetch leaves their slot alone (the router has not picked yet); the
+ * enter copies the rows of the experts picked, at their places in the
+ * slot, on the copy stream after the slot's last use, or on the disk tier
+ * reads them (every range in flight) and copies them from the staging
+ * buffer.  Rows of consecutive experts go in one copy. */
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Calls fn(sc, arg, off, len) for every byte range [off, off+len) of block
+ * b (offsets in the block) that the experts in sorted, unique u[0..n)
+ * occupy, consecutive experts merged; returns the first failure. */
+typedef laden_status (*row_fn)(laden_sched_t *sc, void *arg, uint64_t off,
+                               uint64_t len);
+
+static laden_status each_row_range(laden_sched_t *sc, const blk *b,
+                                   const uint32_t *u, uint32_t n, row_fn fn,
+                                   void *arg)
+{
+    laden_status s = LADEN_OK;
+    for (uint32_t k = 0; k < b->nt && !s;) {
+        uint64_t bytes;
+        uint32_t run = laden__sched_run_of(b, k, &bytes);
+        uint64_t row = bytes / b->experts, base = b->t[k].dst_off;
+        for (uint32_t i = 0; i < n && !s;) {
+            uint32_t j = i + 1;
+            while (j < n && u[j] == u[j - 1] + 1)
+                j++;
+            s = fn(sc, arg, base + u[i] * row, (uint64_t)(j - i) * row);
+            i = j;
+        }
+        k += run;
+    }
+    return s;
+}
+
+typedef struct rows_io {
+    const blk *b;
+    slot *sl;
+    char *dst;              /* the disk tier's: staging or the slot */
+    laden_io_req_t **reqs;  /* reads in flight */
+    uint32_t nreqs, cap;
+    uint64_t bytes;
+} rows_io;
+
+/* RAM tier: host copy -> slot, the range. */
+static laden_status copy_rows(laden_sched_t *sc, void *arg, uint64_t off,
+                              uint64_t len)
+{
+    rows_io *x = arg;
+    x->bytes += len;
+    return laden_dev_copy_h2d(sc->run.copy, x->sl->ptr + off,
+                              (const char *)x->b->ram + off, len);
+}
+
+/* Disk tier: the range read from the checkpoint tensors laid there (as
+ * stored: a byte of the file for a byte of the block). */
+static laden_status read_rows(laden_sched_t *sc, void *arg, uint64_t off,
+                              uint64_t len)
+{
+    rows_io *x = arg;
+    const blk *b = x->b;
+    laden_status s = LADEN_OK;
+    x->bytes += len;
+    for (uint32_t k = 0; k < b->nt && !s; k++) {
+        const tref *r = &b->t[k];
+        uint64_t a = off > r->dst_off ? off : r->dst_off;
+        uint64_t e = off + len < r->dst_off + r->dst_bytes
+                         ? off + len
+                         : r->dst_off + r->dst_bytes;
+        if (a >= e)
+            continue;
+        if (x->nreqs == x->cap) {
+            uint32_t c = x->cap ? 2 * x->cap : 16;
+            laden_io_req_t **q = realloc(x->reqs, c * sizeof *q);
+            if (!q)
+                return laden__fail(LADEN_E_NOMEM, "out of memory reading "
+                                   "experts");
+            x->reqs = q;
+            x->cap = c;
+        }
+        s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+                            r->off + (a - r->dst_off), e - a, x->dst + a,
+                            &x->reqs[x->nreqs]);
+        if (!s)
+            x->nreqs++;
+    }
+    return s;
+}
+
+/* Disk tier on CUDA: staging -> slot, the range. */
+static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
+                               uint64_t len)
+{
+    rows_io *x = arg;
+    return laden_dev_copy_h2d(sc->run.copy, x->sl->ptr + off,
+                              (const char *)x->sl->staging + off, len);
+}
+
+/* Puts the rows of experts u[0..n) (sorted, unique) of expert block bi
+ * into slot sl. */
+static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
+                              const uint32_t *u, uint32_t n)
+{
+    blk *b = &sc->layout.b[bi];
+    laden_status s = LADEN_OK, w;
+    if (sl->reads_pending)
+        finish_reads(sc, sl, true);
+    sl->block = -1; /* until its rows are in */
+    sl->err = LADEN_OK;
+    sl->fills = ++sc->run.fill_seq;
+    rows_io x = {.b = b, .sl = sl};
+    if (b->tier == LADEN_TIER_RAM) {
+        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+            (s = each_row_range(sc, b, u, n, copy_rows, &x)) ||
+            (s = laden_dev_event_record(sl->ready, sc->run.copy)))
+            return s;
+        sc->st.h2d_bytes += x.bytes;
+        sl->block = bi;
+        return LADEN_OK;
+    }
+    x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
+    if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free)))
+        return s;
+    s = each_row_range(sc, b, u, n, read_rows, &x);
+    for (uint32_t k = 0; k < x.nreqs; k++) /* every read ends first */
+        if ((w = laden_io_wait(sc->layout.io, x.reqs[k])) && !s)
+            s = w;
+    free(x.reqs);
+    if (s)
+        return s;
+    sc->st.read_bytes += x.bytes;
+    if (sc->cuda) {
+        uint64_t read = x.bytes;
+        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+            (s = each_row_range(sc, b, u, n, stage_rows, &x)) ||
+            (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
+            (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
+            return s;
+        sc->st.h2d_bytes += read;
+    }
+    sl->block = bi;
+    return LADEN_OK;
+}
+
+/* laden_sched_enter's work; `rows` (n of them, any order) for an expert
+ * block, whose slot receives those experts' rows alone. */
+static laden_status enter_block(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle, const uint32_t *rows,
+                                uint32_t n)
 {
     slot *sl;
     if (sc && sc->run.started)
@@ -650,6 +806,11 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
     if (s)
         return s;
+    if (sl && sc->layout.b[block].experts && !rows)
+        return laden__fail(LADEN_E_STATE,
+                           "block %u holds experts whose rows stream as the "
+                           "router picks them: enter it with "
+                           "laden_sched_enter_experts", block);
     if (!sl && !sc->layout.b[block].ws_bytes)
         return LADEN_OK;
     if (sc->capture.on && handle != sc->capture.handle) {
@@ -672,7 +833,22 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                            "its slot, is still running",
                            block, (long long)sl->block);
     sc->st.enters++;
-    if (sl->block != (int64_t)block) {
+    if (rows) {
+        uint32_t *u = malloc((n ? n : 1) * sizeof *u), m = 0;
+        if (!u)
+            return laden__fail(LADEN_E_NOMEM, "out of memory entering "
+                               "block %u", block);
+        memcpy(u, rows, n * sizeof *u);
+        qsort(u, n, sizeof *u, cmp_u32);
+        for (uint32_t i = 0; i < n; i++)
+            if (!m || u[i] != u[m - 1])
+                u[m++] = u[i];
+        if (!(s = laden__sched_until(sc, block)))
+            s = fill_rows(sc, sl, block, u, m);
+        free(u);
+        if (s)
+            return s;
+    } else if (sl->block != (int64_t)block) {
         sc->st.misses++;
         if (LADEN__TRACING()) {
             uint64_t sess = laden__trace_session(); /* before the name */
@@ -736,6 +912,34 @@ laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
     if ((s = prefetch_after(sc, (uint32_t)b->pos)))
         sl->in_use = false; /* not entered: its caller does not run it */
     return s;
+}
+
+laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
+                                uintptr_t handle)
+{
+    return enter_block(sc, block, handle, NULL, 0);
+}
+
+laden_status laden__sched_enter_experts(laden_sched_t *sc, uint32_t block,
+                                        const uint32_t *experts, uint32_t n,
+                                        uintptr_t handle)
+{
+    if (!sc || block >= sc->layout.nb || (n && !experts))
+        return laden__fail(LADEN_E_INVAL, "laden_sched_enter_experts: bad "
+                                          "schedule, block or experts");
+    const blk *b = &sc->layout.b[block];
+    if (!b->experts)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_enter_experts: block %u holds no "
+                           "experts (laden_sched_set_experts)", block);
+    for (uint32_t i = 0; i < n; i++)
+        if (experts[i] >= b->experts)
+            return laden__fail(LADEN_E_INVAL,
+                               "laden_sched_enter_experts: expert %u of "
+                               "block %u, which has %u", experts[i], block,
+                               b->experts);
+    static const uint32_t none = 0;
+    return enter_block(sc, block, handle, n ? experts : &none, n);
 }
 
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
@@ -932,6 +1136,14 @@ laden_status laden__sched_capture_begin(laden_sched_t *sc, uintptr_t handle,
     if (flags & ~LADEN_CAPTURE_STANDALONE)
         return laden__fail(LADEN_E_INVAL, "%s: unknown flags 0x%x", call,
                            flags);
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].experts &&
+            laden__sched_streamed(sc, &sc->layout.b[i]))
+            return laden__fail(LADEN_E_UNSUPPORTED,
+                               "%s: block %u streams its experts' rows, "
+                               "which the router picks anew at every call: "
+                               "a graph would replay one call's copies",
+                               call, i);
     int cap = 0;
     if ((s = laden__sched_compute_stream(sc, handle)) ||
         (s = laden_dev_stream_capturing(sc->run.compute, &cap)))

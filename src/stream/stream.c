@@ -372,16 +372,22 @@ laden_status laden_sched_set_name(laden_sched_t *sc, const char *name)
     return LADEN_OK;
 }
 
-laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
-                               uintptr_t compute_stream)
+/* laden_sched_enter and laden_sched_enter_experts (rows: NULL for the
+ * first): the hold, the block's counts, the trace. */
+static laden_status enter_held(laden_sched_t *sc, uint32_t block,
+                               uintptr_t compute_stream,
+                               const uint32_t *rows, uint32_t n,
+                               const char *call)
 {
-    laden_status s = hold(sc, "laden_sched_enter");
+    laden_status s = hold(sc, call);
     if (s)
         return s;
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     uint64_t sess = t0 ? laden__trace_session() : 0; /* before any name */
     uint64_t misses = sc->st.misses;
-    if ((s = laden__sched_enter(sc, block, compute_stream))) {
+    if ((s = rows ? laden__sched_enter_experts(sc, block, rows, n,
+                                               compute_stream)
+                  : laden__sched_enter(sc, block, compute_stream))) {
         unhold(sc);
         return s;
     }
@@ -406,6 +412,32 @@ laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
         b->trace_open++;
     }
     return LADEN_OK;
+}
+
+laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
+                               uintptr_t compute_stream)
+{
+    return enter_held(sc, block, compute_stream, NULL, 0,
+                      "laden_sched_enter");
+}
+
+laden_status laden_sched_enter_experts(laden_sched_t *sc, uint32_t block,
+                                       const uint32_t *experts, uint32_t n,
+                                       uintptr_t compute_stream)
+{
+    static const uint32_t none = 0;
+    if (n && !experts)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_enter_experts: NULL experts");
+    return enter_held(sc, block, compute_stream, n ? experts : &none, n,
+                      "laden_sched_enter_experts");
+}
+
+laden_status laden_sched_set_experts(laden_sched_t *sc, uint32_t block,
+                                     uint32_t experts)
+{
+    HELD("laden_sched_set_experts",
+         laden__sched_set_experts(sc, block, experts));
 }
 
 laden_status laden_sched_exit(laden_sched_t *sc, uint32_t block,

@@ -125,6 +125,8 @@ typedef struct blk {
     bool shared;           /* its host copy is in sc->share.shm (share.c) */
     uint64_t share_off;    /* its place there */
     uint32_t running;      /* enters not exited yet (stream.c) */
+    uint32_t experts;      /* laden_sched_set_experts: rows per tensor (0:
+                              not an expert block) */
     uintptr_t enter_handle; /* the stream of its last enter, for an exit
                                laden_sched_end_all makes in its place */
 } blk;
@@ -197,6 +199,8 @@ laden_status laden__sched_rope_rows(laden_sched_t *sc, uint32_t block,
                                     uint32_t index, uint64_t heads);
 laden_status laden__sched_join_tensor(laden_sched_t *sc, uint32_t block,
                                       uint32_t index);
+laden_status laden__sched_set_experts(laden_sched_t *sc, uint32_t block,
+                                      uint32_t experts);
 /* The tensors of the run that starts at tensor i of b: i and those joined
  * after it (1 for a tensor joined to nothing), and their bytes. */
 uint32_t laden__sched_run_of(const blk *b, uint32_t i, uint64_t *bytes);

@@ -99,6 +99,9 @@ laden_status laden__sched_learn_order(laden_sched_t *sc, int on);
 laden_status laden__sched_stop(laden_sched_t *sc);
 laden_status laden__sched_enter(laden_sched_t *sc, uint32_t block,
                                 uintptr_t handle);
+laden_status laden__sched_enter_experts(laden_sched_t *sc, uint32_t block,
+                                        const uint32_t *experts, uint32_t n,
+                                        uintptr_t handle);
 laden_status laden__sched_exit(laden_sched_t *sc, uint32_t block,
                                uintptr_t handle);
 laden_status laden__sched_synchronize(laden_sched_t *sc);

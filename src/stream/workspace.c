@@ -113,6 +113,10 @@ laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,
     if (r->expands)
         return laden__fail(LADEN_E_STATE,
                            "tensor '%.200s': already marked expanded", name);
+    if (b->experts)
+        return laden__fail(LADEN_E_INVAL,
+                           "tensor '%.200s' is in an expert block, whose "
+                           "rows move as stored", name);
     if (r->joined || (i + 1 < b->nt && b->t[i + 1].joined))
         return laden__fail(LADEN_E_INVAL,
                            "tensor '%.200s' is joined to another "
