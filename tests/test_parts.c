@@ -526,9 +526,13 @@ static void experts_on(int32_t dev)
         CHECK_STATUS(laden_sched_enter_experts(sc, attn, &bad, 0, 0),
                      LADEN_E_INVAL);
         float got[3 * NI * NH];
-        /* Two passes: attention block, then the experts routed to. */
-        static const uint32_t routed[2][3] = {{2, 0, 2}, {1, 1, 1}};
-        for (int pass = 0; pass < 2; pass++) {
+        /* Passes of the attention block, then the experts routed to: the
+         * experts block keeps its slot (two slots, two blocks), so rows
+         * it holds already do not cross again. */
+        static const uint32_t routed[3][3] = {{2, 0, 2}, {1, 1, 1},
+                                              {0, 1, 0}};
+        static const uint64_t crossing[3] = {2, 1, 0};
+        for (int pass = 0; pass < 3; pass++) {
             CHECK_OK(laden_sched_enter(sc, attn, 0));
             CHECK_OK(laden_sched_exit(sc, attn, 0));
             laden_sched_stats_t a, b;
@@ -538,7 +542,8 @@ static void experts_on(int32_t dev)
             CHECK_OK(laden_sched_synchronize(sc));
             for (int e = 0; e < NE; e++) {
                 bool want = e == (int)routed[pass][0] ||
-                            e == (int)routed[pass][1];
+                            e == (int)routed[pass][1] ||
+                            e == (int)routed[pass][2];
                 if (!want && streamed)
                     continue; /* stale: never read */
                 rows_of(sc, dev, ex, gu, dn, e, got);
@@ -547,7 +552,7 @@ static void experts_on(int32_t dev)
             CHECK_OK(laden_sched_exit(sc, ex, 0));
             CHECK_OK(laden_sched_synchronize(sc));
             CHECK_OK(laden_sched_stats(sc, &b));
-            uint64_t moved = pass ? row : 2 * row;
+            uint64_t moved = crossing[pass] * row;
             if (streamed && ti == 1)
                 CHECK_EQ(b.read_bytes - a.read_bytes, moved);
             if (streamed && dev != LADEN_DEVICE_CPU)

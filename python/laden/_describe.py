@@ -21,6 +21,7 @@ from ._devices import _dev_index
 from ._dtypes import checkpoint_dtype
 from ._expand import expand_unavailable
 from ._hfnames import key_map_for
+from ._moe import expert_modules
 from ._wrapped import attach, detach_all, holders, is_dtensor, is_wrapped
 from ._lib import check, error_for, lib
 from .errors import InvalidArgumentError, MismatchError
@@ -146,6 +147,10 @@ class BlockInfo:
     tensors: List[_Tensor] = field(default_factory=list, repr=False)
     offloaded: bool = False  # chosen for the device, got no room: streams
     source: str = ""         # the prefix that named it
+    # A mixture-of-experts layer's experts module, a block inside its
+    # layer's block: its tensors are `experts` rows each, of which a call
+    # moves those it is routed to (laden_sched_set_experts).
+    experts: int = 0
 
     @property
     def tier_name(self) -> str:
@@ -673,7 +678,8 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
              skip_prefixes: Optional[Sequence[str]] = None, cdt=None,
              storage: Optional[str] = None, compact: bool = True,
              device=None, transient: bool = False,
-             label: str = "the model") -> Description:
+             label: str = "the model",
+             expert_rows: bool = False) -> Description:
     """The description of `model` (built on meta or not) for checkpoint
     `ck` (a Checkpoint, or None: every tensor as built).  Tensors the
     checkpoint lacks that were built (not on meta) are copied into laden's
@@ -688,12 +694,14 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
     prefix or a tensor with nothing to fill it.  Quantized tensor
     subclasses get holders of their inner tensors (laden._wrapped); a
     description that fails, or a `transient` one (a plan), takes them off
-    again."""
+    again.  `expert_rows`: each mixture-of-experts layer's experts module
+    inside a block is a block of its own, right after it, whose calls move
+    only the rows of the experts they are routed to."""
     had = bool(holders(model))
     attach(model)  # quantized wrappers: their inner tensors, held apart
     try:
         desc = _describe(model, ck, prefixes, key_map, skip_prefixes, cdt,
-                         storage, compact, device, label)
+                         storage, compact, device, label, expert_rows)
     except BaseException:
         if not had:
             detach_all(model)
@@ -704,7 +712,7 @@ def describe(model, ck, prefixes: Sequence[str], *, key_map: KeyMap = None,
 
 
 def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
-              compact, device, label) -> Description:
+              compact, device, label, expert_rows=False) -> Description:
     expand_blocks = True
     if compact and ck is not None and ck.format == "gguf" and \
             device is not None:
@@ -715,6 +723,8 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
                         "RAM and on the link", ck.path, why)
             expand_blocks = False
     blocks = _find_blocks(model, list(prefixes))
+    if expert_rows:
+        blocks = _with_expert_blocks(blocks)
     tensors = _collect(model)
     if ck is not None and key_map is None and ck.format != "gguf":
         # A transformers model: its checkpoint's names as transformers
@@ -743,7 +753,28 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
     desc = Description(tensors, blocks)
     if ck is not None:
         _choose_storage(ck, desc, storage, compact, expand_blocks)
+    for b in blocks:
+        odd = [t.names[0] for t in b.tensors if t.store != "plain"] \
+            if b.experts else []
+        if odd:
+            raise InvalidArgumentError(
+                f"{b.name}: the experts' tensors {', '.join(odd[:3])} are "
+                "kept compact, and a call moves an expert's rows as they "
+                "are stored; load with expert_rows=False (whole layers "
+                "stream) or keep them in a plain dtype", "E_INVAL")
     return desc
+
+
+def _with_expert_blocks(blocks: List[BlockInfo]) -> List[BlockInfo]:
+    """blocks, each followed by a block for every experts module inside it
+    (laden._moe): the order they are entered in."""
+    out: List[BlockInfo] = []
+    for b in blocks:
+        out.append(b)
+        for path, mod, n in expert_modules(b.module):
+            out.append(BlockInfo(b.name + path, mod, b.tier,
+                                 source=b.source, experts=n))
+    return out
 
 
 class progress_to:
@@ -852,6 +883,9 @@ def fill(h, desc: Description, ck, rest_tier: int,
                                                              "replace")))
         for t in ts:
             _add_tensor(h, cb.value, t, ck)
+        if gi >= nrest and desc.blocks[gi - nrest].experts and ts:
+            check(lib.laden_sched_set_experts(
+                h, cb.value, desc.blocks[gi - nrest].experts))
         for t in ts if expand and gi >= nrest else ():
             if t.store != "plain":  # expanded by C's enter (its scale added)
                 scaled = t.store == "ck8" and t.scale_name

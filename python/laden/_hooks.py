@@ -4,6 +4,7 @@ outside it, tensors saved for backward from streamed memory)."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Dict
 
 from . import compile as _compile
@@ -11,6 +12,7 @@ from .trace import ON as tracing_on, sample_torch_memory
 from ._bind import _Owned, _training_error, bind_in, bind_out
 from ._devices import _compute_stream
 from ._lib import check as check_ok, error_for, lib
+from ._moe import routed
 from .errors import StateError
 
 
@@ -62,7 +64,7 @@ def relaid_check(owner: _Owned, rebind):
 def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
                   guard=None, gone=None, after_enter=None,
                   slot_tensors=(), trainer=None, compiler=None, binds=(),
-                  relaid=None):
+                  relaid=None, experts=0):
     """Wraps mod.forward with one C call before (enter) and one after
     (exit: C's enter also expands the block's compact tensors); records
     (module, previous forward, had own) in `wrapped` so it can be undone.
@@ -88,6 +90,9 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
     - `relaid` (relaid_check): runs right after C's enter and exit, to
       take the slots again where C moved the blocks (taught their call
       order, at the exit that ends a pass: before anything binds them).
+    - `experts` (a mixture-of-experts layer's experts module with that
+      many experts): each call enters with the experts it is routed to
+      (laden_sched_enter_experts), whose rows alone C puts in the slot.
 
     Without `guard` and `trainer`, under torch.compile without gradients,
     enter and exit are ops in the traced graph (laden.compile)."""
@@ -107,12 +112,17 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
 
     inside = [0]
 
-    def do_enter() -> int:
+    def do_enter(rows=None) -> int:
         _compile.close_open()  # what a compiled run that raised left
         stream = _compute_stream(device)  # once: enter and exit share it
         if tracing_on[0]:
             sample_torch_memory(device)
-        s = enter(owner.h, c_block, stream)
+        if rows is None:
+            s = enter(owner.h, c_block, stream)
+        else:
+            arr = (ctypes.c_uint32 * max(len(rows), 1))(*rows)
+            s = lib.laden_sched_enter_experts(owner.h, c_block, arr,
+                                              len(rows), stream)
         if s:
             raise error_for(s)
         # Set, not counted: laden's blocks never nest, and a count an
@@ -144,7 +154,10 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
             relaid()
 
     def plain(args, kwargs):
-        stream = do_enter()
+        stream = do_enter(routed(args, kwargs, experts,
+                                 f"streamed block {c_block} "
+                                 f"({type(mod).__name__})")
+                          if experts else None)
         try:
             if hooks is not None and grad_on():
                 with saved(*hooks):

@@ -714,7 +714,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     lookahead: int = 2, progress: Optional[bool] = None,
                     subfolder: Optional[str] = None,
                     variant: Optional[str] = None, shared=False,
-                    pinned_pool=None, background: bool = False, **kwargs):
+                    pinned_pool=None, background: bool = False,
+                    expert_rows: bool = True, **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -745,7 +746,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     for its own bytes, so a cold start's first output comes about one
     block after the last byte instead of after the load and a whole
     forward; ``laden.wait(model)`` waits for the load and raises its
-    error."""
+    error.  A mixture-of-experts model moves only the experts its router
+    picks (``expert_rows``, see ``laden.stream_load``)."""
     path = os.fspath(path)
     if subfolder:
         path = os.path.join(path, subfolder)
@@ -788,7 +790,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=key_map, lookahead=lookahead,
             progress=progress, shared=shared, pinned_pool=pinned_pool,
-            background=background)
+            background=background, expert_rows=expert_rows)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

@@ -293,6 +293,16 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         check(lib.laden_sched_learn_order(o.h, 0))
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
+        if streamed and b.experts and (handle.trainer is not None or
+                                       handle.compiler is not None):
+            raise InvalidArgumentError(
+                f"install_offload: block '{b.name}' streams the rows of the "
+                "experts its router picks, which "
+                + ("training (its backward would enter it without them)"
+                   if handle.trainer is not None else
+                   "a compiled block cannot take (they change every call)")
+                + " does not support yet; load with expert_rows=False "
+                "(whole layers stream)", "E_INVAL")
         compact = any(t.store != "plain" for t in b.tensors)
         if streamed or compact:  # C's enter fills slots, expands compacts
             _wrap_forward(b.module, o, b.c_block, state.device,
@@ -301,7 +311,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                           if streamed else None,
                           slot_tensors=b.tensors if streamed else (),
                           trainer=handle.trainer, compiler=handle.compiler,
-                          binds=b.tensors, relaid=relaid if streamed else None)
+                          binds=b.tensors, relaid=relaid if streamed else None,
+                          experts=b.experts if streamed else 0)
         elif handle.compiler is not None:
             handle.compiler.install(b.module, handle._wrapped)
         for t in b.tensors:

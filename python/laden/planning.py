@@ -444,14 +444,16 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
          compute_dtype=None, storage_dtype=None, key_map=None,
          skip_prefixes=None, device=None, ram_budget=None,
          offload_prefixes: Optional[Sequence[str]] = None,
-         lookahead: int = LOOKAHEAD) -> Plan:
+         lookahead: int = LOOKAHEAD, expert_rows: bool = True) -> Plan:
     """Plans where each block of ``model`` (built on meta or not) lives for
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
     ``offload_prefixes`` names them.  Sizes accept bytes or strings.  The
     blocks are described to libladen, which sizes them as it will lay them
     out and plans them (``headroom_vram`` defaults to 1.5 GB on CUDA; the
-    VRAM options are refused on the CPU)."""
+    VRAM options are refused on the CPU).  ``expert_rows``: as
+    ``stream_load``'s (mixture-of-experts layers' experts as blocks of
+    their own)."""
     import torch
 
     check_lookahead(lookahead)
@@ -465,7 +467,8 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
     with Checkpoint(path) as ck:
         desc = describe(model, ck, prefixes, key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
-                        storage=storage, device=dev, transient=True)
+                        storage=storage, device=dev, transient=True,
+                        expert_rows=expert_rows)
         p = plan_description(desc, ck, dev, max_vram=max_vram,
                              headroom_vram=headroom_vram,
                              activation_vram=activation_vram,

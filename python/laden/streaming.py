@@ -197,7 +197,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
                 vram=None, progress: Optional[bool] = None,
                 background: bool = False, shared=False,
-                pinned_pool=None) -> LoadReport:
+                pinned_pool=None, expert_rows: bool = True) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -271,6 +271,13 @@ def stream_load(model, path: PathLike, *, plan=None,
     - ``pinned_pool``: bytes of pinned host memory this process keeps
       after the model's release for the next load (``set_pinned_pool``):
       a model released and loaded again pins nothing anew.
+    - ``expert_rows``: a mixture-of-experts layer's experts module (a
+      transformers ``*Experts`` module: every expert fused in tensors whose
+      first dimension is the expert) inside a streamed block streams as a
+      block of its own whose calls copy only the rows of the experts the
+      router picked (read from disk on the disk tier); the rest of the
+      layer streams as before.  False: whole layers stream.  Such a model
+      cannot be captured as a CUDA graph, trained or compiled by block.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -284,7 +291,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                             resident_prefixes, disk_prefixes, compute_dtype,
                             key_map, skip_prefixes, device, vram_budget,
                             ram_budget, lookahead, storage_dtype, vram,
-                            progress, background, shared, group_checked)
+                            progress, background, shared, group_checked,
+                            expert_rows)
     except BaseException as e:
         # The group's other ranks wait in its check for this one: it
         # takes part, failed, so that they raise naming it.
@@ -300,7 +308,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                  disk_prefixes, compute_dtype, key_map, skip_prefixes,
                  device, vram_budget, ram_budget, lookahead, storage_dtype,
                  vram, progress, background, shared,
-                 group_checked) -> LoadReport:
+                 group_checked, expert_rows=True) -> LoadReport:
     import torch
 
     plan_tiers = None
@@ -310,7 +318,12 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             raise InvalidArgumentError(
                 "stream_load: give a plan or prefixes and budgets, not both",
                 "E_INVAL")
-        offload_prefixes = [b.name for b in plan.blocks]
+        names = [b.name for b in plan.blocks]
+        # A block inside another (a layer's experts) is found again from
+        # the one that holds it.
+        offload_prefixes = [n for n in names
+                            if not any(n != o and n.startswith(o)
+                                       for o in names)]
         plan_tiers = {b.name: int(b.tier) for b in plan.blocks}
         if device is not None and _device(device) != _device(plan.device):
             raise InvalidArgumentError(
@@ -355,13 +368,14 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                                         shared=ck if shared else None)
         desc = describe(model, ck, offload_prefixes or (), key_map=key_map,
                         skip_prefixes=skip_prefixes, cdt=cdt,
-                        storage=storage, device=dev)
+                        storage=storage, device=dev,
+                        expert_rows=expert_rows)
         # Blocks asked for the device take it in a VRAM context only if it
         # has room at load (TIER_VRAM); the others are the planner's.
         on_dev = _lib.TIER_VRAM if vram is not None else _lib.TIER_GPU
         for b in desc.blocks:
             if plan_tiers is not None:
-                b.tier = plan_tiers[b.source]
+                b.tier = plan_tiers.get(b.name, plan_tiers.get(b.source))
             elif _matches(b.name, resident_prefixes):
                 b.tier = _lib.TIER_GPU
             elif _matches(b.name, disk_prefixes):

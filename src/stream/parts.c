@@ -119,6 +119,8 @@ void laden__sched_free_slots(laden_sched_t *sc)
             laden_io_wait(sc->layout.io, sl->reqs[k]);
         sl->nreqs = 0;
         free(sl->reqs);
+        free(sl->rows_ok);
+        sl->rows_ok = NULL;
         laden_dev_event_destroy(sl->ready);
         laden_dev_event_destroy(sl->free);
         laden_dev_event_destroy(sl->staging_free);

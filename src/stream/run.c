@@ -220,6 +220,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
     if (sl->reads_pending)
         finish_reads(sc, sl, true);
     sl->block = bi;
+    sl->rows_block = -1; /* whole, or another block: rows taken again */
     sl->err = LADEN_OK;
     sl->fills = ++sc->run.fill_seq; /* never repeats, across stop and start */
     if (b->tier == LADEN_TIER_RAM) {
@@ -426,6 +427,7 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
     for (uint32_t i = 0; i < sc->run.nslots; i++) {
         slot *sl = &sc->run.slots[i];
         sl->block = -1;
+        sl->rows_block = -1;
         sl->reqs = calloc(sc->layout.max_nt ? sc->layout.max_nt : 1,
                           sizeof *sl->reqs);
         if (!sl->reqs) {
@@ -748,16 +750,45 @@ static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
                               (const char *)x->sl->staging + off, len);
 }
 
+/* Slot sl holds block bi again, with the rows of u[0..n) added. */
+static void rows_in(slot *sl, uint32_t bi, const uint32_t *u, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        sl->rows_ok[u[i] / 64] |= (uint64_t)1 << (u[i] % 64);
+    sl->block = bi;
+    sl->rows_block = bi;
+}
+
 /* Puts the rows of experts u[0..n) (sorted, unique) of expert block bi
- * into slot sl. */
+ * into slot sl: those the slot does not hold already (it held bi and
+ * nothing filled it since), so an expert picked again while its block is
+ * still in its slot crosses once. */
 static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
-                              const uint32_t *u, uint32_t n)
+                              uint32_t *u, uint32_t n)
 {
     blk *b = &sc->layout.b[bi];
     laden_status s = LADEN_OK, w;
     if (sl->reads_pending)
         finish_reads(sc, sl, true);
+    uint32_t words = (b->experts + 63) / 64;
+    if (sl->rows_words < words) {
+        uint64_t *r = realloc(sl->rows_ok, words * sizeof *r);
+        if (!r)
+            return laden__fail(LADEN_E_NOMEM, "out of memory entering "
+                               "block %u", bi);
+        sl->rows_ok = r;
+        sl->rows_words = words;
+        sl->rows_block = -1;
+    }
+    if (sl->block != (int64_t)bi || sl->rows_block != (int64_t)bi)
+        memset(sl->rows_ok, 0, words * sizeof *sl->rows_ok);
+    uint32_t m = 0; /* the rows missing, still sorted */
+    for (uint32_t i = 0; i < n; i++)
+        if (!(sl->rows_ok[u[i] / 64] >> (u[i] % 64) & 1))
+            u[m++] = u[i];
+    n = m;
     sl->block = -1; /* until its rows are in */
+    sl->rows_block = -1;
     sl->err = LADEN_OK;
     sl->fills = ++sc->run.fill_seq;
     rows_io x = {.b = b, .sl = sl};
@@ -767,7 +798,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             (s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
         sc->st.h2d_bytes += x.bytes;
-        sl->block = bi;
+        rows_in(sl, bi, u, n);
         return LADEN_OK;
     }
     x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
@@ -790,7 +821,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         sc->st.h2d_bytes += read;
     }
-    sl->block = bi;
+    rows_in(sl, bi, u, n);
     return LADEN_OK;
 }
 

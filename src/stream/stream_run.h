@@ -33,6 +33,12 @@ typedef struct slot {
     uint64_t fills_at_capture;
     void *trace_mark; /* tracing: the compute stream's mark after the wait */
     uint64_t trace_mark_session; /* the trace it belongs to */
+    /* An expert block's rows in the slot (laden_sched_enter_experts): bit
+     * e set when expert e's rows are there, for block rows_block (-1:
+     * none; any other fill of the slot makes it -1). */
+    uint64_t *rows_ok;
+    uint32_t rows_words;
+    int64_t rows_block;
 } slot;
 
 typedef struct sched_run {
