@@ -21,6 +21,8 @@
 #   cold:  bench/cold.py --drop-all (cold and warm starts in fresh
 #          processes: cat, dd, load_file, transformers, laden; COLD_ARGS)
 #   unet:  bench/unet.py --config sdxl (call-order prefetch; UNET_ARGS)
+#   moe:   bench/moe.py on CUDA (routed experts' rows against whole layers
+#          and device_map="auto"; MOE_ARGS replace the shape)
 #   quant: bench/quant.py (bf16, fp8, GGUF Q8_0/Q4_K streamed and resident;
 #          QUANT_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
@@ -122,6 +124,10 @@ if want cold; then
   # Issue 35's table: fresh processes, cold (drop_caches as root) and warm.
   log "bench/cold.py"
   python3 bench/cold.py --drop-all ${COLD_ARGS:-} 2>&1 | tee "$OUT/cold.log"
+fi
+if want moe; then
+  log "bench/moe.py (a Qwen3-MoE-shaped model under a quarter of its size)"
+  python3 bench/moe.py --device cuda ${MOE_ARGS:---layers 16 --experts 128 --top-k 8 --hidden 2048 --expert-width 768 --budget 0.25 --prompt 2048} 2>&1 | tee "$OUT/moe.log"
 fi
 if want unet; then
   log "bench/unet.py (SDXL-shaped UNet under half its size)"

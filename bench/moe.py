@@ -3,11 +3,14 @@
 
 A Qwen3-MoE-shaped model from a config (random bf16 weights, written once
 with save_pretrained: per-expert tensors, which laden joins on load) runs
-greedy decode under laden.from_pretrained with a budget; the table gives
-per decode token the bytes laden moved (disk reads on the CPU, host to
-device copies on CUDA), the bytes of the experts the router picked (the
-floor when only those move), their ratio, and tokens/s.  Logits of the
-first step are compared with transformers' own loading (exact or not).
+a prompt then greedy decode under laden.from_pretrained with a budget,
+with the routed experts' rows streamed (expert_rows, the default) and with
+whole layers streamed, and on CUDA beside transformers' device_map="auto"
+(accelerate) under the same budget.  Per decode token: the bytes laden
+moved (disk reads on the CPU, host to device copies on CUDA), the bytes
+of the experts the routers picked (the floor when nothing is cached),
+their ratio, tokens/s, the prompt's time, and whether the prompt's logits
+equal transformers' own loading.
 
     python bench/moe.py                       # CPU: tiny, disk tier
     python bench/moe.py --device cuda --layers 16 --experts 128 \\
@@ -65,6 +68,7 @@ def main() -> int:
     ap.add_argument("--expert-width", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.0,
                     help="VRAM (CUDA) or RAM (CPU) budget as a share of "
                          "the model's bytes")
@@ -80,15 +84,18 @@ def main() -> int:
     d = a.dir or tempfile.mkdtemp(prefix="laden-moe-")
     if not os.path.exists(os.path.join(d, "config.json")):
         torch.manual_seed(0)
-        transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16) \
-            .save_pretrained(d)
+        with torch.device(dev):  # random weights made where it is fast
+            transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16) \
+                .save_pretrained(d)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
                if f.endswith(".safetensors"))
     expert_bytes = 3 * a.hidden * a.expert_width * 2  # gate, up, down bf16
     budget = int(size * a.budget)
     kw = ({"vram_budget": max(budget, 1)} if dev.type == "cuda"
           else {"ram_budget": budget})
-    ids = torch.randint(0, a.vocab, (1, 8),
+    ids = torch.randint(0, a.vocab, (1, a.prompt),
                         generator=torch.Generator().manual_seed(1)).to(dev)
     plain = transformers.Qwen3MoeForCausalLM.from_pretrained(
         d, dtype=torch.bfloat16).to(dev).eval()
@@ -97,50 +104,86 @@ def main() -> int:
     del plain
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
-                              device=dev, progress=False, **kw)
-    st = m._laden_stream
-    tiers = sorted({b.tier_name for b in st.blocks})
-    picked, hooks = routed_counter(m, a.experts)
-    with torch.no_grad():
-        out = m(ids, use_cache=True)
-        exact = torch.equal(out.logits, want)
-        cache = out.past_key_values
-        tok = out.logits[:, -1:].argmax(-1)
-        picked.clear()
-        s0 = st.stats()
-        t0 = time.perf_counter()
-        for _ in range(a.tokens):
-            out = m(tok, past_key_values=cache, use_cache=True)
+    def decode(m, moved_of):
+        """(bytes moved per decode token, routed bytes per token, tokens/s,
+        first step exact, prefill seconds)."""
+        picked, hooks = routed_counter(m, a.experts)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = m(ids, use_cache=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            prefill = time.perf_counter() - t0
+            exact = torch.equal(out.logits, want)
             cache = out.past_key_values
             tok = out.logits[:, -1:].argmax(-1)
+            picked.clear()
+            s0 = moved_of()
+            t0 = time.perf_counter()
+            for _ in range(a.tokens):
+                out = m(tok, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                tok = out.logits[:, -1:].argmax(-1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            sec = time.perf_counter() - t0
+            moved = (moved_of() - s0) / a.tokens
+        for h in hooks:
+            h.remove()
+        return (moved, sum(picked) * expert_bytes / a.tokens,
+                a.tokens / sec, exact, prefill)
+
+    rows = []
+    for expert_rows in (True, False):
+        m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
+                                  device=dev, progress=False,
+                                  expert_rows=expert_rows, **kw)
+        st = m._laden_stream
+        tiers = sorted({b.tier_name for b in st.blocks})
+
+        def moved_of():
+            s = st.stats()
+            return s.h2d_bytes if dev.type == "cuda" else s.read_bytes
+        r = decode(m, moved_of)
+        rows.append(("laden, " + ("routed experts' rows" if expert_rows
+                                  else "whole layers"),) + r)
+        laden.release(m)
         if dev.type == "cuda":
-            torch.cuda.synchronize()
-        sec = time.perf_counter() - t0
-        s1 = st.stats()
-    for h in hooks:
-        h.remove()
-    moved = ((s1.h2d_bytes - s0.h2d_bytes) if dev.type == "cuda"
-             else (s1.read_bytes - s0.read_bytes)) / a.tokens
-    floor = sum(picked) * expert_bytes / a.tokens
-    laden.release(m)
+            torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        try:
+            import accelerate  # noqa: F401
+            m = transformers.Qwen3MoeForCausalLM.from_pretrained(
+                d, dtype=torch.bfloat16, device_map="auto",
+                max_memory={0: max(budget, 1), "cpu": 4 * size})
+            r = decode(m, lambda: 0)
+            rows.append(('device_map="auto"',) + r)
+            del m
+        except ImportError:
+            pass
     print(f"\nmoe.py  {time.strftime('%Y-%m-%d %H:%M')}  {dev}  "
           f"torch {torch.__version__}")
     print(f"Qwen3-MoE-shaped: {a.layers} layers, {a.experts} experts "
           f"(top-{a.top_k}), hidden {a.hidden}, expert width "
           f"{a.expert_width}; {size / 1e6:.1f} MB; budget "
-          f"{a.budget:.0%} of it; tiers {', '.join(tiers)}")
-    rows = [("per decode token", "value"),
-            ("moved by laden (MB)", f"{moved / 1e6:.3f}"),
-            ("routed experts (MB)", f"{floor / 1e6:.3f}"),
-            ("moved / routed", f"{moved / floor:.1f} x" if floor else "-"),
-            ("tokens/s", f"{a.tokens / sec:.1f}"),
-            ("first step logits = transformers'", str(exact))]
-    w = max(len(r[0]) for r in rows)
-    for i, (k, v) in enumerate(rows):
-        print(f"  {k.ljust(w)}  {v}")
-        if i == 0:
-            print(f"  {'-' * w}  -----")
+          f"{a.budget:.0%} of it; tiers {', '.join(tiers)}; prompt "
+          f"{ids.shape[1]} tokens, then {a.tokens} decode tokens")
+    table = [("", "moved MB/token", "routed MB/token", "moved / routed",
+              "tokens/s", "prefill s", "exact")]
+    for name, moved, routed, tps, exact, prefill in rows:
+        table.append((name, f"{moved / 1e6:.3f}" if moved else "-",
+                      f"{routed / 1e6:.3f}",
+                      f"{moved / routed:.2f}" if moved and routed else "-",
+                      f"{tps:.1f}", f"{prefill:.3f}", str(exact)))
+    w = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for j, r in enumerate(table):
+        print("  " + "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
+                               for i, c in enumerate(r)))
+        if j == 0:
+            print("  " + "  ".join("-" * x for x in w))
+    print("moved: what laden copied host to device (CUDA) or read from the "
+          "drive (CPU) per decode token; routed: the bytes of the distinct "
+          "experts the routers picked (the floor with nothing cached).")
     return 0
 
 
