@@ -551,7 +551,7 @@ _SIGNATURES = {
 # The version of libladen's binary interface this binding is written for
 # (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
 # at import, since its signatures, structs or constants may not be these.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 def _check_version(lib, path: str, where: str) -> None:
