@@ -293,7 +293,8 @@ _SIGNATURES = {
     "laden_sched_set_rope_rows": (status_t, [p, c_uint32, c_uint32, c_uint64]),
     "laden_sched_join_tensor": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_set_experts": (status_t, [p, c_uint32, c_uint32]),
-    "laden_sched_enter_experts": (status_t, [p, c_uint32, p, c_uint32,
+    "laden_sched_enter_experts": (status_t, [p, c_uint32,
+                                             POINTER(c_uint32), c_uint32,
                                              ctypes.c_size_t]),
     # expand (device expansion of compact weights): entries below
     "laden_expand": (status_t, [c_int32, ctypes.c_size_t, c_int, c_uint64,
