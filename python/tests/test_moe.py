@@ -302,3 +302,22 @@ def test_expert_rows_refuse_training(tmp_path):
                       ram_budget=0, expert_rows=False)
     laden.install_offload(m2, train=True)  # whole layers: as before
     laden.release(m2)
+
+
+def test_plan_then_load(tmp_path):
+    """laden.plan lists each layer's experts as a block of its own, tiered
+    apart from its layer, and stream_load(plan=...) follows it exactly."""
+    cls, d = _saved(tmp_path, "qwen3_moe")
+    path = os.path.join(d, "model.safetensors")
+    want = _logits(_plain(cls, d, "cpu"), "cpu")
+    with laden.hf.empty_weights():
+        m = cls(_config("qwen3_moe")[1])
+    p = laden.plan(m, path, device="cpu", ram_budget="150kB")
+    names = [b.name for b in p.blocks]
+    assert "model.layers.0.mlp.experts." in names
+    laden.stream_load(m, path, plan=p)
+    laden.install_offload(m)
+    got = {b.name: b.tier for b in m._laden_stream.blocks}
+    assert got == {b.name: int(b.tier) for b in p.blocks}
+    assert torch.equal(_logits(m, "cpu"), want)
+    laden.release(m)
