@@ -144,7 +144,14 @@ def main() -> int:
         def moved_of():
             s = st.stats()
             return s.h2d_bytes if dev.type == "cuda" else s.read_bytes
+        c0 = st.stats()
         r = decode(m, moved_of)
+        c1 = st.stats()
+        asked = c1.expert_rows - c0.expert_rows
+        if asked:
+            hit = 1 - (c1.expert_rows_moved - c0.expert_rows_moved) / asked
+            print(f"expert rows: {asked} entered, {hit:.1%} already in "
+                  "their slot")
         rows.append(("laden, " + ("routed experts' rows" if expert_rows
                                   else "whole layers"),) + r)
         laden.release(m)

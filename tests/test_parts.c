@@ -553,6 +553,12 @@ static void experts_on(int32_t dev)
             CHECK_OK(laden_sched_synchronize(sc));
             CHECK_OK(laden_sched_stats(sc, &b));
             uint64_t moved = crossing[pass] * row;
+            if (streamed) {
+                CHECK_EQ(b.expert_rows - a.expert_rows,
+                         pass == 1 ? 1u : 2u);
+                CHECK_EQ(b.expert_rows_moved - a.expert_rows_moved,
+                         crossing[pass]);
+            }
             if (streamed && ti == 1)
                 CHECK_EQ(b.read_bytes - a.read_bytes, moved);
             if (streamed && dev != LADEN_DEVICE_CPU)

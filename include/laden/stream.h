@@ -99,6 +99,11 @@ typedef struct laden_sched_stats {
     uint64_t reorders;          /* times the streamed blocks' positions
                                    took the order they are called in
                                    (laden_sched_learn_order) */
+    uint64_t expert_rows;       /* experts entered in streamed expert
+                                   blocks (laden_sched_enter_experts),
+                                   each counted once per enter */
+    uint64_t expert_rows_moved; /* of those, the ones copied or read: the
+                                   rest were in the slot already */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened

@@ -124,7 +124,8 @@ class SchedStats(Structure):
         ("resident_bytes", c_uint64), ("registered_bytes", c_uint64),
         ("upload_bytes", c_uint64), ("generation", c_uint64),
         ("offloaded_bytes", c_uint64), ("load_cached_bytes", c_uint64),
-        ("reorders", c_uint64),
+        ("reorders", c_uint64), ("expert_rows", c_uint64),
+        ("expert_rows_moved", c_uint64),
     ]
 
 

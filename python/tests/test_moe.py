@@ -278,6 +278,9 @@ def test_only_routed_experts_are_read(tmp_path):
         if rows:
             routed = sum(picked) * row
             assert read <= routed + 4 * rest, (read, routed, rest)
+            c = st.handle.stats()  # each router's picks, entered once
+            assert c["expert_rows"] >= sum(picked) > 0
+            assert 0 < c["expert_rows_moved"] <= c["expert_rows"]
         laden.release(m)
     assert torch.equal(per[True][1], per[False][1])
     assert per[True][0] * 2 < per[False][0], per

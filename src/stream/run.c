@@ -750,9 +750,13 @@ static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
                               (const char *)x->sl->staging + off, len);
 }
 
-/* Slot sl holds block bi again, with the rows of u[0..n) added. */
-static void rows_in(slot *sl, uint32_t bi, const uint32_t *u, uint32_t n)
+/* Slot sl holds block bi again, with the rows of u[0..n) added (moved
+ * for `asked` routed). */
+static void rows_in(laden_sched_t *sc, slot *sl, uint32_t bi,
+                    const uint32_t *u, uint32_t n, uint32_t asked)
 {
+    sc->st.expert_rows += asked;
+    sc->st.expert_rows_moved += n;
     for (uint32_t i = 0; i < n; i++)
         sl->rows_ok[u[i] / 64] |= (uint64_t)1 << (u[i] % 64);
     sl->block = bi;
@@ -782,7 +786,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
     }
     if (sl->block != (int64_t)bi || sl->rows_block != (int64_t)bi)
         memset(sl->rows_ok, 0, words * sizeof *sl->rows_ok);
-    uint32_t m = 0; /* the rows missing, still sorted */
+    uint32_t m = 0, asked = n; /* the rows missing, still sorted */
     for (uint32_t i = 0; i < n; i++)
         if (!(sl->rows_ok[u[i] / 64] >> (u[i] % 64) & 1))
             u[m++] = u[i];
@@ -798,7 +802,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             (s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
         sc->st.h2d_bytes += x.bytes;
-        rows_in(sl, bi, u, n);
+        rows_in(sc, sl, bi, u, n, asked);
         return LADEN_OK;
     }
     x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
@@ -821,7 +825,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         sc->st.h2d_bytes += read;
     }
-    rows_in(sl, bi, u, n);
+    rows_in(sc, sl, bi, u, n, asked);
     return LADEN_OK;
 }
 
