@@ -640,8 +640,14 @@ def test_interrupted_switch_keeps_the_adapters(tmp_path, monkeypatch, step):
         return real(*a)
 
     monkeypatch.setattr(admod, name, cut)
-    with pytest.raises(KeyboardInterrupt):
-        h.set_adapters([B])
+    # SIGINT raises KeyboardInterrupt, also where pytest runs with it
+    # ignored (a shell's background job inherits SIG_IGN).
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            h.set_adapters([B])
+    finally:
+        signal.signal(signal.SIGINT, was)
     monkeypatch.setattr(admod, name, real)
     assert calls["n"] >= 3  # the rollback merges again
     assert torch.equal(logits(m, "cpu"), want)

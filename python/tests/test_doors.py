@@ -316,9 +316,17 @@ print("ok", fwd)
 """
 
 
+# Ctrl-C (SIGINT, _thread.interrupt_main) raises KeyboardInterrupt in the
+# child also when the tests run with SIGINT ignored: a shell's background
+# job inherits SIG_IGN, and Python then installs no handler of its own.
+_SIGINT_ON = ("import signal\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n")
+
+
 def _child(code, tmp_path, timeout=600):
-    r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", _SIGINT_ON + code],
+                       cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
