@@ -102,7 +102,7 @@ def child(a) -> dict:
         return out
     import transformers
 
-    ids = torch.randint(0, 1000, (1, TOKENS),
+    ids = torch.randint(0, a.vocab, (1, TOKENS),
                         generator=torch.Generator().manual_seed(0)).to(dev)
     t0 = time.perf_counter()
     if a.method == "transformers from_pretrained":
@@ -175,7 +175,7 @@ def run(a, model: str, method: str, path: str) -> dict:
     argv = [sys.executable, __file__, "--child", method, "--model", model,
             "--path", path, "--device", a.device, "--blocks", str(a.blocks),
             "--hidden", str(a.hidden), "--mlp", str(a.mlp),
-            "--heads", str(a.heads)]
+            "--heads", str(a.heads), "--vocab", str(a.vocab)]
     t0 = time.perf_counter()
     r = subprocess.run(argv, capture_output=True, text=True)
     proc = time.perf_counter() - t0
@@ -184,24 +184,6 @@ def run(a, model: str, method: str, path: str) -> dict:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["proc_s"] = proc
     return out
-
-
-def write_llama(a, d: str) -> None:
-    import torch
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=a.vocab, hidden_size=a.lhidden,
-        intermediate_size=a.inter, num_hidden_layers=a.layers,
-        num_attention_heads=a.lhidden // 128,
-        num_key_value_heads=max(a.lhidden // 512, 1),
-        max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        m = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    m.save_pretrained(d)
-    del m
-    os.sync()
 
 
 def median(runs) -> dict:
@@ -276,7 +258,10 @@ def main() -> int:
                              f"{a.inter}")
             if not os.path.isdir(d):
                 print(f"writing {d} ...", file=sys.stderr, flush=True)
-                write_llama(a, d)
+                import hf  # bench/hf.py's Llama writer
+                hf.write_lm(argparse.Namespace(
+                    vocab=a.vocab, hidden=a.lhidden, inter=a.inter,
+                    layers=a.layers), d, a.device)
             models["llama"] = d
     methods = {
         "synth": ["cat", "dd iflag=direct",

@@ -65,7 +65,9 @@ def h2d_rate() -> float:
     return rate.value
 
 
-def write_lm(a, d: str) -> None:
+def write_lm(a, d: str, device: str = "cuda") -> None:
+    """A Llama of a.layers x a.hidden (MLP a.inter, vocabulary a.vocab),
+    random bf16 weights made on `device`, written with save_pretrained."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -75,11 +77,12 @@ def write_lm(a, d: str) -> None:
         num_key_value_heads=max(a.hidden // 512, 1),
         max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         m = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     m.save_pretrained(d)
     del m
-    free_gpu()
+    if device.startswith("cuda"):
+        free_gpu()
 
 
 def gen_time(model, ids, n: int):

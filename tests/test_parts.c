@@ -597,6 +597,13 @@ TEST(stream_experts_refused)
     CHECK(strstr(laden_last_error(), "compact"));
     CHECK_STATUS(laden_sched_set_experts(sc, blk, 0), LADEN_E_INVAL);
     laden_sched_destroy(sc);
+    /* After load: the layout is fixed. */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F32, &k));
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_STATUS(laden_sched_set_experts(sc, blk, 2), LADEN_E_STATE);
+    laden_sched_destroy(sc);
     laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
                              .flags = LADEN_SCHED_CACHE};
     CHECK_OK(laden_sched_create(&cc, st, &sc));

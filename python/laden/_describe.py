@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
                     Sequence, Tuple, Union)
@@ -601,17 +602,13 @@ def _pieces_mismatch(ck, t: _Tensor) -> Optional[str]:
     if len(dts) > 1:
         return f"its pieces {t.pieces[0]} ... are of dtypes " \
             f"{', '.join(sorted(dts))}"
-    n = 0
     for i in infos:
         shape = tuple(i.shape)
         k = len(shape) - 1
         if k < 0 or k > len(t.shape) or (k and shape[1:] != t.shape[-k:]):
             return f"piece '{i.name}' {list(shape)} is not rows of " \
                 f"{list(t.shape)}"
-        m = 1
-        for d in shape:
-            m *= d
-        n += m
+    n = sum(math.prod(i.shape) for i in infos)
     if n != _numel(t):
         return f"its {len(infos)} pieces ({t.pieces[0]} ...) hold {n} " \
             f"elements, the model's {list(t.shape)} {_numel(t)}"

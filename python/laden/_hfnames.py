@@ -104,10 +104,7 @@ def key_map_for(model, names: List[str]) -> Optional[Dict[str, Target]]:
     # A checkpoint of the model with its head loaded into the base model:
     # the head's tensors have no place and are dropped (transformers
     # ignores them too).
-    p = prefix + "."
-    headless = bool(prefix) and \
-        sum(n.startswith(p) for n in names) > len(names) // 2 and \
-        not any(k.startswith(p) for k in want)
+    headless = _prefix_side(names, want, prefix) == "strip"
     out: Dict[str, Target] = {}
     fused: Dict[str, Dict[str, List[str]]] = {}
     conv_of: Dict[str, object] = {}
@@ -136,18 +133,31 @@ def _prefix_map(names: List[str], want: dict, prefix: str
     """Older transformers: a checkpoint saved from the model with its head
     loads into the base model and back (the base model's prefix taken off
     or put on when only one side has it)."""
-    if not prefix:
-        return None
-    p = prefix + "."
-    ck_pre = sum(n.startswith(p) for n in names)
-    mod_pre = sum(n.startswith(p) for n in want)
+    side, p = _prefix_side(names, want, prefix), prefix + "."
     out: Dict[str, Target] = {}
-    if ck_pre > len(names) // 2 and mod_pre == 0:
+    if side == "strip":
         for n in names:
             if n.startswith(p) and n[len(p):] in want:
                 out[n] = n[len(p):]
             elif n not in want:
                 out[n] = None  # the head's tensors: dropped
-    elif ck_pre == 0 and mod_pre > len(want) // 2:
+    elif side == "add":
         out = {n: p + n for n in names}
     return out or None
+
+
+def _prefix_side(names: List[str], want: dict, prefix: str
+                 ) -> Optional[str]:
+    """Which side has the base model's prefix when only one does: "strip"
+    (most checkpoint names have it, no model name does: a checkpoint with
+    its head loaded into the base model), "add" (the reverse), or None."""
+    if not prefix:
+        return None
+    p = prefix + "."
+    ck_pre = sum(n.startswith(p) for n in names)
+    mod_pre = sum(n.startswith(p) for n in want)
+    if ck_pre > len(names) // 2 and mod_pre == 0:
+        return "strip"
+    if ck_pre == 0 and mod_pre > len(want) // 2:
+        return "add"
+    return None

@@ -324,3 +324,32 @@ def test_plan_then_load(tmp_path):
     assert got == {b.name: int(b.tier) for b in p.blocks}
     assert torch.equal(_logits(m, "cpu"), want)
     laden.release(m)
+
+
+def test_pieces_of_two_dtypes_are_a_mismatch(tmp_path):
+    """One expert's piece stored in another dtype than the rest: the fused
+    tensor cannot be one dtype; the error names it before anything is
+    allocated."""
+    from safetensors.torch import load_file, save_file
+    cls, d = _saved(tmp_path, "qwen3_moe")
+    path = os.path.join(d, "model.safetensors")
+    sd = load_file(path)
+    k = "model.layers.2.mlp.experts.3.up_proj.weight"
+    sd[k] = sd[k].to(torch.bfloat16)
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(laden.MismatchError,
+                       match=r"layers\.2\.mlp\.experts\.gate_up_proj.*"
+                             r"dtypes BF16, F32"):
+        laden.from_pretrained(cls, d, device="cpu")
+
+
+def test_an_experts_call_without_indices_is_refused():
+    """An experts module called without its indices cannot say which
+    rows to move: StateError naming it, nothing entered."""
+    from laden import _moe
+
+    h = torch.zeros(3, 4)
+    with pytest.raises(laden.StateError, match="experts.*indices"):
+        _moe.routed((h,), {"weights": torch.ones(3, 2)}, 8, "block 5")
+    idx = torch.tensor([[7, 8], [1, 7]])  # 8: a padding slot, dropped
+    assert _moe.routed((h, idx), {}, 8, "block 5") == [1, 7]

@@ -654,20 +654,19 @@ laden_status laden__sched_learn_order(laden_sched_t *sc, int on)
  * reads them (every range in flight) and copies them from the staging
  * buffer.  Rows of consecutive experts go in one copy. */
 
-static int cmp_u32(const void *a, const void *b)
+static bool bit(const uint64_t *m, uint32_t e)
 {
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
+    return m[e / 64] >> (e % 64) & 1;
 }
 
 /* Calls fn(sc, arg, off, len) for every byte range [off, off+len) of block
- * b (offsets in the block) that the experts in sorted, unique u[0..n)
+ * b (offsets in the block) that the experts whose bits are set in `move`
  * occupy, consecutive experts merged; returns the first failure. */
 typedef laden_status (*row_fn)(laden_sched_t *sc, void *arg, uint64_t off,
                                uint64_t len);
 
 static laden_status each_row_range(laden_sched_t *sc, const blk *b,
-                                   const uint32_t *u, uint32_t n, row_fn fn,
+                                   const uint64_t *move, row_fn fn,
                                    void *arg)
 {
     laden_status s = LADEN_OK;
@@ -675,12 +674,16 @@ static laden_status each_row_range(laden_sched_t *sc, const blk *b,
         uint64_t bytes;
         uint32_t run = laden__sched_run_of(b, k, &bytes);
         uint64_t row = bytes / b->experts, base = b->t[k].dst_off;
-        for (uint32_t i = 0; i < n && !s;) {
-            uint32_t j = i + 1;
-            while (j < n && u[j] == u[j - 1] + 1)
+        for (uint32_t e = 0; e < b->experts && !s;) {
+            if (!bit(move, e)) {
+                e++;
+                continue;
+            }
+            uint32_t j = e + 1;
+            while (j < b->experts && bit(move, j))
                 j++;
-            s = fn(sc, arg, base + u[i] * row, (uint64_t)(j - i) * row);
-            i = j;
+            s = fn(sc, arg, base + e * row, (uint64_t)(j - e) * row);
+            e = j;
         }
         k += run;
     }
@@ -717,6 +720,8 @@ static laden_status read_rows(laden_sched_t *sc, void *arg, uint64_t off,
     x->bytes += len;
     for (uint32_t k = 0; k < b->nt && !s; k++) {
         const tref *r = &b->t[k];
+        if (r->dst_off >= off + len)
+            break; /* tensors lie in the block in order */
         uint64_t a = off > r->dst_off ? off : r->dst_off;
         uint64_t e = off + len < r->dst_off + r->dst_bytes
                          ? off + len
@@ -750,25 +755,14 @@ static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
                               (const char *)x->sl->staging + off, len);
 }
 
-/* Slot sl holds block bi again, with the rows of u[0..n) added (moved
- * for `asked` routed). */
-static void rows_in(laden_sched_t *sc, slot *sl, uint32_t bi,
-                    const uint32_t *u, uint32_t n, uint32_t asked)
-{
-    sc->st.expert_rows += asked;
-    sc->st.expert_rows_moved += n;
-    for (uint32_t i = 0; i < n; i++)
-        sl->rows_ok[u[i] / 64] |= (uint64_t)1 << (u[i] % 64);
-    sl->block = bi;
-    sl->rows_block = bi;
-}
-
-/* Puts the rows of experts u[0..n) (sorted, unique) of expert block bi
- * into slot sl: those the slot does not hold already (it held bi and
- * nothing filled it since), so an expert picked again while its block is
- * still in its slot crosses once. */
+/* Puts the rows of experts rows[0..n) (any order, repeats allowed) of
+ * expert block bi into slot sl: those the slot does not hold already (it
+ * held bi and nothing filled it since), so an expert picked again while
+ * its block is still in its slot crosses once.  sl->rows_ok holds a bit
+ * per expert of the rows in the slot, then as many words of scratch: the
+ * rows to move. */
 static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
-                              uint32_t *u, uint32_t n)
+                              const uint32_t *rows, uint32_t n)
 {
     blk *b = &sc->layout.b[bi];
     laden_status s = LADEN_OK, w;
@@ -776,7 +770,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         finish_reads(sc, sl, true);
     uint32_t words = (b->experts + 63) / 64;
     if (sl->rows_words < words) {
-        uint64_t *r = realloc(sl->rows_ok, words * sizeof *r);
+        uint64_t *r = realloc(sl->rows_ok, 2 * words * sizeof *r);
         if (!r)
             return laden__fail(LADEN_E_NOMEM, "out of memory entering "
                                "block %u", bi);
@@ -784,13 +778,18 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         sl->rows_words = words;
         sl->rows_block = -1;
     }
+    uint64_t *ok = sl->rows_ok, *move = sl->rows_ok + words;
     if (sl->block != (int64_t)bi || sl->rows_block != (int64_t)bi)
-        memset(sl->rows_ok, 0, words * sizeof *sl->rows_ok);
-    uint32_t m = 0, asked = n; /* the rows missing, still sorted */
+        memset(ok, 0, words * sizeof *ok);
+    memset(move, 0, words * sizeof *move);
     for (uint32_t i = 0; i < n; i++)
-        if (!(sl->rows_ok[u[i] / 64] >> (u[i] % 64) & 1))
-            u[m++] = u[i];
-    n = m;
+        move[rows[i] / 64] |= (uint64_t)1 << (rows[i] % 64);
+    uint64_t asked = 0, moved = 0;
+    for (uint32_t k = 0; k < words; k++) {
+        asked += (uint64_t)__builtin_popcountll(move[k]);
+        move[k] &= ~ok[k];
+        moved += (uint64_t)__builtin_popcountll(move[k]);
+    }
     sl->block = -1; /* until its rows are in */
     sl->rows_block = -1;
     sl->err = LADEN_OK;
@@ -798,34 +797,37 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
     rows_io x = {.b = b, .sl = sl};
     if (b->tier == LADEN_TIER_RAM) {
         if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-            (s = each_row_range(sc, b, u, n, copy_rows, &x)) ||
+            (s = each_row_range(sc, b, move, copy_rows, &x)) ||
             (s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
         sc->st.h2d_bytes += x.bytes;
-        rows_in(sc, sl, bi, u, n, asked);
-        return LADEN_OK;
-    }
-    x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
-    if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free)))
-        return s;
-    s = each_row_range(sc, b, u, n, read_rows, &x);
-    for (uint32_t k = 0; k < x.nreqs; k++) /* every read ends first */
-        if ((w = laden_io_wait(sc->layout.io, x.reqs[k])) && !s)
-            s = w;
-    free(x.reqs);
-    if (s)
-        return s;
-    sc->st.read_bytes += x.bytes;
-    if (sc->cuda) {
-        uint64_t read = x.bytes;
-        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-            (s = each_row_range(sc, b, u, n, stage_rows, &x)) ||
-            (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
-            (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
+    } else {
+        x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
+        if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free)))
             return s;
-        sc->st.h2d_bytes += read;
+        s = each_row_range(sc, b, move, read_rows, &x);
+        for (uint32_t k = 0; k < x.nreqs; k++) /* every read ends first */
+            if ((w = laden_io_wait(sc->layout.io, x.reqs[k])) && !s)
+                s = w;
+        free(x.reqs);
+        if (s)
+            return s;
+        sc->st.read_bytes += x.bytes;
+        if (sc->cuda &&
+            ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+             (s = each_row_range(sc, b, move, stage_rows, &x)) ||
+             (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
+             (s = laden_dev_event_record(sl->staging_free, sc->run.copy))))
+            return s;
+        if (sc->cuda)
+            sc->st.h2d_bytes += x.bytes;
     }
-    rows_in(sc, sl, bi, u, n, asked);
+    for (uint32_t k = 0; k < words; k++)
+        ok[k] |= move[k];
+    sl->block = bi;
+    sl->rows_block = bi;
+    sc->st.expert_rows += asked;
+    sc->st.expert_rows_moved += moved;
     return LADEN_OK;
 }
 
@@ -869,19 +871,8 @@ static laden_status enter_block(laden_sched_t *sc, uint32_t block,
                            block, (long long)sl->block);
     sc->st.enters++;
     if (rows) {
-        uint32_t *u = malloc((n ? n : 1) * sizeof *u), m = 0;
-        if (!u)
-            return laden__fail(LADEN_E_NOMEM, "out of memory entering "
-                               "block %u", block);
-        memcpy(u, rows, n * sizeof *u);
-        qsort(u, n, sizeof *u, cmp_u32);
-        for (uint32_t i = 0; i < n; i++)
-            if (!m || u[i] != u[m - 1])
-                u[m++] = u[i];
-        if (!(s = laden__sched_until(sc, block)))
-            s = fill_rows(sc, sl, block, u, m);
-        free(u);
-        if (s)
+        if ((s = laden__sched_until(sc, block)) ||
+            (s = fill_rows(sc, sl, block, rows, n)))
             return s;
     } else if (sl->block != (int64_t)block) {
         sc->st.misses++;

@@ -372,10 +372,10 @@ laden_status laden_sched_set_name(laden_sched_t *sc, const char *name)
     return LADEN_OK;
 }
 
-/* laden_sched_enter and laden_sched_enter_experts (rows: NULL for the
- * first): the hold, the block's counts, the trace. */
+/* laden_sched_enter and, `routed`, laden_sched_enter_experts: the hold,
+ * the block's counts, the trace. */
 static laden_status enter_held(laden_sched_t *sc, uint32_t block,
-                               uintptr_t compute_stream,
+                               uintptr_t compute_stream, bool routed,
                                const uint32_t *rows, uint32_t n,
                                const char *call)
 {
@@ -385,9 +385,9 @@ static laden_status enter_held(laden_sched_t *sc, uint32_t block,
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     uint64_t sess = t0 ? laden__trace_session() : 0; /* before any name */
     uint64_t misses = sc->st.misses;
-    if ((s = rows ? laden__sched_enter_experts(sc, block, rows, n,
-                                               compute_stream)
-                  : laden__sched_enter(sc, block, compute_stream))) {
+    if ((s = routed ? laden__sched_enter_experts(sc, block, rows, n,
+                                                 compute_stream)
+                    : laden__sched_enter(sc, block, compute_stream))) {
         unhold(sc);
         return s;
     }
@@ -417,7 +417,7 @@ static laden_status enter_held(laden_sched_t *sc, uint32_t block,
 laden_status laden_sched_enter(laden_sched_t *sc, uint32_t block,
                                uintptr_t compute_stream)
 {
-    return enter_held(sc, block, compute_stream, NULL, 0,
+    return enter_held(sc, block, compute_stream, false, NULL, 0,
                       "laden_sched_enter");
 }
 
@@ -425,11 +425,7 @@ laden_status laden_sched_enter_experts(laden_sched_t *sc, uint32_t block,
                                        const uint32_t *experts, uint32_t n,
                                        uintptr_t compute_stream)
 {
-    static const uint32_t none = 0;
-    if (n && !experts)
-        return laden__fail(LADEN_E_INVAL,
-                           "laden_sched_enter_experts: NULL experts");
-    return enter_held(sc, block, compute_stream, n ? experts : &none, n,
+    return enter_held(sc, block, compute_stream, true, experts, n,
                       "laden_sched_enter_experts");
 }
 
