@@ -138,16 +138,9 @@ def drop(files, everything: bool) -> None:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return
-    import ctypes
-
-    from laden._lib import check, lib
+    from stream import drop_cache  # bench/stream.py's
     for p in files:
-        h = ctypes.c_void_p()
-        check(lib.laden_io_file_open(p.encode(), ctypes.byref(h)))
-        try:
-            check(lib.laden_io_drop_cache(h))
-        finally:
-            lib.laden_io_file_close(h)
+        drop_cache(p)
 
 
 def warm(files) -> None:
