@@ -170,6 +170,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     rows.append(("resident (laden, nothing streamed)",
                  dict(seconds=resident)))
+    # The first model timed also warms the GPU's clocks and the kernels'
+    # choices: the resident model is timed once more after the others
+    # (below), and the ideal takes the faster of its two times.
     lr = laden_row(cls, d, device, budget, run, args.warmup, args.steps,
                    size)
     rows.append((f"laden, budget {budget:.0%}", lr))
@@ -192,6 +195,14 @@ def main() -> int:
                              dict(error=str(e)[:60])))
             del m
             gc.collect()
+    if sdxl:
+        m = laden.from_pretrained(cls, d, device=device)
+        r2 = timed(run, m, device, args.warmup, args.steps)
+        laden.release(m)
+        rows.append(("resident again, after the others", dict(seconds=r2)))
+        if ideal is not None and r2 < resident:
+            resident = r2
+            ideal = max(resident, lr["streamed"] / rate)
     print(f"\nunet.py  {time.strftime('%Y-%m-%d %H:%M')}  {args.config}  "
           f"{fmt_bytes(size)}  {nparams / 1e9:.2f} G params  device "
           f"{device}  median of {args.steps} steps\n")

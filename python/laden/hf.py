@@ -265,9 +265,10 @@ class _TooLarge(Exception):
 
 
 # A build may ask for more than the checkpoint's largest tensor (a buffer
-# such as a causal mask, a parameter kept in float32), never for this
-# much more: elements in one tensor beyond the checkpoint's largest, and
-# in all tensors beyond its total.
+# such as a causal mask, a parameter kept in float32, a mixture-of-experts
+# parameter transformers fuses from one tensor per expert), never for this
+# much more: elements in one tensor beyond twice the checkpoint's largest
+# or its whole total, and in all tensors beyond four times its total.
 _ALLOC_SLACK = 1 << 28
 
 
@@ -326,7 +327,7 @@ def _allocation_guard(table):
 
     largest = max((math.prod(t.shape) for t in table), default=0)
     total = sum(math.prod(t.shape) for t in table)
-    one = 2 * largest + _ALLOC_SLACK
+    one = max(2 * largest, total) + _ALLOC_SLACK
     every = 4 * total + _ALLOC_SLACK
     get_default = getattr(torch, "get_default_device", None)
 

@@ -275,6 +275,8 @@ def test_offload_pipeline_adopts_a_streamed_component(tmp_path):
 CHILD = r"""
 import os, random, threading, time, _thread, sys
 import torch, laden
+torch.set_num_threads(1)  # a tiny model: beside other test processes,
+                          # a pool of threads only slows each try down
 sys.path.insert(0, {here!r})
 from models import PREFIXES, on_meta, reference
 ref = reference()

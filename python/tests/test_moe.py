@@ -9,6 +9,7 @@ tier; a conversion laden cannot apply is refused naming it.  A streamed
 layer's experts move only the rows of the experts its router picks
 (expert blocks: laden_sched_enter_experts)."""
 
+import math
 import os
 
 import pytest
@@ -102,11 +103,22 @@ def _stored_per_expert(d):
         return any(".experts.0." in k for k in f.keys())
 
 
-def _budget(device, tier):
-    if tier == "disk":
-        return {"ram_budget": 0, **({"vram_budget": "1MB"}
-                                    if device == "cuda" else {})}
-    return {"vram_budget": "1MB"} if device == "cuda" else {}
+def _budget(cls, d, device, tier):
+    """from_pretrained's arguments that stream every layer from `tier`.
+    On the CPU the RAM budget; on CUDA these models are smaller than any
+    budget that holds their slots, so a plan asks for no resident block."""
+    if device == "cpu":
+        return {"ram_budget": 0} if tier == "disk" else {}
+    with laden.hf.empty_weights():
+        m = cls(_config(_family_of(cls))[1])
+    p = laden.plan(m, os.path.join(d, "model.safetensors"), device=device,
+                   max_vram="64MB", headroom_vram=0, resident_blocks=0,
+                   **({"ram_budget": 0} if tier == "disk" else {}))
+    return {"plan": p}
+
+
+def _family_of(cls):
+    return next(f for f in FAMILIES if _config(f)[0] is cls)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -118,7 +130,8 @@ def test_from_pretrained_equals_transformers(tmp_path, family, tier, device):
         assert _stored_per_expert(d)  # what transformers fuses on load
     plain = _plain(cls, d, device)
     want, want_tokens = _logits(plain, device), _greedy(plain, device)
-    m = laden.from_pretrained(cls, d, device=device, **_budget(device, tier))
+    m = laden.from_pretrained(cls, d, device=device,
+                              **_budget(cls, d, device, tier))
     tiers = {b.tier_name for b in m._laden_stream.blocks}
     assert tiers == {"disk" if tier == "disk" else "ram"}, tiers
     assert torch.equal(_logits(m, device), want)
@@ -340,6 +353,31 @@ def test_pieces_of_two_dtypes_are_a_mismatch(tmp_path):
     with pytest.raises(laden.MismatchError,
                        match=r"layers\.2\.mlp\.experts\.gate_up_proj.*"
                              r"dtypes BF16, F32"):
+        laden.from_pretrained(cls, d, device="cpu")
+
+
+def test_fused_parameters_larger_than_any_stored_tensor_build(
+        tmp_path, monkeypatch):
+    """A fused experts parameter holds every expert's stored tensor: the
+    build's allocation guard allows one tensor up to the checkpoint's
+    total (before, 2x its largest: a Qwen3-MoE with 128 experts was
+    refused as 'the config does not describe this checkpoint')."""
+    monkeypatch.setattr(laden.hf, "_ALLOC_SLACK", 0)
+    cls, d = _saved(tmp_path, "qwen3_moe")
+    from safetensors import safe_open
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        largest = max(math.prod(f.get_slice(k).get_shape())
+                      for k in f.keys())
+    assert 8 * 2 * 32 * 64 > 2 * largest  # the fused gate_up_proj
+    want = _logits(_plain(cls, d, "cpu"), "cpu")
+    m = laden.from_pretrained(cls, d, device="cpu", ram_budget=0)
+    assert torch.equal(_logits(m, "cpu"), want)
+    laden.release(m)
+    # A config that does ask for too much is still refused.
+    cfg = _config("qwen3_moe")[1]
+    cfg.num_experts = 10 ** 5
+    cfg.save_pretrained(d)
+    with pytest.raises(laden.FormatError, match="config does not describe"):
         laden.from_pretrained(cls, d, device="cpu")
 
 
