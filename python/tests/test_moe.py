@@ -105,20 +105,28 @@ def _stored_per_expert(d):
 
 def _budget(cls, d, device, tier):
     """from_pretrained's arguments that stream every layer from `tier`.
-    On the CPU the RAM budget; on CUDA these models are smaller than any
-    budget that holds their slots, so a plan asks for no resident block."""
+    On the CPU the RAM budget.  On CUDA these models are smaller than any
+    VRAM budget that holds their slots beside the rest, so the least
+    budget that loads them (found by halving) keeps no block resident."""
+    disk = {"ram_budget": 0} if tier == "disk" else {}
     if device == "cpu":
-        return {"ram_budget": 0} if tier == "disk" else {}
-    with laden.hf.empty_weights():
-        m = cls(_config(_family_of(cls))[1])
-    p = laden.plan(m, os.path.join(d, "model.safetensors"), device=device,
-                   max_vram="64MB", headroom_vram=0, resident_blocks=0,
-                   **({"ram_budget": 0} if tier == "disk" else {}))
-    return {"plan": p}
+        return disk
 
+    def fits(b):
+        try:
+            m = laden.from_pretrained(cls, d, device=device, vram_budget=b,
+                                      **disk)
+        except laden.BudgetError:
+            return False
+        laden.release(m)
+        return True
 
-def _family_of(cls):
-    return next(f for f in FAMILIES if _config(f)[0] is cls)
+    lo, hi = 0, 64 << 20
+    assert fits(hi)
+    while hi - lo > 1024:  # every block is larger than this
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return dict(disk, vram_budget=hi)
 
 
 @pytest.mark.parametrize("device", DEVICES)
