@@ -145,6 +145,18 @@ char *test_path(const char *name)
     return p;
 }
 
+size_t test_lines_containing(const char *path, const char *what)
+{
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    char line[4096];
+    size_t n = 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, what) != NULL;
+    fclose(f);
+    return n;
+}
+
 void test_write_file(const char *path, const void *data, size_t len)
 {
     FILE *f = fopen(path, "wb");

@@ -122,5 +122,7 @@ void test_write_st(const char *path, const char *header, const void *data,
 void test_write_file(const char *path, const void *data, size_t len);
 /* tmpdir/name in one of 64 rotating static buffers. */
 char *test_path(const char *name);
+/* How many lines of the text file at path contain `what`. */
+size_t test_lines_containing(const char *path, const char *what);
 
 #endif

@@ -6,6 +6,7 @@
 
 #include "laden/dev.h"
 #include "laden/stream.h"
+#include "laden/trace.h"
 
 #define R 6
 #define C 10
@@ -502,6 +503,7 @@ static void experts_on(int32_t dev)
         CHECK_OK(laden_sched_add_tensor(sc, attn, st, w, LADEN_DTYPE_F32,
                                         &k));
         CHECK_OK(laden_sched_add_block(sc, tiers[ti], &ex));
+        CHECK_OK(laden_sched_set_block_name(sc, ex, "experts"));
         add_fused(sc, st, ex, LADEN_DTYPE_F32, &gu, &dn);
         CHECK_STATUS(laden_sched_set_experts(sc, ex, 5), LADEN_E_INVAL);
         CHECK(strstr(laden_last_error(), "equal rows"));
@@ -532,6 +534,8 @@ static void experts_on(int32_t dev)
         static const uint32_t routed[3][3] = {{2, 0, 2}, {1, 1, 1},
                                               {0, 1, 0}};
         static const uint64_t crossing[3] = {2, 1, 0};
+        char *trace = test_path("experts-trace.json");
+        CHECK_OK(laden_trace_start(0));
         for (int pass = 0; pass < 3; pass++) {
             CHECK_OK(laden_sched_enter(sc, attn, 0));
             CHECK_OK(laden_sched_exit(sc, attn, 0));
@@ -566,6 +570,22 @@ static void experts_on(int32_t dev)
             if (!streamed)
                 CHECK_EQ(b.h2d_bytes + b.read_bytes,
                          a.h2d_bytes + a.read_bytes);
+        }
+        /* Traced: a miss for each enter that moved rows, and on a device
+         * with a copy stream one copy span of exactly those rows' bytes. */
+        laden_trace_result_t res;
+        CHECK_OK(laden_trace_stop(trace, &res));
+        CHECK_EQ(res.unresolved, 0);
+        CHECK_EQ(test_lines_containing(trace, "\"name\":\"miss experts\""),
+                 streamed ? 2u : 0u);
+        bool copies = streamed && dev != LADEN_DEVICE_CPU;
+        CHECK_EQ(test_lines_containing(trace, "\"name\":\"h2d experts\""),
+                 copies ? 2u : 0u);
+        for (int pass = 0; pass < 2; pass++) {
+            char want[96];
+            snprintf(want, sizeof want, "\"block\":%u,\"bytes\":%llu,", ex,
+                     (unsigned long long)(crossing[pass] * row));
+            CHECK_EQ(test_lines_containing(trace, want), copies ? 1u : 0u);
         }
         CHECK_OK(laden_sched_stop(sc));
         laden_sched_destroy(sc);

@@ -3173,18 +3173,6 @@ static tline *read_trace(const char *path, size_t *n)
     return v;
 }
 
-static size_t lines_containing(const char *path, const char *what)
-{
-    FILE *f = fopen(path, "r");
-    CHECK(f != NULL);
-    char line[4096];
-    size_t n = 0;
-    while (fgets(line, sizeof line, f))
-        n += strstr(line, what) != NULL;
-    fclose(f);
-    return n;
-}
-
 static size_t count_cat(const tline *v, size_t n, const char *cat,
                         const char *ph)
 {
@@ -3280,13 +3268,13 @@ static void traced_pass(int32_t dev)
     }
     free(v);
     /* Named in every event of its own; the model's name escaped. */
-    CHECK_EQ(lines_containing(path, "\"name\":\"layers.two\",\"cat\":"
+    CHECK_EQ(test_lines_containing(path, "\"name\":\"layers.two\",\"cat\":"
                                     "\"block\",\"ph\":\"B\""),
              passes);
-    CHECK_EQ(lines_containing(path, "\"model\":\"traced \\\"model\\\"\""),
+    CHECK_EQ(test_lines_containing(path, "\"model\":\"traced \\\"model\\\"\""),
              passes * (NB + 1));
     if (dev != LADEN_DEVICE_CPU)
-        CHECK_EQ(lines_containing(path, "\"name\":\"h2d layers.two\""),
+        CHECK_EQ(test_lines_containing(path, "\"name\":\"h2d layers.two\""),
                  passes);
     /* Off again: nothing is recorded. */
     CHECK(!laden_trace_active());

@@ -795,10 +795,25 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
     sl->err = LADEN_OK;
     sl->fills = ++sc->run.fill_seq;
     rows_io x = {.b = b, .sl = sl};
+    /* Traced (expert blocks are never captured): a miss when any routed
+     * expert's rows must come, and their copies as one span on the copy
+     * stream, between marks taken before the slot's ready event. */
+    bool traced = moved && LADEN__TRACING();
+    uint64_t sess = traced ? laden__trace_session() : 0; /* before marks */
+    void *m[2] = {NULL, NULL};
+    if (traced)
+        laden__trace_point(LADEN__EV_MISS, sess, bi, 0, (uintptr_t)sc,
+                           bname(sc, bi));
     if (b->tier == LADEN_TIER_RAM) {
-        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-            (s = each_row_range(sc, b, move, copy_rows, &x)) ||
-            (s = laden_dev_event_record(sl->ready, sc->run.copy)))
+        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)))
+            return s;
+        if (traced && sc->cuda)
+            m[0] = laden__dev_trace_mark(sc->run.copy);
+        if ((s = each_row_range(sc, b, move, copy_rows, &x)))
+            return s;
+        if (m[0])
+            m[1] = laden__dev_trace_mark(sc->run.copy);
+        if ((s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
         sc->st.h2d_bytes += x.bytes;
     } else {
@@ -813,15 +828,23 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         if (s)
             return s;
         sc->st.read_bytes += x.bytes;
-        if (sc->cuda &&
-            ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-             (s = each_row_range(sc, b, move, stage_rows, &x)) ||
-             (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
-             (s = laden_dev_event_record(sl->staging_free, sc->run.copy))))
-            return s;
-        if (sc->cuda)
+        if (sc->cuda) {
+            if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)))
+                return s;
+            if (traced)
+                m[0] = laden__dev_trace_mark(sc->run.copy);
+            if ((s = each_row_range(sc, b, move, stage_rows, &x)))
+                return s;
+            if (m[0])
+                m[1] = laden__dev_trace_mark(sc->run.copy);
+            if ((s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
+                (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
+                return s;
             sc->st.h2d_bytes += x.bytes;
+        }
     }
+    laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1], bi,
+                        x.bytes, (uintptr_t)sc, m[0] ? bname(sc, bi) : NULL);
     for (uint32_t k = 0; k < words; k++)
         ok[k] |= move[k];
     sl->block = bi;
