@@ -9,8 +9,11 @@ whole layers streamed, and on CUDA beside transformers' device_map="auto"
 (accelerate) under the same budget.  Per decode token: the bytes laden
 moved (disk reads on the CPU, host to device copies on CUDA), the bytes
 of the experts the routers picked (the floor when nothing is cached),
-their ratio, tokens/s, the prompt's time, and whether the prompt's logits
-equal transformers' own loading.
+their ratio, tokens/s, the prompt's time and bytes, and whether the
+prompt's logits equal transformers' own loading.  On CUDA the model is
+also run whole on the device (no budget): its times and the link's rate
+give the floors, decode at max(resident token, routed bytes / link) and
+prefill at max(resident prefill, the prompt's distinct experts / link).
 
     python bench/moe.py                       # CPU: tiny, disk tier
     python bench/moe.py --device cuda --layers 16 --experts 128 \\
@@ -109,6 +112,7 @@ def main() -> int:
         first step exact, prefill seconds)."""
         picked, hooks = routed_counter(m, a.experts)
         with torch.no_grad():
+            p0 = moved_of()
             t0 = time.perf_counter()
             out = m(ids, use_cache=True)
             if dev.type == "cuda":
@@ -117,6 +121,7 @@ def main() -> int:
             exact = torch.equal(out.logits, want)
             cache = out.past_key_values
             tok = out.logits[:, -1:].argmax(-1)
+            pre = (moved_of() - p0, sum(picked) * expert_bytes)
             picked.clear()
             s0 = moved_of()
             t0 = time.perf_counter()
@@ -131,9 +136,25 @@ def main() -> int:
         for h in hooks:
             h.remove()
         return (moved, sum(picked) * expert_bytes / a.tokens,
-                a.tokens / sec, exact, prefill)
+                a.tokens / sec, exact, prefill) + pre
 
     rows = []
+    link = 0.0
+    if dev.type == "cuda":
+        # The compute the floors take: the whole model on the device
+        # (no budget), and the link's rate as laden's probe measures it.
+        import ctypes
+        from laden import _lib
+        r = ctypes.c_double()
+        _lib.check(_lib.lib.laden_plan_probe_h2d(dev.index or 0,
+                                                 ctypes.byref(r)))
+        link = r.value
+        m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
+                                  device=dev, progress=False)
+        rows.append(("resident (no budget)",)
+                    + decode(m, lambda: 0))
+        laden.release(m)
+        torch.cuda.empty_cache()
     for expert_rows in (True, False):
         m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
                                   device=dev, progress=False,
@@ -175,13 +196,24 @@ def main() -> int:
           f"{a.expert_width}; {size / 1e6:.1f} MB; budget "
           f"{a.budget:.0%} of it; tiers {', '.join(tiers)}; prompt "
           f"{ids.shape[1]} tokens, then {a.tokens} decode tokens")
+    res = rows[0] if rows and rows[0][0].startswith("resident") else None
     table = [("", "moved MB/token", "routed MB/token", "moved / routed",
-              "tokens/s", "prefill s", "exact")]
-    for name, moved, routed, tps, exact, prefill in rows:
+              "tokens/s", "÷ floor", "prefill s", "prefill moved MB",
+              "prefill routed MB", "prefill ÷ ideal", "exact")]
+    for name, moved, routed, tps, exact, prefill, pmoved, prouted in rows:
+        # Floors: decode at max(resident token time, routed bytes / link);
+        # prefill at max(resident prefill, its distinct experts / link).
+        fl = pi = "-"
+        if res is not None and link and name != res[0]:
+            token = max(1 / res[3], routed / link)
+            fl = f"{(1 / tps) / token:.2f}"
+            pi = f"{prefill / max(res[5], prouted / link):.2f}"
         table.append((name, f"{moved / 1e6:.3f}" if moved else "-",
                       f"{routed / 1e6:.3f}",
                       f"{moved / routed:.2f}" if moved and routed else "-",
-                      f"{tps:.1f}", f"{prefill:.3f}", str(exact)))
+                      f"{tps:.1f}", fl, f"{prefill:.3f}",
+                      f"{pmoved / 1e6:.1f}" if pmoved else "-",
+                      f"{prouted / 1e6:.1f}", pi, str(exact)))
     w = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for j, r in enumerate(table):
         print("  " + "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
@@ -191,6 +223,10 @@ def main() -> int:
     print("moved: what laden copied host to device (CUDA) or read from the "
           "drive (CPU) per decode token; routed: the bytes of the distinct "
           "experts the routers picked (the floor with nothing cached).")
+    if res is not None and link:
+        print(f"÷ floor: time per token over max(resident's, routed bytes / "
+              f"{link / 1e9:.1f} GB/s); prefill ÷ ideal: over max(resident "
+              "prefill, the prompt's distinct experts' bytes / link).")
     return 0
 
 
