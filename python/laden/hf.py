@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 
 from . import doors, streaming
 from ._describe import find_blocks
-from ._hfnames import key_map_for
 from ._devices import _device
 # The move guard lives below streaming (release takes it off); the names
 # stay importable from here, where they were.
@@ -777,8 +776,9 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
         table = ck.tensors()
     dtype = _dtype_of(dtype)
     model, dtype = _build(model_cls, lib, path, dtype, dict(kwargs), table)
-    key_map = _gguf_key_map(model, weights) if gguf else \
-        key_map_for(model, [t.name for t in table])
+    # A safetensors checkpoint's names are mapped as transformers loads
+    # them where the model is described (stream_load), once.
+    key_map = _gguf_key_map(model, weights) if gguf else None
     model.eval()
     blocks = find_blocks(model)
     resident = _called_from_outside(model)
