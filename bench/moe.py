@@ -143,12 +143,9 @@ def main() -> int:
     if dev.type == "cuda":
         # The compute the floors take: the whole model on the device
         # (no budget), and the link's rate as laden's probe measures it.
-        import ctypes
-        from laden import _lib
-        r = ctypes.c_double()
-        _lib.check(_lib.lib.laden_plan_probe_h2d(dev.index or 0,
-                                                 ctypes.byref(r)))
-        link = r.value
+        sys.path.insert(0, HERE)
+        from unet import h2d_rate  # bench/unet.py's
+        link = h2d_rate(dev.index or 0)
         m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
                                   device=dev, progress=False)
         rows.append(("resident (no budget)",)

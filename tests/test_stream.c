@@ -3269,9 +3269,10 @@ static void traced_pass(int32_t dev)
     free(v);
     /* Named in every event of its own; the model's name escaped. */
     CHECK_EQ(test_lines_containing(path, "\"name\":\"layers.two\",\"cat\":"
-                                    "\"block\",\"ph\":\"B\""),
+                                         "\"block\",\"ph\":\"B\""),
              passes);
-    CHECK_EQ(test_lines_containing(path, "\"model\":\"traced \\\"model\\\"\""),
+    CHECK_EQ(test_lines_containing(path,
+                                   "\"model\":\"traced \\\"model\\\"\""),
              passes * (NB + 1));
     if (dev != LADEN_DEVICE_CPU)
         CHECK_EQ(test_lines_containing(path, "\"name\":\"h2d layers.two\""),

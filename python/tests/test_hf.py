@@ -120,8 +120,7 @@ def test_background_load_generates_before_it_ends(tmp_path, device, tier,
     want = greedy(ref.to(device), device)
     b = budget(device, nbytes(ref))
     if tier == "disk":  # on CUDA with the VRAM budget of the RAM tier's
-        b = {"ram_budget": 0, **({k: v for k, v in b.items()
-                                  if k == "vram_budget"})}
+        b = dict(b, ram_budget=0)
     m = laden.from_pretrained(type(ref), d, device=device, background=True,
                               progress=True, **b)
     rep = m._laden_stream.report
