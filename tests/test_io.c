@@ -669,21 +669,35 @@ TEST(io_cold_buffered_drops_behind)
     CHECK(st.buffered_bytes > n - (64u << 10));
     CHECK_EQ(st.dropped_bytes, st.buffered_bytes);
     CHECK(resident_pages(p) < 64); /* a page or two may come back */
-    /* Warm: all copied from the page cache, which keeps every page. */
+    /* Warm: copied from the page cache, which keeps every page.  Under
+     * memory pressure (CI runs test binaries side by side) the kernel may
+     * take back a page or two between our reads and laden's, so the file
+     * is warmed until the cache holds it, and what laden finds missing it
+     * reads buffered and drops again, nothing else. */
+    const uint64_t pages = (n + 4095) / 4096;
+    uint64_t warm = 0;
     int fd = open(p, O_RDONLY);
-    for (uint64_t at = 0; at < n; at += 1u << 20)
-        CHECK(pread(fd, buf, 1u << 20, (off_t)at) > 0);
+    for (int tries = 0; tries < 5 && warm < pages; tries++) {
+        for (uint64_t at = 0; at < n; at += 1u << 20)
+            CHECK(pread(fd, buf, 1u << 20, (off_t)at) > 0);
+        warm = resident_pages(p);
+    }
     close(fd);
-    uint64_t warm = resident_pages(p);
-    CHECK_EQ(warm, (n + 4095) / 4096);
+    CHECK(warm + 16 >= pages);
     laden_io_stats_t before = st;
     memset(buf, 0, n);
     CHECK_OK(laden_io_read(io, f, 0, n, buf));
     check_range(buf, 0, n);
     CHECK_OK(laden_io_stats(io, &st));
-    CHECK_EQ(st.cached_bytes - before.cached_bytes, n);
-    CHECK_EQ(st.dropped_bytes, before.dropped_bytes); /* no drop asked */
-    CHECK(resident_pages(p) + 16 >= warm); /* the kernel may take a few */
+    const uint64_t cached = st.cached_bytes - before.cached_bytes;
+    const uint64_t again = st.buffered_bytes - before.buffered_bytes;
+    CHECK_EQ(st.direct_bytes, before.direct_bytes);
+    CHECK_EQ(cached + again, n);
+    CHECK(cached >= n - (1u << 20)); /* all but what the kernel took */
+    /* Only the pages laden itself brought back are dropped. */
+    CHECK(st.dropped_bytes - before.dropped_bytes <=
+          (again ? again + (64u << 10) : 0));
+    CHECK(resident_pages(p) + 16 + again / 4096 >= warm);
     laden_io_destroy(io);
     laden_io_file_close(f);
     free(buf);
