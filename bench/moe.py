@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.0,
                     help="VRAM (CUDA) or RAM (CPU) budget as a share of "
                          "the model's bytes")
+    ap.add_argument("--expert-cache", default=None,
+                    help="device memory for the expert cache (\"2GB\"); "
+                    "default: what the plan leaves on CUDA, none on the CPU")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
 
@@ -155,7 +158,8 @@ def main() -> int:
     for expert_rows in (True, False):
         m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
                                   device=dev, progress=False,
-                                  expert_rows=expert_rows, **kw)
+                                  expert_rows=expert_rows,
+                                  expert_cache=a.expert_cache, **kw)
         st = m._laden_stream
         tiers = sorted({b.tier_name for b in st.blocks})
 
@@ -167,9 +171,12 @@ def main() -> int:
         c1 = st.stats()
         asked = c1.expert_rows - c0.expert_rows
         if asked:
-            hit = 1 - (c1.expert_rows_moved - c0.expert_rows_moved) / asked
-            print(f"expert rows: {asked} entered, {hit:.1%} already in "
-                  "their slot")
+            moved = (c1.expert_rows_moved - c0.expert_rows_moved) / asked
+            cached = (c1.expert_rows_cached - c0.expert_rows_cached) / asked
+            print(f"expert rows: {asked} entered, {cached:.1%} from the "
+                  f"expert cache ({c1.expert_cache_bytes / 1e6:.0f} MB), "
+                  f"{1 - moved - cached:.1%} already in their slot, "
+                  f"{moved:.1%} across the link")
         rows.append(("laden, " + ("routed experts' rows" if expert_rows
                                   else "whole layers"),) + r)
         laden.release(m)

@@ -598,6 +598,184 @@ TEST(stream_experts_move_routed_rows_on_every_device)
     test_on_every_device(experts_on);
 }
 
+/* The expert cache: two expert blocks and an attention block take turns
+ * in two slots, so no slot keeps an expert block's rows to its next enter;
+ * experts that crossed once come back from the cache, device to device,
+ * as long as it holds them (least recently used out first, never one the
+ * same enter uses). */
+static void expert_cache_on(int32_t dev)
+{
+    static const laden_tier tiers[] = {LADEN_TIER_RAM, LADEN_TIER_DISK};
+    char *path = write_experts();
+    const uint64_t row = 3 * NI * NH * 4; /* one expert: gate, up, down */
+    for (size_t ti = 0; ti < 2; ti++) {
+        if (dev == LADEN_DEVICE_CPU && ti == 0)
+            continue; /* the RAM tier runs in place there */
+        laden_st_t *st;
+        laden_sched_t *sc;
+        CHECK_OK(laden_st_open(path, &st));
+        laden_sched_config cfg = {.device = dev, .lookahead = 1};
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        uint32_t attn, ex[2], gu[2], dn[2], k;
+        size_t w;
+        CHECK_OK(laden_st_find(st, "e.0.w1", &w)); /* attn's stand-in */
+        for (int b = 0; b < 3; b++) { /* ex0, attn, ex1: ex0, ex1 share */
+            uint32_t *to = b == 1 ? &attn : &ex[b / 2];
+            CHECK_OK(laden_sched_add_block(sc, tiers[ti], to));
+            if (b == 1) {
+                CHECK_OK(laden_sched_add_tensor(sc, attn, st, w,
+                                                LADEN_DTYPE_F32, &k));
+                continue;
+            }
+            add_fused(sc, st, *to, LADEN_DTYPE_F32, &gu[b / 2], &dn[b / 2]);
+            CHECK_OK(laden_sched_set_experts(sc, *to, NE));
+        }
+        /* Two entries, and a byte short of a third. */
+        CHECK_OK(laden_sched_set_expert_cache(sc, 3 * row - 1));
+        CHECK_OK(laden_sched_load(sc));
+        CHECK_OK(laden_sched_start(sc, 0));
+        CHECK_STATUS(laden_sched_set_expert_cache(sc, 0), LADEN_E_STATE);
+        laden_sched_stats_t a, b;
+        CHECK_OK(laden_sched_stats(sc, &a));
+        CHECK_EQ(a.expert_cache_bytes, 2 * row);
+        CHECK_EQ(a.device_bytes, a.gpu_bytes + a.nslots * a.slot_bytes +
+                                     2 * row);
+        /* Per enter: the block, the experts routed to, and how many of
+         * them cross the link and come from the cache; the entries after
+         * it (block.expert), least recently used first. */
+        static const struct {
+            int blk;
+            uint32_t n, routed[3];
+            uint64_t moved, cached;
+        } steps[] = {
+            {0, 2, {0, 1}, 2, 0},    /* 0.0 0.1 */
+            {1, 1, {2}, 1, 0},       /* 0.1 1.2 */
+            {0, 3, {2, 0, 0}, 2, 0}, /* 0.0 0.2 (repeats count once) */
+            {1, 2, {2, 1}, 2, 0},    /* 1.1 1.2 */
+            {0, 3, {0, 1, 2}, 3, 0}, /* 0.0 0.1: 0.2 finds both entries
+                                        used by this enter, not kept */
+            {1, 1, {1}, 1, 0},       /* 0.1 1.1 */
+            {0, 2, {1, 2}, 1, 1},    /* 0.1 0.2 */
+            {1, 1, {2}, 1, 0},       /* 0.1 1.2 */
+            {0, 1, {1}, 0, 1},       /* 1.2 0.1 */
+            {1, 1, {2}, 0, 1},
+        };
+        for (size_t i = 0; i < sizeof steps / sizeof *steps; i++) {
+            int bl = steps[i].blk;
+            CHECK_OK(laden_sched_synchronize(sc));
+            CHECK_OK(laden_sched_stats(sc, &a));
+            CHECK_OK(laden_sched_enter_experts(sc, ex[bl], steps[i].routed,
+                                               steps[i].n, 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            float got[3 * NI * NH];
+            for (uint32_t j = 0; j < steps[i].n; j++) {
+                rows_of(sc, dev, ex[bl], gu[bl], dn[bl],
+                        (int)steps[i].routed[j], got);
+                check_expert(got, (int)steps[i].routed[j], "cached");
+            }
+            CHECK_OK(laden_sched_exit(sc, ex[bl], 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            CHECK_OK(laden_sched_stats(sc, &b));
+            CHECK_OK(laden_sched_enter(sc, attn, 0));
+            CHECK_OK(laden_sched_exit(sc, attn, 0));
+            if (b.expert_rows_moved - a.expert_rows_moved != steps[i].moved ||
+                b.expert_rows_cached - a.expert_rows_cached !=
+                    steps[i].cached) {
+                fprintf(stderr, "device %d tier %zu step %zu: moved %llu "
+                        "cached %llu\n", dev, ti, i,
+                        (unsigned long long)(b.expert_rows_moved -
+                                             a.expert_rows_moved),
+                        (unsigned long long)(b.expert_rows_cached -
+                                             a.expert_rows_cached));
+                CHECK(0);
+            }
+            uint64_t link = steps[i].moved * row;
+            CHECK_EQ(ti ? b.read_bytes - a.read_bytes
+                        : b.h2d_bytes - a.h2d_bytes, link);
+        }
+        CHECK_OK(laden_sched_stop(sc));
+        CHECK_OK(laden_sched_stats(sc, &b));
+        CHECK_EQ(b.expert_cache_bytes, 0);
+        /* Started again: a cache as large as every streamed expert at most
+         * (2 blocks of NE), and none when asked for none. */
+        CHECK_OK(laden_sched_set_expert_cache(sc, 100 * row));
+        CHECK_OK(laden_sched_start(sc, 0));
+        CHECK_OK(laden_sched_stats(sc, &b));
+        CHECK_EQ(b.expert_cache_bytes, 2 * NE * row);
+        CHECK_OK(laden_sched_stop(sc));
+        CHECK_OK(laden_sched_set_expert_cache(sc, 0));
+        CHECK_OK(laden_sched_start(sc, 0));
+        CHECK_OK(laden_sched_stats(sc, &b));
+        CHECK_EQ(b.expert_cache_bytes, 0);
+        uint32_t one = 1;
+        for (int r = 0; r < 2; r++) { /* no cache: crosses every time */
+            CHECK_OK(laden_sched_stats(sc, &a));
+            CHECK_OK(laden_sched_enter_experts(sc, ex[r], &one, 1, 0));
+            CHECK_OK(laden_sched_exit(sc, ex[r], 0));
+            CHECK_OK(laden_sched_enter(sc, attn, 0));
+            CHECK_OK(laden_sched_exit(sc, attn, 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            CHECK_OK(laden_sched_stats(sc, &b));
+            CHECK_EQ(b.expert_rows_moved - a.expert_rows_moved, 1);
+            CHECK_EQ(b.expert_rows_cached, a.expert_rows_cached);
+        }
+        CHECK_OK(laden_sched_stop(sc));
+        /* AUTO without a plan: none. */
+        CHECK_OK(laden_sched_set_expert_cache(sc, LADEN_EXPERT_CACHE_AUTO));
+        CHECK_OK(laden_sched_start(sc, 0));
+        CHECK_OK(laden_sched_stats(sc, &b));
+        CHECK_EQ(b.expert_cache_bytes, 0);
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+    }
+}
+
+TEST(stream_expert_cache_on_every_device)
+{
+    test_on_every_device(expert_cache_on);
+}
+
+/* Not asked a size, a CUDA schedule's expert cache takes what the plan
+ * left of the device memory it had, in whole entries; the CPU device's
+ * takes none. */
+static void expert_cache_auto_on(int32_t dev)
+{
+    char *path = write_experts();
+    const uint64_t row = 3 * NI * NH * 4;
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = dev, .lookahead = 1};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t ex, gu, dn;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &ex));
+    add_fused(sc, st, ex, LADEN_DTYPE_F32, &gu, &dn);
+    CHECK_OK(laden_sched_set_experts(sc, ex, NE));
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    in.resident_blocks = -1;
+    laden_plan_result res;
+    if (dev != LADEN_DEVICE_CPU) { /* what the slots take, then that and
+                                      two and a half experts' room */
+        in.vram_free_bytes = 1ull << 40;
+        CHECK_OK(laden_sched_plan(sc, &in, NULL, &res));
+        in.max_vram_bytes = res.vram_used_bytes + 2 * row + row / 2;
+    }
+    CHECK_OK(laden_sched_plan(sc, &in, NULL, &res));
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_OK(laden_sched_start(sc, 0));
+    laden_sched_stats_t b;
+    CHECK_OK(laden_sched_stats(sc, &b));
+    CHECK_EQ(b.expert_cache_bytes, dev == LADEN_DEVICE_CPU ? 0 : 2 * row);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+TEST(stream_expert_cache_takes_what_the_plan_leaves)
+{
+    test_on_every_device(expert_cache_auto_on);
+}
+
 TEST(stream_experts_refused)
 {
     char *path = write_experts();
@@ -630,6 +808,9 @@ TEST(stream_experts_refused)
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
     CHECK_OK(laden_sched_add_tensor(sc, blk, st, a, LADEN_DTYPE_F32, &k));
     CHECK_STATUS(laden_sched_set_experts(sc, blk, 2), LADEN_E_UNSUPPORTED);
+    CHECK_STATUS(laden_sched_set_expert_cache(sc, 1u << 20),
+                 LADEN_E_UNSUPPORTED);
+    CHECK_STATUS(laden_sched_set_expert_cache(NULL, 0), LADEN_E_INVAL);
     laden_sched_destroy(sc);
     laden_st_close(st);
 }

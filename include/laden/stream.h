@@ -102,8 +102,14 @@ typedef struct laden_sched_stats {
     uint64_t expert_rows;       /* experts entered in streamed expert
                                    blocks (laden_sched_enter_experts),
                                    each counted once per enter */
-    uint64_t expert_rows_moved; /* of those, the ones copied or read: the
-                                   rest were in the slot already */
+    uint64_t expert_rows_moved; /* of those, the ones that crossed the
+                                   link (copied from host memory or read
+                                   from disk) */
+    uint64_t expert_rows_cached; /* of those, the ones copied from the
+                                    expert cache in device memory; the
+                                    rest were in the slot already */
+    uint64_t expert_cache_bytes; /* device memory the expert cache holds
+                                    (laden_sched_set_expert_cache) */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -224,6 +230,24 @@ LADEN_API laden_status laden_sched_enter_experts(laden_sched_t *sched,
                                                  const uint32_t *experts,
                                                  uint32_t n,
                                                  uintptr_t compute_stream);
+
+/* Device memory for the expert cache (LADEN_EXPERT_CACHE_AUTO: as the
+ * schedule decides).  Experts of streamed expert blocks that crossed the
+ * link are kept there, the least recently used making room, so that an
+ * enter routed to one again after its slot held another block copies it
+ * from there, device to device, instead of across the link; counted in
+ * expert_rows_cached.  Entries are all the size of the largest expert;
+ * `bytes` is rounded down to whole entries and capped at every streamed
+ * expert.  AUTO: on CUDA the device memory the last laden_sched_plan left
+ * free (its vram_avail_bytes less vram_used_bytes; none if the tiers
+ * were not planned, or when that memory cannot be had at start), on the
+ * CPU device none (its copy would be one more in host memory); 0: none.
+ * Made at laden_sched_start with the slots and charged like them to the
+ * VRAM context; a size given that cannot be had fails the start.
+ * LADEN_E_STATE once started, LADEN_E_UNSUPPORTED for a cache schedule. */
+#define LADEN_EXPERT_CACHE_AUTO UINT64_MAX
+LADEN_API laden_status laden_sched_set_expert_cache(laden_sched_t *sched,
+                                                    uint64_t bytes);
 
 /* Adds checkpoint tensor `st_index` to a block, stored as `dtype` (the
  * checkpoint's own dtype, or F32/F16/BF16 converted from one of those on

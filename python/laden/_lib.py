@@ -125,7 +125,8 @@ class SchedStats(Structure):
         ("upload_bytes", c_uint64), ("generation", c_uint64),
         ("offloaded_bytes", c_uint64), ("load_cached_bytes", c_uint64),
         ("reorders", c_uint64), ("expert_rows", c_uint64),
-        ("expert_rows_moved", c_uint64),
+        ("expert_rows_moved", c_uint64), ("expert_rows_cached", c_uint64),
+        ("expert_cache_bytes", c_uint64),
     ]
 
 
@@ -294,6 +295,7 @@ _SIGNATURES = {
     "laden_sched_set_rope_rows": (status_t, [p, c_uint32, c_uint32, c_uint64]),
     "laden_sched_join_tensor": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_set_experts": (status_t, [p, c_uint32, c_uint32]),
+    "laden_sched_set_expert_cache": (status_t, [p, c_uint64]),
     "laden_sched_enter_experts": (status_t, [p, c_uint32,
                                              POINTER(c_uint32), c_uint32,
                                              ctypes.c_size_t]),

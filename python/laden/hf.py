@@ -715,7 +715,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     subfolder: Optional[str] = None,
                     variant: Optional[str] = None, shared=False,
                     pinned_pool=None, background: bool = False,
-                    expert_rows: bool = True, **kwargs):
+                    expert_rows: bool = True, expert_cache=None,
+                    **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -747,7 +748,9 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     block after the last byte instead of after the load and a whole
     forward; ``laden.wait(model)`` waits for the load and raises its
     error.  A mixture-of-experts model moves only the experts its router
-    picks (``expert_rows``, see ``laden.stream_load``)."""
+    picks (``expert_rows``, see ``laden.stream_load``), and keeps those
+    that crossed in device memory the plan leaves free
+    (``expert_cache``)."""
     path = os.fspath(path)
     if subfolder:
         path = os.path.join(path, subfolder)
@@ -791,7 +794,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             device=dev, vram_budget=vram_budget, ram_budget=ram_budget,
             key_map=key_map, lookahead=lookahead,
             progress=progress, shared=shared, pinned_pool=pinned_pool,
-            background=background, expert_rows=expert_rows)
+            background=background, expert_rows=expert_rows,
+            expert_cache=expert_cache)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

@@ -197,7 +197,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                 lookahead: int = LOOKAHEAD, storage_dtype=None,
                 vram=None, progress: Optional[bool] = None,
                 background: bool = False, shared=False,
-                pinned_pool=None, expert_rows: bool = True) -> LoadReport:
+                pinned_pool=None, expert_rows: bool = True,
+                expert_cache=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -278,6 +279,12 @@ def stream_load(model, path: PathLike, *, plan=None,
       router picked (read from disk on the disk tier); the rest of the
       layer streams as before.  False: whole layers stream.  Such a model
       cannot be captured as a CUDA graph, trained or compiled by block.
+    - ``expert_cache``: device memory (bytes or a string, "2GB") that
+      keeps experts which crossed the link, the least recently used
+      making room, so that a token routed to one again copies it from
+      there instead of across the link (``handle.stats()``:
+      ``expert_rows_cached``).  None: on CUDA the device memory the plan
+      leaves free under ``vram_budget``, none on the CPU; 0: none.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -292,7 +299,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                             key_map, skip_prefixes, device, vram_budget,
                             ram_budget, lookahead, storage_dtype, vram,
                             progress, background, shared, group_checked,
-                            expert_rows)
+                            expert_rows, expert_cache)
     except BaseException as e:
         # The group's other ranks wait in its check for this one: it
         # takes part, failed, so that they raise naming it.
@@ -308,7 +315,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                  disk_prefixes, compute_dtype, key_map, skip_prefixes,
                  device, vram_budget, ram_budget, lookahead, storage_dtype,
                  vram, progress, background, shared,
-                 group_checked, expert_rows=True) -> LoadReport:
+                 group_checked, expert_rows=True,
+                 expert_cache=None) -> LoadReport:
     import torch
 
     plan_tiers = None
@@ -360,6 +368,12 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"{getattr(vram, 'device', type(vram).__name__)}, the model "
             f"goes to {dev}", "E_INVAL")
     vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
+    if expert_cache is not None:
+        try:
+            expert_cache = parse_size(expert_cache)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"stream_load: expert_cache: {e}",
+                                       "E_INVAL") from None
     t0 = time.perf_counter()
     ck = Checkpoint(path)
     try:
@@ -386,7 +400,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
         state.name = f"model {type(model).__name__}"
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
-              background, shared, group_checked)
+              background, shared, group_checked, expert_cache)
     except BaseException:
         ck.close()
         raise
@@ -401,7 +415,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
 
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None, background: bool = False,
-          shared=False, group_checked: Optional[list] = None) -> None:
+          shared=False, group_checked: Optional[list] = None,
+          expert_cache: Optional[int] = None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -412,6 +427,8 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
         planning.plan_schedule(o.h, budgets, {b.c_block: b.name
                                               for b in desc.blocks})
+        if expert_cache is not None:
+            check(lib.laden_sched_set_expert_cache(o.h, expert_cache))
         state.blocks = desc.blocks
         state.tensors = desc.tensors
         state.kept = desc.kept

@@ -259,19 +259,40 @@ def _router_picks(m):
                     for n, mm in m.named_modules() if n.endswith("mlp.gate")]
 
 
+def _qwen_moe(where, experts: int):
+    """A tiny top-2 Qwen3-MoE with `experts` experts saved at `where`:
+    (class, config, directory, bytes of one expert's rows in float32)."""
+    cls = T.Qwen3MoeForCausalLM
+    cfg = T.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32,
+                           num_experts=experts, num_experts_per_tok=2,
+                           decoder_sparse_step=1, head_dim=16, **COMMON)
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(str(where))
+    return cls, cfg, str(where), 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size * 4
+
+
+def _prompt_then_decode(m, after_prompt, tokens: int = 4):
+    """Greedy: the prompt, after_prompt(), then `tokens` tokens one at a
+    time through the KV cache; those tokens."""
+    with torch.no_grad():
+        out = m(_ids(), use_cache=True)
+        after_prompt()
+        toks = []
+        for _ in range(tokens):
+            tok = out.logits[:, -1:].argmax(-1)
+            out = m(tok, past_key_values=out.past_key_values,
+                    use_cache=True)
+            toks.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(toks, 1)
+
+
 def test_only_routed_experts_are_read(tmp_path):
     """Disk tier on the CPU, two slots for more blocks: each decode step
     reads at most the rows of the experts the routers picked and the rest
     of the streamed layers, far less than whole layers; the same tokens
     either way."""
-    cls = T.Qwen3MoeForCausalLM
-    cfg = T.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32,
-                           num_experts=32, num_experts_per_tok=2,
-                           decoder_sparse_step=1, head_dim=16, **COMMON)
-    torch.manual_seed(0)
-    d = str(tmp_path / "many")
-    cls(cfg).save_pretrained(d)
-    row = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # f32
+    cls, cfg, d, row = _qwen_moe(tmp_path / "many", 32)
     per = {}
     for rows in (True, False):
         m = laden.from_pretrained(cls, d, device="cpu", ram_budget=0,
@@ -281,21 +302,13 @@ def test_only_routed_experts_are_read(tmp_path):
         assert (len(experts) == cfg.num_hidden_layers) == rows
         rest = sum(b.nbytes for b in st.blocks if not b.experts)
         picked, hooks = _router_picks(m)
-        with torch.no_grad():
-            out = m(_ids(), use_cache=True)
-            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            picked.clear()
-            before = st.stats().read_bytes
-            toks = []
-            for _ in range(4):
-                out = m(tok, past_key_values=cache, use_cache=True)
-                cache, tok = out.past_key_values, \
-                    out.logits[:, -1:].argmax(-1)
-                toks.append(tok)
-            read = st.stats().read_bytes - before
+        before = []
+        toks = _prompt_then_decode(
+            m, lambda: (picked.clear(), before.append(st.stats())))
+        read = st.stats().read_bytes - before[0].read_bytes
         for h in hooks:
             h.remove()
-        per[rows] = (read, torch.cat(toks, 1))
+        per[rows] = (read, toks)
         if rows:
             routed = sum(picked) * row
             assert read <= routed + 4 * rest, (read, routed, rest)
@@ -305,6 +318,35 @@ def test_only_routed_experts_are_read(tmp_path):
         laden.release(m)
     assert torch.equal(per[True][1], per[False][1])
     assert per[True][0] * 2 < per[False][0], per
+
+
+def test_expert_cache_keeps_experts_between_tokens(tmp_path):
+    """Disk tier on the CPU with an expert cache that holds every expert:
+    after the prompt, a decode step reads no expert row again (each
+    routed expert comes from the cache), the tokens are those without
+    the cache, and a bad size is refused naming the argument."""
+    cls, cfg, d, row = _qwen_moe(tmp_path / "cached", 8)
+    experts = cfg.num_experts * cfg.num_hidden_layers
+    with pytest.raises(laden.InvalidArgumentError, match="expert_cache"):
+        laden.from_pretrained(cls, d, device="cpu", expert_cache="lots")
+    got = {}
+    for size in (0, experts * row):
+        m = laden.from_pretrained(cls, d, device="cpu", ram_budget=0,
+                                  lookahead=1, expert_cache=size)
+        h = m._laden_stream.handle
+        assert h.stats()["expert_cache_bytes"] == size
+        seen = []  # after the prompt, which routes to most experts
+        got[size] = _prompt_then_decode(m, lambda: seen.append(h.stats()))
+        first, c = seen[0], h.stats()
+        moved = c["expert_rows_moved"] - first["expert_rows_moved"]
+        cached = c["expert_rows_cached"] - first["expert_rows_cached"]
+        if size:  # only experts the prompt did not pick cross
+            assert cached > 0 and cached >= moved, (cached, moved)
+            assert c["expert_rows_moved"] <= experts
+        else:
+            assert cached == 0 and moved > 0
+        laden.release(m)
+    assert torch.equal(got[0], got[experts * row])
 
 
 def test_expert_rows_refuse_training(tmp_path):

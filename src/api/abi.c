@@ -81,7 +81,8 @@
     F(T, misses) F(T, h2d_bytes) F(T, read_bytes) F(T, load_read_bytes)    \
     F(T, resident_bytes) F(T, registered_bytes) F(T, upload_bytes)         \
     F(T, generation) F(T, offloaded_bytes) F(T, load_cached_bytes)        \
-    F(T, reorders) F(T, expert_rows) F(T, expert_rows_moved)
+    F(T, reorders) F(T, expert_rows) F(T, expert_rows_moved)             \
+    F(T, expert_rows_cached) F(T, expert_cache_bytes)
 #define FIELDS_laden_vram_info(F, T)                                       \
     F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
     F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \

@@ -140,6 +140,7 @@ void laden__sched_unplan(laden_sched_t *sc)
         if (sc->layout.b[i].asked == LADEN_TIER_AUTO)
             sc->layout.b[i].tier = LADEN_TIER_AUTO;
     sc->layout.planned = false;
+    sc->layout.vram_spare = 0;
 }
 
 static laden_status grow_block(blk *b)
@@ -690,8 +691,15 @@ laden_status laden__sched_plan(laden_sched_t *sc,
     if (s == LADEN_E_BUDGET && room != UINT64_MAX)
         laden__error_prefix("the VRAM context has room for %s",
                             laden__bytes(room).s);
-    if (!s)
+    if (!s) {
         apply_plan(sc, &a, why);
+        /* What the plan leaves of the device memory it had: the expert
+         * cache's when no size is given (experts.c). */
+        sc->layout.vram_spare =
+            sc->cuda && out->vram_avail_bytes > out->vram_used_bytes
+                ? out->vram_avail_bytes - out->vram_used_bytes
+                : 0;
+    }
 done:
     plan_arrays_free(&a);
     return s;

@@ -131,6 +131,7 @@ void laden__sched_free_slots(laden_sched_t *sc)
     }
     free(sc->run.slots);
     sc->run.slots = NULL;
+    laden__sched_experts_free(sc); /* after the copy stream's copies */
     sc->run.nslots = 0;
     if (sc->run.workspace) {
         laden_dev_mem_free(sc->cfg.device, sc->run.workspace);

@@ -448,10 +448,11 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
                                   &sl->staging)))
             goto fail;
     }
-    if ((s = make_workspace(sc)))
+    if ((s = make_workspace(sc)) || (s = laden__sched_experts_make(sc)))
         goto fail;
     sc->run.started = true;
-    sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
+    sc->run.slot_gauge = (uint64_t)sc->run.nslots * sc->layout.slot_bytes +
+                         (uint64_t)sc->run.xc.n * sc->run.xc.entry_bytes;
     laden__gauge_add(LADEN__GAUGE_SLOTS, dev, (int64_t)sc->run.slot_gauge);
     sc->st.generation++; /* the slots' addresses */
     sc->run.dir = 1;
@@ -755,12 +756,34 @@ static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
                               (const char *)x->sl->staging + off, len);
 }
 
+/* The expert cache's side of a fill (experts.c): copies the experts in
+ * `hit` (cached) from their entries into slot sl, or, !in, keeps those
+ * in `move` (just copied or read into the slot) in entries, as far as
+ * entries not used by this fill go. */
+static laden_status cache_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
+                               const uint64_t *m, bool in)
+{
+    const blk *b = &sc->layout.b[bi];
+    laden_status s = LADEN_OK;
+    for (uint32_t e = 0; e < b->experts && !s; e++) {
+        if (!bit(m, e))
+            continue;
+        int64_t k = in ? laden__sched_expert_find(sc, bi, e)
+                       : laden__sched_expert_claim(sc, bi, e);
+        if (k < 0) /* !in: every entry serves this fill */
+            break;
+        s = laden__sched_expert_copy(sc, bi, e, k, sl->ptr, in);
+    }
+    return s;
+}
+
 /* Puts the rows of experts rows[0..n) (any order, repeats allowed) of
  * expert block bi into slot sl: those the slot does not hold already (it
  * held bi and nothing filled it since), so an expert picked again while
- * its block is still in its slot crosses once.  sl->rows_ok holds a bit
- * per expert of the rows in the slot, then as many words of scratch: the
- * rows to move. */
+ * its block is still in its slot crosses once; of those, the ones the
+ * expert cache holds come from there.  sl->rows_ok holds a bit per expert
+ * of the rows in the slot, then twice as many words of scratch: the rows
+ * to move across the link and the rows the cache gives. */
 static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
                               const uint32_t *rows, uint32_t n)
 {
@@ -770,7 +793,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         finish_reads(sc, sl, true);
     uint32_t words = (b->experts + 63) / 64;
     if (sl->rows_words < words) {
-        uint64_t *r = realloc(sl->rows_ok, 2 * words * sizeof *r);
+        uint64_t *r = realloc(sl->rows_ok, 3 * words * sizeof *r);
         if (!r)
             return laden__fail(LADEN_E_NOMEM, "out of memory entering "
                                "block %u", bi);
@@ -778,17 +801,25 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         sl->rows_words = words;
         sl->rows_block = -1;
     }
-    uint64_t *ok = sl->rows_ok, *move = sl->rows_ok + words;
+    uint64_t *ok = sl->rows_ok, *move = ok + words, *hit = move + words;
     if (sl->block != (int64_t)bi || sl->rows_block != (int64_t)bi)
         memset(ok, 0, words * sizeof *ok);
-    memset(move, 0, words * sizeof *move);
+    memset(move, 0, 2 * words * sizeof *move);
     for (uint32_t i = 0; i < n; i++)
         move[rows[i] / 64] |= (uint64_t)1 << (rows[i] % 64);
-    uint64_t asked = 0, moved = 0;
+    laden__sched_experts_begin(sc);
+    uint64_t asked = 0, moved = 0, cached = 0;
     for (uint32_t k = 0; k < words; k++) {
         asked += (uint64_t)__builtin_popcountll(move[k]);
         move[k] &= ~ok[k];
+        for (uint64_t m = move[k]; m; m &= m - 1) {
+            uint32_t e = 64 * k + (uint32_t)__builtin_ctzll(m);
+            if (laden__sched_expert_find(sc, bi, e) >= 0)
+                hit[k] |= (uint64_t)1 << (e % 64);
+        }
+        move[k] &= ~hit[k];
         moved += (uint64_t)__builtin_popcountll(move[k]);
+        cached += (uint64_t)__builtin_popcountll(hit[k]);
     }
     sl->block = -1; /* until its rows are in */
     sl->rows_block = -1;
@@ -796,8 +827,9 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
     sl->fills = ++sc->run.fill_seq;
     rows_io x = {.b = b, .sl = sl};
     /* Traced (expert blocks are never captured): a miss when any routed
-     * expert's rows must come, and their copies as one span on the copy
-     * stream, between marks taken before the slot's ready event. */
+     * expert's rows must come across the link, and their copies as one
+     * span on the copy stream, between marks taken before the slot's
+     * ready event. */
     bool traced = moved && LADEN__TRACING();
     uint64_t sess = traced ? laden__trace_session() : 0; /* before marks */
     void *m[2] = {NULL, NULL};
@@ -805,7 +837,8 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
         laden__trace_point(LADEN__EV_MISS, sess, bi, 0, (uintptr_t)sc,
                            bname(sc, bi));
     if (b->tier == LADEN_TIER_RAM) {
-        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)))
+        if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+            (s = cache_rows(sc, sl, bi, hit, true)))
             return s;
         if (traced && sc->cuda)
             m[0] = laden__dev_trace_mark(sc->run.copy);
@@ -813,7 +846,8 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         if (m[0])
             m[1] = laden__dev_trace_mark(sc->run.copy);
-        if ((s = laden_dev_event_record(sl->ready, sc->run.copy)))
+        if ((s = cache_rows(sc, sl, bi, move, false)) ||
+            (s = laden_dev_event_record(sl->ready, sc->run.copy)))
             return s;
         sc->st.h2d_bytes += x.bytes;
     } else {
@@ -829,7 +863,8 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         sc->st.read_bytes += x.bytes;
         if (sc->cuda) {
-            if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)))
+            if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
+                (s = cache_rows(sc, sl, bi, hit, true)))
                 return s;
             if (traced)
                 m[0] = laden__dev_trace_mark(sc->run.copy);
@@ -837,20 +872,25 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
                 return s;
             if (m[0])
                 m[1] = laden__dev_trace_mark(sc->run.copy);
-            if ((s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
+            if ((s = cache_rows(sc, sl, bi, move, false)) ||
+                (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
                 (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
                 return s;
             sc->st.h2d_bytes += x.bytes;
+        } else if ((s = cache_rows(sc, sl, bi, hit, true)) ||
+                   (s = cache_rows(sc, sl, bi, move, false))) {
+            return s; /* the CPU device: read into the slot itself */
         }
     }
     laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1], bi,
                         x.bytes, (uintptr_t)sc, m[0] ? bname(sc, bi) : NULL);
     for (uint32_t k = 0; k < words; k++)
-        ok[k] |= move[k];
+        ok[k] |= move[k] | hit[k];
     sl->block = bi;
     sl->rows_block = bi;
     sc->st.expert_rows += asked;
     sc->st.expert_rows_moved += moved;
+    sc->st.expert_rows_cached += cached;
     return LADEN_OK;
 }
 

@@ -26,6 +26,9 @@ static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
     out->slot_bytes = sc->layout.slot_bytes;
     out->nslots = sc->run.nslots;
     out->device_bytes += (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
+    out->expert_cache_bytes =
+        (uint64_t)sc->run.xc.n * sc->run.xc.entry_bytes;
+    out->device_bytes += out->expert_cache_bytes;
     if (laden_host_stats(sc->layout.host, &hs) == LADEN_OK)
         out->pinned_bytes = hs.in_use_bytes + hs.cached_bytes;
     out->pinned_bytes += sc->load.pinned_homes;
@@ -427,6 +430,12 @@ laden_status laden_sched_enter_experts(laden_sched_t *sc, uint32_t block,
 {
     return enter_held(sc, block, compute_stream, true, experts, n,
                       "laden_sched_enter_experts");
+}
+
+laden_status laden_sched_set_expert_cache(laden_sched_t *sc, uint64_t bytes)
+{
+    HELD("laden_sched_set_expert_cache",
+         laden__sched_set_expert_cache(sc, bytes));
 }
 
 laden_status laden_sched_set_experts(laden_sched_t *sc, uint32_t block,

@@ -19,7 +19,9 @@
  *   run.c                parts.c, load.c
  *   resident.c           parts.c, build.c, load.c, run.c
  *   stream.c             all of them (the public laden_sched_* calls)
- * (grads.c calls convert.c only.)
+ * (grads.c calls convert.c only; experts.c, the run part's expert
+ * cache, and workspace.c, its expansion workspace, call build.c and
+ * parts.c, and run.c and parts.c call them.)
  * Here only the types: a file calls another's laden__sched_* operations
  * by including that file's part header, so its includes say which files
  * it depends on.  The operations are the public calls' bodies: they

@@ -160,6 +160,9 @@ typedef struct sched_layout {
     laden_host_t *host;
     bool laid_out;   /* load.c: offsets and tiers fixed */
     bool planned;    /* an AUTO block has a planned tier */
+    /* Device memory the last plan left free beyond what it placed (the
+     * expert cache's size when the caller does not give one). */
+    uint64_t vram_spare;
 } sched_layout;
 
 #endif

@@ -41,6 +41,31 @@ typedef struct slot {
     int64_t rows_block;
 } slot;
 
+/* One entry of the expert cache: the rows of expert `expert` of block
+ * `block` (-1: free), last used by fill `used`. */
+typedef struct expert_entry {
+    int64_t block;
+    uint32_t expert;
+    uint64_t used;
+} expert_entry;
+
+/* The expert cache (experts.c): experts of streamed expert blocks kept
+ * in device memory between their enters, so that one routed again after
+ * its slot went to another block is copied from there instead of across
+ * the link.  Made with the slots, freed with them. */
+typedef struct expert_cache {
+    bool set;              /* laden_sched_set_expert_cache was called */
+    uint64_t ask;          /* its bytes (set) */
+    laden_devptr_t base;   /* n entries of entry_bytes; 0: no cache */
+    uint64_t entry_bytes;  /* the largest expert (its rows in every tensor) */
+    uint32_t n;
+    expert_entry *e;
+    int32_t **where;       /* per block: per expert, its entry or -1 (NULL
+                              for a block whose experts do not stream) */
+    uint64_t tick;         /* fills so far */
+    uint64_t charged;      /* bytes charged to the VRAM context */
+} expert_cache;
+
 typedef struct sched_run {
     bool started;
     /* The direction blocks are entered in, from the last two streamed
@@ -59,6 +84,7 @@ typedef struct sched_run {
      * stream: two handles alternate without wrapping again). */
     laden_dev_stream_t *compute, *compute_alt;
     uintptr_t compute_handle, compute_alt_handle;
+    expert_cache xc;
 } sched_run;
 
 /* A pass being captured into a CUDA graph (laden_sched_capture_begin):
@@ -118,6 +144,30 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out);
 laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
                                    uint32_t i, void **out);
+
+/* experts.c: the expert cache, made with the slots (laden__sched_start)
+ * and freed with them (laden__sched_free_slots).  Calls no file of the
+ * layer but build.c's laden__sched_run_of. */
+laden_status laden__sched_set_expert_cache(laden_sched_t *sc, uint64_t bytes);
+laden_status laden__sched_experts_make(laden_sched_t *sc);
+void laden__sched_experts_free(laden_sched_t *sc);
+/* A new fill of expert rows begins: entries used from now on are this
+ * fill's (laden__sched_expert_claim takes none of them). */
+void laden__sched_experts_begin(laden_sched_t *sc);
+/* Expert e of block bi's entry, marked used by this fill, or -1. */
+int64_t laden__sched_expert_find(laden_sched_t *sc, uint32_t bi, uint32_t e);
+/* An entry for expert e of block bi, which is not cached: a free one,
+ * else the one used least recently, not by this fill (its expert is
+ * forgotten); -1 when every entry serves this fill or there is no
+ * cache. */
+int64_t laden__sched_expert_claim(laden_sched_t *sc, uint32_t bi,
+                                  uint32_t e);
+/* Copies expert e of block bi between its entry and slot memory at `at`
+ * (the block's first byte there): into the slot (to_slot) or out of it,
+ * on the copy stream (the CPU device: now). */
+laden_status laden__sched_expert_copy(laden_sched_t *sc, uint32_t bi,
+                                      uint32_t e, int64_t entry,
+                                      laden_devptr_t at, bool to_slot);
 
 /* workspace.c: the expansion workspace, made and freed with the slots. */
 laden_status laden__sched_set_expanded(laden_sched_t *sc, uint32_t block,

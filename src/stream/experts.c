@@ -1,0 +1,206 @@
+/* The expert cache: experts of streamed expert blocks
+ * (laden_sched_set_experts) kept in device memory between their enters.
+ *
+ * A streamed expert block's slot holds the rows of the experts its last
+ * enter was routed to; once the slot goes to another block, those rows
+ * are gone, and a token routed to the same experts one layer-pass later
+ * would copy them across the link again.  The cache keeps each expert
+ * that crossed (its rows in every tensor of the block, end to end) in an
+ * entry of device memory; an enter routed to a cached expert copies it
+ * from there into the slot, device to device, at the device's memory
+ * speed instead of the link's.  The slot stays the one place a kernel
+ * reads, so the fused tensors keep their addresses and every expert its
+ * place in them.
+ *
+ * Entries are all the size of the largest expert; a miss takes a free
+ * entry, else the one used least recently (never one the same enter
+ * uses).  All copies into and out of entries are on the copy stream, in
+ * issue order, so an entry overwritten after a copy out of it was queued
+ * is overwritten after that copy.  The size: the bytes given by
+ * laden_sched_set_expert_cache, else on CUDA what the plan left free of
+ * the device memory it had (none on the CPU device, whose "device" copy
+ * would be one more host copy).  Part of the run part (stream_run.h),
+ * made with the slots and freed with them; calls only build.c's
+ * laden__sched_run_of and parts.c's laden__sched_streamed. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "stream_layout.h"
+#include "stream_run.h"
+
+/* The bytes of one expert of expert block b: a row of each run. */
+static uint64_t expert_bytes(const blk *b)
+{
+    uint64_t sum = 0;
+    for (uint32_t k = 0; k < b->nt;) {
+        uint64_t bytes;
+        uint32_t run = laden__sched_run_of(b, k, &bytes);
+        sum += bytes / b->experts;
+        k += run;
+    }
+    return sum;
+}
+
+laden_status laden__sched_set_expert_cache(laden_sched_t *sc, uint64_t bytes)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_set_expert_cache: NULL schedule");
+    if (sc->cache.on)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden_sched_set_expert_cache: a cache schedule "
+                           "streams no expert rows");
+    if (sc->run.started)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_set_expert_cache: the schedule is "
+                           "started; set it before laden_sched_start");
+    sc->run.xc.set = bytes != LADEN_EXPERT_CACHE_AUTO;
+    sc->run.xc.ask = sc->run.xc.set ? bytes : 0;
+    return LADEN_OK;
+}
+
+void laden__sched_experts_free(laden_sched_t *sc)
+{
+    expert_cache *xc = &sc->run.xc;
+    if (xc->base)
+        laden_dev_mem_free(sc->cfg.device, xc->base);
+    if (xc->charged && sc->cache.vram)
+        laden_vram_uncharge(sc->cache.vram, xc->charged);
+    if (xc->where)
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            free(xc->where[i]);
+    free(xc->where);
+    free(xc->e);
+    bool set = xc->set;
+    uint64_t ask = xc->ask;
+    memset(xc, 0, sizeof *xc);
+    xc->set = set;
+    xc->ask = ask;
+}
+
+laden_status laden__sched_experts_make(laden_sched_t *sc)
+{
+    expert_cache *xc = &sc->run.xc;
+    uint64_t entry = 0, experts = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        const blk *b = &sc->layout.b[i];
+        if (!b->experts || !laden__sched_streamed(sc, b))
+            continue;
+        uint64_t e = expert_bytes(b);
+        entry = e > entry ? e : entry;
+        experts += b->experts;
+    }
+    uint64_t want = xc->set ? xc->ask : sc->cuda ? sc->layout.vram_spare : 0;
+    uint64_t n = entry ? want / entry : 0;
+    if (n > experts) /* more would hold every streamed expert twice */
+        n = experts;
+    if (n > UINT32_MAX)
+        n = UINT32_MAX;
+    if (!n)
+        return LADEN_OK;
+    uint64_t bytes = n * entry;
+    laden_status s = LADEN_OK;
+    if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, bytes)))
+        goto fail;
+    xc->charged = sc->cache.vram ? bytes : 0;
+    if ((s = laden_dev_mem_alloc(sc->cfg.device, bytes, &xc->base))) {
+        xc->base = 0;
+        goto fail;
+    }
+    xc->e = calloc(n, sizeof *xc->e);
+    xc->where = calloc(sc->layout.nb, sizeof *xc->where);
+    if (!xc->e || !xc->where) {
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t k = 0; k < n; k++)
+        xc->e[k].block = -1;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) {
+        const blk *b = &sc->layout.b[i];
+        if (!b->experts || !laden__sched_streamed(sc, b))
+            continue;
+        if (!(xc->where[i] = malloc(b->experts * sizeof **xc->where))) {
+            s = laden__fail(LADEN_E_NOMEM, "out of memory");
+            goto fail;
+        }
+        for (uint32_t e = 0; e < b->experts; e++)
+            xc->where[i][e] = -1;
+    }
+    xc->n = (uint32_t)n;
+    xc->entry_bytes = entry;
+    return LADEN_OK;
+fail:
+    laden__sched_experts_free(sc);
+    if (!xc->set) /* a cache of the size the plan left is a bonus */
+        return LADEN_OK;
+    laden__error_prefix("the expert cache (%llu entries of %s)",
+                        (unsigned long long)n, laden__bytes(entry).s);
+    return s;
+}
+
+void laden__sched_experts_begin(laden_sched_t *sc)
+{
+    sc->run.xc.tick++;
+}
+
+int64_t laden__sched_expert_find(laden_sched_t *sc, uint32_t bi, uint32_t e)
+{
+    expert_cache *xc = &sc->run.xc;
+    if (!xc->n || !xc->where[bi])
+        return -1;
+    int32_t k = xc->where[bi][e];
+    if (k >= 0)
+        xc->e[k].used = xc->tick;
+    return k;
+}
+
+int64_t laden__sched_expert_claim(laden_sched_t *sc, uint32_t bi, uint32_t e)
+{
+    expert_cache *xc = &sc->run.xc;
+    if (!xc->n || !xc->where[bi])
+        return -1;
+    uint32_t best = 0;
+    for (uint32_t k = 1; k < xc->n && xc->e[best].used; k++)
+        if (xc->e[k].used < xc->e[best].used)
+            best = k;
+    expert_entry *en = &xc->e[best];
+    if (en->used == xc->tick)
+        return -1; /* every entry holds an expert this enter uses */
+    if (en->block >= 0)
+        xc->where[en->block][en->expert] = -1;
+    en->block = bi;
+    en->expert = e;
+    en->used = xc->tick;
+    xc->where[bi][e] = (int32_t)best;
+    return best;
+}
+
+laden_status laden__sched_expert_copy(laden_sched_t *sc, uint32_t bi,
+                                      uint32_t e, int64_t entry,
+                                      laden_devptr_t at, bool to_slot)
+{
+    expert_cache *xc = &sc->run.xc;
+    const blk *b = &sc->layout.b[bi];
+    laden_devptr_t in = xc->base + (uint64_t)entry * xc->entry_bytes;
+    laden_status s = LADEN_OK;
+    for (uint32_t k = 0; k < b->nt && !s;) {
+        uint64_t bytes;
+        uint32_t run = laden__sched_run_of(b, k, &bytes);
+        uint64_t row = bytes / b->experts;
+        laden_devptr_t there = at + b->t[k].dst_off + e * row;
+        laden_devptr_t dst = to_slot ? there : in, src = to_slot ? in : there;
+        if (sc->run.copy)
+            s = laden_dev_copy_d2d(sc->run.copy, dst, src, row);
+        else /* the CPU device: host memory, and no copy in flight */
+            memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, row);
+        in += row;
+        k += run;
+    }
+    expert_entry *en = &xc->e[entry];
+    if (s && !to_slot) { /* the entry holds no whole expert: forgotten */
+        xc->where[en->block][en->expert] = -1;
+        en->block = -1;
+        en->used = 0;
+    }
+    return s;
+}
