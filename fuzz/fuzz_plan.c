@@ -70,7 +70,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (mode & 4) {
         for (uint32_t i = 0; i < in.nblocks; i++) {
             uint8_t f = (uint8_t)take(&data, &size, 1);
-            flags[i] = f == 0xff ? f : f & LADEN_PLAN_BLOCK_NO_DISK;
+            flags[i] = f == 0xff ? f
+                                 : f & (LADEN_PLAN_BLOCK_NO_DISK |
+                                        LADEN_PLAN_BLOCK_EXPERTS);
         }
         in.block_flags = flags;
     }

@@ -289,6 +289,63 @@ TEST(plan_spread_keeps_no_disk_block_resident)
     CHECK_EQ(w[1], LADEN_PLAN_WHY_ASKED_RESIDENT);
 }
 
+/* A mixture-of-experts model: layers of 10 bytes, each followed by its
+ * experts' block of 200.  The dense layers are all resident before any
+ * experts block, which then take what is left in order; without the
+ * flag the resident blocks are a prefix (and spread), which keeps two
+ * experts blocks and streams layers. */
+TEST(plan_experts_blocks_resident_after_dense_ones)
+{
+    uint64_t b[8];
+    int32_t t[8], w[8];
+    uint8_t f[8] = {0};
+    laden_plan_result r;
+    laden_plan_input in = base(b, 8);
+    for (int i = 0; i < 8; i++)
+        b[i] = i % 2 ? 200 : 10;
+    in.rest_bytes = 0;
+    in.reserve_bytes = 0;
+    in.ram_budget_bytes = 1ull << 30;
+    /* 2 slots of 200 + 4 layers + 1 experts block = 640; 2 experts
+     * blocks would be 840, the slots still needed. */
+    in.lookahead = 1;
+    in.vram_free_bytes = 700;
+    in.block_flags = f;
+    for (int i = 1; i < 8; i += 2)
+        f[i] = LADEN_PLAN_BLOCK_EXPERTS;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    int32_t want[8] = {0, 0, 0, 1, 0, 1, 0, 1};
+    for (int i = 0; i < 8; i++)
+        CHECK_EQ(t[i], want[i]);
+    CHECK_EQ(w[6], LADEN_PLAN_WHY_FITS_VRAM);
+    CHECK_EQ(r.gpu_bytes, 240);
+    CHECK_EQ(r.vram_used_bytes, 640);
+    /* Less room: every layer before any experts block. */
+    in.vram_free_bytes = 500;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    for (int i = 0; i < 8; i++)
+        CHECK_EQ(t[i], i % 2 ? 1 : 0);
+    /* Without the flag: a prefix, spread, which streams layers. */
+    memset(f, 0, sizeof f);
+    in.vram_free_bytes = 700;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    uint32_t layers = 0;
+    for (int i = 0; i < 8; i += 2)
+        layers += t[i] == 0;
+    CHECK(layers < 4);
+    /* Exactly n resident blocks asked: as without the flag. */
+    in.resident_blocks = 2;
+    in.vram_free_bytes = 1ull << 20;
+    int32_t t2[8], w2[8];
+    CHECK_OK(laden_plan_compute(&in, t2, w2, &r));
+    for (int i = 1; i < 8; i += 2)
+        f[i] = LADEN_PLAN_BLOCK_EXPERTS;
+    CHECK_OK(laden_plan_compute(&in, t, w, &r));
+    CHECK(memcmp(t, t2, sizeof t) == 0);
+    f[0] = 4; /* an unknown flag */
+    CHECK_STATUS(laden_plan_compute(&in, t, w, &r), LADEN_E_INVAL);
+}
+
 TEST(plan_host_device_fills_ram_then_disk)
 {
     uint64_t b[10];

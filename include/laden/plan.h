@@ -30,6 +30,15 @@ extern "C" {
                                        LADEN_E_INVAL; free: RAM before any
                                        free block that could go to disk,
                                        LADEN_E_BUDGET if it does not fit */
+#define LADEN_PLAN_BLOCK_EXPERTS 2u /* a mixture-of-experts layer's
+                                       experts (laden_sched_set_experts):
+                                       a use moves only the experts it is
+                                       routed to, so a byte of it resident
+                                       saves less than a byte of any other
+                                       block.  Free: resident only once
+                                       every other free block is (as many
+                                       resident blocks as fit; the streamed
+                                       ones are then not spread) */
 
 /* Why a block got its tier. */
 #define LADEN_PLAN_WHY_LIST(X)                                                \

@@ -18,7 +18,10 @@
  *     the rest, the resident blocks so far, this block and the slots fit
  *     (on a CUDA device the slots are counted for every block not yet
  *     resident, so an earlier choice never makes a later state
- *     infeasible).  With resident_blocks = n, exactly n, if that fits.  On
+ *     infeasible).  With resident_blocks = n, exactly n, if that fits.
+ *     EXPERTS blocks (as many as fit) come after every other free block:
+ *     a routed use moves a few of their experts, so a byte of them saves
+ *     a fraction of a byte of a dense block per pass.  On
  *     the host device resident_blocks -1 means 0: a resident block costs
  *     host memory like a RAM block and only what was asked is resident.
  *  3. spread (CUDA device only): the k blocks so chosen are spread: the
@@ -91,6 +94,7 @@ typedef struct plan {
     int32_t want;        /* resident blocks asked; < 0: as many as fit */
     uint32_t nfree;      /* blocks asked LADEN_PLAN_FREE */
     uint32_t made;       /* free blocks made resident */
+    bool experts_later;  /* choose_resident took EXPERTS blocks last */
     uint64_t gpu;        /* rest + resident blocks */
     uint64_t avail;      /* CUDA: VRAM available; host: free RAM left */
     uint64_t host_slots; /* host: slot memory set aside */
@@ -119,6 +123,12 @@ static bool no_disk(const laden_plan_input *in, uint32_t i)
 {
     return in->block_flags &&
            (in->block_flags[i] & LADEN_PLAN_BLOCK_NO_DISK);
+}
+
+static bool experts(const laden_plan_input *in, uint32_t i)
+{
+    return in->block_flags &&
+           (in->block_flags[i] & LADEN_PLAN_BLOCK_EXPERTS);
 }
 
 /* Sums and products that saturate: a budget compared with UINT64_MAX
@@ -173,7 +183,7 @@ static laden_status check_block(const laden_plan_input *in, uint32_t i)
     uint8_t flags = in->block_flags ? in->block_flags[i] : 0;
     if (a < LADEN_TIER_AUTO || a > LADEN_TIER_DISK)
         return laden__fail(LADEN_E_INVAL, "block %u: unknown tier %d", i, a);
-    if (flags & ~LADEN_PLAN_BLOCK_NO_DISK)
+    if (flags & ~(LADEN_PLAN_BLOCK_NO_DISK | LADEN_PLAN_BLOCK_EXPERTS))
         return laden__fail(LADEN_E_INVAL, "block %u: unknown flags 0x%x", i,
                            (unsigned)flags);
     if (no_disk(in, i) && a == LADEN_TIER_DISK)
@@ -330,31 +340,41 @@ static bool resident_fits(const plan *p, uint32_t i)
     return sat_add(p->gpu + p->in->block_bytes[i], slots) <= p->avail;
 }
 
-/* 2. */
+/* 2. Dense blocks first, then (as many as fit, the CUDA device) the
+ * EXPERTS blocks; each pass keeps its resident blocks a prefix of its
+ * blocks. */
 static laden_status choose_resident(plan *p)
 {
-    for (uint32_t i = 0; i < p->in->nblocks; i++) {
-        if (p->why[i] != UNDECIDED)
-            continue;
-        if (p->want >= 0 && p->made >= (uint32_t)p->want)
-            break;
-        if (resident_fits(p, i)) {
-            p->tiers[i] = LADEN_TIER_GPU;
-            p->why[i] = p->want >= 0 ? LADEN_PLAN_WHY_ASKED_RESIDENT
-                                     : LADEN_PLAN_WHY_FITS_VRAM;
-            p->gpu += p->in->block_bytes[i];
-            p->made++;
-        } else if (p->want >= 0) {
-            return laden__fail(LADEN_E_BUDGET, "%d resident blocks asked, "
-                               "but only %u fit the %s of %s",
-                               p->want, p->made, B(p->avail),
-                               p->host ? "RAM (with the rest of the model "
-                                         "and the slots)"
-                                       : "VRAM available");
-        } else {
-            break; /* keep resident blocks a prefix: later ones stream */
+    bool later = false; /* EXPERTS blocks are left for the second pass */
+    for (uint32_t i = 0; p->want < 0 && i < p->in->nblocks; i++)
+        later |= p->why[i] == UNDECIDED && experts(p->in, i);
+    for (int pass = 0; pass < 1 + later; pass++) {
+        for (uint32_t i = 0; i < p->in->nblocks; i++) {
+            if (p->why[i] != UNDECIDED ||
+                (later && experts(p->in, i) != (pass == 1)))
+                continue;
+            if (p->want >= 0 && p->made >= (uint32_t)p->want)
+                break;
+            if (resident_fits(p, i)) {
+                p->tiers[i] = LADEN_TIER_GPU;
+                p->why[i] = p->want >= 0 ? LADEN_PLAN_WHY_ASKED_RESIDENT
+                                         : LADEN_PLAN_WHY_FITS_VRAM;
+                p->gpu += p->in->block_bytes[i];
+                p->made++;
+            } else if (p->want >= 0) {
+                return laden__fail(LADEN_E_BUDGET,
+                                   "%d resident blocks asked, but only %u "
+                                   "fit the %s of %s",
+                                   p->want, p->made, B(p->avail),
+                                   p->host ? "RAM (with the rest of the "
+                                             "model and the slots)"
+                                           : "VRAM available");
+            } else {
+                break; /* keep resident blocks a prefix: later ones stream */
+            }
         }
     }
+    p->experts_later = later;
     if (p->want >= 0 && p->made < (uint32_t)p->want)
         return laden__fail(LADEN_E_BUDGET, "%d resident blocks asked, but "
                            "the model has %u free blocks", p->want, p->nfree);
@@ -413,8 +433,8 @@ static bool no_disk_fits(const plan *p, const streamed *s)
 static void spread(plan *p)
 {
     uint32_t nstream = p->nfree - p->made;
-    if (p->made == 0 || nstream == 0)
-        return;
+    if (p->made == 0 || nstream == 0 || p->experts_later)
+        return; /* EXPERTS blocks: resident where it pays most, kept */
     streamed pre = summarize(p, 0), spr = summarize(p, nstream);
     uint64_t need = sat_add(spr.gpu, slots_bytes(p->in, spr.n, spr.max_bytes));
     if (need > p->avail || (!no_disk_fits(p, &spr) && no_disk_fits(p, &pre)))

@@ -594,7 +594,8 @@ static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
         blk *b = &sc->layout.b[i];
         a->bytes[i] = b->bytes;
         a->asked[i] = asked_of(b);
-        a->flags[i] = no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0;
+        a->flags[i] = (no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0) |
+                      (b->experts ? LADEN_PLAN_BLOCK_EXPERTS : 0);
     }
     return LADEN_OK;
 }
