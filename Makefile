@@ -67,11 +67,12 @@ test-tsan:
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan \
-	  laden_fuzz_replay_index laden_fuzz_replay_gguf
+	  laden_fuzz_replay_index laden_fuzz_replay_gguf laden_fuzz_replay_lossless
 	./build-asan/laden_fuzz_replay fuzz/corpus/st tests/data/bad
 	./build-asan/laden_fuzz_replay_gguf fuzz/corpus/gguf
 	./build-asan/laden_fuzz_replay_plan fuzz/corpus/plan
 	./build-asan/laden_fuzz_replay_index fuzz/corpus/index
+	./build-asan/laden_fuzz_replay_lossless fuzz/corpus/lossless
 
 # clang with its sanitizer and libFuzzer runtimes; installed when absent
 # (Debian bookworm has clang 14; the runtimes are in libclang-rt-N-dev).
@@ -94,12 +95,14 @@ need-clang:
 test-clang: need-clang
 	CC=$(CLANG) cmake -S . -B build-clang -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-clang -j$(JOBS) --target laden_tests laden_fuzz_replay \
-	  laden_fuzz_replay_plan laden_fuzz_replay_index laden_fuzz_replay_gguf
+	  laden_fuzz_replay_plan laden_fuzz_replay_index laden_fuzz_replay_gguf \
+	  laden_fuzz_replay_lossless
 	$(SAN_ENV) ./build-clang/laden_tests
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay fuzz/corpus/st tests/data/bad
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay_gguf fuzz/corpus/gguf
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay_plan fuzz/corpus/plan
 	$(SAN_ENV) ./build-clang/laden_fuzz_replay_index fuzz/corpus/index
+	$(SAN_ENV) ./build-clang/laden_fuzz_replay_lossless fuzz/corpus/lossless
 
 symbols: lib
 	tests/check_symbols.sh build/libladen.so
@@ -127,7 +130,7 @@ fuzz: need-clang
 	CC=$(CLANG) cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
 	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan \
-	  laden_fuzz_index laden_fuzz_gguf
+	  laden_fuzz_index laden_fuzz_gguf laden_fuzz_lossless
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/st.dict fuzz/corpus/st
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) \
@@ -136,6 +139,8 @@ fuzz: need-clang
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_index -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/index.dict fuzz/corpus/index
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/gguf
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_lossless -max_total_time=$(FUZZ_SECONDS) \
+	  fuzz/corpus/lossless
 
 bench-read: install
 	$(VPY) bench/read.py

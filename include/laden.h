@@ -52,7 +52,8 @@ extern "C" {
     X(E_BUDGET, -19, "byte budget exceeded")                                   \
     X(E_UNSUPPORTED, -20, "operation not supported on this device")           \
     X(E_STATE, -21, "object is in the wrong state for this call")            \
-    X(E_CHANGED, -22, "file changed while in use")
+    X(E_CHANGED, -22, "file changed while in use")                            \
+    X(E_CORRUPT, -23, "compressed data is corrupt")
 
 typedef enum laden_status {
 #define LADEN__STATUS_ENUM(name, value, msg) LADEN_##name = value,

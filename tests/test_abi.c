@@ -1,5 +1,7 @@
 #include "test.h"
 
+#include "laden/lossless.h"
+
 #include <stddef.h>
 
 #include "laden/abi.h"
@@ -35,7 +37,7 @@ static const struct {
     ONE(laden_host_stats),    ONE(laden_pinned_pool_stats),
     ONE(laden_gguf_tensor),
     ONE(laden_gguf_kv),       ONE(laden_trace_result),
-    ONE(laden_shm_entry),
+    ONE(laden_shm_entry),     ONE(laden_lossless_info),
 };
 #undef ONE
 

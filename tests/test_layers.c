@@ -5,7 +5,8 @@
  *
  *   core  status, errors, dtypes (core/dtype.c)
  *   trace events and gauges; resolves stream times through dev's hooks
- *   dev   the device table, and the expansion kernels (dtypes from core)
+ *   dev   the device table, the expansion kernels and the lossless
+ *         format (its decoder is one of those kernels; dtypes from core)
  *   io    the reader pool
  *   host  the pinned arena and the shared segment
  *   vram  device memory
@@ -34,7 +35,8 @@ static const char *const ORDER[] = {"core", "trace", "dev",  "io",
 static const struct {
     const char *header, *layer;
 } HEADER_LAYER[] = {
-    {"dtype.h", "core"}, {"expand.h", "dev"}, {"shm.h", "host"},
+    {"dtype.h", "core"}, {"expand.h", "dev"}, {"lossless.h", "dev"},
+    {"shm.h", "host"},
     {"grads.h", "stream"}, {"abi.h", "api"},   {"laden.h", "core"},
 };
 

@@ -113,6 +113,16 @@ class ShmEntry(Structure):
     ]
 
 
+class LosslessInfo(Structure):
+    """laden_lossless_info: what a lossless blob holds."""
+    _fields_ = [
+        ("dtype", c_int32), ("sub_log2", c_uint32), ("n_elems", c_uint64),
+        ("nbits", c_uint64), ("nsub", c_uint64), ("bytes", c_uint64),
+        ("raw_off", c_uint64), ("offs_off", c_uint64),
+        ("sums_off", c_uint64), ("bits_off", c_uint64),
+    ]
+
+
 class SchedStats(Structure):
     _fields_ = [
         ("gpu_bytes", c_uint64), ("ram_bytes", c_uint64),
@@ -550,12 +560,21 @@ _SIGNATURES = {
     "laden_host_free": (status_t, [p, c_void_p]),
     "laden_host_stats": (status_t, [p, P(HostStats)]),
     "laden_host_measure_memcpy": (status_t, [c_uint64, P(c_double)]),
+    # lossless
+    "laden_lossless_bound": (status_t, [c_int32, c_uint64, P(c_uint64)]),
+    "laden_lossless_encode": (status_t, [c_int32, c_void_p, c_uint64,
+                                         c_void_p, c_uint64, P(c_uint64)]),
+    "laden_lossless_check": (status_t, [c_void_p, c_uint64,
+                                        P(LosslessInfo)]),
+    "laden_lossless_decode": (status_t, [c_int32, ctypes.c_size_t,
+                                         P(LosslessInfo), c_uint64, c_uint64,
+                                         c_uint64, c_uint64]),
 }
 
 # The version of libladen's binary interface this binding is written for
 # (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
 # at import, since its signatures, structs or constants may not be these.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 def _check_version(lib, path: str, where: str) -> None:

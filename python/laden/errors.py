@@ -94,4 +94,5 @@ BY_STATUS = {
     "E_UNSUPPORTED": DeviceError,
     "E_STATE": StateError,
     "E_CHANGED": FormatError,
+    "E_CORRUPT": FormatError,
 }

@@ -51,6 +51,7 @@ C_NAMES = {
     "GgufKv": "laden_gguf_kv",
     "TraceResult": "laden_trace_result",
     "ShmEntry": "laden_shm_entry",
+    "LosslessInfo": "laden_lossless_info",
 }
 
 

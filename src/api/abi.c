@@ -22,6 +22,7 @@
 #include "laden/st.h"
 #include "laden/stream.h"
 #include "laden/trace.h"
+#include "laden/lossless.h"
 #include "laden/vram.h"
 
 /* The structs the Python binding mirrors, by C tag, in the order
@@ -50,9 +51,13 @@
     S(laden_gguf_tensor)      \
     S(laden_gguf_kv)          \
     S(laden_trace_result)     \
-    S(laden_shm_entry)
+    S(laden_shm_entry)        \
+    S(laden_lossless_info)
 
 /* Each struct's fields in declaration order: F(T, field). */
+#define FIELDS_laden_lossless_info(F, T)                                   \
+    F(T, dtype) F(T, sub_log2) F(T, n_elems) F(T, nbits) F(T, nsub)        \
+    F(T, bytes) F(T, raw_off) F(T, offs_off) F(T, sums_off) F(T, bits_off)
 #define FIELDS_laden_st_tensor(F, T)                                       \
     F(T, name) F(T, dtype) F(T, ndim) F(T, shape) F(T, file_index)         \
     F(T, offset_bytes) F(T, size_bytes)
@@ -261,7 +266,9 @@ uint32_t laden_abi_version(void)
     C(LADEN_SCHED_NO_SCALE) C(LADEN_SCALE_NONE) C(LADEN_SCALE_TENSOR)      \
     C(LADEN_SCALE_ROW) C(LADEN_SCALE_TILE128) C(LADEN_ST_TEXT_JSON)       \
     C(LADEN_IO_DIRECT_AUTO) C(LADEN_IO_DIRECT_OFF) C(LADEN_IO_DIRECT_ON)   \
-    C(LADEN_IO_WAY_UNKNOWN) C(LADEN_IO_WAY_DIRECT) C(LADEN_IO_WAY_BUFFERED)
+    C(LADEN_IO_WAY_UNKNOWN) C(LADEN_IO_WAY_DIRECT) C(LADEN_IO_WAY_BUFFERED) \
+    C(LADEN_EXPERT_CACHE_AUTO) C(LADEN_LOSSLESS_HEADER_BYTES)              \
+    C(LADEN_LOSSLESS_SUB_LOG2) C(LADEN_LOSSLESS_MAX_CODE)
 
 typedef struct abi_const {
     const char *name;

@@ -26,6 +26,7 @@
 #include "cuda_api.h"
 #include "dev_internal.h"
 #include "laden/expand.h"
+#include "laden/lossless.h"
 
 /* The kernels' rounding is the reference's only without contraction of a
  * multiply and an add into one fused operation (CMake passes
@@ -162,8 +163,10 @@ static const char cuda_prologue[] =
     "#if __CUDA_ARCH__ >= 700 && (__CUDACC_VER_MAJOR__ > 11 || "
     "(__CUDACC_VER_MAJOR__ == 11 && __CUDACC_VER_MINOR__ >= 7))\n"
     "#define EX_PARAM const __grid_constant__ ex_params\n"
+    "#define EX_LL_PARAM const __grid_constant__ ex_ll_params\n"
     "#else\n"
     "#define EX_PARAM const ex_params\n"
+    "#define EX_LL_PARAM const ex_ll_params\n"
     "#endif\n"
     "#define EX_KERNEL(name, fmt, vec) extern \"C\" __global__ void "
     "__launch_bounds__(256) name(EX_PARAM p) { ex_loop(&p, (u64)blockIdx.x "
@@ -517,9 +520,31 @@ static const char *nvrtc_error(nvrtcResult r)
 
 /* The whole kernel source: prologue, shared code, one EX_KERNEL line per
  * format and alignment.  malloc'd; NULL when out of memory. */
+/* The lossless decoder (lossless.h): each block builds the code's table
+ * in shared memory, then each thread decodes sub-chunks. */
+static const char ll_kernel[] =
+    "extern \"C\" __global__ void __launch_bounds__(256) "
+    "laden_ll_decode(EX_LL_PARAM p) {\n"
+    "  __shared__ u16 lut[EX_LL_LUT];\n"
+    "  __shared__ u32 code[256];\n"
+    "  __shared__ u32 bad;\n"
+    "  if (threadIdx.x == 0) bad = ex_ll_codes(&p, code);\n"
+    "  for (u32 i = threadIdx.x; i < (u32)EX_LL_LUT; i += blockDim.x) "
+    "lut[i] = 0;\n"
+    "  __syncthreads();\n"
+    "  u32 e = bad;\n"
+    "  if (!e) for (u32 s = threadIdx.x; s < 256u; s += blockDim.x) "
+    "ex_ll_fill(&p, code, s, lut);\n"
+    "  __syncthreads();\n"
+    "  if (!e) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; "
+    "i < p.nsub; i += (u64)gridDim.x * blockDim.x) e |= ex_ll_sub(&p, lut, "
+    "i);\n"
+    "  if (e && p.err) ex_st32(p.err, 1u);\n"
+    "}\n";
+
 static char *kernel_source(void)
 {
-    size_t len = sizeof cuda_prologue + 1;
+    size_t len = sizeof cuda_prologue + sizeof ll_kernel + 1;
     for (size_t i = 0; i < LADEN__ARRAY_LEN(kernel_text); i++)
         len += strlen(kernel_text[i]);
     len += (size_t)EX_NFMT * 2 * 96;
@@ -533,6 +558,7 @@ static char *kernel_source(void)
         for (int v = 0; v < 2; v++)
             at += sprintf(at, "EX_KERNEL(laden_ex_%s_%c, %d, %du)\n",
                           formats[f].name, v ? 'v' : 'b', f, v);
+    at += sprintf(at, "%s", ll_kernel);
     return s;
 }
 
@@ -672,6 +698,8 @@ static struct ex_dev {
     char msg[1024];
     CUfunction fn[EX_NFMT][2];
     unsigned int max_blocks[EX_NFMT][2];
+    CUfunction ll_fn; /* laden_ll_decode */
+    unsigned int ll_max_blocks;
     char desc[PATH_MAX + 256];
 } exdevs[MAX_DEVICES];
 
@@ -725,12 +753,25 @@ static laden_status load_module(int32_t dev, const laden_dev_info_t *info)
             d->max_blocks[f][v] = (unsigned int)sms * (unsigned int)per_sm *
                                   WAVES;
         }
+    r = laden__cuk.cuModuleGetFunction(&d->ll_fn, mod, "laden_ll_decode");
+    if (r != CUDA_SUCCESS) {
+        laden__cuk.cuModuleUnload(mod);
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "cuda:%d: cuModuleGetFunction(laden_ll_decode) "
+                           "failed: %s", dev, cu_name(r));
+    }
+    int per_sm = 0;
+    if (laden__cuk.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, d->ll_fn, (int)THREADS, 0) != CUDA_SUCCESS ||
+        per_sm <= 0)
+        per_sm = 4;
+    d->ll_max_blocks = (unsigned int)sms * (unsigned int)per_sm * WAVES;
     double ms = (double)(laden__now_ns() - t0) / 1e6;
     snprintf(d->desc, sizeof d->desc,
              "cuda:%d: %s %s from NVRTC %d.%d (%s), %d kernels, %s in %.0f ms",
              dev, img.target,
              strncmp(img.target, "sm_", 3) == 0 ? "CUBIN" : "PTX", nv.major,
-             nv.minor, nv.path, EX_NFMT * 2,
+             nv.minor, nv.path, EX_NFMT * 2 + 1,
              reused ? "compiled for an earlier device, loaded"
                     : "compiled and loaded",
              ms);
@@ -872,5 +913,82 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
                            "%u threads) failed: %s",
                            device, formats[p.fmt].name, vec ? 'v' : 'b',
                            (unsigned long long)blocks, THREADS, cu_name(r));
+    return LADEN_OK;
+}
+
+/* ---- lossless (lossless.h; lossless.c checks the blob) ------------------ */
+
+laden_status laden__ll_decode(int32_t device, uintptr_t stream,
+                              const laden_lossless_info *info,
+                              laden_devptr_t blob, laden_devptr_t dst,
+                              laden_devptr_t err, uint64_t *bad,
+                              uint64_t *first);
+laden_status laden__ll_decode(int32_t device, uintptr_t stream,
+                              const laden_lossless_info *info,
+                              laden_devptr_t blob, laden_devptr_t dst,
+                              laden_devptr_t err, uint64_t *bad,
+                              uint64_t *first)
+{
+    ex_ll_params p;
+    memset(&p, 0, sizeof p);
+    p.lens = blob + 32u;
+    p.raw = blob + info->raw_off;
+    p.offs = blob + info->offs_off;
+    p.sums = blob + info->sums_off;
+    p.bits = blob + info->bits_off;
+    p.dst = dst;
+    p.err = err;
+    p.n = info->n_elems;
+    p.nbits = info->nbits;
+    p.nsub = (u32)info->nsub;
+    p.sub_log2 = info->sub_log2;
+    p.kind = info->dtype == LADEN_DTYPE_BF16 ? EX_LL_BF16 : EX_LL_F16;
+    p.vec = blob % 8u == 0;
+    *bad = *first = 0;
+    if (info->nsub > UINT32_MAX)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_decode: %llu sub-chunks; at most "
+                           "2^32 - 1 in one call",
+                           (unsigned long long)info->nsub);
+    if (device == LADEN_DEVICE_CPU) {
+        u32 code[256];
+        u16 *lut = calloc(EX_LL_LUT, sizeof *lut);
+        if (!lut)
+            return laden__fail(LADEN_E_NOMEM, "out of memory decoding");
+        if (ex_ll_codes(&p, code)) {
+            *bad = info->nsub;
+        } else {
+            for (u32 s = 0; s < 256u; s++)
+                ex_ll_fill(&p, code, s, lut);
+            for (u64 i = 0; i < info->nsub; i++)
+                if (ex_ll_sub(&p, lut, i) && !(*bad)++)
+                    *first = i;
+        }
+        free(lut);
+        if (*bad && err)
+            ex_st32(err, 1u);
+        return LADEN_OK;
+    }
+    laden_status st = laden_expand_ready(device);
+    if (st)
+        return st;
+    laden__cuda_scope sc;
+    if ((st = laden__cuda_enter(device, &sc)))
+        return st;
+    struct ex_dev *d = &exdevs[device];
+    uint64_t blocks = info->nsub / THREADS + (info->nsub % THREADS != 0);
+    if (blocks > d->ll_max_blocks)
+        blocks = d->ll_max_blocks;
+    void *args[] = {&p};
+    CUresult r = laden__cuk.cuLaunchKernel(d->ll_fn, (unsigned int)blocks, 1,
+                                           1, THREADS, 1, 1, 0,
+                                           (CUstream)stream, args, NULL);
+    laden__cuda_leave(&sc);
+    if (r != CUDA_SUCCESS)
+        return laden__fail(LADEN_E_DEVICE,
+                           "cuda:%d: cuLaunchKernel(laden_ll_decode, %llu x "
+                           "%u threads) failed: %s",
+                           device, (unsigned long long)blocks, THREADS,
+                           cu_name(r));
     return LADEN_OK;
 }

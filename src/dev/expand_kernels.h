@@ -608,3 +608,125 @@ EX_FN void ex_loop(const ex_params *p, u64 first, u64 stride, u32 fmt,
     }
 }
 )
+
+EX(
+/* ---- lossless: laden's entropy-coded 16-bit floats -------------------
+ *
+ * The format is include/laden/lossless.h's.  Sub-chunk i (elements
+ * [i << sub_log2, ...)) is decoded alone: its codes start at bit offs[i]
+ * of the bitstream and end exactly where the next sub-chunk's start (the
+ * last: at nbits).  A code is read least significant bit first through a
+ * table of 2^12 entries ((length << 8) | symbol; 0: no code), so one
+ * lookup decodes one element; the element's other byte is in the raw
+ * plane.  Every read is checked against the sub-chunk's end before it is
+ * made, so corrupt data reads nothing outside the bitstream and writes
+ * nothing outside the sub-chunk's elements: an unused code, a sub-chunk
+ * that does not end where the next starts or whose values do not give
+ * its check is reported (1) and the decoder goes on to the next one. */
+enum { EX_LL_BITS = 12, EX_LL_LUT = 4096, EX_LL_BF16 = 1, EX_LL_F16 = 2 };
+
+typedef struct ex_ll_params {
+    u64 lens;  /* 256 code lengths, a byte each */
+    u64 raw;   /* n bytes: each element's byte that is not coded */
+    u64 offs;  /* nsub u64 bit offsets into the bitstream */
+    u64 sums;  /* nsub u32 checks of the decoded values (ex_ll_mix) */
+    u64 bits;  /* the bitstream: nbits bits, then a word of padding */
+    u64 dst;   /* n 16-bit values out */
+    u64 err;   /* a u32 set to 1 on corrupt data (0: none) */
+    u64 n;     /* elements */
+    u64 nbits; /* bits of codes */
+    u32 nsub, sub_log2, kind, vec; /* vec: 8-aligned offs and bits */
+} ex_ll_params;
+
+EX_FN u64 ex_ll_ld64(u64 a, u32 vec)
+{
+    u32 x, y;
+    ex_ld2x32(a, vec, &x, &y);
+    return (u64)x | (u64)y << 32;
+}
+
+/* code[s] = the canonical code of symbol s, bit-reversed (read least
+ * significant bit first), from the lengths; 1 if the lengths are no code
+ * (a length above 12, or more codes than 12 bits hold), else 0. */
+EX_FN u32 ex_ll_codes(const ex_ll_params *p, u32 *code)
+{
+    u32 count[EX_LL_BITS + 1], next[EX_LL_BITS + 1];
+    for (u32 l = 0; l <= (u32)EX_LL_BITS; l++)
+        count[l] = 0u;
+    for (u32 s = 0; s < 256u; s++) {
+        u32 l = ex_ld8(p->lens + s);
+        if (l > (u32)EX_LL_BITS)
+            return 1u;
+        count[l]++;
+    }
+    count[0] = 0u;
+    u32 c = 0u;
+    next[0] = 0u;
+    for (u32 l = 1; l <= (u32)EX_LL_BITS; l++) {
+        c = (c + count[l - 1u]) << 1;
+        next[l] = c;
+    }
+    if (next[EX_LL_BITS] + count[EX_LL_BITS] > (u32)EX_LL_LUT)
+        return 1u; /* oversubscribed: it shows at the longest length */
+    for (u32 s = 0; s < 256u; s++) {
+        u32 l = ex_ld8(p->lens + s), v = l ? next[l]++ : 0u, r = 0u;
+        for (u32 b = 0; b < l; b++)
+            r |= ((v >> b) & 1u) << (l - 1u - b);
+        code[s] = r;
+    }
+    return 0u;
+}
+
+/* The table's entries of symbol s (lut zeroed before, once). */
+EX_FN void ex_ll_fill(const ex_ll_params *p, const u32 *code, u32 s,
+                      u16 *lut)
+{
+    u32 l = ex_ld8(p->lens + s);
+    if (!l)
+        return;
+    for (u32 f = 0; f < (1u << (EX_LL_BITS - l)); f++)
+        lut[code[s] | (f << l)] = (u16)((l << 8) | s);
+}
+
+/* A sub-chunk's check: FNV-1a over its 16-bit values (each step a
+ * bijection of the running value, so one value changed always changes
+ * the check). */
+EX_FN u32 ex_ll_mix(u32 h, u32 x)
+{
+    return (h ^ x) * 0x01000193u;
+}
+
+/* Decodes sub-chunk i; 0, or 1 when its data is corrupt. */
+EX_FN u32 ex_ll_sub(const ex_ll_params *p, const u16 *lut, u64 i)
+{
+    u64 first = i << p->sub_log2, cnt = p->n - first;
+    if (cnt > ((u64)1 << p->sub_log2))
+        cnt = (u64)1 << p->sub_log2;
+    u64 at = ex_ll_ld64(p->offs + 8u * i, p->vec);
+    u64 end = i + 1u < p->nsub ? ex_ll_ld64(p->offs + 8u * (i + 1u), p->vec)
+                               : p->nbits;
+    if (at > end || end > p->nbits)
+        return 1u;
+    u32 h = 0x811c9dc5u;
+    for (u64 k = 0; k < cnt; k++) {
+        if (at >= end)
+            return 1u;
+        u64 w = at >> 6;
+        u32 sh = (u32)(at & 63u);
+        u64 v = ex_ll_ld64(p->bits + 8u * w, p->vec) >> sh;
+        if (sh)
+            v |= ex_ll_ld64(p->bits + 8u * (w + 1u), p->vec) << (64u - sh);
+        u32 e = lut[(u32)v & ((u32)EX_LL_LUT - 1u)], l = e >> 8;
+        if (!l || at + l > end)
+            return 1u;
+        at += l;
+        u32 sym = e & 255u, r = ex_ld8(p->raw + first + k);
+        u32 x = p->kind == (u32)EX_LL_BF16
+                    ? ((r & 0x80u) << 8) | (sym << 7) | (r & 0x7fu)
+                    : (sym << 8) | r;
+        ex_st16(p->dst + 2u * (first + k), x);
+        h = ex_ll_mix(h, x);
+    }
+    return at != end || h != ex_ld32(p->sums + 4u * i, p->vec);
+}
+)

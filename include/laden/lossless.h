@@ -1,0 +1,124 @@
+/* lossless: 16-bit floats (BF16, F16) in fewer bytes, every bit kept.
+ *
+ * A weight's sign and mantissa look random, but its exponent does not:
+ * a layer's weights share a few magnitudes, so a BF16 exponent byte
+ * carries some 2.5-3 bits of information.  laden keeps the byte that is
+ * noise as it is and codes the other with a Huffman code of the tensor's
+ * own frequencies, at most 12 bits long: about 0.67 of the bytes for
+ * BF16 weights; F16, whose sign and ten mantissa bits are noise, about
+ * 0.85.  Decoding is one table lookup per element, in sub-chunks of 1024
+ * elements that decode independently, so a GPU decodes a tensor with one
+ * thread per sub-chunk; the CPU device runs the same code as C (one
+ * source, expand.h says how).
+ *
+ * The format ("LDL1"; all integers little-endian), a blob of
+ *   0    4  magic "LDL1"
+ *   4    1  kind: 1 BF16 (the coded symbol is the exponent, bits 14..7;
+ *           the raw byte is the sign, bit 15, then the mantissa, bits
+ *           6..0), 2 F16 (the symbol is the high byte; the raw byte the
+ *           low one)
+ *   5    1  0
+ *   6    2  sub_log2: elements per sub-chunk, as a power of two (6..16)
+ *   8    8  n: elements
+ *   16   8  nbits: bits of codes
+ *   24   8  0
+ *   32 256  the code length of each symbol (0: absent; at most 12); the
+ *           code is the canonical one (shorter codes first, then by
+ *           symbol), written least significant bit first
+ *   288  n  raw bytes, one per element; then zeros to a multiple of 8
+ *   ...  8 * nsub  where each sub-chunk's codes start (bit offsets; the
+ *           first 0, none decreasing, none past nbits), nsub =
+ *           ceil(n / 2^sub_log2)
+ *   ...  4 * nsub  each sub-chunk's check: FNV-1a (32 bits, from
+ *           0x811c9dc5, prime 0x01000193) over its 16-bit values, a step
+ *           per value; then zeros to a multiple of 8
+ *   ...  the bitstream: ceil(nbits / 64) words of codes, then one word
+ *           of padding (zero)
+ * The blob's size is therefore fixed by n, sub_log2 and nbits, and every
+ * reader checks it.  Sub-chunk i holds elements [i << sub_log2, ...) and
+ * its codes end exactly where sub-chunk i + 1's start (the last: at
+ * nbits), and its values give its check: a byte changed anywhere in the
+ * raw bytes or the codes is found by the decoder (a check of 32 bits: it
+ * misses one change in 2^32 at worst, never a single value changed).
+ *
+ * A blob is laden's own, but it may be read from a file or memory that
+ * changed: every field is checked before anything is decoded, and the
+ * decoder never reads outside the blob or writes outside the output,
+ * whatever the bytes (fuzz/fuzz_lossless.c). */
+#ifndef LADEN_LOSSLESS_H
+#define LADEN_LOSSLESS_H
+
+#include "../laden.h"
+#include "dev.h"
+#include "dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LADEN_LOSSLESS_MAGIC "LDL1"
+#define LADEN_LOSSLESS_HEADER_BYTES 288u
+#define LADEN_LOSSLESS_SUB_LOG2 10u  /* what laden_lossless_encode writes */
+#define LADEN_LOSSLESS_MAX_CODE 12u
+
+/* What a blob holds (laden_lossless_check). */
+typedef struct laden_lossless_info {
+    laden_dtype dtype;   /* LADEN_DTYPE_BF16 or LADEN_DTYPE_F16 */
+    uint32_t sub_log2;
+    uint64_t n_elems;
+    uint64_t nbits;
+    uint64_t nsub;
+    uint64_t bytes;      /* the blob's size */
+    uint64_t raw_off, offs_off, sums_off, bits_off; /* its parts */
+} laden_lossless_info;
+
+/* The most bytes laden_lossless_encode may write for n_elems of dtype
+ * (BF16 or F16): the header, the raw bytes, the offsets and every code at
+ * its longest.  LADEN_E_INVAL for another dtype, LADEN_E_LIMIT when the
+ * size would not fit in 64 bits. */
+LADEN_API laden_status laden_lossless_bound(laden_dtype dtype,
+                                            uint64_t n_elems,
+                                            uint64_t *out_bytes);
+
+/* Encodes the n_elems values at src (BF16 or F16, any alignment) into
+ * dst, which has dst_cap bytes, at least laden_lossless_bound's; the
+ * blob's size in *out_bytes.  Deterministic: the same values give the
+ * same blob.  Whether it is worth keeping (its size against 2 * n_elems)
+ * is the caller's choice.  LADEN_E_INVAL for NULL pointers (src may be
+ * NULL when n_elems is 0), another dtype or a dst_cap below the bound.
+ * On the calling thread; any thread. */
+LADEN_API laden_status laden_lossless_encode(laden_dtype dtype,
+                                             const void *src,
+                                             uint64_t n_elems, void *dst,
+                                             uint64_t dst_cap,
+                                             uint64_t *out_bytes);
+
+/* Checks a blob's header, lengths and offsets against its size and fills
+ * *out.  LADEN_E_CORRUPT naming the first field that is wrong (the codes
+ * themselves are checked as they are decoded). */
+LADEN_API laden_status laden_lossless_check(const void *blob, uint64_t bytes,
+                                            laden_lossless_info *out);
+
+/* Decodes the blob at `blob` (its info from laden_lossless_check of the
+ * same bytes) into dst, 2 * n_elems bytes aligned to 2.
+ * device LADEN_DEVICE_CPU: host addresses, on the calling thread;
+ * LADEN_E_CORRUPT when a sub-chunk's codes or check are wrong (the
+ * other sub-chunks are decoded; dst's elements of that one are
+ * unspecified).
+ * device >= 0: device addresses; queued on `stream` (as laden_expand:
+ * the kernels of expand.h, compiled at the device's first use); a corrupt
+ * sub-chunk sets the 4-byte word at `err` (device memory, 0: not wanted) to
+ * nonzero once the stream has passed the decode, and are never read or
+ * written out of bounds.  LADEN_E_INVAL for NULL addresses, a dst_bytes
+ * that is not 2 * n_elems, or an info whose sizes do not add up. */
+LADEN_API laden_status laden_lossless_decode(int32_t device, uintptr_t stream,
+                                             const laden_lossless_info *info,
+                                             laden_devptr_t blob,
+                                             laden_devptr_t dst,
+                                             uint64_t dst_bytes,
+                                             laden_devptr_t err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,398 @@
+/* lossless: the format's encoder, its checks and the CPU decoder
+ * (include/laden/lossless.h).  The decoding itself is expand_kernels.h's
+ * ex_ll_* code, compiled here through expand.c for the CPU device and by
+ * NVRTC for CUDA (expand.c launches it there). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dev_internal.h"
+#include "laden/lossless.h"
+
+/* expand.c: decodes with the shared code, on the CPU (on the calling
+ * thread; *bad sub-chunks were corrupt, the first *first) or queued on a
+ * CUDA stream. */
+laden_status laden__ll_decode(int32_t device, uintptr_t stream,
+                              const laden_lossless_info *info,
+                              laden_devptr_t blob, laden_devptr_t dst,
+                              laden_devptr_t err, uint64_t *bad,
+                              uint64_t *first);
+
+#define BITS LADEN_LOSSLESS_MAX_CODE
+#define KIND_BF16 1u
+#define KIND_F16 2u
+
+static uint64_t align8(uint64_t x)
+{
+    return (x + 7u) & ~(uint64_t)7u;
+}
+
+/* The blob's layout from its fields; false when it overflows. */
+static bool layout(uint64_t n, uint32_t sub_log2, uint64_t nbits,
+                   laden_lossless_info *in)
+{
+    uint64_t nsub = n ? ((n - 1u) >> sub_log2) + 1u : 0u;
+    uint64_t words = nbits / 64u + (nbits % 64u != 0) + 1u;
+    memset(in, 0, sizeof *in);
+    in->n_elems = n;
+    in->sub_log2 = sub_log2;
+    in->nbits = nbits;
+    in->nsub = nsub;
+    in->raw_off = LADEN_LOSSLESS_HEADER_BYTES;
+    if (n > UINT64_MAX / 4u || nbits > UINT64_MAX - 64u)
+        return false;
+    in->offs_off = in->raw_off + align8(n);
+    in->sums_off = in->offs_off + 8u * nsub;
+    in->bits_off = in->sums_off + align8(4u * nsub);
+    return laden__add_u64(in->bits_off, 8u * words, &in->bytes);
+}
+
+static uint32_t kind_of(laden_dtype d)
+{
+    return d == LADEN_DTYPE_BF16 ? KIND_BF16
+           : d == LADEN_DTYPE_F16 ? KIND_F16
+                                  : 0u;
+}
+
+laden_status laden_lossless_bound(laden_dtype dtype, uint64_t n,
+                                  uint64_t *out)
+{
+    if (out)
+        *out = 0;
+    if (!out)
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_bound: NULL");
+    if (!kind_of(dtype))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_bound: %s is not BF16 or F16",
+                           laden_dtype_name(dtype) ? laden_dtype_name(dtype)
+                                                   : "an unknown dtype");
+    laden_lossless_info in;
+    if (n > UINT64_MAX / 64u ||
+        !layout(n, LADEN_LOSSLESS_SUB_LOG2, n * BITS, &in))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_bound: %llu elements are too "
+                           "many", (unsigned long long)n);
+    *out = in.bytes;
+    return LADEN_OK;
+}
+
+/* ---- the code: lengths at most BITS long ------------------------------ */
+
+/* Huffman code lengths of the 256 symbols' counts (0 for a symbol that
+ * does not occur), at most BITS long. */
+static void code_lengths(const uint64_t *count, uint8_t *len)
+{
+    /* Nodes 0..255 are the symbols, 256.. the merged ones. */
+    uint64_t w[511];
+    int32_t parent[511], alive[511];
+    uint32_t nodes = 256, nalive = 0;
+    memset(len, 0, 256);
+    for (uint32_t s = 0; s < 256; s++) {
+        w[s] = count[s];
+        parent[s] = -1;
+        if (count[s])
+            alive[nalive++] = (int32_t)s;
+    }
+    if (nalive == 0)
+        return;
+    if (nalive == 1) {
+        len[alive[0]] = 1;
+        return;
+    }
+    while (nalive > 1) { /* the two lightest, ties to the lower node */
+        uint32_t a = 0, b = 1;
+        if (w[alive[b]] < w[alive[a]])
+            a = 1, b = 0;
+        for (uint32_t k = 2; k < nalive; k++) {
+            if (w[alive[k]] < w[alive[a]]) {
+                b = a;
+                a = k;
+            } else if (w[alive[k]] < w[alive[b]]) {
+                b = k;
+            }
+        }
+        uint32_t m = nodes++;
+        w[m] = w[alive[a]] + w[alive[b]];
+        parent[m] = -1;
+        parent[alive[a]] = parent[alive[b]] = (int32_t)m;
+        uint32_t hi = a > b ? a : b, lo = a > b ? b : a;
+        alive[hi] = alive[--nalive];
+        alive[lo] = (int32_t)m;
+    }
+    uint32_t over = 0;
+    for (uint32_t s = 0; s < 256; s++) {
+        if (!count[s])
+            continue;
+        uint32_t d = 0;
+        for (int32_t at = (int32_t)s; parent[at] >= 0; at = parent[at])
+            d++;
+        if (d > BITS) {
+            d = BITS;
+            over = 1;
+        }
+        len[s] = (uint8_t)d;
+    }
+    if (!over)
+        return;
+    /* Clamped: the code space is overfilled.  Lengthen the rarest of the
+     * longest codes below BITS until it fits (each step frees the least
+     * room there is to free; all at BITS always fits 256 symbols). */
+    uint64_t kraft = 0;
+    for (uint32_t s = 0; s < 256; s++)
+        kraft += len[s] ? 1u << (BITS - len[s]) : 0u;
+    while (kraft > (1u << BITS)) {
+        int32_t pick = -1;
+        for (uint32_t s = 0; s < 256; s++) {
+            if (!len[s] || len[s] >= BITS)
+                continue;
+            if (pick < 0 || len[s] > len[pick] ||
+                (len[s] == len[pick] && count[s] < count[pick]))
+                pick = (int32_t)s;
+        }
+        kraft -= 1u << (BITS - len[pick] - 1u);
+        len[pick]++;
+    }
+}
+
+/* The canonical codes of len[], bit-reversed (written least significant
+ * bit first). */
+static void canonical(const uint8_t *len, uint32_t *code)
+{
+    uint32_t count[BITS + 1] = {0}, next[BITS + 1] = {0}, c = 0;
+    for (uint32_t s = 0; s < 256; s++)
+        count[len[s]]++;
+    count[0] = 0;
+    for (uint32_t l = 1; l <= BITS; l++) {
+        c = (c + count[l - 1]) << 1;
+        next[l] = c;
+    }
+    for (uint32_t s = 0; s < 256; s++) {
+        uint32_t l = len[s], v = l ? next[l]++ : 0, r = 0;
+        for (uint32_t b = 0; b < l; b++)
+            r |= ((v >> b) & 1u) << (l - 1u - b);
+        code[s] = r;
+    }
+}
+
+/* ---- encoding ------------------------------------------------------------ */
+
+static void put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* Element k's symbol and raw byte. */
+static inline void split(uint32_t kind, const unsigned char *src, uint64_t k,
+                         uint32_t *sym, uint32_t *raw)
+{
+    uint32_t x = (uint32_t)src[2 * k] | (uint32_t)src[2 * k + 1] << 8;
+    if (kind == KIND_BF16) {
+        *sym = (x >> 7) & 0xffu;
+        *raw = ((x >> 8) & 0x80u) | (x & 0x7fu);
+    } else {
+        *sym = x >> 8;
+        *raw = x & 0xffu;
+    }
+}
+
+laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
+                                   uint64_t n, void *dst, uint64_t cap,
+                                   uint64_t *out_bytes)
+{
+    uint64_t bound;
+    laden_status s;
+    if (out_bytes)
+        *out_bytes = 0;
+    if (!dst || !out_bytes || (n && !src))
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_encode: NULL");
+    if ((s = laden_lossless_bound(dtype, n, &bound)))
+        return s;
+    if (cap < bound)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_encode: %llu bytes of room, "
+                           "laden_lossless_bound asks %llu",
+                           (unsigned long long)cap,
+                           (unsigned long long)bound);
+    const unsigned char *in = src;
+    unsigned char *out = dst;
+    uint32_t kind = kind_of(dtype), sym, raw;
+    uint64_t count[256] = {0};
+    for (uint64_t k = 0; k < n; k++) {
+        split(kind, in, k, &sym, &raw);
+        count[sym]++;
+    }
+    uint8_t len[256];
+    uint32_t code[256];
+    code_lengths(count, len);
+    canonical(len, code);
+    /* Offsets and bits start after the raw bytes, whose count is known:
+     * the codes go straight to their place. */
+    laden_lossless_info at;
+    layout(n, LADEN_LOSSLESS_SUB_LOG2, 0, &at);
+    memset(out, 0, LADEN_LOSSLESS_HEADER_BYTES);
+    memcpy(out, LADEN_LOSSLESS_MAGIC, 4);
+    out[4] = (unsigned char)kind;
+    out[6] = LADEN_LOSSLESS_SUB_LOG2;
+    put64(out + 8, n);
+    memcpy(out + 32, len, 256);
+    unsigned char *rawp = out + at.raw_off, *offs = out + at.offs_off;
+    unsigned char *sums = out + at.sums_off, *bits = out + at.bits_off;
+    uint64_t acc = 0, nbits = 0; /* acc: bits not yet in a whole word */
+    uint32_t fill = 0, h = 0;
+    const uint64_t mask = (1u << LADEN_LOSSLESS_SUB_LOG2) - 1u;
+    for (uint64_t k = 0; k < n; k++) {
+        if (!(k & mask))
+            put64(offs + 8 * (k >> LADEN_LOSSLESS_SUB_LOG2), nbits);
+        h = (k & mask ? h : 0x811c9dc5u) ^
+            ((uint32_t)in[2 * k] | (uint32_t)in[2 * k + 1] << 8);
+        h *= 0x01000193u;
+        if ((k & mask) == mask || k + 1 == n)
+            put32(sums + 4 * (k >> LADEN_LOSSLESS_SUB_LOG2), h);
+        split(kind, in, k, &sym, &raw);
+        rawp[k] = (unsigned char)raw;
+        uint32_t l = len[sym];
+        acc |= (uint64_t)code[sym] << fill;
+        if (fill + l >= 64) {
+            put64(bits + 8 * (nbits / 64), acc);
+            uint32_t used = 64 - fill; /* of this code's bits */
+            acc = used < 64 ? (uint64_t)code[sym] >> used : 0;
+            fill = fill + l - 64;
+        } else {
+            fill += l;
+        }
+        nbits += l;
+    }
+    memset(rawp + n, 0, at.offs_off - at.raw_off - n);
+    memset(sums + 4 * at.nsub, 0, at.bits_off - at.sums_off - 4 * at.nsub);
+    uint64_t words = nbits / 64u + (nbits % 64u != 0);
+    if (fill)
+        put64(bits + 8 * (nbits / 64), acc);
+    put64(bits + 8 * words, 0); /* the padding word */
+    put64(out + 16, nbits);
+    layout(n, LADEN_LOSSLESS_SUB_LOG2, nbits, &at);
+    *out_bytes = at.bytes;
+    return LADEN_OK;
+}
+
+/* ---- checking ------------------------------------------------------------ */
+
+static laden_status corrupt(const char *what)
+{
+    return laden__fail(LADEN_E_CORRUPT, "lossless blob: %s", what);
+}
+
+laden_status laden_lossless_check(const void *blob, uint64_t bytes,
+                                  laden_lossless_info *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!blob || !out)
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_check: NULL");
+    const unsigned char *b = blob;
+    if (bytes < LADEN_LOSSLESS_HEADER_BYTES)
+        return corrupt("shorter than its header");
+    if (memcmp(b, LADEN_LOSSLESS_MAGIC, 4) != 0)
+        return corrupt("no LDL1 magic");
+    uint32_t kind = b[4], sub_log2 = (uint32_t)b[6] | (uint32_t)b[7] << 8;
+    if (kind != KIND_BF16 && kind != KIND_F16)
+        return corrupt("unknown kind (neither BF16 nor F16)");
+    if (b[5] != 0 || get64(b + 24) != 0)
+        return corrupt("reserved bytes are not zero");
+    if (sub_log2 < 6 || sub_log2 > 16)
+        return corrupt("sub-chunks of 2^sub_log2 elements, sub_log2 "
+                       "outside 6..16");
+    uint64_t n = get64(b + 8), nbits = get64(b + 16), kraft = 0;
+    uint32_t used = 0;
+    for (uint32_t s = 0; s < 256; s++) {
+        uint32_t l = b[32 + s];
+        if (l > BITS)
+            return corrupt("a code longer than 12 bits");
+        kraft += l ? 1u << (BITS - l) : 0u;
+        used += l != 0;
+    }
+    if (kraft > (1u << BITS))
+        return corrupt("more codes than 12 bits hold");
+    if (n && !used)
+        return corrupt("elements but no code");
+    if (n > UINT64_MAX / 16u || nbits > n * BITS)
+        return corrupt("more bits than the elements' longest codes");
+    laden_lossless_info in;
+    if (!layout(n, sub_log2, nbits, &in) || in.bytes != bytes)
+        return corrupt("its size is not what its header says");
+    uint64_t prev = 0;
+    for (uint64_t i = 0; i < in.nsub; i++) {
+        uint64_t o = get64(b + in.offs_off + 8 * i);
+        if ((i == 0 && o != 0) || o < prev || o > nbits)
+            return corrupt("sub-chunk offsets out of order or past the "
+                           "codes");
+        prev = o;
+    }
+    in.dtype = kind == KIND_BF16 ? LADEN_DTYPE_BF16 : LADEN_DTYPE_F16;
+    *out = in;
+    return LADEN_OK;
+}
+
+/* ---- decoding ------------------------------------------------------------ */
+
+static laden_status info_ok(const laden_lossless_info *in)
+{
+    laden_lossless_info want;
+    if (!in || !kind_of(in->dtype) || in->sub_log2 < 6 ||
+        in->sub_log2 > 16 || !layout(in->n_elems, in->sub_log2, in->nbits,
+                                     &want) ||
+        want.bytes != in->bytes || want.nsub != in->nsub ||
+        want.raw_off != in->raw_off || want.offs_off != in->offs_off ||
+        want.sums_off != in->sums_off || want.bits_off != in->bits_off)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_decode: the info is not one "
+                           "laden_lossless_check gave");
+    return LADEN_OK;
+}
+
+laden_status laden_lossless_decode(int32_t device, uintptr_t stream,
+                                   const laden_lossless_info *info,
+                                   laden_devptr_t blob, laden_devptr_t dst,
+                                   uint64_t dst_bytes, laden_devptr_t err)
+{
+    laden_status s = info_ok(info);
+    if (s)
+        return s;
+    if (!blob || (!dst && info->n_elems))
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_decode: NULL");
+    if (dst_bytes != 2 * info->n_elems || dst % 2)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_decode: dst is %llu bytes at "
+                           "0x%llx; %llu elements take %llu, aligned to 2",
+                           (unsigned long long)dst_bytes,
+                           (unsigned long long)dst,
+                           (unsigned long long)info->n_elems,
+                           (unsigned long long)(2 * info->n_elems));
+    if (!info->n_elems)
+        return LADEN_OK;
+    uint64_t bad = 0, first = 0;
+    if ((s = laden__ll_decode(device, stream, info, blob, dst, err, &bad,
+                              &first)))
+        return s;
+    if (bad)
+        return laden__fail(LADEN_E_CORRUPT,
+                           "lossless blob: the codes of %llu of %llu "
+                           "sub-chunks are wrong (the first: %llu)",
+                           (unsigned long long)bad,
+                           (unsigned long long)info->nsub,
+                           (unsigned long long)first);
+    return LADEN_OK;
+}

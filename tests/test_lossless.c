@@ -1,0 +1,391 @@
+/* lossless: every 16-bit pattern comes back as it went in, weights take
+ * about two thirds of their bytes, and a blob that changed is refused by
+ * name, never read or written out of bounds. */
+#include "test.h"
+
+#include "laden/expand.h"
+#include "laden/lossless.h"
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static uint32_t next32(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 16);
+}
+
+enum { RANDOM, WEIGHTS, EQUAL, SPECIAL, NCLASS };
+
+/* n values of class c for dtype: every pattern; weight-like (random sign
+ * and mantissa, exponents clustered as a layer's are); one value; NaNs,
+ * infinities, zeros and subnormals among weights. */
+static uint16_t *values(laden_dtype dt, int c, uint64_t n)
+{
+    uint16_t *v = malloc(2 * (n ? n : 1));
+    CHECK(v);
+    bool bf = dt == LADEN_DTYPE_BF16;
+    static const uint16_t special_bf[] = {0x7fc0, 0x7fc1, 0xffc0, 0x7f80,
+                                          0xff80, 0x0000, 0x8000, 0x0001,
+                                          0x807f, 0x0040};
+    static const uint16_t special_f16[] = {0x7e00, 0x7c01, 0xfe00, 0x7c00,
+                                           0xfc00, 0x0000, 0x8000, 0x0001,
+                                           0x83ff, 0x0200};
+    for (uint64_t k = 0; k < n; k++) {
+        uint32_t r = next32();
+        uint32_t e = 0; /* exponent: mostly a few values below one */
+        while ((r & 1u) && e < 20) {
+            e++;
+            r >>= 1;
+        }
+        uint32_t sign = next32() & 1u, mant = next32();
+        uint16_t w = bf ? (uint16_t)(sign << 15 | (121u - e) << 7 |
+                                     (mant & 0x7fu))
+                        : (uint16_t)(sign << 15 | (13u - e % 13u) << 10 |
+                                     (mant & 0x3ffu));
+        switch (c) {
+        case RANDOM: v[k] = (uint16_t)next32(); break;
+        case WEIGHTS: v[k] = w; break;
+        case EQUAL: v[k] = bf ? 0x3f80 : 0x3c00; break;
+        default:
+            v[k] = next32() % 4 ? w : (bf ? special_bf : special_f16)
+                                          [next32() % 10];
+        }
+    }
+    return v;
+}
+
+/* Encodes, checks, decodes on the CPU; the blob (free it) and its size. */
+static unsigned char *round_trip(laden_dtype dt, const uint16_t *v,
+                                 uint64_t n, uint64_t *size)
+{
+    uint64_t bound;
+    CHECK_OK(laden_lossless_bound(dt, n, &bound));
+    unsigned char *blob = malloc(bound), *again = malloc(bound);
+    CHECK(blob && again);
+    CHECK_OK(laden_lossless_encode(dt, v, n, blob, bound, size));
+    CHECK(*size <= bound);
+    uint64_t size2;
+    CHECK_OK(laden_lossless_encode(dt, v, n, again, bound, &size2));
+    CHECK(size2 == *size && memcmp(blob, again, *size) == 0); /* the same */
+    free(again);
+    laden_lossless_info in;
+    CHECK_OK(laden_lossless_check(blob, *size, &in));
+    CHECK_EQ(in.dtype, dt);
+    CHECK_EQ(in.n_elems, n);
+    CHECK_EQ(in.bytes, *size);
+    uint16_t *out = malloc(2 * n + 2);
+    CHECK(out);
+    memset(out, 0xa5, 2 * n + 2);
+    CHECK_OK(laden_lossless_decode(LADEN_DEVICE_CPU, 0, &in,
+                                   (laden_devptr_t)(uintptr_t)blob,
+                                   (laden_devptr_t)(uintptr_t)out, 2 * n, 0));
+    CHECK(n == 0 || memcmp(out, v, 2 * n) == 0);
+    CHECK(((unsigned char *)out)[2 * n] == 0xa5); /* nothing past the end */
+    free(out);
+    return blob;
+}
+
+TEST(lossless_round_trip_every_shape_and_value)
+{
+    static const uint64_t sizes[] = {0, 1, 7, 63, 64, 1023, 1024, 1025,
+                                     4097, 100003};
+    static const laden_dtype dts[] = {LADEN_DTYPE_BF16, LADEN_DTYPE_F16};
+    for (int d = 0; d < 2; d++)
+        for (int c = 0; c < NCLASS; c++)
+            for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+                uint64_t n = sizes[i], size;
+                uint16_t *v = values(dts[d], c, n);
+                free(round_trip(dts[d], v, n, &size));
+                if (n == 100003 && c == WEIGHTS) {
+                    double ratio = (double)size / (2.0 * (double)n);
+                    fprintf(stderr, "%s weights: %.3f of their bytes\n",
+                            d ? "F16" : "BF16", ratio);
+                    /* BF16: 8 raw bits and ~2 for the exponent (these
+                     * exponents' entropy); F16: 8 raw, ~5 coded (its
+                     * sign and two mantissa bits are in the coded byte). */
+                    CHECK(d ? ratio < 0.85 : ratio < 0.66);
+                }
+                if (c == EQUAL && n > 64) /* one symbol: a bit each */
+                    CHECK(size < n + n / 8 + n / 64 + 1024);
+                free(v);
+            }
+    /* Every one of the 65536 patterns, each once, both kinds. */
+    uint16_t *all = malloc(2 * 65536);
+    for (uint32_t k = 0; k < 65536; k++)
+        all[k] = (uint16_t)(k * 40503u); /* a permutation */
+    uint64_t size;
+    free(round_trip(LADEN_DTYPE_BF16, all, 65536, &size));
+    free(round_trip(LADEN_DTYPE_F16, all, 65536, &size));
+    free(all);
+}
+
+/* Frequencies that halve from symbol to symbol would give Huffman codes
+ * of 20 bits and more: they are limited to 12, and still decode. */
+TEST(lossless_codes_at_most_twelve_bits)
+{
+    uint64_t n = 0;
+    for (int s = 0; s < 24; s++)
+        n += 1u << (23 - s < 0 ? 0 : 23 - s) >> 8 | 1u;
+    uint16_t *v = malloc(2 * n);
+    uint64_t k = 0;
+    for (int s = 0; s < 24; s++)
+        for (uint64_t j = 0; j < (1u << (23 - s) >> 8 | 1u); j++)
+            v[k++] = (uint16_t)((100 + s) << 7 | (next32() & 0x807fu));
+    uint64_t size;
+    unsigned char *blob = round_trip(LADEN_DTYPE_BF16, v, n, &size);
+    int longest = 0, used = 0;
+    for (int s = 0; s < 256; s++) {
+        longest = blob[32 + s] > longest ? blob[32 + s] : longest;
+        used += blob[32 + s] != 0;
+    }
+    CHECK_EQ(longest, 12);
+    CHECK_EQ(used, 24);
+    free(blob);
+    free(v);
+}
+
+/* Damaged blobs: a header field that is wrong is refused by the check;
+ * any byte of the raw bytes, offsets, checks or codes changed is found by
+ * the decode, which writes nothing outside its output. */
+TEST(lossless_damage_is_typed)
+{
+    const uint64_t n = 5000;
+    uint16_t *v = values(LADEN_DTYPE_BF16, WEIGHTS, n);
+    uint64_t size;
+    unsigned char *blob = round_trip(LADEN_DTYPE_BF16, v, n, &size);
+    unsigned char *bad = malloc(size);
+    laden_lossless_info in, good;
+    CHECK_OK(laden_lossless_check(blob, size, &good));
+    struct {
+        uint64_t at;
+        unsigned char to;
+        const char *says;
+    } fields[] = {
+        {0, 'X', "magic"},     {4, 3, "kind"},
+        {5, 1, "reserved"},    {24, 1, "reserved"},
+        {6, 5, "sub_log2"},    {6, 17, "sub_log2"},
+        {32 + 200, 13, "longer than 12"},
+        {8, 0x89, "size"},     {16, 0xff, "bits"},
+        {good.offs_off + 15, 0xff, "offsets"},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+        memcpy(bad, blob, size);
+        bad[fields[i].at] = fields[i].to;
+        CHECK_STATUS(laden_lossless_check(bad, size, &in), LADEN_E_CORRUPT);
+        if (!strstr(laden_last_error(), fields[i].says))
+            fprintf(stderr, "field %zu: %s\n", i, laden_last_error());
+        CHECK(strstr(laden_last_error(), fields[i].says) ||
+              strstr(laden_last_error(), "size"));
+    }
+    /* Oversubscribed: every symbol one bit long. */
+    memcpy(bad, blob, size);
+    memset(bad + 32, 1, 256);
+    CHECK_STATUS(laden_lossless_check(bad, size, &in), LADEN_E_CORRUPT);
+    CHECK(strstr(laden_last_error(), "more codes"));
+    CHECK_STATUS(laden_lossless_check(blob, size - 8, &in), LADEN_E_CORRUPT);
+    CHECK_STATUS(laden_lossless_check(blob, 100, &in), LADEN_E_CORRUPT);
+    /* Each byte after the header, one at a time (a stride through the
+     * raw bytes, every byte of the offsets, checks and codes). */
+    uint16_t *out = malloc(2 * n + 8);
+    uint32_t *err = malloc(4);
+    for (uint64_t at = LADEN_LOSSLESS_HEADER_BYTES; at < size;
+         at += at < good.offs_off ? 37 : 1) {
+        memcpy(bad, blob, size);
+        bad[at] ^= (unsigned char)(1u << (at % 8));
+        laden_status s = laden_lossless_check(bad, size, &in);
+        if (s) { /* an offset now out of order */
+            CHECK_EQ(s, LADEN_E_CORRUPT);
+            CHECK(at >= good.offs_off && at < good.sums_off);
+            continue;
+        }
+        bool padding = (at >= good.raw_off + n && at < good.offs_off) ||
+                       (at >= good.sums_off + 4 * good.nsub &&
+                        at < good.bits_off) ||
+                       at >= good.bits_off + (good.nbits + 7) / 8;
+        out[n] = 0x5a5a;
+        *err = 0;
+        s = laden_lossless_decode(LADEN_DEVICE_CPU, 0, &in,
+                                  (laden_devptr_t)(uintptr_t)bad,
+                                  (laden_devptr_t)(uintptr_t)out, 2 * n,
+                                  (laden_devptr_t)(uintptr_t)err);
+        CHECK_EQ(out[n], 0x5a5a);
+        if (padding) { /* read by no one */
+            CHECK_OK(s);
+            continue;
+        }
+        if (s != LADEN_E_CORRUPT)
+            fprintf(stderr, "byte %llu changed, decode says %s\n",
+                    (unsigned long long)at, laden_status_name(s));
+        CHECK_EQ(s, LADEN_E_CORRUPT);
+        CHECK_EQ(*err, 1);
+    }
+    /* Misuse. */
+    uint64_t b;
+    CHECK_STATUS(laden_lossless_bound(LADEN_DTYPE_F32, 1, &b), LADEN_E_INVAL);
+    CHECK_STATUS(laden_lossless_bound(LADEN_DTYPE_BF16, UINT64_MAX / 2, &b),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_lossless_encode(LADEN_DTYPE_BF16, v, n, bad, size, &b),
+                 LADEN_E_INVAL); /* below the bound */
+    CHECK_STATUS(laden_lossless_encode(LADEN_DTYPE_BF16, NULL, n, bad, size,
+                                       &b), LADEN_E_INVAL);
+    CHECK_STATUS(laden_lossless_check(NULL, size, &in), LADEN_E_INVAL);
+    in = good;
+    CHECK_STATUS(laden_lossless_decode(LADEN_DEVICE_CPU, 0, &in,
+                                       (laden_devptr_t)(uintptr_t)blob,
+                                       (laden_devptr_t)(uintptr_t)out, n, 0),
+                 LADEN_E_INVAL); /* dst_bytes */
+    in.bits_off += 8; /* not what the check gave */
+    CHECK_STATUS(laden_lossless_decode(LADEN_DEVICE_CPU, 0, &in,
+                                       (laden_devptr_t)(uintptr_t)blob,
+                                       (laden_devptr_t)(uintptr_t)out, 2 * n,
+                                       0),
+                 LADEN_E_INVAL);
+    free(err);
+    free(out);
+    free(bad);
+    free(blob);
+    free(v);
+}
+
+/* ---- CUDA: the same kernels' code, compiled by NVRTC ------------------- */
+
+static int cuda_decoder(void)
+{
+    int32_t n = 0;
+    if (laden_dev_count(&n) || n == 0) {
+        fprintf(stderr, "(no CUDA: %s)\n", laden_dev_cuda_error());
+        return 0;
+    }
+    char text[1200];
+    if (laden_expand_describe(0, text, sizeof text)) {
+        fprintf(stderr, "(cuda:0 cannot decode: %s)\n", text);
+        return 0;
+    }
+    fprintf(stderr, "%s\n", text);
+    return 1;
+}
+
+/* Decodes blob (size bytes, placed `off` bytes into device memory) on
+ * cuda:0; the values in out; the error word's value. */
+static uint32_t cuda_decode(const unsigned char *blob, uint64_t size,
+                            uint32_t off, uint16_t *out, uint64_t n)
+{
+    laden_lossless_info in;
+    CHECK_OK(laden_lossless_check(blob, size, &in));
+    laden_dev_stream_t *s;
+    CHECK_OK(laden_dev_stream_wrap(0, 0, &s));
+    laden_devptr_t d, o, e;
+    CHECK_OK(laden_dev_mem_alloc(0, size + off, &d));
+    CHECK_OK(laden_dev_mem_alloc(0, 2 * n + 2, &o));
+    CHECK_OK(laden_dev_mem_alloc(0, 4, &e));
+    uint32_t zero = 0, err = 0;
+    CHECK_OK(laden_dev_copy_h2d(s, d + off, blob, size));
+    CHECK_OK(laden_dev_copy_h2d(s, e, &zero, 4));
+    CHECK_OK(laden_lossless_decode(0, 0, &in, d + off, o, 2 * n, e));
+    CHECK_OK(laden_dev_copy_d2h(s, out, o, 2 * n));
+    CHECK_OK(laden_dev_copy_d2h(s, &err, e, 4));
+    CHECK_OK(laden_dev_stream_synchronize(s));
+    CHECK_OK(laden_dev_mem_free(0, d));
+    CHECK_OK(laden_dev_mem_free(0, o));
+    CHECK_OK(laden_dev_mem_free(0, e));
+    laden_dev_stream_destroy(s);
+    return err;
+}
+
+TEST(lossless_cuda_matches_cpu)
+{
+    if (!cuda_decoder())
+        SKIP("no CUDA device that can run laden's kernels (see above)");
+    static const uint64_t sizes[] = {1, 1023, 1025, 70001, 5u << 20};
+    for (int d = 0; d < 2; d++)
+        for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+            for (int c = 0; c < NCLASS; c++) {
+                laden_dtype dt = d ? LADEN_DTYPE_F16 : LADEN_DTYPE_BF16;
+                uint64_t n = sizes[i], size;
+                uint16_t *v = values(dt, c, n), *out = malloc(2 * n);
+                unsigned char *blob = round_trip(dt, v, n, &size);
+                for (uint32_t off = 0; off < 16; off += 5) { /* 5, 15: not
+                                                                 aligned */
+                    memset(out, 0, 2 * n);
+                    CHECK_EQ(cuda_decode(blob, size, off, out, n), 0);
+                    CHECK(memcmp(out, v, 2 * n) == 0);
+                }
+                if (n == 70001 && c == WEIGHTS) { /* a code changed */
+                    laden_lossless_info in;
+                    CHECK_OK(laden_lossless_check(blob, size, &in));
+                    blob[in.bits_off + 100] ^= 4;
+                    CHECK_EQ(cuda_decode(blob, size, 0, out, n), 1);
+                }
+                free(blob);
+                free(out);
+                free(v);
+            }
+}
+
+/* The kernels NVRTC compiles are C++17 with CUDA's keywords: with those
+ * stubbed, a host C++ compiler checks their syntax here, where CI has no
+ * GPU (laden__expand_cuda_source is the text NVRTC gets). */
+char *laden__expand_cuda_source(void);
+
+TEST(lossless_and_expand_kernels_are_cxx17)
+{
+    if (system("c++ --version >/dev/null 2>&1") != 0)
+        SKIP("no host C++ compiler (c++)");
+    char *src = laden__expand_cuda_source();
+    CHECK(src);
+    char *path = test_path("kernels.cpp");
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    fputs("#define __device__\n#define __global__\n"
+          "#define __forceinline__ inline\n#define __launch_bounds__(x)\n"
+          "#define __grid_constant__\n#define __shared__ static\n"
+          "#define __CUDA_ARCH__ 900\n#define __CUDACC_VER_MAJOR__ 13\n"
+          "#define __CUDACC_VER_MINOR__ 0\n"
+          "#define ex_noasm(...) ((void)0)\n"
+          "struct uint2 { unsigned x, y; };\n"
+          "template <class T> T __ldg(const T *p) { return *p; }\n"
+          "struct dim3 { unsigned x, y, z; };\n"
+          "static dim3 blockIdx, blockDim, threadIdx, gridDim;\n"
+          "static void __syncthreads() {}\n"
+          "static float __uint_as_float(unsigned x) { float f; "
+          "__builtin_memcpy(&f, &x, 4); return f; }\n"
+          "static unsigned __float_as_uint(float f) { unsigned x; "
+          "__builtin_memcpy(&x, &f, 4); return x; }\n", f);
+    /* Inline assembly (PTX) is the device's: each asm statement becomes
+     * a no-op call. */
+    for (const char *at = src; *at;) {
+        const char *a = strstr(at, "asm");
+        if (!a) {
+            fputs(at, f);
+            break;
+        }
+        fwrite(at, 1, (size_t)(a - at), f);
+        const char *p = a + 3;
+        while (*p == ' ')
+            p++;
+        if (strncmp(p, "volatile", 8) == 0)
+            p += 8;
+        while (*p == ' ')
+            p++;
+        if (*p != '(' || (a > src && (a[-1] == '_' || (a[-1] >= 'a' &&
+                                                      a[-1] <= 'z')))) {
+            fwrite(a, 1, 3, f); /* a name that holds "asm" */
+            at = a + 3;
+            continue;
+        }
+        fputs("ex_noasm", f);
+        at = p;
+    }
+    fclose(f);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "c++ -std=c++17 -fsyntax-only -Werror -Wall -Wno-unknown-pragmas "
+             "-Wno-unused-function -Wno-unused-variable %s", path);
+    int rc = system(cmd);
+    if (rc != 0)
+        fprintf(stderr, "%s failed (the source is %s)\n", cmd, path);
+    CHECK_EQ(rc, 0);
+    free(src);
+}
