@@ -6,9 +6,11 @@
  * noise as it is and codes the other with a Huffman code of the tensor's
  * own frequencies, at most 12 bits long: about 0.67 of the bytes for
  * BF16 weights; F16, whose sign and ten mantissa bits are noise, about
- * 0.85.  Decoding is one table lookup per element, in sub-chunks of 1024
- * elements that decode independently, so a GPU decodes a tensor with one
- * thread per sub-chunk; the CPU device runs the same code as C (one
+ * 0.85.  Decoding is one table lookup per element.  A tensor is cut into
+ * sub-chunks of 4096 elements that decode independently, each in 32
+ * lanes (lane j: its elements j, j + 32, ...), so on a GPU a warp decodes
+ * a sub-chunk with consecutive lanes reading consecutive raw bytes and
+ * writing consecutive values; the CPU device runs the same code as C (one
  * source, expand.h says how).
  *
  * The format ("LDL1"; all integers little-endian), a blob of
@@ -18,26 +20,32 @@
  *           6..0), 2 F16 (the symbol is the high byte; the raw byte the
  *           low one)
  *   5    1  0
- *   6    2  sub_log2: elements per sub-chunk, as a power of two (6..16)
+ *   6    2  sub_log2: elements per sub-chunk, as a power of two (6..12)
  *   8    8  n: elements
  *   16   8  nbits: bits of codes
  *   24   8  0
  *   32 256  the code length of each symbol (0: absent; at most 12); the
  *           code is the canonical one (shorter codes first, then by
  *           symbol), written least significant bit first
- *   288  n  raw bytes, one per element; then zeros to a multiple of 8
+ *   288  n  raw bytes, one per element, in element order; then zeros to
+ *           a multiple of 8
  *   ...  8 * nsub  where each sub-chunk's codes start (bit offsets; the
  *           first 0, none decreasing, none past nbits), nsub =
  *           ceil(n / 2^sub_log2)
  *   ...  4 * nsub  each sub-chunk's check: FNV-1a (32 bits, from
- *           0x811c9dc5, prime 0x01000193) over its 16-bit values, a step
- *           per value; then zeros to a multiple of 8
+ *           0x811c9dc5, prime 0x01000193, a step per 32-bit unit) over
+ *           its 32 lanes' checks, each the FNV-1a of the lane's 16-bit
+ *           values in order; then zeros to a multiple of 8
+ *   ...  64 * nsub  each sub-chunk's 32 lane offsets (u16, bits from the
+ *           sub-chunk's start; the first 0, none decreasing, none past
+ *           the sub-chunk's end)
  *   ...  the bitstream: ceil(nbits / 64) words of codes, then one word
- *           of padding (zero)
+ *           of padding (zero).  Sub-chunk i's codes are its lanes' in
+ *           lane order, lane j's for its elements in order.
  * The blob's size is therefore fixed by n, sub_log2 and nbits, and every
- * reader checks it.  Sub-chunk i holds elements [i << sub_log2, ...) and
- * its codes end exactly where sub-chunk i + 1's start (the last: at
- * nbits), and its values give its check: a byte changed anywhere in the
+ * reader checks it.  A lane's codes end exactly where the next lane's
+ * start (the last lane's: where the next sub-chunk's start, or at nbits),
+ * and a sub-chunk's values give its check: a byte changed anywhere in the
  * raw bytes or the codes is found by the decoder (a check of 32 bits: it
  * misses one change in 2^32 at worst, never a single value changed).
  *
@@ -58,7 +66,8 @@ extern "C" {
 
 #define LADEN_LOSSLESS_MAGIC "LDL1"
 #define LADEN_LOSSLESS_HEADER_BYTES 288u
-#define LADEN_LOSSLESS_SUB_LOG2 10u  /* what laden_lossless_encode writes */
+#define LADEN_LOSSLESS_SUB_LOG2 12u  /* what laden_lossless_encode writes */
+#define LADEN_LOSSLESS_LANES 32u
 #define LADEN_LOSSLESS_MAX_CODE 12u
 
 /* What a blob holds (laden_lossless_check). */
@@ -69,7 +78,7 @@ typedef struct laden_lossless_info {
     uint64_t nbits;
     uint64_t nsub;
     uint64_t bytes;      /* the blob's size */
-    uint64_t raw_off, offs_off, sums_off, bits_off; /* its parts */
+    uint64_t raw_off, offs_off, sums_off, lanes_off, bits_off; /* parts */
 } laden_lossless_info;
 
 /* The most bytes laden_lossless_encode may write for n_elems of dtype

@@ -119,7 +119,8 @@ class LosslessInfo(Structure):
         ("dtype", c_int32), ("sub_log2", c_uint32), ("n_elems", c_uint64),
         ("nbits", c_uint64), ("nsub", c_uint64), ("bytes", c_uint64),
         ("raw_off", c_uint64), ("offs_off", c_uint64),
-        ("sums_off", c_uint64), ("bits_off", c_uint64),
+        ("sums_off", c_uint64), ("lanes_off", c_uint64),
+        ("bits_off", c_uint64),
     ]
 
 

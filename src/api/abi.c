@@ -57,7 +57,8 @@
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_lossless_info(F, T)                                   \
     F(T, dtype) F(T, sub_log2) F(T, n_elems) F(T, nbits) F(T, nsub)        \
-    F(T, bytes) F(T, raw_off) F(T, offs_off) F(T, sums_off) F(T, bits_off)
+    F(T, bytes) F(T, raw_off) F(T, offs_off) F(T, sums_off)               \
+    F(T, lanes_off) F(T, bits_off)
 #define FIELDS_laden_st_tensor(F, T)                                       \
     F(T, name) F(T, dtype) F(T, ndim) F(T, shape) F(T, file_index)         \
     F(T, offset_bytes) F(T, size_bytes)
@@ -268,7 +269,8 @@ uint32_t laden_abi_version(void)
     C(LADEN_IO_DIRECT_AUTO) C(LADEN_IO_DIRECT_OFF) C(LADEN_IO_DIRECT_ON)   \
     C(LADEN_IO_WAY_UNKNOWN) C(LADEN_IO_WAY_DIRECT) C(LADEN_IO_WAY_BUFFERED) \
     C(LADEN_EXPERT_CACHE_AUTO) C(LADEN_LOSSLESS_HEADER_BYTES)              \
-    C(LADEN_LOSSLESS_SUB_LOG2) C(LADEN_LOSSLESS_MAX_CODE)
+    C(LADEN_LOSSLESS_SUB_LOG2) C(LADEN_LOSSLESS_MAX_CODE)                 \
+    C(LADEN_LOSSLESS_LANES)
 
 typedef struct abi_const {
     const char *name;

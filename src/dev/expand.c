@@ -532,13 +532,19 @@ static const char ll_kernel[] =
     "  for (u32 i = threadIdx.x; i < (u32)EX_LL_LUT; i += blockDim.x) "
     "lut[i] = 0;\n"
     "  __syncthreads();\n"
-    "  u32 e = bad;\n"
-    "  if (!e) for (u32 s = threadIdx.x; s < 256u; s += blockDim.x) "
+    "  u32 e = bad, j = threadIdx.x % 32u;\n"
+    "  if (!bad) for (u32 s = threadIdx.x; s < 256u; s += blockDim.x) "
     "ex_ll_fill(&p, code, s, lut);\n"
     "  __syncthreads();\n"
-    "  if (!e) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; "
-    "i < p.nsub; i += (u64)gridDim.x * blockDim.x) e |= ex_ll_sub(&p, lut, "
-    "i);\n"
+    /* bad is the block's: a warp's lanes loop together (the shuffles) */
+    "  if (!bad) for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / "
+    "32u; i < p.nsub; i += (u64)gridDim.x * blockDim.x / 32u) {\n"
+    "    u32 h, sum = ex_ll_seed();\n"
+    "    u32 b = ex_ll_lane(&p, lut, i, j, &h);\n"
+    "    for (u32 k = 0; k < 32u; k++) sum = ex_ll_mix(sum, "
+    "__shfl_sync(0xffffffffu, h, k));\n"
+    "    e |= b | (j == 0u && sum != ex_ll_sum(&p, i));\n"
+    "  }\n"
     "  if (e && p.err) ex_st32(p.err, 1u);\n"
     "}\n";
 
@@ -935,6 +941,7 @@ laden_status laden__ll_decode(int32_t device, uintptr_t stream,
     p.raw = blob + info->raw_off;
     p.offs = blob + info->offs_off;
     p.sums = blob + info->sums_off;
+    p.lanes = blob + info->lanes_off;
     p.bits = blob + info->bits_off;
     p.dst = dst;
     p.err = err;
@@ -976,7 +983,8 @@ laden_status laden__ll_decode(int32_t device, uintptr_t stream,
     if ((st = laden__cuda_enter(device, &sc)))
         return st;
     struct ex_dev *d = &exdevs[device];
-    uint64_t blocks = info->nsub / THREADS + (info->nsub % THREADS != 0);
+    uint64_t warps = THREADS / 32u; /* a warp a sub-chunk */
+    uint64_t blocks = info->nsub / warps + (info->nsub % warps != 0);
     if (blocks > d->ll_max_blocks)
         blocks = d->ll_max_blocks;
     void *args[] = {&p};

@@ -612,30 +612,36 @@ EX_FN void ex_loop(const ex_params *p, u64 first, u64 stride, u32 fmt,
 EX(
 /* ---- lossless: laden's entropy-coded 16-bit floats -------------------
  *
- * The format is include/laden/lossless.h's.  Sub-chunk i (elements
- * [i << sub_log2, ...)) is decoded alone: its codes start at bit offs[i]
- * of the bitstream and end exactly where the next sub-chunk's start (the
- * last: at nbits).  A code is read least significant bit first through a
- * table of 2^12 entries ((length << 8) | symbol; 0: no code), so one
- * lookup decodes one element; the element's other byte is in the raw
- * plane.  Every read is checked against the sub-chunk's end before it is
- * made, so corrupt data reads nothing outside the bitstream and writes
- * nothing outside the sub-chunk's elements: an unused code, a sub-chunk
- * that does not end where the next starts or whose values do not give
- * its check is reported (1) and the decoder goes on to the next one. */
-enum { EX_LL_BITS = 12, EX_LL_LUT = 4096, EX_LL_BF16 = 1, EX_LL_F16 = 2 };
+ * The format is include/laden/lossless.h's.  A sub-chunk (elements
+ * [i << sub_log2, ...)) is 32 lanes: lane j holds its elements j, j + 32,
+ * j + 64, ..., coded one after another in the lanes' order from bit
+ * offs[i] + lane_off[i][j]; a lane ends where the next one starts (the
+ * last: where the next sub-chunk starts, or at nbits).  On a GPU a warp
+ * decodes a sub-chunk, a lane each, so consecutive lanes read consecutive
+ * raw bytes and write consecutive values.  A code is read least
+ * significant bit first through a table of 2^12 entries ((length << 8) |
+ * symbol; 0: no code): one lookup decodes one element.  Every read is
+ * checked against the lane's end before it is made, so corrupt data reads
+ * nothing outside the bitstream and writes nothing outside the lane's
+ * elements; an unused code, a lane that does not end where the next
+ * starts, or a sub-chunk whose values do not give its check is reported
+ * and the decoder goes on. */
+enum { EX_LL_BITS = 12, EX_LL_LUT = 4096, EX_LL_BF16 = 1, EX_LL_F16 = 2,
+       EX_LL_LANES = 32 };
 
 typedef struct ex_ll_params {
     u64 lens;  /* 256 code lengths, a byte each */
     u64 raw;   /* n bytes: each element's byte that is not coded */
     u64 offs;  /* nsub u64 bit offsets into the bitstream */
-    u64 sums;  /* nsub u32 checks of the decoded values (ex_ll_mix) */
+    u64 sums;  /* nsub u32 checks (ex_ll_mix) */
+    u64 lanes; /* nsub x 32 u16 lane offsets from the sub-chunk's start */
     u64 bits;  /* the bitstream: nbits bits, then a word of padding */
     u64 dst;   /* n 16-bit values out */
     u64 err;   /* a u32 set to 1 on corrupt data (0: none) */
     u64 n;     /* elements */
     u64 nbits; /* bits of codes */
-    u32 nsub, sub_log2, kind, vec; /* vec: 8-aligned offs and bits */
+    u32 nsub, sub_log2, kind, vec; /* vec: 8-aligned offs, sums, lanes,
+                                      bits */
 } ex_ll_params;
 
 EX_FN u64 ex_ll_ld64(u64 a, u32 vec)
@@ -643,6 +649,19 @@ EX_FN u64 ex_ll_ld64(u64 a, u32 vec)
     u32 x, y;
     ex_ld2x32(a, vec, &x, &y);
     return (u64)x | (u64)y << 32;
+}
+
+/* The checks' first value (FNV-1a's offset basis). */
+EX_FN u32 ex_ll_seed(void)
+{
+    return 0x811c9dc5u;
+}
+
+/* One step of the checks: FNV-1a, 32 bits (each step a bijection of the
+ * running value, so one value changed always changes the result). */
+EX_FN u32 ex_ll_mix(u32 h, u32 x)
+{
+    return (h ^ x) * 0x01000193u;
 }
 
 /* code[s] = the canonical code of symbol s, bit-reversed (read least
@@ -688,27 +707,30 @@ EX_FN void ex_ll_fill(const ex_ll_params *p, const u32 *code, u32 s,
         lut[code[s] | (f << l)] = (u16)((l << 8) | s);
 }
 
-/* A sub-chunk's check: FNV-1a over its 16-bit values (each step a
- * bijection of the running value, so one value changed always changes
- * the check). */
-EX_FN u32 ex_ll_mix(u32 h, u32 x)
+/* Lane j's offset in sub-chunk i, from the sub-chunk's first bit (lane
+ * 32: the sub-chunk's length); UINT64 max when it lies past the codes. */
+EX_FN u64 ex_ll_lane_at(const ex_ll_params *p, u64 i, u32 j)
 {
-    return (h ^ x) * 0x01000193u;
+    u64 start = ex_ll_ld64(p->offs + 8u * i, p->vec);
+    if (j < (u32)EX_LL_LANES)
+        return start + ex_ld16(p->lanes + 64u * i + 2u * j, p->vec);
+    return i + 1u < p->nsub ? ex_ll_ld64(p->offs + 8u * (i + 1u), p->vec)
+                            : p->nbits;
 }
 
-/* Decodes sub-chunk i; 0, or 1 when its data is corrupt. */
-EX_FN u32 ex_ll_sub(const ex_ll_params *p, const u16 *lut, u64 i)
+/* Decodes lane j of sub-chunk i; its check in *h (the FNV-1a of its
+ * values from ex_ll_seed()); 0, or 1 when its data is corrupt. */
+EX_FN u32 ex_ll_lane(const ex_ll_params *p, const u16 *lut, u64 i, u32 j,
+                     u32 *h)
 {
     u64 first = i << p->sub_log2, cnt = p->n - first;
     if (cnt > ((u64)1 << p->sub_log2))
         cnt = (u64)1 << p->sub_log2;
-    u64 at = ex_ll_ld64(p->offs + 8u * i, p->vec);
-    u64 end = i + 1u < p->nsub ? ex_ll_ld64(p->offs + 8u * (i + 1u), p->vec)
-                               : p->nbits;
+    u64 at = ex_ll_lane_at(p, i, j), end = ex_ll_lane_at(p, i, j + 1u);
+    *h = ex_ll_seed();
     if (at > end || end > p->nbits)
         return 1u;
-    u32 h = 0x811c9dc5u;
-    for (u64 k = 0; k < cnt; k++) {
+    for (u64 k = j; k < cnt; k += (u32)EX_LL_LANES) {
         if (at >= end)
             return 1u;
         u64 w = at >> 6;
@@ -725,8 +747,27 @@ EX_FN u32 ex_ll_sub(const ex_ll_params *p, const u16 *lut, u64 i)
                     ? ((r & 0x80u) << 8) | (sym << 7) | (r & 0x7fu)
                     : (sym << 8) | r;
         ex_st16(p->dst + 2u * (first + k), x);
-        h = ex_ll_mix(h, x);
+        *h = ex_ll_mix(*h, x);
     }
-    return at != end || h != ex_ld32(p->sums + 4u * i, p->vec);
+    return at != end;
+}
+
+/* Sub-chunk i's stored check. */
+EX_FN u32 ex_ll_sum(const ex_ll_params *p, u64 i)
+{
+    return ex_ld32(p->sums + 4u * i, p->vec);
+}
+
+/* Decodes sub-chunk i, its lanes one after another (the CPU); 0, or 1
+ * when its data is corrupt. */
+EX_FN u32 ex_ll_sub(const ex_ll_params *p, const u16 *lut, u64 i)
+{
+    u32 bad = 0u, sum = ex_ll_seed();
+    for (u32 j = 0; j < (u32)EX_LL_LANES; j++) {
+        u32 h;
+        bad |= ex_ll_lane(p, lut, i, j, &h);
+        sum = ex_ll_mix(sum, h);
+    }
+    return bad | (sum != ex_ll_sum(p, i));
 }
 )

@@ -18,6 +18,8 @@ laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                               uint64_t *first);
 
 #define BITS LADEN_LOSSLESS_MAX_CODE
+#define LANES LADEN_LOSSLESS_LANES
+#define SEED 0x811c9dc5u
 #define KIND_BF16 1u
 #define KIND_F16 2u
 
@@ -42,7 +44,8 @@ static bool layout(uint64_t n, uint32_t sub_log2, uint64_t nbits,
         return false;
     in->offs_off = in->raw_off + align8(n);
     in->sums_off = in->offs_off + 8u * nsub;
-    in->bits_off = in->sums_off + align8(4u * nsub);
+    in->lanes_off = in->sums_off + align8(4u * nsub);
+    in->bits_off = in->lanes_off + 2u * LANES * nsub;
     return laden__add_u64(in->bits_off, 8u * words, &in->bytes);
 }
 
@@ -195,6 +198,33 @@ static uint64_t get64(const unsigned char *p)
     return v;
 }
 
+static void put16(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+}
+
+/* A bit writer: codes least significant bit first into 64-bit words. */
+typedef struct bitw {
+    unsigned char *bits;
+    uint64_t acc, nbits; /* acc: the bits not yet in a whole word */
+    uint32_t fill;
+} bitw;
+
+static inline void put_code(bitw *w, uint32_t code, uint32_t l)
+{
+    w->acc |= (uint64_t)code << w->fill;
+    if (w->fill + l >= 64) {
+        put64(w->bits + 8 * (w->nbits / 64), w->acc);
+        uint32_t used = 64 - w->fill; /* of this code's bits */
+        w->acc = used < 64 ? (uint64_t)code >> used : 0;
+        w->fill = w->fill + l - 64;
+    } else {
+        w->fill += l;
+    }
+    w->nbits += l;
+}
+
 /* Element k's symbol and raw byte. */
 static inline void split(uint32_t kind, const unsigned char *src, uint64_t k,
                          uint32_t *sym, uint32_t *raw)
@@ -250,37 +280,36 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
     put64(out + 8, n);
     memcpy(out + 32, len, 256);
     unsigned char *rawp = out + at.raw_off, *offs = out + at.offs_off;
-    unsigned char *sums = out + at.sums_off, *bits = out + at.bits_off;
-    uint64_t acc = 0, nbits = 0; /* acc: bits not yet in a whole word */
-    uint32_t fill = 0, h = 0;
-    const uint64_t mask = (1u << LADEN_LOSSLESS_SUB_LOG2) - 1u;
-    for (uint64_t k = 0; k < n; k++) {
-        if (!(k & mask))
-            put64(offs + 8 * (k >> LADEN_LOSSLESS_SUB_LOG2), nbits);
-        h = (k & mask ? h : 0x811c9dc5u) ^
-            ((uint32_t)in[2 * k] | (uint32_t)in[2 * k + 1] << 8);
-        h *= 0x01000193u;
-        if ((k & mask) == mask || k + 1 == n)
-            put32(sums + 4 * (k >> LADEN_LOSSLESS_SUB_LOG2), h);
-        split(kind, in, k, &sym, &raw);
-        rawp[k] = (unsigned char)raw;
-        uint32_t l = len[sym];
-        acc |= (uint64_t)code[sym] << fill;
-        if (fill + l >= 64) {
-            put64(bits + 8 * (nbits / 64), acc);
-            uint32_t used = 64 - fill; /* of this code's bits */
-            acc = used < 64 ? (uint64_t)code[sym] >> used : 0;
-            fill = fill + l - 64;
-        } else {
-            fill += l;
+    unsigned char *sums = out + at.sums_off, *lanes = out + at.lanes_off;
+    unsigned char *bits = out + at.bits_off;
+    bitw w = {.bits = bits};
+    const uint64_t per = (uint64_t)1 << LADEN_LOSSLESS_SUB_LOG2;
+    for (uint64_t i = 0; i < at.nsub; i++) {
+        uint64_t first = i * per, cnt = n - first < per ? n - first : per;
+        uint32_t sum = SEED;
+        put64(offs + 8 * i, w.nbits);
+        for (uint32_t j = 0; j < LANES; j++) {
+            uint64_t lane = w.nbits - get64(offs + 8 * i);
+            put16(lanes + 2 * (LANES * i + j), (uint32_t)lane);
+            uint32_t h = SEED;
+            for (uint64_t k = j; k < cnt; k += LANES) {
+                uint64_t e = first + k;
+                split(kind, in, e, &sym, &raw);
+                rawp[e] = (unsigned char)raw;
+                put_code(&w, code[sym], len[sym]);
+                h = (h ^ ((uint32_t)in[2 * e] |
+                          (uint32_t)in[2 * e + 1] << 8)) * 0x01000193u;
+            }
+            sum = (sum ^ h) * 0x01000193u;
         }
-        nbits += l;
+        put32(sums + 4 * i, sum);
     }
+    uint64_t nbits = w.nbits;
+    if (w.fill)
+        put64(bits + 8 * (nbits / 64), w.acc);
     memset(rawp + n, 0, at.offs_off - at.raw_off - n);
-    memset(sums + 4 * at.nsub, 0, at.bits_off - at.sums_off - 4 * at.nsub);
+    memset(sums + 4 * at.nsub, 0, at.lanes_off - at.sums_off - 4 * at.nsub);
     uint64_t words = nbits / 64u + (nbits % 64u != 0);
-    if (fill)
-        put64(bits + 8 * (nbits / 64), acc);
     put64(bits + 8 * words, 0); /* the padding word */
     put64(out + 16, nbits);
     layout(n, LADEN_LOSSLESS_SUB_LOG2, nbits, &at);
@@ -312,9 +341,9 @@ laden_status laden_lossless_check(const void *blob, uint64_t bytes,
         return corrupt("unknown kind (neither BF16 nor F16)");
     if (b[5] != 0 || get64(b + 24) != 0)
         return corrupt("reserved bytes are not zero");
-    if (sub_log2 < 6 || sub_log2 > 16)
+    if (sub_log2 < 6 || sub_log2 > 12)
         return corrupt("sub-chunks of 2^sub_log2 elements, sub_log2 "
-                       "outside 6..16");
+                       "outside 6..12");
     uint64_t n = get64(b + 8), nbits = get64(b + 16), kraft = 0;
     uint32_t used = 0;
     for (uint32_t s = 0; s < 256; s++) {
@@ -341,6 +370,20 @@ laden_status laden_lossless_check(const void *blob, uint64_t bytes,
                            "codes");
         prev = o;
     }
+    for (uint64_t i = 0; i < in.nsub; i++) {
+        uint64_t o = get64(b + in.offs_off + 8 * i);
+        uint64_t end = i + 1 < in.nsub ? get64(b + in.offs_off + 8 * (i + 1))
+                                       : nbits;
+        const unsigned char *l = b + in.lanes_off + 2 * LANES * i;
+        uint32_t last = 0;
+        for (uint32_t j = 0; j < LANES; j++) {
+            uint32_t at = (uint32_t)l[2 * j] | (uint32_t)l[2 * j + 1] << 8;
+            if ((j == 0 && at != 0) || at < last || o + at > end)
+                return corrupt("lane offsets out of order or past their "
+                               "sub-chunk");
+            last = at;
+        }
+    }
     in.dtype = kind == KIND_BF16 ? LADEN_DTYPE_BF16 : LADEN_DTYPE_F16;
     *out = in;
     return LADEN_OK;
@@ -352,11 +395,12 @@ static laden_status info_ok(const laden_lossless_info *in)
 {
     laden_lossless_info want;
     if (!in || !kind_of(in->dtype) || in->sub_log2 < 6 ||
-        in->sub_log2 > 16 || !layout(in->n_elems, in->sub_log2, in->nbits,
+        in->sub_log2 > 12 || !layout(in->n_elems, in->sub_log2, in->nbits,
                                      &want) ||
         want.bytes != in->bytes || want.nsub != in->nsub ||
         want.raw_off != in->raw_off || want.offs_off != in->offs_off ||
-        want.sums_off != in->sums_off || want.bits_off != in->bits_off)
+        want.sums_off != in->sums_off || want.lanes_off != in->lanes_off ||
+        want.bits_off != in->bits_off)
         return laden__fail(LADEN_E_INVAL,
                            "laden_lossless_decode: the info is not one "
                            "laden_lossless_check gave");
