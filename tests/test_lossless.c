@@ -392,3 +392,142 @@ TEST(lossless_and_expand_kernels_are_cxx17)
     CHECK_EQ(rc, 0);
     free(src);
 }
+
+/* ---- in a schedule (laden_sched_set_lossless) --------------------------- */
+
+#include "laden/st.h"
+#include "laden/stream.h"
+
+/* A block of weight-like BF16 (compresses), random BF16 (does not) and
+ * F16 weights on the RAM or disk tier, marked lossless: the blob is what
+ * the RAM tier holds, the enter's workspace and laden_sched_tensor_value
+ * give every bit back; on disk nothing is compressed. */
+TEST(lossless_tensors_in_a_block)
+{
+    enum { N = 20000 };
+    uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+    uint16_t *r = values(LADEN_DTYPE_BF16, RANDOM, N);
+    uint16_t *h = values(LADEN_DTYPE_F16, WEIGHTS, N);
+    static char data[3 * N * 2];
+    memcpy(data, w, 2 * N);
+    memcpy(data + 2 * N, r, 2 * N);
+    memcpy(data + 4 * N, h, 2 * N);
+    char hdr[512];
+    snprintf(hdr, sizeof hdr,
+             "{\"w\":{\"dtype\":\"BF16\",\"shape\":[%d],\"data_offsets\":"
+             "[0,%d]},\"r\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+             "\"data_offsets\":[%d,%d]},\"h\":{\"dtype\":\"F16\",\"shape\":"
+             "[%d],\"data_offsets\":[%d,%d]}}",
+             N, 2 * N, N, 2 * N, 4 * N, N, 4 * N, 6 * N);
+    char *path = test_path("ll.safetensors");
+    test_write_st(path, hdr, data, sizeof data);
+    const uint16_t *want[3] = {w, r, h};
+    static const laden_tier tiers[] = {LADEN_TIER_RAM, LADEN_TIER_DISK};
+    for (int ti = 0; ti < 2; ti++) {
+        laden_st_t *st;
+        laden_sched_t *sc;
+        CHECK_OK(laden_st_open(path, &st));
+        laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        uint32_t blk, idx[3];
+        CHECK_OK(laden_sched_add_block(sc, tiers[ti], &blk));
+        static const char *const names[3] = {"w", "r", "h"};
+        for (int k = 0; k < 3; k++) {
+            size_t at;
+            CHECK_OK(laden_st_find(st, names[k], &at));
+            laden_dtype dt = k == 2 ? LADEN_DTYPE_F16 : LADEN_DTYPE_BF16;
+            CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, dt, &idx[k]));
+            CHECK_OK(laden_sched_set_lossless(sc, blk, idx[k]));
+        }
+        CHECK_STATUS(laden_sched_set_lossless(sc, blk, idx[0]),
+                     LADEN_E_UNSUPPORTED); /* already compact */
+        uint64_t raw = laden_sched_block_bytes(sc, blk);
+        CHECK_OK(laden_sched_load(sc));
+        CHECK_STATUS(laden_sched_set_lossless(sc, blk, idx[1]),
+                     LADEN_E_STATE);
+        laden_sched_stats_t s;
+        CHECK_OK(laden_sched_stats(sc, &s));
+        if (ti == 0) { /* w and h compressed, r kept */
+            CHECK_EQ(s.lossless_raw_bytes, 4u * N);
+            CHECK(s.lossless_bytes < 3u * N);
+            CHECK(laden_sched_block_bytes(sc, blk) < raw - N / 2);
+            CHECK_EQ(s.ram_bytes, laden_sched_block_bytes(sc, blk));
+        } else {
+            CHECK_EQ(s.lossless_bytes, 0);
+            CHECK_EQ(laden_sched_block_bytes(sc, blk), raw);
+        }
+        CHECK_OK(laden_sched_start(sc, 0));
+        CHECK_OK(laden_sched_enter(sc, blk, 0));
+        CHECK_OK(laden_sched_synchronize(sc));
+        uint16_t *got = malloc(2 * N);
+        for (int k = 0; k < 3; k++) {
+            laden_devptr_t p;
+            uint64_t bytes;
+            bool packed = ti == 0 && k != 1;
+            CHECK_EQ(laden_sched_tensor_lossless(sc, blk, idx[k]), packed);
+            if (packed) {
+                CHECK_OK(laden_sched_expanded_at(sc, blk, idx[k], &p,
+                                                 &bytes));
+            } else { /* plain again: where the block runs */
+                CHECK_STATUS(laden_sched_expanded_at(sc, blk, idx[k], &p,
+                                                     &bytes),
+                             LADEN_E_INVAL);
+                CHECK_OK(laden_sched_tensor_ptr(sc, blk, idx[k], &p));
+                bytes = 2u * N;
+            }
+            CHECK_EQ(bytes, 2u * N);
+            if (memcmp((const void *)(uintptr_t)p, want[k], 2 * N) != 0) {
+                const uint16_t *g = (const uint16_t *)(uintptr_t)p;
+                fprintf(stderr, "tier %d tensor %d: %04x %04x, want %04x "
+                        "%04x\n", ti, k, g[0], g[1], want[k][0], want[k][1]);
+                CHECK(0);
+            }
+            memset(got, 0, 2 * N);
+            CHECK_OK(laden_sched_tensor_value(sc, blk, idx[k],
+                                              k == 2 ? LADEN_DTYPE_F16
+                                                     : LADEN_DTYPE_BF16,
+                                              got, 2 * N));
+            CHECK(memcmp(got, want[k], 2 * N) == 0);
+        }
+        float *f = malloc(4 * N); /* and widened, as a value asked in F32 */
+        CHECK_OK(laden_sched_tensor_value(sc, blk, idx[0], LADEN_DTYPE_F32,
+                                          f, 4 * N));
+        for (int k = 0; k < N; k += 997) {
+            uint32_t bits = (uint32_t)w[k] << 16;
+            float v;
+            memcpy(&v, &bits, 4);
+            CHECK(memcmp(&v, &f[k], 4) == 0);
+        }
+        free(f);
+        free(got);
+        CHECK_OK(laden_sched_exit(sc, blk, 0));
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+    }
+    /* Refused: another dtype, a converted tensor, a cache schedule. */
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk, k;
+    size_t at;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_st_find(st, "w", &at));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_F32, &k));
+    CHECK_STATUS(laden_sched_set_lossless(sc, blk, k), LADEN_E_UNSUPPORTED);
+    CHECK(strstr(laden_last_error(), "BF16 or F16"));
+    CHECK_STATUS(laden_sched_set_lossless(sc, blk, 7), LADEN_E_INVAL);
+    laden_sched_destroy(sc);
+    laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
+                             .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cc, st, &sc));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_BF16, &k));
+    CHECK_STATUS(laden_sched_set_lossless(sc, blk, k), LADEN_E_UNSUPPORTED);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free(w);
+    free(r);
+    free(h);
+}

@@ -110,6 +110,10 @@ typedef struct laden_sched_stats {
                                     rest were in the slot already */
     uint64_t expert_cache_bytes; /* device memory the expert cache holds
                                     (laden_sched_set_expert_cache) */
+    uint64_t lossless_bytes;     /* tensors kept lossless-compressed
+                                    (laden_sched_set_lossless): their
+                                    blobs' bytes ... */
+    uint64_t lossless_raw_bytes; /* ... and their own */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -230,6 +234,32 @@ LADEN_API laden_status laden_sched_enter_experts(laden_sched_t *sched,
                                                  const uint32_t *experts,
                                                  uint32_t n,
                                                  uintptr_t compute_stream);
+
+/* Tensor `index` of `block` (the checkpoint's own BF16 or F16, read as
+ * one range and laid out alone) is kept lossless-compressed
+ * (laden/lossless.h) where its block is on the RAM tier: at load it is
+ * read, encoded on the host's cores, and its blob kept in the block's
+ * home in its place, so the RAM tier, the slots and every copy into them
+ * hold fewer bytes; the block's enter decodes it, bit for bit, into the
+ * expansion workspace (as laden_sched_set_expanded's tensors, whose
+ * rules it follows: its address is laden_sched_expanded_at's).  A tensor
+ * whose blob would not be at most 15/16 of its bytes, or whose block is
+ * on another tier, is kept as stored, plain (laden_sched_tensor_lossless
+ * says which).
+ * Counted in lossless_bytes and lossless_raw_bytes.  Before the load;
+ * LADEN_E_UNSUPPORTED (saying why) for another dtype, a tensor converted,
+ * a part, joined, reordered or compact, an expert block's, or a cache
+ * schedule's; LADEN_E_STATE after the load. */
+LADEN_API laden_status laden_sched_set_lossless(laden_sched_t *sched,
+                                                uint32_t block,
+                                                uint32_t index);
+
+/* 1 if tensor `index` of `block` is kept lossless-compressed (decoded by
+ * its block's enter into the workspace), else 0: not marked, or kept as
+ * stored at load.  Known once the load began (laden_sched_load or
+ * laden_sched_load_prepare). */
+LADEN_API int laden_sched_tensor_lossless(laden_sched_t *sched,
+                                          uint32_t block, uint32_t index);
 
 /* Device memory for the expert cache (LADEN_EXPERT_CACHE_AUTO: as the
  * schedule decides).  Experts of streamed expert blocks that crossed the

@@ -137,7 +137,8 @@ class SchedStats(Structure):
         ("offloaded_bytes", c_uint64), ("load_cached_bytes", c_uint64),
         ("reorders", c_uint64), ("expert_rows", c_uint64),
         ("expert_rows_moved", c_uint64), ("expert_rows_cached", c_uint64),
-        ("expert_cache_bytes", c_uint64),
+        ("expert_cache_bytes", c_uint64), ("lossless_bytes", c_uint64),
+        ("lossless_raw_bytes", c_uint64),
     ]
 
 
@@ -307,6 +308,8 @@ _SIGNATURES = {
     "laden_sched_join_tensor": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_set_experts": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_set_expert_cache": (status_t, [p, c_uint64]),
+    "laden_sched_set_lossless": (status_t, [p, c_uint32, c_uint32]),
+    "laden_sched_tensor_lossless": (c_int, [p, c_uint32, c_uint32]),
     "laden_sched_enter_experts": (status_t, [p, c_uint32,
                                              POINTER(c_uint32), c_uint32,
                                              ctypes.c_size_t]),

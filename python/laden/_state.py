@@ -151,6 +151,8 @@ def _stored_view(state, t: _Tensor):
     blocks, bf16), or None where it has none."""
     import torch
 
+    if t.store == "lossless":  # its blob: no view has the tensor's shape
+        return None
     o = state.live("bind")
     out = ctypes.c_void_p()
     check(lib.laden_sched_host_ptr(o.h, t.c_block, t.c_index,

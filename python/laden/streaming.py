@@ -66,6 +66,9 @@ class LoadReport:
         # Blocks chosen for the device that the VRAM context had no room
         # for: they stream from RAM.
         self.offloaded = [b.name for b in state.blocks if b.offloaded]
+        # compression="lossless": (coded bytes, their raw bytes)
+        st = state.stats()
+        self.lossless = (st.lossless_bytes, st.lossless_raw_bytes)
         # A laden.sharing.Shared when the host copy is shared (shared=True)
         self.shared = state.shared
         self._state = state if state.loading is not None else None
@@ -115,6 +118,10 @@ class LoadReport:
             f"{fmt_bytes(self.tier_bytes['resident'])}, RAM "
             f"{fmt_bytes(self.tier_bytes['ram'])}, disk "
             f"{fmt_bytes(self.tier_bytes['disk'])}")
+        if self.lossless[1]:
+            coded, raw = self.lossless
+            lines.append(f"  lossless: {fmt_bytes(raw)} of weights kept in "
+                         f"{fmt_bytes(coded)} ({coded / raw:.3f})")
         if self.offloaded:
             lines.append(f"  the VRAM context had no room for "
                          f"{len(self.offloaded)} block(s) chosen for the "
@@ -198,7 +205,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                 vram=None, progress: Optional[bool] = None,
                 background: bool = False, shared=False,
                 pinned_pool=None, expert_rows: bool = True,
-                expert_cache=None) -> LoadReport:
+                expert_cache=None, compression=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -285,6 +292,17 @@ def stream_load(model, path: PathLike, *, plan=None,
       there instead of across the link (``handle.stats()``:
       ``expert_rows_cached``).  None: on CUDA the device memory the plan
       leaves free under ``vram_budget``, none on the CPU; 0: none.
+    - ``compression="lossless"``: the BF16 and F16 weights of the blocks
+      planned for the RAM tier are kept entropy-coded (about 0.67 of
+      their bytes for BF16, 0.85 for F16; every bit kept), so the RAM
+      tier, the slots and every copy over the link shrink by as much;
+      each block's call decodes them on the device (a GPU kernel; the CPU
+      device: C, one thread) before it runs.  They are read and encoded
+      at load on the host's cores.  A tensor that would not shrink by a
+      sixteenth stays as stored; disk-tier blocks are read as stored.
+      ``report.lossless`` gives (coded bytes, their raw bytes).  Such
+      tensors are ``meta`` outside their block's call (``state_dict()``
+      decodes them), and adapters are not merged into them.
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -299,7 +317,7 @@ def stream_load(model, path: PathLike, *, plan=None,
                             key_map, skip_prefixes, device, vram_budget,
                             ram_budget, lookahead, storage_dtype, vram,
                             progress, background, shared, group_checked,
-                            expert_rows, expert_cache)
+                            expert_rows, expert_cache, compression)
     except BaseException as e:
         # The group's other ranks wait in its check for this one: it
         # takes part, failed, so that they raise naming it.
@@ -316,7 +334,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                  device, vram_budget, ram_budget, lookahead, storage_dtype,
                  vram, progress, background, shared,
                  group_checked, expert_rows=True,
-                 expert_cache=None) -> LoadReport:
+                 expert_cache=None, compression=None) -> LoadReport:
     import torch
 
     plan_tiers = None
@@ -368,6 +386,10 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"{getattr(vram, 'device', type(vram).__name__)}, the model "
             f"goes to {dev}", "E_INVAL")
     vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
+    if compression not in (None, "lossless"):
+        raise InvalidArgumentError(
+            f"stream_load: compression={compression!r}: None or "
+            "'lossless'", "E_INVAL")
     if expert_cache is not None:
         try:
             expert_cache = parse_size(expert_cache)
@@ -400,7 +422,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
         state.name = f"model {type(model).__name__}"
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
-              background, shared, group_checked, expert_cache)
+              background, shared, group_checked, expert_cache, compression)
     except BaseException:
         ck.close()
         raise
@@ -413,10 +435,34 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     return report
 
 
+def _mark_lossless(h, desc) -> list:
+    """Marks the BF16/F16 tensors kept as stored in the blocks planned for
+    the RAM tier to be kept lossless-compressed (laden_sched_set_lossless;
+    C says which it cannot take, and why, and those stay plain)."""
+    marked = []
+    ram = [b for b in desc.blocks  # before the first mark unplans them
+           if lib.laden_sched_block_tier(h, b.c_block) == _lib.TIER_RAM]
+    for b in ram:
+        for t in b.tensors:
+            if t.store != "plain" or t.c_index is None:
+                continue
+            s = lib.laden_sched_set_lossless(h, b.c_block, t.c_index)
+            if s == 0:
+                t.store = "lossless"
+                marked.append(t)
+            elif lib.laden_status_name(s).decode() != "E_UNSUPPORTED":
+                check(s)
+            else:
+                log.debug("%s stays as stored: %s", t.names[0],
+                          _lib.last_error())
+    return marked
+
+
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None, background: bool = False,
           shared=False, group_checked: Optional[list] = None,
-          expert_cache: Optional[int] = None) -> None:
+          expert_cache: Optional[int] = None,
+          compression: Optional[str] = None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -425,8 +471,11 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         if vram is not None:
             check(lib.laden_sched_use_vram(o.h, vram._h))
         fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
-        planning.plan_schedule(o.h, budgets, {b.c_block: b.name
-                                              for b in desc.blocks})
+        named = {b.c_block: b.name for b in desc.blocks}
+        planning.plan_schedule(o.h, budgets, named)
+        marked = _mark_lossless(o.h, desc) if compression else []
+        if marked:  # their workspace counts: planned again
+            planning.plan_schedule(o.h, budgets, named)
         if expert_cache is not None:
             check(lib.laden_sched_set_expert_cache(o.h, expert_cache))
         state.blocks = desc.blocks
@@ -455,9 +504,14 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         sources = [t.source for t in desc.tensors if t.source is not None]
         for t in desc.tensors:
             t.source = None  # copied, failed, or kept for the background
-    # What the load decided (C: a VRAM-tier block without room streams).
+    # What the load decided (C: a VRAM-tier block without room streams;
+    # a tensor marked lossless that would not shrink is plain again).
+    for t in marked:
+        if not lib.laden_sched_tensor_lossless(o.h, t.c_block, t.c_index):
+            t.store = "plain"
     tier, flags = ctypes.c_int32(), ctypes.c_uint32()
     for b in state.blocks:
+        b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)
         check(lib.laden_sched_block_state(o.h, b.c_block, ctypes.byref(tier),
                                           None, ctypes.byref(flags)))
         b.tier = tier.value

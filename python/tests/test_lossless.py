@@ -62,3 +62,82 @@ def test_minilm_weights_round_trip(dtype):
         assert ratio <= 0.72, ratio
     else:
         assert ratio < 1.0, ratio
+
+
+# ---- compression="lossless" on a model ------------------------------------
+
+transformers = pytest.importorskip("transformers")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _tiny_llama_bf16(tmp_path):
+    c = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=320,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(c).to(torch.bfloat16).eval()
+    d = tmp_path / "llama"
+    m.save_pretrained(d)
+    return m, str(d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lossless_model_outputs_identical(tmp_path, device):
+    """The RAM tier kept lossless: the same logits and greedy tokens as
+    the same model loaded as stored, state_dict() gives every weight's
+    bits, the RAM tier holds ~0.67 of the weights' bytes; on the disk
+    tier nothing is compressed and the outputs are the same too."""
+    import laden
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(3))
+    budget = {"vram_budget": 1} if device == "cuda" else {}
+    plain = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device=device, dtype=torch.bfloat16,
+                                  progress=False, **budget)
+    with torch.no_grad():
+        want = plain(ids.to(device)).logits.cpu()
+        want_tok = plain.generate(ids.to(device), max_new_tokens=6,
+                                  do_sample=False, pad_token_id=0).cpu()
+    ram_plain = plain._laden_stream.report.tier_bytes["ram"]
+    laden.release(plain)
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device=device, dtype=torch.bfloat16,
+                              progress=False, compression="lossless",
+                              **budget)
+    rep = m._laden_stream.report
+    coded, raw = rep.lossless
+    assert raw > 0 and coded / raw < 0.75, rep.lossless
+    assert "lossless" in str(rep)
+    assert rep.tier_bytes["ram"] < ram_plain * 0.8
+    with torch.no_grad():
+        got = m(ids.to(device)).logits.cpu()
+        tok = m.generate(ids.to(device), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0).cpu()
+    assert torch.equal(got, want)
+    assert torch.equal(tok, want_tok)
+    sd = m.state_dict()
+    for name, p in ref.state_dict().items():
+        assert torch.equal(sd[name].cpu().view(torch.int16),
+                           p.view(torch.int16)), name
+    laden.release(m)
+    if device == "cpu":  # the disk tier: read as stored
+        m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device="cpu", dtype=torch.bfloat16,
+                                  progress=False, compression="lossless",
+                                  ram_budget=0)
+        assert m._laden_stream.report.lossless == (0, 0)
+        with torch.no_grad():
+            assert torch.equal(m(ids).logits, want)
+        laden.release(m)
+
+
+def test_lossless_refused_by_name(tmp_path):
+    import laden
+
+    _, d = _tiny_llama_bf16(tmp_path)
+    with pytest.raises(laden.InvalidArgumentError, match="compression"):
+        laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", compression="zstd")

@@ -88,7 +88,8 @@
     F(T, resident_bytes) F(T, registered_bytes) F(T, upload_bytes)         \
     F(T, generation) F(T, offloaded_bytes) F(T, load_cached_bytes)        \
     F(T, reorders) F(T, expert_rows) F(T, expert_rows_moved)             \
-    F(T, expert_rows_cached) F(T, expert_cache_bytes)
+    F(T, expert_rows_cached) F(T, expert_cache_bytes)                     \
+    F(T, lossless_bytes) F(T, lossless_raw_bytes)
 #define FIELDS_laden_vram_info(F, T)                                       \
     F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
     F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \

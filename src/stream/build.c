@@ -77,8 +77,13 @@ fail:
 void laden__sched_free_description(laden_sched_t *sc)
 {
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            free((char *)sc->layout.b[i].t[k].name);
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
+            tref *r = &sc->layout.b[i].t[k];
+            free((char *)r->name);
+            if (r->host_owned)
+                free((void *)r->host);
+            free(r->ll);
+        }
         free(sc->layout.b[i].t);
         free(sc->layout.b[i].name);
     }

@@ -855,8 +855,10 @@ static laden_status loader_end(laden_sched_t *sc, laden_status s)
     free(l);
     sc->load.ld = NULL;
     sc->load.loading = false;
-    if (!s)
+    if (!s) {
         sc->loaded = true;
+        laden__sched_compress_free(sc); /* copied into the blocks */
+    }
     if (sc->load.trace_t0 && LADEN__TRACING()) {
         uint64_t sess = laden__trace_session(); /* before the name */
         laden__trace_span(LADEN__EV_LOAD, sess, sc->load.trace_t0, 0,
@@ -884,7 +886,8 @@ static laden_status begin(laden_sched_t *sc)
 {
     laden_status s;
     sc->load.trace_t0 = LADEN__TRACING() ? laden__now_ns() : 0;
-    if ((s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
+    if ((!sc->layout.laid_out && (s = laden__sched_compress(sc))) ||
+        (s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
         (!sc->cache.on && (s = place_device_blocks(sc))) ||
         (s = loader_new(sc)))
         return s;
@@ -1140,7 +1143,7 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
         return laden__fail(LADEN_E_STATE, "block %u is streamed: its slot is "
                            "filled again from its tier (laden_sched_refill)",
                            block);
-    if (r->host)
+    if (r->host || r->ll)
         return laden__fail(LADEN_E_STATE, "tensor '%.200s' was copied from "
                            "host memory at load: there is nothing to read it "
                            "again from", r->name);

@@ -124,6 +124,16 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                 scale = ws + r->sws_off;
             }
         }
+        if (r->ll) { /* lossless (compress.c): decoded in its dtype */
+            if ((s = laden_lossless_decode(dev, handle, r->ll, src,
+                                           ws + r->ws_off, 2 * r->nelem,
+                                           0))) {
+                laden__error_prefix("tensor '%.200s'",
+                                    r->name ? r->name : "?");
+                return s;
+            }
+            continue;
+        }
         if ((s = laden_expand(dev, handle, r->dst, src, laden__sched_code_bytes(r),
                               r->nelem, r->cols, scale, kind, r->expanded,
                               ws + r->ws_off))) {

@@ -432,6 +432,19 @@ laden_status laden_sched_enter_experts(laden_sched_t *sc, uint32_t block,
                       "laden_sched_enter_experts");
 }
 
+laden_status laden_sched_set_lossless(laden_sched_t *sc, uint32_t block,
+                                      uint32_t index)
+{
+    HELD("laden_sched_set_lossless",
+         laden__sched_set_lossless(sc, block, index));
+}
+
+int laden_sched_tensor_lossless(laden_sched_t *sc, uint32_t block,
+                                uint32_t index)
+{
+    return laden__sched_tensor_lossless(sc, block, index);
+}
+
 laden_status laden_sched_set_expert_cache(laden_sched_t *sc, uint64_t bytes)
 {
     HELD("laden_sched_set_expert_cache",

@@ -22,6 +22,7 @@
 #include "../core/internal.h"
 #include "laden/host.h"
 #include "laden/io.h"
+#include "laden/lossless.h"
 #include "laden/stream.h"
 
 /* Each tensor of a block starts at a multiple of this, for any kernel. */
@@ -62,6 +63,14 @@ typedef struct tref {
     laden_scale_kind scale_kind;
     uint64_t cols;
     uint64_t sws_off;
+    /* laden_sched_set_lossless (compress.c): kept entropy-coded when its
+     * block is on the RAM tier.  Compressed at load: `host` is then the
+     * blob (the schedule's, host_owned), src_bytes and dst_bytes its size,
+     * and ll what laden_lossless_check said of it (decoded by the
+     * block's enter into the workspace, as an expanded tensor). */
+    bool ll_asked;
+    bool host_owned;
+    laden_lossless_info *ll;
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
@@ -222,6 +231,17 @@ laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
 laden_status laden__sched_plan(laden_sched_t *sc,
                                const laden_plan_input *budgets, int32_t *why,
                                laden_plan_result *out);
+/* compress.c (calls build.c; load.c calls it): */
+laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i);
+/* Before the layout is fixed: the marked tensors of RAM-tier blocks read,
+ * encoded (on several threads) and kept as host tensors holding their
+ * blobs, the blocks packed again at their new sizes. */
+laden_status laden__sched_compress(laden_sched_t *sc);
+/* The blobs, once the load copied them (and at destroy). */
+void laden__sched_compress_free(laden_sched_t *sc);
+int laden__sched_tensor_lossless(const laden_sched_t *sc, uint32_t block,
+                                 uint32_t i);
 
 #endif
 #endif

@@ -56,6 +56,19 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
 {
     uintptr_t src = (uintptr_t)raw;
     bool codes = laden__fp8(r->dst) || r->rows;
+    if (r->ll) { /* lossless: decoded here, then in the dtype asked */
+        void *v = dtype == r->dst ? dst : malloc(2 * r->nelem);
+        if (!v)
+            return laden__fail(LADEN_E_NOMEM, "out of memory decoding");
+        laden_status s = laden_lossless_decode(LADEN_DEVICE_CPU, 0, r->ll,
+                                               src, (uintptr_t)v,
+                                               2 * r->nelem, 0);
+        if (!s && v != dst)
+            s = laden_sched_convert(r->dst, v, dtype, dst, r->nelem);
+        if (v != dst)
+            free(v);
+        return s;
+    }
     if (r->dst == dtype && !r->rows && !(r->expands && r->scale !=
                                          LADEN_SCHED_NO_SCALE)) {
         memcpy(dst, raw, r->dst_bytes); /* a dtype to itself */

@@ -1,0 +1,251 @@
+/* Lossless-compressed tensors (issue 37; the format: laden/lossless.h).
+ *
+ * laden_sched_set_lossless marks a BF16/F16 tensor kept as the checkpoint
+ * stores it: it becomes an expanded tensor (workspace.c) of its own dtype,
+ * so a block's enter puts its value in the workspace.  At load, before
+ * the layout is fixed, the marked tensors of RAM-tier blocks are read and
+ * encoded, on as many threads as the host has cores (up to 16), each on
+ * a tensor at a time; a tensor whose blob is not at most 15/16 of its
+ * bytes, or whose block is on another tier, is plain again (read as
+ * stored, nothing expanded: laden_sched_tensor_lossless says which).  A compressed tensor
+ * becomes a host tensor holding its blob (the load copies it into the
+ * block's pinned home as it copies a model built on the CPU), its block
+ * is packed again at the new sizes, so the RAM tier, the slots and every
+ * copy into them shrink by what the blobs save; its enter decodes it into
+ * the workspace (run.c, through laden_lossless_decode) on the compute
+ * stream.  The blobs are freed once the load has copied them.  Blocks on
+ * the disk tier stay as stored: the file holds no blob to read (a
+ * compressed cache file will).  Calls build.c, parts.c and workspace.c. */
+#define _GNU_SOURCE /* sched_getaffinity */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "stream_layout.h"
+#include "stream_run.h" /* workspace.c's laden__sched_set_expanded */
+
+laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
+                                       uint32_t i)
+{
+    if (!sc || block >= sc->layout.nb || i >= sc->layout.b[block].nt)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_set_lossless: bad "
+                                          "schedule, block or tensor");
+    blk *b = &sc->layout.b[block];
+    tref *r = &b->t[i];
+    const char *name = r->name ? r->name : "?";
+    if (sc->cache.on)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden_sched_set_lossless: a cache schedule keeps "
+                           "its host copies as stored");
+    if (sc->loaded || sc->layout.laid_out)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_set_lossless: after load");
+    if (r->src != r->dst ||
+        (r->dst != LADEN_DTYPE_BF16 && r->dst != LADEN_DTYPE_F16))
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': kept lossless only as the "
+                           "checkpoint's own BF16 or F16", name);
+    if (!laden__sched_as_stored(r) || r->part || r->joined ||
+        (i + 1 < b->nt && b->t[i + 1].joined) || r->expands || b->experts)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "tensor '%.200s': kept lossless only when read "
+                           "as one range and laid out alone (not a part, "
+                           "joined, reordered, already compact or in an "
+                           "expert block)", name);
+    laden_status s = laden__sched_set_expanded(sc, block, i, r->dst, 0,
+                                               LADEN_SCHED_NO_SCALE,
+                                               LADEN_SCALE_NONE);
+    if (s)
+        return s;
+    r->ll_asked = true;
+    laden__sched_unplan(sc); /* the workspace grew */
+    return LADEN_OK;
+}
+
+/* ---- compressing at load ------------------------------------------------ */
+
+typedef struct job {
+    tref *r;
+    void *blob;
+    uint64_t size;
+    laden_lossless_info info;
+    laden_status s;
+    char msg[256];
+} job;
+
+typedef struct pool {
+    laden_sched_t *sc;
+    job *jobs;
+    uint32_t n;
+    atomic_uint next;
+} pool;
+
+static void run_job(laden_sched_t *sc, job *j)
+{
+    tref *r = j->r;
+    uint64_t bound;
+    void *raw = malloc(r->src_bytes ? r->src_bytes : 1);
+    laden_status s = raw ? LADEN_OK
+                         : laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!s)
+        s = laden_io_read(sc->layout.io, sc->layout.files[r->file], r->off,
+                          r->src_bytes, raw);
+    if (!s)
+        s = laden_lossless_bound(r->dst, r->nelem, &bound);
+    if (!s && !(j->blob = malloc(bound)))
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!s)
+        s = laden_lossless_encode(r->dst, raw, r->nelem, j->blob, bound,
+                                  &j->size);
+    free(raw);
+    if (!s && j->size <= r->src_bytes - r->src_bytes / 16) {
+        void *fit = realloc(j->blob, j->size);
+        j->blob = fit ? fit : j->blob;
+        s = laden_lossless_check(j->blob, j->size, &j->info);
+    } else {
+        free(j->blob); /* not worth it: kept as stored */
+        j->blob = NULL;
+    }
+    j->s = s;
+    if (s)
+        snprintf(j->msg, sizeof j->msg, "tensor '%.200s': %s",
+                 r->name ? r->name : "?", laden_last_error());
+}
+
+static void *worker(void *arg)
+{
+    pool *p = arg;
+    for (uint32_t k; (k = atomic_fetch_add(&p->next, 1)) < p->n;)
+        run_job(p->sc, &p->jobs[k]);
+    return NULL;
+}
+
+static uint32_t cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return (uint32_t)CPU_COUNT(&set);
+    return 1;
+}
+
+/* Block b's tensors at their places again, as laden_sched_add_tensor
+ * lays them: each at the next multiple of ALIGN, a joined one right
+ * after the one before. */
+static void pack(blk *b)
+{
+    uint64_t end = 0;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
+        r->dst_off = r->joined ? end : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        end = r->dst_off + r->dst_bytes;
+    }
+    b->bytes = end;
+}
+
+/* Tensor r, marked but not compressed, is plain again: its block reads
+ * it as stored and nothing is expanded (its workspace stays reserved). */
+static void keep_as_stored(tref *r)
+{
+    r->ll_asked = false;
+    r->expands = false;
+}
+
+laden_status laden__sched_compress(laden_sched_t *sc)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++) /* not on the RAM tier */
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll_asked &&
+                sc->layout.b[i].tier != LADEN_TIER_RAM)
+                keep_as_stored(&sc->layout.b[i].t[k]);
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            n += sc->layout.b[i].t[k].ll_asked && !sc->layout.b[i].t[k].ll &&
+                 sc->layout.b[i].tier == LADEN_TIER_RAM;
+    if (!n)
+        return LADEN_OK;
+    pool p = {.sc = sc, .jobs = calloc(n, sizeof *p.jobs), .n = n};
+    if (!p.jobs)
+        return laden__fail(LADEN_E_NOMEM, "out of memory compressing");
+    n = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
+            tref *r = &sc->layout.b[i].t[k];
+            if (r->ll_asked && !r->ll &&
+                sc->layout.b[i].tier == LADEN_TIER_RAM)
+                p.jobs[n++].r = r;
+        }
+    uint32_t nt = cores();
+    nt = nt > 16 ? 16 : nt;
+    nt = nt > n ? n : nt;
+    pthread_t th[16];
+    uint32_t started = 0;
+    atomic_init(&p.next, 0);
+    for (; started + 1 < nt; started++)
+        if (pthread_create(&th[started], NULL, worker, &p))
+            break; /* fewer threads: the others and this one do it all */
+    worker(&p);
+    for (uint32_t t = 0; t < started; t++)
+        pthread_join(th[t], NULL);
+    laden_status s = LADEN_OK;
+    for (uint32_t k = 0; k < n; k++) /* read, whatever came of it */
+        sc->st.load_read_bytes += p.jobs[k].r->src_bytes;
+    for (uint32_t k = 0; k < n && !s; k++)
+        if (p.jobs[k].s)
+            s = laden__fail(p.jobs[k].s, "compressing %s", p.jobs[k].msg);
+    for (uint32_t k = 0; k < n; k++) {
+        job *j = &p.jobs[k];
+        tref *r = j->r;
+        if (s || !j->blob) {
+            free(j->blob);
+            if (!s)
+                keep_as_stored(r);
+            continue;
+        }
+        laden_lossless_info *ll = malloc(sizeof *ll);
+        if (!ll) {
+            free(j->blob);
+            if (!s)
+                s = laden__fail(LADEN_E_NOMEM, "out of memory compressing");
+            continue;
+        }
+        *ll = j->info;
+        r->ll = ll;
+        r->host = j->blob;
+        r->host_owned = true;
+        r->src_bytes = r->dst_bytes = j->size;
+        sc->st.lossless_bytes += j->size;
+        sc->st.lossless_raw_bytes += r->nelem * 2;
+    }
+    free(p.jobs);
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll) {
+                pack(&sc->layout.b[i]);
+                break;
+            }
+    return s;
+}
+
+void laden__sched_compress_free(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
+            tref *r = &sc->layout.b[i].t[k];
+            if (r->host_owned) {
+                free((void *)r->host);
+                r->host = NULL;
+                r->host_owned = false;
+            }
+        }
+}
+
+int laden__sched_tensor_lossless(const laden_sched_t *sc, uint32_t block,
+                                 uint32_t i)
+{
+    return sc && block < sc->layout.nb && i < sc->layout.b[block].nt &&
+           sc->layout.b[block].t[i].ll != NULL;
+}
