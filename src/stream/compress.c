@@ -15,7 +15,7 @@
  * the workspace (run.c, through laden_lossless_decode) on the compute
  * stream.  The blobs are freed once the load has copied them.  Blocks on
  * the disk tier stay as stored: the file holds no blob to read (a
- * compressed cache file will).  Calls build.c, parts.c and workspace.c. */
+ * compressed cache file will).  Calls build.c and workspace.c. */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <pthread.h>
 #include <sched.h>

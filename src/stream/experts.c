@@ -20,8 +20,9 @@
  * laden_sched_set_expert_cache, else on CUDA what the plan left free of
  * the device memory it had (none on the CPU device, whose "device" copy
  * would be one more host copy).  Part of the run part (stream_run.h),
- * made with the slots and freed with them; calls only build.c's
- * laden__sched_run_of and parts.c's laden__sched_streamed. */
+ * made with the slots and freed with them (parts.c frees them); calls
+ * only build.c's laden__sched_run_of (a block streams when it has a
+ * position, b->pos, which parts.c's relayout gives). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,7 +85,7 @@ laden_status laden__sched_experts_make(laden_sched_t *sc)
     uint64_t entry = 0, experts = 0;
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         const blk *b = &sc->layout.b[i];
-        if (!b->experts || !laden__sched_streamed(sc, b))
+        if (!b->experts || b->pos < 0) /* not streamed */
             continue;
         uint64_t e = expert_bytes(b);
         entry = e > entry ? e : entry;
@@ -117,7 +118,7 @@ laden_status laden__sched_experts_make(laden_sched_t *sc)
         xc->e[k].block = -1;
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         const blk *b = &sc->layout.b[i];
-        if (!b->experts || !laden__sched_streamed(sc, b))
+        if (!b->experts || b->pos < 0) /* not streamed */
             continue;
         if (!(xc->where[i] = malloc(b->experts * sizeof **xc->where))) {
             s = laden__fail(LADEN_E_NOMEM, "out of memory");

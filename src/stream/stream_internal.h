@@ -20,9 +20,9 @@
  *   resident.c           parts.c, build.c, load.c, run.c
  *   stream.c             all of them (the public laden_sched_* calls)
  * (grads.c calls convert.c only; experts.c, the run part's expert
- * cache, and workspace.c, its expansion workspace, call build.c and
- * parts.c, and run.c and parts.c call them; compress.c, the lossless
- * tensors, calls build.c, parts.c and workspace.c, and load.c calls it.)
+ * cache, calls build.c, and run.c and parts.c call it; workspace.c, the
+ * expansion workspace, calls convert.c; compress.c, the lossless
+ * tensors, calls build.c and workspace.c, and load.c calls it.)
  * Here only the types: a file calls another's laden__sched_* operations
  * by including that file's part header, so its includes say which files
  * it depends on.  The operations are the public calls' bodies: they
