@@ -531,3 +531,57 @@ TEST(lossless_tensors_in_a_block)
     free(r);
     free(h);
 }
+
+static uint64_t seen_done, seen_total;
+static int stop_after;
+
+static int on_progress(void *arg, uint64_t done, uint64_t total)
+{
+    (void)arg;
+    if (!seen_total) { /* the compression's report comes first */
+        seen_done = done;
+        seen_total = total;
+    }
+    return stop_after;
+}
+
+/* The load's progress callback hears of the compression (the bytes read
+ * and encoded, before the blocks' load), and stopping it there fails the
+ * load with a typed error and frees what it made (ASan, fd counts). */
+TEST(lossless_compression_reports_progress_and_stops)
+{
+    enum { N = 50000 };
+    uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+    char hdr[256];
+    snprintf(hdr, sizeof hdr,
+             "{\"w\":{\"dtype\":\"BF16\",\"shape\":[%d],\"data_offsets\":"
+             "[0,%d]}}", N, 2 * N);
+    char *path = test_path("llp.safetensors");
+    test_write_st(path, hdr, w, 2 * N);
+    for (stop_after = 0; stop_after < 2; stop_after++) {
+        laden_st_t *st;
+        laden_sched_t *sc;
+        CHECK_OK(laden_st_open(path, &st));
+        laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        uint32_t blk, k;
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+        CHECK_OK(laden_sched_add_tensor(sc, blk, st, 0, LADEN_DTYPE_BF16,
+                                        &k));
+        CHECK_OK(laden_sched_set_lossless(sc, blk, k));
+        CHECK_OK(laden_sched_set_progress(sc, on_progress, NULL));
+        seen_done = seen_total = 0;
+        if (stop_after) {
+            CHECK_STATUS(laden_sched_load(sc), LADEN_E_STATE);
+            CHECK(strstr(laden_last_error(), "while compressing"));
+        } else {
+            CHECK_OK(laden_sched_load(sc));
+            CHECK_EQ(laden_sched_tensor_lossless(sc, blk, k), 1);
+        }
+        CHECK_EQ(seen_total, 2u * N);
+        CHECK(seen_done <= seen_total);
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+    }
+    free(w);
+}

@@ -15,7 +15,9 @@
  * the workspace (run.c, through laden_lossless_decode) on the compute
  * stream.  The blobs are freed once the load has copied them.  Blocks on
  * the disk tier stay as stored: the file holds no blob to read (a
- * compressed cache file will).  Calls build.c and workspace.c. */
+ * compressed cache file will).  The load's progress callback hears of the
+ * bytes read and encoded (from the loading thread, every 50 ms), and may
+ * stop it.  Calls build.c and workspace.c. */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <pthread.h>
 #include <sched.h>
@@ -23,8 +25,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "stream_layout.h"
+#include "stream_load.h" /* the load's progress callback */
 #include "stream_run.h" /* workspace.c's laden__sched_set_expanded */
 
 laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
@@ -80,7 +84,9 @@ typedef struct pool {
     laden_sched_t *sc;
     job *jobs;
     uint32_t n;
-    atomic_uint next;
+    atomic_uint next, finished;
+    atomic_bool stop;          /* the progress callback asked to stop */
+    atomic_uint_fast64_t done; /* bytes read and encoded */
 } pool;
 
 static void run_job(laden_sched_t *sc, job *j)
@@ -118,9 +124,22 @@ static void run_job(laden_sched_t *sc, job *j)
 static void *worker(void *arg)
 {
     pool *p = arg;
-    for (uint32_t k; (k = atomic_fetch_add(&p->next, 1)) < p->n;)
+    for (uint32_t k; !atomic_load(&p->stop) &&
+                     (k = atomic_fetch_add(&p->next, 1)) < p->n;) {
         run_job(p->sc, &p->jobs[k]);
+        atomic_fetch_add(&p->done, p->jobs[k].r->src_bytes);
+        atomic_fetch_add(&p->finished, 1);
+    }
     return NULL;
+}
+
+/* The load's progress callback, on this (the loading) thread: the bytes
+ * read and encoded so far of `total`; false when it asks to stop. */
+static bool report(laden_sched_t *sc, pool *p, uint64_t total)
+{
+    return !sc->load.progress ||
+           !sc->load.progress(sc->load.progress_arg,
+                              (uint64_t)atomic_load(&p->done), total);
 }
 
 static uint32_t cores(void)
@@ -183,14 +202,33 @@ laden_status laden__sched_compress(laden_sched_t *sc)
     nt = nt > n ? n : nt;
     pthread_t th[16];
     uint32_t started = 0;
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < n; k++)
+        total += p.jobs[k].r->src_bytes;
     atomic_init(&p.next, 0);
-    for (; started + 1 < nt; started++)
+    atomic_init(&p.finished, 0);
+    atomic_init(&p.stop, false);
+    atomic_init(&p.done, 0);
+    for (; started < nt; started++)
         if (pthread_create(&th[started], NULL, worker, &p))
-            break; /* fewer threads: the others and this one do it all */
-    worker(&p);
+            break;
+    if (!started) /* no thread to be had: this one does it all */
+        worker(&p);
+    /* This thread reports progress meanwhile (a long load's first part:
+     * every marked byte is read and encoded before the layout). */
+    while (atomic_load(&p.finished) < n && !atomic_load(&p.stop)) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        if (!report(sc, &p, total))
+            atomic_store(&p.stop, true);
+    }
     for (uint32_t t = 0; t < started; t++)
         pthread_join(th[t], NULL);
-    laden_status s = LADEN_OK;
+    bool stopped = atomic_load(&p.stop) || !report(sc, &p, total);
+    laden_status s = stopped ? laden__fail(LADEN_E_STATE, "the load was "
+                                           "cancelled by its progress "
+                                           "callback (while compressing)")
+                             : LADEN_OK;
     for (uint32_t k = 0; k < n; k++) /* read, whatever came of it */
         sc->st.load_read_bytes += p.jobs[k].r->src_bytes;
     for (uint32_t k = 0; k < n && !s; k++)
