@@ -231,7 +231,48 @@ def main() -> int:
         print(f"÷ floor: time per token over max(resident's, routed bytes / "
               f"{link / 1e9:.1f} GB/s); prefill ÷ ideal: over max(resident "
               "prefill, the prompt's distinct experts' bytes / link).")
+    cpu_or_link(a, link)
     return 0
+
+
+def cpu_or_link(a, link: float) -> None:
+    """Issue 36's question: is a missing expert cheaper computed by the
+    host's cores from its host copy, or copied over the link and computed
+    on the device?  One expert's FFN (gate and up, SiLU, down; bf16 as
+    stored) on the CPU with every core, for a few token counts, against
+    its bytes over the link (the device's compute of one expert is
+    negligible beside the copy at these sizes).  Prints; decides nothing."""
+    th = torch.get_num_threads()
+    h, w = a.hidden, a.expert_width
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(2 * w, h, generator=g) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(h, w, generator=g) * 0.02).to(torch.bfloat16)
+    nbytes = (gate_up.numel() + down.numel()) * 2
+    rows = []
+    for tokens in (1, 4, 16, 64):
+        x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+
+        def ffn():
+            y = torch.nn.functional.linear(x, gate_up)
+            a_, b_ = y.chunk(2, dim=-1)
+            return torch.nn.functional.linear(
+                torch.nn.functional.silu(a_) * b_, down)
+        ffn()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            ffn()
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        copy = nbytes / link * 1e3 if link else float("nan")
+        rows.append((tokens, ms, nbytes / (ms / 1e3) / 1e9, copy))
+    print(f"\none expert ({nbytes / 1e6:.1f} MB bf16) computed on the CPU "
+          f"({th} threads) vs copied over the link"
+          + (f" ({link / 1e9:.1f} GB/s)" if link else " (no link: CPU)"))
+    print("  tokens  CPU ms  CPU weight GB/s  link copy ms  cheaper")
+    for tokens, ms, gbs, copy in rows:
+        side = "-" if copy != copy else ("CPU" if ms < copy else "link")
+        print(f"  {tokens:>6}  {ms:6.2f}  {gbs:15.1f}  {copy:12.2f}  "
+              f"{side:>7}")
 
 
 if __name__ == "__main__":
