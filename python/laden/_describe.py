@@ -799,8 +799,8 @@ class progress_to:
                 if self.bar is None and self.progress is not False:
                     self.bar = _checkpoint._progress_bar(
                         total, self.desc, self.progress) or False
-                if self.bar and total != self.bar.total and \
-                        hasattr(self.bar, "reset"):
+                if self.bar and hasattr(self.bar, "reset") and \
+                        total != getattr(self.bar, "total", total):
                     # a load in two parts (compression="lossless": the
                     # weights read and encoded, then the blocks loaded)
                     self.bar.reset(total=total)
