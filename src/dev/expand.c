@@ -979,6 +979,18 @@ static void ll_cpu(const ex_ll_params *p, const u16 *lut, uint64_t *bad,
     }
 }
 
+/* The canonical codes of 256 code lengths, as the decoder builds them
+ * (lossless.c's encoder and check use them too); 1 if the lengths are no
+ * code. */
+uint32_t laden__ll_codes(const uint8_t *lens, uint32_t *code);
+uint32_t laden__ll_codes(const uint8_t *lens, uint32_t *code)
+{
+    ex_ll_params p;
+    memset(&p, 0, sizeof p);
+    p.lens = (u64)(uintptr_t)lens;
+    return ex_ll_codes(&p, code);
+}
+
 laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                               const laden_lossless_info *info,
                               laden_devptr_t blob, laden_devptr_t dst,

@@ -11,6 +11,10 @@
 /* expand.c: decodes with the shared code, on the CPU (on the calling
  * thread; *bad sub-chunks were corrupt, the first *first) or queued on a
  * CUDA stream. */
+/* expand.c: the canonical codes of 256 lengths, bit-reversed (written
+ * least significant bit first), the decoder's own; 1 if they are no
+ * code (a length above 12, or more codes than 12 bits hold). */
+uint32_t laden__ll_codes(const uint8_t *lens, uint32_t *code);
 laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                               const laden_lossless_info *info,
                               laden_devptr_t blob, laden_devptr_t dst,
@@ -156,26 +160,6 @@ static void code_lengths(const uint64_t *count, uint8_t *len)
     }
 }
 
-/* The canonical codes of len[], bit-reversed (written least significant
- * bit first). */
-static void canonical(const uint8_t *len, uint32_t *code)
-{
-    uint32_t count[BITS + 1] = {0}, next[BITS + 1] = {0}, c = 0;
-    for (uint32_t s = 0; s < 256; s++)
-        count[len[s]]++;
-    count[0] = 0;
-    for (uint32_t l = 1; l <= BITS; l++) {
-        c = (c + count[l - 1]) << 1;
-        next[l] = c;
-    }
-    for (uint32_t s = 0; s < 256; s++) {
-        uint32_t l = len[s], v = l ? next[l]++ : 0, r = 0;
-        for (uint32_t b = 0; b < l; b++)
-            r |= ((v >> b) & 1u) << (l - 1u - b);
-        code[s] = r;
-    }
-}
-
 /* ---- encoding ------------------------------------------------------------ */
 
 static void put64(unsigned char *p, uint64_t v)
@@ -268,7 +252,7 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
     uint8_t len[256];
     uint32_t code[256];
     code_lengths(count, len);
-    canonical(len, code);
+    laden__ll_codes(len, code); /* limited to 12 bits: always a code */
     /* Offsets and bits start after the raw bytes, whose count is known:
      * the codes go straight to their place. */
     laden_lossless_info at;
@@ -344,16 +328,14 @@ laden_status laden_lossless_check(const void *blob, uint64_t bytes,
     if (sub_log2 < 6 || sub_log2 > 12)
         return corrupt("sub-chunks of 2^sub_log2 elements, sub_log2 "
                        "outside 6..12");
-    uint64_t n = get64(b + 8), nbits = get64(b + 16), kraft = 0;
-    uint32_t used = 0;
+    uint64_t n = get64(b + 8), nbits = get64(b + 16);
+    uint32_t used = 0, code[256];
     for (uint32_t s = 0; s < 256; s++) {
-        uint32_t l = b[32 + s];
-        if (l > BITS)
+        if (b[32 + s] > BITS)
             return corrupt("a code longer than 12 bits");
-        kraft += l ? 1u << (BITS - l) : 0u;
-        used += l != 0;
+        used += b[32 + s] != 0;
     }
-    if (kraft > (1u << BITS))
+    if (laden__ll_codes(b + 32, code))
         return corrupt("more codes than 12 bits hold");
     if (n && !used)
         return corrupt("elements but no code");
