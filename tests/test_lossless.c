@@ -1,6 +1,9 @@
+#define _GNU_SOURCE /* truncate */
 /* lossless: every 16-bit pattern comes back as it went in, weights take
  * about two thirds of their bytes, and a blob that changed is refused by
  * name, never read or written out of bounds. */
+#include <unistd.h>
+
 #include "test.h"
 
 #include "laden/expand.h"
@@ -504,14 +507,35 @@ TEST(lossless_tensors_in_a_block)
         laden_sched_destroy(sc);
         laden_st_close(st);
     }
-    /* Refused: another dtype, a converted tensor, a cache schedule. */
+    /* laden_sched_mark_lossless: the RAM tier's BF16/F16 tensors as
+     * stored (not a converted one, nothing on disk); none after load. */
     laden_st_t *st;
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, &st));
     laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
     CHECK_OK(laden_sched_create(&cfg, st, &sc));
-    uint32_t blk, k;
+    uint32_t blk, k, dblk, marked = 99;
     size_t at;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &dblk));
+    for (size_t t = 0; t < 3; t++) {
+        laden_dtype dt = t == 2 ? LADEN_DTYPE_F16 : LADEN_DTYPE_BF16;
+        CHECK_OK(laden_sched_add_tensor(sc, blk, st, t, dt, &k));
+        CHECK_OK(laden_sched_add_tensor(sc, dblk, st, t, dt, &k));
+    }
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, 0, LADEN_DTYPE_F32, &k));
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, 3);
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked)); /* taken already */
+    CHECK_EQ(marked, 0);
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_EQ(laden_sched_tensor_lossless(sc, blk, 0), 1);
+    CHECK_EQ(laden_sched_tensor_lossless(sc, blk, 3), 0);
+    CHECK_EQ(laden_sched_tensor_lossless(sc, dblk, 0), 0);
+    CHECK_STATUS(laden_sched_mark_lossless(sc, &marked), LADEN_E_STATE);
+    laden_sched_destroy(sc);
+    /* Refused: another dtype, a converted tensor, a cache schedule. */
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
     CHECK_OK(laden_st_find(st, "w", &at));
     CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_F32, &k));
@@ -613,4 +637,35 @@ TEST(lossless_threads_decode_large_tensors)
     free(out);
     free(blob);
     free(v);
+}
+
+/* The file cut short under the schedule before the load: compressing
+ * reads it first, and the load fails naming the tensor. */
+TEST(lossless_compression_read_failure_names_the_tensor)
+{
+    enum { N = 20000 };
+    uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+    char hdr[256];
+    snprintf(hdr, sizeof hdr,
+             "{\"w\":{\"dtype\":\"BF16\",\"shape\":[%d],\"data_offsets\":"
+             "[0,%d]}}", N, 2 * N);
+    char *path = test_path("llcut.safetensors");
+    test_write_st(path, hdr, w, 2 * N);
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk, k, marked;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, 0, LADEN_DTYPE_BF16, &k));
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, 1);
+    CHECK_EQ(truncate(path, 1000), 0);
+    laden_status s = laden_sched_load(sc);
+    CHECK(s == LADEN_E_TRUNCATED || s == LADEN_E_CHANGED);
+    CHECK(strstr(laden_last_error(), "compressing tensor 'w'"));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free(w);
 }

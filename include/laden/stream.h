@@ -254,6 +254,14 @@ LADEN_API laden_status laden_sched_set_lossless(laden_sched_t *sched,
                                                 uint32_t block,
                                                 uint32_t index);
 
+/* Marks (laden_sched_set_lossless) every tensor of the blocks now on the
+ * RAM tier (planned or asked) that it takes, leaving the others plain;
+ * *out_marked (may be NULL) counts those marked.  The plan is undone
+ * when one is (their workspace counts): plan again before the load.
+ * LADEN_E_STATE after the load. */
+LADEN_API laden_status laden_sched_mark_lossless(laden_sched_t *sched,
+                                                 uint32_t *out_marked);
+
 /* 1 if tensor `index` of `block` is kept lossless-compressed (decoded by
  * its block's enter into the workspace), else 0: not marked, or kept as
  * stored at load.  Known once the load began (laden_sched_load or

@@ -310,6 +310,7 @@ _SIGNATURES = {
     "laden_sched_set_expert_cache": (status_t, [p, c_uint64]),
     "laden_sched_set_lossless": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_tensor_lossless": (c_int, [p, c_uint32, c_uint32]),
+    "laden_sched_mark_lossless": (status_t, [p, P(c_uint32)]),
     "laden_sched_enter_experts": (status_t, [p, c_uint32,
                                              POINTER(c_uint32), c_uint32,
                                              ctypes.c_size_t]),

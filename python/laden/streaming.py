@@ -435,29 +435,6 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     return report
 
 
-def _mark_lossless(h, desc) -> list:
-    """Marks the BF16/F16 tensors kept as stored in the blocks planned for
-    the RAM tier to be kept lossless-compressed (laden_sched_set_lossless;
-    C says which it cannot take, and why, and those stay plain)."""
-    marked = []
-    ram = [b for b in desc.blocks  # before the first mark unplans them
-           if lib.laden_sched_block_tier(h, b.c_block) == _lib.TIER_RAM]
-    for b in ram:
-        for t in b.tensors:
-            if t.store != "plain" or t.c_index is None:
-                continue
-            s = lib.laden_sched_set_lossless(h, b.c_block, t.c_index)
-            if s == 0:
-                t.store = "lossless"
-                marked.append(t)
-            elif lib.laden_status_name(s).decode() != "E_UNSUPPORTED":
-                check(s)
-            else:
-                log.debug("%s stays as stored: %s", t.names[0],
-                          _lib.last_error())
-    return marked
-
-
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None, background: bool = False,
           shared=False, group_checked: Optional[list] = None,
@@ -473,8 +450,10 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
         named = {b.c_block: b.name for b in desc.blocks}
         planning.plan_schedule(o.h, budgets, named)
-        marked = _mark_lossless(o.h, desc) if compression else []
-        if marked:  # their workspace counts: planned again
+        marked = ctypes.c_uint32()
+        if compression:  # C marks the RAM tier's BF16/F16 tensors
+            check(lib.laden_sched_mark_lossless(o.h, ctypes.byref(marked)))
+        if marked.value:  # their workspace counts: planned again
             planning.plan_schedule(o.h, budgets, named)
         if expert_cache is not None:
             check(lib.laden_sched_set_expert_cache(o.h, expert_cache))
@@ -505,10 +484,11 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         for t in desc.tensors:
             t.source = None  # copied, failed, or kept for the background
     # What the load decided (C: a VRAM-tier block without room streams;
-    # a tensor marked lossless that would not shrink is plain again).
-    for t in marked:
-        if not lib.laden_sched_tensor_lossless(o.h, t.c_block, t.c_index):
-            t.store = "plain"
+    # of the tensors marked lossless, those kept compressed expand).
+    for t in state.tensors if marked.value else ():
+        if t.c_block is not None and \
+                lib.laden_sched_tensor_lossless(o.h, t.c_block, t.c_index):
+            t.store = "lossless"
     tier, flags = ctypes.c_int32(), ctypes.c_uint32()
     for b in state.blocks:
         b.nbytes = lib.laden_sched_block_bytes(o.h, b.c_block)

@@ -69,6 +69,40 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
+{
+    uint32_t n = 0;
+    if (out)
+        *out = 0;
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_mark_lossless: NULL schedule");
+    /* The tiers first: a mark unplans the schedule (its workspace grew). */
+    uint32_t nb = sc->layout.nb;
+    uint8_t *ram = calloc(nb ? nb : 1, 1);
+    if (!ram)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < nb; i++)
+        ram[i] = sc->layout.b[i].tier == LADEN_TIER_RAM;
+    laden_status s = LADEN_OK;
+    for (uint32_t i = 0; i < nb && !s; i++)
+        for (uint32_t k = 0; ram[i] && k < sc->layout.b[i].nt && !s; k++) {
+            const tref *r = &sc->layout.b[i].t[k];
+            if (r->ll_asked || r->expands || r->src != r->dst ||
+                (r->dst != LADEN_DTYPE_BF16 && r->dst != LADEN_DTYPE_F16))
+                continue; /* taken already, or never: no error to make */
+            s = laden__sched_set_lossless(sc, i, k);
+            if (s == LADEN_E_UNSUPPORTED) /* a part, joined, ...: plain */
+                s = LADEN_OK;
+            else if (!s)
+                n++;
+        }
+    free(ram);
+    if (out)
+        *out = n;
+    return s;
+}
+
 /* ---- compressing at load ------------------------------------------------ */
 
 typedef struct job {

@@ -439,6 +439,11 @@ laden_status laden_sched_set_lossless(laden_sched_t *sc, uint32_t block,
          laden__sched_set_lossless(sc, block, index));
 }
 
+laden_status laden_sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
+{
+    HELD("laden_sched_mark_lossless", laden__sched_mark_lossless(sc, out));
+}
+
 int laden_sched_tensor_lossless(laden_sched_t *sc, uint32_t block,
                                 uint32_t index)
 {

@@ -234,6 +234,7 @@ laden_status laden__sched_plan(laden_sched_t *sc,
 /* compress.c (calls build.c; load.c calls it): */
 laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
                                        uint32_t i);
+laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out);
 /* Before the layout is fixed: the marked tensors of RAM-tier blocks read,
  * encoded (on several threads) and kept as host tensors holding their
  * blobs, the blocks packed again at their new sizes. */
