@@ -23,6 +23,8 @@
 #   unet:  bench/unet.py --config sdxl (call-order prefetch; UNET_ARGS)
 #   moe:   bench/moe.py on CUDA (routed experts' rows against whole layers
 #          and device_map="auto"; MOE_ARGS replace the shape)
+#   lossless: bench/lossless.py on CUDA (the device decoder's GB/s
+#          against the CPU one and the link; LOSSLESS_ARGS)
 #   quant: bench/quant.py (bf16, fp8, GGUF Q8_0/Q4_K streamed and resident;
 #          QUANT_ARGS are passed to it)
 #   Wheels in .whl/hf/ (transformers, diffusers and their dependencies,
@@ -34,6 +36,7 @@
 #          in one process, pytest of test_shared.py,
 #          test_tensor_parallel.py, test_multi_device.py, then
 #          bench/shared.py and bench/tp.py over every GPU
+#   PYTEST_LIMIT=seconds bounds the pytest run (a hang costs the call).
 #   PYTEST_FILES="test_a.py test_b.py" runs only those pytest files.
 # Logs go to $OUT (or bench/out).
 set -uo pipefail
@@ -75,7 +78,7 @@ else
   fi
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
-  (cd python/tests && python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
+  (cd python/tests && timeout ${PYTEST_LIMIT:-86400} python3 -m pytest -q -rf -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
 fi
 if want read; then
   log "laden probe"
@@ -115,6 +118,10 @@ fi
 if want expand; then
   log "bench/expand.py"
   python3 bench/expand.py 2>&1 | tee "$OUT/expand.log"
+fi
+if want lossless; then
+  log "bench/lossless.py (device decoder)"
+  python3 bench/lossless.py --device cuda ${LOSSLESS_ARGS:-} 2>&1 | tee "$OUT/lossless.log"
 fi
 if want quant; then
   log "bench/quant.py"
