@@ -79,6 +79,14 @@ def main() -> int:
                     help="device memory for the expert cache (\"2GB\"); "
                     "default: what the plan leaves on CUDA, none on the CPU")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--no-peers", action="store_true",
+                    help="skip device_map=\"auto\" (minutes at 2048 tokens)")
+    ap.add_argument("--no-whole", action="store_true",
+                    help="skip laden's whole-layer streaming")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after laden's routed-rows decode, two more tokens "
+                    "under torch.profiler (its table printed) and laden.trace "
+                    "(written to DIR/trace.json)")
     a = ap.parse_args()
 
     import transformers
@@ -110,7 +118,7 @@ def main() -> int:
     del plain
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    def decode(m, moved_of):
+    def decode(m, moved_of, profile=None):
         """(bytes moved per decode token, routed bytes per token, tokens/s,
         first step exact, prefill seconds)."""
         picked, hooks = routed_counter(m, a.experts)
@@ -136,6 +144,24 @@ def main() -> int:
                 torch.cuda.synchronize()
             sec = time.perf_counter() - t0
             moved = (moved_of() - s0) / a.tokens
+            if profile:
+                os.makedirs(profile, exist_ok=True)
+                from torch.profiler import ProfilerActivity, profile as prof
+                acts = [ProfilerActivity.CPU] + (
+                    [ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                with prof(activities=acts) as p, \
+                        laden.trace(os.path.join(profile, "trace.json")):
+                    for _ in range(2):
+                        out = m(tok, past_key_values=cache, use_cache=True)
+                        cache = out.past_key_values
+                        tok = out.logits[:, -1:].argmax(-1)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                for key in ("cpu_time_total",) + (
+                        ("cuda_time_total",) if dev.type == "cuda" else ()):
+                    print(f"\ntwo decode tokens, by {key}:")
+                    print(p.key_averages().table(sort_by=key, row_limit=22,
+                                                 max_name_column_width=48))
         for h in hooks:
             h.remove()
         return (moved, sum(picked) * expert_bytes / a.tokens,
@@ -155,7 +181,7 @@ def main() -> int:
                     + decode(m, lambda: 0))
         laden.release(m)
         torch.cuda.empty_cache()
-    for expert_rows in (True, False):
+    for expert_rows in (True,) if a.no_whole else (True, False):
         m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
                                   device=dev, progress=False,
                                   expert_rows=expert_rows,
@@ -167,7 +193,7 @@ def main() -> int:
             s = st.stats()
             return s.h2d_bytes if dev.type == "cuda" else s.read_bytes
         c0 = st.stats()
-        r = decode(m, moved_of)
+        r = decode(m, moved_of, a.profile if expert_rows else None)
         c1 = st.stats()
         asked = c1.expert_rows - c0.expert_rows
         if asked:
@@ -182,7 +208,7 @@ def main() -> int:
         laden.release(m)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not a.no_peers:
         try:
             import accelerate  # noqa: F401
             m = transformers.Qwen3MoeForCausalLM.from_pretrained(
