@@ -118,9 +118,15 @@ def main() -> int:
     del plain
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    def decode(m, moved_of, profile=None):
-        """(bytes moved per decode token, routed bytes per token, tokens/s,
-        first step exact, prefill seconds)."""
+    def step(m, tok, cache):
+        """One decode token: (the next token, the KV cache)."""
+        out = m(tok, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1:].argmax(-1), out.past_key_values
+
+    def decode(m, moved_of):
+        """((bytes moved per decode token, routed bytes per token, tokens/s,
+        first step exact, prefill seconds, prefill moved, prefill routed),
+        (the next token, the KV cache) to go on from)."""
         picked, hooks = routed_counter(m, a.experts)
         with torch.no_grad():
             p0 = moved_of()
@@ -137,35 +143,34 @@ def main() -> int:
             s0 = moved_of()
             t0 = time.perf_counter()
             for _ in range(a.tokens):
-                out = m(tok, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                tok = out.logits[:, -1:].argmax(-1)
+                tok, cache = step(m, tok, cache)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             sec = time.perf_counter() - t0
             moved = (moved_of() - s0) / a.tokens
-            if profile:
-                os.makedirs(profile, exist_ok=True)
-                from torch.profiler import ProfilerActivity, profile as prof
-                acts = [ProfilerActivity.CPU] + (
-                    [ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-                with prof(activities=acts) as p, \
-                        laden.trace(os.path.join(profile, "trace.json")):
-                    for _ in range(2):
-                        out = m(tok, past_key_values=cache, use_cache=True)
-                        cache = out.past_key_values
-                        tok = out.logits[:, -1:].argmax(-1)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                for key in ("cpu_time_total",) + (
-                        ("cuda_time_total",) if dev.type == "cuda" else ()):
-                    print(f"\ntwo decode tokens, by {key}:")
-                    print(p.key_averages().table(sort_by=key, row_limit=22,
-                                                 max_name_column_width=48))
         for h in hooks:
             h.remove()
-        return (moved, sum(picked) * expert_bytes / a.tokens,
-                a.tokens / sec, exact, prefill) + pre
+        return ((moved, sum(picked) * expert_bytes / a.tokens,
+                 a.tokens / sec, exact, prefill) + pre, (tok, cache))
+
+    def profile_tokens(m, tok, cache, where):
+        """Two more decode tokens under torch.profiler (its tables printed)
+        and laden.trace (where/trace.json); counted in no row above."""
+        from torch.profiler import ProfilerActivity, profile
+        os.makedirs(where, exist_ok=True)
+        acts = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch.no_grad(), profile(activities=acts) as p, \
+                laden.trace(os.path.join(where, "trace.json")):
+            for _ in range(2):
+                tok, cache = step(m, tok, cache)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        for key in ("cpu_time_total",) + (
+                ("cuda_time_total",) if dev.type == "cuda" else ()):
+            print(f"\ntwo decode tokens, by {key}:")
+            print(p.key_averages().table(sort_by=key, row_limit=22,
+                                         max_name_column_width=48))
 
     rows = []
     link = 0.0
@@ -178,7 +183,7 @@ def main() -> int:
         m = laden.from_pretrained(transformers.Qwen3MoeForCausalLM, d,
                                   device=dev, progress=False)
         rows.append(("resident (no budget)",)
-                    + decode(m, lambda: 0))
+                    + decode(m, lambda: 0)[0])
         laden.release(m)
         torch.cuda.empty_cache()
     for expert_rows in (True,) if a.no_whole else (True, False):
@@ -193,7 +198,7 @@ def main() -> int:
             s = st.stats()
             return s.h2d_bytes if dev.type == "cuda" else s.read_bytes
         c0 = st.stats()
-        r = decode(m, moved_of, a.profile if expert_rows else None)
+        r, state = decode(m, moved_of)
         c1 = st.stats()
         asked = c1.expert_rows - c0.expert_rows
         if asked:
@@ -205,6 +210,8 @@ def main() -> int:
                   f"{moved:.1%} across the link")
         rows.append(("laden, " + ("routed experts' rows" if expert_rows
                                   else "whole layers"),) + r)
+        if a.profile and expert_rows:
+            profile_tokens(m, *state, a.profile)
         laden.release(m)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -214,7 +221,7 @@ def main() -> int:
             m = transformers.Qwen3MoeForCausalLM.from_pretrained(
                 d, dtype=torch.bfloat16, device_map="auto",
                 max_memory={0: max(budget, 1), "cpu": 4 * size})
-            r = decode(m, lambda: 0)
+            r = decode(m, lambda: 0)[0]
             rows.append(('device_map="auto"',) + r)
             del m
         except ImportError:
