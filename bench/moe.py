@@ -49,16 +49,25 @@ def config(a):
 
 
 def routed_counter(model, experts_total):
-    """Hooks on each layer's router that count the distinct experts it
-    picks per call: the floor of what must move."""
+    """Hooks on each layer's router that keep the indices it picks per
+    call (no wait on the device: counted after the timing, by counts());
+    the distinct experts per call are the floor of what must move."""
     picked = []
 
     def hook(mod, args, out):
         idx = out[-1] if isinstance(out, tuple) else out
-        picked.append(int(torch.unique(idx).numel()))
+        picked.append(idx.detach().clone())
     hooks = [m.register_forward_hook(hook) for n, m in model.named_modules()
              if n.endswith("mlp.gate")]
     return picked, hooks
+
+
+def counts(picked) -> int:
+    """The distinct experts of every router call kept by routed_counter,
+    summed; empties the list."""
+    n = sum(int(torch.unique(i).numel()) for i in picked)
+    picked.clear()
+    return n
 
 
 def main() -> int:
@@ -87,6 +96,12 @@ def main() -> int:
                     help="after laden's routed-rows decode, two more tokens "
                     "under torch.profiler (its table printed) and laden.trace "
                     "(written to DIR/trace.json)")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="let SDPA use cuDNN's attention (off by default: "
+                    "with a KV cache growing a token a step it built a new "
+                    "graph every call, 2.3 ms of host time a layer on the "
+                    "H200, which then was most of a decode token for every "
+                    "row alike)")
     a = ap.parse_args()
 
     import transformers
@@ -94,6 +109,8 @@ def main() -> int:
     import laden
 
     dev = torch.device(a.device)
+    if dev.type == "cuda" and not a.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     cfg = config(a)
     d = a.dir or tempfile.mkdtemp(prefix="laden-moe-")
     if not os.path.exists(os.path.join(d, "config.json")):
@@ -138,8 +155,7 @@ def main() -> int:
             exact = torch.equal(out.logits, want)
             cache = out.past_key_values
             tok = out.logits[:, -1:].argmax(-1)
-            pre = (moved_of() - p0, sum(picked) * expert_bytes)
-            picked.clear()
+            pre = (moved_of() - p0, counts(picked) * expert_bytes)
             s0 = moved_of()
             t0 = time.perf_counter()
             for _ in range(a.tokens):
@@ -150,7 +166,7 @@ def main() -> int:
             moved = (moved_of() - s0) / a.tokens
         for h in hooks:
             h.remove()
-        return ((moved, sum(picked) * expert_bytes / a.tokens,
+        return ((moved, counts(picked) * expert_bytes / a.tokens,
                  a.tokens / sec, exact, prefill) + pre, (tok, cache))
 
     def profile_tokens(m, tok, cache, where):
@@ -232,7 +248,8 @@ def main() -> int:
           f"(top-{a.top_k}), hidden {a.hidden}, expert width "
           f"{a.expert_width}; {size / 1e6:.1f} MB; budget "
           f"{a.budget:.0%} of it; tiers {', '.join(tiers)}; prompt "
-          f"{ids.shape[1]} tokens, then {a.tokens} decode tokens")
+          f"{ids.shape[1]} tokens, then {a.tokens} decode tokens; SDPA "
+          f"cuDNN {'on' if torch.backends.cuda.cudnn_sdp_enabled() else 'off'}")
     res = rows[0] if rows and rows[0][0].startswith("resident") else None
     table = [("", "moved MB/token", "routed MB/token", "moved / routed",
               "tokens/s", "÷ floor", "prefill s", "prefill moved MB",

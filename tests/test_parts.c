@@ -601,8 +601,11 @@ TEST(stream_experts_move_routed_rows_on_every_device)
 /* The expert cache: two expert blocks and an attention block take turns
  * in two slots, so no slot keeps an expert block's rows to its next enter;
  * experts that crossed once come back from the cache, device to device,
- * as long as it holds them (least recently used out first, never one the
- * same enter uses). */
+ * as long as it holds them.  What stays is what is routed to most often:
+ * a newcomer replaces the least often routed entry (of equals the least
+ * recently used, never one the same enter uses) only when it was routed
+ * to more often; counts halve every 1024 routings, so a new routing takes
+ * over the cache after a while, not at once. */
 static void expert_cache_on(int32_t dev)
 {
     static const laden_tier tiers[] = {LADEN_TIER_RAM, LADEN_TIER_DISK};
@@ -642,22 +645,28 @@ static void expert_cache_on(int32_t dev)
                                      2 * row);
         /* Per enter: the block, the experts routed to, and how many of
          * them cross the link and come from the cache; the entries after
-         * it (block.expert), least recently used first. */
+         * it (block.expert) and the counts that decided. */
         static const struct {
             int blk;
             uint32_t n, routed[3];
             uint64_t moved, cached;
         } steps[] = {
-            {0, 2, {0, 1}, 2, 0},    /* 0.0 0.1 */
-            {1, 1, {2}, 1, 0},       /* 0.1 1.2 */
-            {0, 3, {2, 0, 0}, 2, 0}, /* 0.0 0.2 (repeats count once) */
-            {1, 2, {2, 1}, 2, 0},    /* 1.1 1.2 */
-            {0, 3, {0, 1, 2}, 3, 0}, /* 0.0 0.1: 0.2 finds both entries
-                                        used by this enter, not kept */
-            {1, 1, {1}, 1, 0},       /* 0.1 1.1 */
-            {0, 2, {1, 2}, 1, 1},    /* 0.1 0.2 */
-            {1, 1, {2}, 1, 0},       /* 0.1 1.2 */
-            {0, 1, {1}, 0, 1},       /* 1.2 0.1 */
+            {0, 2, {0, 1}, 2, 0},    /* 0.0 0.1: free entries */
+            {1, 1, {2}, 1, 0},       /* 0.0 0.1: 1.2 (1) is not kept */
+            {0, 2, {0, 0}, 0, 1},    /* repeats count once: 0.0 = 2 */
+            {1, 1, {2}, 1, 0},       /* 0.0 1.2: 1.2 (2) > 0.1 (1) */
+            {0, 2, {1, 2}, 2, 0},    /* 0.1 (2) and 0.2 (1) are not kept */
+            {1, 1, {1}, 1, 0},       /* 1.1 (1) is not kept */
+            {0, 1, {1}, 1, 0},       /* 0.1 1.2: 0.1 (3) > 0.0 (2), the
+                                        older of 0.0 and 1.2 (2 each) */
+            {1, 1, {1}, 1, 0},       /* 1.1 (2) is not > 1.2 (2) */
+            {0, 3, {0, 1, 2}, 2, 1}, /* 0.1 0.0: 0.0 (3) > 1.2 (2); 0.2
+                                        finds both entries used by this
+                                        enter, not kept */
+            {1, 2, {1, 2}, 2, 0},    /* 1.1 and 1.2 (3) are not > 0.0 (3) */
+            {0, 1, {2}, 1, 0},       /* 0.2 (3) is not > 0.0 (3) */
+            {1, 1, {2}, 1, 0},       /* 0.1 1.2: 1.2 (4) > 0.0 (3) */
+            {0, 1, {1}, 0, 1},
             {1, 1, {2}, 0, 1},
         };
         for (size_t i = 0; i < sizeof steps / sizeof *steps; i++) {
@@ -692,6 +701,46 @@ static void expert_cache_on(int32_t dev)
             uint64_t link = steps[i].moved * row;
             CHECK_EQ(ti ? b.read_bytes - a.read_bytes
                         : b.h2d_bytes - a.h2d_bytes, link);
+        }
+        /* A new routing takes over, after the old one's counts halved:
+         * 1500 rounds routed to 0.0 and 0.1 (every 512 rounds they halve),
+         * then 1.0 and 1.1 are kept once routed to more often than those;
+         * under recency alone they would be kept at once. */
+        uint32_t two[2] = {0, 1};
+        for (int r = 0; r < 1500; r++)
+            for (int bl = 0; bl < 2; bl++) {
+                CHECK_OK(laden_sched_enter_experts(sc, ex[bl], two,
+                                                   bl ? 0 : 2, 0));
+                CHECK_OK(laden_sched_exit(sc, ex[bl], 0));
+                CHECK_OK(laden_sched_enter(sc, attn, 0));
+                CHECK_OK(laden_sched_exit(sc, attn, 0));
+            }
+        int first_hit = -1;
+        for (int r = 0; r < 1000 && first_hit < 0; r++)
+            for (int bl = 0; bl < 2; bl++) {
+                CHECK_OK(laden_sched_stats(sc, &a));
+                CHECK_OK(laden_sched_enter_experts(sc, ex[bl], two,
+                                                   bl ? 2 : 0, 0));
+                CHECK_OK(laden_sched_exit(sc, ex[bl], 0));
+                CHECK_OK(laden_sched_enter(sc, attn, 0));
+                CHECK_OK(laden_sched_exit(sc, attn, 0));
+                CHECK_OK(laden_sched_stats(sc, &b));
+                if (bl && b.expert_rows_cached > a.expert_rows_cached)
+                    first_hit = r;
+            }
+        CHECK_OK(laden_sched_synchronize(sc));
+        if (first_hit < 400 || first_hit > 600)
+            fprintf(stderr, "device %d tier %zu: the new routing was first "
+                    "served from the cache in round %d\n", dev, ti,
+                    first_hit);
+        CHECK(first_hit >= 400 && first_hit <= 600);
+        float got[3 * NI * NH];
+        for (uint32_t j = 0; j < 2; j++) {
+            CHECK_OK(laden_sched_enter_experts(sc, ex[1], two, 2, 0));
+            CHECK_OK(laden_sched_synchronize(sc));
+            rows_of(sc, dev, ex[1], gu[1], dn[1], (int)j, got);
+            check_expert(got, (int)j, "cached after the routing changed");
+            CHECK_OK(laden_sched_exit(sc, ex[1], 0));
         }
         CHECK_OK(laden_sched_stop(sc));
         CHECK_OK(laden_sched_stats(sc, &b));

@@ -271,7 +271,7 @@ LADEN_API int laden_sched_tensor_lossless(laden_sched_t *sched,
 
 /* Device memory for the expert cache (LADEN_EXPERT_CACHE_AUTO: as the
  * schedule decides).  Experts of streamed expert blocks that crossed the
- * link are kept there, the least recently used making room, so that an
+ * link are kept there (those routed to most often: see experts.c), so that an
  * enter routed to one again after its slot held another block copies it
  * from there, device to device, instead of across the link; counted in
  * expert_rows_cached.  Entries are all the size of the largest expert;

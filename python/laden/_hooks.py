@@ -120,9 +120,11 @@ def _wrap_forward(mod, owner: _Owned, c_block: int, device, wrapped: list,
         if rows is None:
             s = enter(owner.h, c_block, stream)
         else:
-            arr = (ctypes.c_uint32 * max(len(rows), 1))(*rows)
+            # rows: an int32 host tensor (routed), alive for the call
+            arr = ctypes.cast(rows.data_ptr(),
+                              ctypes.POINTER(ctypes.c_uint32))
             s = lib.laden_sched_enter_experts(owner.h, c_block, arr,
-                                              len(rows), stream)
+                                              rows.numel(), stream)
         if s:
             raise error_for(s)
         # Set, not counted: laden's blocks never nest, and a count an

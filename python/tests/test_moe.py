@@ -440,4 +440,7 @@ def test_an_experts_call_without_indices_is_refused():
     with pytest.raises(laden.StateError, match="experts.*indices"):
         _moe.routed((h,), {"weights": torch.ones(3, 2)}, 8, "block 5")
     idx = torch.tensor([[7, 8], [1, 7]])  # 8: a padding slot, dropped
-    assert _moe.routed((h, idx), {}, 8, "block 5") == [1, 7]
+    got = _moe.routed((h, idx), {}, 8, "block 5")  # as C takes them
+    assert got.dtype == torch.int32 and got.tolist() == [7, 1, 7]
+    neg = torch.tensor([[-1, 3]], dtype=torch.int32)
+    assert _moe.routed((h, neg), {}, 8, "block 5").tolist() == [3]

@@ -780,8 +780,8 @@ static laden_status cache_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             continue;
         int64_t k = in ? laden__sched_expert_find(sc, bi, e)
                        : laden__sched_expert_claim(sc, bi, e);
-        if (k < 0) /* !in: every entry serves this fill */
-            break;
+        if (k < 0) /* !in: not kept */
+            continue;
         s = laden__sched_expert_copy(sc, bi, e, k, sl->ptr, in);
     }
     return s;
@@ -821,6 +821,9 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
     uint64_t asked = 0, moved = 0, cached = 0;
     for (uint32_t k = 0; k < words; k++) {
         asked += (uint64_t)__builtin_popcountll(move[k]);
+        for (uint64_t m = move[k]; m; m &= m - 1)
+            laden__sched_expert_count(sc, bi,
+                                      64 * k + (uint32_t)__builtin_ctzll(m));
         move[k] &= ~ok[k];
         for (uint64_t m = move[k]; m; m &= m - 1) {
             uint32_t e = 64 * k + (uint32_t)__builtin_ctzll(m);

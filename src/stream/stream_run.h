@@ -62,6 +62,11 @@ typedef struct expert_cache {
     expert_entry *e;
     int32_t **where;       /* per block: per expert, its entry or -1 (NULL
                               for a block whose experts do not stream) */
+    uint32_t **count;      /* per block: per expert, the fills routed to
+                              it, halved every `window` counted */
+    uint64_t counted;      /* counted since the last halving */
+    uint64_t window;
+    uint64_t rng;          /* sampling the victims of a large cache */
     uint64_t tick;         /* fills so far */
     uint64_t charged;      /* bytes charged to the VRAM context */
 } expert_cache;
@@ -154,12 +159,14 @@ void laden__sched_experts_free(laden_sched_t *sc);
 /* A new fill of expert rows begins: entries used from now on are this
  * fill's (laden__sched_expert_claim takes none of them). */
 void laden__sched_experts_begin(laden_sched_t *sc);
+/* The fill routes to expert e of block bi (once per fill): counted. */
+void laden__sched_expert_count(laden_sched_t *sc, uint32_t bi, uint32_t e);
 /* Expert e of block bi's entry, marked used by this fill, or -1. */
 int64_t laden__sched_expert_find(laden_sched_t *sc, uint32_t bi, uint32_t e);
 /* An entry for expert e of block bi, which is not cached: a free one,
- * else the one used least recently, not by this fill (its expert is
- * forgotten); -1 when every entry serves this fill or there is no
- * cache. */
+ * else the least often routed (of equals the least recently used), not
+ * used by this fill, when e was routed to more often (its expert is
+ * forgotten); -1 when e is not kept or there is no cache. */
 int64_t laden__sched_expert_claim(laden_sched_t *sc, uint32_t bi,
                                   uint32_t e);
 /* Copies expert e of block bi between its entry and slot memory at `at`
