@@ -287,9 +287,11 @@ def stream_load(model, path: PathLike, *, plan=None,
       layer streams as before.  False: whole layers stream.  Such a model
       cannot be captured as a CUDA graph, trained or compiled by block.
     - ``expert_cache``: device memory (bytes or a string, "2GB") that
-      keeps experts which crossed the link, the least recently used
-      making room, so that a token routed to one again copies it from
-      there instead of across the link (``handle.stats()``:
+      keeps experts which crossed the link, those routed to most often
+      (a newcomer replaces the least often routed entry only when it was
+      routed to more often; counts halve as routing goes on, so a new
+      routing takes over), so that a token routed to one again copies it
+      from there instead of across the link (``handle.stats()``:
       ``expert_rows_cached``).  None: on CUDA the device memory the plan
       leaves free under ``vram_budget``, none on the CPU; 0: none.
     - ``compression="lossless"``: the BF16 and F16 weights of the blocks
