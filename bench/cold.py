@@ -20,6 +20,8 @@ load to the end of a first forward of 16 tokens, synchronized):
   laden stream_load, RAM tier        blocks in pinned RAM, streamed
   laden stream_load, resident        every weight on the device
   laden stream_load, RAM, background the forward starts as blocks arrive
+  laden stream_load, RAM, lossless   compression="lossless": read and
+                                     encoded on the host's cores
   transformers from_pretrained       device_map=<device> (llama)
   laden.from_pretrained              (llama), and with background=True
 
@@ -83,6 +85,8 @@ def child(a) -> dict:
         m = sb.build_meta(a)
         kw = {"offload_prefixes": ["blocks."]} if "RAM" in a.method else {}
         bg = "background" in a.method
+        if "lossless" in a.method:
+            kw["compression"] = "lossless"
         rep = laden.stream_load(m, a.path, device=dev, progress=False,
                                 background=bg, **kw)
         h = laden.install_offload(m) if kw else None
@@ -261,7 +265,8 @@ def main() -> int:
                   "load_file + pin_memory()" if gpu else "load_file + copy"]
         + (["load_file(cuda)"] if gpu else [])
         + ["laden stream_load, RAM tier", "laden stream_load, resident",
-           "laden stream_load, RAM tier, background"],
+           "laden stream_load, RAM tier, background",
+           "laden stream_load, RAM tier, lossless"],
         "llama": ["cat", "dd iflag=direct", "transformers from_pretrained",
                   "laden.from_pretrained",
                   "laden.from_pretrained, background"],
