@@ -8,7 +8,9 @@
  * of laden_plan_input; then a mode byte: bit 0 the host device (its VRAM
  * fields and disk_staging cleared unless bit 1), bit 2 per-block flags
  * follow (one byte each: 0xff is kept to test unknown bits, else bit 0),
- * bit 3 a lookahead byte follows (up to 71: past LADEN_LOOKAHEAD_MAX). */
+ * bit 3 a lookahead byte follows (up to 71: past LADEN_LOOKAHEAD_MAX),
+ * bit 4 per-block RAM-tier sizes follow (one byte k each: the block's
+ * bytes * k / 128, so smaller or up to twice as large). */
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -78,6 +80,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     if (mode & 8)
         in.lookahead = (uint32_t)take(&data, &size, 1) % 72;
+    uint64_t ram[MAXB];
+    if (mode & 16) {
+        for (uint32_t i = 0; i < in.nblocks; i++)
+            ram[i] = bytes[i] / 128 * take(&data, &size, 1);
+        in.ram_block_bytes = ram;
+    }
     fuzz_plan_check(&in);
     return 0;
 }
@@ -125,7 +133,9 @@ int fuzz_plan_check(const laden_plan_input *pin)
         uint64_t *sum = t1[i] == LADEN_TIER_GPU   ? &gpu
                         : t1[i] == LADEN_TIER_RAM ? &ram
                                                   : &disk;
-        *sum += bytes[i];
+        *sum += t1[i] == LADEN_TIER_RAM && in.ram_block_bytes
+                    ? in.ram_block_bytes[i]
+                    : bytes[i];
         if (!in.asked || in.asked[i] != LADEN_TIER_GPU) {
             nmay++;
             mx = bytes[i] > mx ? bytes[i] : mx;

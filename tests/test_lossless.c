@@ -149,6 +149,47 @@ TEST(lossless_codes_at_most_twelve_bits)
     free(v);
 }
 
+uint32_t laden__ll_codes(const uint8_t *lens, uint32_t *code);
+uint32_t laden__ll_table(const uint8_t *lens, uint16_t *lut);
+
+/* The decoding table is built by entry (so a GPU block's threads share
+ * it): for random codes, complete or not, it is the table filled symbol
+ * by symbol from the canonical codes; lengths that are no code (above
+ * 12, oversubscribed) are refused by both. */
+TEST(lossless_table_by_entry_is_the_codes_table)
+{
+    static uint8_t lens[256];
+    static uint16_t got[4096], want[4096];
+    uint32_t code[256];
+    for (int round = 0; round < 400; round++) {
+        memset(lens, 0, sizeof lens);
+        uint32_t kraft = 0, sym = next32() % 256;
+        int tries = round % 4 == 3 ? 40 : 600; /* some incomplete */
+        for (int k = 0; k < tries; k++) {
+            uint32_t l = 1 + next32() % 12, s = (sym + 97u * k) % 256;
+            if (!lens[s] && kraft + (4096u >> l) <= 4096u) {
+                lens[s] = (uint8_t)l;
+                kraft += 4096u >> l;
+            }
+        }
+        if (round % 50 == 7) /* oversubscribed */
+            for (int s = 0; s < 256; s++)
+                lens[s] = lens[s] ? lens[s] : 1;
+        if (round % 50 == 9)
+            lens[next32() % 256] = 13;
+        uint32_t bad = laden__ll_codes(lens, code);
+        CHECK_EQ(laden__ll_table(lens, got), bad);
+        if (bad)
+            continue;
+        memset(want, 0, sizeof want);
+        for (int s = 0; s < 256; s++)
+            for (uint32_t f = 0; lens[s] && f < (4096u >> lens[s]); f++)
+                want[code[s] | f << lens[s]] =
+                    (uint16_t)(lens[s] << 8 | s);
+        CHECK(memcmp(got, want, sizeof want) == 0);
+    }
+}
+
 /* Damaged blobs: a header field that is wrong is refused by the check;
  * any byte of the raw bytes, offsets, checks or codes changed is found by
  * the decode, which writes nothing outside its output. */
@@ -507,8 +548,10 @@ TEST(lossless_tensors_in_a_block)
         laden_sched_destroy(sc);
         laden_st_close(st);
     }
-    /* laden_sched_mark_lossless: the RAM tier's BF16/F16 tensors as
-     * stored (not a converted one, nothing on disk); none after load. */
+    /* laden_sched_mark_lossless: the BF16/F16 tensors as stored of the
+     * RAM and disk tiers (not a converted one; a plan may move disk
+     * blocks to RAM at their coded sizes, and those left on disk are
+     * read as stored); none after load. */
     laden_st_t *st;
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, &st));
@@ -525,7 +568,7 @@ TEST(lossless_tensors_in_a_block)
     }
     CHECK_OK(laden_sched_add_tensor(sc, blk, st, 0, LADEN_DTYPE_F32, &k));
     CHECK_OK(laden_sched_mark_lossless(sc, &marked));
-    CHECK_EQ(marked, 3);
+    CHECK_EQ(marked, 6);
     CHECK_OK(laden_sched_mark_lossless(sc, &marked)); /* taken already */
     CHECK_EQ(marked, 0);
     CHECK_OK(laden_sched_load(sc));
@@ -554,6 +597,141 @@ TEST(lossless_tensors_in_a_block)
     free(w);
     free(r);
     free(h);
+}
+
+/* Plans a CPU schedule with a RAM budget (nothing resident). */
+static laden_status plan_ram(laden_sched_t *sc, uint64_t budget,
+                             laden_plan_result *res)
+{
+    laden_plan_input in = {0};
+    in.ram_total_bytes = in.ram_free_bytes = 1ull << 40;
+    in.min_free_ram_bytes = 0;
+    in.ram_budget_bytes = budget;
+    return laden_sched_plan(sc, &in, NULL, res);
+}
+
+/* A schedule of nb blocks left to the planner, block k holding tensor
+ * "t<k>" of the file at `path`. */
+static laden_sched_t *blocks_of(const char *path, laden_st_t **st,
+                                uint32_t nb)
+{
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU};
+    CHECK_OK(laden_sched_create(&cfg, *st, &sc));
+    for (uint32_t b = 0; b < nb; b++) {
+        char name[16];
+        size_t at;
+        uint32_t blk, k;
+        snprintf(name, sizeof name, "t%u", b);
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_AUTO, &blk));
+        CHECK_OK(laden_st_find(*st, name, &at));
+        CHECK_OK(laden_sched_add_tensor(sc, blk, *st, at, LADEN_DTYPE_BF16,
+                                        &k));
+    }
+    return sc;
+}
+
+/* Writes nb BF16 tensors "t0".. of n elements each, their values v. */
+static char *write_tensors(const char *file, uint32_t nb, uint64_t n,
+                           const uint16_t *v)
+{
+    char hdr[1024];
+    int at = snprintf(hdr, sizeof hdr, "{");
+    for (uint32_t b = 0; b < nb; b++)
+        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
+                       "%s\"t%u\":{\"dtype\":\"BF16\",\"shape\":[%llu],"
+                       "\"data_offsets\":[%llu,%llu]}", b ? "," : "", b,
+                       (unsigned long long)n,
+                       (unsigned long long)(2 * n * b),
+                       (unsigned long long)(2 * n * (b + 1)));
+    snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
+    char *path = test_path(file);
+    test_write_st(path, hdr, v, 2 * n * nb);
+    return path;
+}
+
+/* The plan counts a block marked lossless at its coded size on the RAM
+ * tier (estimated from samples of the file): a RAM budget that holds
+ * three of four weight-like BF16 blocks as stored holds all four coded,
+ * and once encoded they fit it, every bit kept.  Samples that mislead
+ * (the parts sampled compress, the rest does not) are caught at the load:
+ * LADEN_E_BUDGET naming compression, not a RAM tier past its budget. */
+TEST(lossless_plan_counts_coded_sizes)
+{
+    enum { NB = 4, N = 65536 };
+    const uint64_t raw = 2u * N;
+    uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, (uint64_t)NB * N);
+    char *path = write_tensors("plan-ll.safetensors", NB, N, w);
+    laden_st_t *st;
+    laden_sched_t *sc = blocks_of(path, &st, NB);
+    laden_plan_result res;
+    uint64_t budget = raw * 7 / 2;
+    CHECK_OK(plan_ram(sc, budget, &res));
+    for (uint32_t b = 0; b < NB; b++)
+        CHECK_EQ(laden_sched_block_tier(sc, b),
+                 b < 3 ? LADEN_TIER_RAM : LADEN_TIER_DISK);
+    uint32_t marked = 0;
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, NB); /* the disk block's too */
+    CHECK_OK(plan_ram(sc, budget, &res));
+    for (uint32_t b = 0; b < NB; b++)
+        CHECK_EQ(laden_sched_block_tier(sc, b), LADEN_TIER_RAM);
+    CHECK(res.ram_bytes <= budget && res.ram_bytes < NB * raw * 3 / 4);
+    CHECK_EQ(res.disk_bytes, 0);
+    uint64_t counted = 0;
+    for (uint32_t b = 0; b < NB; b++) { /* the estimates, stored as is */
+        CHECK_EQ(laden_sched_block_bytes(sc, b), raw);
+        CHECK(laden_sched_block_ram_bytes(sc, b) < raw * 3 / 4);
+        counted += laden_sched_block_ram_bytes(sc, b);
+    }
+    CHECK_EQ(counted, res.ram_bytes);
+    CHECK_EQ(laden_sched_block_ram_bytes(sc, NB), 0);
+    CHECK_OK(laden_sched_load(sc));
+    for (uint32_t b = 0; b < NB; b++) /* now the true coded sizes */
+        CHECK_EQ(laden_sched_block_ram_bytes(sc, b),
+                 laden_sched_block_bytes(sc, b));
+    laden_sched_stats_t st_;
+    CHECK_OK(laden_sched_stats(sc, &st_));
+    CHECK(st_.ram_bytes <= res.ram_bytes); /* the estimate held */
+    CHECK_EQ(st_.lossless_raw_bytes, NB * raw);
+    uint16_t *got = malloc(raw);
+    for (uint32_t b = 0; b < NB; b++) {
+        CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 1);
+        CHECK_OK(laden_sched_tensor_value(sc, b, 0, LADEN_DTYPE_BF16, got,
+                                          raw));
+        CHECK(memcmp(got, w + (uint64_t)b * N, raw) == 0);
+    }
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free(w);
+
+    /* Misleading samples: the three runs read (start, middle, end) are
+     * weight-like, the rest random; the plan at their estimate with a
+     * budget of exactly that is refused by the load. */
+    enum { M = 131072 };
+    uint16_t *v = values(LADEN_DTYPE_BF16, RANDOM, M);
+    uint16_t *like = values(LADEN_DTYPE_BF16, WEIGHTS, M);
+    const uint64_t runs[3] = {0, (M - 16384) / 2, M - 16384};
+    for (int k = 0; k < 3; k++)
+        memcpy(v + runs[k], like + runs[k], 2 * 16384);
+    char *p2 = write_tensors("plan-ll-misled.safetensors", 1, M, v);
+    sc = blocks_of(p2, &st, 1);
+    CHECK_OK(plan_ram(sc, 2u * M, &res));
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, 1);
+    CHECK_OK(plan_ram(sc, 2u * M, &res));
+    uint64_t est = res.ram_bytes;
+    CHECK(est < 2u * M * 3 / 4);
+    CHECK_OK(plan_ram(sc, est, &res)); /* exactly the estimate */
+    CHECK_EQ(laden_sched_block_tier(sc, 0), LADEN_TIER_RAM);
+    CHECK_STATUS(laden_sched_load(sc), LADEN_E_BUDGET);
+    CHECK(strstr(laden_last_error(), "lossless") != NULL);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free(v);
+    free(like);
+    free(got);
 }
 
 static uint64_t seen_done, seen_total;

@@ -109,6 +109,13 @@ typedef struct laden_plan_input {
                                      to device (h2d_bytes_per_s ignored) */
     double h2d_bytes_per_s;       /* 0: no prediction */
     double disk_bytes_per_s;
+    const uint64_t *ram_block_bytes; /* per block: its bytes on the RAM
+                                     tier, where laden may keep it smaller
+                                     (compression="lossless": an estimate
+                                     of its coded size); NULL: block_bytes.
+                                     The RAM tier's room and ram_bytes
+                                     count these; VRAM, the slots and the
+                                     disk tier count block_bytes */
 } laden_plan_input;
 
 /* On the host device the VRAM fields are 0; gpu_bytes and the slots are

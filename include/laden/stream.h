@@ -777,6 +777,14 @@ LADEN_API uint32_t laden_sched_block_count(laden_sched_t *sched);
 LADEN_API uint64_t laden_sched_block_bytes(laden_sched_t *sched,
                                            uint32_t block);
 
+/* Bytes block b takes on the RAM tier: before the load what the plan
+ * counts (tensors marked lossless, laden_sched_mark_lossless, at the
+ * coded sizes estimated from samples of the file; the others as stored),
+ * after it laden_sched_block_bytes (the true coded sizes); 0 for a bad
+ * block. */
+LADEN_API uint64_t laden_sched_block_ram_bytes(laden_sched_t *sched,
+                                               uint32_t block);
+
 /* Block b's state as the plan and the load left it: *tier what
  * laden_sched_block_tier says, *size_bytes what laden_sched_block_bytes
  * says, *flags LADEN_SCHED_BLOCK_* bits.  Any may be NULL.  LADEN_E_INVAL

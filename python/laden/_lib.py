@@ -229,6 +229,7 @@ class PlanInput(Structure):
         ("host_device", c_uint32),
         ("h2d_bytes_per_s", c_double),
         ("disk_bytes_per_s", c_double),
+        ("ram_block_bytes", POINTER(c_uint64)),
     ]
 
 
@@ -471,6 +472,7 @@ _SIGNATURES = {
     "laden_sched_is_pinned": (c_int, [p, c_uint32]),
     "laden_sched_block_count": (c_uint32, [p]),
     "laden_sched_block_bytes": (c_uint64, [p, c_uint32]),
+    "laden_sched_block_ram_bytes": (c_uint64, [p, c_uint32]),
     "laden_sched_block_state": (status_t, [p, c_uint32, P(c_int32),
                                            P(c_uint64), P(c_uint32)]),
     "laden_sched_tensor_layout": (status_t, [p, c_uint32, c_uint32,

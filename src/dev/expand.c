@@ -527,19 +527,25 @@ static const char ll_kernel[] =
     "extern \"C\" __global__ void __launch_bounds__(256) "
     "laden_ll_decode(EX_LL_PARAM p) {\n"
     "  __shared__ u16 lut[EX_LL_LUT];\n"
-    "  __shared__ u32 code[256];\n"
+    "  __shared__ ex_ll_canon c;\n"
     "  __shared__ u32 bad;\n"
-    "  if (threadIdx.x == 0) bad = ex_ll_codes(&p, code);\n"
-    "  for (u32 i = threadIdx.x; i < (u32)EX_LL_LUT; i += blockDim.x) "
-    "lut[i] = 0;\n"
+    "  u32 t = threadIdx.x, n = blockDim.x;\n"
+    "  for (u32 s = t; s < 256u; s += n) ex_ll_canon_len(&p, &c, s);\n"
     "  __syncthreads();\n"
-    "  u32 e = bad, j = threadIdx.x % 32u;\n"
-    "  if (!bad) for (u32 s = threadIdx.x; s < 256u; s += blockDim.x) "
-    "ex_ll_fill(&p, code, s, lut);\n"
+    "  for (u32 l = t; l <= (u32)EX_LL_BITS; l += n) "
+    "ex_ll_canon_count(&c, l);\n"
     "  __syncthreads();\n"
+    "  if (t == 0) bad = ex_ll_canon_start(&c);\n"
+    "  __syncthreads();\n"
+    "  if (!bad) for (u32 s = t; s < 256u; s += n) ex_ll_canon_place(&c, s);\n"
+    "  __syncthreads();\n"
+    "  if (!bad) for (u32 i = t; i < (u32)EX_LL_LUT; i += n) "
+    "lut[i] = (u16)ex_ll_entry(&c, i);\n"
+    "  __syncthreads();\n"
+    "  u32 e = bad, j = t % 32u;\n"
     /* bad is the block's: a warp's lanes loop together (the shuffles) */
-    "  if (!bad) for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / "
-    "32u; i < p.nsub; i += (u64)gridDim.x * blockDim.x / 32u) {\n"
+    "  if (!bad) for (u64 i = ((u64)blockIdx.x * n + t) / "
+    "32u; i < p.nsub; i += (u64)gridDim.x * n / 32u) {\n"
     "    u32 h, sum = ex_ll_seed();\n"
     "    u32 b = ex_ll_lane(&p, lut, i, j, &h);\n"
     "    for (u32 k = 0; k < 32u; k++) sum = ex_ll_mix(sum, "
@@ -991,6 +997,29 @@ uint32_t laden__ll_codes(const uint8_t *lens, uint32_t *code)
     return ex_ll_codes(&p, code);
 }
 
+/* The decoding table of 256 code lengths, built by entry as the decoders
+ * build it (for tests: the same as one filled symbol by symbol from
+ * laden__ll_codes' codes); 1 if the lengths are no code. */
+uint32_t laden__ll_table(const uint8_t *lens, uint16_t *lut);
+uint32_t laden__ll_table(const uint8_t *lens, uint16_t *lut)
+{
+    ex_ll_params p;
+    ex_ll_canon c;
+    memset(&p, 0, sizeof p);
+    p.lens = (u64)(uintptr_t)lens;
+    for (u32 s = 0; s < 256u; s++)
+        ex_ll_canon_len(&p, &c, s);
+    for (u32 l = 0; l <= (u32)EX_LL_BITS; l++)
+        ex_ll_canon_count(&c, l);
+    if (ex_ll_canon_start(&c))
+        return 1u;
+    for (u32 s = 0; s < 256u; s++)
+        ex_ll_canon_place(&c, s);
+    for (u32 i = 0; i < (u32)EX_LL_LUT; i++)
+        lut[i] = (u16)ex_ll_entry(&c, i);
+    return 0u;
+}
+
 laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                               const laden_lossless_info *info,
                               laden_devptr_t blob, laden_devptr_t dst,
@@ -1025,17 +1054,13 @@ laden_status laden__ll_decode(int32_t device, uintptr_t stream,
                            "2^32 - 1 in one call",
                            (unsigned long long)info->nsub);
     if (device == LADEN_DEVICE_CPU) {
-        u32 code[256];
         u16 *lut = calloc(EX_LL_LUT, sizeof *lut);
         if (!lut)
             return laden__fail(LADEN_E_NOMEM, "out of memory decoding");
-        if (ex_ll_codes(&p, code)) {
-            *bad = info->nsub;
-        } else {
-            for (u32 s = 0; s < 256u; s++)
-                ex_ll_fill(&p, code, s, lut);
+        if (laden__ll_table((const uint8_t *)(uintptr_t)p.lens, lut))
+            *bad = info->nsub; /* the table as the device builds it */
+        else
             ll_cpu(&p, lut, bad, first);
-        }
         free(lut);
         if (*bad && err)
             ex_st32(err, 1u);

@@ -696,15 +696,77 @@ EX_FN u32 ex_ll_codes(const ex_ll_params *p, u32 *code)
     return 0u;
 }
 
-/* The table's entries of symbol s (lut zeroed before, once). */
-EX_FN void ex_ll_fill(const ex_ll_params *p, const u32 *code, u32 s,
-                      u16 *lut)
+/* The decoding table, built by entry so that a GPU block's threads share
+ * the work evenly (a symbol of a 1-bit code owns 2048 entries; building
+ * by symbol left one thread to write them, after one thread had read the
+ * 256 lengths from global memory one by one).  The CPU builds it the
+ * same way.  Steps, each a loop a GPU block splits among its threads:
+ * ex_ll_canon_len (per symbol: its length, into the block's memory),
+ * ex_ll_canon_count (per length 0..12: how many symbols have it),
+ * ex_ll_canon_start (one thread: each length's first canonical code and
+ * where its symbols start in the symbols sorted by (length, symbol); 1 if
+ * the lengths are no code, as ex_ll_codes says), ex_ll_canon_place (per
+ * symbol: its place in that order), ex_ll_entry (per entry i: the symbol
+ * whose code the low bits of i spell, read least significant bit first:
+ * the shortest l whose first l bits, as a number, lie among length l's
+ * codes; 0 where none does).  The table is the one ex_ll_codes' codes
+ * give: entry code[s] | (f << l) is (l << 8) | s for every f. */
+typedef struct ex_ll_canon {
+    u32 count[EX_LL_BITS + 1], first[EX_LL_BITS + 1], base[EX_LL_BITS + 1];
+    u8 len[256], sorted[256];
+} ex_ll_canon;
+
+EX_FN void ex_ll_canon_len(const ex_ll_params *p, ex_ll_canon *c, u32 s)
 {
-    u32 l = ex_ld8(p->lens + s);
-    if (!l)
-        return;
-    for (u32 f = 0; f < (1u << (EX_LL_BITS - l)); f++)
-        lut[code[s] | (f << l)] = (u16)((l << 8) | s);
+    c->len[s] = (u8)ex_ld8(p->lens + s);
+}
+
+EX_FN void ex_ll_canon_count(ex_ll_canon *c, u32 l)
+{
+    u32 n = 0u;
+    for (u32 s = 0; s < 256u; s++)
+        n += c->len[s] == l;
+    c->count[l] = n;
+}
+
+EX_FN u32 ex_ll_canon_start(ex_ll_canon *c)
+{
+    u32 all = 0u, code = 0u, at = 0u;
+    for (u32 l = 0; l <= (u32)EX_LL_BITS; l++)
+        all += c->count[l];
+    if (all != 256u)
+        return 1u; /* a length above 12 */
+    c->first[0] = c->base[0] = 0u;
+    for (u32 l = 1; l <= (u32)EX_LL_BITS; l++) {
+        code = (code + (l > 1u ? c->count[l - 1u] : 0u)) << 1;
+        c->first[l] = code;
+        c->base[l] = at;
+        at += c->count[l];
+    }
+    /* oversubscribed: it shows at the longest length */
+    return c->first[EX_LL_BITS] + c->count[EX_LL_BITS] > (u32)EX_LL_LUT;
+}
+
+EX_FN void ex_ll_canon_place(ex_ll_canon *c, u32 s)
+{
+    u32 l = c->len[s], rank = 0u;
+    for (u32 t = 0; t < 256u; t++) /* the same loop in every thread */
+        rank += (t < s) & (c->len[t] == l);
+    if (l)
+        c->sorted[c->base[l] + rank] = (u8)s;
+}
+
+EX_FN u32 ex_ll_entry(const ex_ll_canon *c, u32 i)
+{
+    u32 rev = 0u;
+    for (u32 b = 0; b < (u32)EX_LL_BITS; b++)
+        rev |= ((i >> b) & 1u) << ((u32)EX_LL_BITS - 1u - b);
+    for (u32 l = 1; l <= (u32)EX_LL_BITS; l++) {
+        u32 v = rev >> ((u32)EX_LL_BITS - l);
+        if (v - c->first[l] < c->count[l]) /* first <= v < first + count */
+            return (l << 8) | c->sorted[c->base[l] + (v - c->first[l])];
+    }
+    return 0u;
 }
 
 /* Lane j's offset in sub-chunk i, from the sub-chunk's first bit (lane

@@ -131,6 +131,12 @@ static bool experts(const laden_plan_input *in, uint32_t i)
            (in->block_flags[i] & LADEN_PLAN_BLOCK_EXPERTS);
 }
 
+/* Block i's bytes on the RAM tier (ram_block_bytes: kept smaller). */
+static uint64_t ram_size(const laden_plan_input *in, uint32_t i)
+{
+    return in->ram_block_bytes ? in->ram_block_bytes[i] : in->block_bytes[i];
+}
+
 /* Sums and products that saturate: a budget compared with UINT64_MAX
  * fails, as the true size would. */
 static uint64_t sat_add(uint64_t a, uint64_t b)
@@ -215,12 +221,13 @@ static laden_status check_host_input(const laden_plan_input *in)
 /* 0. */
 static laden_status check_input(const laden_plan_input *in)
 {
-    uint64_t sum = in->rest_bytes;
+    uint64_t sum = in->rest_bytes, ram = 0;
     for (uint32_t i = 0; i < in->nblocks; i++) {
         laden_status s = check_block(in, i);
         if (s)
             return s;
-        if (!laden__add_u64(sum, in->block_bytes[i], &sum))
+        if (!laden__add_u64(sum, in->block_bytes[i], &sum) ||
+            !laden__add_u64(ram, ram_size(in, i), &ram))
             return laden__fail(LADEN_E_INVAL, "block sizes overflow");
     }
     if (in->lookahead > LADEN_LOOKAHEAD_MAX)
@@ -398,12 +405,13 @@ static streamed summarize(const plan *p, uint32_t nstream)
             s.gpu += b;
             continue;
         }
+        uint64_t r = ram_size(in, i); /* what the RAM tier would hold */
         s.n++;
         s.max_bytes = b > s.max_bytes ? b : s.max_bytes;
-        s.asked_ram += a == LADEN_TIER_RAM ? b : 0;
+        s.asked_ram += a == LADEN_TIER_RAM ? r : 0;
         s.asked_disk |= a == LADEN_TIER_DISK;
-        s.free_bytes += a == LADEN_PLAN_FREE ? b : 0;
-        s.no_disk_bytes += a == LADEN_PLAN_FREE && no_disk(in, i) ? b : 0;
+        s.free_bytes += a == LADEN_PLAN_FREE ? r : 0;
+        s.no_disk_bytes += a == LADEN_PLAN_FREE && no_disk(in, i) ? r : 0;
     }
     return s;
 }
@@ -460,7 +468,7 @@ static laden_status place_pass(plan *p, bool pass_no_disk, uint64_t cap,
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (p->why[i] != UNDECIDED || no_disk(in, i) != pass_no_disk)
             continue;
-        uint64_t b = in->block_bytes[i];
+        uint64_t b = ram_size(in, i);
         if (*used + b <= cap) {
             p->tiers[i] = LADEN_TIER_RAM;
             p->why[i] = p->host ? LADEN_PLAN_WHY_FITS_HOST_RAM
@@ -526,7 +534,7 @@ static laden_status totals(plan *p)
     uint32_t ndisk = 0; /* counted: a block of 0 bytes still streams */
     for (uint32_t i = 0; i < in->nblocks; i++) {
         if (p->tiers[i] == LADEN_TIER_RAM)
-            ram_tier += in->block_bytes[i];
+            ram_tier += ram_size(in, i);
         if (p->tiers[i] == LADEN_TIER_DISK) {
             disk += in->block_bytes[i];
             ndisk++;

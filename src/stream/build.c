@@ -555,7 +555,8 @@ laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
 
 /* The planner's inputs for the schedule's blocks, in one allocation. */
 typedef struct plan_arrays {
-    uint64_t *bytes;
+    uint64_t *bytes, *ram; /* ram: on the RAM tier (ram_bytes) */
+    bool smaller;          /* some block is smaller there */
     int32_t *asked, *tiers, *why;
     uint8_t *flags;
 } plan_arrays;
@@ -585,19 +586,50 @@ static int32_t asked_of(const blk *b)
     }
 }
 
+/* Block `block`'s bytes on the RAM tier: its tensors marked lossless
+ * (compress.c) at their estimated coded sizes, laid out as compress.c's
+ * pack will lay them. */
+static uint64_t ram_bytes(const laden_sched_t *sc, uint32_t block)
+{
+    const blk *b = &sc->layout.b[block];
+    uint64_t end = 0;
+    for (uint32_t k = 0; k < b->nt; k++) { /* laid out as pack() does */
+        const tref *r = &b->t[k];
+        uint64_t bytes = r->ll_asked && !r->ll && r->ll_est ? r->ll_est
+                                                            : r->dst_bytes;
+        uint64_t off = r->joined ? end
+                                 : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        end = off + bytes;
+    }
+    return end;
+}
+
+uint64_t laden__sched_block_ram_bytes(const laden_sched_t *sc,
+                                      uint32_t block)
+{
+    if (!sc || block >= sc->layout.nb)
+        return 0;
+    return sc->layout.laid_out ? sc->layout.b[block].bytes
+                               : ram_bytes(sc, block);
+}
+
 static laden_status plan_arrays_new(const laden_sched_t *sc, plan_arrays *a)
 {
     size_t n = sc->layout.nb ? sc->layout.nb : 1;
-    a->bytes = calloc(n, sizeof *a->bytes);
+    a->bytes = calloc(2 * n, sizeof *a->bytes);
     a->asked = calloc(3 * n, sizeof *a->asked);
     a->flags = calloc(n, sizeof *a->flags);
     if (!a->bytes || !a->asked || !a->flags)
         return laden__fail(LADEN_E_NOMEM, "out of memory planning");
+    a->ram = a->bytes + n;
     a->tiers = a->asked + n;
     a->why = a->tiers + n;
+    a->smaller = false;
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         blk *b = &sc->layout.b[i];
         a->bytes[i] = b->bytes;
+        a->ram[i] = ram_bytes(sc, i);
+        a->smaller |= a->ram[i] != b->bytes;
         a->asked[i] = asked_of(b);
         a->flags[i] = (no_disk(b) ? LADEN_PLAN_BLOCK_NO_DISK : 0) |
                       (b->experts ? LADEN_PLAN_BLOCK_EXPERTS : 0);
@@ -688,6 +720,7 @@ laden_status laden__sched_plan(laden_sched_t *sc,
     in.block_bytes = a.bytes;
     in.asked = a.asked;
     in.block_flags = a.flags;
+    in.ram_block_bytes = a.smaller ? a.ram : NULL;
     in.rest_bytes = laden__sched_workspace_bytes(sc); /* always there */
     if (!in.lookahead)
         in.lookahead = sc->cfg.lookahead;
@@ -705,6 +738,10 @@ laden_status laden__sched_plan(laden_sched_t *sc,
             sc->cuda && out->vram_avail_bytes > out->vram_used_bytes
                 ? out->vram_avail_bytes - out->vram_used_bytes
                 : 0;
+        sc->layout.ram_estimated = a.smaller;
+        sc->layout.ram_room = out->ram_avail_bytes > out->staging_bytes
+                                  ? out->ram_avail_bytes - out->staging_bytes
+                                  : 0;
     }
 done:
     plan_arrays_free(&a);

@@ -69,6 +69,54 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* ---- what a marked tensor will take --------------------------------------
+ *
+ * The plan counts a RAM-tier block at its coded size, before anything is
+ * read: SAMPLES runs of SAMPLE_ELEMS elements spread over the tensor
+ * (all of it when smaller) are read and encoded, and their ratio, plus
+ * MARGIN of the raw bytes and a header, is the estimate.  The load's
+ * encoding then gives the true size; laden__sched_compress checks that
+ * the RAM tier still fits what the plan gave it. */
+enum { SAMPLES = 3, SAMPLE_ELEMS = 16384, MARGIN = 50 /* 1/50: 2 % */ };
+
+static laden_status estimate(laden_sched_t *sc, tref *r)
+{
+    uint64_t n = r->nelem, raw = n * 2;
+    uint64_t per = n < SAMPLES * SAMPLE_ELEMS ? n : SAMPLE_ELEMS;
+    uint32_t runs = n < SAMPLES * SAMPLE_ELEMS ? 1 : SAMPLES;
+    uint64_t bound, coded = 0, read = 0;
+    r->ll_est = 0;
+    if (!n)
+        return LADEN_OK;
+    laden_status s = laden_lossless_bound(r->dst, per, &bound);
+    if (s)
+        return s;
+    char *buf = malloc(per * 2), *blob = malloc(bound);
+    if (!buf || !blob)
+        s = laden__fail(LADEN_E_NOMEM, "out of memory estimating");
+    for (uint32_t k = 0; k < runs && !s; k++) {
+        uint64_t first = runs == 1 ? 0 : k * ((n - per) / (runs - 1));
+        uint64_t size = 0;
+        s = laden_io_read(sc->layout.io, sc->layout.files[r->file],
+                          r->off + 2 * first, per * 2, buf);
+        if (!s)
+            s = laden_lossless_encode(r->dst, buf, per, blob, bound, &size);
+        coded += size;
+        read += per * 2;
+    }
+    free(buf);
+    free(blob);
+    if (s) {
+        laden__error_prefix("tensor '%.200s': estimating its coded size",
+                            r->name ? r->name : "?");
+        return s;
+    }
+    uint64_t est = (uint64_t)((double)coded / (double)read * (double)raw) +
+                   raw / MARGIN + LADEN_LOSSLESS_HEADER_BYTES;
+    r->ll_est = est <= raw - raw / 16 ? est : 0; /* else kept as stored */
+    return LADEN_OK;
+}
+
 laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
 {
     uint32_t n = 0;
@@ -77,13 +125,17 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
     if (!sc)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_mark_lossless: NULL schedule");
-    /* The tiers first: a mark unplans the schedule (its workspace grew). */
+    /* The tiers first: a mark unplans the schedule (its workspace grew).
+     * Blocks on the disk tier are marked too: planned again at their
+     * coded sizes, some may fit the RAM tier (those that stay on disk
+     * are read as stored). */
     uint32_t nb = sc->layout.nb;
     uint8_t *ram = calloc(nb ? nb : 1, 1);
     if (!ram)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
     for (uint32_t i = 0; i < nb; i++)
-        ram[i] = sc->layout.b[i].tier == LADEN_TIER_RAM;
+        ram[i] = sc->layout.b[i].tier == LADEN_TIER_RAM ||
+                 sc->layout.b[i].tier == LADEN_TIER_DISK;
     laden_status s = LADEN_OK;
     for (uint32_t i = 0; i < nb && !s; i++)
         for (uint32_t k = 0; ram[i] && k < sc->layout.b[i].nt && !s; k++) {
@@ -94,7 +146,7 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
             s = laden__sched_set_lossless(sc, i, k);
             if (s == LADEN_E_UNSUPPORTED) /* a part, joined, ...: plain */
                 s = LADEN_OK;
-            else if (!s)
+            else if (!s && !(s = estimate(sc, &sc->layout.b[i].t[k])))
                 n++;
         }
     free(ram);
@@ -299,6 +351,23 @@ laden_status laden__sched_compress(laden_sched_t *sc)
                 pack(&sc->layout.b[i]);
                 break;
             }
+    /* The plan counted the RAM tier at estimated sizes: the true ones
+     * must fit the room it had (samples that misled by more than the
+     * margin are refused, not run past the budget). */
+    uint64_t tier = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].tier == LADEN_TIER_RAM)
+            tier += sc->layout.b[i].bytes;
+    if (!s && sc->layout.ram_estimated && tier > sc->layout.ram_room)
+        s = laden__fail(LADEN_E_BUDGET,
+                        "compression=\"lossless\": the RAM tier's blocks "
+                        "take %s once encoded, more than the %s of RAM the "
+                        "plan had for them (it counted their coded sizes "
+                        "as estimated from samples of each tensor, which "
+                        "this checkpoint's weights did not follow); give "
+                        "more RAM (ram_budget) or load without compression",
+                        laden__bytes(tier).s,
+                        laden__bytes(sc->layout.ram_room).s);
     return s;
 }
 

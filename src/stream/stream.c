@@ -78,6 +78,11 @@ uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
     return sc->layout.b[block].bytes;
 }
 
+uint64_t laden_sched_block_ram_bytes(laden_sched_t *sc, uint32_t block)
+{
+    return laden__sched_block_ram_bytes(sc, block);
+}
+
 laden_status laden_sched_block_state(laden_sched_t *sc, uint32_t block,
                                      int32_t *tier, uint64_t *size_bytes,
                                      uint32_t *flags)

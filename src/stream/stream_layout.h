@@ -71,6 +71,10 @@ typedef struct tref {
     bool ll_asked;
     bool host_owned;
     laden_lossless_info *ll;
+    /* Marked: its blob's size as estimated from samples of the file at
+     * the mark (0: expected to stay as stored), what the plan counts for
+     * the RAM tier (laden_plan_input's ram_block_bytes). */
+    uint64_t ll_est;
 } tref;
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
@@ -172,6 +176,11 @@ typedef struct sched_layout {
     /* Device memory the last plan left free beyond what it placed (the
      * expert cache's size when the caller does not give one). */
     uint64_t vram_spare;
+    /* The last plan counted RAM-tier blocks at estimated coded sizes
+     * (compress.c's marks): the RAM it had for the tier (less staging),
+     * which the coded blocks must still fit once encoded. */
+    bool ram_estimated;
+    uint64_t ram_room;
 } sched_layout;
 
 #endif
@@ -228,6 +237,8 @@ laden_status laden__sched_add_host_tensor(laden_sched_t *sc, uint32_t block,
                                           const void *src, laden_dtype sdt,
                                           uint64_t n, laden_dtype dtype,
                                           uint32_t *out);
+uint64_t laden__sched_block_ram_bytes(const laden_sched_t *sc,
+                                      uint32_t block);
 laden_status laden__sched_plan(laden_sched_t *sc,
                                const laden_plan_input *budgets, int32_t *why,
                                laden_plan_result *out);
