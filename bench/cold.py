@@ -275,7 +275,7 @@ def main() -> int:
         print("--drop-all needs root", file=sys.stderr)
         return 2
     runs = {}
-    for _ in range(max(1, a.repeat)):
+    for done in range(1, max(1, a.repeat) + 1):
         for model, path in models.items():
             files = files_of(path)
             for state in ("cold", "warm"):
@@ -289,13 +289,22 @@ def main() -> int:
                     runs.setdefault((model, state, m), []).append(
                         run(a, model, m, path))
                     print(".", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        print(file=sys.stderr)
+        report(a, models, methods, runs, gpu, done)
+    return 0
+
+
+
+def report(a, models, methods, runs, gpu, done: int) -> None:
+    """The tables, medians of the `done` repeats so far (printed after
+    each, so a run cut short still leaves its last tables)."""
+    import torch
 
     print(f"\ncold.py  {time.strftime('%Y-%m-%d %H:%M')}  "
           f"{platform.node()}  "
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}  "
           f"torch {torch.__version__}  {os.cpu_count()} cores  "
-          f"median of {max(1, a.repeat)}; cold = "
+          f"median of {done} of {max(1, a.repeat)}; cold = "
           f"{'drop_caches' if a.drop_all else 'the files dropped'}")
     for model, path in models.items():
         size = sum(os.path.getsize(p) for p in files_of(path))
@@ -332,7 +341,6 @@ def main() -> int:
           "of the load to the end of a first forward of "
           f"{TOKENS} tokens.  process s: the whole process, imports "
           "included.")
-    return 0
 
 
 if __name__ == "__main__":
