@@ -429,7 +429,8 @@ def cmd_plan(args) -> int:
         p = planning.plan_checkpoint(
             ck, blocks, planning._device(device), max_vram=args.vram,
             headroom_vram=args.headroom, ram_budget=args.ram,
-            resident_blocks=args.resident_blocks, lookahead=args.lookahead)
+            resident_blocks=args.resident_blocks, lookahead=args.lookahead,
+            compression=args.compression)
     p.path = args.path
     print(f"device: {p.device} ({note})")
     print(p)
@@ -604,6 +605,11 @@ def _parser() -> argparse.ArgumentParser:
                    "else cpu)")
     p.add_argument("--json", default=None, type=_output_arg("--json"),
                    help="also write the plan here")
+    p.add_argument("--compression", default=None, choices=["lossless"],
+                   help="count the RAM tier with the streamed blocks' BF16 "
+                   "and F16 weights kept lossless (coded sizes estimated "
+                   "from samples of each tensor), as stream_load(..., "
+                   "compression=\"lossless\") keeps them")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("demo", help="laden's main job on a real model: a "
                        "BERT encoder streamed under a memory budget, checked "

@@ -44,6 +44,9 @@ class PlanBlock:
     bytes: int
     tier: Tier
     why: str
+    # On the RAM tier when kept smaller there (compression="lossless": its
+    # coded size as estimated from samples of the file); None: ``bytes``.
+    ram_bytes: Optional[int] = None
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Plan:
     predicted_ms: float = 0.0
     warnings: List[str] = field(default_factory=list)
     manual_prefixes: bool = False
+    compression: Optional[str] = None  # "lossless": stream_load keeps it
 
     # -- editing ---------------------------------------------------------------
     def assign(self, tier: Tier, indices: Iterable[int]) -> "Plan":
@@ -124,7 +128,9 @@ class Plan:
                                        "E_INVAL")
         try:
             blocks = [PlanBlock(b["name"], int(b["bytes"]), Tier[b["tier"]],
-                                b["why"]) for b in d.pop("blocks")]
+                                b["why"], None if b.get("ram_bytes") is None
+                                else int(b["ram_bytes"]))
+                      for b in d.pop("blocks")]
             return cls(blocks=blocks, **d)
         except (KeyError, TypeError) as e:
             raise InvalidArgumentError(
@@ -134,7 +140,8 @@ class Plan:
     def totals(self) -> Dict[str, int]:
         t = {"GPU": self.rest_bytes, "RAM": 0, "DISK": 0}
         for b in self.blocks:
-            t[b.tier.name] += b.bytes
+            t[b.tier.name] += b.ram_bytes if b.tier == Tier.RAM and \
+                b.ram_bytes is not None else b.bytes
         return t
 
     def _on_cpu(self) -> bool:
@@ -147,13 +154,24 @@ class Plan:
         label = {Tier.GPU: "resident" if cpu else "GPU", Tier.RAM: "RAM",
                  Tier.DISK: "DISK"}
         lw = max(len(v) for v in label.values())
-        lines = [f"laden plan for {self.path or '(manual)'} on {self.device}"]
+        lines = [f"laden plan for {self.path or '(manual)'} on {self.device}"
+                 + (f", compression {self.compression}"
+                    if self.compression else "")]
         w = max([len(b.name) for b in self.blocks] + [20])
-        lines.append(f"  {'#':>3}  {'block':<{w}} {'bytes':>9}  "
+        coded = any(b.ram_bytes is not None for b in self.blocks)
+        col = f" {'in RAM':>9}" if coded else ""
+        lines.append(f"  {'#':>3}  {'block':<{w}} {'bytes':>9}{col}  "
                      f"{'tier':<{lw}}  why")
         for i, b in enumerate(self.blocks):
-            lines.append(f"  {i:>3}  {b.name:<{w}} {fmt_bytes(b.bytes):>9}  "
-                         f"{label[b.tier]:<{lw}}  {b.why}")
+            ram = (f" {fmt_bytes(b.ram_bytes) if b.ram_bytes is not None else '':>9}"
+                   if coded else "")
+            lines.append(f"  {i:>3}  {b.name:<{w}} {fmt_bytes(b.bytes):>9}"
+                         f"{ram}  {label[b.tier]:<{lw}}  {b.why}")
+        if coded:
+            lines.append("  in RAM: the block's bytes on the RAM tier, its "
+                         "BF16/F16 weights kept lossless (coded sizes "
+                         "estimated from samples of each tensor; the load "
+                         "checks them)")
         lines.append(f"       {'(rest of the model)':<{w}} "
                      f"{fmt_bytes(self.rest_bytes):>9}  "
                      f"{label[Tier.GPU]:<{lw}}  always "
@@ -368,11 +386,13 @@ def plan_schedule(h, budgets: "_lib.PlanInput", names=None):
 
 
 def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
-          readings, bandwidths, lookahead, activation_measured=False
-          ) -> Plan:
+          readings, bandwidths, lookahead, activation_measured=False,
+          ram_sizes=None, compression=None) -> Plan:
     cpu = dev.type == "cpu"
     blocks = [PlanBlock(names[i], sizes[i], Tier(tiers[i]),
-                        lib.laden_plan_why_text(why[i]).decode())
+                        lib.laden_plan_why_text(why[i]).decode(),
+                        ram_sizes[i] if ram_sizes is not None
+                        and ram_sizes[i] != sizes[i] else None)
               for i in range(len(names))]
     texts = [lib.laden_plan_warning_text(1 << k) for k in range(32)
              if res.warnings >> k & 1]  # C's words for its bits
@@ -394,7 +414,8 @@ def _plan(names, sizes, tiers, why, res, inp, rest_bytes, dev, path,
     return Plan(blocks=blocks, rest_bytes=rest_bytes, device=str(dev),
                 lookahead=lookahead, path=path, budgets=budgets,
                 readings=dict(readings), bandwidths=dict(bandwidths),
-                predicted_ms=res.predicted_ms, warnings=warnings)
+                predicted_ms=res.predicted_ms, warnings=warnings,
+                compression=compression)
 
 
 def _measured(dev, path, readings, bandwidths):
@@ -444,7 +465,8 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
          compute_dtype=None, storage_dtype=None, key_map=None,
          skip_prefixes=None, device=None, ram_budget=None,
          offload_prefixes: Optional[Sequence[str]] = None,
-         lookahead: int = LOOKAHEAD, expert_rows: bool = True) -> Plan:
+         lookahead: int = LOOKAHEAD, expert_rows: bool = True,
+         compression: Optional[str] = None) -> Plan:
     """Plans where each block of ``model`` (built on meta or not) lives for
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
@@ -453,10 +475,14 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
     out and plans them (``headroom_vram`` defaults to 1.5 GB on CUDA; the
     VRAM options are refused on the CPU).  ``expert_rows``: as
     ``stream_load``'s (mixture-of-experts layers' experts as blocks of
-    their own)."""
+    their own).  ``compression="lossless"``: as ``stream_load``'s; the RAM
+    tier counts the streamed blocks' BF16/F16 weights at their coded sizes
+    (estimated from samples of each tensor in the file: a few reads), so
+    more blocks fit it; ``stream_load(plan=p)`` then loads with it."""
     import torch
 
     check_lookahead(lookahead)
+    check_compression(compression, "plan")
     storage = _resolve_storage(storage_dtype)
     dev = _device(device)
     cdt = _resolve_dtype(compute_dtype)
@@ -475,7 +501,7 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
                              min_free_ram=min_free_ram,
                              ram_budget=ram_budget,
                              resident_blocks=resident_blocks,
-                             lookahead=lookahead)
+                             lookahead=lookahead, compression=compression)
     p.path = os.fspath(path)
     p.compute_dtype = str(compute_dtype).replace("torch.", "") \
         if compute_dtype else None
@@ -530,22 +556,46 @@ def _schedule(dev, ck, lookahead: int):
         lib.laden_sched_destroy(h)
 
 
+def plan_lossless(h, budgets, names=None):
+    """compression="lossless" on planned schedule `h`: C marks the BF16/F16
+    tensors of the streamed blocks and estimates their coded sizes, then
+    plans again (the RAM tier at those sizes, the workspace grown).
+    Returns plan_schedule's (reasons, result), or None if nothing was
+    marked."""
+    marked = ctypes.c_uint32()
+    check(lib.laden_sched_mark_lossless(h, ctypes.byref(marked)))
+    return plan_schedule(h, budgets, names) if marked.value else None
+
+
+def check_compression(compression, where: str) -> None:
+    if compression not in (None, "lossless"):
+        raise InvalidArgumentError(
+            f"{where}: compression={compression!r}: None or 'lossless'",
+            "E_INVAL")
+
+
 def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
-                    bandwidths=None, **budgets) -> Plan:
+                    bandwidths=None, compression=None, **budgets) -> Plan:
     path = ck.files[0] if ck is not None else None
     readings, bandwidths = _measured(dev, path, readings, bandwidths)
     inp = _plan_input(dev, lookahead=lookahead, readings=readings,
                       bandwidths=bandwidths, **budgets)
     with _schedule(dev, ck, lookahead) as h:
         named = add(h)
-        why, res = plan_schedule(h, inp, {i: n for n, i in named})
+        names = {i: n for n, i in named}
+        why, res = plan_schedule(h, inp, names)
+        if compression:
+            why, res = plan_lossless(h, inp, names) or (why, res)
         sizes = [lib.laden_sched_block_bytes(h, i) for _, i in named]
+        ram = [lib.laden_sched_block_ram_bytes(h, i) for _, i in named]
         tiers = [lib.laden_sched_block_tier(h, i) for _, i in named]
         return _plan([n for n, _ in named], sizes, tiers,
                      [why[i] for _, i in named], res, inp,
                      lib.laden_sched_block_bytes(h, 0), dev, path, readings,
                      bandwidths, lookahead,
-                     budgets.get("activation_vram") is not None)
+                     budgets.get("activation_vram") is not None,
+                     ram_sizes=ram if compression else None,
+                     compression=compression)
 
 
 def measure_activation_vram(fn, plan: Optional[Plan] = None,

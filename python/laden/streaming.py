@@ -302,7 +302,11 @@ def stream_load(model, path: PathLike, *, plan=None,
       device: C, one thread) before it runs.  They are read and encoded
       at load on the host's cores.  A tensor that would not shrink by a
       sixteenth stays as stored; disk-tier blocks are read as stored.
-      ``report.lossless`` gives (coded bytes, their raw bytes).  Such
+      ``report.lossless`` gives (coded bytes, their raw bytes).  The
+      plan counts the RAM tier at the coded sizes (estimated from samples
+      of each tensor; the load checks the true ones), so under a
+      ``ram_budget`` more blocks stay in RAM instead of on disk; a
+      ``plan`` made with ``compression="lossless"`` loads with it.  Such
       tensors are ``meta`` outside their block's call (``state_dict()``
       decodes them), and adapters are not merged into them.
 
@@ -364,6 +368,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             compute_dtype = plan.compute_dtype
         if storage_dtype is None:
             storage_dtype = plan.storage_dtype
+        if compression is None:  # the RAM tier was counted coded
+            compression = getattr(plan, "compression", None)
         lookahead = plan.lookahead
     if getattr(model, "_laden_stream", None) is not None:
         raise StateError("the model is already loaded by laden; release() it "
@@ -388,10 +394,7 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"{getattr(vram, 'device', type(vram).__name__)}, the model "
             f"goes to {dev}", "E_INVAL")
     vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
-    if compression not in (None, "lossless"):
-        raise InvalidArgumentError(
-            f"stream_load: compression={compression!r}: None or "
-            "'lossless'", "E_INVAL")
+    planning.check_compression(compression, "stream_load")
     if expert_cache is not None:
         try:
             expert_cache = parse_size(expert_cache)
@@ -452,11 +455,9 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
         named = {b.c_block: b.name for b in desc.blocks}
         planning.plan_schedule(o.h, budgets, named)
-        marked = ctypes.c_uint32()
-        if compression:  # C marks the RAM tier's BF16/F16 tensors
-            check(lib.laden_sched_mark_lossless(o.h, ctypes.byref(marked)))
-        if marked.value:  # their workspace counts: planned again
-            planning.plan_schedule(o.h, budgets, named)
+        # compression: C marks the streamed BF16/F16 tensors, and plans
+        # again at their coded sizes
+        marked = compression and planning.plan_lossless(o.h, budgets, named)
         if expert_cache is not None:
             check(lib.laden_sched_set_expert_cache(o.h, expert_cache))
         state.blocks = desc.blocks
@@ -487,7 +488,7 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
             t.source = None  # copied, failed, or kept for the background
     # What the load decided (C: a VRAM-tier block without room streams;
     # of the tensors marked lossless, those kept compressed expand).
-    for t in state.tensors if marked.value else ():
+    for t in state.tensors if marked else ():
         if t.c_block is not None and \
                 lib.laden_sched_tensor_lossless(o.h, t.c_block, t.c_index):
             t.store = "lossless"

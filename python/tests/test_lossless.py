@@ -141,3 +141,75 @@ def test_lossless_refused_by_name(tmp_path):
     with pytest.raises(laden.InvalidArgumentError, match="compression"):
         laden.from_pretrained(transformers.LlamaForCausalLM, d,
                               device="cpu", compression="zstd")
+
+
+def test_plan_counts_the_ram_tier_coded(tmp_path, capsys):
+    """compression="lossless" in the plan: a RAM budget of 0.8 of the
+    layers' bytes holds some layers as stored and all of them coded
+    (laden.plan, `laden plan --compression`, from_pretrained); the load
+    keeps within it with the same logits, and a plan made so (through
+    JSON too) loads with compression."""
+    import laden
+    from laden import cli
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    path = f"{d}/model.safetensors"
+
+    def meta():  # on the CPU: its rotary buffers are no checkpoint's
+        return transformers.LlamaForCausalLM(ref.config).to(
+            torch.bfloat16).eval()
+
+    layers = sum(b.bytes for b in laden.plan(meta(), path,
+                                             device="cpu").blocks)
+    budget = int(layers * 0.8)
+    raw = laden.plan(meta(), path, device="cpu", ram_budget=budget)
+    assert any(b.tier == laden.Tier.DISK for b in raw.blocks)
+    p = laden.plan(meta(), path, device="cpu", ram_budget=budget,
+                   compression="lossless")
+    assert p.compression == "lossless"
+    assert all(b.tier == laden.Tier.RAM for b in p.blocks), str(p)
+    assert all(b.ram_bytes < 0.75 * b.bytes for b in p.blocks), str(p)
+    assert p.totals()["RAM"] <= budget
+    assert "compression lossless" in str(p) and "in RAM" in str(p)
+    assert laden.Plan.from_json(p.to_json()) == p
+    with pytest.raises(laden.InvalidArgumentError, match="compression"):
+        laden.plan(meta(), path, device="cpu", compression="zip")
+
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(4))
+    plain = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device="cpu", dtype=torch.bfloat16,
+                                  progress=False)
+    with torch.no_grad():
+        want = plain(ids).logits
+    laden.release(plain)
+    built = []  # the same build loaded as stored, then by the plan
+    for plan in (None, laden.Plan.from_json(p.to_json())):
+        m = meta()
+        kw = {"plan": plan} if plan else {"offload_prefixes": ["model."
+                                                             "layers."]}
+        rep = laden.stream_load(m, path, progress=False, **kw)
+        h = laden.install_offload(m)
+        with torch.no_grad():
+            built.append(m(ids).logits)
+        laden.release(m, h)
+    assert rep.lossless[0] > 0 and rep.tier_bytes["disk"] == 0
+    assert rep.tier_bytes["ram"] <= budget
+    assert torch.equal(built[1], built[0])
+    m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", dtype=torch.bfloat16,
+                              progress=False, compression="lossless",
+                              ram_budget=budget)
+    rep = m._laden_stream.report
+    assert rep.tier_bytes["disk"] == 0 and rep.tier_bytes["ram"] <= budget
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    laden.release(m)
+    capsys.readouterr()
+    assert cli.main(["plan", path, "--device", "cpu", "--ram", str(budget),
+                     "--compression", "lossless"]) == 0
+    out = capsys.readouterr().out
+    assert "in RAM" in out and "compression lossless" in out
+    assert cli.main(["plan", path, "--device", "cpu", "--ram",
+                     str(budget)]) == 0
+    assert "DISK" in capsys.readouterr().out
