@@ -22,7 +22,8 @@ from .compile import BlockCompiler
 from .compile import check as check_compile
 from .errors import InvalidArgumentError, StateError
 from .graphs import capture
-from .training import _Fused, _Trainer, grad_code, materialize_adapters
+from .training import (_Fused, _Trainer, grad_code, materialize_adapters,
+                       optimizer_step)
 
 log = logging.getLogger("laden")
 
@@ -85,6 +86,26 @@ class OffloadHandle:
         advanced.  ``None`` turns it off."""
         tr = self._trainer("step_in_backward")
         tr.fused = None if optimizer is None else _Fused(tr, optimizer)
+
+    def optimizer_step(self, optimizer, *, max_norm=None):
+        """After one or more backwards (their gradients added up in the
+        ``.grad`` of ``parameters()``), steps every parameter ``optimizer``
+        holds, as ``optimizer.step()`` would, with the streamed ones
+        stepped on the device block by block: each one's weights,
+        gradient and state (``optimizer.state``, page-locked host memory)
+        come up on the sink's upload stream, the next block's while this
+        one steps; a one-parameter optimizer of its class and group
+        settings steps it there; weights and state go home.  The others
+        (resident) are stepped by ``optimizer`` itself.  ``max_norm``:
+        first every gradient is clipped by their global 2-norm, as
+        ``torch.nn.utils.clip_grad_norm_`` does (the norms taken on the
+        device in one pass; the host ``.grad`` keep their unclipped
+        values); the total norm is returned (a tensor), else None.  Zero
+        the gradients after, as with any optimizer.  Refused inside a
+        backward, with ``step_in_backward`` on for this optimizer, and for
+        a ``max_norm`` that is not a positive number."""
+        tr = self._trainer("optimizer_step")
+        return optimizer_step(tr, optimizer, max_norm)
 
     def capture(self, fn, *example_inputs, warmup: int = 2):
         """Captures ``fn(*example_inputs)`` -- a forward of the streamed

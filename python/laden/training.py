@@ -581,6 +581,113 @@ class _Fused:
                 stream, owned)
 
 
+def optimizer_step(tr: _Trainer, opt, max_norm=None):
+    """OffloadHandle.optimizer_step's work (its docstring says what)."""
+    import math
+
+    import torch
+
+    if max_norm is not None and (
+            isinstance(max_norm, bool) or
+            not isinstance(max_norm, (int, float)) or
+            not math.isfinite(max_norm) or max_norm <= 0):
+        raise InvalidArgumentError(
+            f"optimizer_step: max_norm={max_norm!r}; give a positive "
+            "number, or None not to clip", "E_INVAL")
+    if tr.armed:
+        raise StateError("optimizer_step: called inside a backward pass; "
+                         "step once the backward returned", "E_STATE")
+    f = tr.fused
+    if f is not None and f.opt is opt:
+        raise StateError(
+            "optimizer_step: step_in_backward steps this optimizer inside "
+            "backward already (its streamed gradients never reach the "
+            "host); turn it off with step_in_backward(None) to accumulate "
+            "and step here", "E_STATE")
+    ours = {id(hp): hp for hp in tr.host.values()}
+    held = [p for g in opt.param_groups for p in g["params"]]
+    of_t = {id(hp): t_id for t_id, hp in tr.host.items()}
+    tensors = {id(t): t for t in tr.state.tensors}
+    stream = _compute_stream(tr.device)
+    # The streamed parameters with a gradient, block by block in the
+    # schedule's order; the others are optimizer.step()'s.
+    blocks = []
+    for c_block, hps in tr.by_block.items():
+        mine = [hp for hp in hps if id(hp) in {id(p) for p in held}
+                and hp.grad is not None]
+        if mine:
+            blocks.append((c_block, mine))
+    others = [p for p in held if id(p) not in ours and p.grad is not None]
+
+    def up(hp):
+        """hp's weights and gradient on the device (issued, not waited)."""
+        d_p = tr.fetch(hp.detach())
+        d_g = tr.fetch(hp.grad)
+        return hp, d_p, d_g
+
+    total = coef = None
+    if max_norm is not None:
+        norms = []
+        for _, hps in blocks:  # a pass of the gradients over the link
+            ds = [tr.fetch(hp.grad) for hp in hps]
+            check(lib.laden_grads_fetched(tr.sink, stream))
+            for d in ds:
+                if tr.cuda:
+                    d.record_stream(torch.cuda.current_stream(tr.device))
+                norms.append(torch.linalg.vector_norm(d, dtype=torch.float32))
+        norms += [torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+                  .to(tr.device) for p in others]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else \
+            torch.zeros((), device=tr.device)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in others:
+            p.grad.detach().mul_(coef.to(p.grad.device))
+    # The others: the optimizer itself, the streamed ones hidden from it
+    # (an optimizer steps no parameter without a gradient).
+    kept = {id(hp): hp.grad for _, hps in blocks for hp in hps}
+    try:
+        for _, hps in blocks:
+            for hp in hps:
+                hp.grad = None
+        if others:
+            opt.step()
+    finally:
+        for _, hps in blocks:
+            for hp in hps:
+                hp.grad = kept[id(hp)]
+    if not blocks:
+        return total
+    fu = _Fused(tr, opt)
+    fu.begin()
+    cur = torch.cuda.current_stream(tr.device) if tr.cuda else None
+    fu.prefetch(blocks[0][0])
+    pending = [up(hp) for hp in blocks[0][1]]
+    try:
+        for i, (c_block, hps) in enumerate(blocks):
+            ready = pending
+            check(lib.laden_grads_fetched(tr.sink, stream))
+            for hp, d_p, d_g in ready:
+                if cur is not None:
+                    for d in (d_p, d_g):
+                        d.record_stream(cur)
+                    d_p.record_stream(tr.copy_stream)  # sent home
+                if d_g.dtype != d_p.dtype:  # grad_dtype: as the weights
+                    d_g = d_g.to(d_p.dtype)
+                if coef is not None:
+                    d_g.mul_(coef)
+                fu.step(tensors[of_t[id(hp)]], d_p, d_g)
+            if i + 1 < len(blocks):  # up while this block's kernels run
+                fu.prefetch(blocks[i + 1][0])
+                pending = [up(hp) for hp in blocks[i + 1][1]]
+    finally:
+        tr.stepped = False
+        tr.flush()  # every copy home done
+        # The slots hold the weights of before: filled again.
+        o = tr.state.live("optimizer_step")
+        check(lib.laden_sched_refill(o.h))
+    return total
+
+
 def _storage_uses(t) -> int:
     """How many tensors share t's memory (0 where torch cannot say)."""
     import torch

@@ -692,3 +692,69 @@ def test_grad_buffers_reused_only_when_nothing_else_holds_them():
     assert tr._reusable(1) is None
     del view
     assert tr._reusable(1) is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_step_accumulates_and_clips_like_torch(tmp_path, device):
+    """handle.optimizer_step(AdamW, max_norm=...) after two micro-batches
+    equals torch's AdamW after clip_grad_norm_ on the plain model, over
+    three steps (the learning rate changed before the last): the norm
+    returned, the weights, the state (page-locked on the host), the
+    output.  On CUDA the streamed weights step on the device block by
+    block; on the CPU they run in place and the optimizer steps them.
+    Refused: a max_norm that is not a positive number, the optimizer
+    step_in_backward steps, a removed handle."""
+    torch.manual_seed(0)
+    ref = DropNet(d=64, n=5).eval()
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = DropNet(d=64, n=5).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device=device)
+    h = laden.install_offload(m, train=True, lookahead=1)
+    opt = torch.optim.AdamW(h.parameters(), lr=1e-2, weight_decay=0.1)
+    r = copy.deepcopy(ref).to(device)
+    ropt = torch.optim.AdamW(r.parameters(), lr=1e-2, weight_decay=0.1)
+    hp = dict(h.named_parameters())
+    for step in range(3):
+        if step == 2:
+            for o in (opt, ropt):
+                o.param_groups[0]["lr"] = 3e-3
+        for mb in range(2):
+            g = torch.Generator(device).manual_seed(10 * step + mb)
+            x = torch.randn(6, 64, device=device, generator=g)
+            for mm in (m, r):
+                mm(x).pow(2).mean().backward()
+        total = h.optimizer_step(opt, max_norm=0.05)
+        rtotal = torch.nn.utils.clip_grad_norm_(r.parameters(), 0.05)
+        ropt.step()
+        torch.testing.assert_close(total.cpu(), rtotal.cpu(), atol=1e-6,
+                                   rtol=1e-5)
+        assert float(rtotal) > 0.05  # the clipping did something
+        for o in (opt, ropt):
+            o.zero_grad()
+    for n, q in r.named_parameters():
+        torch.testing.assert_close(hp[n].detach().cpu(), q.detach().cpu(),
+                                   atol=1e-5, rtol=1e-4, msg=n)
+    name = "blocks.3.lin.weight"
+    st, rst = opt.state[hp[name]], ropt.state[dict(r.named_parameters())[name]]
+    assert st["exp_avg"].device.type == "cpu"
+    if device == "cuda":
+        assert st["exp_avg"].is_pinned()
+    torch.testing.assert_close(st["exp_avg_sq"].cpu(),
+                               rst["exp_avg_sq"].cpu(), atol=1e-7, rtol=1e-4)
+    assert float(st["step"]) == 3
+    with torch.no_grad():
+        x = torch.randn(6, 64, device=device)
+        torch.testing.assert_close(m(x), r(x), atol=1e-5, rtol=1e-4)
+    for bad in (0, -1.0, float("nan"), "1", True):
+        with pytest.raises(laden.InvalidArgumentError, match="max_norm"):
+            h.optimizer_step(opt, max_norm=bad)
+    if device == "cuda":
+        h.step_in_backward(opt)
+        with pytest.raises(laden.StateError, match="step_in_backward"):
+            h.optimizer_step(opt)
+        h.step_in_backward(None)
+    h.remove()
+    with pytest.raises(laden.StateError, match="optimizer_step"):
+        h.optimizer_step(opt)
