@@ -21,8 +21,14 @@ base with AdamW on the device; and, side by side in the same process,
 PyTorch FSDP2 with CPUOffloadPolicy on this one GPU (fully_shard per block,
 its CPU AdamW).  Prints; asserts nothing.
 
+Accumulated steps (issue 38): --accumulate N forward + backward passes
+(gradients added up in the host .grad), clipping by the global norm and
+handle.optimizer_step(AdamW) on the device, against N passes + one pass
+of weights, gradients and state over the link, beside FSDP2 with the same
+accumulation and clip_grad_norm_.
+
     python bench/train.py [--blocks 24 --hidden 4096] [--tokens 2048]
-                          [--no-fsdp] [--no-lora]
+                          [--no-fsdp] [--no-lora] [--accumulate 4]
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(HERE, "out"))
     ap.add_argument("--no-fsdp", action="store_true")
     ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--accumulate", type=int, default=4, metavar="N",
+                    help="issue 38's step: N micro-batches of --tokens "
+                    "each, clipping by the global norm and "
+                    "handle.optimizer_step on the device (FSDP2 with the "
+                    "same accumulation beside it); 0: skip")
     ap.add_argument("--micro-only", action="store_true",
                     help="only every weight training, one batch and two "
                     "micro-batches")
@@ -211,6 +222,10 @@ def main() -> int:
                 h.step_in_backward(None)
                 del opt
                 gc.collect()
+            if a.accumulate:
+                steps.append(accumulate_step(a, m, h, params, xr, wbytes,
+                                             t, h2d, d2h))
+                gc.collect()
         laden.release(m, h)
         del m, h, params
         gc.collect()
@@ -225,7 +240,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     if not a.no_fsdp:
         try:
-            steps.append(fsdp2_step(a, xr))
+            steps += fsdp2_step(a, xr)
         except Exception as e:
             print(f"FSDP2 CPUOffloadPolicy: {type(e).__name__}: {e}")
 
@@ -246,9 +261,13 @@ def main() -> int:
               f"{peak / 1e9:>14.2f} {rss / 1e9:>12.2f}")
     fs = [x for x in steps if x[0].startswith("FSDP2")]
     for x in steps:
-        if fs and x is not fs[0]:
-            print(f"  {x[0]}: FSDP2 offload's step / this = "
-                  f"{fs[0][1] / x[1]:.2f}x")
+        if x in fs or not fs:
+            continue
+        acc = "micro-batches" in x[0]  # against FSDP2's same accumulation
+        ref = next((f for f in fs if ("micro-batches" in f[0]) == acc),
+                   None)
+        if ref is not None:
+            print(f"  {x[0]}: {ref[0]} / this = {ref[1] / x[1]:.2f}x")
     return 0
 
 
@@ -309,6 +328,41 @@ def lora_step(a, path, xr):
             peak, sb.rss())
 
 
+def accumulate_step(a, m, h, params, xr, wbytes, t_fb, h2d, d2h):
+    """Issue 38: a.accumulate forward + backward passes of xr, their
+    gradients added up in the host .grad, then optimizer_step(AdamW,
+    max_norm=1.0): weights, gradients and state (bf16 weights and
+    gradients, exp_avg and exp_avg_sq in bf16: 4 x the weights) up,
+    weights and state home.  Ideal: N x one measured forward + backward
+    (at its link ideal or better) + that pass over the link."""
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    n = a.accumulate
+
+    def fb():
+        for _ in range(n):
+            m(xr).float().pow(2).mean().backward()
+
+    def step():
+        h.optimizer_step(opt, max_norm=1.0)
+        opt.zero_grad()
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    tw, f, o, pk = _whole_step(fb, step, a.repeats)
+    state = 2 * wbytes
+    link = 1e3 * max((2 * wbytes + state) / h2d, (wbytes + state) / d2h)
+    ideal = n * t_fb + link
+    print(f"{n} micro-batches + clip + optimizer_step: {tw:.1f} ms "
+          f"(passes {f:.1f}, step {o:.1f}); ideal {ideal:.1f} ms "
+          f"({n} x {t_fb:.1f} + {link:.1f} over the link): "
+          f"{tw / ideal:.2f}x; torch's peak during it {pk / 1e9:.2f} GB "
+          f"above the {base / 1e9:.2f} GB held before; laden's device "
+          f"memory {h.stats()['device_bytes'] / 1e9:.2f} GB")
+    del opt
+    return (f"laden, {n} micro-batches + clip + optimizer_step on GPU", tw,
+            f, o, pk, sb.rss())
+
+
 def fsdp2_step(a, xr):
     """PyTorch FSDP2 on this one GPU with CPUOffloadPolicy: parameters,
     gradients and AdamW on the host, each block's all-gather a copy up."""
@@ -337,12 +391,26 @@ def fsdp2_step(a, xr):
 
         t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
         rss = sb.rss()
+        out = [("FSDP2 CPUOffloadPolicy (CPU AdamW)", t, f, s, peak, rss)]
+        if a.accumulate:
+            def fbn():
+                opt.zero_grad()
+                for _ in range(a.accumulate):
+                    m(x).float().pow(2).mean().backward()
+
+            def clip_step():
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+
+            t, f, s, peak = _whole_step(fbn, clip_step, a.repeats)
+            out.append((f"FSDP2 CPUOffloadPolicy, {a.accumulate} "
+                        "micro-batches + clip", t, f, s, peak, sb.rss()))
         del m, opt
     finally:
         dist.destroy_process_group()
     gc.collect()
     torch.cuda.empty_cache()
-    return ("FSDP2 CPUOffloadPolicy (CPU AdamW)", t, f, s, peak, rss)
+    return out
 
 
 if __name__ == "__main__":
