@@ -611,9 +611,10 @@ def optimizer_step(tr: _Trainer, opt, max_norm=None):
     stream = _compute_stream(tr.device)
     # The streamed parameters with a gradient, block by block in the
     # schedule's order; the others are optimizer.step()'s.
+    held_ids = {id(p) for p in held}
     blocks = []
     for c_block, hps in tr.by_block.items():
-        mine = [hp for hp in hps if id(hp) in {id(p) for p in held}
+        mine = [hp for hp in hps if id(hp) in held_ids
                 and hp.grad is not None]
         if mine:
             blocks.append((c_block, mine))
