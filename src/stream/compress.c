@@ -161,6 +161,7 @@ typedef struct job {
     tref *r;
     void *blob;
     uint64_t size;
+    uint64_t cached; /* of the bytes read, those the page cache held */
     laden_lossless_info info;
     laden_status s;
     char msg[256];
@@ -201,9 +202,10 @@ static void run_job(laden_sched_t *sc, job *j, scratch *buf)
     void *raw = scratch_for(buf, r->src_bytes);
     laden_status s = raw ? LADEN_OK
                          : laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (!s)
-        s = laden_io_read(sc->layout.io, sc->layout.files[r->file], r->off,
-                          r->src_bytes, raw);
+    laden_io_req_t *req;
+    if (!s && !(s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+                                    r->off, r->src_bytes, raw, &req)))
+        s = laden_io_wait_cached(sc->layout.io, req, &j->cached);
     if (!s)
         s = laden_lossless_bound(r->dst, r->nelem, &bound);
     if (!s && !(j->blob = malloc(bound)))
@@ -335,8 +337,10 @@ laden_status laden__sched_compress(laden_sched_t *sc)
                                            "cancelled by its progress "
                                            "callback (while compressing)")
                              : LADEN_OK;
-    for (uint32_t k = 0; k < n; k++) /* read, whatever came of it */
+    for (uint32_t k = 0; k < n; k++) { /* read, whatever came of it */
         sc->st.load_read_bytes += p.jobs[k].r->src_bytes;
+        sc->st.load_cached_bytes += p.jobs[k].cached;
+    }
     for (uint32_t k = 0; k < n && !s; k++)
         if (p.jobs[k].s)
             s = laden__fail(p.jobs[k].s, "compressing %s", p.jobs[k].msg);
