@@ -675,29 +675,38 @@ TEST(io_cold_buffered_drops_behind)
      * is warmed until the cache holds it, and what laden finds missing it
      * reads buffered and drops again, nothing else. */
     const uint64_t pages = (n + 4095) / 4096;
-    uint64_t warm = 0;
-    int fd = open(p, O_RDONLY);
-    for (int tries = 0; tries < 5 && warm < pages; tries++) {
-        for (uint64_t at = 0; at < n; at += 1u << 20)
-            CHECK(pread(fd, buf, 1u << 20, (off_t)at) > 0);
-        warm = resident_pages(p);
+    /* The pages still cached after laden's read: all but those it read
+     * again (and dropped) -- unless the kernel took more meanwhile (a
+     * clean clone's `make test` failed so once, other processes loading
+     * models beside it): then the whole warm read is tried again, up to
+     * three times; what laden does must hold every time. */
+    bool kept = false;
+    for (int attempt = 0; attempt < 3 && !kept; attempt++) {
+        uint64_t warm = 0;
+        int fd = open(p, O_RDONLY);
+        for (int tries = 0; tries < 5 && warm < pages; tries++) {
+            for (uint64_t at = 0; at < n; at += 1u << 20)
+                CHECK(pread(fd, buf, 1u << 20, (off_t)at) > 0);
+            warm = resident_pages(p);
+        }
+        close(fd);
+        CHECK(warm + 16 >= pages);
+        laden_io_stats_t before = st;
+        memset(buf, 0, n);
+        CHECK_OK(laden_io_read(io, f, 0, n, buf));
+        check_range(buf, 0, n);
+        CHECK_OK(laden_io_stats(io, &st));
+        const uint64_t cached = st.cached_bytes - before.cached_bytes;
+        const uint64_t again = st.buffered_bytes - before.buffered_bytes;
+        CHECK_EQ(st.direct_bytes, before.direct_bytes);
+        CHECK_EQ(cached + again, n);
+        CHECK(cached >= n - (1u << 20)); /* all but what the kernel took */
+        /* Only the pages laden itself brought back are dropped. */
+        CHECK(st.dropped_bytes - before.dropped_bytes <=
+              (again ? again + (64u << 10) : 0));
+        kept = resident_pages(p) + 16 + again / 4096 >= warm;
     }
-    close(fd);
-    CHECK(warm + 16 >= pages);
-    laden_io_stats_t before = st;
-    memset(buf, 0, n);
-    CHECK_OK(laden_io_read(io, f, 0, n, buf));
-    check_range(buf, 0, n);
-    CHECK_OK(laden_io_stats(io, &st));
-    const uint64_t cached = st.cached_bytes - before.cached_bytes;
-    const uint64_t again = st.buffered_bytes - before.buffered_bytes;
-    CHECK_EQ(st.direct_bytes, before.direct_bytes);
-    CHECK_EQ(cached + again, n);
-    CHECK(cached >= n - (1u << 20)); /* all but what the kernel took */
-    /* Only the pages laden itself brought back are dropped. */
-    CHECK(st.dropped_bytes - before.dropped_bytes <=
-          (again ? again + (64u << 10) : 0));
-    CHECK(resident_pages(p) + 16 + again / 4096 >= warm);
+    CHECK(kept);
     laden_io_destroy(io);
     laden_io_file_close(f);
     free(buf);
