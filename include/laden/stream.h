@@ -254,11 +254,16 @@ LADEN_API laden_status laden_sched_set_lossless(laden_sched_t *sched,
                                                 uint32_t block,
                                                 uint32_t index);
 
-/* Marks (laden_sched_set_lossless) every tensor of the blocks now on the
- * RAM tier (planned or asked) that it takes, leaving the others plain;
- * *out_marked (may be NULL) counts those marked.  The plan is undone
- * when one is (their workspace counts): plan again before the load.
- * LADEN_E_STATE after the load. */
+/* Marks (laden_sched_set_lossless) every tensor it takes of the blocks
+ * not on the device: on the RAM or disk tier (planned or asked) or not
+ * planned yet (LADEN_TIER_AUTO), leaving the others plain, and estimates
+ * each one's coded size from three 32 KB samples of the file (a plan
+ * counts a RAM-tier block at those sizes: laden_sched_block_ram_bytes;
+ * the load encodes only the RAM tier's and refuses, LADEN_E_BUDGET, when
+ * the true sizes pass the room the plan had).  *out_marked (may be NULL)
+ * counts those marked.  The plan is undone when one is (their workspace
+ * counts): plan (again) before the load.  LADEN_E_STATE after the load;
+ * a read failure while sampling is returned naming the tensor. */
 LADEN_API laden_status laden_sched_mark_lossless(laden_sched_t *sched,
                                                  uint32_t *out_marked);
 

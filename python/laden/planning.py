@@ -114,6 +114,10 @@ class Plan:
         d = asdict(self)
         for b in d["blocks"]:
             b["tier"] = Tier(b["tier"]).name
+            if b["ram_bytes"] is None:  # as a plan without compression
+                del b["ram_bytes"]      # was written before it existed
+        if d["compression"] is None:
+            del d["compression"]
         return json.dumps({"laden_plan": 1, **d}, indent=1)
 
     @classmethod
@@ -556,15 +560,13 @@ def _schedule(dev, ck, lookahead: int):
         lib.laden_sched_destroy(h)
 
 
-def plan_lossless(h, budgets, names=None):
-    """compression="lossless" on planned schedule `h`: C marks the BF16/F16
-    tensors of the streamed blocks and estimates their coded sizes, then
-    plans again (the RAM tier at those sizes, the workspace grown).
-    Returns plan_schedule's (reasons, result), or None if nothing was
-    marked."""
+def mark_lossless(h) -> int:
+    """compression="lossless" on schedule `h`, before its plan: C marks the
+    BF16/F16 tensors of the blocks that may stream and estimates their
+    coded sizes (laden_sched_mark_lossless); how many it marked."""
     marked = ctypes.c_uint32()
     check(lib.laden_sched_mark_lossless(h, ctypes.byref(marked)))
-    return plan_schedule(h, budgets, names) if marked.value else None
+    return marked.value
 
 
 def check_compression(compression, where: str) -> None:
@@ -580,12 +582,13 @@ def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
     readings, bandwidths = _measured(dev, path, readings, bandwidths)
     inp = _plan_input(dev, lookahead=lookahead, readings=readings,
                       bandwidths=bandwidths, **budgets)
+    check_compression(compression, "plan")
     with _schedule(dev, ck, lookahead) as h:
         named = add(h)
         names = {i: n for n, i in named}
-        why, res = plan_schedule(h, inp, names)
         if compression:
-            why, res = plan_lossless(h, inp, names) or (why, res)
+            mark_lossless(h)
+        why, res = plan_schedule(h, inp, names)
         sizes = [lib.laden_sched_block_bytes(h, i) for _, i in named]
         ram = [lib.laden_sched_block_ram_bytes(h, i) for _, i in named]
         tiers = [lib.laden_sched_block_tier(h, i) for _, i in named]

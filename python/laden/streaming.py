@@ -454,10 +454,11 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
             check(lib.laden_sched_use_vram(o.h, vram._h))
         fill(o.h, desc, ck, _lib.TIER_GPU, expand=True)
         named = {b.c_block: b.name for b in desc.blocks}
+        # compression: C marks the BF16/F16 tensors of the blocks that may
+        # stream before the plan, which counts the RAM tier at their coded
+        # sizes (a plan's blocks asked for RAM may fit it only so)
+        marked = planning.mark_lossless(o.h) if compression else 0
         planning.plan_schedule(o.h, budgets, named)
-        # compression: C marks the streamed BF16/F16 tensors, and plans
-        # again at their coded sizes
-        marked = compression and planning.plan_lossless(o.h, budgets, named)
         if expert_cache is not None:
             check(lib.laden_sched_set_expert_cache(o.h, expert_cache))
         state.blocks = desc.blocks

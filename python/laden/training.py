@@ -650,8 +650,7 @@ def optimizer_step(tr: _Trainer, opt, max_norm=None):
         for _, hps in blocks:
             for hp in hps:
                 hp.grad = None
-        if others:
-            opt.step()
+        opt.step()  # its hooks and a scheduler's bookkeeping run as ever
     finally:
         for _, hps in blocks:
             for hp in hps:
@@ -672,20 +671,24 @@ def optimizer_step(tr: _Trainer, opt, max_norm=None):
                     for d in (d_p, d_g):
                         d.record_stream(cur)
                     d_p.record_stream(tr.copy_stream)  # sent home
+                if coef is not None:  # clipped in its own dtype first
+                    d_g.mul_(coef)
                 if d_g.dtype != d_p.dtype:  # grad_dtype: as the weights
                     d_g = d_g.to(d_p.dtype)
-                if coef is not None:
-                    d_g.mul_(coef)
                 fu.step(tensors[of_t[id(hp)]], d_p, d_g)
             if i + 1 < len(blocks):  # up while this block's kernels run
                 fu.prefetch(blocks[i + 1][0])
                 pending = [up(hp) for hp in blocks[i + 1][1]]
     finally:
         tr.stepped = False
-        tr.flush()  # every copy home done
-        # The slots hold the weights of before: filled again.
-        o = tr.state.live("optimizer_step")
-        check(lib.laden_sched_refill(o.h))
+        try:
+            tr.flush()  # every copy home done
+        finally:
+            # The slots hold the weights of before: filled again, also when
+            # a copy home failed (the host copies' versions do not show
+            # what the sink wrote).
+            o = tr.state.live("optimizer_step")
+            check(lib.laden_sched_refill(o.h))
     return total
 
 

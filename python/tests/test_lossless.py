@@ -143,7 +143,7 @@ def test_lossless_refused_by_name(tmp_path):
                               device="cpu", compression="zstd")
 
 
-def test_plan_counts_the_ram_tier_coded(tmp_path, capsys):
+def test_plan_counts_the_ram_tier_coded(tmp_path, capsys, monkeypatch):
     """compression="lossless" in the plan: a RAM budget of 0.8 of the
     layers' bytes holds some layers as stored and all of them coded
     (laden.plan, `laden plan --compression`, from_pretrained); the load
@@ -183,11 +183,22 @@ def test_plan_counts_the_ram_tier_coded(tmp_path, capsys):
     with torch.no_grad():
         want = plain(ids).logits
     laden.release(plain)
+    # The load under the plan's RAM budget (stream_load takes none with a
+    # plan: the machine's free RAM is the limit): its blocks asked for the
+    # RAM tier fit it only coded, so they are marked before the plan.
+    from laden import planning
+    real = planning.load_budgets
+
+    def tight(dev, vram_budget, ram_budget, *rest, **kw):
+        return real(dev, vram_budget, budget if ram_budget is None
+                    else ram_budget, *rest, **kw)
+    monkeypatch.setattr(planning, "load_budgets", tight)
     built = []  # the same build loaded as stored, then by the plan
     for plan in (None, laden.Plan.from_json(p.to_json())):
         m = meta()
         kw = {"plan": plan} if plan else {"offload_prefixes": ["model."
-                                                             "layers."]}
+                                                             "layers."],
+                                          "ram_budget": 10 * layers}
         rep = laden.stream_load(m, path, progress=False, **kw)
         h = laden.install_offload(m)
         with torch.no_grad():
@@ -196,6 +207,9 @@ def test_plan_counts_the_ram_tier_coded(tmp_path, capsys):
     assert rep.lossless[0] > 0 and rep.tier_bytes["disk"] == 0
     assert rep.tier_bytes["ram"] <= budget
     assert torch.equal(built[1], built[0])
+    monkeypatch.setattr(planning, "load_budgets", real)
+    assert '"compression"' not in raw.to_json()  # as plans were written
+    assert laden.Plan.from_json(raw.to_json()) == raw
     m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
                               device="cpu", dtype=torch.bfloat16,
                               progress=False, compression="lossless",

@@ -758,3 +758,88 @@ def test_optimizer_step_accumulates_and_clips_like_torch(tmp_path, device):
     h.remove()
     with pytest.raises(laden.StateError, match="optimizer_step"):
         h.optimizer_step(opt)
+
+
+def test_optimizer_step_device_path_on_the_cpu(monkeypatch):
+    """optimizer_step's device path (weights, gradients and state fetched
+    through the C sink, a one-parameter optimizer per weight, weights and
+    state sent home, the slots refilled), driven on the CPU with the real
+    sink for a trainer of two blocks: three steps of AdamW with clipping,
+    several groups, a weight without a gradient and one outside the
+    blocks, equal torch's AdamW after clip_grad_norm_; the slots are
+    refilled once a step, also when a copy home fails."""
+    import ctypes
+
+    from laden import _lib, training
+
+    refills = []
+
+    class Lib:  # the real C library, but refill on a schedule stubbed
+        def __getattr__(self, name):
+            if name == "laden_sched_refill":
+                return lambda h: refills.append(h) or 0
+            return getattr(_lib.lib, name)
+    monkeypatch.setattr(training, "lib", Lib())
+    torch.manual_seed(0)
+    shapes = [(8, 4), (4,), (6, 8), (6,), (5, 5)]
+    weights = [nn.Parameter(torch.randn(s)) for s in shapes]
+    other = nn.Parameter(torch.randn(3))  # not streamed
+    ref = [nn.Parameter(w.detach().clone()) for w in weights + [other]]
+
+    class T:  # stand-ins for the described tensors
+        def __init__(self, name):
+            self.names = [name]
+    ts = [T(f"w{i}") for i in range(len(weights))]
+    sink = ctypes.c_void_p()
+    assert _lib.lib.laden_grads_create(
+        _lib.DEVICE_CPU, _lib.lib.laden_grads_staging_bytes(1 << 20),
+        ctypes.byref(sink)) == 0
+    tr = training._Trainer.__new__(training._Trainer)
+    tr.__dict__.update(
+        device=torch.device("cpu"), cuda=False, sink=sink.value,
+        copy_stream=None, _up=None, keep=[], sent=set(), armed=False,
+        fused=None, stepped=False,
+        host={id(t): w for t, w in zip(ts, weights)},
+        by_block={0: weights[:2], 1: weights[2:]},
+        state=type("S", (), {"tensors": ts,
+                             "live": lambda self, what: type(
+                                 "O", (), {"h": 7})()})())
+    groups = lambda ps: [{"params": ps[:3] + ps[5:], "lr": 1e-2},  # noqa
+                         {"params": ps[3:5], "lr": 3e-2,
+                          "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups(weights + [other]), weight_decay=0.1)
+    ropt = torch.optim.AdamW(groups(ref), weight_decay=0.1)
+    try:
+        for step in range(3):
+            for mine, theirs in ((weights + [other], opt), (ref, ropt)):
+                g = torch.Generator().manual_seed(step)
+                for i, p in enumerate(mine):
+                    p.grad = None if i == 4 and step == 1 else \
+                        torch.randn(p.shape, generator=g)
+            total = training.optimizer_step(tr, opt, 0.5)
+            rtotal = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+            ropt.step()
+            torch.testing.assert_close(total, rtotal)
+            assert float(rtotal) > 0.5
+            assert len(refills) == step + 1
+            for o in (opt, ropt):
+                o.zero_grad()
+        for w, r in zip(weights + [other], ref):
+            torch.testing.assert_close(w.detach(), r.detach(), atol=1e-6,
+                                       rtol=1e-5)
+        for w, r in zip(weights, ref):
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(opt.state[w][k],
+                                           ropt.state[r][k])
+        # A copy home that fails: the error, and the slots refilled.
+        for w in weights:
+            w.grad = torch.ones_like(w)
+
+        def bad_flush():
+            raise laden.LadenError("copy home failed", 0, "E_DEVICE")
+        tr.flush = bad_flush
+        with pytest.raises(laden.LadenError, match="copy home"):
+            training.optimizer_step(tr, opt, None)
+        assert len(refills) == 4
+    finally:
+        _lib.lib.laden_grads_destroy(sink)

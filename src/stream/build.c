@@ -146,6 +146,8 @@ void laden__sched_unplan(laden_sched_t *sc)
             sc->layout.b[i].tier = LADEN_TIER_AUTO;
     sc->layout.planned = false;
     sc->layout.vram_spare = 0;
+    sc->layout.ram_estimated = false; /* the room checked was that plan's */
+    sc->layout.ram_room = 0;
 }
 
 static laden_status grow_block(blk *b)

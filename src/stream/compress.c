@@ -113,7 +113,10 @@ static laden_status estimate(laden_sched_t *sc, tref *r)
     }
     uint64_t est = (uint64_t)((double)coded / (double)read * (double)raw) +
                    raw / MARGIN + LADEN_LOSSLESS_HEADER_BYTES;
-    r->ll_est = est <= raw - raw / 16 ? est : 0; /* else kept as stored */
+    /* Near the load's cut (a blob over 15/16 stays as stored), a tensor
+     * whose samples coded a little better than the rest of it would be
+     * kept whole: counted whole already from 9/10. */
+    r->ll_est = est <= raw - raw / 10 ? est : 0;
     return LADEN_OK;
 }
 
@@ -126,16 +129,19 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_mark_lossless: NULL schedule");
     /* The tiers first: a mark unplans the schedule (its workspace grew).
-     * Blocks on the disk tier are marked too: planned again at their
-     * coded sizes, some may fit the RAM tier (those that stay on disk
-     * are read as stored). */
+     * Blocks on the disk tier, and blocks not planned yet, are marked
+     * too: planned (again) at their coded sizes, some may fit the RAM
+     * tier (those that end elsewhere are read as stored).  Marking
+     * before the first plan lets blocks asked for the RAM tier that fit
+     * it only coded be planned at all (stream_load(plan=p)). */
     uint32_t nb = sc->layout.nb;
     uint8_t *ram = calloc(nb ? nb : 1, 1);
     if (!ram)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
     for (uint32_t i = 0; i < nb; i++)
         ram[i] = sc->layout.b[i].tier == LADEN_TIER_RAM ||
-                 sc->layout.b[i].tier == LADEN_TIER_DISK;
+                 sc->layout.b[i].tier == LADEN_TIER_DISK ||
+                 sc->layout.b[i].tier == LADEN_TIER_AUTO;
     laden_status s = LADEN_OK;
     for (uint32_t i = 0; i < nb && !s; i++)
         for (uint32_t k = 0; ram[i] && k < sc->layout.b[i].nt && !s; k++) {
