@@ -595,13 +595,11 @@ static uint64_t ram_bytes(const laden_sched_t *sc, uint32_t block)
 {
     const blk *b = &sc->layout.b[block];
     uint64_t end = 0;
-    for (uint32_t k = 0; k < b->nt; k++) { /* laid out as pack() does */
+    for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
-        uint64_t bytes = r->ll_asked && !r->ll && r->ll_est ? r->ll_est
-                                                            : r->dst_bytes;
-        uint64_t off = r->joined ? end
-                                 : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
-        end = off + bytes;
+        end = laden__sched_place(r, end) +
+              (r->ll_asked && !r->ll && r->ll_est ? r->ll_est
+                                                  : r->dst_bytes);
     }
     return end;
 }

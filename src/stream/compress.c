@@ -135,16 +135,16 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
      * before the first plan lets blocks asked for the RAM tier that fit
      * it only coded be planned at all (stream_load(plan=p)). */
     uint32_t nb = sc->layout.nb;
-    uint8_t *ram = calloc(nb ? nb : 1, 1);
-    if (!ram)
+    uint8_t *may_stream = calloc(nb ? nb : 1, 1); /* not on the device */
+    if (!may_stream)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
     for (uint32_t i = 0; i < nb; i++)
-        ram[i] = sc->layout.b[i].tier == LADEN_TIER_RAM ||
-                 sc->layout.b[i].tier == LADEN_TIER_DISK ||
-                 sc->layout.b[i].tier == LADEN_TIER_AUTO;
+        may_stream[i] = sc->layout.b[i].tier != LADEN_TIER_GPU &&
+                        sc->layout.b[i].tier != LADEN_TIER_VRAM;
     laden_status s = LADEN_OK;
     for (uint32_t i = 0; i < nb && !s; i++)
-        for (uint32_t k = 0; ram[i] && k < sc->layout.b[i].nt && !s; k++) {
+        for (uint32_t k = 0; may_stream[i] && k < sc->layout.b[i].nt && !s;
+             k++) {
             const tref *r = &sc->layout.b[i].t[k];
             if (r->ll_asked || r->expands || r->src != r->dst ||
                 (r->dst != LADEN_DTYPE_BF16 && r->dst != LADEN_DTYPE_F16))
@@ -155,7 +155,7 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
             else if (!s && !(s = estimate(sc, &sc->layout.b[i].t[k])))
                 n++;
         }
-    free(ram);
+    free(may_stream);
     if (out)
         *out = n;
     return s;
@@ -264,15 +264,13 @@ static uint32_t cores(void)
     return 1;
 }
 
-/* Block b's tensors at their places again, as laden_sched_add_tensor
- * lays them: each at the next multiple of ALIGN, a joined one right
- * after the one before. */
+/* Block b's tensors at their places again (laden__sched_place). */
 static void pack(blk *b)
 {
     uint64_t end = 0;
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
-        r->dst_off = r->joined ? end : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        r->dst_off = laden__sched_place(r, end);
         end = r->dst_off + r->dst_bytes;
     }
     b->bytes = end;

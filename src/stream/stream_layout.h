@@ -77,6 +77,15 @@ typedef struct tref {
     uint64_t ll_est;
 } tref;
 
+/* Where tensor r goes in its block once [0, end) is laid out: right
+ * after the tensor before it when joined, else at the next multiple of
+ * ALIGN (laden_sched_add_tensor's rule; compress.c packs a block again
+ * by it, build.c counts a block's coded size on the RAM tier by it). */
+static inline uint64_t laden__sched_place(const tref *r, uint64_t end)
+{
+    return r->joined ? end : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+}
+
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
  * read straight into a slot: from the file, in the file's dtype. */
 static inline bool laden__sched_as_stored(const tref *r)
