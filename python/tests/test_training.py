@@ -831,6 +831,11 @@ def test_optimizer_step_device_path_on_the_cpu(monkeypatch):
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(opt.state[w][k],
                                            ropt.state[r][k])
+        tr.armed = True  # inside a backward: refused, nothing stepped
+        with pytest.raises(laden.StateError, match="inside a backward"):
+            training.optimizer_step(tr, opt, None)
+        tr.armed = False
+        assert len(refills) == 3
         # A copy home that fails: the error, and the slots refilled.
         for w in weights:
             w.grad = torch.ones_like(w)
