@@ -10,6 +10,7 @@ With --repeat N every method runs N times, interleaved, and the median
 counts (virtual disks vary run to run).
 
     python bench/read.py [--size 4GB] [--dir bench/out] [--repeat 3] [--keep]
+                         [--sweep] [--grid]
 
 Prints a table; asserts nothing about timings."""
 
@@ -110,7 +111,7 @@ def touch(tensors) -> None:
             int(t.reshape(-1).view(torch.uint8)[::4096].sum())
 
 
-def child(method: str, path: str, threads: int) -> dict:
+def child(method: str, path: str, threads: int, chunk: int = 0) -> dict:
     import torch  # noqa: F401  (baseline includes torch, as in real use)
 
     base = rss_now()
@@ -126,7 +127,8 @@ def child(method: str, path: str, threads: int) -> dict:
             for t in ck.tensors():
                 items.append((t.name, buf.narrow(0, at, t.nbytes)))
                 at += t.nbytes
-            reader = laden.Reader(threads=threads)  # LADEN_IO_DIRECT
+            reader = laden.Reader(threads=threads,  # LADEN_IO_DIRECT
+                                  chunk_bytes=chunk)
             t0 = time.perf_counter()
             ck.read_into_many(items, reader)
             out["seconds"] = time.perf_counter() - t0
@@ -171,14 +173,16 @@ def child(method: str, path: str, threads: int) -> dict:
     return out
 
 
-def run_child(method: str, path: str, threads: int, io=None) -> dict:
+def run_child(method: str, path: str, threads: int, io=None,
+              chunk: int = 0) -> dict:
     drop_cache(path)
     env = dict(os.environ)
     env.pop("LADEN_IO_DIRECT", None)
     if io:
         env["LADEN_IO_DIRECT"] = io
     r = subprocess.run([sys.executable, __file__, "--child", method,
-                        "--path", path, "--threads", str(threads)],
+                        "--path", path, "--threads", str(threads),
+                        "--chunk", str(chunk)],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -218,6 +222,11 @@ def main() -> int:
                     help="reader threads (0: laden's default)")
     ap.add_argument("--sweep", action="store_true",
                     help="also run laden with 1, 2, 4, 8, 16 threads")
+    ap.add_argument("--grid", action="store_true",
+                    help="also run laden buffered (LADEN_IO_DIRECT=off) "
+                         "and O_DIRECT with 4, 8, 16 threads of 4, 16, "
+                         "64 MiB chunks")
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each method, interleaved; the median "
                          "counts")
@@ -227,7 +236,8 @@ def main() -> int:
     ap.add_argument("--path")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.path, args.threads)))
+        print(json.dumps(child(args.child, args.path, args.threads,
+                               args.chunk)))
         return 0
 
     from laden._units import fmt_bytes, parse_size
@@ -261,6 +271,14 @@ def main() -> int:
         for n in (1, 2, 4, 8, 16):
             methods.append((f"laden auto, {n} threads",
                             lambda n=n: run_child("laden", path, n)))
+    if args.grid:
+        for io, name in (("off", "buffered"), ("on", "O_DIRECT")):
+            for n in (4, 8, 16):
+                for mib in (4, 16, 64):
+                    methods.append((
+                        f"laden {name}, {n} threads x {mib} MiB",
+                        lambda io=io, n=n, mib=mib: run_child(
+                            "laden", path, n, io, mib << 20)))
     try:
         import safetensors  # noqa: F401
         methods.append(("safetensors load_file",
