@@ -552,6 +552,22 @@ TEST(engine_plan_host)
     CHECK(n == 1 && hv[0].model == m[0].id);
     CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 20000, 3000, hv, 4, &n));
     CHECK_EQ(n, 0);
+    /* A model whose host copy is the only copy of its weights (trained)
+     * is never chosen: the next least recently used goes instead, and
+     * where only it could make room the budget is refused, naming it. */
+    CHECK_STATUS(laden_cache_keep_host(c, 99, 1), LADEN_E_INVAL);
+    CHECK_OK(laden_cache_keep_host(c, m[1].id, 1));
+    CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 13000, 3000, hv, 4, &n));
+    CHECK(n == 1 && hv[0].model == m[0].id);
+    CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 9000, 3000, hv, 4, &n));
+    CHECK(n == 2 && hv[0].model == m[0].id && hv[1].model == m[2].id);
+    CHECK_STATUS(laden_cache_plan_host_group(c, UINT32_MAX, 5000, 3000, hv, 4,
+                                             &n), LADEN_E_BUDGET);
+    CHECK(strstr(laden_last_error(), "trainable") != NULL);
+    CHECK_EQ(n, 0);
+    CHECK_OK(laden_cache_keep_host(c, m[1].id, 0));
+    CHECK_OK(laden_cache_plan_host_group(c, UINT32_MAX, 13000, 3000, hv, 4, &n));
+    CHECK(n == 1 && hv[0].model == m[1].id);
     CHECK_OK(laden_cache_activate(c, m[2].id, 0, 2, 0, ev, 4, &n, NULL));
     CHECK_STATUS(laden_cache_plan_host_group(c, UINT32_MAX, 5000, 3000, hv, 4, &n),
                  LADEN_E_BUDGET);

@@ -2728,6 +2728,96 @@ static void copy_rewritten(int32_t dev)
 
 TEST(stream_cache_copy_rewritten) { test_on_every_device(copy_rewritten); }
 
+/* Reads n bytes at device address p into m->buf. */
+static void fetch_back(model *m, laden_devptr_t p, uint64_t n)
+{
+    if (m->rd) {
+        CHECK_OK(laden_dev_copy_d2h(m->rd, m->buf, p, n));
+        CHECK_OK(laden_dev_stream_synchronize(m->rd));
+    } else {
+        memcpy(m->buf, (void *)(uintptr_t)p, n);
+    }
+}
+
+/* Cache schedules: a host copy an optimizer changed (a trainable model)
+ * reaches the device copy one tensor at a time (laden_sched_reupload_tensor),
+ * ordered on the compute stream; the block's other tensors stay as they
+ * are.  On the CPU device a block running from its host copy in place has
+ * nothing to write. */
+static void tensor_rewritten(int32_t dev)
+{
+    model m;
+    memset(&m, 0, sizeof m);
+    m.dev = dev;
+    CHECK_OK(laden_st_open(write_model(), &m.st));
+    laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, m.st, &m.sc));
+    for (int i = 0; i < NB; i++) {
+        CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &m.block_of[i]));
+        for (int k = 0; k < 2; k++) {
+            size_t idx;
+            uint32_t ti;
+            char name[64];
+            snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
+            CHECK_OK(laden_st_find(m.st, name, &idx));
+            CHECK_OK(laden_sched_add_tensor(m.sc, m.block_of[i], m.st, idx,
+                                            LADEN_DTYPE_U8, &ti));
+        }
+    }
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m.rd));
+    m.buf = malloc(1 << 20);
+    CHECK_OK(laden_sched_load(m.sc));
+    uint32_t b = m.block_of[2];
+    CHECK_STATUS(laden_sched_reupload_tensor(m.sc, b, 1, 0), LADEN_E_STATE);
+    CHECK_OK(laden_sched_set_resident(m.sc, b, 1));
+    CHECK_OK(laden_sched_ready(m.sc, 0));
+    CHECK_STATUS(laden_sched_reupload_tensor(m.sc, b, 2, 0), LADEN_E_INVAL);
+    CHECK_STATUS(laden_sched_reupload_tensor(m.sc, 99, 0, 0), LADEN_E_INVAL);
+    void *h0, *h1;
+    CHECK_OK(laden_sched_host_ptr(m.sc, b, 0, &h0));
+    CHECK_OK(laden_sched_host_ptr(m.sc, b, 1, &h1));
+    laden_devptr_t d0, d1;
+    if (dev == LADEN_DEVICE_CPU) {
+        /* In place: the host copy is what runs; nothing to write. */
+        CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 1, &d1));
+        CHECK_EQ(d1, (laden_devptr_t)(uintptr_t)h1);
+        CHECK_OK(laden_sched_reupload_tensor(m.sc, b, 1, 0));
+        int made;
+        CHECK_OK(laden_sched_own_copy(m.sc, b, &made)); /* a copy of its own */
+        CHECK_EQ(made, 1);
+    }
+    CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 0, &d0));
+    CHECK_OK(laden_sched_tensor_ptr(m.sc, b, 1, &d1));
+    CHECK(d1 != (laden_devptr_t)(uintptr_t)h1);
+    /* Tensor 0's device copy is marked, tensor 1's host copy stepped. */
+    scribble(&m, d0, sz(4));
+    for (uint64_t j = 0; j < sz(5); j++)
+        ((uint8_t *)h1)[j] = (uint8_t)(val(5, j) ^ 0x5A);
+    laden_sched_stats_t before, after;
+    CHECK_OK(laden_sched_stats(m.sc, &before));
+    CHECK_OK(laden_sched_reupload_tensor(m.sc, b, 1, 0));
+    CHECK_OK(laden_sched_synchronize(m.sc));
+    if (m.rd)
+        CHECK_OK(laden_dev_stream_synchronize(m.rd));
+    CHECK_OK(laden_sched_stats(m.sc, &after));
+    CHECK_EQ(after.upload_bytes - before.upload_bytes, sz(5));
+    fetch_back(&m, d1, sz(5));
+    for (uint64_t j = 0; j < sz(5); j++)
+        CHECK_EQ(m.buf[j], (uint8_t)(val(5, j) ^ 0x5A));
+    fetch_back(&m, d0, sz(4)); /* untouched: only tensor 1 was written */
+    for (uint64_t j = 0; j < sz(4); j++)
+        CHECK_EQ(m.buf[j], 0xAB);
+    for (uint64_t j = 0; j < sz(4); j++) /* nor its host copy */
+        CHECK_EQ(((uint8_t *)h0)[j], val(4, j));
+    destroy(&m);
+}
+
+TEST(stream_cache_tensor_rewritten)
+{
+    test_on_every_device(tensor_rewritten);
+}
+
 /* ---- one host copy shared between schedules and processes ------------- */
 
 /* The segments' directory: in /dev/shm (tmpfs, which CUDA can pin; a

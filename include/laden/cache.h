@@ -156,6 +156,13 @@ LADEN_API laden_status laden_cache_set_pinned(laden_cache_t *cache,
 
 LADEN_API laden_status laden_cache_info(laden_cache_t *cache, uint32_t model,
                                         laden_cache_info_t *out);
+/* Whether `model`'s host copy is the only copy of its weights (keep 1: a
+ * trainable model, whose host copy an optimizer changed): the host policy
+ * (laden_cache_plan_host_group, laden_cache_plan_host) then never chooses
+ * it, so that no update is lost to a rebuild from its checkpoint.  Its
+ * device copies and pinning give way as any idle model's. */
+LADEN_API laden_status laden_cache_keep_host(laden_cache_t *cache,
+                                             uint32_t model, int keep);
 /* Where a new model goes among the caches of several devices: the index
  * (into caches[0..n)) of the one with the most room left in its VRAM
  * budget, its budget less what it holds; ties go to the first.

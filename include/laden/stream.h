@@ -654,6 +654,18 @@ LADEN_API laden_status laden_sched_copy_fills(laden_sched_t *sched,
 LADEN_API laden_status laden_sched_reupload(laden_sched_t *sched,
                                             uint32_t block);
 
+/* Cache schedules: writes tensor i of block b into the block's device
+ * copy from its host copy, which the caller changed (an optimizer stepped
+ * a trainable model's host copy), without waiting: on CUDA the copy runs
+ * after the work enqueued on compute_stream so far (which may still read
+ * the old bytes) and compute_stream waits for it.  Nothing to do where
+ * the block runs from its host copy in place (the CPU device).
+ * LADEN_E_STATE without a device copy, LADEN_E_INVAL for a tensor the
+ * block does not have. */
+LADEN_API laden_status laden_sched_reupload_tensor(laden_sched_t *sched,
+                                                   uint32_t block, uint32_t i,
+                                                   uintptr_t compute_stream);
+
 /* Cache schedules: makes sure block b's device copy is memory of its own
  * before the caller writes into it (an adapter merged in place).  On the
  * CPU device a resident block runs from its host copy, which laden never

@@ -450,6 +450,8 @@ _SIGNATURES = {
     "laden_sched_refill": (status_t, [p]),
     "laden_sched_copy_fills": (status_t, [p, c_uint32, P(c_uint64)]),
     "laden_sched_reupload": (status_t, [p, c_uint32]),
+    "laden_sched_reupload_tensor": (status_t, [p, c_uint32, c_uint32,
+                                               ctypes.c_size_t]),
     "laden_sched_own_copy": (status_t, [p, c_uint32, POINTER(c_int)]),
     "laden_sched_reread": (status_t, [p, c_uint32, c_uint32]),
     "laden_sched_share": (status_t, [p, c_char_p]),
@@ -517,6 +519,7 @@ _SIGNATURES = {
     "laden_cache_default_budget": (status_t, [c_int32, c_uint64,
                                               P(c_uint64)]),
     "laden_cache_info": (status_t, [p, c_uint32, P(CacheInfo)]),
+    "laden_cache_keep_host": (status_t, [p, c_uint32, c_int]),
     "laden_cache_roomiest": (status_t, [P(p), c_uint32, P(c_uint32)]),
     "laden_cache_stats": (status_t, [p, P(CacheStats)]),
     # vram

@@ -28,6 +28,7 @@ from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from ._wrapped import detach_all
 from .adapters import _CacheAdapters, _HostAdapters
+from .training import _CacheTrainer
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
@@ -86,7 +87,21 @@ class ModelSpec:
     the first build.  ``shared=True``: the model's host copy is shared
     with the host's other processes that load the same checkpoint the same
     way (see ``laden.stream_load``); every tensor must then come from
-    ``checkpoint``."""
+    ``checkpoint``.
+
+    ``trainable=True``: the model trains in the cache.  Every parameter
+    the factory left ``requires_grad`` trains through its host copy,
+    which is then the only copy of its weights: ``cache.parameters(key)``
+    gives those host copies (with their ``.grad`` after a backward) for
+    the optimizer, the next forward computes with what it stepped, and
+    the cache never drops the model from RAM to make room (it evicts only
+    device copies, which never hold anything the host copy lacks).
+    Streamed blocks are checkpointed and entered again in backward, as
+    ``install_offload(train=True)`` does; run backward inside the
+    ``cache.use`` that ran the forward.  Freeze the base in the factory
+    (``requires_grad_(False)``) to train only adapters (peft's LoRA
+    modules).  ``clear()`` refuses while a trainable model holds stepped
+    weights; ``unregister(key)`` drops them for good."""
 
     key: str
     factory: Callable[[], Any]
@@ -97,6 +112,7 @@ class ModelSpec:
     key_map: KeyMap = field(default=None, kw_only=True)
     skip_prefixes: Sequence[str] = field(default=(), kw_only=True)
     shared: bool = field(default=False, kw_only=True)
+    trainable: bool = field(default=False, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.key, str) or not self.key:
@@ -131,6 +147,16 @@ class ModelSpec:
             raise InvalidArgumentError(
                 f"ModelSpec '{self.key}': shared must be True or False, got "
                 f"{self.shared!r}", "E_INVAL")
+        if not isinstance(self.trainable, bool):
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': trainable must be True or False, "
+                f"got {self.trainable!r}", "E_INVAL")
+        if self.trainable and self.shared:
+            raise InvalidArgumentError(
+                f"ModelSpec '{self.key}': trainable=True with shared=True: "
+                "a host copy shared with other processes is never written, "
+                "and a trainable model's optimizer writes its host copy",
+                "E_INVAL")
         km = self.key_map
         if km is not None and not callable(km):
             if not hasattr(km, "get"):
@@ -207,12 +233,14 @@ class _Runtime:
         self.last_use: Optional[float] = None
         self.doors = None  # laden.doors.Doors once built
         self.claimed: list = []
+        self.trainer = None  # training._CacheTrainer for a trainable spec
 
     # -- building ------------------------------------------------------------
     def build(self, model=None) -> None:
         import torch
 
         spec = self.spec
+        adopted = model is not None
         if model is None:
             model = spec.factory()
         if not isinstance(model, torch.nn.Module):
@@ -235,9 +263,23 @@ class _Runtime:
                 ck.close()
         self.model = model
         self.tensors = desc.tensors
+        if spec.trainable:
+            self.trainer = _CacheTrainer(self)
         for b in desc.blocks:
             self.block_names[b.c_block] = b.name
             self._wrap(b.module, b.c_block)
+        if self.trainer is not None:
+            try:
+                self.trainer.attach(self.owner)
+            except BaseException:
+                self.destroy(restore=adopted)
+                raise
+            tr = self.trainer
+            # What an optimizer stepped reaches the device before the
+            # parts outside blocks run (blocks check at their own call).
+            self.wrapped.append(("hook", model.register_forward_pre_hook(
+                lambda mod, args: tr.sync() if self.in_use else None),
+                None))
         mods = [(model, "")] + [(b.module, b.name) for b in desc.blocks]
         self.doors = doors.Doors(
             f"model '{spec.key}'", desc.tensors,
@@ -343,7 +385,10 @@ class _Runtime:
                     t.c_block, f"part {t.c_block} of the rest")
                 self.gone[value.untyped_storage().data_ptr()] = block
                 # The slot only inside its block; outside, the host copy.
-                _set_run(t, value, self._host_view(t), block)
+                # A trainable model's backward enters the block again: its
+                # gradients are right, so nothing refuses them.
+                _set_run(t, value, self._host_view(t),
+                         None if self.trainer is not None else block)
             else:
                 _set_tensor(t, value)
             del value  # counted otherwise
@@ -354,6 +399,8 @@ class _Runtime:
         for t in counted:
             self.dev_refs[id(t)] = _storage_refs(run_of(t))
         self.gen = st.generation
+        if self.trainer is not None:
+            self.trainer.rehook()  # on the tensors it computes with now
         return True
 
     def derived(self) -> Optional[str]:
@@ -387,7 +434,8 @@ class _Runtime:
             self.relaid = relaid_check(self.owner, self.rebind)
         _wrap_forward(mod, self.owner, c_block, self.device, self.wrapped,
                       guard=guard, gone=self.gone, after_enter=after_enter,
-                      slot_tensors=mine, binds=mine, relaid=self.relaid)
+                      slot_tensors=mine, binds=mine, relaid=self.relaid,
+                      trainer=self.trainer)
 
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
@@ -401,6 +449,8 @@ class _Runtime:
         import torch
 
         _unwrap_all(self.wrapped)
+        if self.trainer is not None:
+            self.trainer.close()  # the host Parameters keep their memory
         if self.doors is not None:
             self.doors.close()
             self.doors = None
@@ -572,7 +622,7 @@ class ModelCache:
                 self._specs[spec.key] = spec
                 return spec
             fields = ("checkpoint", "block_paths", "block_mode", "key_map",
-                      "skip_prefixes")
+                      "skip_prefixes", "trainable")
             differ = [f for f in fields
                       if getattr(have, f) != getattr(spec, f)]
             if differ:
@@ -642,6 +692,12 @@ class ModelCache:
         else:
             spec = self.register(spec)
         check_lookahead(lookahead)
+        if spec.trainable and adapters[0] and adapters[2] == "merge":
+            raise InvalidArgumentError(
+                f"model '{spec.key}' is trainable: its adapters apply with "
+                "mode='routed' (merged into its device copies, they would "
+                "be undone by the next update its optimizer makes)",
+                "E_INVAL")
         here = self._rt.get(spec.key) if device is None else None
         if device == "auto":
             dev = self._place(spec)
@@ -659,6 +715,14 @@ class ModelCache:
                     f"model '{spec.key}' is in use: a model has one runtime, "
                     "used by one caller at a time (register a second model "
                     "under another key for concurrent use)", "E_STATE")
+            if rt is not None and rt.device != dev and \
+                    rt.trainer is not None:
+                raise StateError(
+                    f"model '{spec.key}' is trainable and was built for "
+                    f"{rt.device}: moving it to {dev} would rebuild it from "
+                    "its factory and lose what its optimizer stepped; use it "
+                    f"on {rt.device}, or unregister('{spec.key}') first",
+                    "E_STATE")
             if rt is not None and rt.device != dev:
                 log.debug("laden cache: '%s' moves from %s to %s: rebuilt",
                           spec.key, rt.device, dev)
@@ -752,6 +816,8 @@ class ModelCache:
                 err = error_for(s)
                 lib.laden_cache_remove(dc.c, cid.value)
                 raise err
+            if spec.trainable:  # its host copy is the only copy
+                check(lib.laden_cache_keep_host(dc.c, cid.value, 1))
         except BaseException:
             rt.destroy(restore=adopt is not None)
             raise
@@ -842,6 +908,8 @@ class ModelCache:
                 raise err
             rt.in_use = True
             rt.rebind()
+            if rt.trainer is not None:
+                rt.trainer.sync()  # what an optimizer stepped since
         except BaseException:
             if not s:  # activated in C: undone, or the key stays in use
                 rt.in_use = True
@@ -961,6 +1029,15 @@ class ModelCache:
             if busy:
                 raise StateError(
                     f"clear: models in use: {', '.join(busy)}", "E_STATE")
+            trained = [k for k, rt in self._rt.items()
+                       if rt.trainer is not None and rt.trainer.changed()]
+            if trained:
+                raise StateError(
+                    "clear: trainable models hold weights their optimizer "
+                    f"changed, which only their host copies have: "
+                    f"{', '.join(trained)}; save them (cache.named_parameters"
+                    "(key), or state_dict() inside cache.use) and "
+                    "unregister(key) to let them go", "E_STATE")
             if _USE_COUNT:
                 self._refuse_derived(self._rt.values(), "clear")
             for key in list(self._rt):
@@ -970,6 +1047,34 @@ class ModelCache:
                 self._specs.pop(key, None)
                 self._known_size.pop(key, None)
             self._failed.clear()
+
+    # -- training --------------------------------------------------------------
+    def _trainer(self, key: str, what: str):
+        with self._lock:
+            spec = self._spec(key)
+            if not spec.trainable:
+                raise InvalidArgumentError(
+                    f"{what}('{key}'): the model is not trainable (register "
+                    "it with ModelSpec(..., trainable=True))", "E_INVAL")
+            rt = self._rt.get(key)
+            if rt is None:
+                raise StateError(
+                    f"{what}('{key}'): the model is not built yet; its "
+                    "parameters exist once cache.use() built it (make the "
+                    "optimizer inside the first use)", "E_STATE")
+            return rt.trainer
+
+    def named_parameters(self, key: str) -> Iterator[tuple]:
+        """A trainable model's parameters that train, in its order and with
+        its names: each the host copy an optimizer steps (a torch
+        Parameter on the CPU, with the gradients of the backwards since
+        ``zero_grad()`` in its ``.grad``)."""
+        return self._trainer(key, "named_parameters").named_parameters()
+
+    def parameters(self, key: str) -> Iterator[Any]:
+        """``named_parameters(key)`` without the names: what to give an
+        optimizer."""
+        return iter([p for _, p in self.named_parameters(key)])
 
     # -- reporting -------------------------------------------------------------
     def info(self, key: str) -> CacheInfo:

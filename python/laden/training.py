@@ -406,6 +406,16 @@ class _Trainer:
         return next((b.name for b in self.state.blocks
                      if b.c_block == c_block), "?")
 
+    def may_backward(self, c_block: int) -> None:
+        """Before a block's backward: StateError where it cannot run."""
+        if self.closed:
+            raise StateError(
+                f"backward through streamed block "
+                f"'{self.block_name(c_block)}' after its "
+                "install_offload handle was removed (or the model "
+                "released): its weights are no longer streamed for "
+                "it; run backward before remove()", "E_STATE")
+
     # -- the parameters an optimizer steps ---------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, object]]:
         """The model's parameters in its order and with its names (peft's
@@ -424,6 +434,175 @@ class _Trainer:
                 yield n, hp
             elif p.requires_grad:
                 yield n, p
+
+
+class _CacheState:
+    """What _Trainer reads of a stream_load model, for a ModelCache
+    runtime (cache._Runtime)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.device = rt.device
+        self.blocks = ()
+
+    @property
+    def owner(self):
+        return self.rt.owner
+
+    @property
+    def tensors(self):
+        return self.rt.tensors
+
+    @property
+    def root(self):
+        return (self.rt.model,) if self.rt.model is not None else None
+
+    def live(self, what: str):
+        o = self.rt.owner
+        if o is None:
+            raise StateError(
+                f"{what}: model '{self.rt.spec.key}' was dropped from the "
+                "cache", "E_STATE")
+        return o
+
+
+class _CacheTrainer(_Trainer):
+    """A trainable ModelCache model (``ModelSpec(trainable=True)``).
+
+    Its host copy is the only copy of its weights: C's host policy never
+    drops it (laden_cache_keep_host), and every trainable parameter --
+    in a block or outside, resident or streamed this use -- trains
+    through it.  Gradients leave the device through the sink wherever the
+    block ran (``cache.parameters(key)`` are the host copies, with their
+    ``.grad``); an optimizer steps them; what it changed reaches the
+    device before it is read again: tensor by tensor into the device
+    copies (laden_sched_reupload_tensor, ordered on the compute stream),
+    by a refill into the slots.  Device copies therefore never hold
+    anything the host copy lacks, and evicting them loses nothing."""
+
+    def __init__(self, rt):
+        super().__init__(_CacheState(rt), None)
+        self.rt = rt
+        self.tracked: list = []          # the _Tensors that train
+        self.seen: Dict[int, int] = {}   # id(host Parameter) -> _version
+                                         # last written to the device
+        self.start: Dict[int, int] = {}  # id(host Parameter) -> at attach
+
+    def block_name(self, c_block: int) -> str:
+        return self.rt.block_names.get(c_block, f"part {c_block} of the rest")
+
+    def may_backward(self, c_block: int) -> None:
+        if self.closed or not self.rt.in_use:
+            raise StateError(
+                f"backward through block '{self.block_name(c_block)}' of "
+                f"model '{self.rt.spec.key}' outside cache.use(): its "
+                "weights may have left the device; run backward inside "
+                "the use that ran the forward", "E_STATE")
+
+    def attach(self, o) -> None:
+        """After the build: a host Parameter per trainable tensor, the
+        sink, the hooks."""
+        import torch
+
+        largest = 0
+        key = self.rt.spec.key
+        for t in self.rt.tensors:
+            p = t.param
+            if not t.is_param or p is None or not p.requires_grad:
+                continue
+            where = f"parameter '{t.names[0]}' of model '{key}'"
+            if t.store != "plain":
+                raise InvalidArgumentError(
+                    f"ModelSpec(trainable=True): {where} is kept compact "
+                    f"({t.store_dtype or t.store}) and expanded where it "
+                    "runs; it cannot be trained: freeze it "
+                    "(requires_grad_(False)) in the factory and train "
+                    "adapters", "E_INVAL")
+            if grad_code(p.dtype) is None:
+                raise InvalidArgumentError(
+                    f"ModelSpec(trainable=True): {where} is {p.dtype}; "
+                    "cached parameters train in float32, float16 or "
+                    "bfloat16", "E_INVAL")
+            home = _tensor_view(o, t, "home", None)
+            hp = torch.nn.Parameter(home, requires_grad=True)
+            self.host[id(t)] = hp
+            self.by_block.setdefault(t.c_block, []).append(hp)
+            self.tracked.append(t)
+            self.seen[id(hp)] = self.start[id(hp)] = hp._version
+            largest = max(largest, home.numel() * home.element_size())
+        if not self.tracked:
+            return
+        staging = lib.laden_grads_staging_bytes(largest)
+        h = ctypes.c_void_p()
+        check(lib.laden_grads_create(_dev_index(self.device), staging,
+                                     ctypes.byref(h)))
+        self.sink = h.value
+        if self.cuda:
+            import torch as _t
+
+            self.copy_stream = _t.cuda.ExternalStream(
+                lib.laden_grads_stream(self.sink), device=self.device)
+        self.rehook()
+
+    def rehook(self) -> None:
+        """On the tensors the model computes with now (they change as
+        blocks move between a device copy and a slot)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        if self.closed:
+            return
+        for t in self.tracked:
+            self.hooks.append(post_accumulate_hook(run_of(t),
+                                                   self._pusher(t)))
+
+    def _pusher(self, t):
+        push = super()._pusher(t)
+
+        def hook(p) -> None:
+            self.arm()  # also for parameters outside blocks
+            push(p)
+        return hook
+
+    def changed(self) -> bool:
+        """Whether an optimizer changed a host copy since the build."""
+        return any(hp._version != self.start[id(hp)]
+                   for hp in self.host.values())
+
+    def refresh(self, c_block: int) -> None:
+        """Before block c_block runs."""
+        if self.armed:
+            self.flush()  # a backward that failed never ran its callback
+        for hp in self.by_block.get(c_block, ()):
+            if hp._version != self.seen[id(hp)]:
+                break
+        else:
+            return
+        self.sync()
+
+    def sync(self) -> None:
+        """Whatever host copy changed since it was last written to the
+        device goes there: into a device copy tensor by tensor, or the
+        slots refilled.  At each use's start and before blocks run."""
+        if self.armed:
+            self.flush()
+        o = self.state.live("training")
+        refill = False
+        stream = None
+        for t in self.tracked:
+            hp = self.host[id(t)]
+            if hp._version == self.seen[id(hp)]:
+                continue
+            self.seen[id(hp)] = hp._version
+            if lib.laden_sched_is_streamed(o.h, t.c_block):
+                refill = True
+            elif lib.laden_sched_is_resident(o.h, t.c_block):
+                if stream is None:
+                    stream = _compute_stream(self.device)
+                check(lib.laden_sched_reupload_tensor(
+                    o.h, t.c_block, t.c_index, stream))
+        if refill:
+            check(lib.laden_sched_refill(o.h))
 
 
 class _Fused:
@@ -840,13 +1019,7 @@ def _block_function():
         def backward(ctx, *grads):
             call = ctx.call
             tr = call.trainer
-            if tr.closed:
-                raise StateError(
-                    f"backward through streamed block "
-                    f"'{tr.block_name(call.block)}' after its "
-                    "install_offload handle was removed (or the model "
-                    "released): its weights are no longer streamed for "
-                    "it; run backward before remove()", "E_STATE")
+            tr.may_backward(call.block)
             tr.arm()
             saved = ctx.saved_tensors
             inputs = [x.detach().requires_grad_(x.requires_grad)

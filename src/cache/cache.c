@@ -417,6 +417,20 @@ laden_status laden_cache_set_pinned(laden_cache_t *c, uint32_t id, uint64_t b)
     return set_held(c, id, b, false);
 }
 
+laden_status laden_cache_keep_host(laden_cache_t *c, uint32_t id, int keep)
+{
+    model *m;
+    laden_status s = get(c, id, &m, "laden_cache_keep_host");
+    if (s)
+        return s;
+    /* The host policy reads it under the group's lock (another device's
+     * cache may be deciding). */
+    pthread_mutex_lock(&c->g->mu);
+    m->keep_host = keep != 0;
+    pthread_mutex_unlock(&c->g->mu);
+    return LADEN_OK;
+}
+
 laden_status laden_cache_info(laden_cache_t *c, uint32_t id,
                               laden_cache_info_t *out)
 {

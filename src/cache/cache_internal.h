@@ -20,6 +20,8 @@ typedef struct model {
     uint32_t fixed;       /* its first `fixed` blocks run without hooks */
     int32_t device;       /* the schedule's */
     uint64_t hits;        /* activations that copied nothing */
+    bool keep_host;       /* its host copy is the only copy of its
+                             weights: the host policy never drops it */
 } model;
 
 /* The caches of one host's devices (laden_cache_join): one pinned budget

@@ -309,7 +309,7 @@ static cand *group_idle(laden_cache_t *c, uint32_t except, bool pinned,
         for (uint32_t i = 0; i < o->n; i++) {
             model *x = &o->m[i];
             if (x->key && x->sched && !x->in_use && !(o == c && i == except) &&
-                (!pinned || x->pinned))
+                (pinned ? x->pinned != 0 : !x->keep_host))
                 cs[k++] = (cand){x->last_use, o, order, i};
         }
     qsort(cs, k, sizeof *cs, laden__cmp_cand);
@@ -767,11 +767,23 @@ laden_status laden__cache_plan_models(laden_cache_t *c, uint32_t except,
         want = UINT64_MAX; /* more than any budget */
     uint64_t over = want > budget ? want - budget : 0;
     if (over > idle) {
+        uint64_t kept = 0;
+        for (const laden_cache_t *o = g->first; o; o = o->next)
+            for (uint32_t i = 0; i < o->n; i++)
+                if (o->m[i].key && o->m[i].sched && o->m[i].keep_host &&
+                    !o->m[i].in_use)
+                    kept += o->m[i].size;
         s = laden__fail(LADEN_E_BUDGET,
                         "%s of host copies do not fit the RAM budget of %s: "
-                        "%s are held, %s of them by idle models",
+                        "%s are held, %s of them by idle models that may "
+                        "give way%s%s%s",
                         laden__bytes(need).s, laden__bytes(budget).s,
-                        laden__bytes(held).s, laden__bytes(idle).s);
+                        laden__bytes(held).s, laden__bytes(idle).s,
+                        kept ? " (and " : "",
+                        kept ? laden__bytes(kept).s : "",
+                        kept ? " by idle trainable models, whose host copies "
+                               "hold the only copy of their weights)"
+                             : "");
         goto out;
     }
     uint64_t freed = 0;

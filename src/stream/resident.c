@@ -459,3 +459,47 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
 }
+
+laden_status laden__sched_reupload_tensor(laden_sched_t *sc, uint32_t block,
+                                          uint32_t i, uintptr_t handle)
+{
+    blk *b = NULL;
+    laden_status s = cache_block(sc, block, "laden_sched_reupload_tensor",
+                                 &b);
+    if (s)
+        return s;
+    if (i >= b->nt)
+        return laden__fail(LADEN_E_INVAL, "laden_sched_reupload_tensor: "
+                           "block %u has %u tensors, not %u", block, b->nt,
+                           i + 1);
+    if (!b->resident)
+        return laden__fail(LADEN_E_STATE, "laden_sched_reupload_tensor: "
+                           "block %u has no device copy", block);
+    const tref *r = &b->t[i];
+    if (b->in_place || !r->dst_bytes)
+        return LADEN_OK; /* runs from the host copy itself */
+    laden_devptr_t to = b->region + r->dst_off;
+    const char *from = (const char *)b->ram + r->dst_off;
+    if (!sc->cuda) {
+        /* The CPU's work is done when its calls return. */
+        if ((s = laden_dev_copy_h2d(sc->run.copy, to, from, r->dst_bytes)) ||
+            (s = laden_dev_stream_synchronize(sc->run.copy)))
+            return s;
+    } else {
+        /* After the work on the compute stream so far (it may still read
+         * the old bytes), before what it is given next. */
+        if ((s = laden__sched_compute_stream(sc, handle)) ||
+            (s = laden_dev_event_record(sc->cache.last_use,
+                                        sc->run.compute)) ||
+            (s = laden_dev_stream_wait_event(sc->run.copy,
+                                             sc->cache.last_use)) ||
+            (s = laden_dev_copy_h2d(sc->run.copy, to, from, r->dst_bytes)) ||
+            (s = laden_dev_event_record(sc->cache.uploaded, sc->run.copy)) ||
+            (s = laden_dev_stream_wait_event(sc->run.compute,
+                                             sc->cache.uploaded)))
+            return s;
+    }
+    sc->st.upload_bytes += r->dst_bytes;
+    sc->st.h2d_bytes += r->dst_bytes;
+    return LADEN_OK;
+}

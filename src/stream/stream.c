@@ -801,6 +801,13 @@ laden_status laden_sched_reupload(laden_sched_t *sc, uint32_t block)
     HELD("laden_sched_reupload", laden__sched_reupload(sc, block));
 }
 
+laden_status laden_sched_reupload_tensor(laden_sched_t *sc, uint32_t block,
+                                         uint32_t i, uintptr_t compute_stream)
+{
+    HELD("laden_sched_reupload_tensor",
+         laden__sched_reupload_tensor(sc, block, i, compute_stream));
+}
+
 laden_status laden_sched_own_copy(laden_sched_t *sc, uint32_t block,
                                   int *out_made)
 {

@@ -49,6 +49,8 @@ laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle);
 laden_status laden__sched_copy_fills(laden_sched_t *sc, uint32_t block,
                                      uint64_t *out);
 laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block);
+laden_status laden__sched_reupload_tensor(laden_sched_t *sc, uint32_t block,
+                                          uint32_t i, uintptr_t handle);
 laden_status laden__sched_fence(laden_sched_t *sc, uintptr_t handle);
 laden_status laden__sched_own_copy(laden_sched_t *sc, uint32_t block,
                                    int *out_made);
