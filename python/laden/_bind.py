@@ -231,7 +231,7 @@ def _training_error(what: str) -> StateError:
         "device memory that later blocks have overwritten, so its gradient "
         "would be wrong. To train through streamed blocks, load the model "
         "with laden.stream_load and call laden.install_offload(model, "
-        "train=True) (a ModelCache model has no training mode yet); for "
+        "train=True) (a ModelCache model: ModelSpec(trainable=True)); for "
         "inference run the forward under torch.no_grad() or "
         "torch.inference_mode(); or keep the blocks that need gradients "
         "resident (resident_prefixes)", "E_STATE")

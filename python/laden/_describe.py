@@ -21,7 +21,7 @@ from .gguf import rope_heads, rope_heads_of
 from ._devices import _dev_index
 from ._dtypes import checkpoint_dtype
 from ._expand import expand_unavailable
-from ._hfnames import key_map_for
+from ._hfnames import key_map_for, peft_key_map
 from ._moe import expert_modules
 from ._wrapped import attach, detach_all, holders, is_dtensor, is_wrapped
 from ._lib import check, error_for, lib
@@ -726,7 +726,8 @@ def _describe(model, ck, prefixes, key_map, skip_prefixes, cdt, storage,
     if ck is not None and key_map is None and ck.format != "gguf":
         # A transformers model: its checkpoint's names as transformers
         # loads them (renames, fused experts).
-        key_map = key_map_for(model, ck.names())
+        key_map = peft_key_map(model, ck.names()) or \
+            key_map_for(model, ck.names())
     if ck is not None:
         _match_names(ck, tensors, key_map, skip_prefixes, label, compact)
     else:

@@ -85,6 +85,44 @@ def _pieces(model, target: str, conv, by_pattern: Dict[str, List[str]]
         "state_dict) instead", "E_INVAL")
 
 
+def _peft_base(model):
+    """The model a peft PeftModel wraps (its base_model.model), or None
+    for a model that is not peft's."""
+    if getattr(model, "peft_config", None) is None:
+        return None
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    return inner if inner is not None and inner is not model else None
+
+
+def peft_key_map(model, names: List[str]) -> Optional[Dict[str, Target]]:
+    """A peft model built over a base the checkpoint `names` hold: each
+    base name (after the base model's own renames, key_map_for) mapped to
+    where peft keeps it ("base_model.model." before it, ".base_layer"
+    inside the layers it wraps), so that the base loads into the peft
+    model as into the base.  None for a model that is not peft's."""
+    base = _peft_base(model)
+    if base is None:
+        return None
+    inner = key_map_for(base, names) or {}
+    where: Dict[str, str] = {}
+    for n in model.state_dict().keys():
+        if ".lora_" in n or n.startswith("lora_"):
+            continue
+        plain = n[len("base_model.model."):] \
+            if n.startswith("base_model.model.") else n
+        where.setdefault(plain.replace(".base_layer.", "."), n)
+    out: Dict[str, Target] = {}
+    for n in names:
+        to = inner.get(n, n)
+        if to is None:
+            out[n] = None
+        elif isinstance(to, tuple):
+            out[n] = (where.get(to[0], to[0]), to[1])
+        else:
+            out[n] = where.get(to, to)
+    return out
+
+
 def key_map_for(model, names: List[str]) -> Optional[Dict[str, Target]]:
     """The key map that loads checkpoint `names` into transformers model
     `model` as transformers would (its renames, its fused tensors, the

@@ -28,7 +28,7 @@ from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
 from ._wrapped import detach_all
 from .adapters import _CacheAdapters, _HostAdapters
-from .training import _CacheTrainer
+from .training import _CacheTrainer, materialize_peft
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
@@ -248,6 +248,9 @@ class _Runtime:
                 f"the factory of '{spec.key}' returned "
                 f"{type(model).__name__}, not a torch.nn.Module", "E_INVAL")
         doors.refuse_owned(model, f"ModelCache model '{spec.key}'")
+        if not adopted and spec.checkpoint is not None:
+            # peft's factors over a base on meta: no checkpoint has them.
+            materialize_peft(model, torch.device("cpu"))
         ck = Checkpoint(spec.checkpoint) if spec.checkpoint is not None \
             else None
         try:

@@ -923,6 +923,22 @@ def materialize_adapters(state, configs=None) -> None:
                     "stream_load and in the checkpoint", "E_INVAL")
 
 
+def materialize_peft(model, dev) -> None:
+    """A peft model built on ``meta`` over a base its checkpoint holds
+    (a ModelSpec factory): the LoRA factors, which no checkpoint holds,
+    made on `dev` and initialized by peft as ``materialize_adapters``
+    does.  Nothing for other models."""
+    import torch
+
+    configs = getattr(model, "peft_config", None)
+    if configs is None:
+        return
+    for mname, mod in model.named_modules():
+        if hasattr(mod, "reset_lora_parameters") and \
+                isinstance(getattr(mod, "lora_A", None), torch.nn.ModuleDict):
+            _materialize_lora(mod, mname, dev, configs)
+
+
 def _materialize_lora(mod, where: str, dev, configs) -> None:
     import torch
 

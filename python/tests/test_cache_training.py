@@ -12,7 +12,7 @@ import torch
 
 import laden
 from laden import ModelCache, ModelSpec
-from models import reference
+from models import on_meta, reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCKS = ("blocks", "stages.0", "stages.1")
@@ -122,17 +122,27 @@ def lora_model(base):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lora_on_a_cached_frozen_base_matches_peft(device):
+@pytest.mark.parametrize("built", ["cpu", "meta"])
+def test_lora_on_a_cached_frozen_base_matches_peft(device, built, tmp_path):
     """peft's LoRA on a base frozen by get_peft_model, built by the
-    factory and streamed (the budget holds less than the model): three
-    AdamW steps with another model used between them equal peft on the
-    plain model; only the factors are the optimizer's."""
+    factory (on the CPU, or on meta over the base's checkpoint: its names
+    map onto peft's and the factors are made by peft's own init) and
+    streamed (the budget holds less than the model): three AdamW steps
+    with another model used between them equal peft on the plain model
+    started from the same factors; only the factors are the
+    optimizer's."""
     pytest.importorskip("peft")
     size = size_of(0)
-    cache = ModelCache(vram_budget=int(size * 0.6))
+    cache = ModelCache(vram_budget=int(size * 0.75))
     paths = tuple(f"base_model.model.{p}" for p in BLOCKS)
-    sp = ModelSpec("lora", lambda: lora_model(reference(0)),
-                   block_paths=paths, trainable=True)
+    if built == "cpu":
+        sp = ModelSpec("lora", lambda: lora_model(reference(0)),
+                       block_paths=paths, trainable=True)
+    else:
+        path = str(tmp_path / "base.safetensors")
+        laden.save_file(reference(0).state_dict(), path)
+        sp = ModelSpec("lora", lambda: lora_model(on_meta()), checkpoint=path,
+                       block_paths=paths, trainable=True)
     r = lora_model(copy.deepcopy(reference(0))).to(device)
     ropt = torch.optim.AdamW([p for p in r.parameters() if p.requires_grad],
                              lr=1e-2)
@@ -141,6 +151,13 @@ def test_lora_on_a_cached_frozen_base_matches_peft(device):
         opt = torch.optim.AdamW(lora.values(), lr=1e-2)
     assert lora and all("lora_" in n for n in lora)
     assert len(lora) == len([p for p in r.parameters() if p.requires_grad])
+    a = lora["base_model.model.blocks.0.up.lora_A.default.weight"]
+    assert a.std() > 0  # "gaussian", made
+    assert not lora["base_model.model.blocks.0.up.lora_B.default.weight"].any()
+    rp = dict(r.named_parameters())
+    with torch.no_grad():
+        for n, p in lora.items():
+            rp[n].copy_(p)
     for step in range(3):
         with cache.use(sp, device=device) as m:
             assert cache.info(sp.key).mode == "streaming"
@@ -151,7 +168,6 @@ def test_lora_on_a_cached_frozen_base_matches_peft(device):
         loss(r, device, step).backward()
         ropt.step()
         other_use(cache, device)
-    rp = dict(r.named_parameters())
     for n, p in lora.items():
         torch.testing.assert_close(p.detach(), rp[n].detach().cpu(),
                                    atol=1e-5, rtol=1e-4, msg=n)
