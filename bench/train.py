@@ -28,7 +28,7 @@ of weights, gradients and state over the link, beside FSDP2 with the same
 accumulation and clip_grad_norm_.
 
     python bench/train.py [--blocks 24 --hidden 4096] [--tokens 2048]
-                          [--no-fsdp] [--no-lora] [--accumulate 4]
+                          [--no-fsdp] [--no-lora] [--accumulate 4] [--only-38]
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ def main() -> int:
                     "each, clipping by the global norm and "
                     "handle.optimizer_step on the device (FSDP2 with the "
                     "same accumulation beside it); 0: skip")
+    ap.add_argument("--only-38", action="store_true",
+                    help="only issue 38's rows: every weight training "
+                    "(for the ideal), --accumulate with optimizer_step, "
+                    "the LoRA steps (streamed and cached) and FSDP2 with "
+                    "the same accumulation")
     ap.add_argument("--micro-only", action="store_true",
                     help="only every weight training, one batch and two "
                     "micro-batches")
@@ -129,7 +134,7 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     rows, steps = [], []
-    for frozen in (False,) if a.micro_only else (False, True):
+    for frozen in (False,) if a.micro_only or a.only_38 else (False, True):
         m = sb.build_meta(a)
         laden.stream_load(m, path, offload_prefixes=["blocks."],
                           device=a.device, lookahead=2, progress=False)
@@ -159,7 +164,7 @@ def main() -> int:
         rows.append(("frozen weights (LoRA-style)" if frozen
                      else "all weights train", t, ideal, up, down, peak,
                      s1["device_bytes"], s1["misses"] - s0["misses"]))
-        if not frozen:
+        if not frozen and not a.only_38:
             # Two micro-batches of half the tokens: the second adds its
             # gradients to the first's on the device (the sum so far comes
             # up: one more model's size over the up link).
@@ -222,6 +227,7 @@ def main() -> int:
                 h.step_in_backward(None)
                 del opt
                 gc.collect()
+        if not frozen:
             if a.accumulate:
                 steps.append(accumulate_step(a, m, h, params, xr, wbytes,
                                              t, h2d, d2h))
@@ -236,6 +242,12 @@ def main() -> int:
             steps.append(lora_step(a, path, xr))
         except Exception as e:
             print(f"LoRA step: {type(e).__name__}: {e}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            steps.append(cache_lora_step(a, path, xr))
+        except Exception as e:
+            print(f"cached LoRA step: {type(e).__name__}: {e}")
         gc.collect()
         torch.cuda.empty_cache()
     if not a.no_fsdp:
@@ -328,6 +340,41 @@ def lora_step(a, path, xr):
             peak, sb.rss())
 
 
+def cache_lora_step(a, path, xr):
+    """Issue 38: the same LoRA on a cached base (ModelSpec(trainable=True),
+    built on meta over the base's checkpoint): the base streams within the
+    cache's VRAM budget (a third of the checkpoint), the factors train
+    through their host copies and AdamW steps them there; each step is a
+    whole cache.use (activation included)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=16, lora_alpha=16,
+                     target_modules=["qkv", "out", "up", "down"])
+    cache = laden.ModelCache(vram_budget=os.path.getsize(path) // 3)
+    spec = laden.ModelSpec(
+        "base", lambda: get_peft_model(sb.build_meta(a), cfg),
+        checkpoint=path, block_paths=["base_model.model.blocks"],
+        trainable=True)
+    t0 = time.perf_counter()
+    with cache.use(spec, device=a.device):
+        opt = torch.optim.AdamW(cache.parameters("base"), lr=1e-4)
+    print(f"cached LoRA base built and first used in "
+          f"{time.perf_counter() - t0:.1f} s")
+    x = xr.detach()
+
+    def fb():
+        with cache.use("base", device=a.device) as pm:
+            opt.zero_grad()
+            pm(x).float().pow(2).mean().backward()
+
+    t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
+    n = sum(p.numel() for p in cache.parameters("base"))
+    mode = cache.info("base").mode
+    cache.unregister("base")
+    return (f"laden cache ({mode}), peft LoRA ({n / 1e6:.0f}M), host AdamW",
+            t, f, s, peak, sb.rss())
+
+
 def accumulate_step(a, m, h, params, xr, wbytes, t_fb, h2d, d2h):
     """Issue 38: a.accumulate forward + backward passes of xr, their
     gradients added up in the host .grad, then optimizer_step(AdamW,
@@ -389,9 +436,11 @@ def fsdp2_step(a, xr):
             opt.zero_grad()
             m(x).float().pow(2).mean().backward()
 
-        t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
-        rss = sb.rss()
-        out = [("FSDP2 CPUOffloadPolicy (CPU AdamW)", t, f, s, peak, rss)]
+        out = []
+        if not a.only_38:
+            t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
+            out.append(("FSDP2 CPUOffloadPolicy (CPU AdamW)", t, f, s, peak,
+                        sb.rss()))
         if a.accumulate:
             def fbn():
                 opt.zero_grad()
