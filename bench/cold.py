@@ -32,6 +32,7 @@ the files read once before.  With --repeat N the methods run N times,
 interleaved, and the median counts.  Prints tables; asserts nothing.
 
     python bench/cold.py [--device cuda|cpu] [--repeat 3] [--drop-all]
+                          [--skip llama] [--methods "NAME|NAME"]
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--skip", default="", help="synth, llama")
+    ap.add_argument("--methods", default="",
+                    help="only these methods (exact names separated by "
+                         "'|'; cat and dd always run)")
     ap.add_argument("--child")
     ap.add_argument("--model")
     ap.add_argument("--path")
@@ -271,6 +275,10 @@ def main() -> int:
                   "laden.from_pretrained",
                   "laden.from_pretrained, background"],
     }
+    if a.methods:
+        keep = set(a.methods.split("|")) | {"cat", "dd iflag=direct"}
+        methods = {k: [m for m in v if m in keep]
+                   for k, v in methods.items()}
     if a.drop_all and os.geteuid() != 0:
         print("--drop-all needs root", file=sys.stderr)
         return 2
