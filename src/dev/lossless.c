@@ -188,39 +188,106 @@ static void put16(unsigned char *p, uint32_t v)
     p[1] = (unsigned char)(v >> 8);
 }
 
-/* A bit writer: codes least significant bit first into 64-bit words. */
+/* A bit writer: codes least significant bit first, into little-endian
+ * words (written 32 bits at a time: at most 2 x BITS bits added to fewer
+ * than 32 pending ones never overflow the 64-bit accumulator, so there is
+ * one predictable branch per put). */
 typedef struct bitw {
     unsigned char *bits;
-    uint64_t acc, nbits; /* acc: the bits not yet in a whole word */
+    uint64_t pos;  /* bytes written */
+    uint64_t acc;  /* the bits not yet written, fill of them */
     uint32_t fill;
 } bitw;
 
 static inline void put_code(bitw *w, uint32_t code, uint32_t l)
 {
     w->acc |= (uint64_t)code << w->fill;
-    if (w->fill + l >= 64) {
-        put64(w->bits + 8 * (w->nbits / 64), w->acc);
-        uint32_t used = 64 - w->fill; /* of this code's bits */
-        w->acc = used < 64 ? (uint64_t)code >> used : 0;
-        w->fill = w->fill + l - 64;
-    } else {
-        w->fill += l;
+    w->fill += l;
+    if (w->fill >= 32) {
+        put32(w->bits + w->pos, (uint32_t)w->acc);
+        w->pos += 4;
+        w->acc >>= 32;
+        w->fill -= 32;
     }
-    w->nbits += l;
 }
 
-/* Element k's symbol and raw byte. */
-static inline void split(uint32_t kind, const unsigned char *src, uint64_t k,
-                         uint32_t *sym, uint32_t *raw)
+static inline uint64_t bits_written(const bitw *w)
 {
-    uint32_t x = (uint32_t)src[2 * k] | (uint32_t)src[2 * k + 1] << 8;
-    if (kind == KIND_BF16) {
-        *sym = (x >> 7) & 0xffu;
-        *raw = ((x >> 8) & 0x80u) | (x & 0x7fu);
-    } else {
-        *sym = x >> 8;
-        *raw = x & 0xffu;
+    return 8 * w->pos + w->fill;
+}
+
+static inline uint32_t load16(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8;
+}
+
+/* A 16-bit value's symbol (the byte that is entropy-coded: BF16's
+ * exponent, F16's high byte) and its raw byte (the rest, stored as is). */
+static inline uint32_t sym_of(uint32_t bf16, uint32_t x)
+{
+    return bf16 ? (x >> 7) & 0xffu : x >> 8;
+}
+
+static inline uint32_t raw_of(uint32_t bf16, uint32_t x)
+{
+    return bf16 ? ((x >> 8) & 0x80u) | (x & 0x7fu) : x & 0xffu;
+}
+
+/* The symbols of cnt elements at p into sy (vectorizes). */
+static void symbols(uint32_t bf16, const unsigned char *p, uint32_t cnt,
+                    unsigned char *sy)
+{
+    if (bf16)
+        for (size_t k = 0; k < cnt; k++)
+            sy[k] = (unsigned char)sym_of(1, load16(p + 2 * k));
+    else
+        for (size_t k = 0; k < cnt; k++)
+            sy[k] = p[2 * k + 1];
+}
+
+/* Sub-chunk [first, first + cnt) of the elements: its raw bytes into
+ * raw[first..], its symbols counted into count[4][256] (four tables: no
+ * increment waits for the one before), and its checksum: each lane's
+ * FNV-1a over its 16-bit values, the lanes folded in order.  The lanes'
+ * chains are independent, so the element-order loop vectorizes. */
+static uint32_t first_pass(uint32_t bf16, const unsigned char *in,
+                           uint64_t first, uint32_t cnt, unsigned char *raw,
+                           uint64_t count[4][256])
+{
+    uint32_t h[LANES];
+    for (uint32_t j = 0; j < LANES; j++)
+        h[j] = SEED;
+    const unsigned char *p = in + 2 * first;
+    unsigned char *r = raw + first;
+    uint32_t k = 0;
+    /* Separate simple loops: each vectorizes. */
+    if (bf16)
+        for (k = 0; k < cnt; k++)
+            r[k] = (unsigned char)raw_of(1, load16(p + 2 * k));
+    else
+        for (k = 0; k < cnt; k++)
+            r[k] = p[2 * k];
+    for (k = 0; k + LANES <= cnt; k += LANES) {
+        const unsigned char *q = p + 2 * (size_t)k;
+        for (size_t j = 0; j < LANES; j++)
+            h[j] = (h[j] ^ load16(q + 2 * j)) * 0x01000193u;
     }
+    for (uint32_t j = 0; k < cnt; k++, j++)
+        h[j] = (h[j] ^ load16(p + 2 * k)) * 0x01000193u;
+    unsigned char sy[(size_t)1 << LADEN_LOSSLESS_SUB_LOG2];
+    symbols(bf16, p, cnt, sy);
+    for (k = 0; k + 4 <= cnt; k += 4) {
+        count[0][sy[k]]++;
+        count[1][sy[k + 1]]++;
+        count[2][sy[k + 2]]++;
+        count[3][sy[k + 3]]++;
+    }
+    for (; k < cnt; k++)
+        count[0][sy[k]]++;
+    uint32_t sum = SEED;
+    for (uint32_t j = 0; j < LANES; j++)
+        sum = (sum ^ h[j]) * 0x01000193u;
+    return sum;
 }
 
 laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
@@ -243,58 +310,65 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
                            (unsigned long long)bound);
     const unsigned char *in = src;
     unsigned char *out = dst;
-    uint32_t kind = kind_of(dtype), sym, raw;
-    uint64_t count[256] = {0};
-    for (uint64_t k = 0; k < n; k++) {
-        split(kind, in, k, &sym, &raw);
-        count[sym]++;
+    uint32_t kind = kind_of(dtype), bf16 = kind == KIND_BF16;
+    /* Offsets and bits start after the raw bytes, whose count is known:
+     * raw bytes, checksums and codes go straight to their place. */
+    laden_lossless_info at;
+    layout(n, LADEN_LOSSLESS_SUB_LOG2, 0, &at);
+    unsigned char *rawp = out + at.raw_off, *offs = out + at.offs_off;
+    unsigned char *sums = out + at.sums_off, *lanes = out + at.lanes_off;
+    const uint64_t per = (uint64_t)1 << LADEN_LOSSLESS_SUB_LOG2;
+    uint64_t count4[4][256];
+    memset(count4, 0, sizeof count4);
+    for (uint64_t i = 0; i < at.nsub; i++) {
+        uint64_t first = i * per, cnt = n - first < per ? n - first : per;
+        put32(sums + 4 * i,
+              first_pass(bf16, in, first, (uint32_t)cnt, rawp, count4));
     }
+    uint64_t count[256];
+    for (uint32_t c = 0; c < 256; c++)
+        count[c] = count4[0][c] + count4[1][c] + count4[2][c] + count4[3][c];
     uint8_t len[256];
     uint32_t code[256];
     code_lengths(count, len);
     laden__ll_codes(len, code); /* limited to 12 bits: always a code */
-    /* Offsets and bits start after the raw bytes, whose count is known:
-     * the codes go straight to their place. */
-    laden_lossless_info at;
-    layout(n, LADEN_LOSSLESS_SUB_LOG2, 0, &at);
     memset(out, 0, LADEN_LOSSLESS_HEADER_BYTES);
     memcpy(out, LADEN_LOSSLESS_MAGIC, 4);
     out[4] = (unsigned char)kind;
     out[6] = LADEN_LOSSLESS_SUB_LOG2;
     put64(out + 8, n);
     memcpy(out + 32, len, 256);
-    unsigned char *rawp = out + at.raw_off, *offs = out + at.offs_off;
-    unsigned char *sums = out + at.sums_off, *lanes = out + at.lanes_off;
-    unsigned char *bits = out + at.bits_off;
-    bitw w = {.bits = bits};
-    const uint64_t per = (uint64_t)1 << LADEN_LOSSLESS_SUB_LOG2;
+    bitw w = {.bits = out + at.bits_off};
     for (uint64_t i = 0; i < at.nsub; i++) {
         uint64_t first = i * per, cnt = n - first < per ? n - first : per;
-        uint32_t sum = SEED;
-        put64(offs + 8 * i, w.nbits);
+        unsigned char sy[(size_t)1 << LADEN_LOSSLESS_SUB_LOG2];
+        symbols(bf16, in + 2 * first, (uint32_t)cnt, sy);
+        uint64_t base = bits_written(&w);
+        put64(offs + 8 * i, base);
         for (uint32_t j = 0; j < LANES; j++) {
-            uint64_t lane = w.nbits - get64(offs + 8 * i);
-            put16(lanes + 2 * (LANES * i + j), (uint32_t)lane);
-            uint32_t h = SEED;
-            for (uint64_t k = j; k < cnt; k += LANES) {
-                uint64_t e = first + k;
-                split(kind, in, e, &sym, &raw);
-                rawp[e] = (unsigned char)raw;
-                put_code(&w, code[sym], len[sym]);
-                h = (h ^ ((uint32_t)in[2 * e] |
-                          (uint32_t)in[2 * e + 1] << 8)) * 0x01000193u;
+            put16(lanes + 2 * (LANES * i + j),
+                  (uint32_t)(bits_written(&w) - base));
+            /* Two codes at a time (at most 2 x BITS = 24 bits): the
+             * writer's chain of shifts is half as long. */
+            uint64_t k = j;
+            for (; k + LANES < cnt; k += 2 * LANES) {
+                uint32_t a = sy[k], b = sy[k + LANES];
+                put_code(&w, code[a] | code[b] << len[a], len[a] + len[b]);
             }
-            sum = (sum ^ h) * 0x01000193u;
+            if (k < cnt)
+                put_code(&w, code[sy[k]], len[sy[k]]);
         }
-        put32(sums + 4 * i, sum);
     }
-    uint64_t nbits = w.nbits;
-    if (w.fill)
-        put64(bits + 8 * (nbits / 64), w.acc);
+    uint64_t nbits = bits_written(&w);
+    uint64_t words = nbits / 64u + (nbits % 64u != 0);
+    if (w.fill) {
+        put32(w.bits + w.pos, (uint32_t)w.acc);
+        w.pos += 4;
+    }
+    /* The last word's bits past the codes, and the padding word. */
+    memset(w.bits + w.pos, 0, 8 * (words + 1) - w.pos);
     memset(rawp + n, 0, at.offs_off - at.raw_off - n);
     memset(sums + 4 * at.nsub, 0, at.lanes_off - at.sums_off - 4 * at.nsub);
-    uint64_t words = nbits / 64u + (nbits % 64u != 0);
-    put64(bits + 8 * words, 0); /* the padding word */
     put64(out + 16, nbits);
     layout(n, LADEN_LOSSLESS_SUB_LOG2, nbits, &at);
     *out_bytes = at.bytes;
