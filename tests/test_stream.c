@@ -2657,33 +2657,41 @@ static void changed_in_place(int32_t dev)
 
 TEST(stream_changed_in_place_undone) { test_on_every_device(changed_in_place); }
 
+/* The test model as a loaded cache schedule, every block on the RAM
+ * tier, with a stream to read the device back (m->rd, on a GPU). */
+static void load_cache_model(model *m, int32_t dev)
+{
+    memset(m, 0, sizeof *m);
+    m->dev = dev;
+    CHECK_OK(laden_st_open(write_model(), &m->st));
+    laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, m->st, &m->sc));
+    for (int i = 0; i < NB; i++) {
+        CHECK_OK(laden_sched_add_block(m->sc, LADEN_TIER_RAM,
+                                       &m->block_of[i]));
+        for (int k = 0; k < 2; k++) {
+            size_t idx;
+            uint32_t ti;
+            char name[64];
+            snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
+            CHECK_OK(laden_st_find(m->st, name, &idx));
+            CHECK_OK(laden_sched_add_tensor(m->sc, m->block_of[i], m->st, idx,
+                                            LADEN_DTYPE_U8, &ti));
+        }
+    }
+    if (dev != LADEN_DEVICE_CPU)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m->rd));
+    m->buf = malloc(1 << 20);
+    CHECK_OK(laden_sched_load(m->sc));
+}
+
 /* Cache schedules: a device copy changed in place (an adapter merged) is
  * written again from the host copy by laden_sched_reupload, and its
  * upload count says when it was written. */
 static void copy_rewritten(int32_t dev)
 {
     model m;
-    memset(&m, 0, sizeof m);
-    m.dev = dev;
-    CHECK_OK(laden_st_open(write_model(), &m.st));
-    laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_sched_create(&cfg, m.st, &m.sc));
-    for (int i = 0; i < NB; i++) {
-        CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &m.block_of[i]));
-        for (int k = 0; k < 2; k++) {
-            size_t idx;
-            uint32_t ti;
-            char name[64];
-            snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
-            CHECK_OK(laden_st_find(m.st, name, &idx));
-            CHECK_OK(laden_sched_add_tensor(m.sc, m.block_of[i], m.st, idx,
-                                            LADEN_DTYPE_U8, &ti));
-        }
-    }
-    if (dev != LADEN_DEVICE_CPU)
-        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m.rd));
-    m.buf = malloc(1 << 20);
-    CHECK_OK(laden_sched_load(m.sc));
+    load_cache_model(&m, dev);
     uint32_t b = m.block_of[3];
     uint64_t fills = 99;
     CHECK_OK(laden_sched_copy_fills(m.sc, b, &fills));
@@ -2747,27 +2755,7 @@ static void fetch_back(model *m, laden_devptr_t p, uint64_t n)
 static void tensor_rewritten(int32_t dev)
 {
     model m;
-    memset(&m, 0, sizeof m);
-    m.dev = dev;
-    CHECK_OK(laden_st_open(write_model(), &m.st));
-    laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_sched_create(&cfg, m.st, &m.sc));
-    for (int i = 0; i < NB; i++) {
-        CHECK_OK(laden_sched_add_block(m.sc, LADEN_TIER_RAM, &m.block_of[i]));
-        for (int k = 0; k < 2; k++) {
-            size_t idx;
-            uint32_t ti;
-            char name[64];
-            snprintf(name, sizeof name, "blocks.%d.%c", i, k ? 'b' : 'a');
-            CHECK_OK(laden_st_find(m.st, name, &idx));
-            CHECK_OK(laden_sched_add_tensor(m.sc, m.block_of[i], m.st, idx,
-                                            LADEN_DTYPE_U8, &ti));
-        }
-    }
-    if (dev != LADEN_DEVICE_CPU)
-        CHECK_OK(laden_dev_stream_wrap(dev, 0, &m.rd));
-    m.buf = malloc(1 << 20);
-    CHECK_OK(laden_sched_load(m.sc));
+    load_cache_model(&m, dev);
     uint32_t b = m.block_of[2];
     CHECK_STATUS(laden_sched_reupload_tensor(m.sc, b, 1, 0), LADEN_E_STATE);
     CHECK_OK(laden_sched_set_resident(m.sc, b, 1));

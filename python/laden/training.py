@@ -166,6 +166,15 @@ class _Trainer:
                                                        self._pusher(t)))
         if not self.host:
             return
+        self._make_sink(largest)
+        for c_block in self.by_block:
+            self.versions[c_block] = self._version(c_block)
+
+    def _make_sink(self, largest: int) -> None:
+        """The C gradient sink, its staging sized for the largest tensor
+        (bytes), and its copy stream as torch's."""
+        import torch
+
         staging = lib.laden_grads_staging_bytes(largest)
         h = ctypes.c_void_p()
         check(lib.laden_grads_create(_dev_index(self.device), staging,
@@ -174,8 +183,6 @@ class _Trainer:
         if self.cuda:
             self.copy_stream = torch.cuda.ExternalStream(
                 lib.laden_grads_stream(self.sink), device=self.device)
-        for c_block in self.by_block:
-            self.versions[c_block] = self._version(c_block)
 
     def close(self) -> None:
         """Flushes what is pending (the .grad values are kept) and frees
@@ -532,16 +539,7 @@ class _CacheTrainer(_Trainer):
             largest = max(largest, home.numel() * home.element_size())
         if not self.tracked:
             return
-        staging = lib.laden_grads_staging_bytes(largest)
-        h = ctypes.c_void_p()
-        check(lib.laden_grads_create(_dev_index(self.device), staging,
-                                     ctypes.byref(h)))
-        self.sink = h.value
-        if self.cuda:
-            import torch as _t
-
-            self.copy_stream = _t.cuda.ExternalStream(
-                lib.laden_grads_stream(self.sink), device=self.device)
+        self._make_sink(largest)
         self.rehook()
 
     def rehook(self) -> None:
