@@ -42,6 +42,17 @@ from .errors import InvalidArgumentError, LadenError, StateError
 
 
 
+def _refuse_compact(t, where: str, who: str, fix: str) -> None:
+    """InvalidArgumentError for a parameter that trains but is kept
+    compact (fp8, GGUF): expanded where it runs, it has no weights an
+    optimizer could step."""
+    if t.store != "plain":
+        raise InvalidArgumentError(
+            f"{who}: {where} is kept compact ({t.store_dtype or t.store}) "
+            "and expanded where it runs; it cannot be trained: freeze it "
+            f"(requires_grad_(False)){fix}", "E_INVAL")
+
+
 def grad_code(dtype) -> Optional[int]:
     """laden's code for a dtype gradients may have (float32, float16,
     bfloat16: what the C sink converts), or None."""
@@ -92,7 +103,10 @@ class _Trainer:
         self.cuda = state.device.type == "cuda"
         self.host: Dict[int, object] = {}   # id(_Tensor) -> host Parameter
         self.by_block: Dict[int, List[object]] = {}  # c_block -> host params
-        self.versions: Dict[int, int] = {}  # c_block -> sum of _version
+        self.tracked: list = []  # the _Tensors with a host Parameter
+        # id(host Parameter) -> its _version when last written where the
+        # model runs from (a slot, a device copy)
+        self.seen: Dict[int, int] = {}
         self.hooks: list = []
         self.keep: list = []   # host .grad tensors written by pending pushes
         self.bufs: Dict[int, object] = {}  # id(_Tensor) -> reused .grad
@@ -123,52 +137,55 @@ class _Trainer:
                 if not t.is_param or p is None or not p.requires_grad:
                     continue
                 where = f"parameter '{t.names[0]}' of block '{b.name}'"
-                if t.store != "plain":
-                    raise InvalidArgumentError(
-                        f"install_offload(train=True): {where} is kept "
-                        f"compact ({t.store_dtype or t.store}) and expanded "
-                        "where it runs; it cannot be trained: freeze it "
-                        "(requires_grad_(False)) and train adapters, or load "
-                        "it without storage_dtype", "E_INVAL")
+                _refuse_compact(t, where, "install_offload(train=True)",
+                                " and train adapters, or load it without "
+                                "storage_dtype")
                 if not streamed:
                     continue  # runs from memory of its own: ordinary .grad
-                home = _tensor_view(o, t, "home", None)
-                if home is None:
-                    raise InvalidArgumentError(
-                        f"install_offload(train=True): {where} streams from "
-                        "the disk tier, which has no copy in memory for an "
-                        "optimizer to update: freeze it "
-                        "(requires_grad_(False)), or give the model a RAM "
-                        "budget that holds it", "E_INVAL")
-                if grad_code(p.dtype) is None:
-                    raise InvalidArgumentError(
-                        f"install_offload(train=True): {where} is {p.dtype}; "
-                        "streamed parameters train in float32, float16 or "
-                        "bfloat16", "E_INVAL")
-                hp = torch.nn.Parameter(home, requires_grad=True)
-                want = self.grad_dtype or p.dtype
-                if want != p.dtype:
-                    if not hasattr(hp, "grad_dtype"):
-                        raise InvalidArgumentError(
-                            f"install_offload(train=True, grad_dtype="
-                            f"{want}): {where} is {p.dtype}, and this "
-                            f"torch ({torch.__version__}) cannot hold a "
-                            "gradient of another dtype than its parameter "
-                            "(Tensor.grad_dtype came later); leave "
-                            "grad_dtype out", "E_INVAL")
-                    hp.grad_dtype = want
-                self.host[id(t)] = hp
-                self.by_block.setdefault(b.c_block, []).append(hp)
-                largest = max(largest, home.numel() * home.element_size())
+                hp = self._host_param(o, t, where,
+                                      "install_offload(train=True)",
+                                      "streamed")
+                largest = max(largest, hp.numel() * hp.element_size())
                 # On the tensor the block computes with (bound into the
                 # module only inside the block): its gradient lands there.
                 self.hooks.append(post_accumulate_hook(run_of(t),
                                                        self._pusher(t)))
-        if not self.host:
-            return
-        self._make_sink(largest)
-        for c_block in self.by_block:
-            self.versions[c_block] = self._version(c_block)
+        if self.host:
+            self._make_sink(largest)
+
+    def _host_param(self, o, t, where: str, who: str, kind: str):
+        """t's host copy as the Parameter an optimizer steps (checked: it
+        has one, in a dtype gradients can take), tracked from now on."""
+        import torch
+
+        p = t.param
+        home = _tensor_view(o, t, "home", None)
+        if home is None:
+            raise InvalidArgumentError(
+                f"{who}: {where} streams from the disk tier, which has no "
+                "copy in memory for an optimizer to update: freeze it "
+                "(requires_grad_(False)), or give the model a RAM budget "
+                "that holds it", "E_INVAL")
+        if grad_code(p.dtype) is None:
+            raise InvalidArgumentError(
+                f"{who}: {where} is {p.dtype}; {kind} parameters train in "
+                "float32, float16 or bfloat16", "E_INVAL")
+        hp = torch.nn.Parameter(home, requires_grad=True)
+        want = self.grad_dtype or p.dtype
+        if want != p.dtype:
+            if not hasattr(hp, "grad_dtype"):
+                raise InvalidArgumentError(
+                    f"install_offload(train=True, grad_dtype={want}): "
+                    f"{where} is {p.dtype}, and this torch "
+                    f"({torch.__version__}) cannot hold a gradient of "
+                    "another dtype than its parameter (Tensor.grad_dtype "
+                    "came later); leave grad_dtype out", "E_INVAL")
+            hp.grad_dtype = want
+        self.host[id(t)] = hp
+        self.by_block.setdefault(t.c_block, []).append(hp)
+        self.tracked.append(t)
+        self.seen[id(hp)] = hp._version
+        return hp
 
     def _make_sink(self, largest: int) -> None:
         """The C gradient sink, its staging sized for the largest tensor
@@ -392,22 +409,41 @@ class _Trainer:
                 self.sent.clear()
 
     # -- host copies that an optimizer changed --------------------------------
-    def _version(self, c_block: int) -> int:
-        return sum(p._version for p in self.by_block.get(c_block, ()))
-
     def refresh(self, c_block: int) -> None:
-        """Before block c_block runs: if an optimizer changed a host copy
-        since the slots were filled, every slot is filled again."""
+        """Before block c_block runs: if an optimizer changed one of its
+        host copies, what changed goes where the model runs from (sync)."""
         if self.armed:
             # A backward that failed never ran its callback.
             self.flush()
-        if c_block not in self.versions or \
-                self._version(c_block) == self.versions[c_block]:
-            return
+        if any(hp._version != self.seen[id(hp)]
+               for hp in self.by_block.get(c_block, ())):
+            self.sync()
+
+    def sync(self) -> None:
+        """Every host copy changed since it was last written where the
+        model runs from goes there: the slots filled again (once) for a
+        streamed block, the tensor written into a cached model's device
+        copy (laden_sched_reupload_tensor, ordered on the compute
+        stream)."""
+        if self.armed:
+            self.flush()
         o = self.state.live("training")
-        check(lib.laden_sched_refill(o.h))
-        for b in self.versions:
-            self.versions[b] = self._version(b)
+        refill = False
+        stream = None
+        for t in self.tracked:
+            hp = self.host[id(t)]
+            if hp._version == self.seen[id(hp)]:
+                continue
+            self.seen[id(hp)] = hp._version
+            if lib.laden_sched_is_streamed(o.h, t.c_block):
+                refill = True
+            elif lib.laden_sched_is_resident(o.h, t.c_block):
+                if stream is None:
+                    stream = _compute_stream(self.device)
+                check(lib.laden_sched_reupload_tensor(
+                    o.h, t.c_block, t.c_index, stream))
+        if refill:
+            check(lib.laden_sched_refill(o.h))
 
     def block_name(self, c_block: int) -> str:
         return next((b.name for b in self.state.blocks
@@ -490,9 +526,6 @@ class _CacheTrainer(_Trainer):
     def __init__(self, rt):
         super().__init__(_CacheState(rt), None)
         self.rt = rt
-        self.tracked: list = []          # the _Tensors that train
-        self.seen: Dict[int, int] = {}   # id(host Parameter) -> _version
-                                         # last written to the device
         self.start: Dict[int, int] = {}  # id(host Parameter) -> at attach
 
     def block_name(self, c_block: int) -> str:
@@ -509,34 +542,19 @@ class _CacheTrainer(_Trainer):
     def attach(self, o) -> None:
         """After the build: a host Parameter per trainable tensor, the
         sink, the hooks."""
-        import torch
-
         largest = 0
         key = self.rt.spec.key
+        who = "ModelSpec(trainable=True)"
         for t in self.rt.tensors:
             p = t.param
             if not t.is_param or p is None or not p.requires_grad:
                 continue
             where = f"parameter '{t.names[0]}' of model '{key}'"
-            if t.store != "plain":
-                raise InvalidArgumentError(
-                    f"ModelSpec(trainable=True): {where} is kept compact "
-                    f"({t.store_dtype or t.store}) and expanded where it "
-                    "runs; it cannot be trained: freeze it "
-                    "(requires_grad_(False)) in the factory and train "
-                    "adapters", "E_INVAL")
-            if grad_code(p.dtype) is None:
-                raise InvalidArgumentError(
-                    f"ModelSpec(trainable=True): {where} is {p.dtype}; "
-                    "cached parameters train in float32, float16 or "
-                    "bfloat16", "E_INVAL")
-            home = _tensor_view(o, t, "home", None)
-            hp = torch.nn.Parameter(home, requires_grad=True)
-            self.host[id(t)] = hp
-            self.by_block.setdefault(t.c_block, []).append(hp)
-            self.tracked.append(t)
-            self.seen[id(hp)] = self.start[id(hp)] = hp._version
-            largest = max(largest, home.numel() * home.element_size())
+            _refuse_compact(t, where, who,
+                            " in the factory and train adapters")
+            hp = self._host_param(o, t, where, who, "cached")
+            self.start[id(hp)] = hp._version
+            largest = max(largest, hp.numel() * hp.element_size())
         if not self.tracked:
             return
         self._make_sink(largest)
@@ -566,41 +584,6 @@ class _CacheTrainer(_Trainer):
         """Whether an optimizer changed a host copy since the build."""
         return any(hp._version != self.start[id(hp)]
                    for hp in self.host.values())
-
-    def refresh(self, c_block: int) -> None:
-        """Before block c_block runs."""
-        if self.armed:
-            self.flush()  # a backward that failed never ran its callback
-        for hp in self.by_block.get(c_block, ()):
-            if hp._version != self.seen[id(hp)]:
-                break
-        else:
-            return
-        self.sync()
-
-    def sync(self) -> None:
-        """Whatever host copy changed since it was last written to the
-        device goes there: into a device copy tensor by tensor, or the
-        slots refilled.  At each use's start and before blocks run."""
-        if self.armed:
-            self.flush()
-        o = self.state.live("training")
-        refill = False
-        stream = None
-        for t in self.tracked:
-            hp = self.host[id(t)]
-            if hp._version == self.seen[id(hp)]:
-                continue
-            self.seen[id(hp)] = hp._version
-            if lib.laden_sched_is_streamed(o.h, t.c_block):
-                refill = True
-            elif lib.laden_sched_is_resident(o.h, t.c_block):
-                if stream is None:
-                    stream = _compute_stream(self.device)
-                check(lib.laden_sched_reupload_tensor(
-                    o.h, t.c_block, t.c_index, stream))
-        if refill:
-            check(lib.laden_sched_refill(o.h))
 
 
 class _Fused:
