@@ -42,17 +42,6 @@ from .errors import InvalidArgumentError, LadenError, StateError
 
 
 
-def _refuse_compact(t, where: str, who: str, fix: str) -> None:
-    """InvalidArgumentError for a parameter that trains but is kept
-    compact (fp8, GGUF): expanded where it runs, it has no weights an
-    optimizer could step."""
-    if t.store != "plain":
-        raise InvalidArgumentError(
-            f"{who}: {where} is kept compact ({t.store_dtype or t.store}) "
-            "and expanded where it runs; it cannot be trained: freeze it "
-            f"(requires_grad_(False)){fix}", "E_INVAL")
-
-
 def grad_code(dtype) -> Optional[int]:
     """laden's code for a dtype gradients may have (float32, float16,
     bfloat16: what the C sink converts), or None."""
@@ -126,8 +115,6 @@ class _Trainer:
     def attach(self, o) -> None:
         """After the blocks are bound where they run: checks what trains,
         makes the host copies and the hooks."""
-        import torch
-
         largest = 0
         st = self.state
         for b in st.blocks:
@@ -137,9 +124,13 @@ class _Trainer:
                 if not t.is_param or p is None or not p.requires_grad:
                     continue
                 where = f"parameter '{t.names[0]}' of block '{b.name}'"
-                _refuse_compact(t, where, "install_offload(train=True)",
-                                " and train adapters, or load it without "
-                                "storage_dtype")
+                if t.store != "plain":
+                    raise InvalidArgumentError(
+                        f"install_offload(train=True): {where} is kept "
+                        f"compact ({t.store_dtype or t.store}) and expanded "
+                        "where it runs; it cannot be trained: freeze it "
+                        "(requires_grad_(False)) and train adapters, or load "
+                        "it without storage_dtype", "E_INVAL")
                 if not streamed:
                     continue  # runs from memory of its own: ordinary .grad
                 hp = self._host_param(o, t, where,
@@ -549,9 +540,9 @@ class _CacheTrainer(_Trainer):
             p = t.param
             if not t.is_param or p is None or not p.requires_grad:
                 continue
+            # The cache keeps every tensor plain (fp8 and GGUF decoded at
+            # load): nothing compact to refuse.
             where = f"parameter '{t.names[0]}' of model '{key}'"
-            _refuse_compact(t, where, who,
-                            " in the factory and train adapters")
             hp = self._host_param(o, t, where, who, "cached")
             self.start[id(hp)] = hp._version
             largest = max(largest, hp.numel() * hp.element_size())

@@ -230,6 +230,42 @@ def test_what_cannot_train_in_the_cache_is_refused():
     assert sp.key not in cache._rt
 
 
+def test_parameters_in_a_dtype_gradients_cannot_take_are_named():
+    """A trainable float64 parameter: refused at the build, naming it;
+    frozen, the same model builds and runs."""
+    def f64(train):
+        m = reference(0)
+        m.blocks[2].up.to(torch.float64).requires_grad_(train)
+        return m
+
+    cache = ModelCache()
+    with pytest.raises(laden.InvalidArgumentError,
+                       match=r"'blocks\.2\.up\.weight'.*float64"):
+        with cache.use(ModelSpec("f", lambda: f64(True), block_paths=BLOCKS,
+                                 trainable=True), device="cpu"):
+            pass
+    assert "f" not in cache._rt
+    with cache.use(ModelSpec("g", lambda: f64(False), block_paths=BLOCKS,
+                             trainable=True), device="cpu"):
+        assert "blocks.2.up.weight" not in dict(cache.named_parameters("g"))
+    cache.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_trainable_model_does_not_move_to_another_device():
+    """Built on the CPU, used on CUDA: it would be rebuilt from its factory
+    and lose what its optimizer stepped; refused, the model as it was."""
+    cache = ModelCache()
+    sp = spec(0, trainable=True)
+    with cache.use(sp, device="cpu"):
+        pass
+    with pytest.raises(laden.StateError, match="trainable.*unregister"):
+        with cache.use(sp, device="cuda"):
+            pass
+    assert str(cache.info(sp.key).device) == "cpu"
+    cache.unregister(sp.key)
+
+
 def test_frozen_parts_stay_out_of_the_optimizer():
     """Only what the factory left requires_grad trains; a model with
     nothing to train builds and runs as before."""
