@@ -108,6 +108,15 @@ LADEN_API laden_status laden_io_submit_then(laden_io_t *io,
                                             void *then_arg,
                                             laden_io_req_t **out);
 
+/* Copies size bytes from src to dst (host memory, not overlapping) on the
+ * pool's threads, a chunk each, as a read is: a request waited for with
+ * laden_io_wait, queued behind the reads before it.  For copies too large
+ * for one thread to make at the rate reads arrive (a load's coded blobs
+ * into their blocks). */
+LADEN_API laden_status laden_io_submit_copy(laden_io_t *io, const void *src,
+                                            uint64_t size, void *dst,
+                                            laden_io_req_t **out);
+
 /* Blocks until the request has finished, frees it and returns its status;
  * on failure laden_last_error() on the calling thread names file, offset and
  * cause.  Any thread. */

@@ -92,7 +92,8 @@ typedef struct chunk_drops {
 typedef struct job {
     struct job *next;
     laden_io_req_t *req;
-    laden_io_file_t *file;
+    laden_io_file_t *file; /* NULL: a copy from src (laden_io_submit_copy) */
+    const char *src;
     uint64_t off, len;
     char *dst;
 } job;
@@ -1075,15 +1076,19 @@ static void *worker_main(void *arg)
         chunk_drops drops = {.n = 0};
         uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
         hasher h, *hp = NULL;
-        if (!skip && first_read(jb->file, jb->off, jb->len)) {
+        if (!jb->file) { /* a copy: memory to memory */
+            if (!skip)
+                memcpy(jb->dst, jb->src, (size_t)jb->len);
+        } else if (!skip && first_read(jb->file, jb->off, jb->len)) {
             sum_begin(&h.st, jb->len);
             h.done = 0;
             hp = &h;
         }
-        if (!skip && !(s = read_chunk(w, jb->file, jb->off, jb->len,
-                                      jb->dst, n, hp, &drops)))
+        if (jb->file && !skip &&
+            !(s = read_chunk(w, jb->file, jb->off, jb->len, jb->dst, n, hp,
+                             &drops)))
             s = check_chunk(jb->file, jb->off, jb->len, jb->dst, hp);
-        if (t0 && !skip) {
+        if (t0 && !skip && jb->file) {
             uint64_t sess = laden__trace_session(); /* before the name */
             laden__trace_span(LADEN__EV_READ, sess, t0, jb->off, jb->len,
                               n[1], laden__trace_intern(jb->file->path));
@@ -1251,18 +1256,19 @@ laden_status laden_io_submit(laden_io_t *io, laden_io_file_t *f,
     return laden_io_submit_then(io, f, offset, size, dst, NULL, NULL, out);
 }
 
-laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
-                                  uint64_t offset, uint64_t size, void *dst,
-                                  laden_io_then_fn then, void *then_arg,
-                                  laden_io_req_t **out)
+/* Queues the chunks of a read of f (or, f NULL, a copy from src). */
+static laden_status submit(laden_io_t *io, laden_io_file_t *f,
+                           const char *src, uint64_t offset, uint64_t size,
+                           void *dst, laden_io_then_fn then, void *then_arg,
+                           laden_io_req_t **out)
 {
     uint64_t end;
     if (!out)
         return laden__fail(LADEN_E_INVAL, "laden_io_submit: out is NULL");
     *out = NULL;
-    if (!io || !f || (!dst && size))
+    if (!io || (!f && !src && size) || (!dst && size))
         return laden__fail(LADEN_E_INVAL, "laden_io_submit: NULL argument");
-    if (!laden__add_u64(offset, size, &end) || end > f->size)
+    if (f && (!laden__add_u64(offset, size, &end) || end > f->size))
         return laden__fail(LADEN_E_TRUNCATED,
                            "%s: bytes %llu..%llu asked, but the file holds "
                            "%llu",
@@ -1300,6 +1306,7 @@ laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
         job *jb = &r->jobs[i];
         jb->req = r;
         jb->file = f;
+        jb->src = src ? src + i * io->chunk : NULL;
         jb->off = offset + i * io->chunk;
         jb->len = size - i * io->chunk < io->chunk ? size - i * io->chunk
                                                   : io->chunk;
@@ -1323,6 +1330,31 @@ laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
     pthread_mutex_unlock(&io->mu);
     *out = r;
     return LADEN_OK;
+}
+
+laden_status laden_io_submit_then(laden_io_t *io, laden_io_file_t *f,
+                                  uint64_t offset, uint64_t size, void *dst,
+                                  laden_io_then_fn then, void *then_arg,
+                                  laden_io_req_t **out)
+{
+    if (!f) {
+        if (out)
+            *out = NULL;
+        return laden__fail(LADEN_E_INVAL, "laden_io_submit: NULL file");
+    }
+    return submit(io, f, NULL, offset, size, dst, then, then_arg, out);
+}
+
+laden_status laden_io_submit_copy(laden_io_t *io, const void *src,
+                                  uint64_t size, void *dst,
+                                  laden_io_req_t **out)
+{
+    if (!src && size) {
+        if (out)
+            *out = NULL;
+        return laden__fail(LADEN_E_INVAL, "laden_io_submit_copy: NULL src");
+    }
+    return submit(io, NULL, src, 0, size, dst, NULL, NULL, out);
 }
 
 laden_status laden_io_wait(laden_io_t *io, laden_io_req_t *r)

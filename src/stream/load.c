@@ -31,6 +31,7 @@ typedef struct tread {
     void *tmp;
     char *to;
     bool read;       /* a part of several ranges read already (read_pieces) */
+    bool copy;       /* req is a copy from host memory, not a read */
     uint64_t cached; /* of its bytes, from the page cache */
 } tread;
 
@@ -139,6 +140,11 @@ static laden_status read_pieces(laden_sched_t *sc, const tref *r, char *dst,
     return s;
 }
 
+/* Host tensors from this size up are copied by the reader pool's threads
+ * (laden_io_submit_copy): compression="lossless" hands the load gigabytes
+ * of blobs, which one thread copied at a third of the drive's rate. */
+#define COPY_ON_POOL (4ull << 20)
+
 /* Starts putting tensor r at `to`, its place in the block: copied or
  * converted now from host memory, or a read submitted (c->req), into a
  * buffer of its own (c->tmp) and converted by the reader when it is
@@ -147,6 +153,11 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
                                  tread *c)
 {
     laden_io_req_t **req = &c->req;
+    if (r->host && r->src == r->dst && r->src_bytes >= COPY_ON_POOL) {
+        c->copy = true; /* a blob: many, large, on the pool's threads */
+        return laden_io_submit_copy(sc->layout.io, r->host, r->src_bytes, to,
+                                    req);
+    }
     if (r->host && r->src == r->dst) {
         memcpy(to, r->host, r->src_bytes);
         return LADEN_OK;
@@ -226,7 +237,7 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f,
         }
         if ((w = wait_tread(sc, &f->tr[i], &done, &cached)) && !s)
             s = w;
-        else if (done) {
+        else if (done && !f->tr[i].copy) {
             sc->st.load_read_bytes += f->b->t[f->t0 + i].src_bytes;
             sc->st.load_cached_bytes += cached;
         }
