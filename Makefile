@@ -68,12 +68,14 @@ test-tsan:
 fuzz-replay:
 	cmake -S . -B build-asan -DLADEN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j$(JOBS) --target laden_fuzz_replay laden_fuzz_replay_plan \
-	  laden_fuzz_replay_index laden_fuzz_replay_gguf laden_fuzz_replay_lossless
+	  laden_fuzz_replay_index laden_fuzz_replay_gguf laden_fuzz_replay_lossless \
+	  laden_fuzz_replay_llcache
 	./build-asan/laden_fuzz_replay fuzz/corpus/st tests/data/bad
 	./build-asan/laden_fuzz_replay_gguf fuzz/corpus/gguf
 	./build-asan/laden_fuzz_replay_plan fuzz/corpus/plan
 	./build-asan/laden_fuzz_replay_index fuzz/corpus/index
 	./build-asan/laden_fuzz_replay_lossless fuzz/corpus/lossless
+	./build-asan/laden_fuzz_replay_llcache fuzz/corpus/llcache
 
 # clang with its sanitizer and libFuzzer runtimes; installed when absent
 # (Debian bookworm has clang 14; the runtimes are in libclang-rt-N-dev).
@@ -131,7 +133,7 @@ fuzz: need-clang
 	CC=$(CLANG) cmake -S . -B build-fuzz -DLADEN_FUZZ=ON -DLADEN_TESTS=OFF \
 	  -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j$(JOBS) --target laden_fuzz_st laden_fuzz_plan \
-	  laden_fuzz_index laden_fuzz_gguf laden_fuzz_lossless
+	  laden_fuzz_index laden_fuzz_gguf laden_fuzz_lossless laden_fuzz_llcache
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_st -max_total_time=$(FUZZ_SECONDS) \
 	  -dict=fuzz/st.dict fuzz/corpus/st
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) \
@@ -142,6 +144,8 @@ fuzz: need-clang
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_gguf -max_total_time=$(FUZZ_SECONDS) fuzz/corpus/gguf
 	$(SAN_ENV) ./build-fuzz/laden_fuzz_lossless -max_total_time=$(FUZZ_SECONDS) \
 	  fuzz/corpus/lossless
+	$(SAN_ENV) ./build-fuzz/laden_fuzz_llcache -max_total_time=$(FUZZ_SECONDS) \
+	  fuzz/corpus/llcache
 
 bench-read: install
 	$(VPY) bench/read.py

@@ -2,6 +2,9 @@
 /* lossless: every 16-bit pattern comes back as it went in, weights take
  * about two thirds of their bytes, and a blob that changed is refused by
  * name, never read or written out of bounds. */
+#include <errno.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "test.h"
@@ -858,4 +861,187 @@ TEST(lossless_compression_read_failure_names_the_tensor)
     laden_sched_destroy(sc2);
     laden_st_close(st);
     free(w);
+}
+
+/* ---- lossless cache files ----------------------------------------------- */
+
+static uint64_t le64_at(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* Flips bit 0 of byte `at` of the file at path. */
+static void flip_byte(const char *path, uint64_t at)
+{
+    FILE *f = fopen(path, "r+b");
+    CHECK(f != NULL);
+    CHECK_EQ(fseek(f, (long)at, SEEK_SET), 0);
+    int c = fgetc(f);
+    CHECK(c != EOF);
+    CHECK_EQ(fseek(f, (long)at, SEEK_SET), 0);
+    fputc(c ^ 1, f);
+    fclose(f);
+}
+
+/* Entry k's field at byte `field` of the cache file's index. */
+static uint64_t index_field(const char *cpath, uint32_t k, uint32_t field)
+{
+    unsigned char head[64], e[40];
+    FILE *f = fopen(cpath, "rb");
+    CHECK(f != NULL);
+    CHECK_EQ(fread(head, 1, 64, f), 64);
+    CHECK_EQ(fseek(f, (long)(le64_at(head + 16) + 40u * k), SEEK_SET), 0);
+    CHECK_EQ(fread(e, 1, 40, f), 40);
+    fclose(f);
+    return le64_at(e + field);
+}
+
+static int cancel_write(void *arg, uint64_t done, uint64_t total)
+{
+    (void)arg;
+    (void)done;
+    (void)total;
+    return 1;
+}
+
+/* Loads NB blocks of `path` on the RAM tier with dir's cache; asserts the
+ * values are v's, and gives the stats. */
+static laden_status load_cached(const char *path, const char *dir,
+                                uint32_t nb, uint64_t n, const uint16_t *v,
+                                laden_sched_stats_t *out, uint32_t *found,
+                                uint32_t *stale)
+{
+    laden_st_t *st;
+    laden_sched_t *sc = blocks_of(path, &st, nb);
+    laden_plan_result res;
+    uint32_t marked;
+    laden_status s = laden_sched_use_lossless_cache(sc, dir);
+    if (!s) {
+        CHECK_OK(laden_sched_lossless_cache_info(sc, found, stale));
+        CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+        CHECK_EQ(marked, nb);
+        CHECK_OK(plan_ram(sc, 1ull << 40, &res));
+        s = laden_sched_load(sc);
+    }
+    uint16_t *got = malloc(2 * n);
+    for (uint32_t b = 0; !s && b < nb; b++) {
+        s = laden_sched_tensor_value(sc, b, 0, LADEN_DTYPE_BF16, got, 2 * n);
+        if (!s)
+            CHECK(memcmp(got, v + (uint64_t)b * n, 2 * n) == 0);
+    }
+    if (!s)
+        CHECK_OK(laden_sched_stats(sc, out));
+    free(got);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    return s;
+}
+
+/* laden_lossless_cache_write encodes a checkpoint once; a load given its
+ * directory reads the blobs (fewer bytes) and encodes nothing, with every
+ * value as stored, the plan's sizes exact, a tensor that does not code
+ * read as stored.  A cache made from another version of the file is not
+ * used; a damaged one is refused with LADEN_E_CORRUPT naming it (index,
+ * blob header) or found by the decoder (blob codes); a cancelled write
+ * leaves nothing. */
+TEST(lossless_cache_file_is_read_instead_of_encoding)
+{
+    enum { NB = 3, N = 65536 };
+    const uint64_t raw = 2u * N;
+    uint16_t *v = values(LADEN_DTYPE_BF16, WEIGHTS, (uint64_t)NB * N);
+    uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, N);
+    memcpy(v + N, noise, raw); /* t1 does not code */
+    char *path = write_tensors("llc.safetensors", NB, N, v);
+    char *dir = test_path("llc-dir");
+    laden_lossless_cache_stats cs;
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    CHECK_EQ(cs.files, 1);
+    CHECK_EQ(cs.tensors, NB);
+    CHECK_EQ(cs.coded, 2);
+    CHECK_EQ(cs.raw_bytes, NB * raw);
+    CHECK_EQ(cs.coded_raw_bytes, 2 * raw);
+    CHECK(cs.coded_bytes < 2 * raw * 3 / 4);
+    char cpath[4096];
+    CHECK_OK(laden_lossless_cache_path(path, dir, cpath, sizeof cpath));
+    struct stat sb;
+    CHECK_EQ(stat(cpath, &sb), 0);
+    CHECK_EQ((uint64_t)sb.st_size, cs.file_bytes);
+    CHECK(strstr(cpath, "/llc.safetensors.") && strstr(cpath, ".ldlc"));
+
+    laden_sched_stats_t ss;
+    uint32_t found = 9, stale = 9;
+    CHECK_OK(load_cached(path, dir, NB, N, v, &ss, &found, &stale));
+    CHECK_EQ(found, 1);
+    CHECK_EQ(stale, 0);
+    CHECK_EQ(ss.lossless_cache_bytes, cs.coded_bytes);
+    CHECK_EQ(ss.lossless_bytes, cs.coded_bytes);
+    CHECK_EQ(ss.load_read_bytes, cs.coded_bytes + raw); /* t1 as stored */
+    /* The same load without it encodes the same blobs. */
+    laden_sched_stats_t plain;
+    char *empty = test_path("llc-empty");
+    CHECK_EQ(mkdir(empty, 0755) == 0 || errno == EEXIST, 1);
+    CHECK_OK(load_cached(path, empty, NB, N, v, &plain, &found, &stale));
+    CHECK_EQ(found, 0);
+    CHECK_EQ(plain.lossless_cache_bytes, 0);
+    CHECK_EQ(plain.lossless_bytes, cs.coded_bytes);
+
+    /* Refused: a second call, a missing directory. */
+    laden_st_t *st;
+    laden_sched_t *sc = blocks_of(path, &st, NB);
+    CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
+    CHECK_STATUS(laden_sched_use_lossless_cache(sc, dir), LADEN_E_STATE);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    sc = blocks_of(path, &st, NB);
+    CHECK_STATUS(laden_sched_use_lossless_cache(sc, "/nonexistent/llc"),
+                 LADEN_E_NOENT);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+
+    /* Another version of the file (other values, the same size). */
+    uint16_t *v2 = values(LADEN_DTYPE_BF16, WEIGHTS, (uint64_t)NB * N);
+    memcpy(v2 + N, noise, raw);
+    write_tensors("llc.safetensors", NB, N, v2);
+    CHECK_OK(load_cached(path, dir, NB, N, v2, &ss, &found, &stale));
+    CHECK_EQ(found, 0);
+    CHECK_EQ(stale, 1);
+    CHECK_EQ(ss.lossless_cache_bytes, 0);
+
+    /* Damage: the index; a blob's header; a blob's codes. */
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    uint64_t t0_blob = index_field(cpath, 0, 24);
+    CHECK_EQ(index_field(cpath, 1, 20) & 0xffffffffu, 1); /* t1 kept raw */
+    flip_byte(cpath, (uint64_t)sb.st_size - 3);
+    CHECK_STATUS(load_cached(path, dir, NB, N, v2, &ss, &found, &stale),
+                 LADEN_E_CORRUPT);
+    CHECK(strstr(laden_last_error(), cpath));
+    CHECK(strstr(laden_last_error(), "checksum"));
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    flip_byte(cpath, t0_blob + 1); /* its magic */
+    CHECK_STATUS(load_cached(path, dir, NB, N, v2, &ss, &found, &stale),
+                 LADEN_E_CORRUPT);
+    CHECK(strstr(laden_last_error(), cpath));
+    CHECK(strstr(laden_last_error(), "'t0'"));
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    flip_byte(cpath, t0_blob + LADEN_LOSSLESS_HEADER_BYTES + 100); /* a raw
+                                                                     byte */
+    CHECK_STATUS(load_cached(path, dir, NB, N, v2, &ss, &found, &stale),
+                 LADEN_E_CORRUPT);
+
+    /* A cancelled write leaves no file behind. */
+    CHECK_EQ(unlink(cpath), 0);
+    CHECK_STATUS(laden_lossless_cache_write(path, dir, cancel_write, NULL,
+                                            &cs),
+                 LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "cancelled"));
+    CHECK(stat(cpath, &sb) != 0);
+    CHECK_STATUS(laden_lossless_cache_write("/nonexistent.safetensors", dir,
+                                            NULL, NULL, &cs),
+                 LADEN_E_NOENT);
+    free(v);
+    free(v2);
+    free(noise);
 }

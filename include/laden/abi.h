@@ -36,7 +36,7 @@ extern "C" {
  * and refuses to load a library of another (python/laden/_lib.py), so that
  * a stale libladen.so fails at import with both numbers rather than
  * corrupting memory at the first call that drifted. */
-#define LADEN_ABI_VERSION 5u
+#define LADEN_ABI_VERSION 6u
 
 /* LADEN_ABI_VERSION as this library was compiled.  Any thread. */
 LADEN_API uint32_t laden_abi_version(void);

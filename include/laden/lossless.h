@@ -129,6 +129,67 @@ LADEN_API laden_status laden_lossless_decode(int32_t device, uintptr_t stream,
                                              uint64_t dst_bytes,
                                              laden_devptr_t err);
 
+/* ---- lossless cache files ------------------------------------------------
+ *
+ * A checkpoint's BF16/F16 tensors encoded once, for loads that take them
+ * (laden_sched_use_lossless_cache) instead of encoding at load: one file
+ * per checkpoint file, "<name>.<16 hex digits>.ldlc" in a directory the
+ * user names, the digits a checksum of the checkpoint file's absolute
+ * path.  The format ("LDLCACHE"; integers little-endian):
+ *   0   8  magic "LDLCACHE"
+ *   8   4  version 1
+ *   12  4  count: entries in the index
+ *   16  8  index_off (a multiple of 4096, after every blob)
+ *   24  8  index_bytes = 40 * count
+ *   32  8  the checkpoint file's size, 40 its modification time (ns),
+ *   48  8  laden_io_checksum of its first min(size, 1 MiB) bytes
+ *   56  8  laden_io_checksum of the index
+ *   the blobs (this header's format), each at a multiple of 4096
+ *   the index: per BF16/F16 tensor of the checkpoint file, in the file's
+ *   order, 40 bytes: u64 its offset in the checkpoint file, u64 its
+ *   values, u32 its dtype (laden_dtype), u32 1 if kept raw (its blob
+ *   would not be at most 15/16 of its bytes; then 0 and 0 follow) else
+ *   0, u64 its blob's offset, u64 its blob's bytes.
+ * A reader checks every field before it uses one, and each blob as it
+ * reads it (laden_lossless_check, and that it is the tensor's). */
+
+typedef struct laden_lossless_cache_stats {
+    uint32_t files;       /* cache files written */
+    uint32_t tensors;     /* BF16/F16 tensors in them */
+    uint32_t coded;       /* of those, kept coded */
+    uint64_t raw_bytes;   /* the tensors' bytes */
+    uint64_t coded_raw_bytes; /* of those, the coded tensors' */
+    uint64_t coded_bytes; /* their blobs' */
+    uint64_t file_bytes;  /* the cache files' */
+} laden_lossless_cache_stats;
+
+/* laden_lossless_cache_write's progress: (bytes done, total) from the
+ * calling thread; nonzero stops it.  The same as laden_sched_progress_fn. */
+typedef int (*laden_lossless_progress_fn)(void *arg, uint64_t done_bytes,
+                                          uint64_t total_bytes);
+
+/* The path of checkpoint file `file`'s cache file in `dir` (laden does not
+ * look whether it exists) into out, cap bytes.  LADEN_E_NOENT if `file`
+ * does not exist, LADEN_E_LIMIT if the path would not fit. */
+LADEN_API laden_status laden_lossless_cache_path(const char *file,
+                                                 const char *dir, char *out,
+                                                 size_t cap);
+
+/* Writes the cache file of each file of `checkpoint` (a path
+ * laden_st_open takes) into `dir`, made if missing (one level): every
+ * BF16/F16 tensor read and encoded on the host's cores, the file written
+ * under a temporary name and renamed into place when whole (a cache file
+ * there before is replaced).  progress (may be NULL) hears (bytes done,
+ * total) from the calling thread every 50 ms and stops the write by
+ * returning nonzero (LADEN_E_STATE, nothing left behind).  *out (may be
+ * NULL) says what was written.  Errors name the file: those of
+ * laden_st_open, read failures naming the tensor, LADEN_E_IO when dir
+ * cannot be made or written (e.g. full). */
+LADEN_API laden_status laden_lossless_cache_write(
+    const char *checkpoint, const char *dir,
+    laden_lossless_progress_fn progress, void *arg,
+    laden_lossless_cache_stats *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -114,6 +114,9 @@ typedef struct laden_sched_stats {
                                     (laden_sched_set_lossless): their
                                     blobs' bytes ... */
     uint64_t lossless_raw_bytes; /* ... and their own */
+    uint64_t lossless_cache_bytes; /* of the load's reads, the blobs read
+                                      from lossless cache files
+                                      (laden_sched_use_lossless_cache) */
 } laden_sched_stats_t;
 
 /* Creates an empty schedule for the checkpoint `st`, whose files are opened
@@ -266,6 +269,28 @@ LADEN_API laden_status laden_sched_set_lossless(laden_sched_t *sched,
  * a read failure while sampling is returned naming the tensor. */
 LADEN_API laden_status laden_sched_mark_lossless(laden_sched_t *sched,
                                                  uint32_t *out_marked);
+
+/* Takes the lossless cache files laden_lossless_cache_write made in
+ * `dir` (laden/lossless.h) for the schedule's files: the mark
+ * (laden_sched_mark_lossless) then counts their tensors at their exact
+ * coded sizes, reading no samples, and the load reads their blobs from
+ * the cache instead of reading and encoding the tensors (a tensor the
+ * cache keeps raw is read as stored).  A file without a cache file in
+ * dir is encoded at load, as without; a cache file made from another
+ * version of its file (its size, modification time or first MiB
+ * differ) is not used.  Before the mark and the load; once.  Errors:
+ * LADEN_E_CORRUPT naming a cache file that is not one or is damaged
+ * (its header or index: a blob is checked as it is read), LADEN_E_IO /
+ * LADEN_E_NOENT for dir, LADEN_E_STATE after the load or a second
+ * call, LADEN_E_UNSUPPORTED for a cache schedule; nothing is taken
+ * then. */
+LADEN_API laden_status laden_sched_use_lossless_cache(laden_sched_t *sched,
+                                                      const char *dir);
+/* Of laden_sched_use_lossless_cache's files: those whose cache file was
+ * taken, and those whose cache file was stale (not taken). */
+LADEN_API laden_status laden_sched_lossless_cache_info(laden_sched_t *sched,
+                                                       uint32_t *found,
+                                                       uint32_t *stale);
 
 /* 1 if tensor `index` of `block` is kept lossless-compressed (decoded by
  * its block's enter into the workspace), else 0: not marked, or kept as

@@ -22,7 +22,8 @@ from .adapters import AdapterError, AdapterSpec, merge_adapter
 from .hf import (PipelineHandle, find_blocks, from_pretrained,
                  offload_pipeline)
 from .planning import Plan, PlanBlock, Tier, measure_activation_vram, plan
-from .streaming import (LoadReport, OffloadHandle, install_offload,
+from .streaming import (CompressReport, LoadReport, OffloadHandle, compress,
+                        install_offload,
                         offload_blocks, release, set_pinned_pool, stage,
                         stream_load, wait)
 from .trace import Trace, trace
@@ -35,7 +36,7 @@ __all__ = [
     "save_file", "from_pretrained", "find_blocks",
     "AdapterSpec", "AdapterError", "merge_adapter",
     "offload_pipeline", "PipelineHandle", "plan", "Plan", "PlanBlock", "Tier", "stage",
-    "measure_activation_vram", "stream_load", "install_offload", "offload_blocks",
+    "measure_activation_vram", "stream_load", "compress", "CompressReport", "install_offload", "offload_blocks",
     "release", "wait", "set_pinned_pool", "LoadReport", "ModelCache", "ModelSpec", "ModelOffloader",
     "CacheInfo", "ModelNotFoundError", "vbar", "OffloadHandle", "MismatchError", "LadenError", "FormatError", "CheckpointNotFoundError",
     "ReadError", "TensorNotFoundError", "OutOfMemoryError", "BudgetError",

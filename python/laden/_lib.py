@@ -124,6 +124,15 @@ class LosslessInfo(Structure):
     ]
 
 
+class LosslessCacheStats(Structure):
+    """laden_lossless_cache_stats: what laden_lossless_cache_write wrote."""
+    _fields_ = [
+        ("files", c_uint32), ("tensors", c_uint32), ("coded", c_uint32),
+        ("raw_bytes", c_uint64), ("coded_raw_bytes", c_uint64),
+        ("coded_bytes", c_uint64), ("file_bytes", c_uint64),
+    ]
+
+
 class SchedStats(Structure):
     _fields_ = [
         ("gpu_bytes", c_uint64), ("ram_bytes", c_uint64),
@@ -138,7 +147,7 @@ class SchedStats(Structure):
         ("reorders", c_uint64), ("expert_rows", c_uint64),
         ("expert_rows_moved", c_uint64), ("expert_rows_cached", c_uint64),
         ("expert_cache_bytes", c_uint64), ("lossless_bytes", c_uint64),
-        ("lossless_raw_bytes", c_uint64),
+        ("lossless_raw_bytes", c_uint64), ("lossless_cache_bytes", c_uint64),
     ]
 
 
@@ -579,12 +588,21 @@ _SIGNATURES = {
     "laden_lossless_decode": (status_t, [c_int32, ctypes.c_size_t,
                                          P(LosslessInfo), c_uint64, c_uint64,
                                          c_uint64, c_uint64]),
+    "laden_lossless_cache_path": (status_t, [c_char_p, c_char_p, c_char_p,
+                                             c_size_t]),
+    "laden_lossless_cache_write": (status_t, [c_char_p, c_char_p,
+                                              PROGRESS_FN,
+                                              c_void_p,
+                                              P(LosslessCacheStats)]),
+    "laden_sched_use_lossless_cache": (status_t, [p, c_char_p]),
+    "laden_sched_lossless_cache_info": (status_t, [p, P(c_uint32),
+                                                   P(c_uint32)]),
 }
 
 # The version of libladen's binary interface this binding is written for
 # (LADEN_ABI_VERSION, include/laden/abi.h): a library of another is refused
 # at import, since its signatures, structs or constants may not be these.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 def _check_version(lib, path: str, where: str) -> None:

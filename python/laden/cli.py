@@ -430,7 +430,8 @@ def cmd_plan(args) -> int:
             ck, blocks, planning._device(device), max_vram=args.vram,
             headroom_vram=args.headroom, ram_budget=args.ram,
             resident_blocks=args.resident_blocks, lookahead=args.lookahead,
-            compression=args.compression)
+            compression=args.compression,
+            lossless_cache=args.lossless_cache)
     p.path = args.path
     print(f"device: {p.device} ({note})")
     print(p)
@@ -540,6 +541,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_compress(args) -> int:
+    from .streaming import compress
+    report = compress(args.checkpoint, args.cache,
+                      progress=False if args.quiet else None)
+    print(report)
+    for f in report.files:
+        print(f"  {f}")
+    print(f"load it with: laden.from_pretrained(..., compression="
+          f"\"lossless\", lossless_cache={args.cache!r}), or "
+          f"LADEN_LOSSLESS_CACHE={args.cache}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     device, note = _usable_device(args.device)
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
@@ -610,7 +624,22 @@ def _parser() -> argparse.ArgumentParser:
                    "and F16 weights kept lossless (coded sizes estimated "
                    "from samples of each tensor), as stream_load(..., "
                    "compression=\"lossless\") keeps them")
+    p.add_argument("--lossless-cache", default=None, metavar="DIR",
+                   help="with --compression lossless: the exact coded sizes "
+                   "from the cache files laden compress wrote in DIR")
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("compress", help="encode a checkpoint's BF16/F16 "
+                       "weights losslessly, once, into a cache directory "
+                       "that loads with compression=\"lossless\" read "
+                       "instead of encoding")
+    p.add_argument("checkpoint", help=".safetensors file, sharded "
+                   "checkpoint index or its directory, or a GGUF file")
+    p.add_argument("--cache", required=True, metavar="DIR",
+                   help="the directory to write the cache files into (made "
+                   "if missing; never beside the checkpoint unless you name "
+                   "its directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_compress)
     p = sub.add_parser("demo", help="laden's main job on a real model: a "
                        "BERT encoder streamed under a memory budget, checked "
                        "against the model loaded normally")

@@ -716,7 +716,7 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
                     variant: Optional[str] = None, shared=False,
                     pinned_pool=None, background: bool = False,
                     expert_rows: bool = True, expert_cache=None,
-                    compression=None, **kwargs):
+                    compression=None, lossless_cache=None, **kwargs):
     """A transformers or diffusers model from a local directory, running
     under laden within the budgets, in one call.
 
@@ -750,7 +750,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
     error.  A mixture-of-experts model moves only the experts its router
     picks (``expert_rows``, see ``laden.stream_load``), and keeps those
     that crossed in device memory the plan leaves free
-    (``expert_cache``).  ``compression="lossless"``: see
+    (``expert_cache``).  ``compression="lossless"`` and
+    ``lossless_cache`` (a directory ``laden.compress`` wrote): see
     ``laden.stream_load``."""
     path = os.fspath(path)
     if subfolder:
@@ -796,7 +797,8 @@ def from_pretrained(model_cls, path: PathLike, *, device=None,
             key_map=key_map, lookahead=lookahead,
             progress=progress, shared=shared, pinned_pool=pinned_pool,
             background=background, expert_rows=expert_rows,
-            expert_cache=expert_cache, compression=compression)
+            expert_cache=expert_cache, compression=compression,
+            lossless_cache=lossless_cache)
         streaming.install_offload(model, lookahead=lookahead)
     except BaseException as e:
         if getattr(model, "_laden_stream", None) is not None:

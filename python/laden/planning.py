@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import enum
 import json
+import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ from ._units import fmt_bytes, parse_size
 from .checkpoint import Checkpoint
 from .errors import InvalidArgumentError
 from .sharing import segments_bytes
+
+log = logging.getLogger("laden")
 
 # LADEN_PLAN_AUTO: "decide from the readings".  C takes and rounds the
 # readings (laden_plan_read), keeps the default headroom (reserve AUTO)
@@ -470,7 +473,7 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
          skip_prefixes=None, device=None, ram_budget=None,
          offload_prefixes: Optional[Sequence[str]] = None,
          lookahead: int = LOOKAHEAD, expert_rows: bool = True,
-         compression: Optional[str] = None) -> Plan:
+         compression: Optional[str] = None, lossless_cache=None) -> Plan:
     """Plans where each block of ``model`` (built on meta or not) lives for
     the checkpoint at ``path``, on ``device`` (default: CUDA if present).
     Blocks are the children of the model's top-level ModuleLists unless
@@ -482,7 +485,9 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
     their own).  ``compression="lossless"``: as ``stream_load``'s; the RAM
     tier counts the streamed blocks' BF16/F16 weights at their coded sizes
     (estimated from samples of each tensor in the file: a few reads), so
-    more blocks fit it; ``stream_load(plan=p)`` then loads with it."""
+    more blocks fit it; ``stream_load(plan=p)`` then loads with it.  With
+    ``lossless_cache`` (a directory ``laden.compress`` wrote) the sizes
+    are exact and nothing is sampled."""
     import torch
 
     check_lookahead(lookahead)
@@ -505,7 +510,8 @@ def plan(model, path, *, max_vram=None, headroom_vram=None,
                              min_free_ram=min_free_ram,
                              ram_budget=ram_budget,
                              resident_blocks=resident_blocks,
-                             lookahead=lookahead, compression=compression)
+                             lookahead=lookahead, compression=compression,
+                             lossless_cache=lossless_cache)
     p.path = os.fspath(path)
     p.compute_dtype = str(compute_dtype).replace("torch.", "") \
         if compute_dtype else None
@@ -560,13 +566,44 @@ def _schedule(dev, ck, lookahead: int):
         lib.laden_sched_destroy(h)
 
 
-def mark_lossless(h) -> int:
-    """compression="lossless" on schedule `h`, before its plan: C marks the
+def mark_lossless(h, cache_dir: Optional[str] = None,
+                  info: Optional[dict] = None) -> int:
+    """compression="lossless" on schedule `h`, before its plan: C takes
+    the lossless cache files in `cache_dir` (laden_sched_use_lossless_cache:
+    exact sizes, blobs read at load instead of encoded), marks the
     BF16/F16 tensors of the blocks that may stream and estimates their
-    coded sizes (laden_sched_mark_lossless); how many it marked."""
+    coded sizes (laden_sched_mark_lossless); how many it marked.  `info`
+    gets "found" and "stale": the cache files taken and those not (made
+    from another version of their file)."""
+    if cache_dir is not None:
+        check(lib.laden_sched_use_lossless_cache(h, os.fsencode(cache_dir)))
+        found, stale = ctypes.c_uint32(), ctypes.c_uint32()
+        check(lib.laden_sched_lossless_cache_info(h, ctypes.byref(found),
+                                                  ctypes.byref(stale)))
+        if info is not None:
+            info.update(found=found.value, stale=stale.value)
+        if stale.value:
+            log.warning("laden: %d lossless cache file(s) in %s were made "
+                        "from another version of the checkpoint: not used "
+                        "(run laden compress again)", stale.value, cache_dir)
     marked = ctypes.c_uint32()
     check(lib.laden_sched_mark_lossless(h, ctypes.byref(marked)))
     return marked.value
+
+
+def lossless_cache_dir(compression, cache_dir, where: str) -> Optional[str]:
+    """The lossless cache directory a load takes: `cache_dir`, else
+    LADEN_LOSSLESS_CACHE when compression is asked; None without."""
+    if cache_dir is None and compression:
+        cache_dir = os.environ.get("LADEN_LOSSLESS_CACHE") or None
+    if cache_dir is None:
+        return None
+    cache_dir = os.fspath(cache_dir)
+    if not compression:
+        raise InvalidArgumentError(
+            f"{where}: lossless_cache={cache_dir!r} is read only with "
+            "compression=\"lossless\"", "E_INVAL")
+    return cache_dir
 
 
 def check_compression(compression, where: str) -> None:
@@ -577,17 +614,19 @@ def check_compression(compression, where: str) -> None:
 
 
 def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
-                    bandwidths=None, compression=None, **budgets) -> Plan:
+                    bandwidths=None, compression=None, lossless_cache=None,
+                    **budgets) -> Plan:
     path = ck.files[0] if ck is not None else None
     readings, bandwidths = _measured(dev, path, readings, bandwidths)
     inp = _plan_input(dev, lookahead=lookahead, readings=readings,
                       bandwidths=bandwidths, **budgets)
     check_compression(compression, "plan")
+    lossless_cache = lossless_cache_dir(compression, lossless_cache, "plan")
     with _schedule(dev, ck, lookahead) as h:
         named = add(h)
         names = {i: n for n, i in named}
         if compression:
-            mark_lossless(h)
+            mark_lossless(h, lossless_cache)
         why, res = plan_schedule(h, inp, names)
         sizes = [lib.laden_sched_block_bytes(h, i) for _, i in named]
         ram = [lib.laden_sched_block_ram_bytes(h, i) for _, i in named]

@@ -39,7 +39,7 @@ from .doors import refuse_owned
 from .errors import InvalidArgumentError, StateError
 from .offload import OffloadHandle, _start, install_offload
 
-__all__ = ["stream_load", "install_offload", "offload_blocks", "release",
+__all__ = ["stream_load", "compress", "CompressReport", "install_offload", "offload_blocks", "release",
            "wait",
            "stage", "LoadReport", "OffloadHandle", "BlockInfo", "expand_fp8",
            "TIER_NAMES"]
@@ -69,6 +69,12 @@ class LoadReport:
         # compression="lossless": (coded bytes, their raw bytes)
         st = state.stats()
         self.lossless = (st.lossless_bytes, st.lossless_raw_bytes)
+        # lossless_cache: {"found": files whose cache file was read,
+        # "stale": files whose cache file was made from another version,
+        # "bytes": blobs read from them}; None without a cache directory
+        self.lossless_cache = state.lossless_cache
+        if self.lossless_cache is not None:
+            self.lossless_cache["bytes"] = st.lossless_cache_bytes
         # A laden.sharing.Shared when the host copy is shared (shared=True)
         self.shared = state.shared
         self._state = state if state.loading is not None else None
@@ -122,6 +128,15 @@ class LoadReport:
             coded, raw = self.lossless
             lines.append(f"  lossless: {fmt_bytes(raw)} of weights kept in "
                          f"{fmt_bytes(coded)} ({coded / raw:.3f})")
+        lc = self.lossless_cache
+        if lc is not None:
+            lines.append(f"  lossless cache {lc['dir']}: {lc['found']} of "
+                         f"{lc['files']} file(s) read from it "
+                         f"({fmt_bytes(lc['bytes'])})"
+                         + (f", {lc['stale']} stale (made from another "
+                            "version of the file: encoded at load instead; "
+                            "run laden compress again)"
+                            if lc['stale'] else ""))
         if self.offloaded:
             lines.append(f"  the VRAM context had no room for "
                          f"{len(self.offloaded)} block(s) chosen for the "
@@ -205,7 +220,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                 vram=None, progress: Optional[bool] = None,
                 background: bool = False, shared=False,
                 pinned_pool=None, expert_rows: bool = True,
-                expert_cache=None, compression=None) -> LoadReport:
+                expert_cache=None, compression=None,
+                lossless_cache=None) -> LoadReport:
     """Loads the checkpoint at ``path`` into ``model`` (built on ``meta``
     or not), each tensor read once, straight into the tier of its block.
 
@@ -309,6 +325,15 @@ def stream_load(model, path: PathLike, *, plan=None,
       ``plan`` made with ``compression="lossless"`` loads with it.  Such
       tensors are ``meta`` outside their block's call (``state_dict()``
       decodes them), and adapters are not merged into them.
+    - ``lossless_cache``: a directory where ``laden.compress`` (``laden
+      compress``) wrote the checkpoint's lossless cache files (default:
+      ``LADEN_LOSSLESS_CACHE`` from the environment, if set); with
+      ``compression="lossless"`` the load reads the coded weights from
+      there -- about 0.67 of the bytes, nothing encoded -- and the plan
+      counts their exact sizes.  A file without a cache file there, or
+      whose cache file was made from another version of it, is read and
+      encoded as without (``report.lossless_cache`` says which); a damaged
+      cache file is refused naming it (``CorruptError``).
 
     Names that do not match raise one MismatchError listing the missing and
     unexpected names, before anything is allocated; a shape or dtype that
@@ -323,7 +348,8 @@ def stream_load(model, path: PathLike, *, plan=None,
                             key_map, skip_prefixes, device, vram_budget,
                             ram_budget, lookahead, storage_dtype, vram,
                             progress, background, shared, group_checked,
-                            expert_rows, expert_cache, compression)
+                            expert_rows, expert_cache, compression,
+                            lossless_cache)
     except BaseException as e:
         # The group's other ranks wait in its check for this one: it
         # takes part, failed, so that they raise naming it.
@@ -340,7 +366,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
                  device, vram_budget, ram_budget, lookahead, storage_dtype,
                  vram, progress, background, shared,
                  group_checked, expert_rows=True,
-                 expert_cache=None, compression=None) -> LoadReport:
+                 expert_cache=None, compression=None,
+                 lossless_cache=None) -> LoadReport:
     import torch
 
     plan_tiers = None
@@ -395,6 +422,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"goes to {dev}", "E_INVAL")
     vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
     planning.check_compression(compression, "stream_load")
+    lossless_cache = planning.lossless_cache_dir(compression, lossless_cache,
+                                                 "stream_load")
     if expert_cache is not None:
         try:
             expert_cache = parse_size(expert_cache)
@@ -427,7 +456,8 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
         state.name = f"model {type(model).__name__}"
         state.load_t0 = t0
         _load(model, state, desc, ck, budgets, vram, lookahead, progress,
-              background, shared, group_checked, expert_cache, compression)
+              background, shared, group_checked, expert_cache, compression,
+              lossless_cache)
     except BaseException:
         ck.close()
         raise
@@ -440,11 +470,107 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
     return report
 
 
+class CompressReport:
+    """What ``laden.compress`` wrote; ``str(report)`` says it in a line
+    or two."""
+
+    def __init__(self, checkpoint: str, cache_dir: str, files, st,
+                 seconds: float):
+        self.checkpoint = checkpoint
+        self.cache_dir = cache_dir
+        self.files = list(files)  # the cache files written
+        self.tensors = st.tensors  # BF16/F16 tensors looked at
+        self.coded = st.coded  # of them, kept coded (the others raw)
+        self.raw_bytes = st.raw_bytes  # their bytes
+        self.coded_raw_bytes = st.coded_raw_bytes  # the coded ones' bytes
+        self.coded_bytes = st.coded_bytes  # their blobs'
+        self.file_bytes = st.file_bytes  # the cache files'
+        self.seconds = seconds
+
+    @property
+    def ratio(self) -> float:
+        """The coded tensors' blobs over their raw bytes."""
+        return self.coded_bytes / self.coded_raw_bytes \
+            if self.coded_raw_bytes else 1.0
+
+    def __str__(self) -> str:
+        return (f"laden compress: {self.checkpoint} -> {self.cache_dir}: "
+                f"{self.coded} of {self.tensors} BF16/F16 tensors coded, "
+                f"{fmt_bytes(self.coded_raw_bytes)} in "
+                f"{fmt_bytes(self.coded_bytes)} ({self.ratio:.3f}); "
+                f"{len(self.files)} cache file(s), "
+                f"{fmt_bytes(self.file_bytes)}, in {self.seconds:.1f} s "
+                f"({self.raw_bytes / max(self.seconds, 1e-9) / 1e9:.2f} "
+                "GB/s of weights)")
+
+
+def compress(checkpoint: PathLike, cache_dir: PathLike, *,
+             progress: Optional[bool] = None) -> CompressReport:
+    """Encodes the BF16/F16 weights of ``checkpoint`` (a .safetensors
+    file, a sharded checkpoint's index or its directory, a GGUF file)
+    once, losslessly, into ``cache_dir`` (made if missing): a cache file
+    per checkpoint file, named from its path, written whole under a
+    temporary name and then renamed (a cache file there before is
+    replaced).  A load with ``compression="lossless"`` and
+    ``lossless_cache=cache_dir`` (or ``LADEN_LOSSLESS_CACHE``) then reads
+    the coded weights from there, about 0.67 of the bytes for BF16, and
+    encodes nothing.  The checkpoint is only read; a cache file names the
+    version of the file it was made from and is not used for another.
+    ``progress``: a tqdm bar (default: on a terminal for 1 GiB or more).
+    Ctrl-C stops it, leaving nothing behind.  The command line: ``laden
+    compress CHECKPOINT --cache DIR``."""
+    path, cache_dir = os.fspath(checkpoint), os.fspath(cache_dir)
+    raised = []
+    bar = []
+
+    def update(arg, done, total):
+        try:
+            if not bar:
+                from .checkpoint import _progress_bar
+                bar.append(_progress_bar(total, "laden compress", progress)
+                           or None)
+            if bar[0] is not None:
+                bar[0].update(done - bar[0].n)
+            return 0
+        except BaseException as e:  # Ctrl-C lands here
+            raised.append(e)
+            return 1
+
+    fn = _lib.PROGRESS_FN(update)
+    st = _lib.LosslessCacheStats()
+    t0 = time.perf_counter()
+    try:
+        s = lib.laden_lossless_cache_write(os.fsencode(path),
+                                           os.fsencode(cache_dir), fn, None,
+                                           ctypes.byref(st))
+    finally:
+        if bar and bar[0] is not None:
+            bar[0].close()
+    if raised:
+        raise raised[0]
+    check(s)
+    ck = Checkpoint(path)
+    try:
+        files = []
+        for f in ck.files:
+            buf = ctypes.create_string_buffer(4096)
+            check(lib.laden_lossless_cache_path(
+                os.fsencode(f), os.fsencode(cache_dir), buf, len(buf)))
+            files.append(os.fsdecode(buf.value))
+    finally:
+        ck.close()
+    report = CompressReport(path, cache_dir, files, st,
+                            time.perf_counter() - t0)
+    log.info("%s", report)
+    return report
+
+
 def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
           lookahead: int, progress=None, background: bool = False,
           shared=False, group_checked: Optional[list] = None,
           expert_cache: Optional[int] = None,
-          compression: Optional[str] = None) -> None:
+          compression: Optional[str] = None,
+          lossless_cache: Optional[str] = None) -> None:
     """Describes the model to a new C schedule, which sizes and plans its
     blocks (laden_sched_plan) and loads them; then binds the model."""
     state.create(ck, lookahead, vram)
@@ -457,7 +583,12 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         # compression: C marks the BF16/F16 tensors of the blocks that may
         # stream before the plan, which counts the RAM tier at their coded
         # sizes (a plan's blocks asked for RAM may fit it only so)
-        marked = planning.mark_lossless(o.h) if compression else 0
+        if lossless_cache is not None:
+            state.lossless_cache = {"dir": lossless_cache,
+                                    "files": len(ck.files)}
+        marked = planning.mark_lossless(o.h, lossless_cache,
+                                        state.lossless_cache) \
+            if compression else 0
         planning.plan_schedule(o.h, budgets, named)
         if expert_cache is not None:
             check(lib.laden_sched_set_expert_cache(o.h, expert_cache))

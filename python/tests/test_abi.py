@@ -52,6 +52,7 @@ C_NAMES = {
     "TraceResult": "laden_trace_result",
     "ShmEntry": "laden_shm_entry",
     "LosslessInfo": "laden_lossless_info",
+    "LosslessCacheStats": "laden_lossless_cache_stats",
 }
 
 

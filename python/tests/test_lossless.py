@@ -3,6 +3,7 @@ of all-MiniLM-L6-v2 (the package that ships it offline) as BF16 and as F16
 comes back bit for bit from laden's encoder and CPU decoder, and the
 model's BF16 bytes shrink to at most 0.72 of themselves."""
 import ctypes
+import os
 
 import pytest
 import torch
@@ -227,3 +228,105 @@ def test_plan_counts_the_ram_tier_coded(tmp_path, capsys, monkeypatch):
     assert cli.main(["plan", path, "--device", "cpu", "--ram",
                      str(budget)]) == 0
     assert "DISK" in capsys.readouterr().out
+
+
+def test_lossless_cache_read_instead_of_encoding(tmp_path, capsys,
+                                                 monkeypatch):
+    """laden.compress (and `laden compress`) writes a cache file of the
+    checkpoint's BF16 weights; from_pretrained with compression and
+    lossless_cache (or LADEN_LOSSLESS_CACHE) reads the blobs from it --
+    the same logits, fewer bytes read, nothing encoded; a plan with it
+    counts exact sizes; a checkpoint rewritten since is encoded again
+    (the cache is stale, said in the report); a damaged cache file is
+    refused naming it; lossless_cache without compression is refused."""
+    import laden
+    from laden import cli
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    cache = tmp_path / "llc"
+    rep = laden.compress(d, cache, progress=False)
+    assert rep.coded > 0 and rep.tensors >= rep.coded
+    assert rep.ratio < 0.75 and len(rep.files) == 1
+    assert os.path.exists(rep.files[0])
+    assert os.path.dirname(rep.files[0]) == str(cache)
+    assert "coded" in str(rep)
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(5))
+
+    def load(**kw):
+        kw.setdefault("compression", "lossless")
+        return laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                     device="cpu", dtype=torch.bfloat16,
+                                     progress=False, **kw)
+
+    def logits(m):
+        with torch.no_grad():
+            out = m(ids).logits
+        laden.release(m)
+        return out
+
+    want = logits(load(compression=None))  # as stored
+    plain = load()
+    plain_rep = plain._laden_stream.report
+    assert torch.equal(logits(plain), want)
+    m = load(lossless_cache=cache)
+    r = m._laden_stream.report
+    assert r.lossless == plain_rep.lossless  # the same blobs
+    assert r.lossless_cache == {"dir": str(cache), "files": 1, "found": 1,
+                                "stale": 0, "bytes": r.lossless[0]}
+    assert r.read_bytes < plain_rep.read_bytes - r.lossless[1] // 4
+    assert "lossless cache" in str(r)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    laden.release(m)
+    monkeypatch.setenv("LADEN_LOSSLESS_CACHE", str(cache))
+    m = load()
+    assert m._laden_stream.report.lossless_cache["found"] == 1
+    laden.release(m)
+    monkeypatch.delenv("LADEN_LOSSLESS_CACHE")
+
+    # the plan: exact coded sizes from the cache
+    path = f"{d}/model.safetensors"
+    meta = transformers.LlamaForCausalLM(ref.config).to(torch.bfloat16)
+    p = laden.plan(meta, path, device="cpu", compression="lossless",
+                   lossless_cache=cache)
+    assert all(b.ram_bytes < 0.75 * b.bytes for b in p.blocks)
+    with pytest.raises(laden.InvalidArgumentError, match="lossless_cache"):
+        laden.plan(meta, path, device="cpu", lossless_cache=cache)
+    with pytest.raises(laden.InvalidArgumentError, match="lossless_cache"):
+        laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                              device="cpu", lossless_cache=cache)
+
+    # the command line writes the same file
+    os.remove(rep.files[0])
+    capsys.readouterr()
+    assert cli.main(["compress", d, "--cache", str(cache), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert rep.files[0] in out and "coded" in out
+    assert cli.main(["plan", path, "--device", "cpu", "--compression",
+                     "lossless", "--lossless-cache", str(cache)]) == 0
+    capsys.readouterr()
+
+    # damaged: refused by name, the model left unloaded
+    with open(rep.files[0], "r+b") as f:
+        f.seek(-2, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-2, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(laden.FormatError, match="lossless cache file"):
+        load(lossless_cache=cache)
+    laden.compress(d, cache, progress=False)
+
+    # the checkpoint rewritten: stale, encoded at load, the new values
+    torch.manual_seed(9)
+    ref2 = transformers.LlamaForCausalLM(ref.config).to(torch.bfloat16)
+    ref2.eval().save_pretrained(d)
+    want2 = logits(load(compression=None))
+    assert not torch.equal(want2, want)
+    m = load(lossless_cache=cache)
+    r = m._laden_stream.report
+    assert r.lossless_cache["stale"] == 1 and r.lossless_cache["found"] == 0
+    assert r.lossless_cache["bytes"] == 0 and "stale" in str(r)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want2)
+    laden.release(m)

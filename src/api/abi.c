@@ -52,7 +52,8 @@
     S(laden_gguf_kv)          \
     S(laden_trace_result)     \
     S(laden_shm_entry)        \
-    S(laden_lossless_info)
+    S(laden_lossless_info)    \
+    S(laden_lossless_cache_stats)
 
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_lossless_info(F, T)                                   \
@@ -89,7 +90,11 @@
     F(T, generation) F(T, offloaded_bytes) F(T, load_cached_bytes)        \
     F(T, reorders) F(T, expert_rows) F(T, expert_rows_moved)             \
     F(T, expert_rows_cached) F(T, expert_cache_bytes)                     \
-    F(T, lossless_bytes) F(T, lossless_raw_bytes)
+    F(T, lossless_bytes) F(T, lossless_raw_bytes)                         \
+    F(T, lossless_cache_bytes)
+#define FIELDS_laden_lossless_cache_stats(F, T)                            \
+    F(T, files) F(T, tensors) F(T, coded) F(T, raw_bytes)                  \
+    F(T, coded_raw_bytes) F(T, coded_bytes) F(T, file_bytes)
 #define FIELDS_laden_vram_info(F, T)                                       \
     F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
     F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \

@@ -88,6 +88,7 @@ void laden__sched_free_description(laden_sched_t *sc)
         free(sc->layout.b[i].name);
     }
     free(sc->layout.b);
+    laden__sched_llc_free(sc);
     for (uint32_t i = 0; i < sc->layout.nfiles && sc->layout.files; i++)
         laden_io_file_close(sc->layout.files[i]);
     free(sc->layout.files);

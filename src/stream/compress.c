@@ -29,6 +29,7 @@
 
 #include "stream_layout.h"
 #include "stream_load.h" /* the load's progress callback */
+#include "stream_lossless.h"
 #include "stream_run.h" /* workspace.c's laden__sched_set_expanded */
 
 laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
@@ -79,9 +80,17 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
  * the RAM tier still fits what the plan gave it. */
 enum { SAMPLES = 3, SAMPLE_ELEMS = 16384, MARGIN = 50 /* 1/50: 2 % */ };
 
+static const llc_entry *cached_entry(const laden_sched_t *sc,
+                                     const tref *r);
+
 static laden_status estimate(laden_sched_t *sc, tref *r)
 {
     uint64_t n = r->nelem, raw = n * 2;
+    const llc_entry *e = cached_entry(sc, r);
+    if (e) { /* a cache file says exactly */
+        r->ll_est = e->kept_raw ? 0 : e->blob_bytes;
+        return LADEN_OK;
+    }
     uint64_t per = n < SAMPLES * SAMPLE_ELEMS ? n : SAMPLE_ELEMS;
     uint32_t runs = n < SAMPLES * SAMPLE_ELEMS ? 1 : SAMPLES;
     uint64_t bound, coded = 0, read = 0;
@@ -161,17 +170,7 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
     return s;
 }
 
-/* ---- compressing at load ------------------------------------------------ */
-
-typedef struct job {
-    tref *r;
-    void *blob;
-    uint64_t size;
-    uint64_t cached; /* of the bytes read, those the page cache held */
-    laden_lossless_info info;
-    laden_status s;
-    char msg[256];
-} job;
+/* ---- the pool: tensors read and encoded on many threads ---------------- */
 
 /* Tensors read at once: the workers read in job order (the file's, as
  * the blocks list it), READING tensors at a time, and encode the rest of
@@ -180,8 +179,8 @@ typedef struct job {
 enum { READING = 2 };
 
 typedef struct pool {
-    laden_sched_t *sc;
-    job *jobs;
+    laden_io_t *io;
+    ll_job *jobs;
     uint32_t n;
     atomic_uint next, finished;
     atomic_bool stop;          /* the progress callback asked to stop */
@@ -193,7 +192,7 @@ typedef struct pool {
 } pool;
 
 /* Job k's turn to read: the jobs before it started theirs and fewer
- * than READING are in flight.  false when the load stops meanwhile. */
+ * than READING are in flight.  false when the run stops meanwhile. */
 static bool read_turn(pool *p, uint32_t k)
 {
     pthread_mutex_lock(&p->mu);
@@ -219,7 +218,7 @@ static void read_done(pool *p)
     pthread_cond_broadcast(&p->cv);
 }
 
-/* Wakes workers waiting for their turn (the load stops). */
+/* Wakes workers waiting for their turn (the run stops). */
 static void stop_all(pool *p)
 {
     atomic_store(&p->stop, true);
@@ -247,45 +246,73 @@ static void *scratch_for(scratch *b, uint64_t bytes)
     return b->p;
 }
 
+/* A blob read from a cache file: checked, and the tensor it claims to
+ * be the one asked for.  LADEN_E_CORRUPT otherwise. */
+static laden_status check_cached(ll_job *j)
+{
+    laden_status s = laden_lossless_check(j->blob, j->cbytes, &j->info);
+    if (!s && (j->info.n_elems != j->nelem || j->info.dtype != j->dtype ||
+               !laden__ll_worth(j->cbytes, 2 * j->nelem)))
+        s = laden__fail(LADEN_E_CORRUPT,
+                        "its blob holds %llu values of another tensor",
+                        (unsigned long long)j->info.n_elems);
+    if (s)
+        laden__error_prefix("the lossless cache file %.300s",
+                            laden_io_file_path(j->cfile));
+    return s;
+}
+
 static void run_job(pool *p, uint32_t k, scratch *buf)
 {
-    laden_sched_t *sc = p->sc;
-    job *j = &p->jobs[k];
-    tref *r = j->r;
-    uint64_t bound;
-    void *raw = scratch_for(buf, r->src_bytes);
-    laden_status s = raw ? LADEN_OK
+    ll_job *j = &p->jobs[k];
+    uint64_t bound, raw_bytes = 2 * j->nelem, bytes = j->cfile ? j->cbytes
+                                                              : raw_bytes;
+    /* A cached blob is read where it stays; raw values into the scratch. */
+    void *dst = j->cfile ? (j->blob = malloc(bytes ? bytes : 1))
+                         : scratch_for(buf, bytes);
+    laden_status s = dst ? LADEN_OK
                          : laden__fail(LADEN_E_NOMEM, "out of memory");
     laden_io_req_t *req;
     if (!read_turn(p, k)) { /* stopped: nothing read */
         j->s = LADEN_E_STATE;
-        snprintf(j->msg, sizeof j->msg, "tensor '%.200s': the load stopped",
-                 r->name ? r->name : "?");
+        snprintf(j->msg, sizeof j->msg, "tensor '%.200s': stopped",
+                 j->name ? j->name : "?");
         return;
     }
-    if (!s && !(s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
-                                    r->off, r->src_bytes, raw, &req)))
-        s = laden_io_wait_cached(sc->layout.io, req, &j->cached);
+    if (!s && !(s = laden_io_submit(p->io, j->cfile ? j->cfile : j->file,
+                                    j->cfile ? j->coff : j->off, bytes, dst,
+                                    &req)))
+        s = laden_io_wait_cached(p->io, req, &j->cached);
     read_done(p);
-    if (!s)
-        s = laden_lossless_bound(r->dst, r->nelem, &bound);
-    if (!s && !(j->blob = malloc(bound)))
-        s = laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (!s)
-        s = laden_lossless_encode(r->dst, raw, r->nelem, j->blob, bound,
-                                  &j->size);
-    if (!s && j->size <= r->src_bytes - r->src_bytes / 16) {
-        void *fit = realloc(j->blob, j->size);
-        j->blob = fit ? fit : j->blob;
-        s = laden_lossless_check(j->blob, j->size, &j->info);
+    if (j->cfile) {
+        j->size = j->cbytes;
+        if (!s)
+            s = check_cached(j);
     } else {
-        free(j->blob); /* not worth it: kept as stored */
+        if (!s)
+            s = laden_lossless_bound(j->dtype, j->nelem, &bound);
+        if (!s && !(j->blob = malloc(bound)))
+            s = laden__fail(LADEN_E_NOMEM, "out of memory");
+        if (!s)
+            s = laden_lossless_encode(j->dtype, dst, j->nelem, j->blob,
+                                      bound, &j->size);
+        if (!s && laden__ll_worth(j->size, raw_bytes)) {
+            void *fit = realloc(j->blob, j->size);
+            j->blob = fit ? fit : j->blob;
+            s = laden_lossless_check(j->blob, j->size, &j->info);
+        } else if (!s) {
+            free(j->blob); /* not worth it: kept as stored */
+            j->blob = NULL;
+        }
+    }
+    if (s) {
+        free(j->blob);
         j->blob = NULL;
     }
     j->s = s;
     if (s)
         snprintf(j->msg, sizeof j->msg, "tensor '%.200s': %s",
-                 r->name ? r->name : "?", laden_last_error());
+                 j->name ? j->name : "?", laden_last_error());
 }
 
 static void *worker(void *arg)
@@ -295,20 +322,11 @@ static void *worker(void *arg)
     for (uint32_t k; !atomic_load(&p->stop) &&
                      (k = atomic_fetch_add(&p->next, 1)) < p->n;) {
         run_job(p, k, &buf);
-        atomic_fetch_add(&p->done, p->jobs[k].r->src_bytes);
+        atomic_fetch_add(&p->done, 2 * p->jobs[k].nelem);
         atomic_fetch_add(&p->finished, 1);
     }
     free(buf.p);
     return NULL;
-}
-
-/* The load's progress callback, on this (the loading) thread: the bytes
- * read and encoded so far of `total`; false when it asks to stop. */
-static bool report(laden_sched_t *sc, pool *p, uint64_t total)
-{
-    return !sc->load.progress ||
-           !sc->load.progress(sc->load.progress_arg,
-                              (uint64_t)atomic_load(&p->done), total);
 }
 
 static uint32_t cores(void)
@@ -318,6 +336,58 @@ static uint32_t cores(void)
         return (uint32_t)CPU_COUNT(&set);
     return 1;
 }
+
+laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
+                           laden_sched_progress_fn progress, void *arg,
+                           uint64_t base, uint64_t total, const char *what)
+{
+    if (!n)
+        return LADEN_OK;
+    pool p = {.io = io, .jobs = jobs, .n = n};
+    uint32_t nt = cores();
+    nt = nt > 16 ? 16 : nt;
+    nt = nt > n ? n : nt;
+    pthread_t th[16];
+    uint32_t started = 0;
+    atomic_init(&p.next, 0);
+    atomic_init(&p.finished, 0);
+    atomic_init(&p.stop, false);
+    atomic_init(&p.done, 0);
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
+    for (; started < nt; started++)
+        if (pthread_create(&th[started], NULL, worker, &p))
+            break;
+    if (!started) /* no thread to be had: this one does it all */
+        worker(&p);
+    /* This thread reports progress meanwhile. */
+    while (atomic_load(&p.finished) < n && !atomic_load(&p.stop)) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        if (progress && progress(arg, base + atomic_load(&p.done), total))
+            stop_all(&p);
+    }
+    for (uint32_t t = 0; t < started; t++)
+        pthread_join(th[t], NULL);
+    pthread_cond_destroy(&p.cv);
+    pthread_mutex_destroy(&p.mu);
+    bool stopped = atomic_load(&p.stop) ||
+                   (progress && progress(arg, base + atomic_load(&p.done),
+                                         total));
+    if (stopped)
+        return laden__fail(LADEN_E_STATE, "%s was cancelled by its progress "
+                                          "callback (while compressing)",
+                           what);
+    for (uint32_t k = 0; k < n; k++)
+        if (jobs[k].s && jobs[k].s != LADEN_E_STATE)
+            return laden__fail(jobs[k].s, "compressing %s", jobs[k].msg);
+    for (uint32_t k = 0; k < n; k++)
+        if (jobs[k].s)
+            return laden__fail(jobs[k].s, "compressing %s", jobs[k].msg);
+    return LADEN_OK;
+}
+
+/* ---- compressing at load ------------------------------------------------ */
 
 /* Block b's tensors at their places again (laden__sched_place). */
 static void pack(blk *b)
@@ -339,77 +409,70 @@ static void keep_as_stored(tref *r)
     r->expands = false;
 }
 
+/* Tensor r's entry in its file's lossless cache (llcache.c), or NULL. */
+static const llc_entry *cached_entry(const laden_sched_t *sc, const tref *r)
+{
+    const laden_llc *c = sc->layout.llc ? sc->layout.llc[r->file] : NULL;
+    return c && c->file && !r->host
+               ? laden__llc_find(c, r->off, r->nelem, r->dst)
+               : NULL;
+}
+
 laden_status laden__sched_compress(laden_sched_t *sc)
 {
     uint32_t n = 0;
-    for (uint32_t i = 0; i < sc->layout.nb; i++) /* not on the RAM tier */
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            if (sc->layout.b[i].t[k].ll_asked &&
-                sc->layout.b[i].tier != LADEN_TIER_RAM)
-                keep_as_stored(&sc->layout.b[i].t[k]);
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            n += sc->layout.b[i].t[k].ll_asked && !sc->layout.b[i].t[k].ll &&
-                 sc->layout.b[i].tier == LADEN_TIER_RAM;
-    if (!n)
-        return LADEN_OK;
-    pool p = {.sc = sc, .jobs = calloc(n, sizeof *p.jobs), .n = n};
-    if (!p.jobs)
-        return laden__fail(LADEN_E_NOMEM, "out of memory compressing");
-    n = 0;
     for (uint32_t i = 0; i < sc->layout.nb; i++)
         for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
             tref *r = &sc->layout.b[i].t[k];
-            if (r->ll_asked && !r->ll &&
-                sc->layout.b[i].tier == LADEN_TIER_RAM)
-                p.jobs[n++].r = r;
+            const llc_entry *e;
+            if (!r->ll_asked || r->ll)
+                continue;
+            if (sc->layout.b[i].tier != LADEN_TIER_RAM ||
+                ((e = cached_entry(sc, r)) && e->kept_raw))
+                keep_as_stored(r); /* not on the RAM tier; or the cache
+                                      says it does not code small enough */
+            else
+                n++;
         }
-    uint32_t nt = cores();
-    nt = nt > 16 ? 16 : nt;
-    nt = nt > n ? n : nt;
-    pthread_t th[16];
-    uint32_t started = 0;
+    if (!n)
+        return LADEN_OK;
+    ll_job *jobs = calloc(n, sizeof *jobs);
+    if (!jobs)
+        return laden__fail(LADEN_E_NOMEM, "out of memory compressing");
+    n = 0;
     uint64_t total = 0;
-    for (uint32_t k = 0; k < n; k++)
-        total += p.jobs[k].r->src_bytes;
-    atomic_init(&p.next, 0);
-    atomic_init(&p.finished, 0);
-    atomic_init(&p.stop, false);
-    atomic_init(&p.done, 0);
-    pthread_mutex_init(&p.mu, NULL);
-    pthread_cond_init(&p.cv, NULL);
-    for (; started < nt; started++)
-        if (pthread_create(&th[started], NULL, worker, &p))
-            break;
-    if (!started) /* no thread to be had: this one does it all */
-        worker(&p);
-    /* This thread reports progress meanwhile (a long load's first part:
-     * every marked byte is read and encoded before the layout). */
-    while (atomic_load(&p.finished) < n && !atomic_load(&p.stop)) {
-        struct timespec ts = {0, 50 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        if (!report(sc, &p, total))
-            stop_all(&p);
-    }
-    for (uint32_t t = 0; t < started; t++)
-        pthread_join(th[t], NULL);
-    pthread_cond_destroy(&p.cv);
-    pthread_mutex_destroy(&p.mu);
-    bool stopped = atomic_load(&p.stop) || !report(sc, &p, total);
-    laden_status s = stopped ? laden__fail(LADEN_E_STATE, "the load was "
-                                           "cancelled by its progress "
-                                           "callback (while compressing)")
-                             : LADEN_OK;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
+            tref *r = &sc->layout.b[i].t[k];
+            if (!r->ll_asked || r->ll)
+                continue;
+            const llc_entry *e = cached_entry(sc, r);
+            ll_job *j = &jobs[n++];
+            *j = (ll_job){.file = sc->layout.files[r->file], .off = r->off,
+                          .nelem = r->nelem, .dtype = r->dst,
+                          .name = r->name, .owner = r};
+            if (e) {
+                j->cfile = sc->layout.llc[r->file]->file;
+                j->coff = e->blob_off;
+                j->cbytes = e->blob_bytes;
+            }
+            total += 2 * r->nelem;
+        }
+    laden_status s = laden__ll_run(sc->layout.io, jobs, n, sc->load.progress,
+                                   sc->load.progress_arg, 0, total,
+                                   "the load");
     for (uint32_t k = 0; k < n; k++) { /* read, whatever came of it */
-        sc->st.load_read_bytes += p.jobs[k].r->src_bytes;
-        sc->st.load_cached_bytes += p.jobs[k].cached;
+        if (jobs[k].s == LADEN_E_STATE && !jobs[k].cached && !jobs[k].size)
+            continue; /* never read */
+        uint64_t bytes = jobs[k].cfile ? jobs[k].cbytes : 2 * jobs[k].nelem;
+        sc->st.load_read_bytes += bytes;
+        sc->st.load_cached_bytes += jobs[k].cached;
+        if (jobs[k].cfile)
+            sc->st.lossless_cache_bytes += bytes;
     }
-    for (uint32_t k = 0; k < n && !s; k++)
-        if (p.jobs[k].s)
-            s = laden__fail(p.jobs[k].s, "compressing %s", p.jobs[k].msg);
     for (uint32_t k = 0; k < n; k++) {
-        job *j = &p.jobs[k];
-        tref *r = j->r;
+        ll_job *j = &jobs[k];
+        tref *r = j->owner;
         if (s || !j->blob) {
             free(j->blob);
             if (!s)
@@ -419,8 +482,7 @@ laden_status laden__sched_compress(laden_sched_t *sc)
         laden_lossless_info *ll = malloc(sizeof *ll);
         if (!ll) {
             free(j->blob);
-            if (!s)
-                s = laden__fail(LADEN_E_NOMEM, "out of memory compressing");
+            s = laden__fail(LADEN_E_NOMEM, "out of memory compressing");
             continue;
         }
         *ll = j->info;
@@ -431,7 +493,7 @@ laden_status laden__sched_compress(laden_sched_t *sc)
         sc->st.lossless_bytes += j->size;
         sc->st.lossless_raw_bytes += r->nelem * 2;
     }
-    free(p.jobs);
+    free(jobs);
     for (uint32_t i = 0; i < sc->layout.nb; i++)
         for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
             if (sc->layout.b[i].t[k].ll) {

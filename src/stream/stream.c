@@ -449,6 +449,25 @@ laden_status laden_sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
     HELD("laden_sched_mark_lossless", laden__sched_mark_lossless(sc, out));
 }
 
+laden_status laden_sched_use_lossless_cache(laden_sched_t *sc,
+                                            const char *dir)
+{
+    HELD("laden_sched_use_lossless_cache", laden__sched_use_llc(sc, dir));
+}
+
+laden_status laden_sched_lossless_cache_info(laden_sched_t *sc,
+                                             uint32_t *found, uint32_t *stale)
+{
+    if (!sc)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_lossless_cache_info: NULL schedule");
+    if (found)
+        *found = sc->layout.llc_found;
+    if (stale)
+        *stale = sc->layout.llc_stale;
+    return LADEN_OK;
+}
+
 int laden_sched_tensor_lossless(laden_sched_t *sc, uint32_t block,
                                 uint32_t index)
 {

@@ -190,6 +190,11 @@ typedef struct sched_layout {
      * which the coded blocks must still fit once encoded. */
     bool ram_estimated;
     uint64_t ram_room;
+    /* laden_sched_use_lossless_cache: each file's lossless cache
+     * (llcache.c), NULL where it has none; how many were found and how
+     * many were stale (made from another version of the file). */
+    struct laden_llc **llc;
+    uint32_t llc_found, llc_stale;
 } sched_layout;
 
 #endif
@@ -255,6 +260,11 @@ laden_status laden__sched_plan(laden_sched_t *sc,
 laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
                                        uint32_t i);
 laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out);
+/* llcache.c: the lossless cache files in dir of the schedule's files,
+ * for the mark and the load (before either); freed by
+ * laden__sched_llc_free (destroy). */
+laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir);
+void laden__sched_llc_free(laden_sched_t *sc);
 /* Before the layout is fixed: the marked tensors of RAM-tier blocks read,
  * encoded (on several threads) and kept as host tensors holding their
  * blobs, the blocks packed again at their new sizes. */

@@ -1,0 +1,498 @@
+/* Lossless cache files (laden/lossless.h says the format): a checkpoint
+ * file's BF16/F16 tensors encoded once, by laden_lossless_cache_write
+ * (through compress.c's pool), for the loads that take them
+ * (laden_sched_use_lossless_cache): those read the blobs, 0.67 of the
+ * bytes for BF16 weights, and encode nothing.  A cache file is laden's
+ * own, but a user may keep it anywhere and for long: it names the version
+ * of the checkpoint file it was made from (size, modification time, a
+ * checksum of the first MiB) and is not used for another; its header and
+ * index are checked field by field before anything is read by them (the
+ * fuzz target fuzz/fuzz_llcache.c feeds them anything), and each blob is
+ * checked as it is read (compress.c).  Calls compress.c. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "laden/st.h"
+#include "stream_internal.h"
+#include "stream_layout.h"
+#include "stream_lossless.h"
+
+#define MAGIC "LDLCACHE"
+#define VERSION 1u
+#define SUM_HEAD (1ull << 20) /* the checkpoint file's bytes summed */
+/* Written a batch of tensors at a time: the blobs of at most this many
+ * raw bytes are held at once. */
+#define BATCH_BYTES (2ull << 30)
+#define BATCH_JOBS 512u
+
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static laden_status corrupt(const char *what)
+{
+    return laden__fail(LADEN_E_CORRUPT, "not a lossless cache file laden "
+                                        "can read: %s",
+                       what);
+}
+
+laden_status laden__llc_parse_head(const uint8_t *head, uint64_t file_size,
+                                   llc_head *out)
+{
+    memset(out, 0, sizeof *out);
+    if (file_size < LADEN_LLC_HEAD)
+        return corrupt("shorter than its header");
+    if (memcmp(head, MAGIC, 8) != 0)
+        return corrupt("its magic is not \"" MAGIC "\"");
+    if (get32(head + 8) != VERSION)
+        return corrupt("its version is not 1");
+    llc_head h = {.count = get32(head + 12),
+                  .index_off = get64(head + 16),
+                  .index_bytes = get64(head + 24),
+                  .src_size = get64(head + 32),
+                  .src_mtime_ns = get64(head + 40),
+                  .src_sum = get64(head + 48),
+                  .index_sum = get64(head + 56)};
+    if (h.count > LADEN_LLC_MAX)
+        return corrupt("its count is over 2^24");
+    if (h.index_bytes != (uint64_t)h.count * LADEN_LLC_ENTRY)
+        return corrupt("its index is not 40 bytes per entry");
+    if (h.index_off < LADEN_LLC_ALIGN || h.index_off % LADEN_LLC_ALIGN ||
+        h.index_off > file_size || file_size - h.index_off < h.index_bytes)
+        return corrupt("its index is not within the file");
+    *out = h;
+    return LADEN_OK;
+}
+
+laden_status laden__llc_parse_index(const llc_head *h, const uint8_t *bytes,
+                                    llc_entry **out)
+{
+    *out = NULL;
+    if (laden_io_checksum(bytes, h->index_bytes) != h->index_sum)
+        return corrupt("its index's checksum differs");
+    llc_entry *e = calloc(h->count ? h->count : 1, sizeof *e);
+    if (!e)
+        return laden__fail(LADEN_E_NOMEM, "out of memory reading a lossless "
+                                          "cache file");
+    uint64_t blob_end = LADEN_LLC_ALIGN; /* past the last blob */
+    for (uint32_t k = 0; k < h->count; k++) {
+        const uint8_t *p = bytes + (uint64_t)k * LADEN_LLC_ENTRY;
+        llc_entry x = {.src_off = get64(p),
+                       .nelem = get64(p + 8),
+                       .dtype = (laden_dtype)get32(p + 16),
+                       .kept_raw = get32(p + 20),
+                       .blob_off = get64(p + 24),
+                       .blob_bytes = get64(p + 32)};
+        const char *bad = NULL;
+        uint64_t raw = 2 * x.nelem;
+        if (k && x.src_off <= e[k - 1].src_off)
+            bad = "its entries are not in the checkpoint's order";
+        else if (x.dtype != LADEN_DTYPE_BF16 && x.dtype != LADEN_DTYPE_F16)
+            bad = "an entry's dtype is not BF16 or F16";
+        else if (!x.nelem || x.nelem > (UINT64_MAX >> 2) ||
+                 x.src_off > h->src_size || h->src_size - x.src_off < raw)
+            bad = "an entry's tensor is not within the checkpoint file";
+        else if (x.kept_raw > 1 ||
+                 (x.kept_raw && (x.blob_off || x.blob_bytes)))
+            bad = "an entry kept raw has a blob";
+        else if (!x.kept_raw &&
+                 (x.blob_off < blob_end || x.blob_off % LADEN_LLC_ALIGN ||
+                  x.blob_bytes < LADEN_LOSSLESS_HEADER_BYTES ||
+                  !laden__ll_worth(x.blob_bytes, raw) ||
+                  x.blob_off > h->index_off ||
+                  h->index_off - x.blob_off < x.blob_bytes))
+            bad = "an entry's blob is not in its place";
+        if (bad) {
+            free(e);
+            return corrupt(bad);
+        }
+        if (!x.kept_raw)
+            blob_end = x.blob_off + x.blob_bytes;
+        e[k] = x;
+    }
+    *out = e;
+    return LADEN_OK;
+}
+
+const llc_entry *laden__llc_find(const laden_llc *c, uint64_t src_off,
+                                 uint64_t nelem, laden_dtype dtype)
+{
+    uint32_t lo = 0, hi = c->n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (c->e[mid].src_off < src_off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < c->n && c->e[lo].src_off == src_off &&
+        c->e[lo].nelem == nelem && c->e[lo].dtype == dtype)
+        return &c->e[lo];
+    return NULL;
+}
+
+void laden__llc_close(laden_llc *c)
+{
+    if (!c)
+        return;
+    laden_io_file_close(c->file);
+    free(c->e);
+    free(c);
+}
+
+/* ---- where, and of which version -------------------------------------- */
+
+laden_status laden_lossless_cache_path(const char *file, const char *dir,
+                                       char *out, size_t cap)
+{
+    if (!file || !dir || !out || !cap)
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_cache_path: NULL");
+    out[0] = 0;
+    char *abs = realpath(file, NULL);
+    if (!abs)
+        return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
+                           "%.300s: %s", file, strerror(errno));
+    const char *base = strrchr(abs, '/');
+    base = base ? base + 1 : abs;
+    uint64_t sum = laden_io_checksum(abs, strlen(abs));
+    int n = snprintf(out, cap, "%s%s%s.%016llx.ldlc", dir,
+                     dir[0] && dir[strlen(dir) - 1] != '/' ? "/" : "", base,
+                     (unsigned long long)sum);
+    free(abs);
+    if (n < 0 || (size_t)n >= cap) {
+        out[0] = 0;
+        return laden__fail(LADEN_E_LIMIT, "laden_lossless_cache_path: the "
+                                          "path does not fit %zu bytes",
+                           cap);
+    }
+    return LADEN_OK;
+}
+
+/* What names the version of checkpoint file f: its size, modification
+ * time and the checksum of its first MiB. */
+static laden_status identity(laden_io_file_t *f, uint64_t id[3])
+{
+    id[0] = laden_io_file_size(f);
+    laden_io_file_times(f, &id[1], NULL);
+    return laden_io_file_checksum(f, 0, id[0] < SUM_HEAD ? id[0] : SUM_HEAD,
+                                  &id[2]);
+}
+
+/* The cache file of checkpoint file f in dir: *out NULL when there is
+ * none, or it is stale (*stale set). */
+static laden_status open_llc(laden_io_t *io, laden_io_file_t *f,
+                             const char *dir, laden_llc **out, bool *stale)
+{
+    *out = NULL;
+    *stale = false;
+    char path[PATH_MAX + 64];
+    laden_status s = laden_lossless_cache_path(laden_io_file_path(f), dir,
+                                               path, sizeof path);
+    if (s)
+        return s;
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return errno == ENOENT
+                   ? LADEN_OK
+                   : laden__fail(LADEN_E_IO, "%.300s: %s", path,
+                                 strerror(errno));
+    laden_llc *c = calloc(1, sizeof *c);
+    uint8_t head[LADEN_LLC_HEAD], *index = NULL;
+    llc_head h;
+    uint64_t id[3];
+    if (!c)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!(s = laden_io_file_open(path, &c->file)) &&
+        !(s = laden_io_read(io, c->file, 0,
+                            laden_io_file_size(c->file) < LADEN_LLC_HEAD
+                                ? 0
+                                : LADEN_LLC_HEAD,
+                            head)) &&
+        !(s = laden__llc_parse_head(head, laden_io_file_size(c->file), &h)) &&
+        !(s = identity(f, id))) {
+        if (h.src_size != id[0] || h.src_mtime_ns != id[1] ||
+            h.src_sum != id[2]) {
+            *stale = true;
+            laden__llc_close(c);
+            return LADEN_OK;
+        }
+        if (!(index = malloc(h.index_bytes ? h.index_bytes : 1)))
+            s = laden__fail(LADEN_E_NOMEM, "out of memory");
+        if (!s && !(s = laden_io_read(io, c->file, h.index_off,
+                                      h.index_bytes, index)))
+            s = laden__llc_parse_index(&h, index, &c->e);
+        c->n = h.count;
+        free(index);
+    }
+    if (s) {
+        laden__error_prefix("the lossless cache file %.300s", path);
+        laden__llc_close(c);
+        return s;
+    }
+    *out = c;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir)
+{
+    if (!sc || !dir)
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_sched_use_lossless_cache: NULL");
+    if (sc->cache.on)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden_sched_use_lossless_cache: a cache "
+                           "schedule keeps its host copies as stored");
+    if (sc->loaded || sc->layout.laid_out || sc->load.ld || sc->layout.llc)
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_use_lossless_cache: %s",
+                           sc->layout.llc ? "called already" : "after load");
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
+                           "the lossless cache directory %.300s: %s", dir,
+                           stat(dir, &sb) != 0 ? strerror(errno)
+                                               : "not a directory");
+    uint32_t nf = sc->layout.nfiles;
+    laden_llc **all = calloc(nf ? nf : 1, sizeof *all);
+    if (!all)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    uint32_t found = 0, stale_n = 0;
+    laden_status s = LADEN_OK;
+    for (uint32_t i = 0; i < nf && !s; i++) {
+        bool stale;
+        s = open_llc(sc->layout.io, sc->layout.files[i], dir, &all[i],
+                     &stale);
+        found += all[i] != NULL;
+        stale_n += stale;
+    }
+    if (s) {
+        for (uint32_t i = 0; i < nf; i++)
+            laden__llc_close(all[i]);
+        free(all);
+        return s;
+    }
+    sc->layout.llc = all;
+    sc->layout.llc_found = found;
+    sc->layout.llc_stale = stale_n;
+    return LADEN_OK;
+}
+
+void laden__sched_llc_free(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; sc->layout.llc && i < sc->layout.nfiles; i++)
+        laden__llc_close(sc->layout.llc[i]);
+    free(sc->layout.llc);
+    sc->layout.llc = NULL;
+}
+
+/* ---- writing ------------------------------------------------------------ */
+
+static laden_status write_all(int fd, const char *path, const void *p,
+                              uint64_t n, uint64_t at)
+{
+    const char *c = p;
+    while (n) {
+        ssize_t w = pwrite(fd, c, n > (1u << 30) ? (1u << 30) : (size_t)n,
+                           (off_t)at);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
+                               w < 0 ? strerror(errno) : "nothing written");
+        c += w;
+        n -= (uint64_t)w;
+        at += (uint64_t)w;
+    }
+    return LADEN_OK;
+}
+
+static uint64_t aligned(uint64_t v)
+{
+    return (v + LADEN_LLC_ALIGN - 1) & ~(uint64_t)(LADEN_LLC_ALIGN - 1);
+}
+
+typedef struct writer {
+    laden_io_t *io;
+    laden_lossless_progress_fn progress;
+    void *arg;
+    uint64_t done, total; /* over every file */
+    laden_lossless_cache_stats st;
+} writer;
+
+/* Encodes the BF16/F16 tensors of file `fi` of st and writes them at
+ * `path` (a file of its own, made here). */
+static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
+                               const char *path)
+{
+    laden_io_file_t *f = NULL;
+    size_t nt = laden_st_count(st);
+    uint32_t n = 0;
+    laden_status s = laden_st_file_open(st, fi, &f);
+    ll_job *jobs = s ? NULL : calloc(nt ? nt : 1, sizeof *jobs);
+    uint8_t *index = NULL;
+    int fd = -1;
+    uint64_t id[3];
+    if (!s && !jobs)
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+    for (size_t i = 0; !s && i < nt; i++) {
+        laden_st_tensor_t t;
+        if ((s = laden_st_tensor_at(st, i, &t)))
+            break;
+        if (t.file_index != fi || !t.size_bytes ||
+            (t.dtype != LADEN_DTYPE_BF16 && t.dtype != LADEN_DTYPE_F16))
+            continue;
+        jobs[n++] = (ll_job){.file = f, .off = t.offset_bytes,
+                             .nelem = t.size_bytes / 2, .dtype = t.dtype,
+                             .name = t.name};
+    }
+    if (!s && !(index = calloc(n ? n : 1, LADEN_LLC_ENTRY)))
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!s && (fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+                         0644)) < 0)
+        s = laden__fail(LADEN_E_IO, "cannot write %.300s: %s", path,
+                        strerror(errno));
+    uint64_t at = LADEN_LLC_ALIGN, file_bytes = 0;
+    for (uint32_t b0 = 0, b1; !s && b0 < n; b0 = b1) {
+        uint64_t raw = 0;
+        for (b1 = b0; b1 < n && b1 - b0 < BATCH_JOBS &&
+                      (b1 == b0 || raw + 2 * jobs[b1].nelem <= BATCH_BYTES);
+             b1++)
+            raw += 2 * jobs[b1].nelem;
+        s = laden__ll_run(w->io, jobs + b0, b1 - b0, w->progress, w->arg,
+                          w->done, w->total, "laden_lossless_cache_write");
+        w->done += raw;
+        for (uint32_t k = b0; k < b1; k++) {
+            ll_job *j = &jobs[k];
+            uint8_t *e = index + (uint64_t)k * LADEN_LLC_ENTRY;
+            put64(e, j->off);
+            put64(e + 8, j->nelem);
+            put32(e + 16, (uint32_t)j->dtype);
+            put32(e + 20, j->blob ? 0 : 1);
+            w->st.tensors++;
+            w->st.raw_bytes += 2 * j->nelem;
+            if (!s && j->blob) {
+                put64(e + 24, at);
+                put64(e + 32, j->size);
+                s = write_all(fd, path, j->blob, j->size, at);
+                at = aligned(at + j->size);
+                w->st.coded++;
+                w->st.coded_raw_bytes += 2 * j->nelem;
+                w->st.coded_bytes += j->size;
+            }
+            free(j->blob);
+            j->blob = NULL;
+        }
+    }
+    uint8_t head[LADEN_LLC_HEAD] = {0};
+    if (!s && !(s = identity(f, id))) {
+        memcpy(head, MAGIC, 8);
+        put32(head + 8, VERSION);
+        put32(head + 12, n);
+        put64(head + 16, at);
+        put64(head + 24, (uint64_t)n * LADEN_LLC_ENTRY);
+        put64(head + 32, id[0]);
+        put64(head + 40, id[1]);
+        put64(head + 48, id[2]);
+        put64(head + 56,
+              laden_io_checksum(index, (uint64_t)n * LADEN_LLC_ENTRY));
+        file_bytes = at + (uint64_t)n * LADEN_LLC_ENTRY;
+        if (!(s = write_all(fd, path, index, (uint64_t)n * LADEN_LLC_ENTRY,
+                            at)) &&
+            !(s = write_all(fd, path, head, sizeof head, 0)) &&
+            fsync(fd) != 0)
+            s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
+                            strerror(errno));
+    }
+    if (fd >= 0 && close(fd) != 0 && !s)
+        s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
+                        strerror(errno));
+    if (!s) {
+        w->st.files++;
+        w->st.file_bytes += file_bytes;
+    }
+    free(index);
+    free(jobs);
+    laden_io_file_close(f);
+    return s;
+}
+
+laden_status laden_lossless_cache_write(
+    const char *checkpoint, const char *dir,
+    laden_lossless_progress_fn progress, void *arg,
+    laden_lossless_cache_stats *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!checkpoint || !dir || !dir[0])
+        return laden__fail(LADEN_E_INVAL, "laden_lossless_cache_write: NULL "
+                                          "or empty path");
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
+                           "cannot make the lossless cache directory "
+                           "%.300s: %s",
+                           dir, strerror(errno));
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return laden__fail(LADEN_E_IO, "the lossless cache directory %.300s "
+                                       "is not a directory",
+                           dir);
+    laden_st_t *st = NULL;
+    writer w = {.progress = progress, .arg = arg};
+    laden_status s = laden_st_open(checkpoint, &st);
+    if (!s)
+        s = laden_io_create(NULL, &w.io);
+    for (size_t i = 0, nt = st ? laden_st_count(st) : 0; !s && i < nt; i++) {
+        laden_st_tensor_t t;
+        if (!(s = laden_st_tensor_at(st, i, &t)) &&
+            (t.dtype == LADEN_DTYPE_BF16 || t.dtype == LADEN_DTYPE_F16))
+            w.total += t.size_bytes;
+    }
+    for (size_t fi = 0; !s && fi < laden_st_file_count(st); fi++) {
+        char path[PATH_MAX + 64], tmp[PATH_MAX + 96];
+        if ((s = laden_lossless_cache_path(laden_st_file_path(st, fi), dir,
+                                           path, sizeof path)))
+            break;
+        snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
+        s = write_file(&w, st, fi, tmp);
+        if (!s && rename(tmp, path) != 0)
+            s = laden__fail(LADEN_E_IO, "cannot rename %.300s to %.300s: %s",
+                            tmp, path, strerror(errno));
+        if (s)
+            unlink(tmp);
+    }
+    if (w.io)
+        laden_io_destroy(w.io);
+    laden_st_close(st);
+    if (out && !s)
+        *out = w.st;
+    return s;
+}
