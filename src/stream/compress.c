@@ -418,24 +418,104 @@ static const llc_entry *cached_entry(const laden_sched_t *sc, const tref *r)
                : NULL;
 }
 
+/* The blocks with coded tensors packed at their new sizes; the RAM tier
+ * checked against the room the plan had when it counted estimates. */
+static laden_status repack(laden_sched_t *sc)
+{
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll) {
+                pack(&sc->layout.b[i]);
+                break;
+            }
+    /* The plan counted the RAM tier at estimated sizes: the true ones
+     * must fit the room it had (samples that misled by more than the
+     * margin are refused, not run past the budget). */
+    uint64_t tier = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].tier == LADEN_TIER_RAM)
+            tier += sc->layout.b[i].bytes;
+    laden_status s = LADEN_OK;
+    if (sc->layout.ram_estimated && tier > sc->layout.ram_room)
+        s = laden__fail(LADEN_E_BUDGET,
+                        "compression=\"lossless\": the RAM tier's blocks "
+                        "take %s once encoded, more than the %s of RAM the "
+                        "plan had for them (it counted their coded sizes "
+                        "as estimated from samples of each tensor, which "
+                        "this checkpoint's weights did not follow); give "
+                        "more RAM (ram_budget) or load without compression",
+                        laden__bytes(tier).s,
+                        laden__bytes(sc->layout.ram_room).s);
+    return s;
+}
+
+/* Tensor r's blob is read straight from its cache file into its block
+ * at load, as a tensor kept as stored is (its info checked then:
+ * laden__sched_check_cached). */
+static laden_status from_cache(laden_sched_t *sc, tref *r,
+                               const llc_entry *e)
+{
+    laden_lossless_info *ll = calloc(1, sizeof *ll);
+    if (!ll)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    r->ll = ll;
+    r->ll_unchecked = true;
+    r->cfile = sc->layout.llc[r->file]->file;
+    r->off = e->blob_off;
+    r->src_bytes = r->dst_bytes = e->blob_bytes;
+    sc->st.lossless_bytes += e->blob_bytes;
+    sc->st.lossless_raw_bytes += r->nelem * 2;
+    sc->st.lossless_cache_bytes += e->blob_bytes;
+    return LADEN_OK;
+}
+
+laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
+{
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
+        if (!r->ll_unchecked)
+            continue;
+        const char *at = (const char *)b->ram + r->dst_off;
+        laden_status s = b->ram ? laden_lossless_check(at, r->dst_bytes, r->ll)
+                                : laden__fail(LADEN_E_STATE, "not in host "
+                                                             "memory");
+        if (!s && (r->ll->n_elems != r->nelem || r->ll->dtype != r->dst))
+            s = laden__fail(LADEN_E_CORRUPT,
+                            "its blob holds %llu values of another tensor",
+                            (unsigned long long)r->ll->n_elems);
+        if (s) {
+            laden__error_prefix("the lossless cache file %.300s: tensor "
+                                "'%.200s'",
+                                laden_io_file_path(r->cfile),
+                                r->name ? r->name : "?");
+            return s;
+        }
+        r->ll_unchecked = false;
+    }
+    return LADEN_OK;
+}
+
 laden_status laden__sched_compress(laden_sched_t *sc)
 {
-    uint32_t n = 0;
+    uint32_t n = 0, cached = 0;
+    laden_status s = LADEN_OK;
     for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
+        for (uint32_t k = 0; k < sc->layout.b[i].nt && !s; k++) {
             tref *r = &sc->layout.b[i].t[k];
-            const llc_entry *e;
+            const llc_entry *e = NULL;
             if (!r->ll_asked || r->ll)
                 continue;
             if (sc->layout.b[i].tier != LADEN_TIER_RAM ||
                 ((e = cached_entry(sc, r)) && e->kept_raw))
                 keep_as_stored(r); /* not on the RAM tier; or the cache
                                       says it does not code small enough */
+            else if (e && ++cached)
+                s = from_cache(sc, r, e);
             else
                 n++;
         }
-    if (!n)
-        return LADEN_OK;
+    if (s || !n)
+        return s ? s : cached ? repack(sc) : LADEN_OK;
     ll_job *jobs = calloc(n, sizeof *jobs);
     if (!jobs)
         return laden__fail(LADEN_E_NOMEM, "out of memory compressing");
@@ -446,21 +526,14 @@ laden_status laden__sched_compress(laden_sched_t *sc)
             tref *r = &sc->layout.b[i].t[k];
             if (!r->ll_asked || r->ll)
                 continue;
-            const llc_entry *e = cached_entry(sc, r);
-            ll_job *j = &jobs[n++];
-            *j = (ll_job){.file = sc->layout.files[r->file], .off = r->off,
-                          .nelem = r->nelem, .dtype = r->dst,
-                          .name = r->name, .owner = r};
-            if (e) {
-                j->cfile = sc->layout.llc[r->file]->file;
-                j->coff = e->blob_off;
-                j->cbytes = e->blob_bytes;
-            }
+            jobs[n++] = (ll_job){.file = sc->layout.files[r->file],
+                                 .off = r->off, .nelem = r->nelem,
+                                 .dtype = r->dst, .name = r->name,
+                                 .owner = r};
             total += 2 * r->nelem;
         }
-    laden_status s = laden__ll_run(sc->layout.io, jobs, n, sc->load.progress,
-                                   sc->load.progress_arg, 0, total,
-                                   "the load");
+    s = laden__ll_run(sc->layout.io, jobs, n, sc->load.progress,
+                      sc->load.progress_arg, 0, total, "the load");
     for (uint32_t k = 0; k < n; k++) { /* read, whatever came of it */
         if (jobs[k].s == LADEN_E_STATE && !jobs[k].cached && !jobs[k].size)
             continue; /* never read */
@@ -494,30 +567,7 @@ laden_status laden__sched_compress(laden_sched_t *sc)
         sc->st.lossless_raw_bytes += r->nelem * 2;
     }
     free(jobs);
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            if (sc->layout.b[i].t[k].ll) {
-                pack(&sc->layout.b[i]);
-                break;
-            }
-    /* The plan counted the RAM tier at estimated sizes: the true ones
-     * must fit the room it had (samples that misled by more than the
-     * margin are refused, not run past the budget). */
-    uint64_t tier = 0;
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        if (sc->layout.b[i].tier == LADEN_TIER_RAM)
-            tier += sc->layout.b[i].bytes;
-    if (!s && sc->layout.ram_estimated && tier > sc->layout.ram_room)
-        s = laden__fail(LADEN_E_BUDGET,
-                        "compression=\"lossless\": the RAM tier's blocks "
-                        "take %s once encoded, more than the %s of RAM the "
-                        "plan had for them (it counted their coded sizes "
-                        "as estimated from samples of each tensor, which "
-                        "this checkpoint's weights did not follow); give "
-                        "more RAM (ram_budget) or load without compression",
-                        laden__bytes(tier).s,
-                        laden__bytes(sc->layout.ram_room).s);
-    return s;
+    return s ? s : repack(sc);
 }
 
 void laden__sched_compress_free(laden_sched_t *sc)

@@ -115,7 +115,7 @@ static laden_status submit_pieces(laden_sched_t *sc, const tref *r,
                            r->name);
     laden_status s = LADEN_OK;
     for (uint64_t n = 0; n < r->pieces && !s; n++)
-        if (!(s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+        if (!(s = laden_io_submit(sc->layout.io, laden__sched_file(sc, r),
                                   r->off + n * r->stride, each,
                                   dst + n * each, &c->reqs[c->nreqs])))
             c->nreqs++;
@@ -165,7 +165,7 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
     if (r->host)
         return laden_sched_convert(r->src, r->host, r->dst, to, r->nelem);
     if (laden__sched_as_stored(r))
-        return laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+        return laden_io_submit(sc->layout.io, laden__sched_file(sc, r),
                                r->off, r->src_bytes, to, req);
     if (r->pieces && r->src == r->dst && !r->rope_heads)
         return submit_pieces(sc, r, to, c);
@@ -178,7 +178,7 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
         laden_status s = read_pieces(sc, r, c->tmp, c);
         return s ? s : convert_then(c);
     }
-    return laden_io_submit_then(sc->layout.io, sc->layout.files[r->file],
+    return laden_io_submit_then(sc->layout.io, laden__sched_file(sc, r),
                                 r->off, r->src_bytes, c->tmp, convert_then, c,
                                 req);
 }
@@ -661,6 +661,8 @@ static laden_status finish_oldest(loader *l, laden_status s)
         !(s = laden_dev_event_record(l->copied[f->staging], sc->run.copy)) &&
         last)
         s = laden_dev_event_synchronize(l->copied[f->staging]);
+    if (!s && last)
+        s = laden__sched_check_cached(sc, f->b);
     if (!s && last && sc->cuda && !sc->cache.on &&
         f->b->tier == LADEN_TIER_RAM)
         s = laden__sched_pin_home(sc, f->b);
@@ -762,14 +764,20 @@ static bool must_wait(const loader *l)
 }
 
 /* Moves l->next past the blocks that have nothing to read, marking them
- * ready. */
-static void skip_empty(loader *l)
+ * ready (a failure: a shared copy's blob that is not what it claims). */
+static laden_status skip_empty(loader *l)
 {
     laden_sched_t *sc = l->sc;
     while (l->next < sc->layout.nb && !to_load(sc, &sc->layout.b[l->next])) {
         blk *b = &sc->layout.b[l->next++];
+        /* An attached shared copy's blobs came from another process's
+         * load: checked here as that one checked its own. */
+        laden_status s = laden__sched_check_cached(sc, b);
+        if (s)
+            return s;
         b->ready = true;
     }
+    return LADEN_OK;
 }
 
 static bool loader_done(const loader *l)
@@ -799,7 +807,8 @@ static laden_status step(loader *l)
         if (t1 == b->nt) {
             l->next++;
             l->t0 = 0;
-            skip_empty(l);
+            laden_status e = skip_empty(l);
+            s = s ? s : e;
         }
         return s;
     }
@@ -838,8 +847,7 @@ static laden_status loader_new(laden_sched_t *sc)
             l->staging_bytes = n > l->staging_bytes ? n : l->staging_bytes;
         }
     }
-    skip_empty(l);
-    return LADEN_OK;
+    return skip_empty(l);
 }
 
 /* Ends the load (sc->load.ld): the pieces in flight finished (also after a

@@ -125,6 +125,10 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
             }
         }
         if (r->ll) { /* lossless (compress.c): decoded in its dtype */
+            if (r->ll_unchecked)
+                return laden__fail(LADEN_E_STATE, "tensor '%.200s': its "
+                                   "blob was not read and checked yet",
+                                   r->name ? r->name : "?");
             if ((s = laden_lossless_decode(dev, handle, r->ll, src,
                                            ws + r->ws_off, 2 * r->nelem,
                                            0))) {
@@ -269,7 +273,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         host_stall(sc, t0, bi, LADEN__STALL_STAGING);
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
-        s = laden_io_submit(sc->layout.io, sc->layout.files[r->file], r->off,
+        s = laden_io_submit(sc->layout.io, laden__sched_file(sc, r), r->off,
                             r->src_bytes, dst + r->dst_off,
                             &sl->reqs[sl->nreqs]);
         if (s) {
@@ -748,7 +752,7 @@ static laden_status read_rows(laden_sched_t *sc, void *arg, uint64_t off,
             x->reqs = q;
             x->cap = c;
         }
-        s = laden_io_submit(sc->layout.io, sc->layout.files[r->file],
+        s = laden_io_submit(sc->layout.io, laden__sched_file(sc, r),
                             r->off + (a - r->dst_off), e - a, x->dst + a,
                             &x->reqs[x->nreqs]);
         if (!s)

@@ -71,6 +71,12 @@ typedef struct tref {
     bool ll_asked;
     bool host_owned;
     laden_lossless_info *ll;
+    /* Its blob read from this lossless cache file (llcache.c) at `off`,
+     * src_bytes of it, instead of from files[file]; ll then filled in by
+     * laden__sched_check_cached once the bytes are in (ll_unchecked until
+     * then). */
+    laden_io_file_t *cfile;
+    bool ll_unchecked;
     /* Marked: its blob's size as estimated from samples of the file at
      * the mark (0: expected to stay as stored), what the plan counts for
      * the RAM tier (laden_plan_input's ram_block_bytes). */
@@ -85,6 +91,11 @@ static inline uint64_t laden__sched_place(const tref *r, uint64_t end)
 {
     return r->joined ? end : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
 }
+
+/* The file tensor r is read from: the checkpoint's, or a lossless cache
+ * file's. */
+#define laden__sched_file(sc, r)                                           \
+    ((r)->cfile ? (r)->cfile : (sc)->layout.files[(r)->file])
 
 /* 1 if tensor r is kept as the checkpoint stores it, so that it can be
  * read straight into a slot: from the file, in the file's dtype. */
@@ -271,6 +282,11 @@ void laden__sched_llc_free(laden_sched_t *sc);
 laden_status laden__sched_compress(laden_sched_t *sc);
 /* The blobs, once the load copied them (and at destroy). */
 void laden__sched_compress_free(laden_sched_t *sc);
+/* Block b's tensors read from lossless cache files, now in its host
+ * memory: each blob checked (laden_lossless_check) and its info kept;
+ * LADEN_E_CORRUPT naming the cache file and the tensor otherwise.  Before
+ * the block is ready (load.c). */
+laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b);
 int laden__sched_tensor_lossless(const laden_sched_t *sc, uint32_t block,
                                  uint32_t i);
 

@@ -44,7 +44,7 @@ static laden_status laid_out(laden_sched_t *sc, uint32_t block,
                            "tensor '%.200s' has no copy in memory and is not "
                            "kept as the checkpoint stores it",
                            r->name ? r->name : "?");
-    return laden_io_read(sc->layout.io, sc->layout.files[r->file], r->off,
+    return laden_io_read(sc->layout.io, laden__sched_file(sc, r), r->off,
                          r->src_bytes, out);
 }
 
@@ -56,6 +56,9 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
 {
     uintptr_t src = (uintptr_t)raw;
     bool codes = laden__fp8(r->dst) || r->rows;
+    if (r->ll && r->ll_unchecked)
+        return laden__fail(LADEN_E_STATE, "tensor '%.200s': its blob was not "
+                           "read and checked yet", r->name ? r->name : "?");
     if (r->ll) { /* lossless: decoded here, then in the dtype asked */
         void *v = dtype == r->dst ? dst : malloc(2 * r->nelem);
         if (!v)
