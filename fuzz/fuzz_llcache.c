@@ -3,9 +3,8 @@
  * (src/stream/llcache.c); any input may be refused, none may crash, read
  * out of bounds or leak.  An index that parses keeps its promises: entries
  * in the checkpoint's order, each blob within the file before the index,
- * after the one before; each is then found by its tensor, checked as a
- * load checks it and, when the check passes, decoded on the CPU into a
- * buffer with guard bytes. */
+ * after the one before; each is then found by its tensor and checked as
+ * a load checks it. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,36 +14,21 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-#define GUARD 64u
-
+/* Entry e's blob checked as a load checks it in its block (a copy of
+ * exactly its bytes: ASan sees a read past them).  Decoding a blob that
+ * passes is fuzz_lossless.c's. */
 static void blob(const uint8_t *data, const llc_entry *e)
 {
     if (e->blob_bytes > (1u << 22))
         return;
-    uint8_t *b = malloc(e->blob_bytes); /* exactly: ASan sees overreads */
+    uint8_t *b = malloc(e->blob_bytes);
     laden_lossless_info in;
     if (!b)
         return;
     memcpy(b, data + e->blob_off, e->blob_bytes);
     if (laden_lossless_check(b, e->blob_bytes, &in) == LADEN_OK &&
-        in.n_elems == e->nelem && in.dtype == e->dtype) {
-        size_t out_bytes = (size_t)(2 * in.n_elems);
-        uint8_t *out = malloc(out_bytes + 2 * GUARD);
-        uint32_t err = 0;
-        if (out) {
-            memset(out, 0xa5, out_bytes + 2 * GUARD);
-            laden_status s = laden_lossless_decode(
-                LADEN_DEVICE_CPU, 0, &in, (laden_devptr_t)(uintptr_t)b,
-                (laden_devptr_t)(uintptr_t)(out + GUARD), out_bytes,
-                (laden_devptr_t)(uintptr_t)&err);
-            if (s != LADEN_OK && s != LADEN_E_CORRUPT)
-                __builtin_trap();
-            for (size_t k = 0; k < GUARD; k++)
-                if (out[k] != 0xa5 || out[GUARD + out_bytes + k] != 0xa5)
-                    __builtin_trap();
-            free(out);
-        }
-    }
+        (in.bytes != e->blob_bytes || in.raw_off > in.bytes))
+        __builtin_trap();
     free(b);
 }
 

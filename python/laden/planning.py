@@ -598,7 +598,7 @@ def lossless_cache_dir(compression, cache_dir, where: str) -> Optional[str]:
         cache_dir = os.environ.get("LADEN_LOSSLESS_CACHE") or None
     if cache_dir is None:
         return None
-    cache_dir = os.fspath(cache_dir)
+    cache_dir = os.path.expanduser(os.fspath(cache_dir))
     if not compression:
         raise InvalidArgumentError(
             f"{where}: lossless_cache={cache_dir!r} is read only with "

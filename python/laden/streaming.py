@@ -519,7 +519,8 @@ def compress(checkpoint: PathLike, cache_dir: PathLike, *,
     ``progress``: a tqdm bar (default: on a terminal for 1 GiB or more).
     Ctrl-C stops it, leaving nothing behind.  The command line: ``laden
     compress CHECKPOINT --cache DIR``."""
-    path, cache_dir = os.fspath(checkpoint), os.fspath(cache_dir)
+    path = os.path.expanduser(os.fspath(checkpoint))
+    cache_dir = os.path.expanduser(os.fspath(cache_dir))
     raised = []
     bar = []
 

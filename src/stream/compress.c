@@ -13,9 +13,12 @@
  * is packed again at the new sizes, so the RAM tier, the slots and every
  * copy into them shrink by what the blobs save; its enter decodes it into
  * the workspace (run.c, through laden_lossless_decode) on the compute
- * stream.  The blobs are freed once the load has copied them.  Blocks on
- * the disk tier stay as stored: the file holds no blob to read (a
- * compressed cache file will).  The load's progress callback hears of the
+ * stream.  The blobs are freed once the load has copied them.  A tensor
+ * a lossless cache file holds (llcache.c, laden_sched_use_lossless_cache)
+ * is not read nor encoded here: its blob is read straight from the cache
+ * file into its block by the load, as a tensor kept as stored is, and
+ * checked there (laden__sched_check_cached).  Blocks on the disk tier
+ * stay as stored (the cache file is not streamed from).  The load's progress callback hears of the
  * bytes read and encoded (from the loading thread, every 50 ms), and may
  * stop it.  Calls build.c and workspace.c. */
 #define _GNU_SOURCE /* sched_getaffinity */
@@ -246,31 +249,12 @@ static void *scratch_for(scratch *b, uint64_t bytes)
     return b->p;
 }
 
-/* A blob read from a cache file: checked, and the tensor it claims to
- * be the one asked for.  LADEN_E_CORRUPT otherwise. */
-static laden_status check_cached(ll_job *j)
-{
-    laden_status s = laden_lossless_check(j->blob, j->cbytes, &j->info);
-    if (!s && (j->info.n_elems != j->nelem || j->info.dtype != j->dtype ||
-               !laden__ll_worth(j->cbytes, 2 * j->nelem)))
-        s = laden__fail(LADEN_E_CORRUPT,
-                        "its blob holds %llu values of another tensor",
-                        (unsigned long long)j->info.n_elems);
-    if (s)
-        laden__error_prefix("the lossless cache file %.300s",
-                            laden_io_file_path(j->cfile));
-    return s;
-}
-
 static void run_job(pool *p, uint32_t k, scratch *buf)
 {
     ll_job *j = &p->jobs[k];
-    uint64_t bound, raw_bytes = 2 * j->nelem, bytes = j->cfile ? j->cbytes
-                                                              : raw_bytes;
-    /* A cached blob is read where it stays; raw values into the scratch. */
-    void *dst = j->cfile ? (j->blob = malloc(bytes ? bytes : 1))
-                         : scratch_for(buf, bytes);
-    laden_status s = dst ? LADEN_OK
+    uint64_t bound, raw_bytes = 2 * j->nelem;
+    void *raw = scratch_for(buf, raw_bytes);
+    laden_status s = raw ? LADEN_OK
                          : laden__fail(LADEN_E_NOMEM, "out of memory");
     laden_io_req_t *req;
     if (!read_turn(p, k)) { /* stopped: nothing read */
@@ -279,31 +263,24 @@ static void run_job(pool *p, uint32_t k, scratch *buf)
                  j->name ? j->name : "?");
         return;
     }
-    if (!s && !(s = laden_io_submit(p->io, j->cfile ? j->cfile : j->file,
-                                    j->cfile ? j->coff : j->off, bytes, dst,
+    if (!s && !(s = laden_io_submit(p->io, j->file, j->off, raw_bytes, raw,
                                     &req)))
         s = laden_io_wait_cached(p->io, req, &j->cached);
     read_done(p);
-    if (j->cfile) {
-        j->size = j->cbytes;
-        if (!s)
-            s = check_cached(j);
-    } else {
-        if (!s)
-            s = laden_lossless_bound(j->dtype, j->nelem, &bound);
-        if (!s && !(j->blob = malloc(bound)))
-            s = laden__fail(LADEN_E_NOMEM, "out of memory");
-        if (!s)
-            s = laden_lossless_encode(j->dtype, dst, j->nelem, j->blob,
-                                      bound, &j->size);
-        if (!s && laden__ll_worth(j->size, raw_bytes)) {
-            void *fit = realloc(j->blob, j->size);
-            j->blob = fit ? fit : j->blob;
-            s = laden_lossless_check(j->blob, j->size, &j->info);
-        } else if (!s) {
-            free(j->blob); /* not worth it: kept as stored */
-            j->blob = NULL;
-        }
+    if (!s)
+        s = laden_lossless_bound(j->dtype, j->nelem, &bound);
+    if (!s && !(j->blob = malloc(bound)))
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (!s)
+        s = laden_lossless_encode(j->dtype, raw, j->nelem, j->blob, bound,
+                                  &j->size);
+    if (!s && laden__ll_worth(j->size, raw_bytes)) {
+        void *fit = realloc(j->blob, j->size);
+        j->blob = fit ? fit : j->blob;
+        s = laden_lossless_check(j->blob, j->size, &j->info);
+    } else if (!s) {
+        free(j->blob); /* not worth it: kept as stored */
+        j->blob = NULL;
     }
     if (s) {
         free(j->blob);
@@ -537,11 +514,8 @@ laden_status laden__sched_compress(laden_sched_t *sc)
     for (uint32_t k = 0; k < n; k++) { /* read, whatever came of it */
         if (jobs[k].s == LADEN_E_STATE && !jobs[k].cached && !jobs[k].size)
             continue; /* never read */
-        uint64_t bytes = jobs[k].cfile ? jobs[k].cbytes : 2 * jobs[k].nelem;
-        sc->st.load_read_bytes += bytes;
+        sc->st.load_read_bytes += 2 * jobs[k].nelem;
         sc->st.load_cached_bytes += jobs[k].cached;
-        if (jobs[k].cfile)
-            sc->st.lossless_cache_bytes += bytes;
     }
     for (uint32_t k = 0; k < n; k++) {
         ll_job *j = &jobs[k];

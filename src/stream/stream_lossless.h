@@ -14,18 +14,15 @@
 #include "laden/stream.h"
 
 /* One tensor for the pool: nelem values of dtype (BF16 or F16) at `off`
- * in `file`, encoded; or, when cfile is set, the blob of cbytes at coff
- * in that cache file read and checked instead.  What came of it: blob
- * (malloc'd, the caller's to free) of `size` bytes and its info, NULL
- * when the blob would not be at most 15/16 of the raw bytes (kept as
- * stored); `cached` the bytes the page cache held; s and msg a failure. */
+ * in `file`, read and encoded.  What came of it: blob (malloc'd, the
+ * caller's to free) of `size` bytes and its info, NULL when the blob
+ * would not be at most 15/16 of the raw bytes (kept as stored); `cached`
+ * the bytes the page cache held; s and msg a failure. */
 typedef struct ll_job {
     laden_io_file_t *file;
     uint64_t off, nelem;
     laden_dtype dtype;
     const char *name;
-    laden_io_file_t *cfile;
-    uint64_t coff, cbytes;
     void *owner; /* the caller's (compress.c: the tref) */
     void *blob;
     uint64_t size, cached;
