@@ -330,3 +330,50 @@ def test_lossless_cache_read_instead_of_encoding(tmp_path, capsys,
     with torch.no_grad():
         assert torch.equal(m(ids).logits, want2)
     laden.release(m)
+
+
+def test_lossless_cache_of_a_sharded_checkpoint(tmp_path, monkeypatch):
+    """A cache file per shard; a load takes each; Ctrl-C during
+    laden.compress (from its progress callback) stops it and leaves no
+    file behind."""
+    import laden
+    from laden import checkpoint
+
+    ref, _ = _tiny_llama_bf16(tmp_path)
+    d = tmp_path / "sharded"
+    ref.save_pretrained(d, max_shard_size="200KB")
+    shards = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))
+    assert len(shards) >= 2
+    cache = tmp_path / "llc"
+    rep = laden.compress(d, cache, progress=False)
+    assert len(rep.files) == len(shards) and rep.coded > 0
+    ids = torch.randint(0, 128, (1, 7),
+                        generator=torch.Generator().manual_seed(6))
+    outs = []
+    for kw in ({}, {"compression": "lossless", "lossless_cache": cache}):
+        m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device="cpu", dtype=torch.bfloat16,
+                                  progress=False, **kw)
+        with torch.no_grad():
+            outs.append(m(ids).logits)
+        if kw:
+            lc = m._laden_stream.report.lossless_cache
+            assert lc["found"] == len(shards) and lc["files"] == len(shards)
+            assert lc["bytes"] == m._laden_stream.report.lossless[0] > 0
+        laden.release(m)
+    assert torch.equal(outs[0], outs[1])
+
+    class Stop:  # a progress bar whose first update is Ctrl-C
+        n = 0
+
+        def update(self, k):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(checkpoint, "_progress_bar", lambda *a: Stop())
+    other = tmp_path / "llc2"
+    with pytest.raises(KeyboardInterrupt):
+        laden.compress(d, other, progress=True)
+    assert os.listdir(other) == []
