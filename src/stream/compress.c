@@ -86,50 +86,110 @@ enum { SAMPLES = 3, SAMPLE_ELEMS = 16384, MARGIN = 50 /* 1/50: 2 % */ };
 static const llc_entry *cached_entry(const laden_sched_t *sc,
                                      const tref *r);
 
-static laden_status estimate(laden_sched_t *sc, tref *r)
+/* Tensor r's sample runs: how many (1 when smaller than SAMPLES runs),
+ * of how many elements, the k-th starting at element first(k). */
+static uint32_t sample_runs(const tref *r, uint64_t *per)
 {
-    uint64_t n = r->nelem, raw = n * 2;
-    const llc_entry *e = cached_entry(sc, r);
-    if (e) { /* a cache file says exactly */
-        r->ll_est = e->kept_raw ? 0 : e->blob_bytes;
-        return LADEN_OK;
-    }
-    uint64_t per = n < SAMPLES * SAMPLE_ELEMS ? n : SAMPLE_ELEMS;
-    uint32_t runs = n < SAMPLES * SAMPLE_ELEMS ? 1 : SAMPLES;
-    uint64_t bound, coded = 0, read = 0;
-    r->ll_est = 0;
-    if (!n)
-        return LADEN_OK;
-    laden_status s = laden_lossless_bound(r->dst, per, &bound);
-    if (s)
-        return s;
-    char *buf = malloc(per * 2), *blob = malloc(bound);
-    if (!buf || !blob)
+    uint64_t n = r->nelem;
+    *per = n < SAMPLES * SAMPLE_ELEMS ? n : SAMPLE_ELEMS;
+    return n < SAMPLES * SAMPLE_ELEMS ? 1 : SAMPLES;
+}
+
+static uint64_t sample_first(const tref *r, uint32_t runs, uint64_t per,
+                             uint32_t k)
+{
+    return runs == 1 ? 0 : k * ((r->nelem - per) / (runs - 1));
+}
+
+/* Tensors whose samples are read at once: the reads of a window go to
+ * the reader pool together (a cold drive answers several small reads in
+ * the time of one), then each tensor's runs are encoded. */
+enum { WINDOW = 128 };
+
+/* Estimates the coded size of each tensor of rs[0..n) (ll_est): from a
+ * cache file exactly, else from its samples. */
+static laden_status estimate_all(laden_sched_t *sc, tref **rs, uint32_t n)
+{
+    laden_status s = LADEN_OK;
+    char *buf = malloc((size_t)WINDOW * SAMPLES * SAMPLE_ELEMS * 2);
+    laden_io_req_t **req = calloc((size_t)WINDOW * SAMPLES, sizeof *req);
+    uint64_t bound = 0, f16 = 0;
+    char *blob = NULL;
+    if (!(s = laden_lossless_bound(LADEN_DTYPE_BF16, SAMPLES * SAMPLE_ELEMS,
+                                   &bound)) &&
+        !(s = laden_lossless_bound(LADEN_DTYPE_F16, SAMPLES * SAMPLE_ELEMS,
+                                   &f16)))
+        blob = malloc(bound > f16 ? bound : f16);
+    bound = bound > f16 ? bound : f16;
+    if (!s && (!buf || !req || !blob))
         s = laden__fail(LADEN_E_NOMEM, "out of memory estimating");
-    for (uint32_t k = 0; k < runs && !s; k++) {
-        uint64_t first = runs == 1 ? 0 : k * ((n - per) / (runs - 1));
-        uint64_t size = 0;
-        s = laden_io_read(sc->layout.io, sc->layout.files[r->file],
-                          r->off + 2 * first, per * 2, buf);
-        if (!s)
-            s = laden_lossless_encode(r->dst, buf, per, blob, bound, &size);
-        coded += size;
-        read += per * 2;
+    for (uint32_t w0 = 0; w0 < n && !s; w0 += WINDOW) {
+        uint32_t w1 = n - w0 < WINDOW ? n : w0 + WINDOW;
+        for (uint32_t i = w0; i < w1 && !s; i++) {
+            tref *r = rs[i];
+            const llc_entry *e = cached_entry(sc, r);
+            r->ll_est = 0;
+            if (e) { /* a cache file says exactly */
+                r->ll_est = e->kept_raw ? 0 : e->blob_bytes;
+                continue;
+            }
+            uint64_t per;
+            uint32_t runs = sample_runs(r, &per);
+            for (uint32_t k = 0; k < runs && r->nelem && !s; k++)
+                s = laden_io_submit(
+                    sc->layout.io, sc->layout.files[r->file],
+                    r->off + 2 * sample_first(r, runs, per, k), per * 2,
+                    buf + ((uint64_t)(i - w0) * SAMPLES + k) * SAMPLE_ELEMS *
+                              2,
+                    &req[(i - w0) * SAMPLES + k]);
+            if (s)
+                laden__error_prefix("tensor '%.200s': estimating its coded "
+                                    "size", r->name ? r->name : "?");
+        }
+        /* Every read submitted is waited for, also after a failure. */
+        for (uint32_t i = w0; i < w1; i++) {
+            tref *r = rs[i];
+            uint64_t per, coded = 0, read = 0, raw = 2 * r->nelem;
+            uint32_t runs = sample_runs(r, &per);
+            laden_status t = LADEN_OK;
+            for (uint32_t k = 0; k < runs; k++) {
+                laden_io_req_t **q = &req[(i - w0) * SAMPLES + k];
+                laden_status w = *q ? laden_io_wait(sc->layout.io, *q)
+                                    : LADEN_OK;
+                *q = NULL;
+                t = t ? t : w;
+            }
+            if (s || !r->nelem || cached_entry(sc, r))
+                continue;
+            for (uint32_t k = 0; k < runs && !t; k++) {
+                uint64_t size = 0;
+                t = laden_lossless_encode(
+                    r->dst,
+                    buf + ((uint64_t)(i - w0) * SAMPLES + k) * SAMPLE_ELEMS *
+                              2,
+                    per, blob, bound, &size);
+                coded += size;
+                read += per * 2;
+            }
+            if (t) {
+                s = t;
+                laden__error_prefix("tensor '%.200s': estimating its coded "
+                                    "size", r->name ? r->name : "?");
+                continue;
+            }
+            uint64_t est = (uint64_t)((double)coded / (double)read *
+                                      (double)raw) +
+                           raw / MARGIN + LADEN_LOSSLESS_HEADER_BYTES;
+            /* Near the load's cut (a blob over 15/16 stays as stored), a
+             * tensor whose samples coded a little better than the rest of
+             * it would be kept whole: counted whole already from 9/10. */
+            r->ll_est = est <= raw - raw / 10 ? est : 0;
+        }
     }
     free(buf);
+    free(req);
     free(blob);
-    if (s) {
-        laden__error_prefix("tensor '%.200s': estimating its coded size",
-                            r->name ? r->name : "?");
-        return s;
-    }
-    uint64_t est = (uint64_t)((double)coded / (double)read * (double)raw) +
-                   raw / MARGIN + LADEN_LOSSLESS_HEADER_BYTES;
-    /* Near the load's cut (a blob over 15/16 stays as stored), a tensor
-     * whose samples coded a little better than the rest of it would be
-     * kept whole: counted whole already from 9/10. */
-    r->ll_est = est <= raw - raw / 10 ? est : 0;
-    return LADEN_OK;
+    return s;
 }
 
 laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
@@ -154,6 +214,12 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
         may_stream[i] = sc->layout.b[i].tier != LADEN_TIER_GPU &&
                         sc->layout.b[i].tier != LADEN_TIER_VRAM;
     laden_status s = LADEN_OK;
+    uint64_t cap = 0;
+    for (uint32_t i = 0; i < nb; i++)
+        cap += sc->layout.b[i].nt;
+    tref **marked = calloc(cap ? cap : 1, sizeof *marked);
+    if (!marked)
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
     for (uint32_t i = 0; i < nb && !s; i++)
         for (uint32_t k = 0; may_stream[i] && k < sc->layout.b[i].nt && !s;
              k++) {
@@ -164,12 +230,15 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
             s = laden__sched_set_lossless(sc, i, k);
             if (s == LADEN_E_UNSUPPORTED) /* a part, joined, ...: plain */
                 s = LADEN_OK;
-            else if (!s && !(s = estimate(sc, &sc->layout.b[i].t[k])))
-                n++;
+            else if (!s)
+                marked[n++] = &sc->layout.b[i].t[k];
         }
+    if (!s)
+        s = estimate_all(sc, marked, n);
+    free(marked);
     free(may_stream);
     if (out)
-        *out = n;
+        *out = s ? 0 : n;
     return s;
 }
 
