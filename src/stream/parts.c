@@ -165,8 +165,9 @@ laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b)
 {
     /* Pinned already when it came from the process's pinned pool. */
     laden_status s = b->pinned ? LADEN_OK
-                               : laden_dev_host_register(sc->cfg.device,
-                                                         b->ram, b->ram_len);
+                               : laden_dev_host_register(
+                                     sc->cfg.device,
+                                     laden__sched_home_base(b), b->ram_len);
     if (s)
         return s;
     b->pinned = true;

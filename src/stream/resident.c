@@ -339,12 +339,14 @@ laden_status laden__sched_pin(laden_sched_t *sc, uint32_t block, int on)
     if ((on != 0) == b->pinned || !b->ram)
         return LADEN_OK;
     if (on) {
-        s = laden_dev_host_register(sc->cfg.device, b->ram, b->ram_len);
+        s = laden_dev_host_register(sc->cfg.device,
+                                    laden__sched_home_base(b), b->ram_len);
     } else {
         /* Copies from it may be in flight (uploads, slots). */
         if ((s = laden_dev_stream_synchronize(sc->run.copy)))
             return s;
-        s = laden_dev_host_unregister(sc->cfg.device, b->ram);
+        s = laden_dev_host_unregister(sc->cfg.device,
+                                      laden__sched_home_base(b));
     }
     if (s)
         return s;

@@ -92,6 +92,9 @@ static inline uint64_t laden__sched_place(const tref *r, uint64_t end)
     return r->joined ? end : (end + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
 }
 
+/* The start of block b's home mapping (b->ram less its shift). */
+#define laden__sched_home_base(b) ((void *)((char *)(b)->ram - (b)->ram_shift))
+
 /* The file tensor r is read from: the checkpoint's, or a lossless cache
  * file's. */
 #define laden__sched_file(sc, r)                                           \
@@ -142,6 +145,9 @@ typedef struct blk {
                               cache schedules: the block's own device copy */
     void *ram;             /* RAM tier: pinned region (cache: pageable) */
     uint64_t ram_len;      /* cache schedules: the mapping's length */
+    uint64_t ram_shift;    /* a home of its own: ram is this far past its
+                              mapping's start (load.c's map_home), so
+                              that its reads land in place */
     bool filled;           /* cache schedules: host copy loaded */
     bool resident;         /* cache schedules: has a device copy of its own */
     bool in_place;         /* cache schedules, CPU device: the "device copy"
