@@ -18,7 +18,7 @@ from ._writer import save_file
 from .checkpoint import Checkpoint
 from .errors import LadenError
 from .gguf import GgufFile
-from .streaming import _device, release
+from .streaming import _device, compress, release
 from .traceview import load, plot, summarize
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)\.")
@@ -542,7 +542,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_compress(args) -> int:
-    from .streaming import compress
     report = compress(args.checkpoint, args.cache,
                       progress=False if args.quiet else None)
     print(report)

@@ -33,6 +33,7 @@ from ._moves import unguard_moves
 from ._sched import _end_interrupted, _pass  # _pass: importable here
 from ._state import _own_value, _Stream
 from ._wrapped import detach_all
+from . import checkpoint as _checkpoint
 from .checkpoint import Checkpoint, PathLike
 from .compile import close_open, compiling
 from .doors import refuse_owned
@@ -527,9 +528,8 @@ def compress(checkpoint: PathLike, cache_dir: PathLike, *,
     def update(arg, done, total):
         try:
             if not bar:
-                from .checkpoint import _progress_bar
-                bar.append(_progress_bar(total, "laden compress", progress)
-                           or None)
+                bar.append(_checkpoint._progress_bar(
+                    total, "laden compress", progress) or None)
             if bar[0] is not None:
                 bar[0].update(done - bar[0].n)
             return 0

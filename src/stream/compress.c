@@ -129,8 +129,11 @@ static laden_status estimate_all(laden_sched_t *sc, tref **rs, uint32_t n)
             tref *r = rs[i];
             const llc_entry *e = cached_entry(sc, r);
             r->ll_est = 0;
-            if (e) { /* a cache file says exactly */
-                r->ll_est = e->kept_raw ? 0 : e->blob_bytes;
+            if (e) { /* a cache file says exactly (with the room pack()
+                        may add before it, at most a 4 KiB alignment) */
+                r->ll_est = e->kept_raw ? 0
+                                        : e->blob_bytes + LADEN_LLC_ALIGN -
+                                              ALIGN;
                 continue;
             }
             uint64_t per;
@@ -435,13 +438,18 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
 
 /* ---- compressing at load ------------------------------------------------ */
 
-/* Block b's tensors at their places again (laden__sched_place). */
+/* Block b's tensors at their places again (laden__sched_place); a blob
+ * read from a cache file, where blobs start at 4 KiB multiples, at a 4 KiB
+ * multiple of the block too, so that its reads land in place (the home's
+ * shift: load.c's map_home). */
 static void pack(blk *b)
 {
     uint64_t end = 0;
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
-        r->dst_off = laden__sched_place(r, end);
+        r->dst_off = r->cfile ? (end + LADEN_LLC_ALIGN - 1) &
+                                    ~(uint64_t)(LADEN_LLC_ALIGN - 1)
+                              : laden__sched_place(r, end);
         end = r->dst_off + r->dst_bytes;
     }
     b->bytes = end;
