@@ -773,8 +773,11 @@ static laden_status destination(loader *l, blk *b, uint32_t t0, char **dst,
             return s;
         if ((s = laden_dev_event_synchronize(l->copied[k])))
             return s;
+        /* As a home's shift: the piece's reads land in place. */
+        const tref *r = &b->t[t0];
+        uint64_t shift = laden__sched_as_stored(r) ? r->off & 4095u : 0;
         *staging = k;
-        *dst = l->staging[k];
+        *dst = (char *)l->staging[k] + (shift % 8 ? 0 : shift);
         return LADEN_OK;
     }
     return laden__fail(LADEN_E_STATE, "no staging buffer free"); /* bug */
@@ -875,6 +878,7 @@ static laden_status loader_new(laden_sched_t *sc)
             t1 = piece_end(sc, b, t0);
             uint64_t n = b->t[t1 - 1].dst_off + b->t[t1 - 1].dst_bytes -
                          b->t[t0].dst_off;
+            n += 4096; /* room for the shift (destination) */
             l->staging_bytes = n > l->staging_bytes ? n : l->staging_bytes;
         }
     }
