@@ -431,6 +431,10 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
             fsync(fd) != 0)
             s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
                             strerror(errno));
+        /* Written and synced: its pages need not stay in the page cache
+         * beside the loads' own copies (a hint). */
+        if (!s)
+            (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     }
     if (fd >= 0 && close(fd) != 0 && !s)
         s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
