@@ -38,7 +38,7 @@ static const struct {
     ONE(laden_gguf_tensor),
     ONE(laden_gguf_kv),       ONE(laden_trace_result),
     ONE(laden_shm_entry),     ONE(laden_lossless_info),
-    ONE(laden_lossless_cache_stats),
+    ONE(laden_lossless_cache_stats), ONE(laden_lossless_cache_entry),
 };
 #undef ONE
 

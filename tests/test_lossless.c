@@ -971,6 +971,23 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     CHECK_EQ((uint64_t)sb.st_size, cs.file_bytes);
     CHECK(strstr(cpath, "/llc.safetensors.") && strstr(cpath, ".ldlc"));
 
+    laden_lossless_cache_entry ent[NB];
+    uint32_t count = 0;
+    int is_stale = 9;
+    CHECK_OK(laden_lossless_cache_entries(path, dir, ent, NB, &count,
+                                          &is_stale));
+    CHECK_EQ(count, NB);
+    CHECK_EQ(is_stale, 0);
+    CHECK_EQ(ent[1].kept_raw, 1); /* the noise */
+    CHECK_EQ(ent[1].blob_bytes, 0);
+    CHECK_EQ(ent[0].kept_raw, 0);
+    CHECK_EQ(ent[0].n_elems, N);
+    CHECK_EQ(ent[0].blob_bytes + ent[2].blob_bytes, cs.coded_bytes);
+    CHECK(ent[0].src_offset < ent[1].src_offset);
+    CHECK_STATUS(laden_lossless_cache_entries(path, "/nonexistent", ent, NB,
+                                              &count, &is_stale),
+                 LADEN_E_NOENT);
+
     laden_sched_stats_t ss;
     uint32_t found = 9, stale = 9;
     CHECK_OK(load_cached(path, dir, NB, N, v, &ss, &found, &stale));
@@ -1008,6 +1025,9 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     CHECK_OK(load_cached(path, dir, NB, N, v2, &ss, &found, &stale));
     CHECK_EQ(found, 0);
     CHECK_EQ(stale, 1);
+    CHECK_OK(laden_lossless_cache_entries(path, dir, NULL, 0, &count,
+                                          &is_stale));
+    CHECK_EQ(is_stale, 1);
     CHECK_EQ(ss.lossless_cache_bytes, 0);
 
     /* Damage: the index; a blob's header; a blob's codes. */

@@ -175,6 +175,25 @@ LADEN_API laden_status laden_lossless_cache_path(const char *file,
                                                  const char *dir, char *out,
                                                  size_t cap);
 
+/* One entry of a cache file's index (laden_lossless_cache_entries). */
+typedef struct laden_lossless_cache_entry {
+    uint64_t src_offset;  /* the tensor's offset in the checkpoint file */
+    uint64_t n_elems;
+    int32_t dtype;        /* laden_dtype: BF16 or F16 */
+    uint32_t kept_raw;    /* 1: its blob would not be at most 15/16 of it */
+    uint64_t blob_bytes;  /* 0 when kept raw */
+} laden_lossless_cache_entry;
+
+/* The index of checkpoint file `file`'s cache file in `dir`, checked as a
+ * load checks it: *count its entries (in the file's order), the first cap
+ * of them into out (may be NULL with cap 0); *stale 1 when it was made
+ * from another version of `file` (a load would not use it).
+ * LADEN_E_NOENT when there is none, LADEN_E_CORRUPT naming a damaged
+ * one. */
+LADEN_API laden_status laden_lossless_cache_entries(
+    const char *file, const char *dir, laden_lossless_cache_entry *out,
+    uint32_t cap, uint32_t *count, int *stale);
+
 /* Writes the cache file of each file of `checkpoint` (a path
  * laden_st_open takes) into `dir`, made if missing (one level): every
  * BF16/F16 tensor read and encoded on the host's cores, the file written

@@ -133,6 +133,14 @@ class LosslessCacheStats(Structure):
     ]
 
 
+class LosslessCacheEntry(Structure):
+    """laden_lossless_cache_entry: one tensor of a lossless cache file."""
+    _fields_ = [
+        ("src_offset", c_uint64), ("n_elems", c_uint64), ("dtype", c_int32),
+        ("kept_raw", c_uint32), ("blob_bytes", c_uint64),
+    ]
+
+
 class SchedStats(Structure):
     _fields_ = [
         ("gpu_bytes", c_uint64), ("ram_bytes", c_uint64),
@@ -594,6 +602,10 @@ _SIGNATURES = {
                                               PROGRESS_FN,
                                               c_void_p,
                                               P(LosslessCacheStats)]),
+    "laden_lossless_cache_entries": (status_t, [c_char_p, c_char_p,
+                                                P(LosslessCacheEntry),
+                                                c_uint32, P(c_uint32),
+                                                P(c_int)]),
     "laden_sched_use_lossless_cache": (status_t, [p, c_char_p]),
     "laden_sched_lossless_cache_info": (status_t, [p, P(c_uint32),
                                                    P(c_uint32)]),

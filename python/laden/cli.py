@@ -4,6 +4,7 @@ sample checkpoint.  Bad input prints one line on stderr and exits 2."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import stat
@@ -250,13 +251,19 @@ def cmd_inspect(args) -> int:
                 print(f"  {path} ({fmt_bytes(size)})")
         for k, v in ck.metadata.items():
             print(f"  metadata {k} = {v[:120]}")
+        coded = _lossless_column(ck, args.lossless_cache) \
+            if args.lossless_cache else None
         shown = tensors if args.limit == 0 else tensors[:args.limit]
         if shown:
             print()
-            rows = [["tensor", "dtype", "shape", "bytes"]]
+            rows = [["tensor", "dtype", "shape", "bytes"]
+                    + (["lossless"] if coded is not None else [])]
             rows += [[t.name, t.dtype, "[" + ", ".join(map(str, t.shape)) + "]",
-                      fmt_bytes(t.nbytes)] for t in shown]
-            print(_table(rows, right=(3,)))
+                      fmt_bytes(t.nbytes)]
+                     + ([coded.get((t.file, t.offset), "")]
+                        if coded is not None else [])
+                     for t in shown]
+            print(_table(rows, right=(3, 4)))
             if len(shown) < len(tensors):
                 print(f"... {len(tensors) - len(shown)} more "
                       "(--limit 0 shows all)")
@@ -283,6 +290,49 @@ def cmd_inspect(args) -> int:
             in_blocks = sum(sum(b.values()) for b in groups.values())
             print(f"outside blocks: {fmt_bytes(ck.total_bytes - in_blocks)}")
     return 0
+
+
+def _lossless_column(ck, cache_dir: str) -> dict:
+    """(file, offset) -> what the lossless cache in cache_dir keeps of that
+    tensor: its blob over its bytes, or "raw"; prints a line per file
+    saying what was found."""
+    out = {}
+    for f in ck.files:
+        count, stale = ctypes.c_uint32(), ctypes.c_int()
+        s = lib.laden_lossless_cache_entries(
+            os.fsencode(f), os.fsencode(cache_dir), None, 0,
+            ctypes.byref(count), ctypes.byref(stale))
+        if s and lib.laden_status_name(s).decode() == "E_NOENT":
+            print(f"  lossless cache: none for {f} in {cache_dir} (laden "
+                  f"compress {ck.path} --cache {cache_dir})")
+            continue
+        check(s)
+        if stale.value:
+            print(f"  lossless cache: the one for {f} in {cache_dir} is "
+                  "stale (made from another version of it: loads encode "
+                  "instead; run laden compress again)")
+            continue
+        entries = (_lib.LosslessCacheEntry * max(count.value, 1))()
+        check(lib.laden_lossless_cache_entries(
+            os.fsencode(f), os.fsencode(cache_dir), entries, count.value,
+            ctypes.byref(count), ctypes.byref(stale)))
+        raw = coded = blob = kept = 0
+        for e in entries[:count.value]:
+            nbytes = 2 * e.n_elems
+            if e.kept_raw:
+                out[(f, e.src_offset)] = "raw"
+                kept += 1
+            else:
+                out[(f, e.src_offset)] = f"{e.blob_bytes / nbytes:.3f}"
+                raw += nbytes
+                blob += e.blob_bytes
+                coded += 1
+        print(f"  lossless cache: {coded} of {count.value} BF16/F16 tensors "
+              f"of {os.path.basename(f)} coded, {fmt_bytes(raw)} in "
+              f"{fmt_bytes(blob)}" + (f" ({blob / raw:.3f})" if raw else "")
+              + (f"; {kept} kept raw (they would not shrink by a "
+                 "sixteenth)" if kept else ""))
+    return out
 
 
 def _say(msg: str) -> None:
@@ -582,6 +632,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_int_arg("--limit", 0, hint="0 shows "
                                             "all tensors"), default=0,
                    help="show at most this many tensors (0: all)")
+    p.add_argument("--lossless-cache", default=None, metavar="DIR",
+                   help="also say what the lossless cache files laden "
+                   "compress wrote in DIR keep of each tensor (its coded "
+                   "size over its bytes, or raw)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("probe", help="measure copy, disk and memory rates")
     p.add_argument("--dir", default=".", type=_dir_arg,

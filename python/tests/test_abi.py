@@ -53,6 +53,7 @@ C_NAMES = {
     "ShmEntry": "laden_shm_entry",
     "LosslessInfo": "laden_lossless_info",
     "LosslessCacheStats": "laden_lossless_cache_stats",
+    "LosslessCacheEntry": "laden_lossless_cache_entry",
 }
 
 

@@ -311,6 +311,13 @@ def test_lossless_cache_read_instead_of_encoding(tmp_path, capsys,
     assert cli.main(["plan", path, "--device", "cpu", "--compression",
                      "lossless", "--lossless-cache", str(cache)]) == 0
     capsys.readouterr()
+    assert cli.main(["inspect", d, "--lossless-cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert f"{rep.coded} of {rep.tensors} BF16/F16 tensors" in out
+    assert "lossless" in out.splitlines()[3]  # the table's column
+    assert cli.main(["inspect", d, "--lossless-cache",
+                     str(tmp_path / "none")]) == 0
+    assert "lossless cache: none" in capsys.readouterr().out
 
     # damaged: refused by name, the model left unloaded
     with open(rep.files[0], "r+b") as f:

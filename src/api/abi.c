@@ -53,7 +53,8 @@
     S(laden_trace_result)     \
     S(laden_shm_entry)        \
     S(laden_lossless_info)    \
-    S(laden_lossless_cache_stats)
+    S(laden_lossless_cache_stats) \
+    S(laden_lossless_cache_entry)
 
 /* Each struct's fields in declaration order: F(T, field). */
 #define FIELDS_laden_lossless_info(F, T)                                   \
@@ -95,6 +96,9 @@
 #define FIELDS_laden_lossless_cache_stats(F, T)                            \
     F(T, files) F(T, tensors) F(T, coded) F(T, raw_bytes)                  \
     F(T, coded_raw_bytes) F(T, coded_bytes) F(T, file_bytes)
+#define FIELDS_laden_lossless_cache_entry(F, T)                            \
+    F(T, src_offset) F(T, n_elems) F(T, dtype) F(T, kept_raw)              \
+    F(T, blob_bytes)
 #define FIELDS_laden_vram_info(F, T)                                       \
     F(T, device) F(T, page_bytes) F(T, budget_bytes) F(T, mapped_bytes)    \
     F(T, pinned_bytes) F(T, charged_bytes) F(T, vbars) F(T, faults)        \

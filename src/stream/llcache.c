@@ -262,6 +262,51 @@ static laden_status open_llc(laden_io_t *io, laden_io_file_t *f,
     return LADEN_OK;
 }
 
+laden_status laden_lossless_cache_entries(const char *file, const char *dir,
+                                          laden_lossless_cache_entry *out,
+                                          uint32_t cap, uint32_t *count,
+                                          int *stale)
+{
+    if (count)
+        *count = 0;
+    if (stale)
+        *stale = 0;
+    if (!file || !dir || !count || !stale || (!out && cap))
+        return laden__fail(LADEN_E_INVAL,
+                           "laden_lossless_cache_entries: NULL");
+    laden_io_t *io = NULL;
+    laden_io_file_t *f = NULL;
+    laden_llc *c = NULL;
+    bool st = false;
+    laden_status s = laden_io_create(NULL, &io);
+    if (!s)
+        s = laden_io_file_open(file, &f);
+    if (!s)
+        s = open_llc(io, f, dir, &c, &st);
+    if (!s && !c && !st) {
+        char path[PATH_MAX + 64];
+        laden_lossless_cache_path(file, dir, path, sizeof path);
+        s = laden__fail(LADEN_E_NOENT, "no lossless cache file %.300s",
+                        path);
+    }
+    if (!s && c) {
+        *count = c->n;
+        for (uint32_t i = 0; i < c->n && i < cap; i++)
+            out[i] = (laden_lossless_cache_entry){
+                .src_offset = c->e[i].src_off,
+                .n_elems = c->e[i].nelem,
+                .dtype = (int32_t)c->e[i].dtype,
+                .kept_raw = c->e[i].kept_raw,
+                .blob_bytes = c->e[i].blob_bytes};
+    }
+    *stale = st;
+    laden__llc_close(c);
+    laden_io_file_close(f);
+    if (io)
+        laden_io_destroy(io);
+    return s;
+}
+
 laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir)
 {
     if (!sc || !dir)
