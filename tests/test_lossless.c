@@ -1005,7 +1005,7 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     CHECK_EQ(plain.lossless_cache_bytes, 0);
     CHECK_EQ(plain.lossless_bytes, cs.coded_bytes);
 
-    /* Refused: a second call, a missing directory. */
+    /* Refused: a second call, a missing directory; as a file. */
     laden_st_t *st;
     laden_sched_t *sc = blocks_of(path, &st, NB);
     CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
@@ -1015,6 +1015,8 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     sc = blocks_of(path, &st, NB);
     CHECK_STATUS(laden_sched_use_lossless_cache(sc, "/nonexistent/llc"),
                  LADEN_E_NOENT);
+    CHECK_STATUS(laden_sched_use_lossless_cache(sc, path), LADEN_E_IO);
+    CHECK(strstr(laden_last_error(), "not a directory"));
     laden_sched_destroy(sc);
     laden_st_close(st);
 
@@ -1061,6 +1063,32 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     CHECK_STATUS(laden_lossless_cache_write("/nonexistent.safetensors", dir,
                                             NULL, NULL, &cs),
                  LADEN_E_NOENT);
+    /* A directory that cannot be made (under a regular file), a path that
+     * does not fit, NULL arguments, a cache schedule. */
+    char under[4200];
+    snprintf(under, sizeof under, "%s/sub", path);
+    CHECK_STATUS(laden_lossless_cache_write(path, under, NULL, NULL, &cs),
+                 LADEN_E_IO);
+    CHECK(strstr(laden_last_error(), "lossless cache directory"));
+    char tiny[8];
+    CHECK_STATUS(laden_lossless_cache_path(path, dir, tiny, sizeof tiny),
+                 LADEN_E_LIMIT);
+    CHECK_EQ(tiny[0], 0);
+    CHECK_STATUS(laden_lossless_cache_entries(path, dir, NULL, 3, &count,
+                                              &is_stale),
+                 LADEN_E_INVAL);
+    CHECK_STATUS(laden_lossless_cache_write(path, "", NULL, NULL, &cs),
+                 LADEN_E_INVAL);
+    laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
+                             .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_st_open(path, &st));
+    CHECK_OK(laden_sched_create(&cc, st, &sc));
+    CHECK_STATUS(laden_sched_use_lossless_cache(sc, dir),
+                 LADEN_E_UNSUPPORTED);
+    CHECK_STATUS(laden_sched_lossless_cache_info(NULL, &found, &stale),
+                 LADEN_E_INVAL);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
     free(v);
     free(v2);
     free(noise);

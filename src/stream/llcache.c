@@ -321,11 +321,13 @@ laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir)
                            "laden_sched_use_lossless_cache: %s",
                            sc->layout.llc ? "called already" : "after load");
     struct stat sb;
-    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+    if (stat(dir, &sb) != 0)
         return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
                            "the lossless cache directory %.300s: %s", dir,
-                           stat(dir, &sb) != 0 ? strerror(errno)
-                                               : "not a directory");
+                           strerror(errno));
+    if (!S_ISDIR(sb.st_mode))
+        return laden__fail(LADEN_E_IO, "the lossless cache directory "
+                                       "%.300s: not a directory", dir);
     uint32_t nf = sc->layout.nfiles;
     laden_llc **all = calloc(nf ? nf : 1, sizeof *all);
     if (!all)
