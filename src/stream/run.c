@@ -125,10 +125,6 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
             }
         }
         if (r->ll) { /* lossless (compress.c): decoded in its dtype */
-            if (r->ll_unchecked)
-                return laden__fail(LADEN_E_STATE, "tensor '%.200s': its "
-                                   "blob was not read and checked yet",
-                                   r->name ? r->name : "?");
             if ((s = laden_lossless_decode(dev, handle, r->ll, src,
                                            ws + r->ws_off, 2 * r->nelem,
                                            0))) {
