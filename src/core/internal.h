@@ -34,6 +34,31 @@ static inline bool laden__mul_u64(uint64_t a, uint64_t b, uint64_t *out)
     return !__builtin_mul_overflow(a, b, out);
 }
 
+/* Little-endian integers in bytes (laden's own formats: lossless blobs
+ * and cache files). */
+static inline void laden__put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline void laden__put32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline uint64_t laden__get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+static inline uint32_t laden__get32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
 /* Bytes for messages: "512 B", "68.6 kB", "1.50 GB" (decimal units) in
  * buf, which it returns. */
 typedef struct laden__bytes_text {

@@ -162,26 +162,6 @@ static void code_lengths(const uint64_t *count, uint8_t *len)
 
 /* ---- encoding ------------------------------------------------------------ */
 
-static void put64(unsigned char *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static void put32(unsigned char *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
-}
-
-static uint64_t get64(const unsigned char *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
 static void put16(unsigned char *p, uint32_t v)
 {
     p[0] = (unsigned char)v;
@@ -204,7 +184,7 @@ static inline void put_code(bitw *w, uint32_t code, uint32_t l)
     w->acc |= (uint64_t)code << w->fill;
     w->fill += l;
     if (w->fill >= 32) {
-        put32(w->bits + w->pos, (uint32_t)w->acc);
+        laden__put32(w->bits + w->pos, (uint32_t)w->acc);
         w->pos += 4;
         w->acc >>= 32;
         w->fill -= 32;
@@ -322,7 +302,7 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
     memset(count4, 0, sizeof count4);
     for (uint64_t i = 0; i < at.nsub; i++) {
         uint64_t first = i * per, cnt = n - first < per ? n - first : per;
-        put32(sums + 4 * i,
+        laden__put32(sums + 4 * i,
               first_pass(bf16, in, first, (uint32_t)cnt, rawp, count4));
     }
     uint64_t count[256];
@@ -336,7 +316,7 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
     memcpy(out, LADEN_LOSSLESS_MAGIC, 4);
     out[4] = (unsigned char)kind;
     out[6] = LADEN_LOSSLESS_SUB_LOG2;
-    put64(out + 8, n);
+    laden__put64(out + 8, n);
     memcpy(out + 32, len, 256);
     bitw w = {.bits = out + at.bits_off};
     for (uint64_t i = 0; i < at.nsub; i++) {
@@ -344,7 +324,7 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
         unsigned char sy[(size_t)1 << LADEN_LOSSLESS_SUB_LOG2];
         symbols(bf16, in + 2 * first, (uint32_t)cnt, sy);
         uint64_t base = bits_written(&w);
-        put64(offs + 8 * i, base);
+        laden__put64(offs + 8 * i, base);
         for (uint32_t j = 0; j < LANES; j++) {
             put16(lanes + 2 * (LANES * i + j),
                   (uint32_t)(bits_written(&w) - base));
@@ -362,14 +342,14 @@ laden_status laden_lossless_encode(laden_dtype dtype, const void *src,
     uint64_t nbits = bits_written(&w);
     uint64_t words = nbits / 64u + (nbits % 64u != 0);
     if (w.fill) {
-        put32(w.bits + w.pos, (uint32_t)w.acc);
+        laden__put32(w.bits + w.pos, (uint32_t)w.acc);
         w.pos += 4;
     }
     /* The last word's bits past the codes, and the padding word. */
     memset(w.bits + w.pos, 0, 8 * (words + 1) - w.pos);
     memset(rawp + n, 0, at.offs_off - at.raw_off - n);
     memset(sums + 4 * at.nsub, 0, at.lanes_off - at.sums_off - 4 * at.nsub);
-    put64(out + 16, nbits);
+    laden__put64(out + 16, nbits);
     layout(n, LADEN_LOSSLESS_SUB_LOG2, nbits, &at);
     *out_bytes = at.bytes;
     return LADEN_OK;
@@ -397,12 +377,12 @@ laden_status laden_lossless_check(const void *blob, uint64_t bytes,
     uint32_t kind = b[4], sub_log2 = (uint32_t)b[6] | (uint32_t)b[7] << 8;
     if (kind != KIND_BF16 && kind != KIND_F16)
         return corrupt("unknown kind (neither BF16 nor F16)");
-    if (b[5] != 0 || get64(b + 24) != 0)
+    if (b[5] != 0 || laden__get64(b + 24) != 0)
         return corrupt("reserved bytes are not zero");
     if (sub_log2 < 6 || sub_log2 > 12)
         return corrupt("sub-chunks of 2^sub_log2 elements, sub_log2 "
                        "outside 6..12");
-    uint64_t n = get64(b + 8), nbits = get64(b + 16);
+    uint64_t n = laden__get64(b + 8), nbits = laden__get64(b + 16);
     uint32_t used = 0, code[256];
     for (uint32_t s = 0; s < 256; s++) {
         if (b[32 + s] > BITS)
@@ -420,16 +400,17 @@ laden_status laden_lossless_check(const void *blob, uint64_t bytes,
         return corrupt("its size is not what its header says");
     uint64_t prev = 0;
     for (uint64_t i = 0; i < in.nsub; i++) {
-        uint64_t o = get64(b + in.offs_off + 8 * i);
+        uint64_t o = laden__get64(b + in.offs_off + 8 * i);
         if ((i == 0 && o != 0) || o < prev || o > nbits)
             return corrupt("sub-chunk offsets out of order or past the "
                            "codes");
         prev = o;
     }
     for (uint64_t i = 0; i < in.nsub; i++) {
-        uint64_t o = get64(b + in.offs_off + 8 * i);
-        uint64_t end = i + 1 < in.nsub ? get64(b + in.offs_off + 8 * (i + 1))
-                                       : nbits;
+        uint64_t o = laden__get64(b + in.offs_off + 8 * i);
+        uint64_t end = i + 1 < in.nsub
+                           ? laden__get64(b + in.offs_off + 8 * (i + 1))
+                           : nbits;
         const unsigned char *l = b + in.lanes_off + 2 * LANES * i;
         uint32_t last = 0;
         for (uint32_t j = 0; j < LANES; j++) {

@@ -32,32 +32,6 @@
 #define BATCH_BYTES (2ull << 30)
 #define BATCH_JOBS 512u
 
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-           (uint32_t)p[3] << 24;
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
 static laden_status corrupt(const char *what)
 {
     return laden__fail(LADEN_E_CORRUPT, "not a lossless cache file laden "
@@ -73,15 +47,15 @@ laden_status laden__llc_parse_head(const uint8_t *head, uint64_t file_size,
         return corrupt("shorter than its header");
     if (memcmp(head, MAGIC, 8) != 0)
         return corrupt("its magic is not \"" MAGIC "\"");
-    if (get32(head + 8) != VERSION)
+    if (laden__get32(head + 8) != VERSION)
         return corrupt("its version is not 1");
-    llc_head h = {.count = get32(head + 12),
-                  .index_off = get64(head + 16),
-                  .index_bytes = get64(head + 24),
-                  .src_size = get64(head + 32),
-                  .src_mtime_ns = get64(head + 40),
-                  .src_sum = get64(head + 48),
-                  .index_sum = get64(head + 56)};
+    llc_head h = {.count = laden__get32(head + 12),
+                  .index_off = laden__get64(head + 16),
+                  .index_bytes = laden__get64(head + 24),
+                  .src_size = laden__get64(head + 32),
+                  .src_mtime_ns = laden__get64(head + 40),
+                  .src_sum = laden__get64(head + 48),
+                  .index_sum = laden__get64(head + 56)};
     if (h.count > LADEN_LLC_MAX)
         return corrupt("its count is over 2^24");
     if (h.index_bytes != (uint64_t)h.count * LADEN_LLC_ENTRY)
@@ -106,12 +80,12 @@ laden_status laden__llc_parse_index(const llc_head *h, const uint8_t *bytes,
     uint64_t blob_end = LADEN_LLC_ALIGN; /* past the last blob */
     for (uint32_t k = 0; k < h->count; k++) {
         const uint8_t *p = bytes + (uint64_t)k * LADEN_LLC_ENTRY;
-        llc_entry x = {.src_off = get64(p),
-                       .nelem = get64(p + 8),
-                       .dtype = (laden_dtype)get32(p + 16),
-                       .kept_raw = get32(p + 20),
-                       .blob_off = get64(p + 24),
-                       .blob_bytes = get64(p + 32)};
+        llc_entry x = {.src_off = laden__get64(p),
+                       .nelem = laden__get64(p + 8),
+                       .dtype = (laden_dtype)laden__get32(p + 16),
+                       .kept_raw = laden__get32(p + 20),
+                       .blob_off = laden__get64(p + 24),
+                       .blob_bytes = laden__get64(p + 32)};
         const char *bad = NULL;
         uint64_t raw = 2 * x.nelem;
         if (k && x.src_off <= e[k - 1].src_off)
@@ -440,15 +414,15 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
         for (uint32_t k = b0; k < b1; k++) {
             ll_job *j = &jobs[k];
             uint8_t *e = index + (uint64_t)k * LADEN_LLC_ENTRY;
-            put64(e, j->off);
-            put64(e + 8, j->nelem);
-            put32(e + 16, (uint32_t)j->dtype);
-            put32(e + 20, j->blob ? 0 : 1);
+            laden__put64(e, j->off);
+            laden__put64(e + 8, j->nelem);
+            laden__put32(e + 16, (uint32_t)j->dtype);
+            laden__put32(e + 20, j->blob ? 0 : 1);
             w->st.tensors++;
             w->st.raw_bytes += 2 * j->nelem;
             if (!s && j->blob) {
-                put64(e + 24, at);
-                put64(e + 32, j->size);
+                laden__put64(e + 24, at);
+                laden__put64(e + 32, j->size);
                 s = write_all(fd, path, j->blob, j->size, at);
                 at = aligned(at + j->size);
                 w->st.coded++;
@@ -462,14 +436,14 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
     uint8_t head[LADEN_LLC_HEAD] = {0};
     if (!s && !(s = identity(f, id))) {
         memcpy(head, MAGIC, 8);
-        put32(head + 8, VERSION);
-        put32(head + 12, n);
-        put64(head + 16, at);
-        put64(head + 24, (uint64_t)n * LADEN_LLC_ENTRY);
-        put64(head + 32, id[0]);
-        put64(head + 40, id[1]);
-        put64(head + 48, id[2]);
-        put64(head + 56,
+        laden__put32(head + 8, VERSION);
+        laden__put32(head + 12, n);
+        laden__put64(head + 16, at);
+        laden__put64(head + 24, (uint64_t)n * LADEN_LLC_ENTRY);
+        laden__put64(head + 32, id[0]);
+        laden__put64(head + 40, id[1]);
+        laden__put64(head + 48, id[2]);
+        laden__put64(head + 56,
               laden_io_checksum(index, (uint64_t)n * LADEN_LLC_ENTRY));
         file_bytes = at + (uint64_t)n * LADEN_LLC_ENTRY;
         if (!(s = write_all(fd, path, index, (uint64_t)n * LADEN_LLC_ENTRY,
