@@ -302,13 +302,13 @@ def main() -> int:
     runs = {}
     for done in range(1, max(1, a.repeat) + 1):
         for model, path in models.items():
+            plain = files_of(path)
+            coded = plain + cache_files.get(model, [])
             for state in ("cold", "warm"):
                 for m in methods[model]:
                     if state == "warm" and m == "dd iflag=direct":
                         continue  # it never reads the page cache
-                    files = files_of(path) + (cache_files.get(model, [])
-                                              if "lossless cache" in m
-                                              else [])
+                    files = coded if "lossless cache" in m else plain
                     if state == "cold":
                         drop(files, a.drop_all)
                     else:

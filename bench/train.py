@@ -356,21 +356,23 @@ def cache_lora_step(a, path, xr):
         checkpoint=path, block_paths=["base_model.model.blocks"],
         trainable=True)
     t0 = time.perf_counter()
-    with cache.use(spec, device=a.device):
-        opt = torch.optim.AdamW(cache.parameters("base"), lr=1e-4)
-    print(f"cached LoRA base built and first used in "
-          f"{time.perf_counter() - t0:.1f} s")
-    x = xr.detach()
+    try:
+        with cache.use(spec, device=a.device):
+            opt = torch.optim.AdamW(cache.parameters("base"), lr=1e-4)
+        print(f"cached LoRA base built and first used in "
+              f"{time.perf_counter() - t0:.1f} s")
+        x = xr.detach()
 
-    def fb():
-        with cache.use("base", device=a.device) as pm:
-            opt.zero_grad()
-            pm(x).float().pow(2).mean().backward()
+        def fb():
+            with cache.use("base", device=a.device) as pm:
+                opt.zero_grad()
+                pm(x).float().pow(2).mean().backward()
 
-    t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
-    n = sum(p.numel() for p in cache.parameters("base"))
-    mode = cache.info("base").mode
-    cache.unregister("base")
+        t, f, s, peak = _whole_step(fb, opt.step, a.repeats)
+        n = sum(p.numel() for p in cache.parameters("base"))
+        mode = cache.info("base").mode
+    finally:  # its memory back, also when the step failed
+        cache.unregister("base")
     return (f"laden cache ({mode}), peft LoRA ({n / 1e6:.0f}M), host AdamW",
             t, f, s, peak, sb.rss())
 

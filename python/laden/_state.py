@@ -55,9 +55,8 @@ class _Stream:
         self.shared = None  # a sharing.Shared: the host copy is shared
         self.doors = None  # laden.doors.Doors: state_dict, copies, loads
         self.claimed: list = []  # modules claimed (laden.doors.claim)
-        # stream_load(lossless_cache=dir): {"dir", "files", "found",
-        # "stale"} (planning.mark_lossless fills it in)
-        self.lossless_cache: Optional[dict] = None
+        # stream_load(lossless_cache=dir): the directory
+        self.lossless_cache_dir: Optional[str] = None
 
     def create(self, ck, lookahead: int, vram=None) -> None:
         """Creates the C schedule, destroyed when the last tensor over its

@@ -454,6 +454,7 @@ class _Runtime:
         _unwrap_all(self.wrapped)
         if self.trainer is not None:
             self.trainer.close()  # the host Parameters keep their memory
+            self.trainer = None
         if self.doors is not None:
             self.doors.close()
             self.doors = None
@@ -814,13 +815,16 @@ class ModelCache:
         try:
             check(lib.laden_cache_add(dc.c, spec.key.encode(), rt.size,
                                       ctypes.byref(cid)))
-            s = lib.laden_cache_bind(dc.c, cid.value, rt.sched, rt.fixed)
+            # Marked before it is bound: a failure of either leaves only
+            # an unbound model to remove.
+            s = lib.laden_cache_keep_host(dc.c, cid.value, 1) \
+                if spec.trainable else 0  # its host copy is the only copy
+            if not s:
+                s = lib.laden_cache_bind(dc.c, cid.value, rt.sched, rt.fixed)
             if s:
                 err = error_for(s)
                 lib.laden_cache_remove(dc.c, cid.value)
                 raise err
-            if spec.trainable:  # its host copy is the only copy
-                check(lib.laden_cache_keep_host(dc.c, cid.value, 1))
         except BaseException:
             rt.destroy(restore=adopt is not None)
             raise

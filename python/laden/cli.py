@@ -17,7 +17,7 @@ from ._lib import LOOKAHEAD_DEFAULT, LOOKAHEAD_MAX, check, lib
 from ._units import fmt_bytes, fmt_rate, parse_size
 from ._writer import save_file
 from .checkpoint import Checkpoint
-from .errors import LadenError
+from .errors import CheckpointNotFoundError, LadenError
 from .gguf import GgufFile
 from .streaming import _device, compress, release
 from .traceview import load, plot, summarize
@@ -299,25 +299,24 @@ def _lossless_column(ck, cache_dir: str) -> dict:
     out = {}
     for f in ck.files:
         count, stale = ctypes.c_uint32(), ctypes.c_int()
-        s = lib.laden_lossless_cache_entries(
-            os.fsencode(f), os.fsencode(cache_dir), None, 0,
-            ctypes.byref(count), ctypes.byref(stale))
-        if s and lib.laden_status_name(s).decode() == "E_NOENT":
+        # at most an entry per tensor of the file
+        cap = sum(t.file == f for t in ck.tensors())
+        entries = (_lib.LosslessCacheEntry * max(cap, 1))()
+        try:
+            check(lib.laden_lossless_cache_entries(
+                os.fsencode(f), os.fsencode(cache_dir), entries, cap,
+                ctypes.byref(count), ctypes.byref(stale)))
+        except CheckpointNotFoundError:
             print(f"  lossless cache: none for {f} in {cache_dir} (laden "
                   f"compress {ck.path} --cache {cache_dir})")
             continue
-        check(s)
         if stale.value:
             print(f"  lossless cache: the one for {f} in {cache_dir} is "
                   "stale (made from another version of it: loads encode "
                   "instead; run laden compress again)")
             continue
-        entries = (_lib.LosslessCacheEntry * max(count.value, 1))()
-        check(lib.laden_lossless_cache_entries(
-            os.fsencode(f), os.fsencode(cache_dir), entries, count.value,
-            ctypes.byref(count), ctypes.byref(stale)))
         raw = coded = blob = kept = 0
-        for e in entries[:count.value]:
+        for e in entries[:min(count.value, cap)]:
             nbytes = 2 * e.n_elems
             if e.kept_raw:
                 out[(f, e.src_offset)] = "raw"

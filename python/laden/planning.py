@@ -566,22 +566,19 @@ def _schedule(dev, ck, lookahead: int):
         lib.laden_sched_destroy(h)
 
 
-def mark_lossless(h, cache_dir: Optional[str] = None,
-                  info: Optional[dict] = None) -> int:
+def mark_lossless(h, cache_dir: Optional[str] = None) -> int:
     """compression="lossless" on schedule `h`, before its plan: C takes
     the lossless cache files in `cache_dir` (laden_sched_use_lossless_cache:
     exact sizes, blobs read at load instead of encoded), marks the
     BF16/F16 tensors of the blocks that may stream and estimates their
-    coded sizes (laden_sched_mark_lossless); how many it marked.  `info`
-    gets "found" and "stale": the cache files taken and those not (made
-    from another version of their file)."""
+    coded sizes (laden_sched_mark_lossless); how many it marked.  Cache
+    files made from another version of their file are not taken (a
+    warning says so)."""
     if cache_dir is not None:
         check(lib.laden_sched_use_lossless_cache(h, os.fsencode(cache_dir)))
         found, stale = ctypes.c_uint32(), ctypes.c_uint32()
         check(lib.laden_sched_lossless_cache_info(h, ctypes.byref(found),
                                                   ctypes.byref(stale)))
-        if info is not None:
-            info.update(found=found.value, stale=stale.value)
         if stale.value:
             log.warning("laden: %d lossless cache file(s) in %s were made "
                         "from another version of the checkpoint: not used "

@@ -48,6 +48,20 @@ __all__ = ["stream_load", "compress", "CompressReport", "install_offload", "offl
 log = logging.getLogger("laden")
 
 
+def _cache_counts(state: "_Stream", st) -> Optional[dict]:
+    """What the load took from its lossless cache directory, as C counts
+    it (st: the schedule's stats); None without one."""
+    if state.lossless_cache_dir is None:
+        return None
+    found, stale = ctypes.c_uint32(), ctypes.c_uint32()
+    check(lib.laden_sched_lossless_cache_info(
+        state.live("LoadReport").h, ctypes.byref(found), ctypes.byref(stale)))
+    files = len(state.ckpt.files) if state.ckpt is not None else 0
+    return {"dir": state.lossless_cache_dir, "files": files,
+            "found": found.value, "stale": stale.value,
+            "bytes": st.lossless_cache_bytes}
+
+
 class LoadReport:
     """What ``stream_load`` did; ``str(report)`` is a table."""
 
@@ -70,12 +84,11 @@ class LoadReport:
         # compression="lossless": (coded bytes, their raw bytes)
         st = state.stats()
         self.lossless = (st.lossless_bytes, st.lossless_raw_bytes)
-        # lossless_cache: {"found": files whose cache file was read,
-        # "stale": files whose cache file was made from another version,
-        # "bytes": blobs read from them}; None without a cache directory
-        self.lossless_cache = state.lossless_cache
-        if self.lossless_cache is not None:
-            self.lossless_cache["bytes"] = st.lossless_cache_bytes
+        # lossless_cache: {"dir", "files", "found": files whose cache file
+        # was read, "stale": files whose cache file was made from another
+        # version, "bytes": blobs read from them}; None without a cache
+        # directory
+        self.lossless_cache = _cache_counts(state, st)
         # A laden.sharing.Shared when the host copy is shared (shared=True)
         self.shared = state.shared
         self._state = state if state.loading is not None else None
@@ -101,6 +114,7 @@ class LoadReport:
         stats = st.stats("LoadReport.wait")
         self.read_bytes = stats.load_read_bytes
         self.cached_bytes = stats.load_cached_bytes
+        self.lossless_cache = _cache_counts(st, stats)
         return self
 
     @property
@@ -554,7 +568,7 @@ def compress(checkpoint: PathLike, cache_dir: PathLike, *,
     try:
         files = []
         for f in ck.files:
-            buf = ctypes.create_string_buffer(4096)
+            buf = ctypes.create_string_buffer(8192)  # C's PATH_MAX + 64
             check(lib.laden_lossless_cache_path(
                 os.fsencode(f), os.fsencode(cache_dir), buf, len(buf)))
             files.append(os.fsdecode(buf.value))
@@ -584,11 +598,8 @@ def _load(model, state: _Stream, desc, ck: Checkpoint, budgets, vram,
         # compression: C marks the BF16/F16 tensors of the blocks that may
         # stream before the plan, which counts the RAM tier at their coded
         # sizes (a plan's blocks asked for RAM may fit it only so)
-        if lossless_cache is not None:
-            state.lossless_cache = {"dir": lossless_cache,
-                                    "files": len(ck.files)}
-        marked = planning.mark_lossless(o.h, lossless_cache,
-                                        state.lossless_cache) \
+        state.lossless_cache_dir = lossless_cache
+        marked = planning.mark_lossless(o.h, lossless_cache) \
             if compression else 0
         planning.plan_schedule(o.h, budgets, named)
         if expert_cache is not None:

@@ -419,22 +419,25 @@ class _Trainer:
         if self.armed:
             self.flush()
         o = self.state.live("training")
-        refill = False
+        refill = []  # counted as written once the refill has been
         stream = None
         for t in self.tracked:
             hp = self.host[id(t)]
             if hp._version == self.seen[id(hp)]:
                 continue
-            self.seen[id(hp)] = hp._version
             if lib.laden_sched_is_streamed(o.h, t.c_block):
-                refill = True
-            elif lib.laden_sched_is_resident(o.h, t.c_block):
+                refill.append(hp)
+                continue
+            if lib.laden_sched_is_resident(o.h, t.c_block):
                 if stream is None:
                     stream = _compute_stream(self.device)
                 check(lib.laden_sched_reupload_tensor(
                     o.h, t.c_block, t.c_index, stream))
+            self.seen[id(hp)] = hp._version  # written (or read from host)
         if refill:
             check(lib.laden_sched_refill(o.h))
+            for hp in refill:
+                self.seen[id(hp)] = hp._version
 
     def block_name(self, c_block: int) -> str:
         return next((b.name for b in self.state.blocks
