@@ -2,6 +2,7 @@
 /* lossless: every 16-bit pattern comes back as it went in, weights take
  * about two thirds of their bytes, and a blob that changed is refused by
  * name, never read or written out of bounds. */
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -1053,6 +1054,34 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     CHECK_STATUS(load_cached(path, dir, NB, N, v2, &ss, &found, &stale),
                  LADEN_E_CORRUPT);
 
+    /* Called after the mark (its sizes came from samples): refused. */
+    sc = blocks_of(path, &st, NB);
+    uint32_t marked_n;
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked_n));
+    CHECK_STATUS(laden_sched_use_lossless_cache(sc, dir), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "after the mark"));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+
+    /* A file without a BF16/F16 tensor: an empty index, read back. */
+    float f32[64] = {0};
+    char *fpath = test_path("llc-f32.safetensors");
+    test_write_st(fpath, "{\"f\":{\"dtype\":\"F32\",\"shape\":[64],"
+                         "\"data_offsets\":[0,256]}}",
+                  f32, sizeof f32);
+    laden_lossless_cache_stats fs;
+    CHECK_OK(laden_lossless_cache_write(fpath, dir, NULL, NULL, &fs));
+    CHECK_EQ(fs.files, 1);
+    CHECK_EQ(fs.tensors, 0);
+    char fcache[4096];
+    CHECK_OK(laden_lossless_cache_path(fpath, dir, fcache, sizeof fcache));
+    CHECK_EQ(stat(fcache, &sb), 0);
+    CHECK_EQ((uint64_t)sb.st_size, fs.file_bytes);
+    CHECK_OK(laden_lossless_cache_entries(fpath, dir, NULL, 0, &count,
+                                          &is_stale));
+    CHECK_EQ(count, 0);
+    CHECK_EQ(is_stale, 0);
+
     /* A cancelled write leaves no file behind. */
     CHECK_EQ(unlink(cpath), 0);
     CHECK_STATUS(laden_lossless_cache_write(path, dir, cancel_write, NULL,
@@ -1060,6 +1089,11 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
                  LADEN_E_STATE);
     CHECK(strstr(laden_last_error(), "cancelled"));
     CHECK(stat(cpath, &sb) != 0);
+    DIR *dd = opendir(dir); /* nor a temporary one */
+    CHECK(dd != NULL);
+    for (struct dirent *de; (de = readdir(dd));)
+        CHECK(!strstr(de->d_name, ".ldlc."));
+    closedir(dd);
     CHECK_STATUS(laden_lossless_cache_write("/nonexistent.safetensors", dir,
                                             NULL, NULL, &cs),
                  LADEN_E_NOENT);

@@ -423,6 +423,10 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
     }
     for (uint32_t t = 0; t < started; t++)
         pthread_join(th[t], NULL);
+    for (uint32_t k = atomic_load(&p.next); k < n; k++) { /* never taken */
+        jobs[k].s = LADEN_E_STATE;
+        snprintf(jobs[k].msg, sizeof jobs[k].msg, "stopped");
+    }
     pthread_cond_destroy(&p.cv);
     pthread_mutex_destroy(&p.mu);
     bool stopped = atomic_load(&p.stop) ||
@@ -472,9 +476,7 @@ static void keep_as_stored(tref *r)
 static const llc_entry *cached_entry(const laden_sched_t *sc, const tref *r)
 {
     const laden_llc *c = sc->layout.llc ? sc->layout.llc[r->file] : NULL;
-    return c && c->file && !r->host
-               ? laden__llc_find(c, r->off, r->nelem, r->dst)
-               : NULL;
+    return c ? laden__llc_find(c, r->off, r->nelem, r->dst) : NULL;
 }
 
 /* The blocks with coded tensors packed at their new sizes; the RAM tier
@@ -530,7 +532,7 @@ static laden_status from_cache(laden_sched_t *sc, tref *r,
 
 laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
 {
-    for (uint32_t k = 0; k < b->nt; k++) {
+    for (uint32_t k = 0; sc->layout.llc && k < b->nt; k++) {
         tref *r = &b->t[k];
         if (!r->ll_unchecked)
             continue;

@@ -290,10 +290,18 @@ laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "laden_sched_use_lossless_cache: a cache "
                            "schedule keeps its host copies as stored");
-    if (sc->loaded || sc->layout.laid_out || sc->load.ld || sc->layout.llc)
+    bool marked = false; /* sized from samples already */
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            marked |= sc->layout.b[i].t[k].ll_asked;
+    if (sc->loaded || sc->layout.laid_out || sc->load.ld || sc->layout.llc ||
+        marked)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_use_lossless_cache: %s",
-                           sc->layout.llc ? "called already" : "after load");
+                           sc->layout.llc ? "called already"
+                           : marked       ? "after the mark (its sizes are "
+                                            "the cache's: call it first)"
+                                          : "after load");
     struct stat sb;
     if (stat(dir, &sb) != 0)
         return laden__fail(errno == ENOENT ? LADEN_E_NOENT : LADEN_E_IO,
@@ -446,10 +454,12 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
         laden__put64(head + 56,
               laden_io_checksum(index, (uint64_t)n * LADEN_LLC_ENTRY));
         file_bytes = at + (uint64_t)n * LADEN_LLC_ENTRY;
+        /* Its length set, not left to the last write: a file without a
+         * BF16/F16 tensor has an empty index at `at`. */
         if (!(s = write_all(fd, path, index, (uint64_t)n * LADEN_LLC_ENTRY,
                             at)) &&
             !(s = write_all(fd, path, head, sizeof head, 0)) &&
-            fsync(fd) != 0)
+            (ftruncate(fd, (off_t)file_bytes) != 0 || fsync(fd) != 0))
             s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
                             strerror(errno));
         /* Written and synced: its pages need not stay in the page cache
@@ -501,19 +511,45 @@ laden_status laden_lossless_cache_write(
             (t.dtype == LADEN_DTYPE_BF16 || t.dtype == LADEN_DTYPE_F16))
             w.total += t.size_bytes;
     }
-    for (size_t fi = 0; !s && fi < laden_st_file_count(st); fi++) {
-        char path[PATH_MAX + 64], tmp[PATH_MAX + 96];
+    /* Each file written under a name of its own (mkstemp: no other writer,
+     * thread or host, shares it), and all renamed into place only once
+     * every one is whole: a failure or a cancel leaves nothing behind. */
+    size_t nf = st ? laden_st_file_count(st) : 0;
+    char(*tmp)[PATH_MAX + 96] = s ? NULL : calloc(nf ? nf : 1, sizeof *tmp);
+    if (!s && !tmp)
+        s = laden__fail(LADEN_E_NOMEM, "out of memory");
+    for (size_t fi = 0; !s && fi < nf; fi++) {
+        char path[PATH_MAX + 64];
         if ((s = laden_lossless_cache_path(laden_st_file_path(st, fi), dir,
                                            path, sizeof path)))
             break;
-        snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
-        s = write_file(&w, st, fi, tmp);
-        if (!s && rename(tmp, path) != 0)
-            s = laden__fail(LADEN_E_IO, "cannot rename %.300s to %.300s: %s",
-                            tmp, path, strerror(errno));
-        if (s)
-            unlink(tmp);
+        snprintf(tmp[fi], sizeof tmp[fi], "%s.XXXXXX", path);
+        int fd = mkstemp(tmp[fi]);
+        if (fd < 0 || fchmod(fd, 0644) != 0) {
+            s = laden__fail(LADEN_E_IO, "cannot write in %.300s: %s", dir,
+                            strerror(errno));
+            if (fd < 0)
+                tmp[fi][0] = 0;
+        }
+        if (fd >= 0)
+            close(fd);
+        if (!s)
+            s = write_file(&w, st, fi, tmp[fi]);
     }
+    for (size_t fi = 0; !s && fi < nf; fi++) {
+        char path[PATH_MAX + 64];
+        if (!(s = laden_lossless_cache_path(laden_st_file_path(st, fi), dir,
+                                            path, sizeof path)) &&
+            rename(tmp[fi], path) != 0)
+            s = laden__fail(LADEN_E_IO, "cannot rename %.300s to %.300s: %s",
+                            tmp[fi], path, strerror(errno));
+        if (!s)
+            tmp[fi][0] = 0; /* in place */
+    }
+    for (size_t fi = 0; tmp && fi < nf; fi++)
+        if (tmp[fi][0])
+            unlink(tmp[fi]);
+    free(tmp);
     if (w.io)
         laden_io_destroy(w.io);
     laden_st_close(st);
