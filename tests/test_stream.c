@@ -19,6 +19,7 @@
 #include "laden/trace.h"
 #include "stream/stream_internal.h" /* load.stage_bytes, to stage in pieces */
 #include "stream/stream_share.h"    /* laden__share_prepared_wait_ms */
+#include "io/cold.h" /* laden__io_misplaced_bytes */
 
 #define NB 7
 
@@ -3528,12 +3529,13 @@ static void two_devices(int shared)
 TEST(stream_two_devices_at_once) { two_devices(0); }
 TEST(stream_shared_copy_two_devices) { two_devices(1); }
 
-/* A CUDA RAM-tier block's home starts so that its tensors lie at
- * addresses congruent to their file offsets modulo 4 KiB (their O_DIRECT
- * reads land in place, not through the bounce buffer): checked for a
- * checkpoint whose data starts 8 bytes past a 16-byte multiple, as
- * safetensors' headers often leave it, every value as stored. */
-static void homes_in_place(int32_t dev)
+/* A CUDA RAM-tier block's home, and a CUDA disk-tier block's staging
+ * buffer, start so that its tensors lie at addresses congruent to their
+ * file offsets modulo 4 KiB (their O_DIRECT reads land in place, not
+ * through the bounce buffer): checked for a checkpoint whose data starts
+ * 8 bytes past a 16-byte multiple, as safetensors' headers often leave
+ * it, every value as stored, no read asked into a misplaced buffer. */
+static void reads_in_place(int32_t dev, laden_tier tier)
 {
     enum { NT = 3, N = 65536 }; /* 128 KiB each */
     static uint16_t v[NT * N];
@@ -3554,27 +3556,65 @@ static void homes_in_place(int32_t dev)
     test_write_st(path, hdr, v, sizeof v);
     laden_st_t *st;
     laden_sched_t *sc;
+    laden_io_t *io;
+    CHECK_OK(laden_io_create(NULL, &io));
     CHECK_OK(laden_st_open(path, &st));
-    laden_sched_config cfg = {.device = dev};
+    laden_sched_config cfg = {.device = dev, .io = io};
     CHECK_OK(laden_sched_create(&cfg, st, &sc));
     uint32_t b0, k;
-    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &b0));
+    CHECK_OK(laden_sched_add_block(sc, tier, &b0));
     for (size_t t = 0; t < NT; t++)
         CHECK_OK(laden_sched_add_tensor(sc, b0, st, t, LADEN_DTYPE_BF16,
                                         &k));
     CHECK_OK(laden_sched_load(sc));
+    static uint16_t got[N];
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0) /* the compute stream, which enter orders */
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    if (tier == LADEN_TIER_DISK) {
+        CHECK_OK(laden_sched_start(sc, 1));
+        CHECK_OK(laden_sched_enter(sc, b0, 0));
+    }
     for (uint32_t t = 0; t < NT; t++) {
         laden_st_tensor_t info;
-        void *p;
         CHECK_OK(laden_st_tensor_at(st, t, &info));
-        CHECK_OK(laden_sched_host_ptr(sc, b0, t, &p));
-        CHECK(p != NULL);
-        CHECK(memcmp(p, v + (size_t)t * N, 2u * N) == 0);
-        if (dev >= 0) /* a home of its own (the CPU device runs in place) */
-            CHECK_EQ(((uintptr_t)p - info.offset_bytes) % 4096u, 0);
+        if (tier == LADEN_TIER_RAM) {
+            void *p;
+            CHECK_OK(laden_sched_host_ptr(sc, b0, t, &p));
+            CHECK(p != NULL);
+            memcpy(got, p, sizeof got);
+            if (dev >= 0) /* a home of its own (the CPU runs in place) */
+                CHECK_EQ(((uintptr_t)p - info.offset_bytes) % 4096u, 0);
+        } else {
+            laden_devptr_t p;
+            CHECK_OK(laden_sched_tensor_ptr(sc, b0, t, &p));
+            if (rd) {
+                CHECK_OK(laden_dev_copy_d2h(rd, got, p, sizeof got));
+                CHECK_OK(laden_dev_stream_synchronize(rd));
+            } else {
+                memcpy(got, (void *)(uintptr_t)p, sizeof got);
+            }
+        }
+        CHECK(memcmp(got, v + (size_t)t * N, sizeof got) == 0);
     }
+    if (tier == LADEN_TIER_DISK)
+        CHECK_OK(laden_sched_exit(sc, b0, 0));
+    if (dev >= 0) /* the CPU device reads into the slot it runs in */
+        CHECK_EQ(laden__io_misplaced_bytes(io), 0);
+    laden_dev_stream_destroy(rd);
     laden_sched_destroy(sc);
     laden_st_close(st);
+    laden_io_destroy(io);
 }
 
+static void homes_in_place(int32_t dev) { reads_in_place(dev, LADEN_TIER_RAM); }
+static void staging_in_place(int32_t dev)
+{
+    reads_in_place(dev, LADEN_TIER_DISK);
+}
+
+TEST(stream_disk_staging_read_in_place)
+{
+    test_on_every_device(staging_in_place);
+}
 TEST(stream_ram_homes_read_in_place) { test_on_every_device(homes_in_place); }

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "../core/internal.h"
+#include "laden/io.h"
 
 /* The two ways to read bytes the page cache does not hold. */
 enum { LADEN__WAY_DIRECT = 0, LADEN__WAY_BUFFERED = 1 };
@@ -30,6 +31,11 @@ bool laden__may_map(int fd, uint64_t uid);
  * may_map.  false: the kernel will not say (vec untouched). */
 bool laden__resident(int fd, bool may_map, uint64_t off, uint64_t len,
                      unsigned char *vec);
+/* Bytes of file reads submitted to io into a destination not congruent
+ * with their offset modulo 4 KiB (of reads of 4 KiB and more): read
+ * O_DIRECT, they go through a reader's bounce buffer and a copy.  For
+ * tests, which check that laden's buffers are laid so that they do not. */
+uint64_t laden__io_misplaced_bytes(laden_io_t *io);
 /* Tests: cachestat off (the mincore path, as on kernels before 6.5) or
  * on again. */
 void laden__io_cachestat(bool on);

@@ -135,6 +135,7 @@ struct laden_io {
     atomic_int nowait_ok; /* preadv2(RWF_NOWAIT) works here */
     worker *workers;
     laden_io_stats_t st; /* guarded by mu */
+    uint64_t misplaced;  /* guarded by mu: laden__io_misplaced_bytes */
 };
 
 /* ---- files ------------------------------------------------------------ */
@@ -1318,6 +1319,8 @@ static laden_status submit(laden_io_t *io, laden_io_file_t *f,
     if (!n && then && (r->status = then(then_arg)))
         snprintf(r->err, sizeof r->err, "%s", laden_last_error());
     pthread_mutex_lock(&io->mu);
+    if (f && size >= IO_ALIGN && ((uintptr_t)dst - offset) % IO_ALIGN)
+        io->misplaced += size;
     r->pending = n;
     if (n) {
         if (io->tail)
@@ -1417,6 +1420,14 @@ laden_status laden_io_stats(laden_io_t *io, laden_io_stats_t *out)
     out->threads = io->nthreads;
     pthread_mutex_unlock(&io->mu);
     return LADEN_OK;
+}
+
+uint64_t laden__io_misplaced_bytes(laden_io_t *io)
+{
+    pthread_mutex_lock(&io->mu);
+    uint64_t n = io->misplaced;
+    pthread_mutex_unlock(&io->mu);
+    return n;
 }
 
 laden_status laden_io_read(laden_io_t *io, laden_io_file_t *f, uint64_t offset,

@@ -309,36 +309,19 @@ static uint64_t home_len(uint64_t bytes)
     return (bytes + page - 1) & ~(page - 1);
 }
 
+/* How far past its mapping's start block b's home begins
+ * (laden__sched_read_shift): a home of its own is only copied from and
+ * read (CUDA's RAM tier), never run in place. */
+static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
+{
+    return sc->cache.on || b->shared ? 0 : laden__sched_read_shift(b);
+}
+
 /* Block b's host copy, in a mapping of its own: a cache schedule's, or
  * the RAM tier of a CUDA schedule (pinned in place once read).  From 2
  * MiB up it is aligned to huge pages and asks for them (MADV_HUGEPAGE):
  * the reads then fault a 2 MiB page at a time instead of 4 KiB, and
  * pinning walks 512 times fewer pages. */
-/* How far past its mapping's start block b's home begins: the first
- * tensor it reads from a file then lands at an address congruent to its
- * file offset modulo the 4 KiB O_DIRECT needs, and so do the others when
- * they lie as in the file (tensors of whole 256-byte multiples, in file
- * order, as checkpoints of large weights do): their reads land in place
- * instead of through a bounce buffer and a copy, which halved the reader's
- * rate on the 2-core VM.  A multiple of 8 (safetensors puts its data at
- * one: each tensor stays 8-byte aligned, enough for every element and
- * for the lossless format's words), else 0.  The home is only copied
- * from and read (CUDA's RAM tier, a home of its own), never run in
- * place. */
-static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
-{
-    if (sc->cache.on || b->shared)
-        return 0;
-    for (uint32_t k = 0; k < b->nt; k++) {
-        const tref *r = &b->t[k];
-        if (laden__sched_as_stored(r) && r->src_bytes) {
-            uint64_t shift = (r->off - r->dst_off) & 4095u;
-            return shift % 8 ? 0 : shift;
-        }
-    }
-    return 0;
-}
-
 static laden_status map_home(laden_sched_t *sc, blk *b)
 {
     uint64_t shift = home_shift(sc, b);

@@ -211,7 +211,8 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     void *m[2] = {NULL, NULL};
     uint64_t sess = 0;
     if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-        (s = traced_copy(sc, sl->ptr, sl->staging, b->bytes, m, &sess)) ||
+        (s = traced_copy(sc, sl->ptr, (char *)sl->staging + sl->stage_shift,
+                         b->bytes, m, &sess)) ||
         (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
         (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
         return s;
@@ -220,6 +221,16 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
                         m[0] ? bname(sc, sl->block) : NULL);
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
+}
+
+/* Where block b's bytes go in slot sl's staging buffer (CUDA's disk
+ * tier): laden__sched_read_shift past its start when the buffer has the
+ * room, so that the reads land in place. */
+static char *staging_for(laden_sched_t *sc, slot *sl, const blk *b)
+{
+    uint64_t shift = laden__sched_read_shift(b);
+    sl->stage_shift = b->bytes + shift <= sl->staging_bytes ? shift : 0;
+    return (char *)sl->staging + sl->stage_shift;
 }
 
 /* Starts putting block bi's bytes into slot sl. */
@@ -259,7 +270,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         }
         return LADEN_OK;
     }
-    char *dst = sc->cuda ? sl->staging : (char *)(uintptr_t)sl->ptr;
+    char *dst = sc->cuda ? staging_for(sc, sl, b) : (char *)(uintptr_t)sl->ptr;
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free))) {
         sl->block = -1;
@@ -403,6 +414,22 @@ static laden_status make_workspace(laden_sched_t *sc)
     return LADEN_OK;
 }
 
+/* Slot sl's staging buffer (CUDA's disk tier): the largest block and 4
+ * KiB of room for staging_for's shift, or without the room when the
+ * pinned budget has none for it (the reads then go through the reader's
+ * bounce buffer). */
+static laden_status alloc_staging(laden_sched_t *sc, slot *sl)
+{
+    uint64_t n = sc->layout.slot_bytes + 4096;
+    laden_status s = laden_host_alloc(sc->layout.host, n, &sl->staging);
+    if (s == LADEN_E_BUDGET) {
+        n = sc->layout.slot_bytes;
+        s = laden_host_alloc(sc->layout.host, n, &sl->staging);
+    }
+    sl->staging_bytes = s ? 0 : n;
+    return s;
+}
+
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
 {
     laden_status s = LADEN_OK;
@@ -454,8 +481,7 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
              (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
             goto fail;
         if (sc->cuda && sc->layout.any_disk &&
-            (s = laden_host_alloc(sc->layout.host, sc->layout.slot_bytes,
-                                  &sl->staging)))
+            (s = alloc_staging(sc, sl)))
             goto fail;
     }
     if ((s = make_workspace(sc)) || (s = laden__sched_experts_make(sc)))
@@ -762,8 +788,8 @@ static laden_status stage_rows(laden_sched_t *sc, void *arg, uint64_t off,
                                uint64_t len)
 {
     rows_io *x = arg;
-    return laden_dev_copy_h2d(sc->run.copy, x->sl->ptr + off,
-                              (const char *)x->sl->staging + off, len);
+    return laden_dev_copy_h2d(sc->run.copy, x->sl->ptr + off, x->dst + off,
+                              len);
 }
 
 /* The expert cache's side of a fill (experts.c): copies the experts in
@@ -864,7 +890,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         sc->st.h2d_bytes += x.bytes;
     } else {
-        x.dst = sc->cuda ? (char *)sl->staging : (char *)(uintptr_t)sl->ptr;
+        x.dst = sc->cuda ? staging_for(sc, sl, b) : (char *)(uintptr_t)sl->ptr;
         if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free)))
             return s;
         s = each_row_range(sc, b, move, read_rows, &x);

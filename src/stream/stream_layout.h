@@ -107,6 +107,7 @@ static inline bool laden__sched_as_stored(const tref *r)
     return !r->host && r->src == r->dst && !r->rope_heads && !r->pieces;
 }
 
+
 /* Where the float32 row scales of a tensor of nelem F8_E4M3 codes start
  * in its bytes: after the codes, 16-byte aligned (build.c lays them out,
  * convert.c writes them, laden_sched_tensor_layout says where). */
@@ -169,6 +170,29 @@ typedef struct blk {
     uintptr_t enter_handle; /* the stream of its last enter, for an exit
                                laden_sched_end_all makes in its place */
 } blk;
+
+/* How far past a 4 KiB boundary block b's bytes should start so that its
+ * first tensor read from a file lands at an address congruent to its file
+ * offset modulo the 4 KiB O_DIRECT needs, and so do the others when they
+ * lie as in the file (tensors of whole 256-byte multiples, in file order,
+ * as checkpoints of large weights do): their reads land in place instead
+ * of through the reader's bounce buffer and a copy, which halved the
+ * reader's rate on the 2-core VM.  A multiple of 8 (safetensors puts its
+ * data at one: each tensor stays 8-byte aligned, enough for every element
+ * and for the lossless format's words), else 0.  For a buffer that is
+ * only read into and copied from (a CUDA RAM-tier home, a staging
+ * buffer), never one run in place. */
+static inline uint64_t laden__sched_read_shift(const blk *b)
+{
+    for (uint32_t k = 0; k < b->nt; k++) {
+        const tref *r = &b->t[k];
+        if (laden__sched_as_stored(r) && r->src_bytes) {
+            uint64_t shift = (r->off - r->dst_off) & 4095u;
+            return shift % 8 ? 0 : shift;
+        }
+    }
+    return 0;
+}
 
 typedef struct sched_layout {
     blk *b;
