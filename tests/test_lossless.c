@@ -4,6 +4,7 @@
  * name, never read or written out of bounds. */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h> /* AT_FDCWD */
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 
 #include "laden/expand.h"
 #include "laden/lossless.h"
+#include "io/cold.h" /* laden__io_misplaced_bytes */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
@@ -1126,4 +1128,201 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
     free(v);
     free(v2);
     free(noise);
+}
+
+/* Writes NB blocks' tensors "n<b>" (NOISE values: kept raw by a cache)
+ * then "w<b>" (n values), their data 8 bytes past a 16-byte multiple, as
+ * safetensors' headers often leave it; v holds them in that order. */
+enum { NOISE = 4096 };
+static char *write_pairs(const char *file, uint32_t nb, uint64_t n,
+                         const uint16_t *v)
+{
+    char hdr[2048];
+    int at = snprintf(hdr, sizeof hdr, "{");
+    uint64_t off = 0;
+    for (uint32_t b = 0; b < nb; b++) {
+        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
+                       "%s\"n%u\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+                       "\"data_offsets\":[%llu,%llu]},"
+                       "\"w%u\":{\"dtype\":\"BF16\",\"shape\":[%llu],"
+                       "\"data_offsets\":[%llu,%llu]}",
+                       b ? "," : "", b, NOISE, (unsigned long long)off,
+                       (unsigned long long)(off + 2 * NOISE), b,
+                       (unsigned long long)n,
+                       (unsigned long long)(off + 2 * NOISE),
+                       (unsigned long long)(off + 2 * NOISE + 2 * n));
+        off += 2 * NOISE + 2 * n;
+    }
+    at += snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
+    while ((8 + at) % 16 != 8)
+        hdr[at++] = ' ';
+    hdr[at] = 0;
+    char *path = test_path(file);
+    test_write_st(path, hdr, v, off);
+    return path;
+}
+
+/* A schedule of NB blocks on `tier`, block b holding n<b> and w<b>, with
+ * dir's lossless cache, loaded. */
+static laden_sched_t *pairs_loaded(const char *path, const char *dir,
+                                   int32_t dev, laden_io_t *io,
+                                   laden_tier tier, uint32_t nb,
+                                   laden_st_t **st)
+{
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, st));
+    laden_sched_config cfg = {.device = dev, .io = io};
+    CHECK_OK(laden_sched_create(&cfg, *st, &sc));
+    for (uint32_t b = 0; b < nb; b++) {
+        uint32_t blk, k;
+        CHECK_OK(laden_sched_add_block(sc, tier, &blk));
+        for (int w = 0; w < 2; w++) {
+            char name[16];
+            size_t at;
+            snprintf(name, sizeof name, "%c%u", w ? 'w' : 'n', b);
+            CHECK_OK(laden_st_find(*st, name, &at));
+            CHECK_OK(laden_sched_add_tensor(sc, blk, *st, at,
+                                            LADEN_DTYPE_BF16, &k));
+        }
+    }
+    uint32_t marked;
+    CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, 2 * nb);
+    CHECK_OK(laden_sched_load(sc));
+    return sc;
+}
+
+/* Bytes the pool read, every way. */
+static uint64_t io_read(laden_io_t *io)
+{
+    laden_io_stats_t s;
+    CHECK_OK(laden_io_stats(io, &s));
+    return s.direct_bytes + s.cached_bytes + s.buffered_bytes;
+}
+
+/* A disk-tier block streams its tensors' blobs from the lossless cache
+ * file (fewer bytes than the checkpoint's), checked at each read and
+ * decoded at enter, every value as stored; a blob damaged after the load
+ * is refused at the enter that reads it, naming the cache file.  On
+ * either tier a block's reads land in place where most of its bytes
+ * want (the blobs lie at 4 KiB multiples in the cache file, the raw
+ * tensor beside them as in the checkpoint). */
+static void disk_from_cache(int32_t dev)
+{
+    enum { NB = 3, N = 65536 };
+    const uint64_t per = NOISE + (uint64_t)N;
+    uint16_t *v = malloc(2 * per * NB);
+    for (uint32_t b = 0; b < NB; b++) {
+        uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, NOISE);
+        uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+        memcpy(v + b * per, noise, 2 * NOISE);
+        memcpy(v + b * per + NOISE, w, 2 * (uint64_t)N);
+        free(noise);
+        free(w);
+    }
+    char *path = write_pairs("llc-disk.safetensors", NB, N, v);
+    char *dir = test_path("llc-disk-dir");
+    laden_lossless_cache_stats cs;
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    CHECK_EQ(cs.coded, NB); /* the w's; the noise kept raw */
+    int decodes = dev == LADEN_DEVICE_CPU || cuda_decoder();
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    uint16_t *got = malloc(2 * (uint64_t)N);
+    for (int disk = 0; disk < 2; disk++) {
+        laden_io_t *io;
+        laden_st_t *st;
+        CHECK_OK(laden_io_create(NULL, &io));
+        laden_sched_t *sc =
+            pairs_loaded(path, dir, dev, io,
+                         disk ? LADEN_TIER_DISK : LADEN_TIER_RAM, NB, &st);
+        laden_sched_stats_t ss;
+        CHECK_OK(laden_sched_stats(sc, &ss));
+        CHECK_EQ(ss.lossless_cache_bytes, cs.coded_bytes);
+        for (uint32_t b = 0; disk && decodes && b < NB; b++) {
+            CHECK_OK(b ? LADEN_OK : laden_sched_start(sc, 1));
+            CHECK_OK(laden_sched_enter(sc, b, 0));
+            CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 0); /* raw */
+            CHECK_EQ(laden_sched_tensor_lossless(sc, b, 1), 1);
+            for (uint32_t k = 0; k < 2; k++) {
+                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
+                laden_devptr_t p;
+                if (k) { /* decoded at enter */
+                    CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
+                    CHECK_EQ(at, bytes);
+                } else {
+                    CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+                }
+                if (rd) {
+                    CHECK_OK(laden_dev_copy_d2h(rd, got, p, bytes));
+                    CHECK_OK(laden_dev_stream_synchronize(rd));
+                } else {
+                    memcpy(got, (const void *)(uintptr_t)p, bytes);
+                }
+                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
+            }
+            CHECK_OK(laden_sched_exit(sc, b, 0));
+        }
+        uint64_t read = io_read(io);
+        if (disk && decodes) { /* every block read once, coded */
+            CHECK_OK(laden_sched_stats(sc, &ss));
+            CHECK(ss.read_bytes < 2 * per * NB * 3 / 4);
+            CHECK(ss.read_bytes >= cs.coded_bytes + 2 * NOISE * NB);
+        }
+        if (dev >= 0) /* the raw tensors' 8 KiB misplaced, not the blobs */
+            CHECK(laden__io_misplaced_bytes(io) * 4 < read);
+        /* The value as stored, from the cache file or the home. */
+        CHECK_OK(laden_sched_tensor_value(sc, 1, 1, LADEN_DTYPE_BF16, got,
+                                          2 * (uint64_t)N));
+        CHECK(memcmp(got, v + per + NOISE, 2 * (uint64_t)N) == 0);
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+        laden_io_destroy(io);
+    }
+    if (decodes) { /* damaged after the load: refused at the read */
+        laden_io_t *io;
+        laden_st_t *st;
+        CHECK_OK(laden_io_create(NULL, &io));
+        laden_sched_t *sc =
+            pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+        char cpath[4096];
+        CHECK_OK(laden_lossless_cache_path(path, dir, cpath, sizeof cpath));
+        /* w1's magic, the file's times kept (damage a change of the file
+         * would not show: laden_io checks its size and times) */
+        struct stat sb;
+        CHECK_EQ(stat(cpath, &sb), 0);
+        flip_byte(cpath, index_field(cpath, 3, 24) + 1);
+        struct timespec was[2] = {sb.st_atim, sb.st_mtim};
+        CHECK_EQ(utimensat(AT_FDCWD, cpath, was, 0), 0);
+        CHECK_OK(laden_sched_start(sc, 1));
+        CHECK_OK(laden_sched_enter(sc, 0, 0));
+        CHECK_OK(laden_sched_exit(sc, 0, 0));
+        CHECK_STATUS(laden_sched_enter(sc, 1, 0), LADEN_E_CORRUPT);
+        CHECK(strstr(laden_last_error(), cpath));
+        CHECK(strstr(laden_last_error(), "'w1'"));
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+        /* Changed in use, its time with it: LADEN_E_CHANGED at the read. */
+        CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+        flip_byte(cpath, index_field(cpath, 3, 24) + 1);
+        struct timespec later[2] = {{0, UTIME_OMIT}, {sb.st_mtim.tv_sec + 5, 0}};
+        CHECK_EQ(utimensat(AT_FDCWD, cpath, later, 0), 0);
+        CHECK_OK(laden_sched_start(sc, 1));
+        CHECK_STATUS(laden_sched_enter(sc, 0, 0), LADEN_E_CHANGED);
+        CHECK(strstr(laden_last_error(), "changed"));
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+        laden_io_destroy(io);
+    }
+    laden_dev_stream_destroy(rd);
+    free(got);
+    free(v);
+}
+
+TEST(lossless_cache_streams_the_disk_tier)
+{
+    test_on_every_device(disk_from_cache);
 }

@@ -332,7 +332,8 @@ def stream_load(model, path: PathLike, *, plan=None,
       each block's call decodes them on the device (a GPU kernel; the CPU
       device: C, one thread) before it runs.  They are read and encoded
       at load on the host's cores.  A tensor that would not shrink by a
-      sixteenth stays as stored; disk-tier blocks are read as stored.
+      sixteenth stays as stored; disk-tier blocks are read as stored
+      unless ``lossless_cache`` holds their weights.
       ``report.lossless`` gives (coded bytes, their raw bytes).  The
       plan counts the RAM tier at the coded sizes (estimated from samples
       of each tensor; the load checks the true ones), so under a
@@ -345,7 +346,10 @@ def stream_load(model, path: PathLike, *, plan=None,
       ``LADEN_LOSSLESS_CACHE`` from the environment, if set); with
       ``compression="lossless"`` the load reads the coded weights from
       there -- about 0.67 of the bytes, nothing encoded -- and the plan
-      counts their exact sizes.  A file without a cache file there, or
+      counts their exact sizes; disk-tier blocks stream their coded
+      weights from the cache files at each call (fewer bytes from the
+      drive), each read checked before its block runs.  A file without a
+      cache file there, or
       whose cache file was made from another version of it, is read and
       encoded as without (``report.lossless_cache`` says which); a damaged
       cache file is refused naming it (``CorruptError``).

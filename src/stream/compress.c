@@ -17,8 +17,11 @@
  * a lossless cache file holds (llcache.c, laden_sched_use_lossless_cache)
  * is not read nor encoded here: its blob is read straight from the cache
  * file into its block by the load, as a tensor kept as stored is, and
- * checked there (laden__sched_check_cached).  Blocks on the disk tier
- * stay as stored (the cache file is not streamed from).  The load's progress callback hears of the
+ * checked there (laden__sched_check_cached).  A disk-tier block streams
+ * its cached tensors' blobs from the cache file too, each read checked
+ * before its block runs (laden__sched_check_blobs, run.c); without a cache
+ * its tensors stay as stored (encoding at each read would cost more than
+ * the bytes it saves).  The load's progress callback hears of the
  * bytes read and encoded (from the loading thread, every 50 ms), and may
  * stop it.  Calls build.c and workspace.c. */
 #define _GNU_SOURCE /* sched_getaffinity */
@@ -530,28 +533,63 @@ static laden_status from_cache(laden_sched_t *sc, tref *r,
     return LADEN_OK;
 }
 
-laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
+laden_status laden__sched_check_blob(laden_sched_t *sc, tref *r,
+                                     const void *at)
+{
+    (void)sc;
+    laden_lossless_info info;
+    laden_status s = laden_lossless_check(at, r->dst_bytes, &info);
+    if (!s && (info.n_elems != r->nelem || info.dtype != r->dst))
+        s = laden__fail(LADEN_E_CORRUPT,
+                        "its blob holds %llu values of another tensor",
+                        (unsigned long long)info.n_elems);
+    if (!s && !r->ll_unchecked && memcmp(&info, r->ll, sizeof info))
+        s = laden__fail(LADEN_E_CORRUPT, "its blob is not the one read "
+                                         "before: the file changed");
+    if (s) {
+        laden__error_prefix("the lossless cache file %.300s: tensor "
+                            "'%.200s'",
+                            laden_io_file_path(r->cfile),
+                            r->name ? r->name : "?");
+        return s;
+    }
+    if (r->ll_unchecked) {
+        *r->ll = info;
+        r->ll_unchecked = false;
+    }
+    return LADEN_OK;
+}
+
+laden_status laden__sched_check_blobs(laden_sched_t *sc, blk *b,
+                                      const void *base)
 {
     for (uint32_t k = 0; sc->layout.llc && k < b->nt; k++) {
         tref *r = &b->t[k];
+        laden_status s;
+        if (r->ll && r->cfile &&
+            (s = laden__sched_check_blob(sc, r,
+                                         (const char *)base + r->dst_off)))
+            return s;
+    }
+    return LADEN_OK;
+}
+
+laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
+{
+    if (!sc->layout.llc || b->tier == LADEN_TIER_DISK)
+        return LADEN_OK; /* the disk tier's are checked at each read */
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
         if (!r->ll_unchecked)
             continue;
-        const char *at = (const char *)b->ram + r->dst_off;
-        laden_status s = b->ram ? laden_lossless_check(at, r->dst_bytes, r->ll)
-                                : laden__fail(LADEN_E_STATE, "not in host "
-                                                             "memory");
-        if (!s && (r->ll->n_elems != r->nelem || r->ll->dtype != r->dst))
-            s = laden__fail(LADEN_E_CORRUPT,
-                            "its blob holds %llu values of another tensor",
-                            (unsigned long long)r->ll->n_elems);
-        if (s) {
-            laden__error_prefix("the lossless cache file %.300s: tensor "
-                                "'%.200s'",
-                                laden_io_file_path(r->cfile),
-                                r->name ? r->name : "?");
+        laden_status s =
+            b->ram ? laden__sched_check_blob(sc, r, (const char *)b->ram +
+                                                        r->dst_off)
+                   : laden__fail(LADEN_E_STATE, "tensor '%.200s' from a "
+                                 "lossless cache file is not in host memory",
+                                 r->name ? r->name : "?");
+        if (s)
             return s;
-        }
-        r->ll_unchecked = false;
     }
     return LADEN_OK;
 }
@@ -566,12 +604,16 @@ laden_status laden__sched_compress(laden_sched_t *sc)
             const llc_entry *e = NULL;
             if (!r->ll_asked || r->ll)
                 continue;
-            if (sc->layout.b[i].tier != LADEN_TIER_RAM ||
-                ((e = cached_entry(sc, r)) && e->kept_raw))
-                keep_as_stored(r); /* not on the RAM tier; or the cache
-                                      says it does not code small enough */
-            else if (e && ++cached)
-                s = from_cache(sc, r, e);
+            laden_tier tier = sc->layout.b[i].tier;
+            e = tier == LADEN_TIER_RAM || tier == LADEN_TIER_DISK
+                    ? cached_entry(sc, r)
+                    : NULL;
+            if (e && !e->kept_raw && ++cached)
+                s = from_cache(sc, r, e); /* read coded on either tier */
+            else if (tier != LADEN_TIER_RAM || e)
+                keep_as_stored(r); /* encoded only for the RAM tier; or
+                                      the cache says it does not code
+                                      small enough */
             else
                 n++;
         }

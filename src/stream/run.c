@@ -206,6 +206,13 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     }
     blk *b = &sc->layout.b[sl->block];
     sc->st.read_bytes += b->bytes;
+    const char *got = sc->cuda ? (const char *)sl->staging + sl->stage_shift
+                               : (const char *)(uintptr_t)sl->ptr;
+    if ((s = laden__sched_check_blobs(sc, b, got))) { /* before it runs */
+        sl->err = s;
+        snprintf(sl->errmsg, sizeof sl->errmsg, "%s", laden_last_error());
+        return LADEN_OK;
+    }
     if (!sc->cuda)
         return LADEN_OK; /* read straight into the slot */
     void *m[2] = {NULL, NULL};

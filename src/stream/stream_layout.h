@@ -172,26 +172,42 @@ typedef struct blk {
 } blk;
 
 /* How far past a 4 KiB boundary block b's bytes should start so that its
- * first tensor read from a file lands at an address congruent to its file
- * offset modulo the 4 KiB O_DIRECT needs, and so do the others when they
- * lie as in the file (tensors of whole 256-byte multiples, in file order,
- * as checkpoints of large weights do): their reads land in place instead
- * of through the reader's bounce buffer and a copy, which halved the
- * reader's rate on the 2-core VM.  A multiple of 8 (safetensors puts its
- * data at one: each tensor stays 8-byte aligned, enough for every element
- * and for the lossless format's words), else 0.  For a buffer that is
- * only read into and copied from (a CUDA RAM-tier home, a staging
- * buffer), never one run in place. */
+ * tensors read from a file land at addresses congruent to their file
+ * offsets modulo the 4 KiB O_DIRECT needs: their reads then land in place
+ * instead of through the reader's bounce buffer and a copy, which halved
+ * the reader's rate on the 2-core VM.  Tensors that lie as in the file
+ * (whole 256-byte multiples in file order, as checkpoints of large
+ * weights do) all want the same shift; where they want several (blobs
+ * from a lossless cache file at 4 KiB multiples beside tensors read from
+ * the checkpoint) the one most bytes want wins.  A multiple of 8
+ * (safetensors puts its data at one: each tensor stays 8-byte aligned,
+ * enough for every element and for the lossless format's words), else 0.
+ * For a buffer that is only read into and copied from (a CUDA RAM-tier
+ * home, a staging buffer), never one run in place. */
 static inline uint64_t laden__sched_read_shift(const blk *b)
 {
+    enum { CANDIDATES = 8 };
+    uint64_t shift[CANDIDATES], bytes[CANDIDATES];
+    uint32_t n = 0, best = 0;
     for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
-        if (laden__sched_as_stored(r) && r->src_bytes) {
-            uint64_t shift = (r->off - r->dst_off) & 4095u;
-            return shift % 8 ? 0 : shift;
+        if (!laden__sched_as_stored(r) || !r->src_bytes)
+            continue;
+        uint64_t want = (r->off - r->dst_off) & 4095u;
+        uint32_t j = 0;
+        while (j < n && shift[j] != want)
+            j++;
+        if (j == n) {
+            if (n == CANDIDATES)
+                continue; /* a ninth way: too scattered to matter */
+            shift[n] = want;
+            bytes[n++] = 0;
         }
+        bytes[j] += r->src_bytes;
+        if (bytes[j] > bytes[best])
+            best = j;
     }
-    return 0;
+    return n && shift[best] % 8 == 0 ? shift[best] : 0;
 }
 
 typedef struct sched_layout {
@@ -315,8 +331,19 @@ void laden__sched_compress_free(laden_sched_t *sc);
 /* Block b's tensors read from lossless cache files, now in its host
  * memory: each blob checked (laden_lossless_check) and its info kept;
  * LADEN_E_CORRUPT naming the cache file and the tensor otherwise.  Before
- * the block is ready (load.c). */
+ * the block is ready (load.c).  Nothing for a disk-tier block. */
 laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b);
+/* Tensor r's blob from its lossless cache file, read to `at`: checked
+ * (laden_lossless_check), its info kept the first time; a later read
+ * (the disk tier reads at each fill, laden_sched_tensor_value reads
+ * again) must find the same info, else the file changed: LADEN_E_CORRUPT,
+ * naming the cache file and the tensor. */
+laden_status laden__sched_check_blob(laden_sched_t *sc, tref *r,
+                                     const void *at);
+/* laden__sched_check_blob for each of block b's tensors from a cache file,
+ * b's bytes read to base (a disk-tier block's, at each read: run.c). */
+laden_status laden__sched_check_blobs(laden_sched_t *sc, blk *b,
+                                      const void *base);
 int laden__sched_tensor_lossless(const laden_sched_t *sc, uint32_t block,
                                  uint32_t i);
 

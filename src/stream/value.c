@@ -91,7 +91,7 @@ static laden_status decode(const tref *r, const void *raw, const float *scale,
 /* Tensor r of block `block` decoded as dtype into dst (r->nelem
  * elements). */
 static laden_status piece_value(laden_sched_t *sc, uint32_t block,
-                                const tref *r, laden_dtype dtype, void *dst)
+                                tref *r, laden_dtype dtype, void *dst)
 {
     blk *b = &sc->layout.b[block];
     const char *name = r->name ? r->name : "?";
@@ -108,7 +108,9 @@ static laden_status piece_value(laden_sched_t *sc, uint32_t block,
     if (!s && sr && !(s = laid_out(sc, block, sr, sraw)))
         s = laden_sched_convert(sr->dst, sraw, LADEN_DTYPE_F32, scale,
                                 sr->nelem);
-    if (!s && !(s = laid_out(sc, block, r, raw)) && r->nelem)
+    if (!s && !(s = laid_out(sc, block, r, raw)) && r->nelem &&
+        !(s = r->ll && r->cfile ? laden__sched_check_blob(sc, r, raw)
+                                : LADEN_OK))
         s = decode(r, raw, scale, dtype, dst);
     free(scale);
     free(sraw);
