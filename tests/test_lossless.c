@@ -1271,8 +1271,12 @@ static void disk_from_cache(int32_t dev)
             CHECK(ss.read_bytes < 2 * per * NB * 3 / 4);
             CHECK(ss.read_bytes >= cs.coded_bytes + 2 * NOISE * NB);
         }
-        if (dev >= 0) /* the raw tensors' 8 KiB misplaced, not the blobs */
+        /* The raw tensors' 8 KiB misplaced, not the blobs (the disk tier
+         * reads only at its enters: where the device decodes). */
+        if (dev >= 0 && (!disk || decodes)) {
+            CHECK(read > 2 * per * NB / 2);
             CHECK(laden__io_misplaced_bytes(io) * 4 < read);
+        }
         /* The value as stored, from the cache file or the home. */
         CHECK_OK(laden_sched_tensor_value(sc, 1, 1, LADEN_DTYPE_BF16, got,
                                           2 * (uint64_t)N));
@@ -1313,6 +1317,35 @@ static void disk_from_cache(int32_t dev)
         CHECK_OK(laden_sched_start(sc, 1));
         CHECK_STATUS(laden_sched_enter(sc, 0, 0), LADEN_E_CHANGED);
         CHECK(strstr(laden_last_error(), "changed"));
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+        /* A blob's codes damaged, its header whole: the decoder finds
+         * it, at the enter on the CPU device; on CUDA once the compute
+         * stream has passed the decode (the next enter or synchronize),
+         * and from then on every enter is refused. */
+        CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+        CHECK_EQ(stat(cpath, &sb), 0);
+        flip_byte(cpath, index_field(cpath, 3, 24) +
+                             LADEN_LOSSLESS_HEADER_BYTES + 100);
+        struct timespec kept[2] = {sb.st_atim, sb.st_mtim};
+        CHECK_EQ(utimensat(AT_FDCWD, cpath, kept, 0), 0);
+        CHECK_OK(laden_sched_start(sc, 1));
+        CHECK_OK(laden_sched_enter(sc, 0, 0));
+        CHECK_OK(laden_sched_exit(sc, 0, 0));
+        if (dev < 0) {
+            CHECK_STATUS(laden_sched_enter(sc, 1, 0), LADEN_E_CORRUPT);
+            CHECK(strstr(laden_last_error(), "'w1'"));
+        } else {
+            CHECK_OK(laden_sched_enter(sc, 1, 0));
+            CHECK_OK(laden_sched_exit(sc, 1, 0));
+            CHECK_OK(laden_dev_stream_synchronize(rd));
+            CHECK_STATUS(laden_sched_synchronize(sc), LADEN_E_CORRUPT);
+            CHECK(strstr(laden_last_error(), "'w1'"));
+            CHECK(strstr(laden_last_error(), cpath));
+            CHECK_STATUS(laden_sched_enter(sc, 2, 0), LADEN_E_CORRUPT);
+            CHECK_STATUS(laden_sched_enter(sc, 0, 0), LADEN_E_CORRUPT);
+        }
         laden_sched_destroy(sc);
         laden_st_close(st);
         laden_io_destroy(io);

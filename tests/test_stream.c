@@ -3617,4 +3617,63 @@ TEST(stream_disk_staging_read_in_place)
 {
     test_on_every_device(staging_in_place);
 }
+
+/* A RAM budget that holds the slots' staging buffers exactly, as the plan
+ * counts them: the start still succeeds (the buffers then have no room
+ * for the shift, every one of them), every value as stored. */
+static void staging_exact_budget(int32_t dev)
+{
+    enum { NT = 3, N = 65536 }; /* 128 KiB each: a block each */
+    static uint16_t v[NT * N];
+    for (uint32_t i = 0; i < NT * N; i++)
+        v[i] = (uint16_t)(i * 2246822519u >> 9);
+    char hdr[512];
+    int at = snprintf(hdr, sizeof hdr, "{");
+    for (int t = 0; t < NT; t++)
+        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
+                       "%s\"t%d\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+                       "\"data_offsets\":[%d,%d]}", t ? "," : "", t, N,
+                       2 * N * t, 2 * N * (t + 1));
+    snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
+    char *path = test_path("exact.safetensors");
+    test_write_st(path, hdr, v, sizeof v);
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = dev,
+                              .ram_budget_bytes = 2 * 2 * (uint64_t)N};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    for (size_t t = 0; t < NT; t++) {
+        uint32_t b, k;
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_DISK, &b));
+        CHECK_OK(laden_sched_add_tensor(sc, b, st, t, LADEN_DTYPE_BF16, &k));
+    }
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_OK(laden_sched_start(sc, 1)); /* two slots */
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    static uint16_t got[N];
+    for (uint32_t b = 0; b < NT; b++) {
+        laden_devptr_t p;
+        CHECK_OK(laden_sched_enter(sc, b, 0));
+        CHECK_OK(laden_sched_tensor_ptr(sc, b, 0, &p));
+        if (rd) {
+            CHECK_OK(laden_dev_copy_d2h(rd, got, p, sizeof got));
+            CHECK_OK(laden_dev_stream_synchronize(rd));
+        } else {
+            memcpy(got, (const void *)(uintptr_t)p, sizeof got);
+        }
+        CHECK(memcmp(got, v + (size_t)b * N, sizeof got) == 0);
+        CHECK_OK(laden_sched_exit(sc, b, 0));
+    }
+    laden_dev_stream_destroy(rd);
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}
+
+TEST(stream_disk_staging_fits_an_exact_budget)
+{
+    test_on_every_device(staging_exact_budget);
+}
 TEST(stream_ram_homes_read_in_place) { test_on_every_device(homes_in_place); }

@@ -124,10 +124,17 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                 scale = ws + r->sws_off;
             }
         }
-        if (r->ll) { /* lossless (compress.c): decoded in its dtype */
+        if (r->ll) { /* lossless (compress.c): decoded in its dtype; on
+                        CUDA wrong codes set the block's word (the
+                        host's pointer is the device's: unified
+                        addressing) */
+            laden_devptr_t bad =
+                sc->run.ll_bad ? (laden_devptr_t)(uintptr_t)&sc->run
+                                     .ll_bad[block]
+                               : 0;
             if ((s = laden_lossless_decode(dev, handle, r->ll, src,
                                            ws + r->ws_off, 2 * r->nelem,
-                                           0))) {
+                                           bad))) {
                 laden__error_prefix("tensor '%.200s'",
                                     r->name ? r->name : "?");
                 return s;
@@ -221,8 +228,10 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
         (s = traced_copy(sc, sl->ptr, (char *)sl->staging + sl->stage_shift,
                          b->bytes, m, &sess)) ||
         (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
-        (s = laden_dev_event_record(sl->staging_free, sc->run.copy)))
+        (s = laden_dev_event_record(sl->staging_free, sc->run.copy))) {
+        sl->block = -1; /* not there: filled again at its next enter */
         return s;
+    }
     laden__trace_stream(LADEN__EV_H2D, sess, sc->cfg.device, m[0], m[1],
                         sl->block, b->bytes, (uintptr_t)sc,
                         m[0] ? bname(sc, sl->block) : NULL);
@@ -418,23 +427,74 @@ static laden_status make_workspace(laden_sched_t *sc)
                             laden__bytes(n).s);
         return s;
     }
+    bool coded = false;
+    for (uint32_t i = 0; sc->cuda && i < sc->layout.nb && !coded; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt && !coded; k++)
+            coded = sc->layout.b[i].t[k].ll != NULL;
+    if (coded) {
+        void *w;
+        uint64_t bytes = 4ull * sc->layout.nb;
+        if ((s = laden_dev_host_alloc(sc->cfg.device, bytes, &w)))
+            return s; /* the workspace goes with the slots */
+        memset(w, 0, bytes);
+        sc->run.ll_bad = w;
+    }
     return LADEN_OK;
 }
 
-/* Slot sl's staging buffer (CUDA's disk tier): the largest block and 4
- * KiB of room for staging_for's shift, or without the room when the
- * pinned budget has none for it (the reads then go through the reader's
- * bounce buffer). */
-static laden_status alloc_staging(laden_sched_t *sc, slot *sl)
+laden_status laden__sched_ll_damage(laden_sched_t *sc)
 {
-    uint64_t n = sc->layout.slot_bytes + 4096;
-    laden_status s = laden_host_alloc(sc->layout.host, n, &sl->staging);
-    if (s == LADEN_E_BUDGET) {
-        n = sc->layout.slot_bytes;
-        s = laden_host_alloc(sc->layout.host, n, &sl->staging);
+    for (uint32_t i = 0; sc->run.ll_bad && i < sc->layout.nb; i++) {
+        if (!__atomic_load_n(&sc->run.ll_bad[i], __ATOMIC_RELAXED))
+            continue;
+        const blk *b = &sc->layout.b[i];
+        const tref *r = NULL;
+        for (uint32_t k = 0; k < b->nt && !r; k++)
+            r = b->t[k].ll ? &b->t[k] : NULL;
+        const char *from = r && r->cfile ? laden_io_file_path(r->cfile)
+                                          : NULL;
+        return laden__fail(
+            LADEN_E_CORRUPT,
+            "block %u: the device decoded a lossless blob whose codes are "
+            "wrong (tensor '%.200s'%s%.300s), so outputs computed since "
+            "its use are wrong; %s",
+            i, r && r->name ? r->name : "?", from ? ", from " : "",
+            from ? from : "",
+            from ? "its cache file was damaged: write it again (laden "
+                   "compress) and load again"
+                 : "the host memory holding it was damaged: load again");
     }
-    sl->staging_bytes = s ? 0 : n;
-    return s;
+    return LADEN_OK;
+}
+
+/* The slots' staging buffers (CUDA's disk tier): the largest block and 4
+ * KiB of room for staging_for's shift each, or, when the pinned budget
+ * cannot give every slot the room (the arena rounds to 64 KiB; the plan
+ * counts the slots' bytes alone), all of them without it (the reads then
+ * go through the reader's bounce buffer).  Decided for all at once: a
+ * budget that fits the plain buffers always fits them. */
+static laden_status alloc_staging(laden_sched_t *sc)
+{
+    laden_status s = LADEN_OK;
+    for (uint64_t room = 4096;; room = 0) {
+        uint64_t n = sc->layout.slot_bytes + room;
+        uint32_t i = 0;
+        for (; i < sc->run.nslots; i++) {
+            slot *sl = &sc->run.slots[i];
+            if ((s = laden_host_alloc(sc->layout.host, n, &sl->staging)))
+                break;
+            sl->staging_bytes = n;
+        }
+        if (!s || s != LADEN_E_BUDGET || !room)
+            return s;
+        while (i--) { /* again, without the room */
+            slot *sl = &sc->run.slots[i];
+            laden_host_free(sc->layout.host, sl->staging);
+            sl->staging = NULL;
+            sl->staging_bytes = 0;
+        }
+        laden_host_trim(sc->layout.host); /* else reused, whole, below */
+    }
 }
 
 laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
@@ -487,10 +547,9 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
              (s = laden_dev_event_create(dev, 0, &sl->free)) ||
              (s = laden_dev_event_create(dev, 0, &sl->staging_free))))
             goto fail;
-        if (sc->cuda && sc->layout.any_disk &&
-            (s = alloc_staging(sc, sl)))
-            goto fail;
     }
+    if (sc->cuda && sc->layout.any_disk && (s = alloc_staging(sc)))
+        goto fail;
     if ((s = make_workspace(sc)) || (s = laden__sched_experts_make(sc)))
         goto fail;
     sc->run.started = true;
@@ -950,8 +1009,8 @@ static laden_status enter_block(laden_sched_t *sc, uint32_t block,
     if (sc && sc->run.started)
         watch_enter(sc, block);
     laden_status s = block_slot(sc, block, "laden_sched_enter", &sl);
-    if (s)
-        return s;
+    if (s || (s = laden__sched_ll_damage(sc)))
+        return s; /* a damaged blob decoded before: every enter refused */
     if (sl && sc->layout.b[block].experts && !rows)
         return laden__fail(LADEN_E_STATE,
                            "block %u holds experts whose rows stream as the "
@@ -1153,8 +1212,10 @@ laden_status laden__sched_synchronize(laden_sched_t *sc)
     for (uint32_t i = 0; i < sc->run.nslots; i++)
         if (sc->run.slots[i].reads_pending)
             finish_reads(sc, &sc->run.slots[i], false);
-    return sc->run.copy ? laden_dev_stream_synchronize(sc->run.copy)
-                        : LADEN_OK;
+    laden_status s = sc->run.copy
+                         ? laden_dev_stream_synchronize(sc->run.copy)
+                         : LADEN_OK;
+    return s ? s : laden__sched_ll_damage(sc);
 }
 
 laden_status laden__sched_slot_fills(laden_sched_t *sc, uint32_t block,

@@ -179,9 +179,10 @@ typedef struct blk {
  * (whole 256-byte multiples in file order, as checkpoints of large
  * weights do) all want the same shift; where they want several (blobs
  * from a lossless cache file at 4 KiB multiples beside tensors read from
- * the checkpoint) the one most bytes want wins.  A multiple of 8
+ * the checkpoint) the one most bytes want wins.  Only a multiple of 8
  * (safetensors puts its data at one: each tensor stays 8-byte aligned,
- * enough for every element and for the lossless format's words), else 0.
+ * enough for every element and for the lossless format's words); 0 when
+ * none is.
  * For a buffer that is only read into and copied from (a CUDA RAM-tier
  * home, a staging buffer), never one run in place. */
 static inline uint64_t laden__sched_read_shift(const blk *b)
@@ -194,6 +195,8 @@ static inline uint64_t laden__sched_read_shift(const blk *b)
         if (!laden__sched_as_stored(r) || !r->src_bytes)
             continue;
         uint64_t want = (r->off - r->dst_off) & 4095u;
+        if (want % 8)
+            continue; /* never taken: it would misalign the elements */
         uint32_t j = 0;
         while (j < n && shift[j] != want)
             j++;
@@ -207,7 +210,7 @@ static inline uint64_t laden__sched_read_shift(const blk *b)
         if (bytes[j] > bytes[best])
             best = j;
     }
-    return n && shift[best] % 8 == 0 ? shift[best] : 0;
+    return n ? shift[best] : 0;
 }
 
 typedef struct sched_layout {

@@ -85,6 +85,10 @@ typedef struct sched_run {
     uint32_t nslots;
     uint64_t slot_gauge;  /* slot bytes counted in the trace's gauge */
     laden_devptr_t workspace; /* expansions (workspace.c), with the slots */
+    /* CUDA, a schedule with lossless tensors: a word per block in pinned
+     * host memory, which the device decoder sets when a blob's codes are
+     * wrong (laden__sched_ll_damage reads them), with the workspace. */
+    uint32_t *ll_bad;
     uint64_t fill_seq;    /* slot fills so far (laden_sched_slot_fills) */
     laden_dev_stream_t *copy;
     /* The compute stream of the last enter or exit, wrapped, and the one
@@ -200,4 +204,10 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
                                       uint64_t *bytes);
 
 #endif
+/* LADEN_E_CORRUPT naming the block if the device decoder found a lossless
+ * blob's codes wrong in any decode so far (CUDA: seen once the compute
+ * stream has passed it), else LADEN_OK.  laden_sched_enter and
+ * laden_sched_synchronize ask it: once set, every later enter is refused. */
+laden_status laden__sched_ll_damage(laden_sched_t *sc);
+
 #endif
