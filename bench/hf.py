@@ -5,6 +5,7 @@
   once with save_pretrained): greedy generate() tokens/s of
     resident               from_pretrained(...).to("cuda")
     laden                  laden.from_pretrained(..., vram_budget=B)
+    laden lossless         the same with compression="lossless"
     device_map="auto"      from_pretrained(..., device_map="auto",
                            max_memory={0: B, "cpu": ...})
   with B a third of the model, the tokens compared with the resident
@@ -156,6 +157,20 @@ def bench_lm(a) -> None:
 
     streamed = run(f"laden.from_pretrained, vram_budget={fmt(budget)}",
                    laden_load)
+
+    def lossless_load():  # issue 37: the streamed blocks kept coded
+        m = laden.from_pretrained(cls, d, device="cuda", vram_budget=budget,
+                                  compression="lossless")
+        return m, lossless_done
+
+    def lossless_done(m):
+        coded, raw = m._laden_stream.report.lossless
+        return laden_done(m) - raw + coded
+
+    coded_streamed = None
+    if not a.no_lossless:
+        coded_streamed = run(f'laden, compression="lossless", '
+                             f"vram_budget={fmt(budget)}", lossless_load)
     if not a.laden_only:
         run(f'transformers device_map="auto", max_memory {fmt(budget)}',
             lambda: (cls.from_pretrained(
@@ -169,7 +184,7 @@ def bench_lm(a) -> None:
         lambda m: None))
     rate = h2d_rate()
     floor = streamed / rate
-    lname = [k for k in res if k.startswith("laden")][0]
+    lname = [k for k in res if k.startswith("laden.from")][0]
     print()
     print(f"hf.py  {time.strftime('%Y-%m-%d %H:%M')}  "
           f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
@@ -183,6 +198,13 @@ def bench_lm(a) -> None:
           f"token")
     print(f"goals: laden floor / time a token = "
           f"{floor / res[lname]:.3f} (goal >= 0.95)")
+    ll = [k for k in res if "lossless" in k]
+    if ll:
+        ll_floor = coded_streamed / rate
+        print(f"lossless: streams {fmt(coded_streamed)} a token (floor "
+              f"{ll_floor * 1e3:.1f} ms); tokens/s {res[lname] / res[ll[0]]:.2f}"
+              f" x laden's as stored; its floor / time a token = "
+              f"{ll_floor / res[ll[0]]:.3f}")
     dm = [k for k in res if "device_map" in k]
     if dm:
         print(f"       laden tokens/s / device_map=\"auto\" = "
@@ -288,6 +310,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dir", default=os.path.join(HERE, "out"))
     ap.add_argument("--laden-only", action="store_true")
+    ap.add_argument("--no-lossless", action="store_true",
+                    help="without the compression=\"lossless\" row")
     ap.add_argument("--skip", default="", help="lm, pipe")
     a = ap.parse_args()
     if not torch.cuda.is_available():
