@@ -1345,6 +1345,9 @@ static void disk_from_cache(int32_t dev)
             CHECK(strstr(laden_last_error(), cpath));
             CHECK_STATUS(laden_sched_enter(sc, 2, 0), LADEN_E_CORRUPT);
             CHECK_STATUS(laden_sched_enter(sc, 0, 0), LADEN_E_CORRUPT);
+            CHECK_OK(laden_sched_stop(sc)); /* kept until loaded again */
+            CHECK_OK(laden_sched_start(sc, 1));
+            CHECK_STATUS(laden_sched_enter(sc, 0, 0), LADEN_E_CORRUPT);
         }
         laden_sched_destroy(sc);
         laden_st_close(st);

@@ -1225,6 +1225,12 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 void laden__sched_free_all(laden_sched_t *sc)
 {
     laden__sched_free_slots(sc);
+    if (sc->run.ll_bad) /* a decode still queued: the free waits for it */
+        laden_dev_host_free(sc->cfg.device, sc->run.ll_bad);
+    free(sc->run.ll_blocks);
+    sc->run.ll_bad = NULL;
+    sc->run.ll_blocks = NULL;
+    sc->run.n_ll_blocks = 0;
     if (sc->cache.fenced)
         laden_dev_event_synchronize(sc->cache.last_use);
     for (uint32_t i = 0; i < sc->layout.nb; i++) {

@@ -133,10 +133,6 @@ void laden__sched_free_slots(laden_sched_t *sc)
     sc->run.slots = NULL;
     laden__sched_experts_free(sc); /* after the copy stream's copies */
     sc->run.nslots = 0;
-    if (sc->run.ll_bad) {
-        laden_dev_host_free(sc->cfg.device, sc->run.ll_bad);
-        sc->run.ll_bad = NULL;
-    }
     if (sc->run.workspace) {
         laden_dev_mem_free(sc->cfg.device, sc->run.workspace);
         sc->run.workspace = 0;

@@ -427,24 +427,35 @@ static laden_status make_workspace(laden_sched_t *sc)
                             laden__bytes(n).s);
         return s;
     }
-    bool coded = false;
-    for (uint32_t i = 0; sc->cuda && i < sc->layout.nb && !coded; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt && !coded; k++)
-            coded = sc->layout.b[i].t[k].ll != NULL;
-    if (coded) {
-        void *w;
-        uint64_t bytes = 4ull * sc->layout.nb;
-        if ((s = laden_dev_host_alloc(sc->cfg.device, bytes, &w)))
-            return s; /* the workspace goes with the slots */
-        memset(w, 0, bytes);
-        sc->run.ll_bad = w;
+    if (!sc->cuda || sc->run.ll_bad)
+        return LADEN_OK; /* the words of an earlier start are kept */
+    uint32_t nll = 0, *list = calloc(sc->layout.nb ? sc->layout.nb : 1,
+                                     sizeof *list);
+    if (!list)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll) {
+                list[nll++] = i;
+                break;
+            }
+    void *w = NULL;
+    uint64_t bytes = 4ull * sc->layout.nb;
+    if (!nll || (s = laden_dev_host_alloc(sc->cfg.device, bytes, &w))) {
+        free(list);
+        return nll ? s : LADEN_OK; /* the workspace goes with the slots */
     }
+    memset(w, 0, bytes);
+    sc->run.ll_bad = w;
+    sc->run.ll_blocks = list;
+    sc->run.n_ll_blocks = nll;
     return LADEN_OK;
 }
 
 laden_status laden__sched_ll_damage(laden_sched_t *sc)
 {
-    for (uint32_t i = 0; sc->run.ll_bad && i < sc->layout.nb; i++) {
+    for (uint32_t j = 0; sc->run.ll_bad && j < sc->run.n_ll_blocks; j++) {
+        uint32_t i = sc->run.ll_blocks[j];
         if (!__atomic_load_n(&sc->run.ll_bad[i], __ATOMIC_RELAXED))
             continue;
         const blk *b = &sc->layout.b[i];
@@ -469,10 +480,11 @@ laden_status laden__sched_ll_damage(laden_sched_t *sc)
 
 /* The slots' staging buffers (CUDA's disk tier): the largest block and 4
  * KiB of room for staging_for's shift each, or, when the pinned budget
- * cannot give every slot the room (the arena rounds to 64 KiB; the plan
- * counts the slots' bytes alone), all of them without it (the reads then
- * go through the reader's bounce buffer).  Decided for all at once: a
- * budget that fits the plain buffers always fits them. */
+ * cannot give every slot the room (the plan counts the slots' bytes
+ * alone), all of them without it (the reads then go through the reader's
+ * bounce buffer).  Decided for all at once: a budget that fits the plain
+ * buffers always fits them.  (The arena rounds each to 64 KiB, which the
+ * plan does not count: a budget it fits exactly can still be short.) */
 static laden_status alloc_staging(laden_sched_t *sc)
 {
     laden_status s = LADEN_OK;
@@ -483,7 +495,9 @@ static laden_status alloc_staging(laden_sched_t *sc)
             slot *sl = &sc->run.slots[i];
             if ((s = laden_host_alloc(sc->layout.host, n, &sl->staging)))
                 break;
-            sl->staging_bytes = n;
+            /* the arena's rounding may leave the room all the same */
+            sl->staging_bytes =
+                laden_host_block_size(sc->layout.host, sl->staging);
         }
         if (!s || s != LADEN_E_BUDGET || !room)
             return s;
@@ -1487,8 +1501,8 @@ static laden_status replay_check(laden_sched_t *sc,
                                  const char *call)
 {
     laden_status s = graph_usable(sc, call);
-    if (s)
-        return s;
+    if (s || (s = laden__sched_ll_damage(sc)))
+        return s; /* a replay decodes too: refused as enter is */
     if (!c)
         return laden__fail(LADEN_E_INVAL, "%s: NULL capture", call);
     if (sc->capture.on)

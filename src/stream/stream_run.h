@@ -87,8 +87,11 @@ typedef struct sched_run {
     laden_devptr_t workspace; /* expansions (workspace.c), with the slots */
     /* CUDA, a schedule with lossless tensors: a word per block in pinned
      * host memory, which the device decoder sets when a blob's codes are
-     * wrong (laden__sched_ll_damage reads them), with the workspace. */
+     * wrong (laden__sched_ll_damage reads those of ll_blocks, the blocks
+     * with such tensors).  Made at the first start, kept across stop and
+     * start (a damage seen once stays), freed with the load. */
     uint32_t *ll_bad;
+    uint32_t *ll_blocks, n_ll_blocks;
     uint64_t fill_seq;    /* slot fills so far (laden_sched_slot_fills) */
     laden_dev_stream_t *copy;
     /* The compute stream of the last enter or exit, wrapped, and the one
