@@ -3535,25 +3535,34 @@ TEST(stream_shared_copy_two_devices) { two_devices(1); }
  * through the bounce buffer): checked for a checkpoint whose data starts
  * 8 bytes past a 16-byte multiple, as safetensors' headers often leave
  * it, every value as stored, no read asked into a misplaced buffer. */
+/* Writes BF16 tensors "t0".."t<nt-1>" of n values each, v's, at `file`;
+ * with `past8` their data starts 8 bytes past a multiple of 16. */
+static char *write_bf16s(const char *file, int nt, int n, const uint16_t *v,
+                         int past8)
+{
+    char hdr[512];
+    int at = snprintf(hdr, sizeof hdr, "{");
+    for (int t = 0; t < nt; t++)
+        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
+                       "%s\"t%d\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+                       "\"data_offsets\":[%d,%d]}", t ? "," : "", t, n,
+                       2 * n * t, 2 * n * (t + 1));
+    at += snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
+    while (past8 && (8 + at) % 16 != 8)
+        hdr[at++] = ' ';
+    hdr[at] = 0;
+    char *path = test_path(file);
+    test_write_st(path, hdr, v, 2u * (size_t)n * (size_t)nt);
+    return path;
+}
+
 static void reads_in_place(int32_t dev, laden_tier tier)
 {
     enum { NT = 3, N = 65536 }; /* 128 KiB each */
     static uint16_t v[NT * N];
     for (uint32_t i = 0; i < NT * N; i++)
         v[i] = (uint16_t)(i * 2654435761u >> 7);
-    char hdr[512];
-    int at = snprintf(hdr, sizeof hdr, "{");
-    for (int t = 0; t < NT; t++)
-        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
-                       "%s\"t%d\":{\"dtype\":\"BF16\",\"shape\":[%d],"
-                       "\"data_offsets\":[%d,%d]}", t ? "," : "", t, N,
-                       2 * N * t, 2 * N * (t + 1));
-    at += snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
-    while ((8 + at) % 16 != 8) /* data at 8 past a multiple of 16 */
-        hdr[at++] = ' ';
-    hdr[at] = 0;
-    char *path = test_path("homes.safetensors");
-    test_write_st(path, hdr, v, sizeof v);
+    char *path = write_bf16s("homes.safetensors", NT, N, v, 1);
     laden_st_t *st;
     laden_sched_t *sc;
     laden_io_t *io;
@@ -3627,16 +3636,7 @@ static void staging_exact_budget(int32_t dev)
     static uint16_t v[NT * N];
     for (uint32_t i = 0; i < NT * N; i++)
         v[i] = (uint16_t)(i * 2246822519u >> 9);
-    char hdr[512];
-    int at = snprintf(hdr, sizeof hdr, "{");
-    for (int t = 0; t < NT; t++)
-        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
-                       "%s\"t%d\":{\"dtype\":\"BF16\",\"shape\":[%d],"
-                       "\"data_offsets\":[%d,%d]}", t ? "," : "", t, N,
-                       2 * N * t, 2 * N * (t + 1));
-    snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
-    char *path = test_path("exact.safetensors");
-    test_write_st(path, hdr, v, sizeof v);
+    char *path = write_bf16s("exact.safetensors", NT, N, v, 0);
     laden_st_t *st;
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, &st));
