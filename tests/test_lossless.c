@@ -13,6 +13,7 @@
 
 #include "laden/expand.h"
 #include "laden/lossless.h"
+#include "laden/trace.h"
 #include "io/cold.h" /* laden__io_misplaced_bytes */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -1241,6 +1242,9 @@ static void disk_from_cache(int32_t dev)
         laden_sched_stats_t ss;
         CHECK_OK(laden_sched_stats(sc, &ss));
         CHECK_EQ(ss.lossless_cache_bytes, cs.coded_bytes);
+        char *tpath = test_path("llc-disk-trace.json");
+        if (disk && decodes) /* the decodes in the trace, a span a block */
+            CHECK_OK(laden_trace_start(0));
         for (uint32_t b = 0; disk && decodes && b < NB; b++) {
             CHECK_OK(b ? LADEN_OK : laden_sched_start(sc, 1));
             CHECK_OK(laden_sched_enter(sc, b, 0));
@@ -1264,6 +1268,14 @@ static void disk_from_cache(int32_t dev)
                 CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
             }
             CHECK_OK(laden_sched_exit(sc, b, 0));
+        }
+        if (disk && decodes) {
+            laden_trace_result_t tr;
+            if (rd)
+                CHECK_OK(laden_dev_stream_synchronize(rd));
+            CHECK_OK(laden_trace_stop(tpath, &tr));
+            CHECK_EQ(test_lines_containing(tpath, "\"cat\":\"expand\""), NB);
+            CHECK_EQ(test_lines_containing(tpath, "\"name\":\"decode "), NB);
         }
         uint64_t read = io_read(io);
         if (disk && decodes) { /* every block read once, coded */

@@ -206,6 +206,9 @@ class Summary:
     top_stalls: List[dict] = field(default_factory=list)
     syncs: int = 0
     sync_us: float = 0.0
+    expands: int = 0  # blocks' compact tensors expanded (or decoded)
+    expand_us: float = 0.0
+    decodes: int = 0  # of those, with lossless tensors
     peaks: Dict[str, int] = field(default_factory=dict)
     link_gb_per_s: Optional[float] = None
     dropped: int = 0
@@ -263,6 +266,10 @@ class Summary:
                        f"{100 * (1 - self.copy_busy):.1f}% of the time "
                        "between copies: compute, reads or the host set the "
                        "pace (see the stalls)")
+        if self.expands:
+            out.append(f"  expansions before blocks ran: {self.expands} "
+                       f"({self.decodes} with lossless tensors decoded), "
+                       f"{self.expand_us * ms:.2f} ms")
         out.append(f"  host synchronizations: {self.syncs} "
                    f"({self.sync_us * ms:.2f} ms)")
         for name, v in sorted(self.peaks.items()):
@@ -303,6 +310,10 @@ def summarize(t: TraceData, link_gb_per_s: Optional[float] = None,
         elif cat == "sync":
             s.syncs += 1
             s.sync_us += e["dur"]
+        elif cat == "expand":
+            s.expands += 1
+            s.expand_us += e["dur"]
+            s.decodes += e.get("name", "").startswith("decode ")
     if copies:
         s.h2d_busy_us = union_us(copies)
         s.h2d_window_us = max(b for _, b in copies) - min(a for a, _ in copies)
@@ -315,7 +326,8 @@ def summarize(t: TraceData, link_gb_per_s: Optional[float] = None,
 
 _COLORS = {"h2d": "#1f77b4", "compute": "#2ca02c", "stall": "#d62728",
            "read": "#ff7f0e", "sync": "#9467bd", "block": "#7f7f7f",
-           "load": "#bcbd22", "cache": "#17becf", "range": "#c7c7c7"}
+           "load": "#bcbd22", "cache": "#17becf", "range": "#c7c7c7",
+           "expand": "#8c564b"}
 
 
 def plot(t: TraceData, out: str, link_gb_per_s: Optional[float] = None,

@@ -3,6 +3,7 @@ of all-MiniLM-L6-v2 (the package that ships it offline) as BF16 and as F16
 comes back bit for bit from laden's encoder and CPU decoder, and the
 model's BF16 bytes shrink to at most 0.72 of themselves."""
 import ctypes
+import json
 import os
 
 import pytest
@@ -389,6 +390,15 @@ def test_lossless_cache_streams_the_disk_tier(tmp_path, device):
     got, read = forward(m)
     assert torch.equal(got, want)
     assert 0 < read < plain_read * 0.85, (read, plain_read)
+    # the decodes in the trace: a span before each streamed block runs
+    out = str(tmp_path / "decode.json")
+    with laden.trace(out) as t, torch.no_grad():
+        m(ids.to(device))
+    with open(out) as f:
+        ev = json.load(f)["traceEvents"]
+    dec = [e for e in ev if e.get("cat") == "expand"]
+    assert dec and all(e["name"].startswith("decode ") for e in dec), dec
+    assert "lossless tensors decoded" in t.summary()
     sd = m.state_dict()
     for name, p in ref.state_dict().items():
         assert torch.equal(sd[name].cpu().view(torch.int16),

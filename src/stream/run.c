@@ -85,17 +85,14 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* ---- the hot path ------------------------------------------------------- */
 
+static const char *bname(laden_sched_t *sc, int64_t block);
+
 /* Block's compact tensors expanded into the workspace (workspace.c laid
- * it out) on `handle`, from where the block runs: enter's last step. */
-laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
-                                       uintptr_t handle)
+ * it out) on `handle`, from where the block runs. */
+static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
+                                   uintptr_t handle)
 {
     blk *b = &sc->layout.b[block];
-    if (!b->ws_bytes)
-        return LADEN_OK;
-    if (!sc->run.workspace)
-        return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
-                           "they expand once the schedule is started", block);
     int32_t dev = sc->cfg.device;
     laden_devptr_t ws = sc->run.workspace;
     laden_devptr_t base = run_base(sc, b);
@@ -149,6 +146,50 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
         }
     }
     return LADEN_OK;
+}
+
+/* expand_tensors, traced as a span on the compute stream (the CPU device:
+ * on the calling thread) when a trace is on: enter's last step. */
+laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
+                                       uintptr_t handle)
+{
+    blk *b = &sc->layout.b[block];
+    if (!b->ws_bytes)
+        return LADEN_OK;
+    if (!sc->run.workspace)
+        return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
+                           "they expand once the schedule is started", block);
+    if (!LADEN__TRACING() || sc->capture.on)
+        return expand_tensors(sc, block, handle);
+    uint64_t sess = laden__trace_session(); /* before the marks */
+    laden_status s;
+    void *m0 = NULL;
+    if (sc->cuda) {
+        if ((s = laden__sched_compute_stream(sc, handle)))
+            return s;
+        m0 = laden__dev_trace_mark(sc->run.compute);
+    }
+    uint64_t t0 = laden__now_ns();
+    s = expand_tensors(sc, block, handle);
+    bool decode = false;
+    for (uint32_t k = 0; k < b->nt && !decode; k++)
+        decode = b->t[k].ll != NULL;
+    laden__trace_rec r = {.session = sess, .t = t0, .a = block,
+                          .b = b->ws_bytes, .c = (uintptr_t)sc,
+                          .s = bname(sc, block),
+                          .s2 = decode ? "decode" : "expand",
+                          .ev = LADEN__EV_EXPAND, .dev = -1};
+    if (sc->cuda) { /* its time from the marks */
+        r.m0 = m0;
+        r.m1 = m0 ? laden__dev_trace_mark(sc->run.compute) : NULL;
+        r.dev = (int16_t)sc->cfg.device;
+        if (r.m1)
+            laden__trace_emit(&r);
+    } else {
+        r.dur = laden__now_ns() - t0;
+        laden__trace_emit(&r);
+    }
+    return s;
 }
 
 

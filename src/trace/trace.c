@@ -521,6 +521,10 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
         cat = "compute";
         snprintf(name, sizeof name, "%s", bn);
         break;
+    case LADEN__EV_EXPAND:
+        cat = "expand";
+        snprintf(name, sizeof name, "%s %s", r->s2 ? r->s2 : "expand", bn);
+        break;
     case LADEN__EV_STALL:
         cat = "stall";
         snprintf(name, sizeof name, "stall: %s of %s", stall_cause(r->b),
@@ -582,6 +586,12 @@ static void write_rec(writer *w, const ring *g, const laden__trace_rec *r)
     case LADEN__EV_MISS:
         fprintf(f, "\"block\":%" PRIu64 ",\"schedule\":%" PRIu64, r->a,
                 sched_no(w, r->c));
+        break;
+    case LADEN__EV_EXPAND:
+        fprintf(f, "\"block\":%" PRIu64 ",\"bytes\":%" PRIu64
+                ",\"schedule\":%" PRIu64 ",\"device\":\"%s\",\"on\":\"%s\"",
+                r->a, r->b, sched_no(w, r->c), dn,
+                r->m0 ? "stream" : "host");
         break;
     case LADEN__EV_STALL:
         fprintf(f, "\"block\":%" PRIu64 ",\"schedule\":%" PRIu64

@@ -36,6 +36,12 @@ typedef enum laden__ev {
     LADEN__EV_COUNTER, /* counter: a=value, s=name */
     LADEN__EV_RANGE_BEGIN, /* thread: s=name */
     LADEN__EV_RANGE_END,
+    LADEN__EV_EXPAND,  /* stream span (m0..m1; the CPU device: thread
+                          span): a block's compact tensors expanded (and
+                          lossless ones decoded) into the workspace before
+                          it runs; a=block b=bytes out c=sched, s=the
+                          block's name or NULL, s2="decode" (lossless
+                          tensors among them) or "expand" */
 } laden__ev;
 
 typedef enum laden__stall {
