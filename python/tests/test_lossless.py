@@ -377,6 +377,11 @@ def test_lossless_cache_streams_the_disk_tier(tmp_path, device):
     assert plain._laden_stream.report.lossless == (0, 0)  # as stored
     assert plain._laden_stream.report.tier_bytes["disk"] > 0
     want, plain_read = forward(plain)
+
+    def disk_bytes(m):  # what a pass over the disk tier reads
+        return sum(n for _, n, tier in m._laden_stream.report.blocks
+                   if tier == "disk")
+    plain_disk = disk_bytes(plain)
     laden.release(plain)
     m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
                               device=device, dtype=torch.bfloat16,
@@ -389,7 +394,8 @@ def test_lossless_cache_streams_the_disk_tier(tmp_path, device):
     assert rep.tier_bytes["disk"] > 0 and rep.tier_bytes["ram"] == 0
     got, read = forward(m)
     assert torch.equal(got, want)
-    assert 0 < read < plain_read * 0.85, (read, plain_read)
+    assert read > 0 and plain_read > 0
+    assert disk_bytes(m) < plain_disk * 0.8, (disk_bytes(m), plain_disk)
     # the decodes in the trace: a span before each streamed block runs
     out = str(tmp_path / "decode.json")
     with laden.trace(out) as t, torch.no_grad():
