@@ -646,12 +646,22 @@ class _Adapters:
         self.version = 0  # grows whenever the adapters change
 
     def after_enter(self, c_block: int) -> None:
-        """A streamed block just entered: its adapters merged into its slot
-        unless they are already (the slot was not filled since)."""
-        if self.merges.get(c_block):
+        """A block that streams or expands compact tensors just entered:
+        its adapters merged into its slot unless they are already (the
+        slot was not filled since), and into its compact tensors as C
+        expanded them into the workspace (at every enter: the workspace
+        is the next block's too)."""
+        todo = self.merges.get(c_block)
+        if not todo:
+            return
+        plain = [x for x in todo if x[0].store == "plain"]
+        if plain:
             _merge_slot(self.handle.state.live("forward").h, c_block,
-                        self.merges[c_block], self.merged_at,
-                        f"block {c_block}", "call set_adapters again")
+                        plain, self.merged_at, f"block {c_block}",
+                        "call set_adapters again")
+        for t, tg, s in todo:
+            if t.store != "plain":
+                _add(t, tg, s)
 
     def clear(self) -> None:
         """Every update undone: hooks removed, slots to be filled again,
@@ -935,7 +945,7 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
     resolved = _resolved(ad.resolved, adapters, model, st.device, ad.host)
     by_name = _by_name(st.tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
-    _check_targets(resolved, mode, model, by_name)
+    _check_targets(resolved, mode, model, by_name, expanded_ok=True)
     merges: Dict[int, list] = {}
     resident: Dict[tuple, list] = {}
     routes: list = []
@@ -946,7 +956,8 @@ def _set(handle, st, o, model, adapters, strengths, mode) -> None:
                 routes.append((_owner(model, tg.name), _route(tg, s)))
                 continue
             W = params[tg.name]
-            if lib.laden_sched_is_streamed(o.h, t.c_block):
+            if t.store != "plain" or \
+                    lib.laden_sched_is_streamed(o.h, t.c_block):
                 # The tensor, not its parameter: the slot its block runs
                 # from is bound into the module only inside the block.
                 merges.setdefault(t.c_block, []).append((t, tg, s))
@@ -1252,8 +1263,11 @@ def _args(adapters, strengths, mode, call):
     return adapters, strengths
 
 
-def _check_targets(resolved, mode, model, by_name) -> None:
-    """Every target checked before anything changes."""
+def _check_targets(resolved, mode, model, by_name,
+                   expanded_ok: bool = False) -> None:
+    """Every target checked before anything changes.  `expanded_ok`: a
+    merge into a compact target (expanded into the workspace at each
+    enter) is made after each expansion."""
     import torch
 
     for tg_list in resolved:
@@ -1262,7 +1276,8 @@ def _check_targets(resolved, mode, model, by_name) -> None:
             if t is None:
                 raise AdapterError(f"target '{tg.name}' is not held by "
                                    "laden", "E_INVAL")
-            if t.store != "plain" and mode == "merge":
+            if t.store != "plain" and mode == "merge" and not (
+                    expanded_ok and t.run is not None):
                 raise AdapterError(
                     f"target '{tg.name}' is stored compact ({t.store}: fp8 "
                     "or bf16 storage, or GGUF blocks, expanded when its "

@@ -328,8 +328,7 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
         if streamed or compact:  # C's enter fills slots, expands compacts
             _wrap_forward(b.module, o, b.c_block, state.device,
                           handle._wrapped, gone=state.gone,
-                          after_enter=handle.adapters.after_enter
-                          if streamed else None,
+                          after_enter=handle.adapters.after_enter,
                           slot_tensors=b.tensors if streamed else (),
                           trainer=handle.trainer, compiler=handle.compiler,
                           binds=b.tensors, relaid=relaid if streamed else None,

@@ -234,10 +234,10 @@ def test_cache_and_plan_from_gguf(tmp_path, capsys):
 
 
 def test_adapters_on_gguf_blocks(tmp_path):
-    """A LoRA on a GGUF model's quantized weights: merge is refused (the
-    weights are expanded anew each time the block runs) naming GGUF,
-    routed mode runs on the expanded weights and gives the merged
-    model's outputs."""
+    """A LoRA on a GGUF model's quantized weights: merged into the
+    weights as each call expands them (anew every time the block runs),
+    or routed on the expanded weights; both give the merged model's
+    outputs, and removing it the base model's again."""
     ref = tiny_llama(layers=2)
     p = tmp_path / "m.gguf"
     want = write_gguf(ref, p, Q.Q8_0)
@@ -254,10 +254,14 @@ def test_adapters_on_gguf_blocks(tmp_path):
     lora = laden.AdapterSpec("l", lambda: {
         "model.layers.1.self_attn.q_proj.lora_A.weight": A,
         "model.layers.1.self_attn.q_proj.lora_B.weight": B})
-    with pytest.raises(laden.AdapterError, match="GGUF"):
-        h.set_adapters([lora], mode="merge")
-    h.set_adapters([lora], mode="routed")
-    torch.testing.assert_close(logits(m, "cpu"), base, atol=1e-4, rtol=1e-4)
+    plain = logits(m, "cpu")
+    for mode in ("merge", "routed"):
+        h.set_adapters([lora], mode=mode)
+        for _ in range(2):  # merged once a call, never twice
+            torch.testing.assert_close(logits(m, "cpu"), base, atol=1e-4,
+                                       rtol=1e-4)
+    h.set_adapters([])
+    assert torch.equal(logits(m, "cpu"), plain)
     laden.release(m, h)
 
 

@@ -457,3 +457,66 @@ def test_lossless_cache_of_a_sharded_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         laden.compress(d, other, progress=True)
     assert os.listdir(other) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adapters_merge_into_lossless_weights(tmp_path, device):
+    """set_adapters(mode="merge") on weights kept lossless: the update is
+    added to each weight as its block's call decodes it, so the logits
+    are those of the same merge into the weights as stored, bit for bit,
+    in RAM and from a cache on disk; strength 0 and removing the
+    adapters give the base model's; merge_adapter (for good) is still
+    refused for them."""
+    import copy
+
+    import laden
+    peft = pytest.importorskip("peft")
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False))
+    a_dir = str(tmp_path / "lora")
+    pm.save_pretrained(a_dir)
+    A = laden.AdapterSpec("a", a_dir)
+    cache = tmp_path / "llc"
+    laden.compress(d, cache, progress=False)
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(8))
+    extra = {"vram_budget": 1} if device == "cuda" else {}
+
+    def run(**kw):
+        m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
+                                  device=device, dtype=torch.bfloat16,
+                                  progress=False, **kw, **extra)
+        h = m._laden_stream.handle
+        out = {}
+        with torch.no_grad():
+            out["base"] = m(ids.to(device)).logits.cpu()
+            h.set_adapters([A], mode="merge")
+            for k in range(3):  # merged once a call, never twice
+                got = m(ids.to(device)).logits.cpu()
+                assert k == 0 or torch.equal(got, out["merged"])
+                out["merged"] = got
+            h.set_adapters([A], strengths=[0.0], mode="merge")
+            out["zero"] = m(ids.to(device)).logits.cpu()
+            h.set_adapters([])
+            out["removed"] = m(ids.to(device)).logits.cpu()
+        return m, out
+
+    m, want = run()
+    laden.release(m)
+    assert not torch.equal(want["merged"], want["base"])
+    for kw in ({"compression": "lossless"},
+               {"compression": "lossless", "lossless_cache": cache,
+                "ram_budget": 0}):
+        m, got = run(**kw)
+        assert m._laden_stream.report.lossless[0] > 0
+        for k in ("base", "merged", "zero", "removed"):
+            assert torch.equal(got[k], want[k]), (kw, k)
+        assert torch.equal(got["zero"], got["base"])
+        assert torch.equal(got["removed"], got["base"])
+        with pytest.raises(laden.AdapterError, match="cannot be merged"):
+            laden.merge_adapter(m, A)
+        laden.release(m)
