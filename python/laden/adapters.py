@@ -663,6 +663,13 @@ class _Adapters:
             if t.store != "plain":
                 _add(t, tg, s)
 
+    def slot_merges(self) -> bool:
+        """Whether a merge in force writes into a slot (a plain streamed
+        weight; a compact one is merged into the workspace, which every
+        call writes anew)."""
+        return any(t.store == "plain" for todo in self.merges.values()
+                   for t, _, _ in todo)
+
     def clear(self) -> None:
         """Every update undone: hooks removed, slots to be filled again,
         resident tensors read from the checkpoint again; or, with the
@@ -700,8 +707,8 @@ class _Adapters:
                     new_hooks.append(mod.register_forward_hook(fn))
             if st.device.type == "cuda":
                 torch.cuda.synchronize(st.device)
-            if self.merges or self.merged_at:
-                touched = True
+            if self.slot_merges() or self.merged_at:
+                touched = True  # the slots hold merges: filled again
                 s = lib.laden_sched_refill(o.h)
                 if s:
                     err = error_for(s)

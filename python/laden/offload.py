@@ -131,7 +131,9 @@ class OffloadHandle:
         its weight runs, never to the host copy: into a streamed block's
         slot right after it lands (once per fill), into resident tensors
         in place (read again from the checkpoint when the adapters
-        change).  ``mode="routed"`` leaves the weights and adds the
+        change), into weights kept compact (lossless, fp8 or bf16
+        storage, GGUF) as each call expands them (every call).
+        ``mode="routed"`` leaves the weights and adds the
         low-rank residual to ``nn.Linear`` outputs.  Everything is checked
         before anything changes: a key naming no parameter, a shape that
         does not fit, an fp8 or integer target raise AdapterError."""

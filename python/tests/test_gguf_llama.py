@@ -255,6 +255,7 @@ def test_adapters_on_gguf_blocks(tmp_path):
         "model.layers.1.self_attn.q_proj.lora_A.weight": A,
         "model.layers.1.self_attn.q_proj.lora_B.weight": B})
     plain = logits(m, "cpu")
+    assert not torch.allclose(plain, base, atol=1e-3)  # the LoRA shows
     for mode in ("merge", "routed"):
         h.set_adapters([lora], mode=mode)
         for _ in range(2):  # merged once a call, never twice

@@ -512,7 +512,12 @@ def test_adapters_merge_into_lossless_weights(tmp_path, device):
                {"compression": "lossless", "lossless_cache": cache,
                 "ram_budget": 0}):
         m, got = run(**kw)
-        assert m._laden_stream.report.lossless[0] > 0
+        stored = {n: t.store for t in m._laden_stream.tensors
+                  for n in t.names}
+        assert all(stored[f"model.layers.{i}.{p}.weight"] == "lossless"
+                   for i in range(4) for p in ("self_attn.q_proj",
+                                               "self_attn.v_proj",
+                                               "mlp.down_proj")), stored
         for k in ("base", "merged", "zero", "removed"):
             assert torch.equal(got[k], want[k]), (kw, k)
         assert torch.equal(got["zero"], got["base"])
