@@ -293,11 +293,9 @@ def main() -> int:
     for model, path in models.items():  # laden compress, once
         if any("lossless cache" in m for m in methods[model]):
             import laden
-            t0 = time.perf_counter()
             rep = laden.compress(path, os.path.join(a.dir, "llcache"),
                                  progress=False)
-            print(f"{model}: {rep}  ({time.perf_counter() - t0:.1f} s, "
-                  "page cache as it was)", flush=True)
+            print(f"{model}: {rep} (page cache as it was)", flush=True)
             cache_files[model] = rep.files
     runs = {}
     for done in range(1, max(1, a.repeat) + 1):

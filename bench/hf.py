@@ -161,15 +161,12 @@ def bench_lm(a) -> None:
     def lossless_load():  # issue 37: the streamed blocks kept coded
         m = laden.from_pretrained(cls, d, device="cuda", vram_budget=budget,
                                   compression="lossless")
-        return m, lossless_done
-
-    def lossless_done(m):  # the blocks' bytes are their coded sizes
-        return laden_done(m)
+        return m, laden_done  # the blocks' bytes: their coded sizes
 
     coded_streamed = None
+    ll_name = f'laden, compression="lossless", vram_budget={fmt(budget)}'
     if not a.no_lossless:
-        coded_streamed = run(f'laden, compression="lossless", '
-                             f"vram_budget={fmt(budget)}", lossless_load)
+        coded_streamed = run(ll_name, lossless_load)
     if not a.laden_only:
         run(f'transformers device_map="auto", max_memory {fmt(budget)}',
             lambda: (cls.from_pretrained(
@@ -197,13 +194,12 @@ def bench_lm(a) -> None:
           f"token")
     print(f"goals: laden floor / time a token = "
           f"{floor / res[lname]:.3f} (goal >= 0.95)")
-    ll = [k for k in res if "lossless" in k]
-    if ll:
+    if coded_streamed is not None:
         ll_floor = coded_streamed / rate
         print(f"lossless: streams {fmt(coded_streamed)} a token (floor "
-              f"{ll_floor * 1e3:.1f} ms); tokens/s {res[lname] / res[ll[0]]:.2f}"
+              f"{ll_floor * 1e3:.1f} ms); tokens/s {res[lname] / res[ll_name]:.2f}"
               f" x laden's as stored; its floor / time a token = "
-              f"{ll_floor / res[ll[0]]:.3f}")
+              f"{ll_floor / res[ll_name]:.3f}")
     dm = [k for k in res if "device_map" in k]
     if dm:
         print(f"       laden tokens/s / device_map=\"auto\" = "

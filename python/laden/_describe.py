@@ -813,7 +813,8 @@ class progress_to:
                 return 1  # stop the load
 
         self.fn = _lib.PROGRESS_FN(update)
-        check(lib.laden_sched_set_progress(self.h, self.fn, None))
+        if self.h is not None:  # else the caller passes fn to C itself
+            check(lib.laden_sched_set_progress(self.h, self.fn, None))
         return self
 
     def check(self) -> None:
@@ -822,7 +823,9 @@ class progress_to:
 
     def __exit__(self, *exc):
         if self.fn is not None:
-            lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(), None)
+            if self.h is not None:
+                lib.laden_sched_set_progress(self.h, _lib.PROGRESS_FN(),
+                                             None)
             if self.bar:
                 self.bar.close()
         self.check()

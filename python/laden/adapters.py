@@ -631,7 +631,11 @@ class _Adapters:
     def __init__(self, handle):
         self.handle = handle
         self.mode: Optional[str] = None
-        self.merges: Dict[int, list] = {}   # c_block -> [(W, target, s)]
+        # c_block -> [(tensor, target, s)]: merges into plain weights in
+        # the block's slot (once per fill), and into compact weights as
+        # the block's enter expands them (every enter).
+        self.merges: Dict[int, list] = {}
+        self.expand_merges: Dict[int, list] = {}
         self.merged_at: Dict[int, int] = {}  # c_block -> slot fills merged
         # Resident tensors merged in place, in the order merged:
         # (c_block, c_index) -> [(W, target, s)].
@@ -652,23 +656,12 @@ class _Adapters:
         expanded them into the workspace (at every enter: the workspace
         is the next block's too)."""
         todo = self.merges.get(c_block)
-        if not todo:
-            return
-        plain = [x for x in todo if x[0].store == "plain"]
-        if plain:
+        if todo:
             _merge_slot(self.handle.state.live("forward").h, c_block,
-                        plain, self.merged_at, f"block {c_block}",
+                        todo, self.merged_at, f"block {c_block}",
                         "call set_adapters again")
-        for t, tg, s in todo:
-            if t.store != "plain":
-                _add(t, tg, s)
-
-    def slot_merges(self) -> bool:
-        """Whether a merge in force writes into a slot (a plain streamed
-        weight; a compact one is merged into the workspace, which every
-        call writes anew)."""
-        return any(t.store == "plain" for todo in self.merges.values()
-                   for t, _, _ in todo)
+        for t, tg, s in self.expand_merges.get(c_block, ()):
+            _add(t, tg, s)
 
     def clear(self) -> None:
         """Every update undone: hooks removed, slots to be filled again,
@@ -707,7 +700,7 @@ class _Adapters:
                     new_hooks.append(mod.register_forward_hook(fn))
             if st.device.type == "cuda":
                 torch.cuda.synchronize(st.device)
-            if self.slot_merges() or self.merged_at:
+            if self.merges or self.merged_at:
                 touched = True  # the slots hold merges: filled again
                 s = lib.laden_sched_refill(o.h)
                 if s:
@@ -728,7 +721,12 @@ class _Adapters:
             for hk in self.hooks:
                 hk.remove()
             self.hooks = new_hooks
-            self.merges = merges
+            self.merges = {c: p for c, p in (
+                (c, [x for x in todo if x[0].store == "plain"])
+                for c, todo in merges.items()) if p}
+            self.expand_merges = {c: e for c, e in (
+                (c, [x for x in todo if x[0].store != "plain"])
+                for c, todo in merges.items()) if e}
             self.resident = resident
             self.mode = mode if (merges or resident or routes) else None
             self.version += 1

@@ -4,6 +4,7 @@ sample checkpoint.  Bad input prints one line on stderr and exits 2."""
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import os
 import re
@@ -297,10 +298,10 @@ def _lossless_column(ck, cache_dir: str) -> dict:
     tensor: its blob over its bytes, or "raw"; prints a line per file
     saying what was found."""
     out = {}
+    per_file = collections.Counter(t.file for t in ck.tensors())
     for f in ck.files:
         count, stale = ctypes.c_uint32(), ctypes.c_int()
-        # at most an entry per tensor of the file
-        cap = sum(t.file == f for t in ck.tensors())
+        cap = per_file[f]  # at most an entry per tensor of the file
         entries = (_lib.LosslessCacheEntry * max(cap, 1))()
         try:
             check(lib.laden_lossless_cache_entries(

@@ -187,7 +187,7 @@ def capture(handle, fn: Callable, example_inputs: Tuple[Any, ...],
     check(lib.laden_sched_synchronize(o.h))
     graph = torch.cuda.CUDAGraph()
     cap = ctypes.c_void_p()
-    flags = STANDALONE if handle.adapters.slot_merges() else 0
+    flags = STANDALONE if handle.adapters.merges else 0  # into slots
     try:
         with _pass(st, o, what):
             # On a stream of the model's device: torch's default capture

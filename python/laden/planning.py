@@ -590,7 +590,9 @@ def mark_lossless(h, cache_dir: Optional[str] = None) -> int:
 
 def lossless_cache_dir(compression, cache_dir, where: str) -> Optional[str]:
     """The lossless cache directory a load takes: `cache_dir`, else
-    LADEN_LOSSLESS_CACHE when compression is asked; None without."""
+    LADEN_LOSSLESS_CACHE when compression is asked; None without.  The
+    compression is checked first."""
+    check_compression(compression, where)
     if cache_dir is None and compression:
         cache_dir = os.environ.get("LADEN_LOSSLESS_CACHE") or None
     if cache_dir is None:
@@ -617,7 +619,6 @@ def _plan_described(dev, ck, add, *, lookahead: int = LOOKAHEAD, readings=None,
     readings, bandwidths = _measured(dev, path, readings, bandwidths)
     inp = _plan_input(dev, lookahead=lookahead, readings=readings,
                       bandwidths=bandwidths, **budgets)
-    check_compression(compression, "plan")
     lossless_cache = lossless_cache_dir(compression, lossless_cache, "plan")
     with _schedule(dev, ck, lookahead) as h:
         named = add(h)

@@ -28,7 +28,7 @@ from ._describe import (TIER_NAMES, BlockInfo, KeyMap, _matches,
                         describe, fill, progress_to)
 from ._devices import _device
 from ._expand import expand_fp8  # in __all__: its users import it here
-from ._units import fmt_bytes, parse_size
+from ._units import fmt_bytes, fmt_rate, parse_size
 from ._moves import unguard_moves
 from ._sched import _end_interrupted, _pass  # _pass: importable here
 from ._state import _own_value, _Stream
@@ -440,7 +440,6 @@ def _stream_load(model, path, plan, offload_prefixes, resident_prefixes,
             f"{getattr(vram, 'device', type(vram).__name__)}, the model "
             f"goes to {dev}", "E_INVAL")
     vram_has_budget = vram is not None and bool(vram.info()["budget_bytes"])
-    planning.check_compression(compression, "stream_load")
     lossless_cache = planning.lossless_cache_dir(compression, lossless_cache,
                                                  "stream_load")
     if expert_cache is not None:
@@ -519,8 +518,8 @@ class CompressReport:
                 f"{fmt_bytes(self.coded_bytes)} ({self.ratio:.3f}); "
                 f"{len(self.files)} cache file(s), "
                 f"{fmt_bytes(self.file_bytes)}, in {self.seconds:.1f} s "
-                f"({self.raw_bytes / max(self.seconds, 1e-9) / 1e9:.2f} "
-                "GB/s of weights)")
+                f"({fmt_rate(self.raw_bytes / max(self.seconds, 1e-9))} "
+                "of weights)")
 
 
 def compress(checkpoint: PathLike, cache_dir: PathLike, *,
@@ -540,39 +539,18 @@ def compress(checkpoint: PathLike, cache_dir: PathLike, *,
     compress CHECKPOINT --cache DIR``."""
     path = os.path.expanduser(os.fspath(checkpoint))
     cache_dir = os.path.expanduser(os.fspath(cache_dir))
-    raised = []
-    bar = []
-
-    def update(arg, done, total):
-        try:
-            if not bar:
-                bar.append(_checkpoint._progress_bar(
-                    total, "laden compress", progress) or None)
-            if bar[0] is not None:
-                bar[0].update(done - bar[0].n)
-            return 0
-        except BaseException as e:  # Ctrl-C lands here
-            raised.append(e)
-            return 1
-
-    fn = _lib.PROGRESS_FN(update)
     st = _lib.LosslessCacheStats()
     t0 = time.perf_counter()
-    try:
+    with progress_to(None, "laden compress", progress) as pt:  # Ctrl-C
         s = lib.laden_lossless_cache_write(os.fsencode(path),
-                                           os.fsencode(cache_dir), fn, None,
-                                           ctypes.byref(st))
-    finally:
-        if bar and bar[0] is not None:
-            bar[0].close()
-    if raised:
-        raise raised[0]
+                                           os.fsencode(cache_dir), pt.fn,
+                                           None, ctypes.byref(st))
     check(s)
     ck = Checkpoint(path)
     try:
         files = []
+        buf = ctypes.create_string_buffer(8192)  # C's PATH_MAX + 64
         for f in ck.files:
-            buf = ctypes.create_string_buffer(8192)  # C's PATH_MAX + 64
             check(lib.laden_lossless_cache_path(
                 os.fsencode(f), os.fsencode(cache_dir), buf, len(buf)))
             files.append(os.fsdecode(buf.value))
