@@ -459,8 +459,7 @@ static void pack(blk *b)
     uint64_t end = 0;
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
-        r->dst_off = r->cfile ? (end + LADEN_LLC_ALIGN - 1) &
-                                    ~(uint64_t)(LADEN_LLC_ALIGN - 1)
+        r->dst_off = r->cfile ? laden__llc_aligned(end)
                               : laden__sched_place(r, end);
         end = r->dst_off + r->dst_bytes;
     }
@@ -533,10 +532,8 @@ static laden_status from_cache(laden_sched_t *sc, tref *r,
     return LADEN_OK;
 }
 
-laden_status laden__sched_check_blob(laden_sched_t *sc, tref *r,
-                                     const void *at)
+laden_status laden__sched_check_blob(tref *r, const void *at)
 {
-    (void)sc;
     laden_lossless_info info;
     laden_status s = laden_lossless_check(at, r->dst_bytes, &info);
     if (!s && (info.n_elems != r->nelem || info.dtype != r->dst))
@@ -567,8 +564,7 @@ laden_status laden__sched_check_blobs(laden_sched_t *sc, blk *b,
         tref *r = &b->t[k];
         laden_status s;
         if (r->ll && r->cfile &&
-            (s = laden__sched_check_blob(sc, r,
-                                         (const char *)base + r->dst_off)))
+            (s = laden__sched_check_blob(r, (const char *)base + r->dst_off)))
             return s;
     }
     return LADEN_OK;
@@ -576,22 +572,10 @@ laden_status laden__sched_check_blobs(laden_sched_t *sc, blk *b,
 
 laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
 {
-    if (!sc->layout.llc || b->tier == LADEN_TIER_DISK)
-        return LADEN_OK; /* the disk tier's are checked at each read */
-    for (uint32_t k = 0; k < b->nt; k++) {
-        tref *r = &b->t[k];
-        if (!r->ll_unchecked)
-            continue;
-        laden_status s =
-            b->ram ? laden__sched_check_blob(sc, r, (const char *)b->ram +
-                                                        r->dst_off)
-                   : laden__fail(LADEN_E_STATE, "tensor '%.200s' from a "
-                                 "lossless cache file is not in host memory",
-                                 r->name ? r->name : "?");
-        if (s)
-            return s;
-    }
-    return LADEN_OK;
+    /* A RAM-tier block's home holds its blobs (a disk-tier block's are
+     * checked at each read, run.c). */
+    return b->tier == LADEN_TIER_DISK ? LADEN_OK
+                                      : laden__sched_check_blobs(sc, b, b->ram);
 }
 
 laden_status laden__sched_compress(laden_sched_t *sc)

@@ -193,19 +193,18 @@ static laden_status open_llc(laden_io_t *io, laden_io_file_t *f,
                                                path, sizeof path);
     if (s)
         return s;
-    struct stat sb;
-    if (stat(path, &sb) != 0)
-        return errno == ENOENT
-                   ? LADEN_OK
-                   : laden__fail(LADEN_E_IO, "%.300s: %s", path,
-                                 strerror(errno));
     laden_llc *c = calloc(1, sizeof *c);
     uint8_t head[LADEN_LLC_HEAD], *index = NULL;
     llc_head h;
     uint64_t id[3];
     if (!c)
         return laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (!(s = laden_io_file_open(path, &c->file)) &&
+    if ((s = laden_io_file_open(path, &c->file)) == LADEN_E_NOENT) {
+        laden__error_clear(); /* none there */
+        free(c);
+        return LADEN_OK;
+    }
+    if (!s &&
         !(s = laden_io_read(io, c->file, 0,
                             laden_io_file_size(c->file) < LADEN_LLC_HEAD
                                 ? 0
@@ -364,11 +363,6 @@ static laden_status write_all(int fd, const char *path, const void *p,
     return LADEN_OK;
 }
 
-static uint64_t aligned(uint64_t v)
-{
-    return (v + LADEN_LLC_ALIGN - 1) & ~(uint64_t)(LADEN_LLC_ALIGN - 1);
-}
-
 typedef struct writer {
     laden_io_t *io;
     laden_lossless_progress_fn progress;
@@ -377,10 +371,10 @@ typedef struct writer {
     laden_lossless_cache_stats st;
 } writer;
 
-/* Encodes the BF16/F16 tensors of file `fi` of st and writes them at
- * `path` (a file of its own, made here). */
+/* Encodes the BF16/F16 tensors of file `fi` of st and writes them to
+ * fd, the file at `path` (a file of its own), which it closes. */
 static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
-                               const char *path)
+                               int fd, const char *path)
 {
     laden_io_file_t *f = NULL;
     size_t nt = laden_st_count(st);
@@ -388,7 +382,6 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
     laden_status s = laden_st_file_open(st, fi, &f);
     ll_job *jobs = s ? NULL : calloc(nt ? nt : 1, sizeof *jobs);
     uint8_t *index = NULL;
-    int fd = -1;
     uint64_t id[3];
     if (!s && !jobs)
         s = laden__fail(LADEN_E_NOMEM, "out of memory");
@@ -405,10 +398,6 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
     }
     if (!s && !(index = calloc(n ? n : 1, LADEN_LLC_ENTRY)))
         s = laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (!s && (fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                         0644)) < 0)
-        s = laden__fail(LADEN_E_IO, "cannot write %.300s: %s", path,
-                        strerror(errno));
     uint64_t at = LADEN_LLC_ALIGN, file_bytes = 0;
     for (uint32_t b0 = 0, b1; !s && b0 < n; b0 = b1) {
         uint64_t raw = 0;
@@ -432,7 +421,7 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
                 laden__put64(e + 24, at);
                 laden__put64(e + 32, j->size);
                 s = write_all(fd, path, j->blob, j->size, at);
-                at = aligned(at + j->size);
+                at = laden__llc_aligned(at + j->size);
                 w->st.coded++;
                 w->st.coded_raw_bytes += 2 * j->nelem;
                 w->st.coded_bytes += j->size;
@@ -524,23 +513,24 @@ laden_status laden_lossless_cache_write(
                                            path, sizeof path)))
             break;
         snprintf(tmp[fi], sizeof tmp[fi], "%s.XXXXXX", path);
-        int fd = mkstemp(tmp[fi]);
+        int fd = mkostemp(tmp[fi], O_CLOEXEC);
         if (fd < 0 || fchmod(fd, 0644) != 0) {
             s = laden__fail(LADEN_E_IO, "cannot write in %.300s: %s", dir,
                             strerror(errno));
             if (fd < 0)
                 tmp[fi][0] = 0;
+            else
+                close(fd);
+        } else {
+            s = write_file(&w, st, fi, fd, tmp[fi]); /* closes fd */
         }
-        if (fd >= 0)
-            close(fd);
-        if (!s)
-            s = write_file(&w, st, fi, tmp[fi]);
     }
     for (size_t fi = 0; !s && fi < nf; fi++) {
-        char path[PATH_MAX + 64];
-        if (!(s = laden_lossless_cache_path(laden_st_file_path(st, fi), dir,
-                                            path, sizeof path)) &&
-            rename(tmp[fi], path) != 0)
+        char path[PATH_MAX + 64]; /* tmp[fi] without mkstemp's suffix */
+        size_t n = strlen(tmp[fi]) - strlen(".XXXXXX");
+        memcpy(path, tmp[fi], n);
+        path[n] = 0;
+        if (rename(tmp[fi], path) != 0)
             s = laden__fail(LADEN_E_IO, "cannot rename %.300s to %.300s: %s",
                             tmp[fi], path, strerror(errno));
         if (!s)

@@ -271,6 +271,7 @@ static laden_status layout(laden_sched_t *sc)
         blk *b = &sc->layout.b[i];
         if (b->nt > sc->layout.max_nt)
             sc->layout.max_nt = b->nt;
+        b->read_shift = laden__sched_read_shift(b); /* its tensors placed */
         uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
                                : b->tier == LADEN_TIER_DISK
                                    ? &sc->st.disk_bytes
@@ -314,7 +315,7 @@ static uint64_t home_len(uint64_t bytes)
  * read (CUDA's RAM tier), never run in place. */
 static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
 {
-    return sc->cache.on || b->shared ? 0 : laden__sched_read_shift(b);
+    return sc->cache.on || b->shared ? 0 : b->read_shift;
 }
 
 /* Block b's host copy, in a mapping of its own: a cache schedule's, or

@@ -88,9 +88,10 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 static const char *bname(laden_sched_t *sc, int64_t block);
 
 /* Block's compact tensors expanded into the workspace (workspace.c laid
- * it out) on `handle`, from where the block runs. */
+ * it out) on `handle`, from where the block runs; *decoded set if
+ * lossless ones were among them. */
 static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
-                                   uintptr_t handle)
+                                   uintptr_t handle, bool *decoded)
 {
     blk *b = &sc->layout.b[block];
     int32_t dev = sc->cfg.device;
@@ -136,6 +137,7 @@ static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
                                     r->name ? r->name : "?");
                 return s;
             }
+            *decoded = true;
             continue;
         }
         if ((s = laden_expand(dev, handle, r->dst, src, laden__sched_code_bytes(r),
@@ -159,8 +161,9 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
     if (!sc->run.workspace)
         return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
                            "they expand once the schedule is started", block);
+    bool decode = false;
     if (!LADEN__TRACING() || sc->capture.on)
-        return expand_tensors(sc, block, handle);
+        return expand_tensors(sc, block, handle, &decode);
     uint64_t sess = laden__trace_session(); /* before the marks */
     laden_status s;
     void *m0 = NULL;
@@ -170,10 +173,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
         m0 = laden__dev_trace_mark(sc->run.compute);
     }
     uint64_t t0 = laden__now_ns();
-    s = expand_tensors(sc, block, handle);
-    bool decode = false;
-    for (uint32_t k = 0; k < b->nt && !decode; k++)
-        decode = b->t[k].ll != NULL;
+    s = expand_tensors(sc, block, handle, &decode);
     laden__trace_rec r = {.session = sess, .t = t0, .a = block,
                           .b = b->ws_bytes, .c = (uintptr_t)sc,
                           .s = bname(sc, block),
@@ -232,6 +232,17 @@ static laden_status traced_copy(laden_sched_t *sc, laden_devptr_t dst,
     return s;
 }
 
+/* Where block b's bytes go in slot sl's staging buffer (CUDA's disk
+ * tier): its read shift past the start when the buffer has the room, so
+ * that the reads land in place. */
+static char *staging_for(const slot *sl, const blk *b)
+{
+    uint64_t shift = b->bytes + b->read_shift <= sl->staging_bytes
+                         ? b->read_shift
+                         : 0;
+    return (char *)sl->staging + shift;
+}
+
 /* Waits for the slot's reads; on success enqueues staging -> slot. */
 static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
 {
@@ -254,7 +265,7 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     }
     blk *b = &sc->layout.b[sl->block];
     sc->st.read_bytes += b->bytes;
-    const char *got = sc->cuda ? (const char *)sl->staging + sl->stage_shift
+    const char *got = sc->cuda ? staging_for(sl, b)
                                : (const char *)(uintptr_t)sl->ptr;
     if ((s = laden__sched_check_blobs(sc, b, got))) { /* before it runs */
         sl->err = s;
@@ -266,7 +277,7 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
     void *m[2] = {NULL, NULL};
     uint64_t sess = 0;
     if ((s = laden_dev_stream_wait_event(sc->run.copy, sl->free)) ||
-        (s = traced_copy(sc, sl->ptr, (char *)sl->staging + sl->stage_shift,
+        (s = traced_copy(sc, sl->ptr, staging_for(sl, b),
                          b->bytes, m, &sess)) ||
         (s = laden_dev_event_record(sl->ready, sc->run.copy)) ||
         (s = laden_dev_event_record(sl->staging_free, sc->run.copy))) {
@@ -278,16 +289,6 @@ static laden_status finish_reads(laden_sched_t *sc, slot *sl, bool discard)
                         m[0] ? bname(sc, sl->block) : NULL);
     sc->st.h2d_bytes += b->bytes;
     return LADEN_OK;
-}
-
-/* Where block b's bytes go in slot sl's staging buffer (CUDA's disk
- * tier): laden__sched_read_shift past its start when the buffer has the
- * room, so that the reads land in place. */
-static char *staging_for(laden_sched_t *sc, slot *sl, const blk *b)
-{
-    uint64_t shift = laden__sched_read_shift(b);
-    sl->stage_shift = b->bytes + shift <= sl->staging_bytes ? shift : 0;
-    return (char *)sl->staging + sl->stage_shift;
 }
 
 /* Starts putting block bi's bytes into slot sl. */
@@ -327,7 +328,7 @@ static laden_status issue_load(laden_sched_t *sc, slot *sl, uint32_t bi)
         }
         return LADEN_OK;
     }
-    char *dst = sc->cuda ? staging_for(sc, sl, b) : (char *)(uintptr_t)sl->ptr;
+    char *dst = sc->cuda ? staging_for(sl, b) : (char *)(uintptr_t)sl->ptr;
     uint64_t t0 = LADEN__TRACING() ? laden__now_ns() : 0;
     if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free))) {
         sl->block = -1;
@@ -1011,7 +1012,7 @@ static laden_status fill_rows(laden_sched_t *sc, slot *sl, uint32_t bi,
             return s;
         sc->st.h2d_bytes += x.bytes;
     } else {
-        x.dst = sc->cuda ? staging_for(sc, sl, b) : (char *)(uintptr_t)sl->ptr;
+        x.dst = sc->cuda ? staging_for(sl, b) : (char *)(uintptr_t)sl->ptr;
         if (sc->cuda && (s = laden_dev_event_synchronize(sl->staging_free)))
             return s;
         s = each_row_range(sc, b, move, read_rows, &x);

@@ -149,6 +149,7 @@ typedef struct blk {
     uint64_t ram_shift;    /* a home of its own: ram is this far past its
                               mapping's start (load.c's map_home), so
                               that its reads land in place */
+    uint64_t read_shift;   /* laden__sched_read_shift, once laid out */
     bool filled;           /* cache schedules: host copy loaded */
     bool resident;         /* cache schedules: has a device copy of its own */
     bool in_place;         /* cache schedules, CPU device: the "device copy"
@@ -341,8 +342,7 @@ laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b);
  * (the disk tier reads at each fill, laden_sched_tensor_value reads
  * again) must find the same info, else the file changed: LADEN_E_CORRUPT,
  * naming the cache file and the tensor. */
-laden_status laden__sched_check_blob(laden_sched_t *sc, tref *r,
-                                     const void *at);
+laden_status laden__sched_check_blob(tref *r, const void *at);
 /* laden__sched_check_blob for each of block b's tensors from a cache file,
  * b's bytes read to base (a disk-tier block's, at each read: run.c). */
 laden_status laden__sched_check_blobs(laden_sched_t *sc, blk *b,

@@ -51,6 +51,11 @@ static inline bool laden__ll_worth(uint64_t size, uint64_t raw)
 #define LADEN_LLC_HEAD 64u
 #define LADEN_LLC_ENTRY 40u
 #define LADEN_LLC_ALIGN 4096u
+/* v rounded up to a multiple of LADEN_LLC_ALIGN. */
+static inline uint64_t laden__llc_aligned(uint64_t v)
+{
+    return (v + LADEN_LLC_ALIGN - 1) & ~(uint64_t)(LADEN_LLC_ALIGN - 1);
+}
 #define LADEN_LLC_MAX 16777216u /* entries */
 
 typedef struct llc_head {

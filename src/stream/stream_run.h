@@ -23,8 +23,6 @@ typedef struct slot {
     laden_event_t *ready, *free, *staging_free;
     void *staging;        /* CUDA's disk tier: read into, copied from */
     uint64_t staging_bytes;
-    uint64_t stage_shift; /* the block's bytes start this far into it
-                             (laden__sched_read_shift; 0 without room) */
     laden_io_req_t **reqs;
     uint32_t nreqs;
     laden_status err;

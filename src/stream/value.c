@@ -109,7 +109,7 @@ static laden_status piece_value(laden_sched_t *sc, uint32_t block,
         s = laden_sched_convert(sr->dst, sraw, LADEN_DTYPE_F32, scale,
                                 sr->nelem);
     if (!s && !(s = laid_out(sc, block, r, raw)) && r->nelem &&
-        !(s = r->ll && r->cfile ? laden__sched_check_blob(sc, r, raw)
+        !(s = r->ll && r->cfile ? laden__sched_check_blob(r, raw)
                                 : LADEN_OK))
         s = decode(r, raw, scale, dtype, dst);
     free(scale);
