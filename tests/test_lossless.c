@@ -584,7 +584,7 @@ TEST(lossless_tensors_in_a_block)
     CHECK_EQ(laden_sched_tensor_lossless(sc, dblk, 0), 0);
     CHECK_STATUS(laden_sched_mark_lossless(sc, &marked), LADEN_E_STATE);
     laden_sched_destroy(sc);
-    /* Refused: another dtype, a converted tensor, a cache schedule. */
+    /* Refused: another dtype, a converted tensor. */
     CHECK_OK(laden_sched_create(&cfg, st, &sc));
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
     CHECK_OK(laden_st_find(st, "w", &at));
@@ -593,13 +593,31 @@ TEST(lossless_tensors_in_a_block)
     CHECK(strstr(laden_last_error(), "BF16 or F16"));
     CHECK_STATUS(laden_sched_set_lossless(sc, blk, 7), LADEN_E_INVAL);
     laden_sched_destroy(sc);
-    laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
-                             .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_sched_create(&cc, st, &sc));
-    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
-    CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_BF16, &k));
-    CHECK_STATUS(laden_sched_set_lossless(sc, blk, k), LADEN_E_UNSUPPORTED);
-    laden_sched_destroy(sc);
+    /* A model built on the CPU: its tensors are encoded from memory
+     * (estimated from it too), a cache schedule's as a stream's. */
+    for (int cache = 0; cache < 2; cache++) {
+        laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
+                                 .flags = cache ? LADEN_SCHED_CACHE : 0};
+        uint16_t *mem = values(LADEN_DTYPE_BF16, WEIGHTS, 100000);
+        uint16_t *back = malloc(200000);
+        CHECK_OK(laden_sched_create(&cc, st, &sc));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+        CHECK_OK(laden_sched_add_host_tensor(sc, blk, mem, LADEN_DTYPE_BF16,
+                                             100000, LADEN_DTYPE_BF16, &k));
+        CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+        CHECK_EQ(marked, 1);
+        if (!cache) /* a cache schedule is not planned: nothing estimated */
+            CHECK(laden_sched_block_ram_bytes(sc, blk) < 200000 * 3 / 4);
+        CHECK_OK(laden_sched_load(sc));
+        CHECK_EQ(laden_sched_tensor_lossless(sc, blk, k), 1);
+        CHECK(laden_sched_block_bytes(sc, blk) < 200000 * 3 / 4);
+        CHECK_OK(laden_sched_tensor_value(sc, blk, k, LADEN_DTYPE_BF16, back,
+                                          200000));
+        CHECK(memcmp(back, mem, 200000) == 0);
+        laden_sched_destroy(sc);
+        free(mem);
+        free(back);
+    }
     laden_st_close(st);
     free(w);
     free(r);
@@ -1116,16 +1134,8 @@ TEST(lossless_cache_file_is_read_instead_of_encoding)
                  LADEN_E_INVAL);
     CHECK_STATUS(laden_lossless_cache_write(path, "", NULL, NULL, &cs),
                  LADEN_E_INVAL);
-    laden_sched_config cc = {.device = LADEN_DEVICE_CPU,
-                             .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_st_open(path, &st));
-    CHECK_OK(laden_sched_create(&cc, st, &sc));
-    CHECK_STATUS(laden_sched_use_lossless_cache(sc, dir),
-                 LADEN_E_UNSUPPORTED);
     CHECK_STATUS(laden_sched_lossless_cache_info(NULL, &found, &stale),
                  LADEN_E_INVAL);
-    laden_sched_destroy(sc);
-    laden_st_close(st);
     free(v);
     free(v2);
     free(noise);
@@ -1381,3 +1391,162 @@ TEST(lossless_cache_streams_the_disk_tier)
 {
     test_on_every_device(disk_from_cache);
 }
+
+/* A cache schedule (LADEN_SCHED_CACHE) keeps its lossless tensors coded
+ * in the host copies and the slots, and decoded in its device copies:
+ * uploaded coded and decoded into place on the copy stream.  Every value
+ * as stored, resident or streamed; a device copy's size is the decoded
+ * one (laden_sched_block_device_bytes), and a region handed over must be
+ * of it.  A host copy damaged under a whole header is refused: at the
+ * upload on the CPU device, at the next laden_sched_ready on CUDA (the
+ * decoder's word).  Without a device decoder (the stand-in driver has no
+ * NVRTC) the upload is refused with a typed error and nothing is left
+ * resident. */
+static void cache_schedule(int32_t dev)
+{
+    enum { NB = 3, N = 65536 };
+    const uint64_t per = NOISE + (uint64_t)N;
+    uint16_t *v = malloc(2 * per * NB);
+    for (uint32_t b = 0; b < NB; b++) {
+        uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, NOISE);
+        uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+        memcpy(v + b * per, noise, 2 * NOISE);
+        memcpy(v + b * per + NOISE, w, 2 * (uint64_t)N);
+        free(noise);
+        free(w);
+    }
+    char *path = write_pairs("llc-cache.safetensors", NB, N, v);
+    char *dir = test_path("llc-cache-dir");
+    laden_lossless_cache_stats cs;
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    int decodes = dev == LADEN_DEVICE_CPU || cuda_decoder();
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    uint16_t *got = malloc(2 * (uint64_t)N);
+    for (int cached = 0; cached < 2; cached++) { /* encoded, or its file */
+        laden_st_t *st;
+        laden_sched_t *sc;
+        CHECK_OK(laden_st_open(path, &st));
+        laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
+        CHECK_OK(laden_sched_create(&cfg, st, &sc));
+        for (uint32_t b = 0; b < NB; b++) {
+            uint32_t blk, k;
+            CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+            for (int w = 0; w < 2; w++) {
+                char name[16];
+                size_t at;
+                snprintf(name, sizeof name, "%c%u", w ? 'w' : 'n', b);
+                CHECK_OK(laden_st_find(st, name, &at));
+                CHECK_OK(laden_sched_add_tensor(sc, blk, st, at,
+                                                LADEN_DTYPE_BF16, &k));
+            }
+        }
+        uint32_t marked;
+        if (cached)
+            CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
+        CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+        CHECK_EQ(marked, 2 * NB);
+        CHECK_OK(laden_sched_load(sc));
+        laden_sched_stats_t ss;
+        CHECK_OK(laden_sched_stats(sc, &ss));
+        CHECK_EQ(ss.lossless_cache_bytes, cached ? cs.coded_bytes : 0);
+        for (uint32_t b = 0; b < NB; b++) {
+            CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 0); /* noise */
+            CHECK_EQ(laden_sched_tensor_lossless(sc, b, 1), 1);
+            CHECK(laden_sched_block_bytes(sc, b) < 2 * per * 3 / 4);
+            CHECK_EQ(laden_sched_block_device_bytes(sc, b), 2 * per);
+        }
+        if (!decodes) { /* refused, typed; nothing left on the device */
+            CHECK_STATUS(laden_sched_set_resident(sc, 0, 1),
+                         LADEN_E_UNSUPPORTED);
+            CHECK_EQ(laden_sched_is_resident(sc, 0), 0);
+            CHECK_OK(laden_sched_stats(sc, &ss));
+            CHECK_EQ(ss.resident_bytes, 0);
+            laden_sched_destroy(sc);
+            laden_st_close(st);
+            continue;
+        }
+        CHECK_OK(laden_sched_set_resident(sc, 0, 1));
+        CHECK_OK(laden_sched_set_resident(sc, 1, 1));
+        CHECK_OK(laden_sched_stats(sc, &ss));
+        CHECK_EQ(ss.resident_bytes, 4 * per);
+        CHECK_EQ(ss.upload_bytes, laden_sched_block_bytes(sc, 0) +
+                                      laden_sched_block_bytes(sc, 1));
+        CHECK_OK(laden_sched_start(sc, 1)); /* block 2 streams */
+        CHECK_OK(laden_sched_ready(sc, 0));
+        for (uint32_t b = 0; b < NB; b++) {
+            CHECK_OK(laden_sched_enter(sc, b, 0));
+            for (uint32_t k = 0; k < 2; k++) {
+                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
+                laden_devptr_t p;
+                if (k && b == 2) { /* streamed: decoded at enter */
+                    CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
+                    CHECK_EQ(at, bytes);
+                } else { /* resident: decoded in its device copy */
+                    CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+                }
+                if (rd) {
+                    CHECK_OK(laden_dev_copy_d2h(rd, got, p, bytes));
+                    CHECK_OK(laden_dev_stream_synchronize(rd));
+                } else {
+                    memcpy(got, (const void *)(uintptr_t)p, bytes);
+                }
+                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) ==
+                      0);
+            }
+            CHECK_OK(laden_sched_exit(sc, b, 0));
+        }
+        CHECK_OK(laden_sched_synchronize(sc));
+        CHECK_OK(laden_sched_stop(sc));
+        /* A device copy handed over is of the decoded size. */
+        laden_devptr_t r;
+        uint64_t n;
+        CHECK_OK(laden_sched_take_resident(sc, 1, &r, &n));
+        CHECK_EQ(n, laden_sched_block_device_bytes(sc, 1));
+        CHECK_STATUS(laden_sched_set_resident_at(
+                         sc, 2, r, laden_sched_block_bytes(sc, 2)),
+                     LADEN_E_INVAL);
+        CHECK_OK(laden_sched_set_resident_at(sc, 2, r, n));
+        CHECK_OK(laden_sched_ready(sc, 0));
+        laden_devptr_t p;
+        CHECK_OK(laden_sched_tensor_ptr(sc, 2, 1, &p));
+        if (rd) {
+            CHECK_OK(laden_dev_copy_d2h(rd, got, p, 2 * (uint64_t)N));
+            CHECK_OK(laden_dev_stream_synchronize(rd));
+        } else {
+            memcpy(got, (const void *)(uintptr_t)p, 2 * (uint64_t)N);
+        }
+        CHECK(memcmp(got, v + 2 * per + NOISE, 2 * (uint64_t)N) == 0);
+        CHECK_OK(laden_sched_tensor_value(sc, 2, 1, LADEN_DTYPE_BF16, got,
+                                          2 * (uint64_t)N));
+        CHECK(memcmp(got, v + 2 * per + NOISE, 2 * (uint64_t)N) == 0);
+        /* A host copy damaged under a whole header. */
+        void *h;
+        CHECK_OK(laden_sched_host_ptr(sc, 0, 1, &h));
+        ((unsigned char *)h)[LADEN_LOSSLESS_HEADER_BYTES + 100] ^= 0x5a;
+        if (dev < 0) {
+            CHECK_STATUS(laden_sched_reupload(sc, 0), LADEN_E_CORRUPT);
+            CHECK(strstr(laden_last_error(), "'w0'"));
+        } else {
+            CHECK_OK(laden_sched_reupload(sc, 0));
+            CHECK_STATUS(laden_sched_ready(sc, 0), LADEN_E_CORRUPT);
+            CHECK(strstr(laden_last_error(), "block 0"));
+            CHECK_OK(laden_sched_start(sc, 1));
+            CHECK_STATUS(laden_sched_enter(sc, 2, 0), LADEN_E_CORRUPT);
+        }
+        CHECK_OK(laden_sched_stop(sc));
+        for (uint32_t b = 0; b < NB; b++)
+            CHECK_OK(laden_sched_set_resident(sc, b, 0));
+        CHECK_OK(laden_sched_stats(sc, &ss));
+        CHECK_EQ(ss.resident_bytes, 0);
+        CHECK_EQ(ss.device_bytes, 0); /* the upload buffer given back */
+        laden_sched_destroy(sc);
+        laden_st_close(st);
+    }
+    laden_dev_stream_destroy(rd);
+    free(got);
+    free(v);
+}
+
+TEST(lossless_in_a_cache_schedule) { test_on_every_device(cache_schedule); }

@@ -819,6 +819,14 @@ LADEN_API uint32_t laden_sched_block_count(laden_sched_t *sched);
 LADEN_API uint64_t laden_sched_block_bytes(laden_sched_t *sched,
                                            uint32_t block);
 
+/* Bytes of block b's device copy in a cache schedule (LADEN_SCHED_CACHE),
+ * once loaded: laden_sched_block_bytes, but with its lossless tensors
+ * decoded (a cache keeps them coded in the host copy and the slots,
+ * decoded in device copies); laden_sched_block_bytes for any other
+ * schedule or before the load; 0 for a bad block. */
+LADEN_API uint64_t laden_sched_block_device_bytes(laden_sched_t *sched,
+                                                  uint32_t block);
+
 /* Bytes block b takes on the RAM tier: before the load what the plan
  * counts (tensors marked lossless, laden_sched_mark_lossless, at the
  * coded sizes estimated from samples of the file; the others as stored),

@@ -389,7 +389,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
     uint32_t nb = laden_sched_block_count(sc), nf = nb - m->fixed;
     uint64_t total = 0, rest = 0;
     for (uint32_t i = 0; i < nb; i++) {
-        uint64_t b = laden_sched_block_bytes(sc, i);
+        uint64_t b = laden_sched_block_device_bytes(sc, i);
         total += b;
         if (i < m->fixed)
             rest += b;
@@ -419,7 +419,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
         goto out;
     }
     for (uint32_t i = 0; i < nf; i++)
-        bytes[i] = laden_sched_block_bytes(sc, m->fixed + i);
+        bytes[i] = laden_sched_block_device_bytes(sc, m->fixed + i);
     laden_plan_input in;
     memset(&in, 0, sizeof in);
     in.nblocks = nf;
@@ -483,7 +483,7 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
             for (uint32_t i = 0; i < nb; i++) {
                 if (!res[i] || laden_sched_is_resident(sc, i))
                     continue;
-                uint64_t n = laden_sched_block_bytes(sc, i);
+                uint64_t n = laden_sched_block_device_bytes(sc, i);
                 for (uint32_t k = 0; k < pl->n; k++)
                     if (!keep[k] && pl->r[k].bytes == n) {
                         keep[k] = true;
@@ -508,13 +508,13 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
     for (uint32_t i = 0; i < nb; i++) {
         if (!res[i] || laden_sched_is_resident(sc, i))
             continue;
-        uint64_t n = laden_sched_block_bytes(sc, i);
+        uint64_t n = laden_sched_block_device_bytes(sc, i);
+        uint64_t before = st.upload_bytes;
         laden_devptr_t r = pool_get(pl, n);
         if (r && (s = laden_sched_set_resident_at(sc, i, r, n))) {
             laden_dev_mem_free(m->device, r);
             return s;
         }
-        uint64_t before = st.upload_bytes;
         if (!r && (s = laden_sched_set_resident(sc, i, 1))) {
             /* In a VBAR: offloaded.  A block streams instead; the parts
              * outside blocks cannot. */
@@ -531,7 +531,7 @@ static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
             continue;
         }
         laden_sched_stats(sc, &st);
-        uint64_t copied = r ? n : st.upload_bytes - before;
+        uint64_t copied = st.upload_bytes - before; /* over the link */
         act->upload_bytes += copied;
         act->reused_bytes += r ? n : 0;
         /* In a VBAR, still as it was written: no copy.  (On the CPU
@@ -623,7 +623,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     uint32_t fresh = 0;
     for (uint32_t i = 0; i < nb; i++) {
         if (res[i] && laden_sched_is_resident(m->sched, i))
-            act.kept_bytes += laden_sched_block_bytes(m->sched, i);
+            act.kept_bytes += laden_sched_block_device_bytes(m->sched, i);
         else if (res[i] && m->device == LADEN_DEVICE_CPU)
             fresh++;
     }

@@ -47,10 +47,6 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
     blk *b = &sc->layout.b[block];
     tref *r = &b->t[i];
     const char *name = r->name ? r->name : "?";
-    if (sc->cache.on)
-        return laden__fail(LADEN_E_UNSUPPORTED,
-                           "laden_sched_set_lossless: a cache schedule keeps "
-                           "its host copies as stored");
     if (sc->loaded || sc->layout.laid_out)
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_set_lossless: after load");
@@ -59,7 +55,9 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': kept lossless only as the "
                            "checkpoint's own BF16 or F16", name);
-    if (!laden__sched_as_stored(r) || r->part || r->joined ||
+    bool in_memory = r->host && r->src == r->dst && !r->rope_heads &&
+                     !r->pieces; /* a model built on the CPU */
+    if ((!laden__sched_as_stored(r) && !in_memory) || r->part || r->joined ||
         (i + 1 < b->nt && b->t[i + 1].joined) || r->expands || b->experts)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': kept lossless only when read "
@@ -141,7 +139,7 @@ static laden_status estimate_all(laden_sched_t *sc, tref **rs, uint32_t n)
             }
             uint64_t per;
             uint32_t runs = sample_runs(r, &per);
-            for (uint32_t k = 0; k < runs && r->nelem && !s; k++)
+            for (uint32_t k = 0; k < runs && r->nelem && !r->host && !s; k++)
                 s = laden_io_submit(
                     sc->layout.io, sc->layout.files[r->file],
                     r->off + 2 * sample_first(r, runs, per, k), per * 2,
@@ -169,11 +167,14 @@ static laden_status estimate_all(laden_sched_t *sc, tref **rs, uint32_t n)
                 continue;
             for (uint32_t k = 0; k < runs && !t; k++) {
                 uint64_t size = 0;
-                t = laden_lossless_encode(
-                    r->dst,
-                    buf + ((uint64_t)(i - w0) * SAMPLES + k) * SAMPLE_ELEMS *
-                              2,
-                    per, blob, bound, &size);
+                const char *at =
+                    r->host /* a model built on the CPU: its memory */
+                        ? (const char *)r->host +
+                              2 * sample_first(r, runs, per, k)
+                        : buf + ((uint64_t)(i - w0) * SAMPLES + k) *
+                                    SAMPLE_ELEMS * 2;
+                t = laden_lossless_encode(r->dst, at, per, blob, bound,
+                                          &size);
                 coded += size;
                 read += per * 2;
             }
@@ -239,7 +240,7 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
             else if (!s)
                 marked[n++] = &sc->layout.b[i].t[k];
         }
-    if (!s)
+    if (!s && !sc->cache.on) /* a cache schedule is not planned */
         s = estimate_all(sc, marked, n);
     free(marked);
     free(may_stream);
@@ -331,22 +332,25 @@ static void run_job(pool *p, uint32_t k, scratch *buf)
     /* Read at the file offset's place modulo 4 KiB, so that O_DIRECT
      * reads land in place instead of through the reader's bounce buffer
      * (the encoder takes any alignment). */
-    char *raw = scratch_for(buf, raw_bytes + 4096);
-    laden_status s = raw ? LADEN_OK
-                         : laden__fail(LADEN_E_NOMEM, "out of memory");
-    if (raw)
-        raw += (j->off - (uintptr_t)raw) & 4095u;
+    const char *raw = j->src; /* in memory already, or read: */
+    char *to = raw ? NULL : scratch_for(buf, raw_bytes + 4096);
+    laden_status s = raw || to ? LADEN_OK
+                               : laden__fail(LADEN_E_NOMEM, "out of memory");
+    if (to)
+        to += (j->off - (uintptr_t)to) & 4095u;
     laden_io_req_t *req;
-    if (!read_turn(p, k)) { /* stopped: nothing read */
+    if (!read_turn(p, k)) { /* stopped: nothing read (a job in memory
+                               takes its turn too: the reads go in order) */
         j->s = LADEN_E_STATE;
         snprintf(j->msg, sizeof j->msg, "tensor '%.200s': stopped",
                  j->name ? j->name : "?");
         return;
     }
-    if (!s && !(s = laden_io_submit(p->io, j->file, j->off, raw_bytes, raw,
-                                    &req)))
+    if (!s && to &&
+        !(s = laden_io_submit(p->io, j->file, j->off, raw_bytes, to, &req)))
         s = laden_io_wait_cached(p->io, req, &j->cached);
     read_done(p);
+    raw = raw ? raw : to;
     if (!s)
         s = laden_lossless_bound(j->dtype, j->nelem, &bound);
     if (!s && !(j->blob = malloc(bound)))
@@ -477,7 +481,8 @@ static void keep_as_stored(tref *r)
 /* Tensor r's entry in its file's lossless cache (llcache.c), or NULL. */
 static const llc_entry *cached_entry(const laden_sched_t *sc, const tref *r)
 {
-    const laden_llc *c = sc->layout.llc ? sc->layout.llc[r->file] : NULL;
+    const laden_llc *c =
+        sc->layout.llc && !r->host ? sc->layout.llc[r->file] : NULL;
     return c ? laden__llc_find(c, r->off, r->nelem, r->dst) : NULL;
 }
 
@@ -613,7 +618,9 @@ laden_status laden__sched_compress(laden_sched_t *sc)
             tref *r = &sc->layout.b[i].t[k];
             if (!r->ll_asked || r->ll)
                 continue;
-            jobs[n++] = (ll_job){.file = sc->layout.files[r->file],
+            jobs[n++] = (ll_job){.file = r->host ? NULL
+                                                 : sc->layout.files[r->file],
+                                 .src = r->host,
                                  .off = r->off, .nelem = r->nelem,
                                  .dtype = r->dst, .name = r->name,
                                  .owner = r};

@@ -285,10 +285,6 @@ laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir)
     if (!sc || !dir)
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_use_lossless_cache: NULL");
-    if (sc->cache.on)
-        return laden__fail(LADEN_E_UNSUPPORTED,
-                           "laden_sched_use_lossless_cache: a cache "
-                           "schedule keeps its host copies as stored");
     bool marked = false; /* sized from samples already */
     for (uint32_t i = 0; i < sc->layout.nb; i++)
         for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)

@@ -257,6 +257,27 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
     return finish_piece(sc, &f, s);
 }
 
+/* Where block b's tensors lie in its device copy: as in the block, but
+ * in a cache schedule each lossless tensor decoded, so the tensors after
+ * one move (the same placement rule as the block's). */
+static void device_layout(const laden_sched_t *sc, blk *b)
+{
+    uint64_t end = 0;
+    b->has_ll = false;
+    for (uint32_t k = 0; k < b->nt; k++)
+        b->has_ll |= b->t[k].ll != NULL;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        tref *r = &b->t[k];
+        if (!sc->cache.on || !b->has_ll) {
+            r->dev_off = r->dst_off;
+            continue;
+        }
+        r->dev_off = laden__sched_place(r, end);
+        end = r->dev_off + (r->ll ? 2 * r->nelem : r->dst_bytes);
+    }
+    b->dev_bytes = sc->cache.on && b->has_ll ? end : b->bytes;
+}
+
 /* Counts each tier's bytes (the tensors were placed as they were added),
  * orders the streamed blocks and creates the copy stream and events.
  * Once. */
@@ -272,6 +293,7 @@ static laden_status layout(laden_sched_t *sc)
         if (b->nt > sc->layout.max_nt)
             sc->layout.max_nt = b->nt;
         b->read_shift = laden__sched_read_shift(b); /* its tensors placed */
+        device_layout(sc, b);
         uint64_t *tier_bytes = b->tier == LADEN_TIER_RAM ? &sc->st.ram_bytes
                                : b->tier == LADEN_TIER_DISK
                                    ? &sc->st.disk_bytes
@@ -414,7 +436,8 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
     blk *b = &sc->layout.b[i];
     laden_status s;
     if (b->bytes && ((s = map_home(sc, b)) ||
-                     (s = read_block_host(sc, b, b->ram)))) {
+                     (s = read_block_host(sc, b, b->ram)) ||
+                     (s = laden__sched_check_cached(sc, b)))) {
         unmap_home(sc, b);
         return s;
     }
@@ -446,12 +469,18 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
         return laden__fail(LADEN_E_STATE, "laden_sched_load_block: a "
                            "schedule with a shared host copy loads whole "
                            "(laden_sched_load)");
-    if ((s = layout(sc))) {
+    /* Marked tensors are encoded first, all of them (the layout needs
+     * their sizes); their blobs are freed once every block has its own. */
+    if ((!sc->layout.laid_out && (s = laden__sched_compress(sc))) ||
+        (s = layout(sc))) {
         laden__sched_free_all(sc);
         sc->broken = true;
         return s;
     }
-    return fill_block(sc, block);
+    if ((s = fill_block(sc, block)) || !sc->loaded)
+        return s;
+    laden__sched_compress_free(sc);
+    return LADEN_OK;
 }
 
 /* 1 if block b streams, or may once placed (VRAM tier). */
@@ -1223,6 +1252,21 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 
 /* ---- teardown ----------------------------------------------------------- */
 
+void laden__sched_free_scratch(laden_sched_t *sc)
+{
+    if (!sc->cache.scratch)
+        return;
+    if (sc->run.copy) /* uploads may still read it */
+        laden_dev_stream_synchronize(sc->run.copy);
+    laden_dev_mem_free(sc->cfg.device, sc->cache.scratch);
+    if (sc->cache.vram)
+        laden_vram_uncharge(sc->cache.vram, sc->cache.scratch_bytes);
+    sc->st.device_bytes -= sc->cache.scratch_bytes;
+    sc->cache.scratch = 0;
+    sc->cache.scratch_bytes = 0;
+}
+
+
 void laden__sched_free_all(laden_sched_t *sc)
 {
     laden__sched_free_slots(sc);
@@ -1256,6 +1300,7 @@ void laden__sched_free_all(laden_sched_t *sc)
     }
     sc->load.pinned_homes = 0;
     laden__sched_share_close(sc);
+    laden__sched_free_scratch(sc);
     /* after the copies (free_slots synced) */
     laden_vbar_destroy(sc->cache.vbar);
     sc->cache.vbar = NULL;

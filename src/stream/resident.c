@@ -25,55 +25,155 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* The device memory lossless blobs cross on their way into a device
+ * copy: the largest blob of the schedule, made at the first upload that
+ * needs it and kept while any block is resident (charged to the VRAM
+ * context and counted as the schedule's device memory). */
+static laden_status get_scratch(laden_sched_t *sc)
+{
+    if (sc->cache.scratch)
+        return LADEN_OK;
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll &&
+                sc->layout.b[i].t[k].dst_bytes > n)
+                n = sc->layout.b[i].t[k].dst_bytes;
+    laden_status s;
+    if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
+        laden__error_prefix("the lossless upload buffer (%s)",
+                            laden__bytes(n).s);
+        return s;
+    }
+    if ((s = laden_dev_mem_alloc(sc->cfg.device, n ? n : 1,
+                                 &sc->cache.scratch))) {
+        sc->cache.scratch = 0;
+        if (sc->cache.vram)
+            laden_vram_uncharge(sc->cache.vram, n);
+        laden__error_prefix("the lossless upload buffer (%s)",
+                            laden__bytes(n).s);
+        return s;
+    }
+    sc->cache.scratch_bytes = n;
+    sc->st.device_bytes += n;
+    return LADEN_OK;
+}
+
+/* Block b's lossless tensor r into its place in the device copy: decoded
+ * from the host copy on the CPU device, else copied into the scratch
+ * buffer and decoded from there, both on the copy stream (the next blob's
+ * copy waits for this decode).  Wrong codes set the block's word, as at
+ * enter. */
+static laden_status upload_coded(laden_sched_t *sc, blk *b, const tref *r)
+{
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    uintptr_t on = laden_dev_stream_handle(sc->run.copy);
+    laden_devptr_t blob = (laden_devptr_t)(uintptr_t)b->ram + r->dst_off;
+    laden_devptr_t bad =
+        sc->run.ll_bad
+            ? (laden_devptr_t)(uintptr_t)&sc->run.ll_bad[b - sc->layout.b]
+            : 0;
+    if (sc->cuda) {
+        if ((s = laden_dev_copy_h2d(sc->run.copy, sc->cache.scratch,
+                                    (const char *)b->ram + r->dst_off,
+                                    r->dst_bytes)))
+            return s;
+        blob = sc->cache.scratch;
+    }
+    if ((s = laden_lossless_decode(dev, on, r->ll, blob,
+                                   b->region + r->dev_off, 2 * r->nelem,
+                                   bad)))
+        laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
+    return s;
+}
+
+/* Copies block b's host copy into its device copy on the copy stream: in
+ * one piece, or for a block with lossless tensors each run of plain
+ * tensors in one piece and each lossless one decoded into place. */
+static laden_status upload(laden_sched_t *sc, blk *b)
+{
+    laden_status s;
+    if (!b->has_ll)
+        return laden_dev_copy_h2d(sc->run.copy, b->region, b->ram, b->bytes);
+    if ((sc->cuda && (s = get_scratch(sc))) ||
+        (s = laden__sched_ll_words(sc)))
+        return s;
+    for (uint32_t k = 0; k < b->nt;) {
+        const tref *r = &b->t[k];
+        if (r->ll) {
+            if ((s = upload_coded(sc, b, r)))
+                return s;
+            k++;
+            continue;
+        }
+        /* Plain tensors from k on, while they lie alike in both copies. */
+        uint32_t m = k + 1;
+        while (m < b->nt && !b->t[m].ll &&
+               b->t[m].dst_off - r->dst_off == b->t[m].dev_off - r->dev_off)
+            m++;
+        const tref *last = &b->t[m - 1];
+        uint64_t n = last->dst_off + last->dst_bytes - r->dst_off;
+        if (n && (s = laden_dev_copy_h2d(sc->run.copy, b->region + r->dev_off,
+                                         (const char *)b->ram + r->dst_off,
+                                         n)))
+            return s;
+        k = m;
+    }
+    return LADEN_OK;
+}
+
 /* Gives b a device copy and starts its upload.  In a VBAR: faults b's
  * range in and copies only if its pages were replaced since it was last
  * written, or LADEN_E_BUDGET if the range is offloaded (the caller
- * streams the block).  Otherwise in `given` (0: allocated here). */
+ * streams the block).  Otherwise in `given` (0: allocated here).  A block
+ * with lossless tensors holds them decoded (b->dev_bytes). */
 static laden_status make_resident(laden_sched_t *sc, blk *b,
                                   laden_devptr_t given)
 {
     laden_status s;
     int32_t dev = sc->cfg.device;
-    bool copy = b->bytes != 0;
+    uint64_t n = b->dev_bytes;
+    bool copy = n != 0;
     uint64_t sig = 0;
-    if (b->bytes && sc->cache.vbar) {
+    if (n && sc->cache.vbar) {
         int res;
-        if ((s = laden_vbar_fault(sc->cache.vbar, b->voff, b->bytes, &res,
-                                  &sig)))
+        if ((s = laden_vbar_fault(sc->cache.vbar, b->voff, n, &res, &sig)))
             return s;
         if (!res)
             return laden__fail(LADEN_E_BUDGET,
                                "block of %s is offloaded: the VRAM budget has "
                                "no room for it (it streams)",
-                               laden__bytes(b->bytes).s);
+                               laden__bytes(n).s);
         b->region = sc->cache.vbar_base + b->voff;
         copy = sig != b->sig;
-    } else if (b->bytes && !sc->cuda) {
+    } else if (n && !sc->cuda && !b->has_ll) {
         /* The CPU device runs from host memory: the host copy is where the
          * block runs, as the RAM tier of a streaming schedule is; a second
          * copy would double the model's RAM (offload_pipeline on the CPU
          * kept two).  A caller that writes into it asks for a copy of its
          * own first (laden_sched_own_copy).  A fill all the same: what was
-         * written into an earlier copy is gone. */
+         * written into an earlier copy is gone.  (A block with lossless
+         * tensors runs from a decoded copy of its own.) */
         if (given)
             laden_dev_mem_free(dev, given);
         b->region = (laden_devptr_t)(uintptr_t)b->ram;
         b->in_place = true;
         copy = false;
         b->uploads++;
-    } else if (b->bytes) {
+    } else if (n) {
         b->region = given;
-        if (!given && (s = laden_dev_mem_alloc(dev, b->bytes, &b->region))) {
+        if (!given && (s = laden_dev_mem_alloc(dev, n, &b->region))) {
             b->region = 0;
             return s;
         }
     }
-    if (copy &&
-        ((s = laden_dev_copy_h2d(sc->run.copy, b->region, b->ram, b->bytes)) ||
-         (s = laden_dev_event_record(sc->cache.uploaded, sc->run.copy)))) {
+    if (copy && ((s = upload(sc, b)) ||
+                 (s = laden_dev_event_record(sc->cache.uploaded,
+                                             sc->run.copy)))) {
         laden_dev_stream_synchronize(sc->run.copy);
         if (sc->cache.vbar)
-            laden_vbar_unpin(sc->cache.vbar, b->voff, b->bytes);
+            laden_vbar_unpin(sc->cache.vbar, b->voff, n);
         else if (!given)
             laden_dev_mem_free(dev, b->region);
         b->region = 0;
@@ -82,12 +182,12 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
     if (copy) {
         b->sig = sig;
         b->uploads++;
-        sc->st.upload_bytes += b->bytes;
+        sc->st.upload_bytes += b->bytes; /* what crossed the link */
         sc->st.h2d_bytes += b->bytes;
     }
     b->resident = true;
-    sc->st.resident_bytes += b->bytes;
-    sc->st.device_bytes += b->bytes;
+    sc->st.resident_bytes += n;
+    sc->st.device_bytes += n;
     laden__sched_relayout(sc);
     return LADEN_OK;
 }
@@ -105,8 +205,8 @@ static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
     if (sc->cache.vbar) {
         /* Unpinned, not freed: the pages stay until the budget needs
          * them, and a later fault with the same signature copies nothing. */
-        if (b->bytes &&
-            (s = laden_vbar_unpin(sc->cache.vbar, b->voff, b->bytes)))
+        if (b->dev_bytes &&
+            (s = laden_vbar_unpin(sc->cache.vbar, b->voff, b->dev_bytes)))
             return s;
         if (taken)
             *taken = 0;
@@ -121,8 +221,10 @@ static laden_status unreside(laden_sched_t *sc, blk *b, laden_devptr_t *taken)
     b->in_place = false;
     b->region = 0;
     b->resident = false;
-    sc->st.resident_bytes -= b->bytes;
-    sc->st.device_bytes -= b->bytes;
+    sc->st.resident_bytes -= b->dev_bytes;
+    sc->st.device_bytes -= b->dev_bytes;
+    if (!sc->st.resident_bytes) /* no device copy left to upload into */
+        laden__sched_free_scratch(sc);
     laden__sched_relayout(sc);
     return LADEN_OK;
 }
@@ -168,7 +270,7 @@ laden_status laden__sched_take_resident(laden_sched_t *sc, uint32_t block,
                                    &b);
     if (s || !b->resident)
         return s;
-    uint64_t n = b->bytes;
+    uint64_t n = b->dev_bytes;
     if ((s = unreside(sc, b, out_ptr)))
         return s;
     *out_bytes = n;
@@ -188,11 +290,11 @@ laden_status laden__sched_set_resident_at(laden_sched_t *sc, uint32_t block,
                            "laden_sched_set_resident_at: block %u %s",
                            block, sc->cache.vbar ? "lives in a VBAR"
                                            : "has a device copy already");
-    if (bytes != b->bytes || (!ptr && bytes))
+    if (bytes != b->dev_bytes || (!ptr && bytes))
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_set_resident_at: block %u needs a "
                            "region of exactly %s, got %s",
-                           block, laden__bytes(b->bytes).s,
+                           block, laden__bytes(b->dev_bytes).s,
                            laden__bytes(bytes).s);
     return make_resident(sc, b, ptr);
 }
@@ -240,12 +342,12 @@ static laden_status use_vram_cache(laden_sched_t *sc, laden_vram_t *vram)
     if (vram) {
         uint64_t total = 0;
         for (uint32_t i = 0; i < sc->layout.nb; i++)
-            total +=
-                (sc->layout.b[i].bytes + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+            total += (sc->layout.b[i].dev_bytes + ALIGN - 1) &
+                     ~(uint64_t)(ALIGN - 1);
         if ((s = laden__sched_new_vbar(vram, total, &v, &base)))
             return s;
         for (uint32_t i = 0; i < sc->layout.nb; i++) {
-            laden_vbar_alloc(v, sc->layout.b[i].bytes,
+            laden_vbar_alloc(v, sc->layout.b[i].dev_bytes,
                              &sc->layout.b[i].voff); /* sized so */
             sc->layout.b[i].sig = 0;
         }
@@ -316,10 +418,10 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
     int64_t last = -1;
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         blk *b = &sc->layout.b[i];
-        if (!want[i] || b->resident || !b->bytes)
+        if (!want[i] || b->resident || !b->dev_bytes)
             continue;
         int64_t p0 = (int64_t)(b->voff / page);
-        int64_t p1 = (int64_t)((b->voff + b->bytes - 1) / page);
+        int64_t p1 = (int64_t)((b->voff + b->dev_bytes - 1) / page);
         for (int64_t p = p0 > last ? p0 : last + 1; p <= p1 && p < got; p++)
             if (!state[p])
                 need += page;
@@ -372,8 +474,8 @@ static laden_status loaded_cache(laden_sched_t *sc, const char *call)
 laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle)
 {
     laden_status s = loaded_cache(sc, "laden_sched_ready");
-    if (s)
-        return s;
+    if (s || (s = laden__sched_ll_damage(sc)))
+        return s; /* a device copy decoded from a damaged blob */
     if (!sc->cuda)
         return laden_dev_event_synchronize(sc->cache.uploaded);
     if ((s = laden__sched_compute_stream(sc, handle)))
@@ -452,8 +554,7 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     /* The model's earlier work may still read the copy. */
     if ((sc->cache.fenced &&
          (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
-        (b->bytes && ((s = laden_dev_copy_h2d(sc->run.copy, b->region, b->ram,
-                                              b->bytes)) ||
+        (b->bytes && ((s = upload(sc, b)) ||
                       (s = laden_dev_stream_synchronize(sc->run.copy)))))
         return s;
     b->uploads++;
@@ -480,7 +581,13 @@ laden_status laden__sched_reupload_tensor(laden_sched_t *sc, uint32_t block,
     const tref *r = &b->t[i];
     if (b->in_place || !r->dst_bytes)
         return LADEN_OK; /* runs from the host copy itself */
-    laden_devptr_t to = b->region + r->dst_off;
+    if (r->ll)
+        return laden__fail(LADEN_E_UNSUPPORTED,
+                           "laden_sched_reupload_tensor: tensor '%.200s' is "
+                           "kept lossless: its host copy is its blob, which "
+                           "nothing steps",
+                           r->name ? r->name : "?");
+    laden_devptr_t to = b->region + r->dev_off;
     const char *from = (const char *)b->ram + r->dst_off;
     if (!sc->cuda) {
         /* The CPU's work is done when its calls return. */

@@ -64,7 +64,10 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                            "block %u is streamed: its slot exists once the "
                            "schedule is started",
                            block);
-    *out = run_base(sc, b) + b->t[i].dst_off;
+    /* A cache schedule's device copy holds lossless tensors decoded, so
+     * its tensors lie apart from the slot's (dev_off). */
+    *out = run_base(sc, b) + (laden__sched_streamed(sc, b) ? b->t[i].dst_off
+                                                           : b->t[i].dev_off);
     return LADEN_OK;
 }
 
@@ -447,13 +450,17 @@ static laden_status settle(laden_sched_t *sc)
 }
 
 /* The expansion workspace (workspace.c), charged to the VRAM context
- * apart from the slots (their charge follows the streamed blocks). */
+ * apart from the slots (their charge follows the streamed blocks).  A
+ * cache schedule's resident blocks hold their lossless tensors decoded:
+ * it needs one only while a block streams. */
 static laden_status make_workspace(laden_sched_t *sc)
 {
     uint64_t n = laden__sched_workspace_bytes(sc);
     laden_status s;
+    if (sc->cache.on && !sc->layout.nstreamed)
+        n = 0;
     if (!n)
-        return LADEN_OK;
+        return laden__sched_ll_words(sc);
     if ((s = laden__sched_can_expand(sc)))
         return s;
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
@@ -469,6 +476,12 @@ static laden_status make_workspace(laden_sched_t *sc)
                             laden__bytes(n).s);
         return s;
     }
+    return laden__sched_ll_words(sc);
+}
+
+laden_status laden__sched_ll_words(laden_sched_t *sc)
+{
+    laden_status s;
     if (!sc->cuda || sc->run.ll_bad)
         return LADEN_OK; /* the words of an earlier start are kept */
     uint32_t nll = 0, *list = calloc(sc->layout.nb ? sc->layout.nb : 1,
@@ -485,7 +498,7 @@ static laden_status make_workspace(laden_sched_t *sc)
     uint64_t bytes = 4ull * sc->layout.nb;
     if (!nll || (s = laden_dev_host_alloc(sc->cfg.device, bytes, &w))) {
         free(list);
-        return nll ? s : LADEN_OK; /* the workspace goes with the slots */
+        return nll ? s : LADEN_OK;
     }
     memset(w, 0, bytes);
     sc->run.ll_bad = w;
@@ -1072,8 +1085,8 @@ static laden_status enter_block(laden_sched_t *sc, uint32_t block,
                            "block %u holds experts whose rows stream as the "
                            "router picks them: enter it with "
                            "laden_sched_enter_experts", block);
-    if (!sl && !sc->layout.b[block].ws_bytes)
-        return LADEN_OK;
+    if (!sl && (!sc->layout.b[block].ws_bytes || sc->cache.on))
+        return LADEN_OK; /* a cache schedule's device copies are decoded */
     if (sc->capture.on && handle != sc->capture.handle) {
         sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,

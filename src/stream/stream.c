@@ -78,6 +78,14 @@ uint64_t laden_sched_block_bytes(laden_sched_t *sc, uint32_t block)
     return sc->layout.b[block].bytes;
 }
 
+uint64_t laden_sched_block_device_bytes(laden_sched_t *sc, uint32_t block)
+{
+    if (!sc || block >= sc->layout.nb)
+        return 0;
+    return sc->layout.laid_out ? sc->layout.b[block].dev_bytes
+                               : sc->layout.b[block].bytes;
+}
+
 uint64_t laden_sched_block_ram_bytes(laden_sched_t *sc, uint32_t block)
 {
     return laden__sched_block_ram_bytes(sc, block);

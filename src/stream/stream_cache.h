@@ -24,6 +24,9 @@ typedef struct sched_cache {
     laden_vbar_t *vbar;         /* device copies live here, or NULL */
     laden_devptr_t vbar_base;
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
+    laden_devptr_t scratch;     /* lossless blobs land here on their way
+                                   to a device copy (resident.c) */
+    uint64_t scratch_bytes;
 } sched_cache;
 
 #endif

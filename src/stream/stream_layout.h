@@ -35,6 +35,9 @@ typedef struct tref {
     laden_dtype src, dst;
     uint64_t nelem;
     uint64_t dst_off;   /* offset in the block's region */
+    uint64_t dev_off;   /* offset in a cache schedule's device copy, which
+                           holds lossless tensors decoded (= dst_off
+                           otherwise; load.c's layout) */
     uint64_t dst_bytes;
     const char *name;   /* for messages; copied */
     const void *host;   /* bytes in host memory instead of a file */
@@ -140,6 +143,9 @@ typedef struct blk {
     tref *t;
     uint32_t nt, cap;
     uint64_t bytes;        /* packed size, kept as tensors are added */
+    uint64_t dev_bytes;    /* its device copy's (cache schedules: lossless
+                              tensors decoded); = bytes otherwise */
+    bool has_ll;           /* holds lossless tensors (once laid out) */
     uint64_t ws_bytes;     /* its expanded tensors' workspace (workspace.c) */
     int32_t pos;           /* schedule position; -1 if not streamed */
     laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;

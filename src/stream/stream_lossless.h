@@ -19,7 +19,8 @@
  * would not be at most 15/16 of the raw bytes (kept as stored); `cached`
  * the bytes the page cache held; s and msg a failure. */
 typedef struct ll_job {
-    laden_io_file_t *file;
+    laden_io_file_t *file; /* read from here, */
+    const void *src;       /* or encoded from memory (not NULL) */
     uint64_t off, nelem;
     laden_dtype dtype;
     const char *name;
