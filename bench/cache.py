@@ -9,11 +9,17 @@ re-use a model still on the device (enter + exit of ``cache.use``).
 "laden-vbar" is the same cache with its models' device copies in VBARs of
 a laden.vbar.VRAM context of the same budget (pages mapped on demand;
 an evicted model's pages stay until the context needs them).
+"laden-lossless" keeps the models' bf16 weights coded in host memory
+(``ModelSpec(compression="lossless")``): each upload moves the coded
+bytes and decodes them into the device copy; its rows add "plain ms",
+the same models' decoded bytes at the link rate, and "÷ plain", the
+switch's time over that (below 1: faster than any upload of the weights
+as stored can be).
 Outputs are checked against each model run plainly on the GPU.  Prints,
 never asserts timings.
 
     python3 bench/cache.py [--model-gb 4] [--budget-gb 9] [--rounds 3]
-                           [--peers vbar,piper]
+                           [--peers vbar,piper,lossless]
 """
 
 from __future__ import annotations
@@ -99,8 +105,10 @@ def h2d_rate():
     return out.value
 
 
-def rotation(name, use, upload_bytes, keys, refs, x, rounds, rate, rows):
-    """Uses the models in turn; one row per switch."""
+def rotation(name, use, upload_bytes, keys, refs, x, rounds, rate, rows,
+             raw_per_moved=None):
+    """Uses the models in turn; one row per switch.  raw_per_moved: the
+    weights' bytes per byte moved (coded weights), for "÷ plain"."""
     for r in range(rounds * len(keys)):
         k = keys[r % len(keys)]
         before = upload_bytes()
@@ -115,9 +123,12 @@ def rotation(name, use, upload_bytes, keys, refs, x, rounds, rate, rows):
         moved = upload_bytes() - before
         ok = torch.equal(y, refs[k])
         ideal = moved / rate if moved else 0.0
+        plain = moved * raw_per_moved / rate if raw_per_moved else 0.0
         rows.append([name, f"{r + 1}", k, f"{moved / 1e9:.2f}",
                      f"{ready * 1e3:.1f}", f"{ideal * 1e3:.1f}",
                      f"{ideal / ready:.2f}" if moved else "-",
+                     f"{plain * 1e3:.1f}" if plain else "-",
+                     f"{ready / plain:.2f}" if plain else "-",
                      "yes" if ok else "NO"])
 
 
@@ -245,14 +256,18 @@ def main():
     # -- laden, then laden with the models' device copies in VBARs -----------
     reuse = []
     for variant in ["laden"] + (["laden-vbar"] if "vbar" in args.peers
-                                else []):
+                                else []) + (["laden-lossless"]
+                                            if "lossless" in args.peers
+                                            else []):
         vram = None
         if variant == "laden-vbar":
             from laden import vbar
             vram = vbar.VRAM(DEV, budget=budget,
                              page_bytes=int(args.page_mb) << 20)
         cache = laden.ModelCache(vram_budget=budget, vram=vram)
-        specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",))
+        comp = "lossless" if variant == "laden-lossless" else None
+        specs = {k: laden.ModelSpec(k, facts[k], block_paths=("blocks",),
+                                    compression=comp)
                  for k in keys}
 
         def lused(k, cache=cache, specs=specs):
@@ -268,8 +283,15 @@ def main():
                   f"memory, pin in place, upload)")
         print(f"{variant} first uses: {time.perf_counter() - t0:.2f} s; RSS "
               f"{rss_gb():.1f} GB")
+        per = None
+        if comp:
+            coded = sum(cache.info(k).lossless[0] for k in keys)
+            raw = sum(cache.info(k).lossless[1] for k in keys)
+            per = raw / coded
+            print(f"{variant}: host copies {coded / 1e9:.2f} GB coded for "
+                  f"{raw / 1e9:.2f} GB of weights ({coded / raw:.3f})")
         rotation(variant, lused, lambda c=cache: c.stats()["upload_bytes"],
-                 keys, refs, x, args.rounds, rate, rows)
+                 keys, refs, x, args.rounds, rate, rows, per)
         med, p99 = reuse_times(lused, keys[(args.rounds * 3 - 1) % 3])
         st = cache.stats()
         reuse.append([variant, f"{med * 1e6:.0f}", f"{p99 * 1e6:.0f}"])
@@ -331,7 +353,8 @@ def main():
             print(f"piper-offload did not run: {type(e).__name__}: {e}")
     print()
     print_table([["cache", "switch", "model", "GB moved", "ready ms",
-                  "ideal ms", "link", "output ok"]] + rows)
+                  "ideal ms", "link", "plain ms", "÷ plain", "output ok"]]
+                + rows)
     print()
     print_table([["cache", "re-use median us", "p99 us"]] + reuse)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, \
     Union
 
-from . import _lib, doors, sharing
+from . import _lib, doors, planning, sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, error_for, lib
 from ._units import fmt_bytes, parse_size
@@ -32,9 +32,10 @@ from .training import _CacheTrainer, materialize_peft
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
-                    run_of)
-from ._describe import (KeyMap, _destroy_schedule, _Tensor, check_lookahead,
-                        describe, fill, new_schedule, progress_to)
+                    _view, run_of)
+from ._describe import (KeyMap, _destroy_schedule, _dtype_code, _nbytes,
+                        _Tensor, check_lookahead, describe, fill,
+                        new_schedule, progress_to)
 from ._devices import _compute_stream, _dev_index, _device
 from ._hooks import _unwrap_all, _wrap_forward, relaid_check
 
@@ -89,6 +90,18 @@ class ModelSpec:
     way (see ``laden.stream_load``); every tensor must then come from
     ``checkpoint``.
 
+    ``compression="lossless"``: the BF16 and F16 weights are kept
+    entropy-coded in the model's host copy (about 0.67 of their bytes for
+    bf16 weights; those that do not code below 15/16 stay as they are),
+    cross the link coded, and are decoded on the device: into a device
+    copy as it is uploaded (a resident block runs at full speed), or at
+    each call of a block that streams.  Every value is the one stored.
+    ``lossless_cache`` names a directory where ``laden.compress`` wrote
+    the checkpoint's coded weights (default ``LADEN_LOSSLESS_CACHE``):
+    they are read instead of encoded.  Outside a use the coded weights
+    are on ``meta`` (their host copy is coded); ``state_dict()`` decodes
+    them.  Not with ``trainable`` or ``shared`` yet.
+
     ``trainable=True``: the model trains in the cache.  Every parameter
     the factory left ``requires_grad`` trains through its host copy,
     which is then the only copy of its weights: ``cache.parameters(key)``
@@ -113,6 +126,8 @@ class ModelSpec:
     skip_prefixes: Sequence[str] = field(default=(), kw_only=True)
     shared: bool = field(default=False, kw_only=True)
     trainable: bool = field(default=False, kw_only=True)
+    compression: Optional[str] = field(default=None, kw_only=True)
+    lossless_cache: Optional[PathLike] = field(default=None, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.key, str) or not self.key:
@@ -157,6 +172,16 @@ class ModelSpec:
                 "a host copy shared with other processes is never written, "
                 "and a trainable model's optimizer writes its host copy",
                 "E_INVAL")
+        where = f"ModelSpec '{self.key}'"
+        object.__setattr__(self, "lossless_cache", planning.lossless_cache_dir(
+            self.compression, self.lossless_cache, where))
+        if self.compression and (self.trainable or self.shared):
+            raise InvalidArgumentError(
+                f"{where}: compression={self.compression!r} with "
+                + ("trainable=True: the optimizer steps the host copy, "
+                   "which is coded" if self.trainable else
+                   "shared=True: a shared host copy is kept as stored")
+                + " (not supported yet)", "E_UNSUPPORTED")
         km = self.key_map
         if km is not None and not callable(km):
             if not hasattr(km, "get"):
@@ -190,6 +215,9 @@ class CacheInfo:
     mode: Optional[str]     # "resident" or "streaming" at its last use
     # A laden.sharing.Shared if its host copy is shared (ModelSpec shared)
     shared: Optional[Any] = None
+    # compression="lossless": (coded bytes, their raw bytes) of the weights
+    # kept coded in the host copy
+    lossless: Optional[tuple] = None
 
 
 def _budget(value, what: str) -> Optional[int]:
@@ -286,7 +314,7 @@ class _Runtime:
         mods = [(model, "")] + [(b.module, b.name) for b in desc.blocks]
         self.doors = doors.Doors(
             f"model '{spec.key}'", desc.tensors,
-            lambda t: self._host_view(t).clone(), mods)
+            lambda t: self._value(t), mods)
         self.claimed = [m for m, _ in mods]
         doors.claim(self.claimed, f"ModelCache model '{spec.key}'")
         st = self.stats()
@@ -316,6 +344,8 @@ class _Runtime:
             groups = fill(self.sched, desc, ck, _lib.TIER_RAM,
                           rest_in_pieces=True)
             self.fixed = len(groups) - len(desc.blocks)
+            if self.spec.compression:
+                planning.mark_lossless(self.sched, self.spec.lossless_cache)
             from_ckpt = all(t.ckpt_name is not None for t in desc.tensors)
             if self.spec.shared:
                 if not from_ckpt:
@@ -333,7 +363,7 @@ class _Runtime:
                     check(lib.laden_sched_load(self.sched))
                     done = len(groups)
                     for t in desc.tensors:
-                        _set_tensor(t, self._host_view(t))
+                        _set_tensor(t, self._home(t))
                 else:
                     # Block by block: each block's tensors are pointed at
                     # laden's copy as soon as it is made, so the factory's
@@ -343,7 +373,7 @@ class _Runtime:
                         check(lib.laden_sched_load_block(self.sched, b))
                         for t in ts:
                             t.source = None
-                            _set_tensor(t, self._host_view(t))
+                            _set_tensor(t, self._home(t))
                         done = b + 1
                         pt.check()
             self.shared = sharing.info(self.sched, f"model '{self.spec.key}'")
@@ -355,7 +385,7 @@ class _Runtime:
             # the schedule goes.
             for ts in groups[:done]:
                 for t in ts:
-                    _set_tensor(t, self._host_view(t).clone())
+                    _set_tensor(t, self._value(t))
             self.owner = None
             raise
         finally:
@@ -365,6 +395,44 @@ class _Runtime:
     # -- binding -----------------------------------------------------------------
     def _host_view(self, t: _Tensor):
         return _tensor_view(self.owner, t, "home", None)
+
+    def _home(self, t: _Tensor):
+        """What t's modules hold outside a use: its host copy, or meta for
+        a tensor kept lossless (its host copy is its blob)."""
+        if t.store == "plain" and lib.laden_sched_tensor_lossless(
+                self.sched, t.c_block, t.c_index):
+            t.store = "lossless"
+        return _meta(t) if t.store == "lossless" else self._host_view(t)
+
+    def _value(self, t: _Tensor):
+        """t's value in a CPU tensor of its own (decoded by C when kept
+        lossless)."""
+        import torch
+
+        if t.store != "lossless":
+            return self._host_view(t).clone()
+        out = torch.empty(t.shape, dtype=t.dtype)
+        check(lib.laden_sched_tensor_value(
+            self.sched, t.c_block, t.c_index, _dtype_code(t.dtype, t),
+            ctypes.c_void_p(out.data_ptr()),
+            out.numel() * out.element_size()))
+        return out
+
+    def _decoded(self, t: _Tensor, streamed: bool):
+        """Where lossless tensor t is decoded on the device: its block's
+        device copy, or the expansion workspace while a streamed block
+        runs."""
+        o = self.owner
+        p, n = ctypes.c_uint64(), ctypes.c_uint64()
+        if streamed:
+            check(lib.laden_sched_expanded_at(o.h, t.c_block, t.c_index,
+                                              ctypes.byref(p),
+                                              ctypes.byref(n)))
+        else:
+            check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
+                                             ctypes.byref(p)))
+            n.value = _nbytes(t)
+        return _view(p.value, n.value, t.dtype, t.shape, self.device, o)
 
     def rebind(self) -> bool:
         """Points every tensor where it is now: its block's device copy or
@@ -381,8 +449,11 @@ class _Runtime:
             streamed = started and lib.laden_sched_is_streamed(o.h,
                                                                 t.c_block)
             on_dev = streamed or lib.laden_sched_is_resident(o.h, t.c_block)
-            value = _tensor_view(o, t, "run" if on_dev else "home",
-                                 self.device)
+            if t.store == "lossless":
+                value = self._decoded(t, streamed) if on_dev else _meta(t)
+            else:
+                value = _tensor_view(o, t, "run" if on_dev else "home",
+                                     self.device)
             if streamed:
                 block = self.block_names.get(
                     t.c_block, f"part {t.c_block} of the rest")
@@ -390,7 +461,7 @@ class _Runtime:
                 # The slot only inside its block; outside, the host copy.
                 # A trainable model's backward enters the block again: its
                 # gradients are right, so nothing refuses them.
-                _set_run(t, value, self._host_view(t),
+                _set_run(t, value, self._home(t),
                          None if self.trainer is not None else block)
             else:
                 _set_tensor(t, value)
@@ -440,6 +511,11 @@ class _Runtime:
                       slot_tensors=mine, binds=mine, relaid=self.relaid,
                       trainer=self.trainer)
 
+    def lossless(self) -> Optional[tuple]:
+        st = self.stats()
+        return (st.lossless_bytes, st.lossless_raw_bytes) \
+            if st.lossless_raw_bytes else None
+
     def stats(self) -> "_lib.SchedStats":
         st = _lib.SchedStats()
         check(lib.laden_sched_stats(self.sched, ctypes.byref(st)))
@@ -462,7 +538,7 @@ class _Runtime:
         self.claimed = []
         self.gone.clear()
         for t in self.tensors:
-            _set_tensor(t, self._host_view(t).clone() if restore else _meta(t))
+            _set_tensor(t, self._value(t) if restore else _meta(t))
         if restore and self.model is not None:
             detach_all(self.model)  # handed back: plain wrappers again
         if self.device.type == "cuda":
@@ -626,7 +702,8 @@ class ModelCache:
                 self._specs[spec.key] = spec
                 return spec
             fields = ("checkpoint", "block_paths", "block_mode", "key_map",
-                      "skip_prefixes", "trainable")
+                      "skip_prefixes", "trainable", "compression",
+                      "lossless_cache")
             differ = [f for f in fields
                       if getattr(have, f) != getattr(spec, f)]
             if differ:
@@ -1103,7 +1180,7 @@ class ModelCache:
                 rt.last_use if rt.last_use is not None else
                 self._last.get(key), rt.in_use,
                 _MODE_NAMES.get(rt.mode) if rt.mode is not None else None,
-                rt.shared)
+                rt.shared, rt.lossless())
 
     def stats(self, device=None) -> Dict[str, int]:
         """Totals over every device, or over `device` alone: bytes held
@@ -1153,12 +1230,15 @@ class ModelOffloader:
     memory and keeps its pinned host copy.  ``close()`` gives the module
     back as an ordinary CPU module (its tensors copied out of laden's
     memory).  ``cache``: a ModelCache shared with other models (its
-    budgets apply) instead of one of its own."""
+    budgets apply) instead of one of its own.  ``compression="lossless"``:
+    as ``ModelSpec``'s (the weights are encoded from the module's memory
+    as it is taken over)."""
 
     def __init__(self, model, *, block_paths: Sequence[str] = (),
                  block_mode: str = "auto", vram_budget=None,
                  pinned_budget=None, key: Optional[str] = None,
-                 cache: Optional["ModelCache"] = None):
+                 cache: Optional["ModelCache"] = None,
+                 compression: Optional[str] = None):
         import torch
 
         if not isinstance(model, torch.nn.Module):
@@ -1169,7 +1249,8 @@ class ModelOffloader:
         self._module = model
         self.key = key or f"{type(model).__name__}@{id(model):x}"
         self.spec = ModelSpec(self.key, lambda: self._module,
-                              block_paths=block_paths, block_mode=block_mode)
+                              block_paths=block_paths, block_mode=block_mode,
+                              compression=compression)
         if cache is not None and (vram_budget is not None or
                                   pinned_budget is not None):
             raise InvalidArgumentError(

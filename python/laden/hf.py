@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Dict, List, Optional
 
-from . import doors, streaming
+from . import doors, planning, streaming
 from ._describe import find_blocks
 from ._devices import _device
 # The move guard lives below streaming (release takes it off); the names
@@ -872,7 +872,8 @@ class PipelineHandle:
 
 
 def offload_pipeline(pipe, *, device=None, vram_budget=None,
-                     ram_budget=None, lookahead: int = 2) -> PipelineHandle:
+                     ram_budget=None, lookahead: int = 2,
+                     compression: Optional[str] = None) -> PipelineHandle:
     """Runs a diffusers pipeline's components (text encoders, denoiser,
     VAE) under one ``ModelCache`` and one budget.  Each component is
     activated when the pipeline calls it (its ``forward``, or a VAE's
@@ -881,8 +882,11 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
     ``find_blocks``).  The components must be on the CPU, as
     ``from_pretrained`` builds them; ``pipe(...)`` is called exactly as
     before and runs on ``device``.  ``ram_budget`` bounds the pinned host
-    copies.  Returns a handle; ``handle.remove()`` gives the components back
-    as ordinary CPU modules."""
+    copies.  ``compression="lossless"``: every component's BF16/F16
+    weights are kept entropy-coded in host memory, cross the link coded
+    and are decoded on the device (see ``ModelSpec``).  Returns a handle;
+    ``handle.remove()`` gives the components back as ordinary CPU
+    modules."""
     import functools
 
     import torch
@@ -929,13 +933,15 @@ def offload_pipeline(pipe, *, device=None, vram_budget=None,
                 f"offload_pipeline: component '{k}' is on "
                 f"{', '.join(sorted(on - {'cpu'}))}; laden takes components "
                 "on the CPU (load the pipeline without .to(...))", "E_INVAL")
+    planning.check_compression(compression, "offload_pipeline")
     dev = _device(device)
     cache = ModelCache(vram_budget=vram_budget, pinned_budget=ram_budget)
     h = PipelineHandle(pipe, cache, mods, dev)
     try:
         for k, m in mods.items():
             off = ModelOffloader(m, block_paths=[
-                p.rstrip(".") for p in find_blocks(m)], key=k, cache=cache)
+                p.rstrip(".") for p in find_blocks(m)], key=k, cache=cache,
+                compression=compression)
             h._offloaders[k] = off
             depth = [0]
             for name in _ENTRY_POINTS:

@@ -778,3 +778,32 @@ def test_from_pretrained_never_uses_torch_dtype(tmp_path, monkeypatch):
     m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
                               device="cpu")
     laden.release(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_pipeline_lossless(tmp_path, device):
+    """offload_pipeline(compression="lossless") on a bf16 pipeline: the
+    denoiser's weights are kept coded in host memory and decoded on the
+    device, and the images are those of the same pipeline offloaded
+    with its weights as stored, exactly."""
+    diffusers, d = _tiny_ddpm(tmp_path)
+
+    def images(**kw):
+        pipe = diffusers.DDPMPipeline.from_pretrained(
+            d, torch_dtype=torch.bfloat16)
+        h = laden.offload_pipeline(pipe, device=device, **kw)
+        out = pipe(generator=torch.Generator().manual_seed(1),
+                   num_inference_steps=4, output_type="pt").images
+        info = h.cache.info("unet")
+        h.remove()
+        return out, info
+
+    want, plain = images()
+    got, coded = images(compression="lossless")
+    assert torch.equal(got, want)
+    assert plain.lossless is None
+    c, raw = coded.lossless
+    assert 0 < c < raw
+    assert coded.size_bytes < plain.size_bytes
+    with pytest.raises(laden.InvalidArgumentError, match="compression"):
+        images(compression="gzip")

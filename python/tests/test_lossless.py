@@ -525,3 +525,100 @@ def test_adapters_merge_into_lossless_weights(tmp_path, device):
         with pytest.raises(laden.AdapterError, match="cannot be merged"):
             laden.merge_adapter(m, A)
         laden.release(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_cache_keeps_weights_lossless(tmp_path, device):
+    """ModelSpec(compression="lossless"): the host copy holds the bf16
+    weights coded (about 0.67 of their bytes), the device copies hold them
+    decoded, a streamed block decodes at its call; the logits are those of
+    the same model cached as stored, whole and streamed, from a cache file
+    too; outside a use the coded weights are on meta and state_dict()
+    gives every bit; the spec with and without compression are two
+    layouts of one key (refused); trainable is refused."""
+    import laden
+    from laden import ModelCache, ModelSpec
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    cfg = ref.config
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(5))
+
+    def build():  # its weights from the checkpoint, its rotary buffers
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+    def spec(key, mode, **kw):
+        return ModelSpec(key, build, checkpoint=d,
+                         block_paths=["model.layers"], block_mode=mode, **kw)
+
+    cache = ModelCache()
+    with cache.use(spec("plain", "resident"), device) as m, torch.no_grad():
+        want = m(ids.to(device)).logits.cpu()
+    plain_host = cache.info("plain").size_bytes
+    llc = tmp_path / "llc"
+    laden.compress(d, llc, progress=False)
+    for key, kw in (("coded", {}), ("cached", {"lossless_cache": llc})):
+        for mode in ("resident", "streaming", "resident"):
+            sp = spec(key, mode, compression="lossless", **kw)
+            c = ModelCache()
+            with c.use(sp, device) as m, torch.no_grad():
+                got = m(ids.to(device)).logits.cpu()
+                assert torch.equal(got, want), (key, mode)
+                again = m(ids.to(device)).logits.cpu()
+                assert torch.equal(again, want), (key, mode)
+            info = c.info(key)
+            coded, raw = info.lossless
+            assert raw > 0 and coded / raw < 0.75, info.lossless
+            assert info.size_bytes < plain_host * 0.8, (info, plain_host)
+            assert info.mode == mode
+            q = m.model.layers[1].self_attn.q_proj.weight
+            # its decoded device copy; streamed: bound only in its block
+            assert q.device.type == (device if mode == "resident"
+                                     else "meta"), (key, mode)
+            c.evict(key)
+            q = m.model.layers[1].self_attn.q_proj.weight
+            assert q.device.type == "meta"  # coded: no host view
+            sd = m.state_dict()
+            for name, p in ref.state_dict().items():
+                assert torch.equal(sd[name].cpu().view(torch.int16),
+                                   p.view(torch.int16)), (key, name)
+            c.clear()
+    cache.register(spec("both", "auto"))
+    with pytest.raises(laden.StateError, match="compression"):
+        cache.register(spec("both", "auto", compression="lossless"))
+    with pytest.raises(laden.LadenError, match="trainable"):
+        spec("t", "auto", compression="lossless", trainable=True)
+    with pytest.raises(laden.InvalidArgumentError, match="compression"):
+        spec("z", "auto", compression="zstd")
+
+
+def test_model_offloader_keeps_weights_lossless():
+    """ModelOffloader(compression="lossless") over a model built on the
+    CPU: its weights are encoded from the module's memory, the outputs are
+    the module's, and close() gives the module back with every bit."""
+    from laden import ModelOffloader
+
+    c = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=320,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    m = transformers.LlamaForCausalLM(c).to(torch.bfloat16).eval()
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 7),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = m(ids).logits
+    off = ModelOffloader(m, block_paths=["model.layers"],
+                         compression="lossless")
+    for _ in range(2):
+        with torch.no_grad():
+            got = off.activate("cpu")(ids).logits
+        off.deactivate()
+        assert torch.equal(got, want)
+    coded, raw = off.info().lossless
+    assert raw > 0 and coded / raw < 0.75
+    off.close()
+    for k, v in m.state_dict().items():
+        assert v.device.type == "cpu"
+        assert torch.equal(v.view(torch.int16), sd[k].view(torch.int16)), k
