@@ -648,6 +648,7 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
         goto undo;
     if ((s = laden_sched_ready(m->sched, handle)))
         goto undo;
+    account(c, id); /* ready gives back what only the uploads needed */
     laden_sched_stats_t st;
     laden_sched_stats(m->sched, &st);
     act.slot_bytes = (uint64_t)st.nslots * st.slot_bytes;

@@ -478,6 +478,11 @@ laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle)
         return s; /* a device copy decoded from a damaged blob */
     if (!sc->cuda)
         return laden_dev_event_synchronize(sc->cache.uploaded);
+    /* The lossless upload buffer goes once the uploads are done, so that
+     * the use's device memory is its device copies and slots alone (kept,
+     * it counted against the budget and made the next switch evict a
+     * block more). */
+    laden__sched_free_scratch(sc);
     if ((s = laden__sched_compute_stream(sc, handle)))
         return s;
     return laden_dev_stream_wait_event(sc->run.compute, sc->cache.uploaded);
