@@ -622,3 +622,58 @@ def test_model_offloader_keeps_weights_lossless():
     for k, v in m.state_dict().items():
         assert v.device.type == "cpu"
         assert torch.equal(v.view(torch.int16), sd[k].view(torch.int16)), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA graphs need a GPU")
+def test_capture_replays_lossless_blocks(tmp_path):
+    """A captured forward of blocks kept lossless replays the coded copies
+    and the decodes: every replay's output equals the eager forward's, and
+    the bytes each replay copies are the coded blocks'."""
+    import laden
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(256, 512), nn.GELU(),
+                              nn.Linear(512, 256)) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16).eval()
+    for p in ref.parameters():  # weight-like values: they code
+        p.data.normal_(0, 0.02)
+    path = str(tmp_path / "n.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    with torch.device("meta"):
+        m = Net().to(torch.bfloat16).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cuda",
+                      compression="lossless")
+    st = m._laden_stream
+    assert any(t.store == "lossless" for t in st.tensors)
+    h = laden.install_offload(m, lookahead=1)
+    x0 = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    step = h.capture(m, x0)
+    from laden._lib import lib
+    o = st.live("test")
+    coded = sum(lib.laden_sched_block_bytes(o.h, b.c_block)
+                for b in st.blocks
+                if lib.laden_sched_is_streamed(o.h, b.c_block))
+    ref = ref.cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+            got = step(x)
+            want = m(x)
+            assert torch.equal(got, want)
+            torch.testing.assert_close(want, ref(x))
+    assert step.replays == 3
+    assert step.bytes_per_replay == coded
+    h.remove()
+    laden.release(m)

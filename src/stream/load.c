@@ -1254,15 +1254,20 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 
 void laden__sched_free_scratch(laden_sched_t *sc)
 {
-    if (!sc->cache.scratch)
+    if (!sc->cache.scratch[0])
         return;
-    if (sc->run.copy) /* uploads may still read it */
+    /* Uploads may still read them: the copies, then the decodes. */
+    if (sc->run.copy)
         laden_dev_stream_synchronize(sc->run.copy);
-    laden_dev_mem_free(sc->cfg.device, sc->cache.scratch);
+    if (sc->cache.decode)
+        laden_dev_stream_synchronize(sc->cache.decode);
+    for (int k = 0; k < 2; k++)
+        laden_dev_mem_free(sc->cfg.device, sc->cache.scratch[k]);
+    uint64_t n = 2 * sc->cache.scratch_bytes;
     if (sc->cache.vram)
-        laden_vram_uncharge(sc->cache.vram, sc->cache.scratch_bytes);
-    sc->st.device_bytes -= sc->cache.scratch_bytes;
-    sc->cache.scratch = 0;
+        laden_vram_uncharge(sc->cache.vram, n);
+    sc->st.device_bytes -= n;
+    sc->cache.scratch[0] = sc->cache.scratch[1] = 0;
     sc->cache.scratch_bytes = 0;
 }
 
@@ -1308,6 +1313,15 @@ void laden__sched_free_all(laden_sched_t *sc)
     sc->run.copy = NULL;
     laden_dev_event_destroy(sc->cache.uploaded);
     laden_dev_event_destroy(sc->cache.last_use);
+    for (int k = 0; k < 2; k++) {
+        laden_dev_event_destroy(sc->cache.copied[k]);
+        laden_dev_event_destroy(sc->cache.decoded[k]);
+        sc->cache.copied[k] = sc->cache.decoded[k] = NULL;
+    }
+    laden_dev_event_destroy(sc->cache.copy_end);
+    sc->cache.copy_end = NULL;
+    laden_dev_stream_destroy(sc->cache.decode);
+    sc->cache.decode = NULL;
     sc->cache.uploaded = sc->cache.last_use = NULL;
     sc->cache.fenced = false;
     free(sc->layout.order);

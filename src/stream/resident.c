@@ -26,71 +26,114 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
 }
 
 /* The device memory lossless blobs cross on their way into a device
- * copy: the largest blob of the schedule, made at the first upload that
- * needs it and kept while any block is resident (charged to the VRAM
- * context and counted as the schedule's device memory). */
+ * copy: two buffers of the schedule's largest blob, made at the first
+ * upload that needs them and given back at laden_sched_ready (charged to
+ * the VRAM context and counted as the schedule's device memory), and
+ * the stream and events that decode from them (kept until free_all). */
 static laden_status get_scratch(laden_sched_t *sc)
 {
-    if (sc->cache.scratch)
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    if (sc->cache.scratch[0])
         return LADEN_OK;
+    if (!sc->cache.decode &&
+        ((s = laden_dev_stream_create(dev, &sc->cache.decode)) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.copy_end)) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.copied[0])) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.copied[1])) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[0])) ||
+         (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[1]))))
+        return s; /* what was made is destroyed by free_all */
     uint64_t n = 0;
     for (uint32_t i = 0; i < sc->layout.nb; i++)
         for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
             if (sc->layout.b[i].t[k].ll &&
                 sc->layout.b[i].t[k].dst_bytes > n)
                 n = sc->layout.b[i].t[k].dst_bytes;
-    laden_status s;
-    if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
-        laden__error_prefix("the lossless upload buffer (%s)",
+    n = n ? n : 1;
+    if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, 2 * n))) {
+        laden__error_prefix("the lossless upload buffers (2 x %s)",
                             laden__bytes(n).s);
         return s;
     }
-    if ((s = laden_dev_mem_alloc(sc->cfg.device, n ? n : 1,
-                                 &sc->cache.scratch))) {
-        sc->cache.scratch = 0;
-        if (sc->cache.vram)
-            laden_vram_uncharge(sc->cache.vram, n);
-        laden__error_prefix("the lossless upload buffer (%s)",
-                            laden__bytes(n).s);
-        return s;
-    }
+    for (int k = 0; k < 2; k++)
+        if ((s = laden_dev_mem_alloc(dev, n, &sc->cache.scratch[k]))) {
+            if (k)
+                laden_dev_mem_free(dev, sc->cache.scratch[0]);
+            sc->cache.scratch[0] = sc->cache.scratch[1] = 0;
+            if (sc->cache.vram)
+                laden_vram_uncharge(sc->cache.vram, 2 * n);
+            laden__error_prefix("the lossless upload buffers (2 x %s)",
+                                laden__bytes(n).s);
+            return s;
+        }
     sc->cache.scratch_bytes = n;
-    sc->st.device_bytes += n;
+    sc->st.device_bytes += 2 * n;
     return LADEN_OK;
 }
 
 /* Block b's lossless tensor r into its place in the device copy: decoded
- * from the host copy on the CPU device, else copied into the scratch
- * buffer and decoded from there, both on the copy stream (the next blob's
- * copy waits for this decode).  Wrong codes set the block's word, as at
- * enter. */
+ * from the host copy on the CPU device; on CUDA copied into the next
+ * upload buffer on the copy stream (once the decode that last read it is
+ * done) and decoded from there on the decode stream (once the copy is
+ * done), so that one blob's copy runs while the one before decodes.
+ * Wrong codes set the block's word, as at enter. */
 static laden_status upload_coded(laden_sched_t *sc, blk *b, const tref *r)
 {
     laden_status s;
-    int32_t dev = sc->cfg.device;
-    uintptr_t on = laden_dev_stream_handle(sc->run.copy);
-    laden_devptr_t blob = (laden_devptr_t)(uintptr_t)b->ram + r->dst_off;
     laden_devptr_t bad =
         sc->run.ll_bad
             ? (laden_devptr_t)(uintptr_t)&sc->run.ll_bad[b - sc->layout.b]
             : 0;
-    if (sc->cuda) {
-        if ((s = laden_dev_copy_h2d(sc->run.copy, sc->cache.scratch,
-                                    (const char *)b->ram + r->dst_off,
-                                    r->dst_bytes)))
-            return s;
-        blob = sc->cache.scratch;
+    laden_devptr_t at = b->region + r->dev_off;
+    if (!sc->cuda) {
+        if ((s = laden_lossless_decode(
+                 sc->cfg.device, 0, r->ll,
+                 (laden_devptr_t)(uintptr_t)b->ram + r->dst_off, at,
+                 2 * r->nelem, bad)))
+            laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
+        return s;
     }
-    if ((s = laden_lossless_decode(dev, on, r->ll, blob,
-                                   b->region + r->dev_off, 2 * r->nelem,
-                                   bad)))
+    uint32_t k = sc->cache.next;
+    sc->cache.next ^= 1u;
+    if ((s = laden_dev_stream_wait_event(sc->run.copy,
+                                         sc->cache.decoded[k])) ||
+        (s = laden_dev_copy_h2d(sc->run.copy, sc->cache.scratch[k],
+                                (const char *)b->ram + r->dst_off,
+                                r->dst_bytes)) ||
+        (s = laden_dev_event_record(sc->cache.copied[k], sc->run.copy)) ||
+        (s = laden_dev_stream_wait_event(sc->cache.decode,
+                                         sc->cache.copied[k])))
+        return s;
+    if ((s = laden_lossless_decode(sc->cfg.device,
+                                   laden_dev_stream_handle(sc->cache.decode),
+                                   r->ll, sc->cache.scratch[k], at,
+                                   2 * r->nelem, bad))) {
         laden__error_prefix("tensor '%.200s'", r->name ? r->name : "?");
-    return s;
+        return s;
+    }
+    return laden_dev_event_record(sc->cache.decoded[k], sc->cache.decode);
+}
+
+/* sc->cache.uploaded recorded after every upload so far: the copy
+ * stream's, and the decodes' where there are any (the decode stream
+ * waits for the copy stream's last copy, then records it). */
+static laden_status mark_uploaded(laden_sched_t *sc)
+{
+    laden_status s;
+    if (!sc->cache.decode)
+        return laden_dev_event_record(sc->cache.uploaded, sc->run.copy);
+    if ((s = laden_dev_event_record(sc->cache.copy_end, sc->run.copy)) ||
+        (s = laden_dev_stream_wait_event(sc->cache.decode,
+                                         sc->cache.copy_end)))
+        return s;
+    return laden_dev_event_record(sc->cache.uploaded, sc->cache.decode);
 }
 
 /* Copies block b's host copy into its device copy on the copy stream: in
  * one piece, or for a block with lossless tensors each run of plain
- * tensors in one piece and each lossless one decoded into place. */
+ * tensors in one piece and each lossless one decoded into place
+ * (upload_coded).  mark_uploaded follows it. */
 static laden_status upload(laden_sched_t *sc, blk *b)
 {
     laden_status s;
@@ -168,10 +211,10 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
             return s;
         }
     }
-    if (copy && ((s = upload(sc, b)) ||
-                 (s = laden_dev_event_record(sc->cache.uploaded,
-                                             sc->run.copy)))) {
+    if (copy && ((s = upload(sc, b)) || (s = mark_uploaded(sc)))) {
         laden_dev_stream_synchronize(sc->run.copy);
+        if (sc->cache.decode)
+            laden_dev_stream_synchronize(sc->cache.decode);
         if (sc->cache.vbar)
             laden_vbar_unpin(sc->cache.vbar, b->voff, n);
         else if (!given)
@@ -559,8 +602,8 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     /* The model's earlier work may still read the copy. */
     if ((sc->cache.fenced &&
          (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
-        (b->bytes && ((s = upload(sc, b)) ||
-                      (s = laden_dev_stream_synchronize(sc->run.copy)))))
+        (b->bytes && ((s = upload(sc, b)) || (s = mark_uploaded(sc)) ||
+                      (s = laden_dev_event_synchronize(sc->cache.uploaded)))))
         return s;
     b->uploads++;
     sc->st.upload_bytes += b->bytes;

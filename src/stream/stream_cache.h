@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "../core/internal.h"
+#include "laden/dev.h"
 #include "laden/vram.h"
 
 typedef struct sched_cache {
@@ -24,9 +25,17 @@ typedef struct sched_cache {
     laden_vbar_t *vbar;         /* device copies live here, or NULL */
     laden_devptr_t vbar_base;
     laden_vram_t *vram;         /* the VBAR's context (borrowed) */
-    laden_devptr_t scratch;     /* lossless blobs land here on their way
-                                   to a device copy (resident.c) */
+    /* Lossless blobs land in scratch[k] on their way to a device copy
+     * (resident.c): copied there on the copy stream, decoded into place
+     * on `decode`, the two buffers in turn so that the next blob's copy
+     * runs while this one decodes.  copied[k]/decoded[k] order them;
+     * `upload_bytes` per buffer.  Made at the first upload that decodes,
+     * given back at laden_sched_ready (load.c's free_scratch). */
+    laden_devptr_t scratch[2];
     uint64_t scratch_bytes;
+    uint32_t next;              /* the buffer the next blob takes */
+    laden_dev_stream_t *decode;
+    laden_event_t *copied[2], *decoded[2], *copy_end;
 } sched_cache;
 
 #endif
