@@ -1475,6 +1475,13 @@ static void cache_schedule(int32_t dev)
                                       laden_sched_block_bytes(sc, 1));
         CHECK_OK(laden_sched_start(sc, 1)); /* block 2 streams */
         CHECK_OK(laden_sched_ready(sc, 0));
+        {
+            laden_devptr_t p;
+            uint64_t at;
+            CHECK_STATUS(laden_sched_expanded_at(sc, 0, 1, &p, &at),
+                         LADEN_E_STATE); /* decoded in its device copy */
+            CHECK(strstr(laden_last_error(), "laden_sched_tensor_ptr"));
+        }
         for (uint32_t b = 0; b < NB; b++) {
             CHECK_OK(laden_sched_enter(sc, b, 0));
             for (uint32_t k = 0; k < 2; k++) {
@@ -1550,3 +1557,59 @@ static void cache_schedule(int32_t dev)
 }
 
 TEST(lossless_in_a_cache_schedule) { test_on_every_device(cache_schedule); }
+
+/* In a cache schedule only the lossless tensors of a block with a device
+ * copy are decoded ahead (at the upload): its other compact tensors (a
+ * BF16 widened to F32 here) still expand at its enter, after a streamed
+ * block used the workspace; and laden_sched_expanded_at refuses a
+ * lossless tensor whose decoded copy is its block's. */
+TEST(lossless_cache_schedule_still_expands_the_rest)
+{
+    enum { N = 256 };
+    char hdr[512];
+    snprintf(hdr, sizeof hdr,
+             "{\"a\":{\"dtype\":\"BF16\",\"shape\":[%d],\"data_offsets\":"
+             "[0,%d]},\"b\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+             "\"data_offsets\":[%d,%d]}}",
+             N, 2 * N, N, 2 * N, 4 * N);
+    uint16_t v[2 * N];
+    for (int i = 0; i < N; i++) {
+        v[i] = 0x3f80;     /* 1.0 */
+        v[N + i] = 0x4000; /* 2.0 */
+    }
+    char *path = test_path("cache-expand.safetensors");
+    test_write_st(path, hdr, v, sizeof v);
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk[2], k;
+    const char *names[2] = {"a", "b"};
+    for (int b = 0; b < 2; b++) {
+        size_t at;
+        CHECK_OK(laden_st_find(st, names[b], &at));
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk[b]));
+        CHECK_OK(laden_sched_add_tensor(sc, blk[b], st, at, LADEN_DTYPE_BF16,
+                                        &k));
+        CHECK_OK(laden_sched_set_expanded(sc, blk[b], k, LADEN_DTYPE_F32, N,
+                                          LADEN_SCHED_NO_SCALE, 0));
+    }
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_OK(laden_sched_set_resident(sc, blk[0], 1));
+    CHECK_OK(laden_sched_start(sc, 1));
+    CHECK_OK(laden_sched_ready(sc, 0));
+    for (int b = 1; b >= 0; b--) { /* the streamed one first */
+        laden_devptr_t p;
+        uint64_t n;
+        CHECK_OK(laden_sched_enter(sc, blk[b], 0));
+        CHECK_OK(laden_sched_expanded_at(sc, blk[b], 0, &p, &n));
+        CHECK_EQ(n, 4 * N);
+        for (int i = 0; i < N; i++)
+            CHECK(((const float *)(uintptr_t)p)[i] == (b ? 2.0f : 1.0f));
+        CHECK_OK(laden_sched_exit(sc, blk[b], 0));
+    }
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+}

@@ -248,11 +248,17 @@ LADEN_API laden_status laden_sched_enter_experts(laden_sched_t *sched,
  * rules it follows: its address is laden_sched_expanded_at's).  A tensor
  * whose blob would not be at most 15/16 of its bytes, or whose block is
  * on another tier, is kept as stored, plain (laden_sched_tensor_lossless
- * says which).
+ * says which).  A tensor in host memory (laden_sched_add_host_tensor, its
+ * dtype kept) is encoded from there.  In a cache schedule
+ * (LADEN_SCHED_CACHE) the host copy and the slots hold the blob, and a
+ * block's device copy holds the tensor decoded (decoded as it is
+ * uploaded: its address is then laden_sched_tensor_ptr's, and its size
+ * counts in laden_sched_block_device_bytes); a streamed block decodes it
+ * at its enter, as above.
  * Counted in lossless_bytes and lossless_raw_bytes.  Before the load;
  * LADEN_E_UNSUPPORTED (saying why) for another dtype, a tensor converted,
- * a part, joined, reordered or compact, an expert block's, or a cache
- * schedule's; LADEN_E_STATE after the load. */
+ * a part, joined, reordered or compact, or an expert block's;
+ * LADEN_E_STATE after the load. */
 LADEN_API laden_status laden_sched_set_lossless(laden_sched_t *sched,
                                                 uint32_t block,
                                                 uint32_t index);
@@ -282,8 +288,7 @@ LADEN_API laden_status laden_sched_mark_lossless(laden_sched_t *sched,
  * LADEN_E_CORRUPT naming a cache file that is not one or is damaged
  * (its header or index: a blob is checked as it is read), LADEN_E_IO /
  * LADEN_E_NOENT for dir, LADEN_E_STATE after the load or a second
- * call, LADEN_E_UNSUPPORTED for a cache schedule; nothing is taken
- * then. */
+ * call; nothing is taken then. */
 LADEN_API laden_status laden_sched_use_lossless_cache(laden_sched_t *sched,
                                                       const char *dir);
 /* Of laden_sched_use_lossless_cache's files: those whose cache file was
@@ -293,7 +298,8 @@ LADEN_API laden_status laden_sched_lossless_cache_info(laden_sched_t *sched,
                                                        uint32_t *stale);
 
 /* 1 if tensor `index` of `block` is kept lossless-compressed (decoded by
- * its block's enter into the workspace), else 0: not marked, or kept as
+ * its block's enter into the workspace, or in a cache schedule into its
+ * block's device copy), else 0: not marked, or kept as
  * stored at load.  Known once the load began (laden_sched_load or
  * laden_sched_load_prepare). */
 LADEN_API int laden_sched_tensor_lossless(laden_sched_t *sched,
@@ -743,7 +749,8 @@ LADEN_API laden_status laden_sched_take_resident(laden_sched_t *sched,
                                                  uint64_t *out_bytes);
 
 /* As laden_sched_set_resident(b, 1), in a device region of exactly the
- * block's bytes given by the caller (from laden_sched_take_resident or
+ * block's device bytes (laden_sched_block_device_bytes) given by the
+ * caller (from laden_sched_take_resident or
  * laden_dev_mem_alloc on the schedule's device); the schedule owns it from
  * then on. */
 LADEN_API laden_status laden_sched_set_resident_at(laden_sched_t *sched,
@@ -826,6 +833,13 @@ LADEN_API uint64_t laden_sched_block_bytes(laden_sched_t *sched,
  * schedule or before the load; 0 for a bad block. */
 LADEN_API uint64_t laden_sched_block_device_bytes(laden_sched_t *sched,
                                                   uint32_t block);
+
+/* Bytes of the expansion workspace block b needs while it runs from a
+ * slot (its compact and lossless tensors expanded); 0 for a bad block or
+ * one without such tensors.  The workspace is the largest of these over
+ * the blocks that expand at their enter. */
+LADEN_API uint64_t laden_sched_block_workspace_bytes(laden_sched_t *sched,
+                                                     uint32_t block);
 
 /* Bytes block b takes on the RAM tier: before the load what the plan
  * counts (tensors marked lossless, laden_sched_mark_lossless, at the
@@ -984,7 +998,11 @@ LADEN_API laden_status laden_sched_storage_for(laden_dtype src,
                                                uint32_t *store);
 
 /* Makes compute_stream wait until every copy laden_sched_set_resident
- * started has finished (the CPU device: waits for them). */
+ * started has finished (the CPU device: waits for them).  Where uploads
+ * decoded lossless tensors (CUDA), it first waits for them on the host
+ * and gives their upload buffers back; LADEN_E_CORRUPT, naming the block
+ * and tensor, if a decode found a blob's codes wrong (from then on every
+ * call is refused until the schedule is loaded again). */
 LADEN_API laden_status laden_sched_ready(laden_sched_t *sched,
                                          uintptr_t compute_stream);
 

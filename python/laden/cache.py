@@ -345,6 +345,14 @@ class _Runtime:
                           rest_in_pieces=True)
             self.fixed = len(groups) - len(desc.blocks)
             if self.spec.compression:
+                if self.device.type == "cpu":
+                    log.warning(
+                        "laden: model '%s' with compression=%r on the CPU "
+                        "device: its resident blocks run from decoded copies "
+                        "beside the coded host copy (more RAM than without "
+                        "compression, not less); compression pays where "
+                        "weights cross a link to a GPU", self.spec.key,
+                        self.spec.compression)
                 planning.mark_lossless(self.sched, self.spec.lossless_cache)
             from_ckpt = all(t.ckpt_name is not None for t in desc.tensors)
             if self.spec.shared:

@@ -15,6 +15,8 @@ uint64_t laden__cache_budget_from_free(uint64_t free_bytes);
 typedef struct model {
     char *key; /* NULL once removed */
     uint64_t size, vram, pinned, uses, last_use;
+    uint64_t dev_size; /* its device copies' bytes (size: its host copy's;
+                          more with lossless tensors, decoded there) */
     bool in_use;
     laden_sched_t *sched; /* bound schedule (borrowed), or NULL */
     uint32_t fixed;       /* its first `fixed` blocks run without hooks */

@@ -186,10 +186,13 @@ laden_status laden_cache_bind(laden_cache_t *c, uint32_t id,
                            m->key, dev, c->device);
     c->device = dev;
     c->bound_once = true;
-    uint64_t size = 0;
-    for (uint32_t i = 0; i < nb; i++)
+    uint64_t size = 0, dev_size = 0;
+    for (uint32_t i = 0; i < nb; i++) {
         size += laden_sched_block_bytes(sc, i);
+        dev_size += laden_sched_block_device_bytes(sc, i);
+    }
     m->sched = sc;
+    m->dev_size = dev_size;
     m->device = dev;
     m->fixed = fixed;
     m->size = size;
@@ -418,13 +421,17 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
                         "'%.200s'", m->key);
         goto out;
     }
-    for (uint32_t i = 0; i < nf; i++)
+    uint64_t ws = 0; /* the workspace a streamed block decodes into */
+    for (uint32_t i = 0; i < nf; i++) {
         bytes[i] = laden_sched_block_device_bytes(sc, m->fixed + i);
+        uint64_t w = laden_sched_block_workspace_bytes(sc, m->fixed + i);
+        ws = w > ws ? w : ws;
+    }
     laden_plan_input in;
     memset(&in, 0, sizeof in);
     in.nblocks = nf;
     in.block_bytes = bytes;
-    in.rest_bytes = rest;
+    in.rest_bytes = rest + ws; /* held beside the rest while it streams */
     in.vram_free_bytes = avail;
     in.ram_total_bytes = in.ram_free_bytes = in.ram_budget_bytes = total + 1;
     in.min_free_ram_bytes = 0;
@@ -692,7 +699,7 @@ laden_status laden_cache_may_evict(laden_cache_t *c, uint32_t id,
      * pages; without a budget activation takes nothing from the budget. */
     if (laden_sched_vbar(m->sched) || !c->vram_budget)
         return LADEN_OK;
-    uint64_t lacks = m->size > m->vram ? m->size - m->vram : 0;
+    uint64_t lacks = m->dev_size > m->vram ? m->dev_size - m->vram : 0;
     uint64_t free_room = c->vram < c->vram_budget ? c->vram_budget - c->vram
                                                   : 0;
     *out = lacks && free_room < lacks;

@@ -137,8 +137,8 @@ void laden__sched_free_slots(laden_sched_t *sc)
         laden_dev_mem_free(sc->cfg.device, sc->run.workspace);
         sc->run.workspace = 0;
         if (sc->cache.vram)
-            laden_vram_uncharge(sc->cache.vram,
-                                laden__sched_workspace_bytes(sc));
+            laden_vram_uncharge(sc->cache.vram, sc->run.workspace_bytes);
+        sc->run.workspace_bytes = 0;
     }
     laden__gauge_add(LADEN__GAUGE_SLOTS, sc->cfg.device,
                      -(int64_t)sc->run.slot_gauge);

@@ -220,6 +220,8 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
         else if (!given)
             laden_dev_mem_free(dev, b->region);
         b->region = 0;
+        if (!sc->st.resident_bytes) /* nothing left to upload into */
+            laden__sched_free_scratch(sc);
         return s;
     }
     if (copy) {
@@ -380,6 +382,7 @@ static laden_status use_vram_streaming(laden_sched_t *sc, laden_vram_t *vram)
 static laden_status use_vram_cache(laden_sched_t *sc, laden_vram_t *vram)
 {
     laden_status s;
+    laden__sched_free_scratch(sc); /* charged to the context it leaves */
     laden_vbar_t *v = NULL;
     laden_devptr_t base = 0;
     if (vram) {
@@ -517,15 +520,17 @@ static laden_status loaded_cache(laden_sched_t *sc, const char *call)
 laden_status laden__sched_ready(laden_sched_t *sc, uintptr_t handle)
 {
     laden_status s = loaded_cache(sc, "laden_sched_ready");
-    if (s || (s = laden__sched_ll_damage(sc)))
-        return s; /* a device copy decoded from a damaged blob */
+    if (s)
+        return s;
     if (!sc->cuda)
         return laden_dev_event_synchronize(sc->cache.uploaded);
-    /* The lossless upload buffer goes once the uploads are done, so that
+    /* The lossless upload buffers go once the uploads are done, so that
      * the use's device memory is its device copies and slots alone (kept,
-     * it counted against the budget and made the next switch evict a
-     * block more). */
+     * they counted against the budget and made the next switch evict a
+     * block more); then the decodes' words are final. */
     laden__sched_free_scratch(sc);
+    if ((s = laden__sched_ll_damage(sc)))
+        return s; /* a device copy decoded from a damaged blob */
     if ((s = laden__sched_compute_stream(sc, handle)))
         return s;
     return laden_dev_stream_wait_event(sc->run.compute, sc->cache.uploaded);
@@ -603,8 +608,11 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
     if ((sc->cache.fenced &&
          (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
         (b->bytes && ((s = upload(sc, b)) || (s = mark_uploaded(sc)) ||
-                      (s = laden_dev_event_synchronize(sc->cache.uploaded)))))
+                      (s = laden_dev_event_synchronize(sc->cache.uploaded))))) {
+        laden__sched_free_scratch(sc);
         return s;
+    }
+    laden__sched_free_scratch(sc); /* used by this upload alone */
     b->uploads++;
     sc->st.upload_bytes += b->bytes;
     sc->st.h2d_bytes += b->bytes;

@@ -88,6 +88,21 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
 
 /* ---- the hot path ------------------------------------------------------- */
 
+/* Whether block b's enter expands tensors into the workspace: its compact
+ * tensors, but not a cache schedule's lossless ones while the block has a
+ * device copy (decoded there at the upload, resident.c). */
+static bool expands_at_enter(const laden_sched_t *sc, const blk *b)
+{
+    if (!b->ws_bytes)
+        return false;
+    if (!sc->cache.on || laden__sched_streamed(sc, b))
+        return true;
+    for (uint32_t k = 0; k < b->nt; k++)
+        if (b->t[k].expands && !b->t[k].ll)
+            return true;
+    return false;
+}
+
 static const char *bname(laden_sched_t *sc, int64_t block);
 
 /* Block's compact tensors expanded into the workspace (workspace.c laid
@@ -100,11 +115,14 @@ static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
     int32_t dev = sc->cfg.device;
     laden_devptr_t ws = sc->run.workspace;
     laden_devptr_t base = run_base(sc, b);
+    /* A cache schedule's device copy holds its lossless tensors decoded
+     * (resident.c): only a streamed block's are decoded here. */
+    bool coded = !sc->cache.on || laden__sched_streamed(sc, b);
     laden_status s;
     for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
-        if (!r->expands || !r->nelem) /* nothing to expand */
-            continue;
+        if (!r->expands || !r->nelem || (r->ll && !coded))
+            continue; /* nothing to expand; decoded in its device copy */
         laden_devptr_t src = base + r->dst_off, scale = 0;
         laden_scale_kind kind = r->scale_kind;
         if (r->rows) {
@@ -159,7 +177,7 @@ laden_status laden__sched_expand_block(laden_sched_t *sc, uint32_t block,
                                        uintptr_t handle)
 {
     blk *b = &sc->layout.b[block];
-    if (!b->ws_bytes)
+    if (!expands_at_enter(sc, b))
         return LADEN_OK;
     if (!sc->run.workspace)
         return laden__fail(LADEN_E_STATE, "block %u has compact tensors: "
@@ -457,8 +475,13 @@ static laden_status make_workspace(laden_sched_t *sc)
 {
     uint64_t n = laden__sched_workspace_bytes(sc);
     laden_status s;
-    if (sc->cache.on && !sc->layout.nstreamed)
+    if (sc->cache.on) { /* the blocks that expand this time */
         n = 0;
+        for (uint32_t i = 0; i < sc->layout.nb; i++)
+            if (expands_at_enter(sc, &sc->layout.b[i]) &&
+                sc->layout.b[i].ws_bytes > n)
+                n = sc->layout.b[i].ws_bytes;
+    }
     if (!n)
         return laden__sched_ll_words(sc);
     if ((s = laden__sched_can_expand(sc)))
@@ -476,6 +499,7 @@ static laden_status make_workspace(laden_sched_t *sc)
                             laden__bytes(n).s);
         return s;
     }
+    sc->run.workspace_bytes = n;
     return laden__sched_ll_words(sc);
 }
 
@@ -1085,8 +1109,8 @@ static laden_status enter_block(laden_sched_t *sc, uint32_t block,
                            "block %u holds experts whose rows stream as the "
                            "router picks them: enter it with "
                            "laden_sched_enter_experts", block);
-    if (!sl && (!sc->layout.b[block].ws_bytes || sc->cache.on))
-        return LADEN_OK; /* a cache schedule's device copies are decoded */
+    if (!sl && !expands_at_enter(sc, &sc->layout.b[block]))
+        return LADEN_OK;
     if (sc->capture.on && handle != sc->capture.handle) {
         sc->capture.broken = true;
         return laden__fail(LADEN_E_STATE,

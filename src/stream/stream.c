@@ -25,7 +25,8 @@ static laden_status stats(laden_sched_t *sc, laden_sched_stats_t *out)
     *out = sc->st;
     out->slot_bytes = sc->layout.slot_bytes;
     out->nslots = sc->run.nslots;
-    out->device_bytes += (uint64_t)sc->run.nslots * sc->layout.slot_bytes;
+    out->device_bytes += (uint64_t)sc->run.nslots * sc->layout.slot_bytes +
+                         sc->run.workspace_bytes;
     out->expert_cache_bytes =
         (uint64_t)sc->run.xc.n * sc->run.xc.entry_bytes;
     out->device_bytes += out->expert_cache_bytes;
@@ -84,6 +85,11 @@ uint64_t laden_sched_block_device_bytes(laden_sched_t *sc, uint32_t block)
         return 0;
     return sc->layout.laid_out ? sc->layout.b[block].dev_bytes
                                : sc->layout.b[block].bytes;
+}
+
+uint64_t laden_sched_block_workspace_bytes(laden_sched_t *sc, uint32_t block)
+{
+    return sc && block < sc->layout.nb ? sc->layout.b[block].ws_bytes : 0;
 }
 
 uint64_t laden_sched_block_ram_bytes(laden_sched_t *sc, uint32_t block)

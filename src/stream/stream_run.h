@@ -83,6 +83,7 @@ typedef struct sched_run {
     uint32_t nslots;
     uint64_t slot_gauge;  /* slot bytes counted in the trace's gauge */
     laden_devptr_t workspace; /* expansions (workspace.c), with the slots */
+    uint64_t workspace_bytes; /* its size, as charged */
     /* CUDA, a schedule with lossless tensors: a word per block in pinned
      * host memory, which the device decoder sets when a blob's codes are
      * wrong (laden__sched_ll_damage reads those of ll_blocks, the blocks

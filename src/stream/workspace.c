@@ -166,6 +166,13 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_STATE, "laden_sched_expanded_at: the "
                                           "schedule is not started");
     const tref *r = &sc->layout.b[block].t[i];
+    if (sc->cache.on && r->ll &&
+        !laden__sched_streamed(sc, &sc->layout.b[block]))
+        return laden__fail(LADEN_E_STATE,
+                           "laden_sched_expanded_at: block %u has a device "
+                           "copy, which holds tensor '%.200s' decoded (its "
+                           "address is laden_sched_tensor_ptr's)",
+                           block, r->name ? r->name : "?");
     *ptr = sc->run.workspace + r->ws_off;
     *bytes = r->nelem * (laden_dtype_bits(r->expanded) / 8);
     return LADEN_OK;
