@@ -25,6 +25,18 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
+/* The size of each upload buffer: the schedule's largest blob. */
+static uint64_t largest_blob(const laden_sched_t *sc)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            if (sc->layout.b[i].t[k].ll &&
+                sc->layout.b[i].t[k].dst_bytes > n)
+                n = sc->layout.b[i].t[k].dst_bytes;
+    return n ? n : 1;
+}
+
 /* The device memory lossless blobs cross on their way into a device
  * copy: two buffers of the schedule's largest blob, made at the first
  * upload that needs them and given back at laden_sched_ready (charged to
@@ -44,13 +56,7 @@ static laden_status get_scratch(laden_sched_t *sc)
          (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[0])) ||
          (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[1]))))
         return s; /* what was made is destroyed by free_all */
-    uint64_t n = 0;
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            if (sc->layout.b[i].t[k].ll &&
-                sc->layout.b[i].t[k].dst_bytes > n)
-                n = sc->layout.b[i].t[k].dst_bytes;
-    n = n ? n : 1;
+    uint64_t n = largest_blob(sc);
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, 2 * n))) {
         laden__error_prefix("the lossless upload buffers (2 x %s)",
                             laden__bytes(n).s);
@@ -462,10 +468,12 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
      * ranges ascend). */
     uint64_t need = 0;
     int64_t last = -1;
+    bool decodes = false; /* the upload buffers are charged too */
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         blk *b = &sc->layout.b[i];
         if (!want[i] || b->resident || !b->dev_bytes)
             continue;
+        decodes |= b->has_ll && sc->cuda && !sc->cache.scratch[0];
         int64_t p0 = (int64_t)(b->voff / page);
         int64_t p1 = (int64_t)((b->voff + b->dev_bytes - 1) / page);
         for (int64_t p = p0 > last ? p0 : last + 1; p <= p1 && p < got; p++)
@@ -475,6 +483,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
             last = p1;
     }
     free(state);
+    need += decodes ? 2 * largest_blob(sc) : 0;
     return need ? laden_vram_make_room(sc->cache.vram, need) : LADEN_OK;
 }
 
