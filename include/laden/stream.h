@@ -81,7 +81,9 @@ typedef struct laden_sched_stats {
     uint64_t gpu_bytes, ram_bytes, disk_bytes; /* tensor bytes per tier */
     uint64_t slot_bytes;        /* bytes of one slot */
     uint32_t nslots;
-    uint64_t device_bytes;      /* device memory held: GPU tier + slots */
+    uint64_t device_bytes;      /* device memory held: GPU tier or device
+                                   copies, slots, the expansion workspace,
+                                   a cache's lossless upload buffers */
     uint64_t pinned_bytes;      /* pinned host memory held */
     uint64_t enters;            /* laden_sched_enter calls on streamed blocks */
     uint64_t misses;            /* of those, blocks not prefetched in time */

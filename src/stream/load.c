@@ -1274,6 +1274,9 @@ void laden__sched_free_scratch(laden_sched_t *sc)
 
 void laden__sched_free_all(laden_sched_t *sc)
 {
+    /* First: it waits for the decodes that write the device copies and
+     * the damage words freed below. */
+    laden__sched_free_scratch(sc);
     laden__sched_free_slots(sc);
     if (sc->run.ll_bad) /* a decode still queued: the free waits for it */
         laden_dev_host_free(sc->cfg.device, sc->run.ll_bad);
@@ -1305,7 +1308,6 @@ void laden__sched_free_all(laden_sched_t *sc)
     }
     sc->load.pinned_homes = 0;
     laden__sched_share_close(sc);
-    laden__sched_free_scratch(sc);
     /* after the copies (free_slots synced) */
     laden_vbar_destroy(sc->cache.vbar);
     sc->cache.vbar = NULL;

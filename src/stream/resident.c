@@ -44,18 +44,21 @@ static uint64_t largest_blob(const laden_sched_t *sc)
  * the stream and events that decode from them (kept until free_all). */
 static laden_status get_scratch(laden_sched_t *sc)
 {
-    laden_status s;
+    laden_status s = LADEN_OK;
     int32_t dev = sc->cfg.device;
     if (sc->cache.scratch[0])
         return LADEN_OK;
-    if (!sc->cache.decode &&
-        ((s = laden_dev_stream_create(dev, &sc->cache.decode)) ||
-         (s = laden_dev_event_create(dev, 0, &sc->cache.copy_end)) ||
-         (s = laden_dev_event_create(dev, 0, &sc->cache.copied[0])) ||
-         (s = laden_dev_event_create(dev, 0, &sc->cache.copied[1])) ||
-         (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[0])) ||
-         (s = laden_dev_event_create(dev, 0, &sc->cache.decoded[1]))))
-        return s; /* what was made is destroyed by free_all */
+    /* The events first, each made once; the stream last: its presence
+     * says they all exist (what was made is destroyed by free_all). */
+    laden_event_t **ev[] = {&sc->cache.copy_end, &sc->cache.copied[0],
+                            &sc->cache.copied[1], &sc->cache.decoded[0],
+                            &sc->cache.decoded[1]};
+    for (size_t i = 0; i < sizeof ev / sizeof *ev && !s; i++)
+        if (!*ev[i])
+            s = laden_dev_event_create(dev, 0, ev[i]);
+    if (s || (!sc->cache.decode &&
+              (s = laden_dev_stream_create(dev, &sc->cache.decode))))
+        return s;
     uint64_t n = largest_blob(sc);
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, 2 * n))) {
         laden__error_prefix("the lossless upload buffers (2 x %s)",
@@ -618,6 +621,11 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
          (s = laden_dev_event_synchronize(sc->cache.last_use))) ||
         (b->bytes && ((s = upload(sc, b)) || (s = mark_uploaded(sc)) ||
                       (s = laden_dev_event_synchronize(sc->cache.uploaded))))) {
+        /* What the upload queued before it failed is done before the
+         * copy can be taken away (uploaded does not cover it). */
+        laden_dev_stream_synchronize(sc->run.copy);
+        if (sc->cache.decode)
+            laden_dev_stream_synchronize(sc->cache.decode);
         laden__sched_free_scratch(sc);
         return s;
     }
@@ -668,7 +676,7 @@ laden_status laden__sched_reupload_tensor(laden_sched_t *sc, uint32_t block,
             (s = laden_dev_stream_wait_event(sc->run.copy,
                                              sc->cache.last_use)) ||
             (s = laden_dev_copy_h2d(sc->run.copy, to, from, r->dst_bytes)) ||
-            (s = laden_dev_event_record(sc->cache.uploaded, sc->run.copy)) ||
+            (s = mark_uploaded(sc)) || /* the decodes queued too */
             (s = laden_dev_stream_wait_event(sc->run.compute,
                                              sc->cache.uploaded)))
             return s;

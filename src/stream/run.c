@@ -606,6 +606,10 @@ laden_status laden__sched_start(laden_sched_t *sc, uint32_t lookahead)
                            lookahead, LADEN_LOOKAHEAD_MAX);
     if (lookahead)
         sc->cfg.lookahead = lookahead;
+    /* A cache schedule's upload buffers go before its slots are charged
+     * (the uploads are waited for: laden_sched_ready would anyway). */
+    if (sc->cache.on)
+        laden__sched_free_scratch(sc);
     int32_t dev = sc->cfg.device;
     sc->run.nslots = laden_slot_count(sc->layout.nstreamed, sc->cfg.lookahead);
     sc->run.slots =

@@ -162,9 +162,6 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_INVAL,
                            "laden_sched_expanded_at: bad block or tensor, "
                            "or a tensor not expanded");
-    if (!sc->run.started || !sc->run.workspace)
-        return laden__fail(LADEN_E_STATE, "laden_sched_expanded_at: the "
-                                          "schedule is not started");
     const tref *r = &sc->layout.b[block].t[i];
     if (sc->cache.on && r->ll &&
         !laden__sched_streamed(sc, &sc->layout.b[block]))
@@ -173,6 +170,9 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
                            "copy, which holds tensor '%.200s' decoded (its "
                            "address is laden_sched_tensor_ptr's)",
                            block, r->name ? r->name : "?");
+    if (!sc->run.started || !sc->run.workspace)
+        return laden__fail(LADEN_E_STATE, "laden_sched_expanded_at: the "
+                                          "schedule is not started");
     *ptr = sc->run.workspace + r->ws_off;
     *bytes = r->nelem * (laden_dtype_bits(r->expanded) / 8);
     return LADEN_OK;
