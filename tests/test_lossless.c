@@ -1173,6 +1173,37 @@ static char *write_pairs(const char *file, uint32_t nb, uint64_t n,
     return path;
 }
 
+/* The values of write_pairs' nb blocks: NOISE random values (kept raw)
+ * then n weight-like ones each.  malloc'd. */
+static uint16_t *pairs_values(uint32_t nb, uint64_t n)
+{
+    const uint64_t per = NOISE + n;
+    uint16_t *v = malloc(2 * per * nb);
+    CHECK(v);
+    for (uint32_t b = 0; b < nb; b++) {
+        uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, NOISE);
+        uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, n);
+        memcpy(v + b * per, noise, 2 * NOISE);
+        memcpy(v + b * per + NOISE, w, 2 * n);
+        free(noise);
+        free(w);
+    }
+    return v;
+}
+
+/* bytes at device address p (a host address on the CPU device, rd
+ * NULL) into out. */
+static void read_back(laden_dev_stream_t *rd, void *out, laden_devptr_t p,
+                      uint64_t bytes)
+{
+    if (rd) {
+        CHECK_OK(laden_dev_copy_d2h(rd, out, p, bytes));
+        CHECK_OK(laden_dev_stream_synchronize(rd));
+    } else {
+        memcpy(out, (const void *)(uintptr_t)p, bytes);
+    }
+}
+
 /* A schedule of NB blocks on `tier`, block b holding n<b> and w<b>, with
  * dir's lossless cache, loaded. */
 static laden_sched_t *pairs_loaded(const char *path, const char *dir,
@@ -1223,15 +1254,7 @@ static void disk_from_cache(int32_t dev)
 {
     enum { NB = 3, N = 65536 };
     const uint64_t per = NOISE + (uint64_t)N;
-    uint16_t *v = malloc(2 * per * NB);
-    for (uint32_t b = 0; b < NB; b++) {
-        uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, NOISE);
-        uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
-        memcpy(v + b * per, noise, 2 * NOISE);
-        memcpy(v + b * per + NOISE, w, 2 * (uint64_t)N);
-        free(noise);
-        free(w);
-    }
+    uint16_t *v = pairs_values(NB, N);
     char *path = write_pairs("llc-disk.safetensors", NB, N, v);
     char *dir = test_path("llc-disk-dir");
     laden_lossless_cache_stats cs;
@@ -1269,12 +1292,7 @@ static void disk_from_cache(int32_t dev)
                 } else {
                     CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
                 }
-                if (rd) {
-                    CHECK_OK(laden_dev_copy_d2h(rd, got, p, bytes));
-                    CHECK_OK(laden_dev_stream_synchronize(rd));
-                } else {
-                    memcpy(got, (const void *)(uintptr_t)p, bytes);
-                }
+                read_back(rd, got, p, bytes);
                 CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
             }
             CHECK_OK(laden_sched_exit(sc, b, 0));
@@ -1406,15 +1424,7 @@ static void cache_schedule(int32_t dev)
 {
     enum { NB = 3, N = 65536 };
     const uint64_t per = NOISE + (uint64_t)N;
-    uint16_t *v = malloc(2 * per * NB);
-    for (uint32_t b = 0; b < NB; b++) {
-        uint16_t *noise = values(LADEN_DTYPE_BF16, RANDOM, NOISE);
-        uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
-        memcpy(v + b * per, noise, 2 * NOISE);
-        memcpy(v + b * per + NOISE, w, 2 * (uint64_t)N);
-        free(noise);
-        free(w);
-    }
+    uint16_t *v = pairs_values(NB, N);
     char *path = write_pairs("llc-cache.safetensors", NB, N, v);
     char *dir = test_path("llc-cache-dir");
     laden_lossless_cache_stats cs;
@@ -1493,12 +1503,7 @@ static void cache_schedule(int32_t dev)
                 } else { /* resident: decoded in its device copy */
                     CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
                 }
-                if (rd) {
-                    CHECK_OK(laden_dev_copy_d2h(rd, got, p, bytes));
-                    CHECK_OK(laden_dev_stream_synchronize(rd));
-                } else {
-                    memcpy(got, (const void *)(uintptr_t)p, bytes);
-                }
+                read_back(rd, got, p, bytes);
                 CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) ==
                       0);
             }
@@ -1518,12 +1523,7 @@ static void cache_schedule(int32_t dev)
         CHECK_OK(laden_sched_ready(sc, 0));
         laden_devptr_t p;
         CHECK_OK(laden_sched_tensor_ptr(sc, 2, 1, &p));
-        if (rd) {
-            CHECK_OK(laden_dev_copy_d2h(rd, got, p, 2 * (uint64_t)N));
-            CHECK_OK(laden_dev_stream_synchronize(rd));
-        } else {
-            memcpy(got, (const void *)(uintptr_t)p, 2 * (uint64_t)N);
-        }
+        read_back(rd, got, p, 2 * (uint64_t)N);
         CHECK(memcmp(got, v + 2 * per + NOISE, 2 * (uint64_t)N) == 0);
         CHECK_OK(laden_sched_tensor_value(sc, 2, 1, LADEN_DTYPE_BF16, got,
                                           2 * (uint64_t)N));

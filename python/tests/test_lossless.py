@@ -80,13 +80,18 @@ transformers = pytest.importorskip("transformers")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _tiny_llama_bf16(tmp_path):
+def _tiny_llama(layers: int = 4, seed: int = 0):
     c = transformers.LlamaConfig(
         vocab_size=128, hidden_size=128, intermediate_size=320,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(c).to(torch.bfloat16).eval()
+        num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(c).to(torch.bfloat16).eval()
+
+
+def _tiny_llama_bf16(tmp_path):
+    m = _tiny_llama()
     d = tmp_path / "llama"
     m.save_pretrained(d)
     return m, str(d)
@@ -617,12 +622,7 @@ def test_model_offloader_keeps_weights_lossless():
     the module's, and close() gives the module back with every bit."""
     from laden import ModelOffloader
 
-    c = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=320,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(2)
-    m = transformers.LlamaForCausalLM(c).to(torch.bfloat16).eval()
+    m = _tiny_llama(layers=3, seed=2)
     sd = {k: v.clone() for k, v in m.state_dict().items()}
     ids = torch.randint(0, 128, (1, 7),
                         generator=torch.Generator().manual_seed(1))
