@@ -1284,10 +1284,13 @@ def _check_targets(resolved, mode, model, by_name,
             if t.store != "plain" and mode == "merge" and not (
                     expanded_ok and t.run is not None):
                 raise AdapterError(
-                    f"target '{tg.name}' is stored compact ({t.store}: fp8 "
-                    "or bf16 storage, or GGUF blocks, expanded when its "
-                    "block runs); merge adapters into weights stored as "
-                    "they run (load without storage_dtype), or use "
+                    f"target '{tg.name}' is stored compact ({t.store}"
+                    + (": kept lossless-coded in the host copy"
+                       if t.store == "lossless" else
+                       ": fp8 or bf16 storage, or GGUF blocks, expanded when "
+                       "its block runs")
+                    + "); merge adapters into weights stored as they run "
+                    "(load without storage_dtype or compression), or use "
                     "mode='routed'", "E_INVAL")
             if mode == "routed" and not isinstance(
                     _owner(model, tg.name), torch.nn.Linear):

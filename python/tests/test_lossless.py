@@ -696,3 +696,49 @@ def test_capture_replays_lossless_blocks(tmp_path):
     assert step.bytes_per_replay == coded
     h.remove()
     laden.release(m)
+
+
+def test_model_cache_adapters_on_lossless_weights(tmp_path):
+    """A LoRA on a cached model kept lossless: routed, the logits are those
+    of the same LoRA routed on the model cached as stored; merged into a
+    coded target, refused by name (the cache's merges are kept in device
+    copies between uses, which a streamed block's decode cannot keep)."""
+    import copy
+
+    import laden
+    from laden import AdapterSpec, ModelCache, ModelSpec
+    peft = pytest.importorskip("peft")
+
+    ref, d = _tiny_llama_bf16(tmp_path)
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        init_lora_weights=False))
+    a_dir = str(tmp_path / "lora")
+    pm.save_pretrained(a_dir)
+    A = AdapterSpec("a", a_dir)
+    ids = torch.randint(0, 128, (2, 9),
+                        generator=torch.Generator().manual_seed(4))
+
+    def build():
+        return _tiny_llama()
+
+    out = {}
+    for comp in (None, "lossless"):
+        cache = ModelCache()
+        sp = ModelSpec(f"m-{comp}", build, checkpoint=d,
+                       block_paths=["model.layers"], compression=comp)
+        with cache.use(sp, "cpu", adapters=[A], mode="routed") as m, \
+                torch.no_grad():
+            out[comp] = m(ids).logits
+        with cache.use(sp, "cpu") as m, torch.no_grad():
+            base = m(ids).logits
+        assert not torch.equal(base, out[comp])
+        if comp:
+            with pytest.raises(laden.AdapterError, match="lossless"):
+                with cache.use(sp, "cpu", adapters=[A], mode="merge"):
+                    pass
+            with cache.use(sp, "cpu") as m, torch.no_grad():
+                assert torch.equal(m(ids).logits, base)  # left as it was
+        cache.clear()
+    assert torch.equal(out["lossless"], out[None])
