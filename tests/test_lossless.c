@@ -11,6 +11,7 @@
 
 #include "test.h"
 
+#include "laden/cache.h"
 #include "laden/expand.h"
 #include "laden/lossless.h"
 #include "laden/trace.h"
@@ -1612,4 +1613,81 @@ TEST(lossless_cache_schedule_still_expands_the_rest)
     }
     laden_sched_destroy(sc);
     laden_st_close(st);
+}
+
+/* A cache plans a model kept lossless by its decoded device copies, but
+ * its slots at the coded bytes they hold: under a VRAM budget that fits
+ * the rest, the workspace, three decoded blocks and three coded slots,
+ * three blocks are resident (counting the slots decoded, three would not
+ * fit); what it holds stays within the budget and every value is as
+ * stored, resident or streamed.  The CPU device (its decoder is the C
+ * one). */
+TEST(lossless_cache_plans_slots_coded)
+{
+    enum { NB = 8, N = 16384 };
+    laden_sched_t *sc;
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, NULL, &sc));
+    uint16_t *v[NB];
+    for (uint32_t b = 0; b < NB; b++) {
+        uint32_t blk, k;
+        v[b] = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+        CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+        CHECK_OK(laden_sched_add_host_tensor(sc, blk, v[b],
+                                             LADEN_DTYPE_BF16, N,
+                                             LADEN_DTYPE_BF16, &k));
+    }
+    uint32_t marked;
+    CHECK_OK(laden_sched_mark_lossless(sc, &marked));
+    CHECK_EQ(marked, NB);
+    CHECK_OK(laden_sched_load(sc));
+    uint64_t D = laden_sched_block_device_bytes(sc, 1), C = 0;
+    for (uint32_t b = 1; b < NB; b++) {
+        CHECK_EQ(laden_sched_block_device_bytes(sc, b), D);
+        uint64_t c = laden_sched_block_bytes(sc, b);
+        C = c > C ? c : C;
+    }
+    CHECK(C < D * 3 / 4);
+    CHECK_EQ(laden_sched_block_workspace_bytes(sc, 1), D);
+    /* rest + workspace + 3 resident + 3 slots, coded; decoded slots
+     * would need 8 D */
+    uint64_t budget = 2 * D + 3 * D + 3 * C;
+    CHECK(budget < 8 * D);
+    laden_cache_t *c;
+    uint32_t id, n;
+    CHECK_OK(laden_cache_create(budget, 0, &c));
+    CHECK_OK(laden_cache_add(c, "coded", 0, &id));
+    CHECK_OK(laden_cache_bind(c, id, sc, 1));
+    laden_cache_evict_t ev[4];
+    laden_cache_activation_t act;
+    CHECK_OK(laden_cache_activate(c, id, LADEN_CACHE_AUTO, 2, 0, ev, 4, &n,
+                                  &act));
+    CHECK_EQ(act.mode, LADEN_CACHE_STREAMING);
+    CHECK_EQ(act.resident_blocks, 1 + 3);
+    CHECK_EQ(act.streamed_blocks, NB - 4);
+    CHECK_EQ(act.slot_bytes, 3 * C);
+    laden_sched_stats_t ss;
+    CHECK_OK(laden_sched_stats(sc, &ss));
+    CHECK(ss.device_bytes <= budget);
+    uint16_t *got = malloc(2 * N);
+    for (uint32_t b = 1; b < NB; b++) {
+        laden_devptr_t p;
+        uint64_t at;
+        CHECK_OK(laden_sched_enter(sc, b, 0));
+        if (laden_sched_is_resident(sc, b))
+            CHECK_OK(laden_sched_tensor_ptr(sc, b, 0, &p));
+        else
+            CHECK_OK(laden_sched_expanded_at(sc, b, 0, &p, &at));
+        memcpy(got, (const void *)(uintptr_t)p, 2 * N);
+        CHECK(memcmp(got, v[b], 2 * N) == 0);
+        CHECK_OK(laden_sched_exit(sc, b, 0));
+    }
+    CHECK_OK(laden_cache_deactivate(c, id, 0));
+    CHECK_OK(laden_cache_unbind(c, id));
+    laden_cache_destroy(c);
+    laden_sched_destroy(sc);
+    for (uint32_t b = 0; b < NB; b++)
+        free(v[b]);
+    free(got);
 }

@@ -623,3 +623,34 @@ TEST(plan_properties_flags_and_host_device)
     CHECK(planned[0] > runs / 10 && planned[1] > runs / 10);
     CHECK(no_disk_ram > 0);
 }
+
+/* Blocks whose slots hold fewer bytes than their resident copies (a
+ * cache's lossless blocks: coded in the slots, decoded on the device):
+ * the slots are counted at those bytes, so the room they free holds
+ * another resident block; without them, as before. */
+TEST(plan_slots_counted_at_their_own_bytes)
+{
+    uint64_t bytes[10], slot[10];
+    for (int i = 0; i < 10; i++) {
+        bytes[i] = 100;
+        slot[i] = 60;
+    }
+    int32_t tiers[10], why[10];
+    laden_plan_result r;
+    laden_plan_input in = base(bytes, 10);
+    CHECK_OK(laden_plan_compute(&in, tiers, why, &r));
+    uint32_t plain = 0;
+    for (int i = 0; i < 10; i++)
+        plain += tiers[i] == LADEN_TIER_GPU;
+    CHECK_EQ(plain, 5); /* 50 + 5 x 100 + 3 slots x 100 = 850 of 900 */
+    CHECK_EQ(r.slot_bytes, 100);
+    in.slot_block_bytes = slot;
+    CHECK_OK(laden_plan_compute(&in, tiers, why, &r));
+    uint32_t coded = 0;
+    for (int i = 0; i < 10; i++)
+        coded += tiers[i] == LADEN_TIER_GPU;
+    CHECK_EQ(coded, 6); /* 50 + 6 x 100 + 3 x 60 = 830 */
+    CHECK_EQ(r.slot_bytes, 60);
+    CHECK_EQ(r.vram_used_bytes, 830);
+    CHECK(r.vram_used_bytes <= r.vram_avail_bytes);
+}

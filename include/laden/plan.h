@@ -116,6 +116,12 @@ typedef struct laden_plan_input {
                                      The RAM tier's room and ram_bytes
                                      count these; VRAM, the slots and the
                                      disk tier count block_bytes */
+    const uint64_t *slot_block_bytes; /* per block: what its slot (and
+                                     disk staging) holds when it streams,
+                                     where that is less than what it takes
+                                     resident (a cache keeps lossless
+                                     tensors coded in the slots, decoded
+                                     in device copies); NULL: block_bytes */
 } laden_plan_input;
 
 /* On the host device the VRAM fields are 0; gpu_bytes and the slots are

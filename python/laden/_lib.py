@@ -247,6 +247,7 @@ class PlanInput(Structure):
         ("h2d_bytes_per_s", c_double),
         ("disk_bytes_per_s", c_double),
         ("ram_block_bytes", POINTER(c_uint64)),
+        ("slot_block_bytes", POINTER(c_uint64)),
     ]
 
 

@@ -135,7 +135,8 @@
     F(T, reserve_bytes) F(T, ram_total_bytes) F(T, ram_free_bytes)         \
     F(T, ram_budget_bytes) F(T, min_free_ram_bytes) F(T, resident_blocks)  \
     F(T, lookahead) F(T, disk_staging) F(T, host_device)                   \
-    F(T, h2d_bytes_per_s) F(T, disk_bytes_per_s) F(T, ram_block_bytes)
+    F(T, h2d_bytes_per_s) F(T, disk_bytes_per_s) F(T, ram_block_bytes)    \
+    F(T, slot_block_bytes)
 #define FIELDS_laden_plan_result(F, T)                                     \
     F(T, vram_avail_bytes) F(T, ram_avail_bytes) F(T, min_free_ram_bytes)  \
     F(T, ram_limit_bytes) F(T, gpu_bytes) F(T, ram_bytes) F(T, disk_bytes) \

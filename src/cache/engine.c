@@ -412,7 +412,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
         *chosen = LADEN_CACHE_RESIDENT;
         return LADEN_OK;
     }
-    uint64_t *bytes = malloc(nf * sizeof *bytes);
+    uint64_t *bytes = malloc(2 * nf * sizeof *bytes), *slot = bytes + nf;
     int32_t *tiers = malloc(nf * sizeof *tiers);
     int32_t *why = malloc(nf * sizeof *why);
     laden_status s = LADEN_OK;
@@ -424,6 +424,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
     uint64_t ws = 0; /* the workspace a streamed block decodes into */
     for (uint32_t i = 0; i < nf; i++) {
         bytes[i] = laden_sched_block_device_bytes(sc, m->fixed + i);
+        slot[i] = laden_sched_block_bytes(sc, m->fixed + i); /* as kept */
         uint64_t w = laden_sched_block_workspace_bytes(sc, m->fixed + i);
         ws = w > ws ? w : ws;
     }
@@ -431,6 +432,7 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
     memset(&in, 0, sizeof in);
     in.nblocks = nf;
     in.block_bytes = bytes;
+    in.slot_block_bytes = slot; /* lossless tensors stream coded */
     in.rest_bytes = rest + ws; /* held beside the rest while it streams */
     in.vram_free_bytes = avail;
     in.ram_total_bytes = in.ram_free_bytes = in.ram_budget_bytes = total + 1;

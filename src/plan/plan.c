@@ -131,6 +131,13 @@ static bool experts(const laden_plan_input *in, uint32_t i)
            (in->block_flags[i] & LADEN_PLAN_BLOCK_EXPERTS);
 }
 
+/* Block i's bytes in a slot when it streams (slot_block_bytes). */
+static uint64_t slot_size(const laden_plan_input *in, uint32_t i)
+{
+    return in->slot_block_bytes ? in->slot_block_bytes[i]
+                                : in->block_bytes[i];
+}
+
 /* Block i's bytes on the RAM tier (ram_block_bytes: kept smaller). */
 static uint64_t ram_size(const laden_plan_input *in, uint32_t i)
 {
@@ -173,8 +180,8 @@ static uint64_t slots_for(const plan *p, uint32_t skip, uint32_t *nslots,
         if (i == skip || p->tiers[i] == LADEN_TIER_GPU)
             continue;
         n++;
-        if (p->in->block_bytes[i] > mx)
-            mx = p->in->block_bytes[i];
+        if (slot_size(p->in, i) > mx)
+            mx = slot_size(p->in, i);
     }
     if (nslots)
         *nslots = laden_slot_count(n, p->in->lookahead);
@@ -323,8 +330,8 @@ static laden_status host_budget(plan *p)
         if (asked_tier(in, i) == LADEN_TIER_GPU)
             continue;
         n++;
-        if (in->block_bytes[i] > mx)
-            mx = in->block_bytes[i];
+        if (slot_size(in, i) > mx)
+            mx = slot_size(in, i);
     }
     p->out->nslots = laden_slot_count(n, in->lookahead);
     p->out->slot_bytes = mx;
@@ -406,8 +413,9 @@ static streamed summarize(const plan *p, uint32_t nstream)
             continue;
         }
         uint64_t r = ram_size(in, i); /* what the RAM tier would hold */
+        uint64_t sl = slot_size(in, i);
         s.n++;
-        s.max_bytes = b > s.max_bytes ? b : s.max_bytes;
+        s.max_bytes = sl > s.max_bytes ? sl : s.max_bytes;
         s.asked_ram += a == LADEN_TIER_RAM ? r : 0;
         s.asked_disk |= a == LADEN_TIER_DISK;
         s.free_bytes += a == LADEN_PLAN_FREE ? r : 0;
