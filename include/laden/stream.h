@@ -366,7 +366,8 @@ LADEN_API laden_status laden_sched_add_host_tensor(laden_sched_t *sched,
  * to stream from disk (LADEN_PLAN_BLOCK_NO_DISK), and runs the planner
  * (plan.h) over them with the budgets, readings and rates of `budgets`,
  * whose block fields (nblocks, block_bytes, asked, block_flags,
- * rest_bytes) are ignored, the schedule supplying them.  The schedule also
+ * ram_block_bytes, slot_block_bytes, rest_bytes) are ignored, the
+ * schedule supplying them.  The schedule also
  * supplies: lookahead (its own when budgets->lookahead is 0), host_device
  * (from its device; disk_staging is the caller's on CUDA: whether the
  * staging counts against the RAM budget, and 0 on the CPU), and, with a

@@ -722,6 +722,7 @@ laden_status laden__sched_plan(laden_sched_t *sc,
     in.asked = a.asked;
     in.block_flags = a.flags;
     in.ram_block_bytes = a.smaller ? a.ram : NULL;
+    in.slot_block_bytes = NULL; /* the blocks' own: as stored */
     in.rest_bytes = laden__sched_workspace_bytes(sc); /* always there */
     if (!in.lookahead)
         in.lookahead = sc->cfg.lookahead;
