@@ -78,7 +78,7 @@ else
   fi
   log "pip install + pytest"
   python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
-  (cd python/tests && timeout ${PYTEST_LIMIT:-86400} python3 -m pytest -q -rf -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
+  (cd python/tests && timeout ${PYTEST_LIMIT:-86400} python3 -m pytest -q -rfs -p no:cacheprovider ${PYTEST_FILES:-.} 2>&1) | tee "$OUT/pytest.log" | tail -5
 fi
 if want read; then
   log "laden probe"
