@@ -1511,6 +1511,12 @@ static void cache_schedule(int32_t dev)
             CHECK_OK(laden_sched_exit(sc, b, 0));
         }
         CHECK_OK(laden_sched_synchronize(sc));
+        /* A coded tensor's host copy is its blob: nothing to re-upload
+         * from (a plain one beside it can be). */
+        CHECK_STATUS(laden_sched_reupload_tensor(sc, 0, 1, 0),
+                     LADEN_E_UNSUPPORTED);
+        CHECK(strstr(laden_last_error(), "'w0'"));
+        CHECK_OK(laden_sched_reupload_tensor(sc, 0, 0, 0));
         CHECK_OK(laden_sched_stop(sc));
         /* A device copy handed over is of the decoded size. */
         laden_devptr_t r;

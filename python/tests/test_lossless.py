@@ -612,6 +612,8 @@ def test_model_cache_keeps_weights_lossless(tmp_path, device):
         cache.register(spec("both", "auto", compression="lossless"))
     with pytest.raises(laden.LadenError, match="trainable"):
         spec("t", "auto", compression="lossless", trainable=True)
+    with pytest.raises(laden.LadenError, match="shared=True"):
+        spec("s", "auto", compression="lossless", shared=True)
     with pytest.raises(laden.InvalidArgumentError, match="compression"):
         spec("z", "auto", compression="zstd")
 
