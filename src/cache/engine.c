@@ -390,13 +390,9 @@ static laden_status choose(laden_cache_t *c, model *m, laden_cache_mode mode,
 {
     laden_sched_t *sc = m->sched;
     uint32_t nb = laden_sched_block_count(sc), nf = nb - m->fixed;
-    uint64_t total = 0, rest = 0;
-    for (uint32_t i = 0; i < nb; i++) {
-        uint64_t b = laden_sched_block_device_bytes(sc, i);
-        total += b;
-        if (i < m->fixed)
-            rest += b;
-    }
+    uint64_t total = m->dev_size, rest = 0;
+    for (uint32_t i = 0; i < m->fixed; i++)
+        rest += laden_sched_block_device_bytes(sc, i);
     bool whole = mode == LADEN_CACHE_RESIDENT || nf == 0 ||
                  (mode == LADEN_CACHE_AUTO && total <= avail);
     if (whole) {

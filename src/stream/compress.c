@@ -55,9 +55,8 @@ laden_status laden__sched_set_lossless(laden_sched_t *sc, uint32_t block,
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': kept lossless only as the "
                            "checkpoint's own BF16 or F16", name);
-    bool in_memory = r->host && r->src == r->dst && !r->rope_heads &&
-                     !r->pieces; /* a model built on the CPU */
-    if ((!laden__sched_as_stored(r) && !in_memory) || r->part || r->joined ||
+    /* As stored, or in memory as it runs (a model built on the CPU). */
+    if (r->rope_heads || r->pieces || r->part || r->joined ||
         (i + 1 < b->nt && b->t[i + 1].joined) || r->expands || b->experts)
         return laden__fail(LADEN_E_UNSUPPORTED,
                            "tensor '%.200s': kept lossless only when read "

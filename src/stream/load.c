@@ -259,13 +259,19 @@ static laden_status read_block_host(laden_sched_t *sc, blk *b, char *dst)
 
 /* Where block b's tensors lie in its device copy: as in the block, but
  * in a cache schedule each lossless tensor decoded, so the tensors after
- * one move (the same placement rule as the block's). */
-static void device_layout(const laden_sched_t *sc, blk *b)
+ * one move (the same placement rule as the block's).  Also what kinds of
+ * compact tensors it holds, and the schedule's largest blob. */
+static void device_layout(laden_sched_t *sc, blk *b)
 {
     uint64_t end = 0;
-    b->has_ll = false;
-    for (uint32_t k = 0; k < b->nt; k++)
-        b->has_ll |= b->t[k].ll != NULL;
+    b->has_ll = b->has_compact = false;
+    for (uint32_t k = 0; k < b->nt; k++) {
+        const tref *r = &b->t[k];
+        b->has_ll |= r->ll != NULL;
+        b->has_compact |= r->expands && !r->ll;
+        if (r->ll && r->dst_bytes > sc->layout.max_blob)
+            sc->layout.max_blob = r->dst_bytes;
+    }
     for (uint32_t k = 0; k < b->nt; k++) {
         tref *r = &b->t[k];
         if (!sc->cache.on || !b->has_ll) {
@@ -278,8 +284,51 @@ static void device_layout(const laden_sched_t *sc, blk *b)
     b->dev_bytes = sc->cache.on && b->has_ll ? end : b->bytes;
 }
 
+/* The damage words of a CUDA schedule with lossless tensors: a word per
+ * block in pinned host memory, which the device decoder writes
+ * (laden__sched_ll_damage reads them); kept until free_all. */
+static laden_status make_ll_words(laden_sched_t *sc)
+{
+    laden_status s;
+    uint32_t nll = 0, *list = calloc(sc->layout.nb ? sc->layout.nb : 1,
+                                     sizeof *list);
+    if (!list)
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (sc->layout.b[i].has_ll)
+            list[nll++] = i;
+    void *w = NULL;
+    uint64_t bytes = 4ull * sc->layout.nb;
+    if (!nll || (s = laden_dev_host_alloc(sc->cfg.device, bytes, &w))) {
+        free(list);
+        return nll ? s : LADEN_OK;
+    }
+    memset(w, 0, bytes);
+    sc->run.ll_bad = w;
+    sc->run.ll_blocks = list;
+    sc->run.n_ll_blocks = nll;
+    return LADEN_OK;
+}
+
+/* A CUDA cache schedule with lossless tensors: the stream its uploads
+ * decode on and the events that order it against the copies
+ * (resident.c's upload_coded). */
+static laden_status make_decode_stream(laden_sched_t *sc)
+{
+    laden_status s;
+    int32_t dev = sc->cfg.device;
+    laden_event_t **ev[] = {&sc->cache.copy_end, &sc->cache.copied[0],
+                            &sc->cache.copied[1], &sc->cache.decoded[0],
+                            &sc->cache.decoded[1]};
+    for (size_t i = 0; i < LADEN__ARRAY_LEN(ev); i++)
+        if ((s = laden_dev_event_create(dev, 0, ev[i])))
+            return s; /* what was made is destroyed by free_all */
+    return laden_dev_stream_create(dev, &sc->cache.decode);
+}
+
 /* Counts each tier's bytes (the tensors were placed as they were added),
- * orders the streamed blocks and creates the copy stream and events.
+ * orders the streamed blocks and creates the copy stream and events (the
+ * damage words and the decode stream where lossless tensors need them).
  * Once. */
 static laden_status layout(laden_sched_t *sc)
 {
@@ -318,6 +367,10 @@ static laden_status layout(laden_sched_t *sc)
     if (sc->cache.on &&
         ((s = laden_dev_event_create(dev, 0, &sc->cache.uploaded)) ||
          (s = laden_dev_event_create(dev, 0, &sc->cache.last_use))))
+        return s;
+    if (sc->cuda && sc->layout.max_blob &&
+        ((s = make_ll_words(sc)) ||
+         (sc->cache.on && (s = make_decode_stream(sc)))))
         return s;
     sc->layout.laid_out = true;
     return LADEN_OK;
@@ -1252,15 +1305,19 @@ laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block, uint32_t i)
 
 /* ---- teardown ----------------------------------------------------------- */
 
-void laden__sched_free_scratch(laden_sched_t *sc)
+void laden__sched_wait_uploads(laden_sched_t *sc)
 {
-    if (!sc->cache.scratch[0])
-        return;
-    /* Uploads may still read them: the copies, then the decodes. */
     if (sc->run.copy)
         laden_dev_stream_synchronize(sc->run.copy);
     if (sc->cache.decode)
         laden_dev_stream_synchronize(sc->cache.decode);
+}
+
+void laden__sched_free_scratch(laden_sched_t *sc)
+{
+    if (!sc->cache.scratch[0])
+        return;
+    laden__sched_wait_uploads(sc); /* they may still read them */
     for (int k = 0; k < 2; k++)
         laden_dev_mem_free(sc->cfg.device, sc->cache.scratch[k]);
     uint64_t n = 2 * sc->cache.scratch_bytes;

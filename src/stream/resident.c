@@ -25,41 +25,19 @@ static laden_status cache_block(laden_sched_t *sc, uint32_t block,
     return LADEN_OK;
 }
 
-/* The size of each upload buffer: the schedule's largest blob. */
-static uint64_t largest_blob(const laden_sched_t *sc)
-{
-    uint64_t n = 0;
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            if (sc->layout.b[i].t[k].ll &&
-                sc->layout.b[i].t[k].dst_bytes > n)
-                n = sc->layout.b[i].t[k].dst_bytes;
-    return n ? n : 1;
-}
-
 /* The device memory lossless blobs cross on their way into a device
  * copy: two buffers of the schedule's largest blob, made at the first
- * upload that needs them and given back at laden_sched_ready (charged to
- * the VRAM context and counted as the schedule's device memory), and
- * the stream and events that decode from them (kept until free_all). */
+ * upload that needs them and given back at the start or
+ * laden_sched_ready (charged to the VRAM context and counted as the
+ * schedule's device memory).  The stream and events that decode from
+ * them are the load's (load.c's layout). */
 static laden_status get_scratch(laden_sched_t *sc)
 {
-    laden_status s = LADEN_OK;
+    laden_status s;
     int32_t dev = sc->cfg.device;
     if (sc->cache.scratch[0])
         return LADEN_OK;
-    /* The events first, each made once; the stream last: its presence
-     * says they all exist (what was made is destroyed by free_all). */
-    laden_event_t **ev[] = {&sc->cache.copy_end, &sc->cache.copied[0],
-                            &sc->cache.copied[1], &sc->cache.decoded[0],
-                            &sc->cache.decoded[1]};
-    for (size_t i = 0; i < sizeof ev / sizeof *ev && !s; i++)
-        if (!*ev[i])
-            s = laden_dev_event_create(dev, 0, ev[i]);
-    if (s || (!sc->cache.decode &&
-              (s = laden_dev_stream_create(dev, &sc->cache.decode))))
-        return s;
-    uint64_t n = largest_blob(sc);
+    uint64_t n = sc->layout.max_blob;
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, 2 * n))) {
         laden__error_prefix("the lossless upload buffers (2 x %s)",
                             laden__bytes(n).s);
@@ -148,8 +126,7 @@ static laden_status upload(laden_sched_t *sc, blk *b)
     laden_status s;
     if (!b->has_ll)
         return laden_dev_copy_h2d(sc->run.copy, b->region, b->ram, b->bytes);
-    if ((sc->cuda && (s = get_scratch(sc))) ||
-        (s = laden__sched_ll_words(sc)))
+    if (sc->cuda && (s = get_scratch(sc)))
         return s;
     for (uint32_t k = 0; k < b->nt;) {
         const tref *r = &b->t[k];
@@ -221,9 +198,7 @@ static laden_status make_resident(laden_sched_t *sc, blk *b,
         }
     }
     if (copy && ((s = upload(sc, b)) || (s = mark_uploaded(sc)))) {
-        laden_dev_stream_synchronize(sc->run.copy);
-        if (sc->cache.decode)
-            laden_dev_stream_synchronize(sc->cache.decode);
+        laden__sched_wait_uploads(sc); /* what it queued, before the free */
         if (sc->cache.vbar)
             laden_vbar_unpin(sc->cache.vbar, b->voff, n);
         else if (!given)
@@ -486,7 +461,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
             last = p1;
     }
     free(state);
-    need += decodes ? 2 * largest_blob(sc) : 0;
+    need += decodes ? 2 * sc->layout.max_blob : 0;
     return need ? laden_vram_make_room(sc->cache.vram, need) : LADEN_OK;
 }
 
@@ -623,9 +598,7 @@ laden_status laden__sched_reupload(laden_sched_t *sc, uint32_t block)
                       (s = laden_dev_event_synchronize(sc->cache.uploaded))))) {
         /* What the upload queued before it failed is done before the
          * copy can be taken away (uploaded does not cover it). */
-        laden_dev_stream_synchronize(sc->run.copy);
-        if (sc->cache.decode)
-            laden_dev_stream_synchronize(sc->cache.decode);
+        laden__sched_wait_uploads(sc);
         laden__sched_free_scratch(sc);
         return s;
     }

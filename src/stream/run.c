@@ -66,8 +66,9 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                            block);
     /* A cache schedule's device copy holds lossless tensors decoded, so
      * its tensors lie apart from the slot's (dev_off). */
-    *out = run_base(sc, b) + (laden__sched_streamed(sc, b) ? b->t[i].dst_off
-                                                           : b->t[i].dev_off);
+    *out = run_base(sc, b) + (laden__sched_decoded_copy(sc, b)
+                                  ? b->t[i].dev_off
+                                  : b->t[i].dst_off);
     return LADEN_OK;
 }
 
@@ -93,14 +94,8 @@ laden_status laden__sched_host_ptr(laden_sched_t *sc, uint32_t block,
  * device copy (decoded there at the upload, resident.c). */
 static bool expands_at_enter(const laden_sched_t *sc, const blk *b)
 {
-    if (!b->ws_bytes)
-        return false;
-    if (!sc->cache.on || laden__sched_streamed(sc, b))
-        return true;
-    for (uint32_t k = 0; k < b->nt; k++)
-        if (b->t[k].expands && !b->t[k].ll)
-            return true;
-    return false;
+    return b->ws_bytes &&
+           (!laden__sched_decoded_copy(sc, b) || b->has_compact);
 }
 
 static const char *bname(laden_sched_t *sc, int64_t block);
@@ -117,7 +112,7 @@ static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
     laden_devptr_t base = run_base(sc, b);
     /* A cache schedule's device copy holds its lossless tensors decoded
      * (resident.c): only a streamed block's are decoded here. */
-    bool coded = !sc->cache.on || laden__sched_streamed(sc, b);
+    bool coded = !laden__sched_decoded_copy(sc, b);
     laden_status s;
     for (uint32_t k = 0; k < b->nt; k++) {
         const tref *r = &b->t[k];
@@ -473,17 +468,14 @@ static laden_status settle(laden_sched_t *sc)
  * it needs one only while a block streams. */
 static laden_status make_workspace(laden_sched_t *sc)
 {
-    uint64_t n = laden__sched_workspace_bytes(sc);
+    uint64_t n = 0; /* the blocks that expand this time */
     laden_status s;
-    if (sc->cache.on) { /* the blocks that expand this time */
-        n = 0;
-        for (uint32_t i = 0; i < sc->layout.nb; i++)
-            if (expands_at_enter(sc, &sc->layout.b[i]) &&
-                sc->layout.b[i].ws_bytes > n)
-                n = sc->layout.b[i].ws_bytes;
-    }
+    for (uint32_t i = 0; i < sc->layout.nb; i++)
+        if (expands_at_enter(sc, &sc->layout.b[i]) &&
+            sc->layout.b[i].ws_bytes > n)
+            n = sc->layout.b[i].ws_bytes;
     if (!n)
-        return laden__sched_ll_words(sc);
+        return LADEN_OK;
     if ((s = laden__sched_can_expand(sc)))
         return s;
     if (sc->cache.vram && (s = laden_vram_charge(sc->cache.vram, n))) {
@@ -500,34 +492,6 @@ static laden_status make_workspace(laden_sched_t *sc)
         return s;
     }
     sc->run.workspace_bytes = n;
-    return laden__sched_ll_words(sc);
-}
-
-laden_status laden__sched_ll_words(laden_sched_t *sc)
-{
-    laden_status s;
-    if (!sc->cuda || sc->run.ll_bad)
-        return LADEN_OK; /* the words of an earlier start are kept */
-    uint32_t nll = 0, *list = calloc(sc->layout.nb ? sc->layout.nb : 1,
-                                     sizeof *list);
-    if (!list)
-        return laden__fail(LADEN_E_NOMEM, "out of memory");
-    for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
-            if (sc->layout.b[i].t[k].ll) {
-                list[nll++] = i;
-                break;
-            }
-    void *w = NULL;
-    uint64_t bytes = 4ull * sc->layout.nb;
-    if (!nll || (s = laden_dev_host_alloc(sc->cfg.device, bytes, &w))) {
-        free(list);
-        return nll ? s : LADEN_OK;
-    }
-    memset(w, 0, bytes);
-    sc->run.ll_bad = w;
-    sc->run.ll_blocks = list;
-    sc->run.n_ll_blocks = nll;
     return LADEN_OK;
 }
 

@@ -146,6 +146,8 @@ typedef struct blk {
     uint64_t dev_bytes;    /* its device copy's (cache schedules: lossless
                               tensors decoded); = bytes otherwise */
     bool has_ll;           /* holds lossless tensors (once laid out) */
+    bool has_compact;      /* holds other compact tensors (fp8 codes,
+                              widened, ...: laid out with has_ll) */
     uint64_t ws_bytes;     /* its expanded tensors' workspace (workspace.c) */
     int32_t pos;           /* schedule position; -1 if not streamed */
     laden_devptr_t region; /* GPU tier on device; RAM tier on the CPU device;
@@ -223,6 +225,7 @@ static inline uint64_t laden__sched_read_shift(const blk *b)
 typedef struct sched_layout {
     blk *b;
     uint32_t nb, bcap;
+    uint64_t max_blob;   /* the largest lossless blob (once laid out) */
     /* Set by laden__sched_relayout whenever the set of streamed blocks
      * changes (load, resident.c): */
     uint32_t *order;     /* position -> block */
@@ -278,6 +281,14 @@ void laden__sched_free_description(laden_sched_t *sc);
 /* parts.c (below every file that calls them): */
 /* 1 if block b runs from a slot. */
 bool laden__sched_streamed(const laden_sched_t *sc, const blk *b);
+/* Whether block b of a cache schedule has its device copy, which holds
+ * its lossless tensors decoded (resident.c) instead of coded as its host
+ * copy and slot do. */
+static inline bool laden__sched_decoded_copy(const laden_sched_t *sc,
+                                             const blk *b)
+{
+    return sc->cache.on && b->resident;
+}
 /* Positions and slot size after the set of streamed blocks changed. */
 void laden__sched_relayout(laden_sched_t *sc);
 /* Bytes charged to the VRAM context for the slots become `want`.

@@ -60,9 +60,11 @@ laden_status laden__sched_new_vbar(laden_vram_t *vram, uint64_t total,
 /* Frees the blocks' memory, slots, streams and events (not the
  * description): what load made. */
 void laden__sched_free_all(laden_sched_t *sc);
-/* A cache schedule's lossless upload buffer (resident.c makes it) given
- * back: by free_all, and once no block has a device copy. */
+/* A cache schedule's lossless upload buffers (resident.c makes them)
+ * given back, once the uploads that read them are done. */
 void laden__sched_free_scratch(laden_sched_t *sc);
+/* Waits on the host for every upload queued: the copies and the decodes. */
+void laden__sched_wait_uploads(laden_sched_t *sc);
 /* laden_sched_destroy's work, on any thread but the loader's: the loader
  * stopped and joined, then free_all, then the description. */
 void laden__sched_destroy(laden_sched_t *sc);

@@ -211,9 +211,6 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
  * stream has passed it), else LADEN_OK.  laden_sched_enter and
  * laden_sched_synchronize ask it: once set, every later enter is refused. */
 laden_status laden__sched_ll_damage(laden_sched_t *sc);
-/* The damage words of a CUDA schedule with lossless tensors (pinned host
- * memory the decoder writes), made once: at start, or at a cache
- * schedule's first upload that decodes. */
-laden_status laden__sched_ll_words(laden_sched_t *sc);
+
 
 #endif

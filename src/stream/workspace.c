@@ -163,8 +163,7 @@ laden_status laden__sched_expanded_at(laden_sched_t *sc, uint32_t block,
                            "laden_sched_expanded_at: bad block or tensor, "
                            "or a tensor not expanded");
     const tref *r = &sc->layout.b[block].t[i];
-    if (sc->cache.on && r->ll &&
-        !laden__sched_streamed(sc, &sc->layout.b[block]))
+    if (r->ll && laden__sched_decoded_copy(sc, &sc->layout.b[block]))
         return laden__fail(LADEN_E_STATE,
                            "laden_sched_expanded_at: block %u has a device "
                            "copy, which holds tensor '%.200s' decoded (its "
