@@ -302,52 +302,39 @@ def main() -> int:
     del m, h
     gc.collect()
 
-    # laden, every block streamed from the checkpoint.
+    # laden, every block streamed from the checkpoint; then the same from a
+    # lossless cache file (issue 37): the disk tier reads the blobs, ~0.67
+    # of the bytes, and decodes at each enter.
     if not a.no_disk:
-        gc.collect()
-        setup_rss[0] = rss()
-        m = build_meta(a)
-        laden.stream_load(m, path, offload_prefixes=["blocks."], device=dev,
-                          ram_budget=0)
-        h = laden.install_offload(m, lookahead=2)
         t = tokens[0]
-        peak_reset(dev)
-        ms, out = timed(m, xs[t], 1, 2, before=lambda: drop_cache(path))
-        st = h.stats()
-        record("laden disk, lookahead 2", t, ms,
-               st["device_bytes"] + torch_peak(dev), rss(),
-               dict(equal=torch.equal(out.float().cpu(), ref_out[t]),
-                    diff=diff(out, t), disk_rate=model_bytes / (ms / 1e3)))
-        laden.release(m, h)
-        del m, h
-        gc.collect()
-
-        # The same from a lossless cache file (issue 37): the disk tier
-        # reads the blobs, ~0.67 of the bytes, and decodes at each enter.
         cache = os.path.join(a.dir, "llcache")
         crep = laden.compress(path, cache, progress=False)
         print(f"  {crep}", file=sys.stderr, flush=True)
-        gc.collect()
-        setup_rss[0] = rss()
-        m = build_meta(a)
-        laden.stream_load(m, path, offload_prefixes=["blocks."], device=dev,
-                          ram_budget=0, compression="lossless",
-                          lossless_cache=cache)
-        h = laden.install_offload(m, lookahead=2)
-        before = h.stats()["read_bytes"]
-
-        ms, out = timed(m, xs[t], 1, 2, before=lambda: [
-            drop_cache(f) for f in (path, *crep.files)])
-        st = h.stats()
-        read = (st["read_bytes"] - before) / 3  # warm-up and two timed
-        record("laden disk lossless cache, la 2", t, ms,
-               st["device_bytes"] + torch_peak(dev), rss(),
-               dict(equal=torch.equal(out.float().cpu(), ref_out[t]),
-                    diff=diff(out, t), disk_rate=model_bytes / (ms / 1e3),
-                    read_per_forward=read))
-        laden.release(m, h)
-        del m, h
-        gc.collect()
+        for name, kw, files in (
+                ("laden disk, lookahead 2", {}, (path,)),
+                ("laden disk lossless cache, la 2",
+                 dict(compression="lossless", lossless_cache=cache),
+                 (path, *crep.files))):
+            gc.collect()
+            setup_rss[0] = rss()
+            m = build_meta(a)
+            laden.stream_load(m, path, offload_prefixes=["blocks."],
+                              device=dev, ram_budget=0, **kw)
+            h = laden.install_offload(m, lookahead=2)
+            before = h.stats()["read_bytes"]
+            peak_reset(dev)
+            ms, out = timed(m, xs[t], 1, 2, before=lambda files=files: [
+                drop_cache(f) for f in files])
+            st = h.stats()
+            extra = dict(read_per_forward=(st["read_bytes"] - before) / 3) \
+                if kw else {}  # warm-up and two timed
+            record(name, t, ms, st["device_bytes"] + torch_peak(dev), rss(),
+                   dict(equal=torch.equal(out.float().cpu(), ref_out[t]),
+                        diff=diff(out, t), disk_rate=model_bytes / (ms / 1e3),
+                        **extra))
+            laden.release(m, h)
+            del m, h
+            gc.collect()
 
     # Peers on the same model, weights in CPU memory.
     if not a.no_peers and dev.type == "cuda":

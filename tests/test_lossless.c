@@ -1205,16 +1205,17 @@ static void read_back(laden_dev_stream_t *rd, void *out, laden_devptr_t p,
     }
 }
 
-/* A schedule of NB blocks on `tier`, block b holding n<b> and w<b>, with
- * dir's lossless cache, loaded. */
+/* A schedule of NB blocks on `tier` (with `flags`), block b holding n<b>
+ * and w<b>, marked lossless with dir's lossless cache (none: NULL),
+ * loaded. */
 static laden_sched_t *pairs_loaded(const char *path, const char *dir,
                                    int32_t dev, laden_io_t *io,
                                    laden_tier tier, uint32_t nb,
-                                   laden_st_t **st)
+                                   uint32_t flags, laden_st_t **st)
 {
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, st));
-    laden_sched_config cfg = {.device = dev, .io = io};
+    laden_sched_config cfg = {.device = dev, .io = io, .flags = flags};
     CHECK_OK(laden_sched_create(&cfg, *st, &sc));
     for (uint32_t b = 0; b < nb; b++) {
         uint32_t blk, k;
@@ -1229,7 +1230,8 @@ static laden_sched_t *pairs_loaded(const char *path, const char *dir,
         }
     }
     uint32_t marked;
-    CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
+    if (dir)
+        CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
     CHECK_OK(laden_sched_mark_lossless(sc, &marked));
     CHECK_EQ(marked, 2 * nb);
     CHECK_OK(laden_sched_load(sc));
@@ -1272,7 +1274,7 @@ static void disk_from_cache(int32_t dev)
         CHECK_OK(laden_io_create(NULL, &io));
         laden_sched_t *sc =
             pairs_loaded(path, dir, dev, io,
-                         disk ? LADEN_TIER_DISK : LADEN_TIER_RAM, NB, &st);
+                         disk ? LADEN_TIER_DISK : LADEN_TIER_RAM, NB, 0, &st);
         laden_sched_stats_t ss;
         CHECK_OK(laden_sched_stats(sc, &ss));
         CHECK_EQ(ss.lossless_cache_bytes, cs.coded_bytes);
@@ -1338,7 +1340,7 @@ static void disk_from_cache(int32_t dev)
         laden_st_t *st;
         CHECK_OK(laden_io_create(NULL, &io));
         laden_sched_t *sc =
-            pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+            pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, 0, &st);
         char cpath[4096];
         CHECK_OK(laden_lossless_cache_path(path, dir, cpath, sizeof cpath));
         /* w1's magic, the file's times kept (damage a change of the file
@@ -1358,7 +1360,7 @@ static void disk_from_cache(int32_t dev)
         laden_st_close(st);
         /* Changed in use, its time with it: LADEN_E_CHANGED at the read. */
         CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
-        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, 0, &st);
         flip_byte(cpath, index_field(cpath, 3, 24) + 1);
         struct timespec later[2] = {{0, UTIME_OMIT}, {sb.st_mtim.tv_sec + 5, 0}};
         CHECK_EQ(utimensat(AT_FDCWD, cpath, later, 0), 0);
@@ -1372,7 +1374,7 @@ static void disk_from_cache(int32_t dev)
          * stream has passed the decode (the next enter or synchronize),
          * and from then on every enter is refused. */
         CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
-        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, &st);
+        sc = pairs_loaded(path, dir, dev, io, LADEN_TIER_DISK, NB, 0, &st);
         CHECK_EQ(stat(cpath, &sb), 0);
         flip_byte(cpath, index_field(cpath, 3, 24) +
                              LADEN_LOSSLESS_HEADER_BYTES + 100);
@@ -1437,28 +1439,9 @@ static void cache_schedule(int32_t dev)
     uint16_t *got = malloc(2 * (uint64_t)N);
     for (int cached = 0; cached < 2; cached++) { /* encoded, or its file */
         laden_st_t *st;
-        laden_sched_t *sc;
-        CHECK_OK(laden_st_open(path, &st));
-        laden_sched_config cfg = {.device = dev, .flags = LADEN_SCHED_CACHE};
-        CHECK_OK(laden_sched_create(&cfg, st, &sc));
-        for (uint32_t b = 0; b < NB; b++) {
-            uint32_t blk, k;
-            CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
-            for (int w = 0; w < 2; w++) {
-                char name[16];
-                size_t at;
-                snprintf(name, sizeof name, "%c%u", w ? 'w' : 'n', b);
-                CHECK_OK(laden_st_find(st, name, &at));
-                CHECK_OK(laden_sched_add_tensor(sc, blk, st, at,
-                                                LADEN_DTYPE_BF16, &k));
-            }
-        }
-        uint32_t marked;
-        if (cached)
-            CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
-        CHECK_OK(laden_sched_mark_lossless(sc, &marked));
-        CHECK_EQ(marked, 2 * NB);
-        CHECK_OK(laden_sched_load(sc));
+        laden_sched_t *sc =
+            pairs_loaded(path, cached ? dir : NULL, dev, NULL, LADEN_TIER_RAM,
+                         NB, LADEN_SCHED_CACHE, &st);
         laden_sched_stats_t ss;
         CHECK_OK(laden_sched_stats(sc, &ss));
         CHECK_EQ(ss.lossless_cache_bytes, cached ? cs.coded_bytes : 0);

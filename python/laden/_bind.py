@@ -10,7 +10,7 @@ import weakref
 from typing import Optional, Tuple
 
 from . import _wrapped
-from ._describe import _Tensor
+from ._describe import _dtype_code, _Tensor
 from ._lib import check, lib
 from ._wrapped import is_dtensor, refresh
 from .errors import StateError
@@ -79,13 +79,16 @@ def tensor_layout(h, block: int, index: int) -> Tuple[int, int, int]:
     return size.value, off.value, rows.value
 
 
-def _tensor_view(owner, t, where: str, device, track=None):
+def _tensor_view(owner, t, where: str, device, track=None, nbytes=None):
     """A tensor over t's bytes in the schedule `owner` holds: 'run' (the
     device address its block runs from; `device`), or 'home' (its host
-    copy, None when it has none: the disk tier).  Its length is C's."""
+    copy, None when it has none: the disk tier).  Its length is C's
+    unless `nbytes` says (a cache's device copy holds a lossless tensor
+    decoded)."""
     import torch
 
-    nbytes = tensor_layout(owner.h, t.c_block, t.c_index)[0]
+    if nbytes is None:
+        nbytes = tensor_layout(owner.h, t.c_block, t.c_index)[0]
     if where == "run":
         p = ctypes.c_uint64()
         check(lib.laden_sched_tensor_ptr(owner.h, t.c_block, t.c_index,
@@ -97,6 +100,28 @@ def _tensor_view(owner, t, where: str, device, track=None):
                                    ctypes.byref(hp)))
     return _view(hp.value, nbytes, t.dtype, t.shape,
                  torch.device("cpu"), owner) if hp.value else None
+
+
+def expanded_view(owner, t, device, track=None):
+    """Where C expands compact tensor t while its block runs
+    (laden_sched_expanded_at: the workspace)."""
+    p, n = ctypes.c_uint64(), ctypes.c_uint64()
+    check(lib.laden_sched_expanded_at(owner.h, t.c_block, t.c_index,
+                                      ctypes.byref(p), ctypes.byref(n)))
+    return _view(p.value, n.value, t.dtype, t.shape, device, owner, track)
+
+
+def tensor_value(h, t):
+    """t's value as its block computes with it, read and expanded (or
+    decoded) by C from where it is kept (laden_sched_tensor_value): a new
+    CPU tensor, the caller's."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=t.dtype)
+    check(lib.laden_sched_tensor_value(
+        h, t.c_block, t.c_index, _dtype_code(t.dtype, t),
+        ctypes.c_void_p(out.data_ptr()), out.numel() * out.element_size()))
+    return out
 
 
 def _meta(t: _Tensor):

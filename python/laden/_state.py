@@ -11,8 +11,9 @@ from typing import Dict, List, Optional
 
 from . import _lib
 from ._bind import (_fp8_dtype, _make, _meta, _Owned, _set_run,
-                    _set_tensor, _tensor_view, _view, tensor_layout)
-from ._describe import (BlockInfo, _destroy_schedule, _dtype_code, _numel,
+                    _set_tensor, _tensor_view, _view, tensor_layout,
+                    tensor_value)
+from ._describe import (BlockInfo, _destroy_schedule, _numel,
                         _Tensor, new_schedule)
 from ._lib import check, lib
 from .checkpoint import Checkpoint
@@ -176,11 +177,4 @@ def _own_value(state: _Stream, t: _Tensor):
     disk-tier tensor; a compact one, which exists expanded only inside
     its block): read and expanded by C from where it is kept
     (laden_sched_tensor_value).  A new CPU tensor, the caller's."""
-    import torch
-
-    o = state.live("state_dict")
-    out = torch.empty(t.shape, dtype=t.dtype)
-    check(lib.laden_sched_tensor_value(
-        o.h, t.c_block, t.c_index, _dtype_code(t.dtype, t),
-        ctypes.c_void_p(out.data_ptr()), out.numel() * out.element_size()))
-    return out
+    return tensor_value(state.live("state_dict").h, t)

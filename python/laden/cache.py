@@ -32,10 +32,10 @@ from .training import _CacheTrainer, materialize_peft
 from .checkpoint import Checkpoint, PathLike
 from .errors import InvalidArgumentError, StateError
 from ._bind import (_meta, _Owned, _set_run, _set_tensor, _tensor_view,
-                    _view, run_of)
-from ._describe import (KeyMap, _destroy_schedule, _dtype_code, _nbytes,
-                        _Tensor, check_lookahead, describe, fill,
-                        new_schedule, progress_to)
+                    expanded_view, run_of, tensor_value)
+from ._describe import (KeyMap, _destroy_schedule, _nbytes, _Tensor,
+                        check_lookahead, describe, fill, new_schedule,
+                        progress_to)
 from ._devices import _compute_stream, _dev_index, _device
 from ._hooks import _unwrap_all, _wrap_forward, relaid_check
 
@@ -370,6 +370,7 @@ class _Runtime:
                     # reads in flight.
                     check(lib.laden_sched_load(self.sched))
                     done = len(groups)
+                    self._mark_coded(desc.tensors)
                     for t in desc.tensors:
                         _set_tensor(t, self._home(t))
                 else:
@@ -379,6 +380,8 @@ class _Runtime:
                     # peaks at the model plus a block, not twice it).
                     for b, ts in enumerate(groups):
                         check(lib.laden_sched_load_block(self.sched, b))
+                        if b == 0:  # the first encodes them all
+                            self._mark_coded(desc.tensors)
                         for t in ts:
                             t.source = None
                             _set_tensor(t, self._home(t))
@@ -404,43 +407,33 @@ class _Runtime:
     def _host_view(self, t: _Tensor):
         return _tensor_view(self.owner, t, "home", None)
 
+    def _mark_coded(self, tensors) -> None:
+        """The tensors C keeps lossless (known once the load began)."""
+        for t in tensors if self.spec.compression else ():
+            if lib.laden_sched_tensor_lossless(self.sched, t.c_block,
+                                               t.c_index):
+                t.store = "lossless"
+
     def _home(self, t: _Tensor):
         """What t's modules hold outside a use: its host copy, or meta for
         a tensor kept lossless (its host copy is its blob)."""
-        if t.store == "plain" and lib.laden_sched_tensor_lossless(
-                self.sched, t.c_block, t.c_index):
-            t.store = "lossless"
         return _meta(t) if t.store == "lossless" else self._host_view(t)
 
     def _value(self, t: _Tensor):
         """t's value in a CPU tensor of its own (decoded by C when kept
         lossless)."""
-        import torch
-
         if t.store != "lossless":
             return self._host_view(t).clone()
-        out = torch.empty(t.shape, dtype=t.dtype)
-        check(lib.laden_sched_tensor_value(
-            self.sched, t.c_block, t.c_index, _dtype_code(t.dtype, t),
-            ctypes.c_void_p(out.data_ptr()),
-            out.numel() * out.element_size()))
-        return out
+        return tensor_value(self.sched, t)
 
     def _decoded(self, t: _Tensor, streamed: bool):
-        """Where lossless tensor t is decoded on the device: its block's
-        device copy, or the expansion workspace while a streamed block
-        runs."""
-        o = self.owner
-        p, n = ctypes.c_uint64(), ctypes.c_uint64()
+        """Where lossless tensor t is decoded on the device: the expansion
+        workspace while a streamed block runs, else its block's device
+        copy (decoded: the tensor's own size, not its blob's)."""
         if streamed:
-            check(lib.laden_sched_expanded_at(o.h, t.c_block, t.c_index,
-                                              ctypes.byref(p),
-                                              ctypes.byref(n)))
-        else:
-            check(lib.laden_sched_tensor_ptr(o.h, t.c_block, t.c_index,
-                                             ctypes.byref(p)))
-            n.value = _nbytes(t)
-        return _view(p.value, n.value, t.dtype, t.shape, self.device, o)
+            return expanded_view(self.owner, t, self.device)
+        return _tensor_view(self.owner, t, "run", self.device,
+                            nbytes=_nbytes(t))
 
     def rebind(self) -> bool:
         """Points every tensor where it is now: its block's device copy or

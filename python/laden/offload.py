@@ -4,15 +4,14 @@ capture).  Loading is ``streaming``'s, which re-exports these names."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import Dict, List, Tuple
 
 from . import sharing
 from ._lib import LOOKAHEAD_DEFAULT as LOOKAHEAD
 from ._lib import check, lib
-from ._bind import _meta, _Owned, _set_run, _view
-from ._describe import _Tensor, check_lookahead
+from ._bind import _meta, _Owned, _set_run, expanded_view
+from ._describe import check_lookahead
 from ._devices import _device
 from ._hooks import _unwrap_all, _wrap_forward, relaid_check
 from ._sched import _pass
@@ -344,17 +343,8 @@ def _bind_slots(state: _Stream, o: _Owned, handle: OffloadHandle) -> None:
                 continue
             # C's expansion workspace, made with the slots: the next
             # block's too, so bound only inside the block; outside, meta
-            # (state_dict() expands the stored bytes).
-            out = _expanded_view(state, o, t)
+            # (state_dict() expands the stored bytes).  Tracked with the
+            # slots' views.
+            out = expanded_view(o, t, state.device, state.slot_views)
             state.gone[out.untyped_storage().data_ptr()] = b.name
             _set_run(t, out, _meta(t), b.name)
-
-
-def _expanded_view(state: _Stream, o: _Owned, t: _Tensor):
-    """Where C expands compact tensor t while its block runs
-    (laden_sched_expanded_at), tracked with the slots' views."""
-    p, n = ctypes.c_uint64(), ctypes.c_uint64()
-    check(lib.laden_sched_expanded_at(o.h, t.c_block, t.c_index,
-                                      ctypes.byref(p), ctypes.byref(n)))
-    return _view(p.value, n.value, t.dtype, t.shape, state.device, o,
-                 state.slot_views)
