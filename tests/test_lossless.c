@@ -1325,6 +1325,11 @@ static void disk_from_cache(int32_t dev)
          * reads only at its enters: where the device decodes). */
         if (dev >= 0 && (!disk || decodes)) {
             CHECK(read > 2 * per * NB / 2);
+            if (laden__io_misplaced_bytes(io) * 4 >= read)
+                fprintf(stderr, "%s tier: %llu of %llu bytes read misplaced\n",
+                        disk ? "disk" : "RAM",
+                        (unsigned long long)laden__io_misplaced_bytes(io),
+                        (unsigned long long)read);
             CHECK(laden__io_misplaced_bytes(io) * 4 < read);
         }
         /* The value as stored, from the cache file or the home. */

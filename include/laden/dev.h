@@ -123,7 +123,9 @@ LADEN_API laden_status laden_dev_mem_alloc(int32_t device, uint64_t size_bytes,
 LADEN_API laden_status laden_dev_mem_free(int32_t device, laden_devptr_t ptr);
 
 /* Pinned host memory usable for fast copies to the device (CUDA:
- * cuMemHostAlloc, portable; CPU: aligned host memory). */
+ * cuMemHostAlloc, portable; CPU: aligned host memory).  It starts at a
+ * 4 KiB page boundary on every device (reads with O_DIRECT land in it in
+ * place), though the driver packs its own allocations more tightly. */
 LADEN_API laden_status laden_dev_host_alloc(int32_t device, uint64_t size_bytes,
                                             void **out);
 LADEN_API laden_status laden_dev_host_free(int32_t device, void *ptr);

@@ -436,16 +436,57 @@ static laden_status cuda_mem_free(int32_t dev, laden_devptr_t p)
     return check(cu.cuMemFree(p), dev, "cuMemFree");
 }
 
+/* laden_dev_host_alloc hands out whole 4 KiB pages: reads with O_DIRECT
+ * land in place only at them (the host arena's staging buffers and
+ * homes).  The driver does not promise it: it packs allocations together,
+ * and on the H200 a 128 KiB one came 512 bytes past a page after a
+ * 12-byte one.  Such an allocation is made again a page larger and handed
+ * out from its first page boundary; the list maps that address back to
+ * the driver's for the free. */
+typedef struct skewed_pin {
+    void *at, *base;
+    struct skewed_pin *next;
+} skewed_pin;
+static pthread_mutex_t skewed_mu = PTHREAD_MUTEX_INITIALIZER;
+static skewed_pin *skewed;
+
+enum { HOST_PAGE = 4096 };
+
 static laden_status cuda_host_alloc(int32_t dev, uint64_t n, void **out)
 {
     void *p = NULL;
     ENTER(dev);
-    CUresult r = cu.cuMemHostAlloc(&p, (size_t)n, CU_MEMHOSTALLOC_PORTABLE);
+    uint64_t len = (n + HOST_PAGE - 1) & ~(uint64_t)(HOST_PAGE - 1);
+    skewed_pin *sk = NULL;
+    CUresult r = len < n || len > SIZE_MAX - HOST_PAGE
+                     ? CUDA_ERROR_OUT_OF_MEMORY
+                     : cu.cuMemHostAlloc(&p, (size_t)len,
+                                         CU_MEMHOSTALLOC_PORTABLE);
+    if (r == CUDA_SUCCESS && (uintptr_t)p % HOST_PAGE) {
+        cu.cuMemFreeHost(p);
+        p = NULL;
+        if (!(sk = malloc(sizeof *sk)))
+            return laden__fail(LADEN_E_NOMEM, "out of memory pinning %s",
+                               laden__bytes(n).s);
+        r = cu.cuMemHostAlloc(&p, (size_t)len + HOST_PAGE,
+                              CU_MEMHOSTALLOC_PORTABLE);
+    }
     if (r != CUDA_SUCCESS) {
+        free(sk);
         check(r, dev, "cuMemHostAlloc");
         laden__error_prefix("cannot pin %s of host memory",
                             laden__bytes(n).s);
         return LADEN_E_NOMEM;
+    }
+    if (sk) {
+        sk->base = p;
+        sk->at = (void *)(((uintptr_t)p + HOST_PAGE - 1) &
+                          ~(uintptr_t)(HOST_PAGE - 1));
+        p = sk->at;
+        pthread_mutex_lock(&skewed_mu);
+        sk->next = skewed;
+        skewed = sk;
+        pthread_mutex_unlock(&skewed_mu);
     }
     *out = p;
     return LADEN_OK;
@@ -454,7 +495,18 @@ static laden_status cuda_host_alloc(int32_t dev, uint64_t n, void **out)
 static laden_status cuda_host_free(int32_t dev, void *p)
 {
     ENTER(dev);
-    return check(cu.cuMemFreeHost(p), dev, "cuMemFreeHost");
+    skewed_pin *sk = NULL;
+    pthread_mutex_lock(&skewed_mu);
+    for (skewed_pin **at = &skewed; *at; at = &(*at)->next)
+        if ((*at)->at == p) {
+            sk = *at;
+            *at = sk->next;
+            break;
+        }
+    pthread_mutex_unlock(&skewed_mu);
+    void *base = sk ? sk->base : p;
+    free(sk);
+    return check(cu.cuMemFreeHost(base), dev, "cuMemFreeHost");
 }
 
 static laden_status cuda_host_register(int32_t dev, void *p, uint64_t n)

@@ -8,6 +8,9 @@
  *    or an abort here, as it would on a GPU only sometimes.  Copies from
  *    pageable memory run at once, as the driver stages them.
  *  - A deferred copy whose memory was freed meanwhile aborts.
+ *  - Pinned memory lies 512 bytes past a page, as the real driver gives
+ *    it when it packs allocations together (seen on the H200 after a
+ *    12-byte one): laden_dev_host_alloc must still hand out 4 KiB.
  *  - Events, streams, device and pinned allocations left at exit make the
  *    process exit with status 3 (a leak).
  *  - Several devices (FAKE_CUDA_DEVICES, default 2), each with its own
@@ -435,13 +438,16 @@ static CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr src, size_t n,
     LOCKED(enqueue((void *)(uintptr_t)d, (void *)(uintptr_t)src, n, s, 1));
 }
 
+enum { PINNED_SKEW = 512 }; /* off a page, as the driver packs them */
 static CUresult alloc(void **p, size_t n, size_t align, int kind)
 {
     if (!current_ctx)
         return INVALID_CONTEXT;
-    void *m = aligned_alloc(align, (n + align - 1) / align * align);
+    size_t skew = kind == PINNED ? PINNED_SKEW : 0;
+    char *m = aligned_alloc(align, (n + skew + align - 1) / align * align);
     if (!m)
         return 2;
+    m += skew;
     memset(m, 0xab, n); /* not what any checkpoint holds */
     track(m, n, kind);
     *(kind == DEVICE ? &live_device : &live_pinned) += 1;
@@ -455,7 +461,7 @@ static CUresult release(void *p, int kind)
         return 1; /* CUDA_ERROR_INVALID_VALUE: not such an allocation */
     run_all(); /* a free waits for the work in flight */
     untrack(p);
-    free(p);
+    free((char *)p - (kind == PINNED ? PINNED_SKEW : 0));
     *(kind == DEVICE ? &live_device : &live_pinned) -= 1;
     return 0;
 }
