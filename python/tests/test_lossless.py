@@ -508,9 +508,11 @@ def test_adapters_merge_into_lossless_weights(tmp_path, device):
     laden.compress(d, cache, progress=False)
     ids = torch.randint(0, 128, (2, 9),
                         generator=torch.Generator().manual_seed(8))
-    extra = _all_streamed(device, "streamed")
-
-    def run(**kw):
+    def run(tier="streamed", **kw):
+        # from RAM, or (the cache's case) from disk: by a plan on CUDA,
+        # by a RAM budget of 0 on the CPU
+        extra = _all_streamed(device, tier) or \
+            ({"ram_budget": 0} if tier == "disk" else {})
         m = laden.from_pretrained(transformers.LlamaForCausalLM, d,
                                   device=device, dtype=torch.bfloat16,
                                   progress=False, **kw, **extra)
@@ -534,7 +536,7 @@ def test_adapters_merge_into_lossless_weights(tmp_path, device):
     assert not torch.equal(want["merged"], want["base"])
     for kw in ({"compression": "lossless"},
                {"compression": "lossless", "lossless_cache": cache,
-                "ram_budget": 0}):
+                "tier": "disk"}):
         m, got = run(**kw)
         stored = {n: t.store for t in m._laden_stream.tensors
                   for n in t.names}
