@@ -1553,6 +1553,68 @@ static void cache_schedule(int32_t dev)
 
 TEST(lossless_in_a_cache_schedule) { test_on_every_device(cache_schedule); }
 
+/* In a cache schedule's device copy the tensors after a decoded lossless
+ * one lie further on than in the host copy (dev_off): a compact tensor
+ * there (a BF16 widened to F32) expands from its own bytes, not from the
+ * blob's place in the host copy.  The CPU device (its decoder is C). */
+TEST(lossless_cache_copy_expands_what_follows_a_decoded_tensor)
+{
+    enum { N = 16384 };
+    char hdr[256];
+    snprintf(hdr, sizeof hdr,
+             "{\"a\":{\"dtype\":\"BF16\",\"shape\":[%d],\"data_offsets\":"
+             "[0,%d]},\"b\":{\"dtype\":\"BF16\",\"shape\":[%d],"
+             "\"data_offsets\":[%d,%d]}}",
+             N, 2 * N, N, 2 * N, 4 * N);
+    uint16_t *w = values(LADEN_DTYPE_BF16, WEIGHTS, N);
+    uint16_t *v = malloc(4 * (size_t)N);
+    memcpy(v, w, 2 * (size_t)N);
+    for (int i = 0; i < N; i++)
+        v[N + i] = (uint16_t)(0x4000 + (i & 127)); /* 2.0 and on */
+    char *path = test_path("llc-after.safetensors");
+    test_write_st(path, hdr, v, 4 * (size_t)N);
+    laden_st_t *st;
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, &st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    uint32_t blk, ka, kb;
+    size_t at;
+    CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
+    CHECK_OK(laden_st_find(st, "a", &at));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_BF16, &ka));
+    CHECK_OK(laden_st_find(st, "b", &at));
+    CHECK_OK(laden_sched_add_tensor(sc, blk, st, at, LADEN_DTYPE_BF16, &kb));
+    CHECK_OK(laden_sched_set_lossless(sc, blk, ka));
+    CHECK_OK(laden_sched_set_expanded(sc, blk, kb, LADEN_DTYPE_F32, N,
+                                      LADEN_SCHED_NO_SCALE, 0));
+    CHECK_OK(laden_sched_load(sc));
+    CHECK_EQ(laden_sched_tensor_lossless(sc, blk, ka), 1);
+    CHECK_OK(laden_sched_set_resident(sc, blk, 1));
+    CHECK_OK(laden_sched_start(sc, 1));
+    CHECK_OK(laden_sched_ready(sc, 0));
+    CHECK_OK(laden_sched_enter(sc, blk, 0));
+    laden_devptr_t p;
+    uint64_t n;
+    CHECK_OK(laden_sched_tensor_ptr(sc, blk, ka, &p));
+    CHECK(memcmp((const void *)(uintptr_t)p, w, 2 * (size_t)N) == 0);
+    CHECK_OK(laden_sched_expanded_at(sc, blk, kb, &p, &n));
+    CHECK_EQ(n, 4 * (uint64_t)N);
+    const float *f = (const float *)(uintptr_t)p;
+    for (int i = 0; i < N; i++) {
+        uint32_t bits = (uint32_t)v[N + i] << 16;
+        float want;
+        memcpy(&want, &bits, 4);
+        CHECK(f[i] == want);
+    }
+    CHECK_OK(laden_sched_exit(sc, blk, 0));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    free(w);
+    free(v);
+}
+
 /* In a cache schedule only the lossless tensors of a block with a device
  * copy are decoded ahead (at the upload): its other compact tensors (a
  * BF16 widened to F32 here) still expand at its enter, after a streamed

@@ -49,6 +49,17 @@ static laden_devptr_t run_base(const laden_sched_t *sc, const blk *b)
                : b->region;
 }
 
+/* Where tensor r of block b lies where the block runs.  A cache
+ * schedule's device copy holds its lossless tensors decoded, so there
+ * the tensors lie at their device-copy offsets (dev_off), not the host
+ * copy's and the slot's (dst_off). */
+static laden_devptr_t run_at(const laden_sched_t *sc, const blk *b,
+                             const tref *r)
+{
+    return run_base(sc, b) +
+           (laden__sched_decoded_copy(sc, b) ? r->dev_off : r->dst_off);
+}
+
 laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                                      uint32_t i, laden_devptr_t *out)
 {
@@ -64,11 +75,7 @@ laden_status laden__sched_tensor_ptr(laden_sched_t *sc, uint32_t block,
                            "block %u is streamed: its slot exists once the "
                            "schedule is started",
                            block);
-    /* A cache schedule's device copy holds lossless tensors decoded, so
-     * its tensors lie apart from the slot's (dev_off). */
-    *out = run_base(sc, b) + (laden__sched_decoded_copy(sc, b)
-                                  ? b->t[i].dev_off
-                                  : b->t[i].dst_off);
+    *out = run_at(sc, b, &b->t[i]);
     return LADEN_OK;
 }
 
@@ -109,7 +116,6 @@ static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
     blk *b = &sc->layout.b[block];
     int32_t dev = sc->cfg.device;
     laden_devptr_t ws = sc->run.workspace;
-    laden_devptr_t base = run_base(sc, b);
     /* A cache schedule's device copy holds its lossless tensors decoded
      * (resident.c): only a streamed block's are decoded here. */
     bool coded = !laden__sched_decoded_copy(sc, b);
@@ -118,14 +124,14 @@ static laden_status expand_tensors(laden_sched_t *sc, uint32_t block,
         const tref *r = &b->t[k];
         if (!r->expands || !r->nelem || (r->ll && !coded))
             continue; /* nothing to expand; decoded in its device copy */
-        laden_devptr_t src = base + r->dst_off, scale = 0;
+        laden_devptr_t src = run_at(sc, b, r), scale = 0;
         laden_scale_kind kind = r->scale_kind;
         if (r->rows) {
             scale = src + laden__sched_scale_offset(r->nelem);
             kind = LADEN_SCALE_ROW;
         } else if (r->scale != LADEN_SCHED_NO_SCALE) {
             const tref *sr = &b->t[r->scale];
-            scale = base + sr->dst_off;
+            scale = run_at(sc, b, sr);
             if (sr->dst != LADEN_DTYPE_F32) {
                 if ((s = laden_expand(dev, handle, sr->dst, scale,
                                       laden__sched_code_bytes(sr), sr->nelem, 0, 0,
