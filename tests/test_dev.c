@@ -76,6 +76,12 @@ static void host_pages(int32_t dev)
     }
     for (size_t i = N; i--;)
         CHECK_OK(laden_dev_host_free(dev, h[i]));
+    /* A size whose pages overflow is refused, nothing handed out. */
+    void *none = (void *)1;
+    CHECK_STATUS(laden_dev_host_alloc(dev, UINT64_MAX - 10, &none),
+                 LADEN_E_NOMEM);
+    CHECK_CONTAINS(laden_last_error(), "host memory");
+    CHECK_EQ(none, NULL);
     CHECK_OK(laden_dev_mem_free(dev, d));
     laden_dev_stream_destroy(s);
     free(back);
