@@ -660,17 +660,20 @@ laden_status laden__sched_compress(laden_sched_t *sc)
     return s ? s : repack(sc);
 }
 
+void laden__sched_drop_blob(tref *r)
+{
+    if (r->host_owned) {
+        free((void *)r->host);
+        r->host = NULL;
+        r->host_owned = false;
+    }
+}
+
 void laden__sched_compress_free(laden_sched_t *sc)
 {
     for (uint32_t i = 0; i < sc->layout.nb; i++)
-        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++) {
-            tref *r = &sc->layout.b[i].t[k];
-            if (r->host_owned) {
-                free((void *)r->host);
-                r->host = NULL;
-                r->host_owned = false;
-            }
-        }
+        for (uint32_t k = 0; k < sc->layout.b[i].nt; k++)
+            laden__sched_drop_blob(&sc->layout.b[i].t[k]);
 }
 
 int laden__sched_tensor_lossless(const laden_sched_t *sc, uint32_t block,

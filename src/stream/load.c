@@ -244,6 +244,14 @@ static laden_status finish_piece(laden_sched_t *sc, inflight *f,
     }
     for (uint32_t i = 0; i < f->n && f->tr; i++)
         free(f->tr[i].tmp);
+    /* The blobs compressed at load are in the block now: freed here, so
+     * that a cache's block-by-block load (laden_sched_load_block) holds
+     * the blobs of the blocks still to come beside the homes, not every
+     * blob until its last block; and a whole load frees them as the reader
+     * copies the next ones (all at its end took 0.2-0.35 s of a 9.66 GB
+     * model's 2.8-3.3 s on the H200). */
+    for (uint32_t i = 0; !s && i < f->n && f->tr; i++)
+        laden__sched_drop_blob(&f->b->t[f->t0 + i]);
     free(f->tr);
     f->tr = NULL;
     return s;
@@ -523,7 +531,7 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
                            "schedule with a shared host copy loads whole "
                            "(laden_sched_load)");
     /* Marked tensors are encoded first, all of them (the layout needs
-     * their sizes); their blobs are freed once every block has its own. */
+     * their sizes); each block's blobs are freed once it holds them. */
     if ((!sc->layout.laid_out && (s = laden__sched_compress(sc))) ||
         (s = layout(sc))) {
         laden__sched_free_all(sc);

@@ -349,6 +349,9 @@ void laden__sched_llc_free(laden_sched_t *sc);
 laden_status laden__sched_compress(laden_sched_t *sc);
 /* The blobs, once the load copied them (and at destroy). */
 void laden__sched_compress_free(laden_sched_t *sc);
+/* Tensor r's blob freed, if it holds one of the schedule's (its bytes are
+ * in its block now). */
+void laden__sched_drop_blob(tref *r);
 /* Block b's tensors read from lossless cache files, now in its host
  * memory: each blob checked (laden_lossless_check) and its info kept;
  * LADEN_E_CORRUPT naming the cache file and the tensor otherwise.  Before
