@@ -452,7 +452,7 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
         if (!s)
             (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     }
-    if (fd >= 0 && close(fd) != 0 && !s)
+    if (close(fd) != 0 && !s)
         s = laden__fail(LADEN_E_IO, "writing %.300s: %s", path,
                         strerror(errno));
     if (!s) {
