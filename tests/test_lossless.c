@@ -1553,6 +1553,18 @@ static void cache_schedule(int32_t dev)
 
 TEST(lossless_in_a_cache_schedule) { test_on_every_device(cache_schedule); }
 
+/* A cache schedule (LADEN_SCHED_CACHE) on the CPU device of the
+ * checkpoint at path, opened into *st. */
+static laden_sched_t *cpu_cache_schedule(const char *path, laden_st_t **st)
+{
+    laden_sched_t *sc;
+    CHECK_OK(laden_st_open(path, st));
+    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
+                              .flags = LADEN_SCHED_CACHE};
+    CHECK_OK(laden_sched_create(&cfg, *st, &sc));
+    return sc;
+}
+
 /* In a cache schedule's device copy the tensors after a decoded lossless
  * one lie further on than in the host copy (dev_off): a compact tensor
  * there (a BF16 widened to F32) expands from its own bytes, not from the
@@ -1574,11 +1586,7 @@ TEST(lossless_cache_copy_expands_what_follows_a_decoded_tensor)
     char *path = test_path("llc-after.safetensors");
     test_write_st(path, hdr, v, 4 * (size_t)N);
     laden_st_t *st;
-    laden_sched_t *sc;
-    CHECK_OK(laden_st_open(path, &st));
-    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
-                              .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    laden_sched_t *sc = cpu_cache_schedule(path, &st);
     uint32_t blk, ka, kb;
     size_t at;
     CHECK_OK(laden_sched_add_block(sc, LADEN_TIER_RAM, &blk));
@@ -1637,11 +1645,7 @@ TEST(lossless_cache_schedule_still_expands_the_rest)
     char *path = test_path("cache-expand.safetensors");
     test_write_st(path, hdr, v, sizeof v);
     laden_st_t *st;
-    laden_sched_t *sc;
-    CHECK_OK(laden_st_open(path, &st));
-    laden_sched_config cfg = {.device = LADEN_DEVICE_CPU,
-                              .flags = LADEN_SCHED_CACHE};
-    CHECK_OK(laden_sched_create(&cfg, st, &sc));
+    laden_sched_t *sc = cpu_cache_schedule(path, &st);
     uint32_t blk[2], k;
     const char *names[2] = {"a", "b"};
     for (int b = 0; b < 2; b++) {
