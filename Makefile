@@ -51,7 +51,8 @@ test-asan:
 	  ./build-asan/laden_tests
 	$(MAKE) build/fake_cuda/libcuda.so.1
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  LD_LIBRARY_PATH=build/fake_cuda ./build-asan/laden_tests stream_ trace_
+	  LD_LIBRARY_PATH=build/fake_cuda ./build-asan/laden_tests stream_ trace_ \
+	  engine_ lossless_ cache_
 
 # The tests that run threads together, under ThreadSanitizer (those on two
 # devices at once on the stand-in driver).
@@ -125,7 +126,7 @@ build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c
 
 test-fake-cuda: lib build/fake_cuda/libcuda.so.1
 	LD_LIBRARY_PATH=build/fake_cuda ./build/laden_tests stream_ cache_ io_ host_ expand_ grads_ trace_ \
-	  dev_ engine_a_cache_per_device engine_caches_of_a_host
+	  dev_ engine_ lossless_
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

@@ -94,7 +94,11 @@ static range *ranges;
 static fctx ctxs[MAX_DEVICES];
 static stream *streams[MAX_STREAMS];
 static long live_events, live_streams, live_device, live_pinned;
-static __thread fctx *current_ctx;
+/* Static TLS (initial-exec), not the dynamic TLS a dlopen'ed library's
+ * __thread gets by default: LeakSanitizer's scan of a thread's dynamic
+ * TLS read a stale entry and crashed (lossless_in_a_cache_schedule under
+ * ASan); glibc keeps room in the static TLS for a small dlopen'ed one. */
+static __thread fctx *current_ctx __attribute__((tls_model("initial-exec")));
 
 static int ndevices;
 static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
