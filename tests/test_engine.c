@@ -62,7 +62,13 @@ static void check_bytes(cmodel *m, uint32_t b, laden_devptr_t p)
     CHECK(buf);
     if (m->dev >= 0) {
         CHECK_EQ(test_cuda_device_of(p), m->dev); /* on its device */
-        laden_dev_stream_t *rd;
+        /* The block is there once the compute stream (the legacy one,
+         * handle 0) has done what enter made it wait for: laden's
+         * streams, this one too, do not wait for the legacy stream. */
+        laden_dev_stream_t *rd, *compute;
+        CHECK_OK(laden_dev_stream_wrap(m->dev, 0, &compute));
+        CHECK_OK(laden_dev_stream_synchronize(compute));
+        laden_dev_stream_destroy(compute);
         CHECK_OK(laden_dev_stream_create(m->dev, &rd));
         CHECK_OK(laden_dev_copy_d2h(rd, buf, p, m->size[b]));
         CHECK_OK(laden_dev_stream_synchronize(rd));

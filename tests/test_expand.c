@@ -4,8 +4,10 @@
  * against a decoder written here.  Every error, with the message naming
  * what is wrong.  CUDA (when a device can expand): the same inputs expanded
  * on the device, at every alignment, compared bit for bit with the CPU
- * result.  Under tests/fake_cuda (no module calls): LADEN_E_UNSUPPORTED
- * with a reason, nothing else broken. */
+ * result.  Under tests/fake_cuda: the same, its launches running the
+ * kernels' C build; with FAKE_CUDA_NO_KERNELS, LADEN_E_UNSUPPORTED with a
+ * reason, nothing else broken. */
+#define _GNU_SOURCE /* setenv */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -496,8 +498,8 @@ static int32_t cuda_device(laden_dev_info_t *info)
     return 0;
 }
 
-/* Under tests/fake_cuda: no module calls, so no kernels; everything says
- * so and nothing crashes. */
+/* Under tests/fake_cuda with FAKE_CUDA_NO_KERNELS (a driver that loads no
+ * module): no kernels; everything says so and nothing crashes. */
 TEST(expand_cuda_unavailable_is_unsupported)
 {
     laden_dev_info_t info;
@@ -505,6 +507,7 @@ TEST(expand_cuda_unavailable_is_unsupported)
         SKIP("no CUDA driver");
     if (strncmp(info.name, "fake_cuda", 9) != 0)
         SKIP("a real CUDA device (expand_cuda_matches_cpu covers it)");
+    setenv("FAKE_CUDA_NO_KERNELS", "1", 1); /* this test's process only */
     CHECK_OK(laden_expand_set_nvrtc("/nonexistent/libnvrtc.so.13"));
     laden_status st = laden_expand_ready(0);
     CHECK_STATUS(st, LADEN_E_UNSUPPORTED);

@@ -1553,6 +1553,54 @@ static void cache_schedule(int32_t dev)
 
 TEST(lossless_in_a_cache_schedule) { test_on_every_device(cache_schedule); }
 
+/* A cache schedule's uploads take two device buffers in turn for the
+ * blobs they decode: a blob copied into a buffer whose last decode has
+ * not run yet would be decoded as the next blob's bytes.  Four blocks
+ * made resident before one laden_sched_ready (their coded tensors go
+ * through the buffers in turn, each taken twice), every value as stored.
+ * On the stand-in driver, run with its streams in either order
+ * (FAKE_CUDA_OLDEST_FIRST), a copy or a decode that does not wait for
+ * the other fails here. */
+static void cache_uploads_in_turn(int32_t dev)
+{
+    enum { NB = 4, N = 65536 };
+    if (dev >= 0 && !cuda_decoder())
+        return; /* no device decoder: cache_schedule checks the refusal */
+    const uint64_t per = NOISE + (uint64_t)N;
+    uint16_t *v = pairs_values(NB, N);
+    char *path = write_pairs("llc-turns.safetensors", NB, N, v);
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    uint16_t *got = malloc(2 * per);
+    laden_st_t *st;
+    laden_sched_t *sc = pairs_loaded(path, NULL, dev, NULL, LADEN_TIER_RAM,
+                                     NB, LADEN_SCHED_CACHE, &st);
+    for (uint32_t b = 0; b < NB; b++) {
+        CHECK_EQ(laden_sched_tensor_lossless(sc, b, 1), 1);
+        CHECK_OK(laden_sched_set_resident(sc, b, 1));
+    }
+    CHECK_OK(laden_sched_ready(sc, 0));
+    for (uint32_t b = 0; b < NB; b++)
+        for (uint32_t k = 0; k < 2; k++) {
+            uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE);
+            laden_devptr_t p;
+            CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+            read_back(rd, got, p, bytes);
+            CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
+        }
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    laden_dev_stream_destroy(rd);
+    free(got);
+    free(v);
+}
+
+TEST(lossless_cache_uploads_take_their_buffers_in_turn)
+{
+    test_on_every_device(cache_uploads_in_turn);
+}
+
 /* A cache schedule (LADEN_SCHED_CACHE) on the CPU device of the
  * checkpoint at path, opened into *st. */
 static laden_sched_t *cpu_cache_schedule(const char *path, laden_st_t **st)

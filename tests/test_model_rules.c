@@ -2,7 +2,9 @@
  * them out itself (issue 34): a tensor's layout and its scales' offset,
  * the rest's pieces, a gradient sink's staging, the planner's warnings,
  * the state a load leaves a block in. */
+#define _GNU_SOURCE /* setenv */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "laden/dev.h"
@@ -306,8 +308,8 @@ TEST(model_enter_expands)
     laden_st_close(st);
 }
 
-/* Where the device cannot expand (the stand-in driver has no module
- * calls, so no kernels), a schedule with compact tensors is refused at
+/* Where the device cannot expand (the stand-in driver told to load no
+ * module, so no kernels), a schedule with compact tensors is refused at
  * start, saying why, and a CPU schedule of the same tensors starts. */
 TEST(stream_compact_start_needs_device_kernels)
 {
@@ -319,6 +321,7 @@ TEST(stream_compact_start_needs_device_kernels)
     CHECK_OK(laden_dev_info(0, &info));
     if (strncmp(info.name, "fake_cuda", 9) != 0)
         SKIP("a real CUDA device expands (the H200's pytest covers it)");
+    setenv("FAKE_CUDA_NO_KERNELS", "1", 1); /* this test's process only */
     laden_st_t *st = two_tensors();
     for (int dev = 0; dev >= LADEN_DEVICE_CPU; dev--) {
         laden_sched_config cfg = {.device = dev};

@@ -913,8 +913,10 @@ static void guard_race(int32_t dev)
     pthread_t t[3];
     for (int i = 0; i < 3; i++) {
         r[i] = (racer){&m, NULL, malloc(1 << 20), 0, 0, 0};
+        /* Reads on the compute stream (the legacy one, handle 0), after
+         * what enter made it wait for. */
         if (dev != LADEN_DEVICE_CPU)
-            CHECK_OK(laden_dev_stream_create(dev, &r[i].rd));
+            CHECK_OK(laden_dev_stream_wrap(dev, 0, &r[i].rd));
         CHECK_EQ(pthread_create(&t[i], NULL, race, &r[i]), 0);
     }
     int ok = 0, held = 0;

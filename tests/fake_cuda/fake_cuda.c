@@ -5,8 +5,10 @@
  *    until something waits for it (a stream or event synchronize, a wait
  *    of another stream on a recorded event, a free): code that reuses a
  *    staging buffer, or frees memory, before its copy ran gets wrong bytes
- *    or an abort here, as it would on a GPU only sometimes.  Copies from
- *    pageable memory run at once, as the driver stages them.
+ *    or an abort here, as it would on a GPU only sometimes.  A copy from
+ *    pageable memory reads its source at once, as the driver stages it,
+ *    and writes device memory in the stream's order; one into pageable
+ *    memory waits for the stream.
  *  - A deferred copy whose memory was freed meanwhile aborts.
  *  - Pinned memory lies 512 bytes past a page, as the real driver gives
  *    it when it packs allocations together (seen on the H200 after a
@@ -22,11 +24,20 @@
  *    that is pinned already is CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
  *    A copy whose device memory is not its stream's device's aborts:
  *    laden copies only on the owning device's streams.
+ *  - Kernels: it is NVRTC too (point LADEN_NVRTC at this library), and a
+ *    launch of laden's expansion or lossless kernels is queued on its
+ *    stream like a deferred copy and runs, when something waits for it,
+ *    the kernels' own C build (src/dev/expand_c.h, the code the CPU device
+ *    runs): laden's launches, upload buffers and the events between its
+ *    copy and decode streams run on every CI run.  A kernel whose memory
+ *    is not the stream's device's (or mapped pinned memory), or was freed
+ *    before it ran, aborts.
  * VMM entry points are not emulated (they fail): run only the tests that
  * do not use VRAM contexts (see the Makefile's test-fake-cuda).
  * Failures on demand, while the variable is set in the environment:
  * FAKE_CUDA_FAIL_D2H (cuMemcpyDtoHAsync), FAKE_CUDA_FAIL_EVENT_SYNC
- * (cuEventSynchronize and cuEventQuery). */
+ * (cuEventSynchronize and cuEventQuery), FAKE_CUDA_NO_KERNELS
+ * (cuModuleLoadData: a driver that cannot load laden's kernels). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -35,6 +46,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "expand_c.h" /* src/dev: the kernels' C build */
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -58,16 +71,32 @@ typedef struct range {
     int dev; /* DEVICE: the device it is on */
 } range;
 
+enum { OP_COPY, OP_EXPAND, OP_LOSSLESS, OP_WAIT };
+
+struct stream;
+
+/* Work queued on a stream: a copy, a kernel with its argument, or a wait
+ * for another stream's work up to an event. */
 typedef struct copy {
     struct copy *next;
+    int op;
+    struct stream *on;          /* OP_WAIT: the stream waited for, */
+    unsigned long long on_id, at; /* its serial and the work to wait for */
     char *dst;
     const char *src;
     size_t n;
+    int staged;   /* src is this item's copy of pageable memory */
+    unsigned vec; /* OP_EXPAND: the 16-byte-access kernel */
+    union {
+        ex_params ex;
+        ex_ll_params ll;
+    } arg;
 } copy;
 
 typedef struct stream {
     copy *head, *tail;
-    unsigned long long queued, done; /* copies */
+    unsigned long long queued, done; /* work items */
+    unsigned long long id;           /* serial: never reused */
     int dev;
 } stream;
 
@@ -113,7 +142,10 @@ static void count_devices(void)
         abort();
     }
     for (int i = 0; i < MAX_DEVICES; i++)
+    {
         ctxs[i].dev = ctxs[i].legacy.dev = i;
+        ctxs[i].legacy.id = (unsigned long long)i + 1;
+    }
 }
 
 static int device_count(void)
@@ -152,18 +184,44 @@ static void untrack(void *p)
         }
 }
 
+static void run_kernel(const copy *c, int dev);
+static void run_until(stream *s, unsigned long long n);
+static stream *live_stream(stream *s, unsigned long long id);
+
 static void run_one(stream *s)
 {
+    static int depth;
     copy *c = s->head;
     s->head = c->next;
     if (!s->head)
         s->tail = NULL;
-    if (!find(c->dst, c->n) || !find(c->src, c->n)) {
+    if (c->op == OP_WAIT) { /* the other stream's work first */
+        stream *on = live_stream(c->on, c->on_id);
+        if (on && ++depth > 64) {
+            fprintf(stderr, "fake_cuda: streams wait for each other\n");
+            abort();
+        }
+        if (on)
+            run_until(on, c->at);
+        depth -= on != NULL;
+        s->done++;
+        free(c);
+        return;
+    }
+    if (c->op != OP_COPY) {
+        run_kernel(c, s->dev);
+        s->done++;
+        free(c);
+        return;
+    }
+    if (!find(c->dst, c->n) || (!c->staged && !find(c->src, c->n))) {
         fprintf(stderr, "fake_cuda: a deferred copy of %zu bytes touches "
                         "memory freed before it ran\n", c->n);
         abort();
     }
     memcpy(c->dst, c->src, c->n);
+    if (c->staged)
+        free((void *)c->src);
     s->done++;
     free(c);
 }
@@ -174,13 +232,43 @@ static void run_until(stream *s, unsigned long long n)
         run_one(s);
 }
 
+/* Everything queued, the newest streams first; done whenever the host
+ * waits for anything.  A device runs its streams side by side, in no
+ * order one can count on, so work may run as soon as it is queued and
+ * what it waits for has run: here all of it runs at the first wait, the
+ * newest streams first, so that work one stream does for another's
+ * without an event between them runs too early (a copy stream made first
+ * would otherwise run before the decode stream made after it, and a host
+ * wait for the copies before the decodes hid a decode that did not wait
+ * for its copy). */
 static void run_all(void)
 {
-    for (int i = 0; i < MAX_DEVICES; i++)
-        run_until(&ctxs[i].legacy, ctxs[i].legacy.queued);
-    for (int i = 0; i < MAX_STREAMS; i++)
+    static int oldest = -1; /* FAKE_CUDA_OLDEST_FIRST: the other order,
+                               for the waits the newest-first order hides
+                               (a copy into a buffer a decode still
+                               reads) */
+    if (oldest < 0)
+        oldest = getenv("FAKE_CUDA_OLDEST_FIRST") != NULL;
+    for (int k = 0; k < MAX_STREAMS; k++) {
+        int i = oldest ? k : MAX_STREAMS - 1 - k;
         if (streams[i])
             run_until(streams[i], streams[i]->queued);
+    }
+    for (int i = 0; i < MAX_DEVICES; i++)
+        run_until(&ctxs[i].legacy, ctxs[i].legacy.queued);
+}
+
+/* s if it is still a stream with serial id (a wait may outlive the
+ * stream it waits for, whose work then ran when it was destroyed). */
+static stream *live_stream(stream *s, unsigned long long id)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        if (s == &ctxs[i].legacy)
+            return s;
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i] == s && s->id == id)
+            return s;
+    return NULL;
 }
 
 /* Stream handle s; 0 is the current context's legacy stream (NULL when
@@ -210,8 +298,10 @@ static CUresult enqueue(void *dst, const void *src, size_t n, void *sv,
         return INVALID_CONTEXT;
     same_device(dst, n, s);
     same_device(src, n, s);
-    if (!deferred) {
-        run_until(s, s->queued);
+    range *d = find(dst, n);
+    int staged = !deferred && d && d->kind == DEVICE;
+    if (!deferred && !staged) { /* into host memory: the call waits */
+        run_all();
         memcpy(dst, src, n);
         return 0;
     }
@@ -219,6 +309,14 @@ static CUresult enqueue(void *dst, const void *src, size_t n, void *sv,
     c->dst = dst;
     c->src = src;
     c->n = n;
+    if (staged) { /* from pageable memory into the device's: the source
+                     is read (staged) now, the device's memory written in
+                     the stream's order */
+        char *b = malloc(n ? n : 1);
+        memcpy(b, src, n);
+        c->src = b;
+        c->staged = 1;
+    }
     if (s->tail)
         s->tail->next = c;
     else
@@ -296,12 +394,14 @@ static CUresult cuMemGetInfo(size_t *fr, size_t *total)
 
 static CUresult stream_create(void **out)
 {
+    static unsigned long long serial = MAX_DEVICES;
     if (!current_ctx)
         return INVALID_CONTEXT;
     for (int i = 0; i < MAX_STREAMS; i++)
         if (!streams[i]) {
             streams[i] = calloc(1, sizeof **streams);
             streams[i]->dev = current_ctx->dev;
+            streams[i]->id = ++serial;
             live_streams++;
             *out = streams[i];
             return 0;
@@ -328,7 +428,8 @@ static CUresult cuStreamDestroy(void *s) { LOCKED(stream_destroy(s)); }
 
 static CUresult stream_sync(stream *s)
 {
-    run_until(s, s->queued);
+    (void)s;
+    run_all();
     return 0;
 }
 static CUresult cuStreamSynchronize(void *s)
@@ -341,14 +442,36 @@ static CUresult event_wait(event *e)
     if (!e || e->magic != EVENT_MAGIC)
         return INVALID_HANDLE;
     if (e->recorded)
-        run_until(e->s, e->at);
+        run_all();
+    return 0;
+}
+/* Stream s waits for e's work where it is now: queued, so that what s
+ * queued before the wait may run before that work, as on a device. */
+static CUresult stream_wait(stream *s, event *e)
+{
+    if (!s)
+        return INVALID_CONTEXT;
+    if (!e || e->magic != EVENT_MAGIC)
+        return INVALID_HANDLE;
+    if (!e->recorded || e->s == s)
+        return 0; /* nothing to wait for, or in order already */
+    copy *c = calloc(1, sizeof *c);
+    c->op = OP_WAIT;
+    c->on = e->s;
+    c->on_id = e->s->id;
+    c->at = e->at;
+    if (s->tail)
+        s->tail->next = c;
+    else
+        s->head = c;
+    s->tail = c;
+    s->queued++;
     return 0;
 }
 static CUresult cuStreamWaitEvent(void *s, void *e, unsigned f)
 {
-    (void)s;
     (void)f;
-    LOCKED(event_wait(e));
+    LOCKED(stream_wait(of(s), e));
 }
 static CUresult cuEventSynchronize(void *e)
 {
@@ -442,11 +565,220 @@ static CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr src, size_t n,
     LOCKED(enqueue((void *)(uintptr_t)d, (void *)(uintptr_t)src, n, s, 1));
 }
 
+/* ---- kernels: NVRTC, modules and launches ------------------------------ */
+
+/* Memory a kernel reads or writes: [a, a + n) inside one allocation, the
+ * stream's device's memory (or, where `host` allows, pinned host memory,
+ * which the driver maps at the same address); anything else is laden's
+ * bug, or memory freed before the kernel ran. */
+static void kernel_memory(const char *what, u64 a, u64 n, int dev, int host)
+{
+    range *r = find((const void *)(uintptr_t)a, n ? n : 1);
+    const char *why = !r ? "not inside one allocation (or freed before the "
+                           "kernel ran)"
+                      : r->kind == DEVICE && r->dev != dev
+                          ? "another device's memory"
+                      : r->kind != DEVICE && !(host && r->kind == PINNED)
+                          ? "host memory"
+                          : NULL;
+    if (why) {
+        fprintf(stderr, "fake_cuda: a kernel's %s (%llu bytes at %#llx) is "
+                        "%s\n", what, (unsigned long long)n,
+                (unsigned long long)a, why);
+        abort();
+    }
+}
+
+/* The lossless decoder's launch, as the kernel does it (expand.c's
+ * laden_ll_decode): the table from the code lengths, then every
+ * sub-chunk; any damage sets *err. */
+static void run_lossless(const ex_ll_params *p, int dev)
+{
+    u64 sub = (u64)p->nsub;
+    kernel_memory("code lengths", p->lens, 256, dev, 0);
+    kernel_memory("raw bytes", p->raw, p->n, dev, 0);
+    kernel_memory("sub-chunk offsets", p->offs, 8 * sub, dev, 0);
+    kernel_memory("checks", p->sums, 4 * sub, dev, 0);
+    kernel_memory("lane offsets", p->lanes, 64 * sub, dev, 0);
+    kernel_memory("bitstream", p->bits, (p->nbits + 7) / 8, dev, 0);
+    kernel_memory("output", p->dst, 2 * p->n, dev, 0);
+    if (p->err)
+        kernel_memory("damage word", p->err, 4, dev, 1);
+    static u16 lut[EX_LL_LUT];
+    ex_ll_canon c;
+    for (u32 k = 0; k < 256u; k++)
+        ex_ll_canon_len(p, &c, k);
+    for (u32 l = 0; l <= (u32)EX_LL_BITS; l++)
+        ex_ll_canon_count(&c, l);
+    u32 bad = ex_ll_canon_start(&c);
+    if (!bad) {
+        for (u32 k = 0; k < 256u; k++)
+            ex_ll_canon_place(&c, k);
+        for (u32 i = 0; i < (u32)EX_LL_LUT; i++)
+            lut[i] = (u16)ex_ll_entry(&c, i);
+        for (u64 i = 0; i < sub; i++)
+            bad |= ex_ll_sub(p, lut, i);
+    }
+    if (bad && p->err)
+        ex_st32(p->err, 1u);
+}
+
+static void run_kernel(const copy *c, int dev)
+{
+    if (c->op == OP_LOSSLESS) {
+        run_lossless(&c->arg.ll, dev);
+        return;
+    }
+    const ex_params *p = &c->arg.ex;
+    kernel_memory("source", p->src, 1, dev, 0);
+    kernel_memory("output", p->dst, p->n * (p->out == EX_OUT_F32 ? 4 : 2),
+                  dev, 0);
+    if (p->scale)
+        kernel_memory("scale", p->scale, 4, dev, 0);
+    ex_loop(p, 0, 1, p->fmt, c->vec);
+}
+
+/* NVRTC: any source "compiles" into an image only this driver loads. */
+static const char image[] = "fake_cuda: laden's kernels in C";
+typedef struct nvrtc_prog { int magic; } nvrtc_prog;
+int nvrtcVersion(int *major, int *minor);
+int nvrtcVersion(int *major, int *minor)
+{
+    *major = 12;
+    *minor = 4;
+    return 0;
+}
+int nvrtcCreateProgram(nvrtc_prog **prog, const char *src, const char *name,
+                       int nh, const char *const *h, const char *const *hn);
+int nvrtcCreateProgram(nvrtc_prog **prog, const char *src, const char *name,
+                       int nh, const char *const *h, const char *const *hn)
+{
+    if (!strstr(src, "laden_ll_decode"))
+        return 3; /* NVRTC_ERROR_INVALID_INPUT: not laden's kernels */
+    *prog = calloc(1, sizeof **prog);
+    return *prog ? 0 : 1;
+}
+int nvrtcCompileProgram(nvrtc_prog *prog, int n, const char *const *opts);
+int nvrtcCompileProgram(nvrtc_prog *prog, int n, const char *const *opts)
+{
+    return 0;
+}
+int nvrtcGetProgramLogSize(nvrtc_prog *prog, size_t *n);
+int nvrtcGetProgramLogSize(nvrtc_prog *prog, size_t *n)
+{
+    *n = 1;
+    return 0;
+}
+int nvrtcGetProgramLog(nvrtc_prog *prog, char *log);
+int nvrtcGetProgramLog(nvrtc_prog *prog, char *log)
+{
+    *log = 0;
+    return 0;
+}
+int nvrtcGetPTXSize(nvrtc_prog *prog, size_t *n);
+int nvrtcGetPTXSize(nvrtc_prog *prog, size_t *n)
+{
+    *n = sizeof image;
+    return 0;
+}
+int nvrtcGetPTX(nvrtc_prog *prog, char *ptx);
+int nvrtcGetPTX(nvrtc_prog *prog, char *ptx)
+{
+    memcpy(ptx, image, sizeof image);
+    return 0;
+}
+int nvrtcDestroyProgram(nvrtc_prog **prog);
+int nvrtcDestroyProgram(nvrtc_prog **prog)
+{
+    free(*prog);
+    *prog = NULL;
+    return 0;
+}
+
+/* The module: one for every load (laden keeps its modules to the end, as
+ * the driver lets it); a function is its kernel's kind. */
+static int fmodule;
+typedef struct ffunc { int op; unsigned vec; } ffunc;
+static const ffunc ll_func = {OP_LOSSLESS, 0};
+static const ffunc ex_funcs[2] = {{OP_EXPAND, 0}, {OP_EXPAND, 1}};
+
+static CUresult cuModuleLoadData(void **m, const void *img)
+{
+    if (!current_ctx)
+        return INVALID_CONTEXT;
+    if (getenv("FAKE_CUDA_NO_KERNELS"))
+        return NOT_SUPPORTED;
+    if (strcmp(img, image) != 0)
+        return 218; /* CUDA_ERROR_INVALID_PTX */
+    *m = &fmodule;
+    return 0;
+}
+static CUresult cuModuleUnload(void *m)
+{
+    return m == &fmodule ? 0 : INVALID_HANDLE;
+}
+static CUresult cuModuleGetFunction(const ffunc **f, void *m, const char *name)
+{
+    size_t n = strlen(name);
+    if (m != &fmodule)
+        return INVALID_HANDLE;
+    if (strcmp(name, "laden_ll_decode") == 0)
+        *f = &ll_func;
+    else if (strncmp(name, "laden_ex_", 9) == 0 && n > 11 &&
+             name[n - 2] == '_' && (name[n - 1] == 'b' || name[n - 1] == 'v'))
+        *f = &ex_funcs[name[n - 1] == 'v'];
+    else
+        return 500; /* CUDA_ERROR_NOT_FOUND */
+    return 0;
+}
+static CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(
+    int *blocks, const ffunc *f, int threads, size_t shared)
+{
+    *blocks = 4;
+    return 0;
+}
+/* Queued on the stream as its next work, the argument copied (the
+ * caller's goes when the call returns). */
+static CUresult launch(const ffunc *f, stream *s, void **params)
+{
+    if (!s)
+        return INVALID_CONTEXT;
+    if (!f || !params || !params[0])
+        return 1; /* CUDA_ERROR_INVALID_VALUE */
+    copy *c = calloc(1, sizeof *c);
+    c->op = f->op;
+    c->vec = f->vec;
+    if (f->op == OP_LOSSLESS)
+        memcpy(&c->arg.ll, params[0], sizeof c->arg.ll);
+    else
+        memcpy(&c->arg.ex, params[0], sizeof c->arg.ex);
+    if (s->tail)
+        s->tail->next = c;
+    else
+        s->head = c;
+    s->tail = c;
+    s->queued++;
+    return 0;
+}
+static CUresult cuLaunchKernel(const ffunc *f, unsigned gx, unsigned gy,
+                               unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shared, void *s,
+                               void **params, void **extra)
+{
+    if (!gx || !bx)
+        return 1; /* CUDA_ERROR_INVALID_VALUE: an empty grid */
+    LOCKED(launch(f, of(s), params));
+}
+
 enum { PINNED_SKEW = 512 }; /* off a page, as the driver packs them */
 static CUresult alloc(void **p, size_t n, size_t align, int kind)
 {
     if (!current_ctx)
         return INVALID_CONTEXT;
+    if (n > (16ull << 30)) /* more than the device has (cuMemGetInfo): as
+                              the driver, refused (not asked of malloc,
+                              which ASan aborts for sizes past its own) */
+        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
     size_t skew = kind == PINNED ? PINNED_SKEW : 0;
     char *m = aligned_alloc(align, (n + skew + align - 1) / align * align);
     if (!m)
@@ -583,6 +915,8 @@ CUresult cuGetProcAddress_v2(const char *name, void **fn, int version,
     ENTRY(cuMemHostRegister) ENTRY(cuMemHostUnregister)
     ENTRY(cuGetErrorName) ENTRY(cuGetErrorString) ENTRY(cuStreamIsCapturing)
     ENTRY(cuPointerGetAttribute) ENTRY(cuStreamGetCtx)
+    ENTRY(cuModuleLoadData) ENTRY(cuModuleUnload) ENTRY(cuModuleGetFunction)
+    ENTRY(cuOccupancyMaxActiveBlocksPerMultiprocessor) ENTRY(cuLaunchKernel)
 #undef ENTRY
     *fn = (void *)(uintptr_t)not_supported; /* VMM: not emulated */
     return 0;
