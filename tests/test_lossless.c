@@ -1601,6 +1601,117 @@ TEST(lossless_cache_uploads_take_their_buffers_in_turn)
     test_on_every_device(cache_uploads_in_turn);
 }
 
+/* The cache engine keeps an activation's lossless upload buffers within
+ * its VRAM budget (laden_sched_block_upload_bytes): beside an idle model
+ * holding the rest of the budget, a model made resident makes the idle
+ * one give up the buffers' bytes too, not only its blocks'; alone under
+ * a budget its blocks just fit, it streams what the buffers need.  Every
+ * value as stored.  (On the CPU device nothing is buffered.) */
+static void engine_upload_buffers(int32_t dev)
+{
+    enum { NB = 3, N = 65536 };
+    if (dev >= 0 && !cuda_decoder())
+        return;
+    const uint64_t per = NOISE + (uint64_t)N;
+    uint16_t *v = pairs_values(NB, N);
+    char *path = write_pairs("llc-engine.safetensors", NB, N, v);
+    laden_st_t *st[2];
+    laden_sched_t *sc[2];
+    uint64_t total = 0, up = 0;
+    for (int i = 0; i < 2; i++)
+        sc[i] = pairs_loaded(path, NULL, dev, NULL, LADEN_TIER_RAM, NB,
+                             LADEN_SCHED_CACHE, &st[i]);
+    for (uint32_t b = 0; b < NB; b++) {
+        total += laden_sched_block_device_bytes(sc[0], b);
+        uint64_t n = laden_sched_block_upload_bytes(sc[0], b);
+        up = n > up ? n : up;
+    }
+    CHECK_EQ(up != 0, dev >= 0); /* CUDA decodes through the buffers */
+    CHECK(up < total);
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    uint16_t *got = malloc(2 * per);
+    for (int tight = 0; tight < 2; tight++) {
+        uint64_t budget = tight ? total : 2 * total;
+        laden_cache_t *c;
+        uint32_t id[2], n;
+        laden_cache_evict_t ev[4];
+        laden_cache_activation_t act;
+        CHECK_OK(laden_cache_create(budget, 0, &c));
+        for (int i = 0; i < 2; i++) {
+            char key[8];
+            snprintf(key, sizeof key, "m%d", i);
+            CHECK_OK(laden_cache_add(c, key, 0, &id[i]));
+            CHECK_OK(laden_cache_bind(c, id[i], sc[i], 0));
+        }
+        laden_cache_info_t other;
+        if (!tight) { /* the other model resident, then idle */
+            CHECK_OK(laden_cache_activate(c, id[1], LADEN_CACHE_RESIDENT, 1,
+                                          0, ev, 4, &n, &act));
+            CHECK_OK(laden_cache_deactivate(c, id[1], 0));
+            CHECK_OK(laden_cache_info(c, id[1], &other));
+            CHECK_EQ(other.vram_bytes, total);
+        }
+        CHECK_OK(laden_cache_activate(c, id[0],
+                                      tight ? LADEN_CACHE_AUTO
+                                            : LADEN_CACHE_RESIDENT,
+                                      1, 0, ev, 4, &n, &act));
+        laden_sched_stats_t ss;
+        CHECK_OK(laden_sched_stats(sc[0], &ss));
+        CHECK_OK(laden_cache_info(c, id[1], &other));
+        /* What was on the device while the uploads ran: this model's
+         * blocks and slots, the buffers where it uploaded any, and what
+         * the other kept. */
+        uint64_t peak = ss.device_bytes + (ss.resident_bytes ? up : 0) +
+                        other.vram_bytes;
+        if (peak > budget)
+            fprintf(stderr, "budget %llu: %llu held, %llu buffers, %llu "
+                            "kept by the other\n",
+                    (unsigned long long)budget,
+                    (unsigned long long)ss.device_bytes,
+                    (unsigned long long)up,
+                    (unsigned long long)other.vram_bytes);
+        CHECK(peak <= budget);
+        if (!tight)
+            CHECK_EQ(ss.resident_bytes, total);
+        for (uint32_t b = 0; b < NB; b++) {
+            CHECK_OK(laden_sched_enter(sc[0], b, 0));
+            for (uint32_t k = 0; k < 2; k++) {
+                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
+                laden_devptr_t p;
+                if (k && !laden_sched_is_resident(sc[0], b)) /* decoded
+                                                                 at enter */
+                    CHECK_OK(laden_sched_expanded_at(sc[0], b, k, &p, &at));
+                else
+                    CHECK_OK(laden_sched_tensor_ptr(sc[0], b, k, &p));
+                read_back(rd, got, p, bytes);
+                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) ==
+                      0);
+            }
+            CHECK_OK(laden_sched_exit(sc[0], b, 0));
+        }
+        CHECK_OK(laden_cache_deactivate(c, id[0], 0));
+        for (int i = 0; i < 2; i++) {
+            CHECK_OK(laden_cache_unbind(c, id[i]));
+            CHECK_OK(laden_cache_remove(c, id[i]));
+        }
+        laden_cache_destroy(c);
+    }
+    for (int i = 0; i < 2; i++) {
+        laden_sched_destroy(sc[i]);
+        laden_st_close(st[i]);
+    }
+    laden_dev_stream_destroy(rd);
+    free(got);
+    free(v);
+}
+
+TEST(lossless_cache_engine_counts_the_upload_buffers)
+{
+    test_on_every_device(engine_upload_buffers);
+}
+
 /* A cache schedule (LADEN_SCHED_CACHE) on the CPU device of the
  * checkpoint at path, opened into *st. */
 static laden_sched_t *cpu_cache_schedule(const char *path, laden_st_t **st)

@@ -453,6 +453,23 @@ out:
     return s;
 }
 
+/* Device memory the uploads of the blocks res[] makes resident take
+ * beside them until the schedule is ready (laden_sched_block_upload_bytes:
+ * a CUDA cache schedule's lossless upload buffers). */
+static uint64_t upload_bytes(const model *m, const uint8_t *res)
+{
+    laden_sched_t *sc = m->sched;
+    uint32_t nb = laden_sched_block_count(sc);
+    uint64_t most = 0;
+    for (uint32_t i = 0; i < nb; i++) {
+        uint64_t n = res[i] && !laden_sched_is_resident(sc, i)
+                         ? laden_sched_block_upload_bytes(sc, i)
+                         : 0;
+        most = n > most ? n : most;
+    }
+    return most;
+}
+
 /* Gives model id's schedule exactly the device copies in res[] and its
  * slots.  Uploads only the missing blocks. */
 static laden_status place(laden_cache_t *c, uint32_t id, const uint8_t *res,
@@ -614,7 +631,27 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     int32_t chosen = 0;
     if ((s = choose(c, m, mode, lookahead, avail, res, &want, &chosen)))
         goto out;
-    if ((s = laden_cache_acquire(c, id, want, ev, cap, out_n)))
+    /* The uploads' buffers are there beside the blocks until ready: the
+     * budget holds them too, by evicting more or keeping fewer blocks
+     * resident (the planner again, with less room), or none (streaming
+     * every block uploads nothing but the fixed ones). */
+    uint64_t up = upload_bytes(m, res);
+    if (up && want + up > avail) {
+        s = choose(c, m, mode, lookahead, avail > up ? avail - up : 0, res,
+                   &want, &chosen);
+        if (s == LADEN_E_BUDGET && mode != LADEN_CACHE_RESIDENT) {
+            laden__error_clear();
+            s = choose(c, m, LADEN_CACHE_STREAMING, lookahead, avail, res,
+                       &want, &chosen);
+        }
+        if (s) {
+            laden__error_prefix("leaving %s for the lossless upload buffers",
+                                laden__bytes(up).s);
+            goto out;
+        }
+        up = upload_bytes(m, res);
+    }
+    if ((s = laden_cache_acquire(c, id, want + up, ev, cap, out_n)))
         goto out;
     act.mode = chosen;
     act.evicted_models = *out_n;
