@@ -33,7 +33,8 @@ typedef struct ll_job {
 } ll_job;
 
 /* Runs jobs[0..n) on up to 16 threads (the cores there are), reading in
- * job order, two tensors at a time, while the others encode.  progress,
+ * job order, as many bytes at once as the reader pool reads (at least a
+ * tensor), while the others encode.  progress,
  * when set, hears (base + bytes done, total) every 50 ms from this thread
  * and may stop the run (LADEN_E_STATE naming `what`).  Every job's s is
  * set; the first failure is returned. */
