@@ -12,7 +12,9 @@
 #   cache: bench/cache.py with piper-offload (wheels from .whl/, carried);
 #          CACHE_ARGS are passed to it (e.g. "--peers vbar")
 #   vram:  the C VBAR costs and bench/vbar.py with comfy-aimdo (.whl/)
-#   stream: bench/stream.py without peers (STREAM_ARGS are passed to it)
+#   stream: bench/stream.py without peers (STREAM_ARGS are passed to it;
+#          STREAM_PEERS=1: with diffusers' group offloading and accelerate,
+#          whose wheels .whl/hf brings)
 #   load:  bench/load.py, cold and warm (LOAD_ARGS are passed to it)
 #   hf:    bench/hf.py (HF_ARGS are passed to it)
 #   adapters: bench/adapters.py (ADAPTERS_ARGS are passed to it)
@@ -101,7 +103,8 @@ if want cache; then
 fi
 if want stream; then
   log "bench/stream.py"
-  python3 bench/stream.py --no-peers --json "$OUT/stream.json" ${STREAM_ARGS:-} 2>&1 | tee "$OUT/stream.log"
+  python3 bench/stream.py $([ "${STREAM_PEERS:-0}" = 1 ] || echo --no-peers) \
+    --json "$OUT/stream.json" ${STREAM_ARGS:-} 2>&1 | tee "$OUT/stream.log"
 fi
 if want load; then
   log "bench/load.py"
