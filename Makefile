@@ -119,8 +119,9 @@ test: test-c test-fake-cuda test-asan test-tsan fuzz-replay test-clang symbols t
 # tests/fake_cuda/, a stand-in libcuda.so.1 (and NVRTC) that defers pinned
 # copies and kernel launches until something waits for them, and runs the
 # kernels' C build (see its header); those that need VRAM contexts skip.
-# Twice: its streams run newest first, then oldest first (each order hides
-# some missing waits between streams that the other shows).
+# Three times: at a host wait its streams run newest first, oldest first,
+# or only what is waited for (each hides some missing waits the others
+# show).
 FAKE_CUDA = LD_LIBRARY_PATH=build/fake_cuda \
 	LADEN_NVRTC=$(CURDIR)/build/fake_cuda/libcuda.so.1
 build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c src/dev/expand_c.h \
@@ -133,6 +134,7 @@ build/fake_cuda/libcuda.so.1: tests/fake_cuda/fake_cuda.c src/dev/expand_c.h \
 test-fake-cuda: lib build/fake_cuda/libcuda.so.1
 	$(FAKE_CUDA) ./build/laden_tests
 	FAKE_CUDA_OLDEST_FIRST=1 $(FAKE_CUDA) ./build/laden_tests
+	FAKE_CUDA_WAITED_ONLY=1 $(FAKE_CUDA) ./build/laden_tests
 
 # libFuzzer run (needs clang): FUZZ_SECONDS of fuzzing, new inputs saved.
 FUZZ_SECONDS ?= 60

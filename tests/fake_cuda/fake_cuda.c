@@ -103,7 +103,8 @@ typedef struct stream {
 typedef struct event {
     int magic;
     stream *s;
-    unsigned long long at; /* s->queued when recorded */
+    unsigned long long s_id; /* s's serial: s may be destroyed since */
+    unsigned long long at;   /* s->queued when recorded */
     int recorded;
     double t_ms; /* host clock when recorded: its "time" on the device */
     int dev;
@@ -232,30 +233,62 @@ static void run_until(stream *s, unsigned long long n)
         run_one(s);
 }
 
-/* Everything queued, the newest streams first; done whenever the host
- * waits for anything.  A device runs its streams side by side, in no
- * order one can count on, so work may run as soon as it is queued and
- * what it waits for has run: here all of it runs at the first wait, the
- * newest streams first, so that work one stream does for another's
- * without an event between them runs too early (a copy stream made first
- * would otherwise run before the decode stream made after it, and a host
- * wait for the copies before the decodes hid a decode that did not wait
- * for its copy). */
+/* Everything queued, the newest streams first (by their serials, the
+ * legacy streams the oldest); done whenever the host waits for anything.
+ * A device runs its streams side by side, in no order one can count on,
+ * so work may run as soon as it is queued and what it waits for has run:
+ * here all of it runs at the first wait, so that work one stream does
+ * for another's without an event between them runs too early (a copy
+ * stream made first would otherwise run before the decode stream made
+ * after it, and a host wait for the copies before the decodes hid a
+ * decode that did not wait for its copy).  Two more orders, for the
+ * waits this one hides: FAKE_CUDA_OLDEST_FIRST (the oldest first: a copy
+ * into a buffer a decode still reads, a compute stream that does not
+ * wait for the uploads) and FAKE_CUDA_WAITED_ONLY (a host wait runs only
+ * what it waits for, and what that waits for: a host that reads memory
+ * after waiting for another stream than the one that writes it). */
+enum { ORDER_NEWEST, ORDER_OLDEST, ORDER_WAITED };
+
+static int order(void)
+{
+    static int o = -1;
+    if (o < 0)
+        o = getenv("FAKE_CUDA_WAITED_ONLY")    ? ORDER_WAITED
+            : getenv("FAKE_CUDA_OLDEST_FIRST") ? ORDER_OLDEST
+                                               : ORDER_NEWEST;
+    return o;
+}
+
+static int by_id(const void *a, const void *b)
+{
+    unsigned long long x = (*(stream *const *)a)->id,
+                       y = (*(stream *const *)b)->id;
+    return x < y ? -1 : x > y;
+}
+
 static void run_all(void)
 {
-    static int oldest = -1; /* FAKE_CUDA_OLDEST_FIRST: the other order,
-                               for the waits the newest-first order hides
-                               (a copy into a buffer a decode still
-                               reads) */
-    if (oldest < 0)
-        oldest = getenv("FAKE_CUDA_OLDEST_FIRST") != NULL;
-    for (int k = 0; k < MAX_STREAMS; k++) {
-        int i = oldest ? k : MAX_STREAMS - 1 - k;
-        if (streams[i])
-            run_until(streams[i], streams[i]->queued);
-    }
+    static stream *all[MAX_STREAMS + MAX_DEVICES];
+    int n = 0;
     for (int i = 0; i < MAX_DEVICES; i++)
-        run_until(&ctxs[i].legacy, ctxs[i].legacy.queued);
+        all[n++] = &ctxs[i].legacy;
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i])
+            all[n++] = streams[i];
+    qsort(all, (size_t)n, sizeof *all, by_id);
+    for (int k = 0; k < n; k++) {
+        stream *s = all[order() == ORDER_OLDEST ? k : n - 1 - k];
+        run_until(s, s->queued);
+    }
+}
+
+/* A host wait for stream s's work up to `at`. */
+static void host_wait(stream *s, unsigned long long at)
+{
+    if (order() == ORDER_WAITED)
+        run_until(s, at);
+    else
+        run_all();
 }
 
 /* s if it is still a stream with serial id (a wait may outlive the
@@ -266,7 +299,7 @@ static stream *live_stream(stream *s, unsigned long long id)
         if (s == &ctxs[i].legacy)
             return s;
     for (int i = 0; i < MAX_STREAMS; i++)
-        if (streams[i] == s && s->id == id)
+        if (streams[i] && streams[i] == s && streams[i]->id == id)
             return s;
     return NULL;
 }
@@ -300,8 +333,16 @@ static CUresult enqueue(void *dst, const void *src, size_t n, void *sv,
     same_device(src, n, s);
     range *d = find(dst, n);
     int staged = !deferred && d && d->kind == DEVICE;
+    range *from = find(src, n);
+    if (!deferred && !d && !(from && from->kind == DEVICE)) {
+        /* pageable to pageable: neither side is the device's */
+        fprintf(stderr, "fake_cuda: a copy of %zu bytes between two host "
+                        "buffers that are no allocation of the driver's\n",
+                n);
+        abort();
+    }
     if (!deferred && !staged) { /* into host memory: the call waits */
-        run_all();
+        host_wait(s, s->queued);
         memcpy(dst, src, n);
         return 0;
     }
@@ -428,8 +469,7 @@ static CUresult cuStreamDestroy(void *s) { LOCKED(stream_destroy(s)); }
 
 static CUresult stream_sync(stream *s)
 {
-    (void)s;
-    run_all();
+    host_wait(s, s->queued);
     return 0;
 }
 static CUresult cuStreamSynchronize(void *s)
@@ -441,8 +481,9 @@ static CUresult event_wait(event *e)
 {
     if (!e || e->magic != EVENT_MAGIC)
         return INVALID_HANDLE;
-    if (e->recorded)
-        run_all();
+    stream *s = e->recorded ? live_stream(e->s, e->s_id) : NULL;
+    if (s)
+        host_wait(s, e->at);
     return 0;
 }
 /* Stream s waits for e's work where it is now: queued, so that what s
@@ -458,7 +499,7 @@ static CUresult stream_wait(stream *s, event *e)
     copy *c = calloc(1, sizeof *c);
     c->op = OP_WAIT;
     c->on = e->s;
-    c->on_id = e->s->id;
+    c->on_id = e->s_id;
     c->at = e->at;
     if (s->tail)
         s->tail->next = c;
@@ -521,6 +562,7 @@ static CUresult event_record(event *e, stream *s)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     e->s = s;
+    e->s_id = s->id;
     e->at = s->queued;
     e->recorded = 1;
     e->t_ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
@@ -600,7 +642,15 @@ static void run_lossless(const ex_ll_params *p, int dev)
     kernel_memory("sub-chunk offsets", p->offs, 8 * sub, dev, 0);
     kernel_memory("checks", p->sums, 4 * sub, dev, 0);
     kernel_memory("lane offsets", p->lanes, 64 * sub, dev, 0);
-    kernel_memory("bitstream", p->bits, (p->nbits + 7) / 8, dev, 0);
+    /* whole 64-bit words, and the padding word after them */
+    kernel_memory("bitstream", p->bits, 8 * ((p->nbits + 63) / 64 + 1), dev,
+                  0);
+    if (p->vec && (p->offs % 8 || p->sums % 8 || p->lanes % 8 ||
+                   p->bits % 8)) {
+        fprintf(stderr, "fake_cuda: a lossless launch for 8-byte loads "
+                        "with its tables off 8 bytes\n");
+        abort();
+    }
     kernel_memory("output", p->dst, 2 * p->n, dev, 0);
     if (p->err)
         kernel_memory("damage word", p->err, 4, dev, 1);
@@ -630,6 +680,11 @@ static void run_kernel(const copy *c, int dev)
         return;
     }
     const ex_params *p = &c->arg.ex;
+    if (c->vec && (p->src % 16 || p->dst % 16)) {
+        fprintf(stderr, "fake_cuda: an expansion kernel of 16-byte "
+                        "accesses launched on memory off 16 bytes\n");
+        abort();
+    }
     kernel_memory("source", p->src, 1, dev, 0);
     kernel_memory("output", p->dst, p->n * (p->out == EX_OUT_F32 ? 4 : 2),
                   dev, 0);
