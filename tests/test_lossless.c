@@ -1661,9 +1661,12 @@ static void engine_upload_buffers(int32_t dev)
         CHECK_OK(laden_sched_stats(sc[0], &ss));
         CHECK_OK(laden_cache_info(c, id[1], &other));
         /* What was on the device while the uploads ran: this model's
-         * blocks and slots, the buffers where it uploaded any, and what
-         * the other kept. */
-        uint64_t peak = ss.device_bytes + (ss.resident_bytes ? up : 0) +
+         * device copies and the buffers where it uploaded any (they go
+         * before its slots are made), or its copies and slots after, and
+         * what the other kept. */
+        uint64_t uploading = ss.resident_bytes ? ss.resident_bytes + up : 0;
+        uint64_t peak = (uploading > ss.device_bytes ? uploading
+                                                     : ss.device_bytes) +
                         other.vram_bytes;
         if (peak > budget)
             fprintf(stderr, "budget %llu: %llu held, %llu buffers, %llu "

@@ -845,13 +845,14 @@ LADEN_API uint64_t laden_sched_block_workspace_bytes(laden_sched_t *sched,
                                                      uint32_t block);
 
 /* Device memory beside the device copies that uploading block b into its
- * device copy takes until laden_sched_ready: a CUDA cache schedule
- * decodes a block's lossless tensors through two buffers of its largest
- * blob, made at the first upload that needs them and shared by the
- * blocks (what uploads need is the largest of these over the blocks
- * uploaded, not their sum).  0 once the buffers are made, for a block
- * without lossless tensors, any other schedule, before the load, or a
- * bad block.  The cache engine counts it in an activation's device
+ * device copy takes while the uploads run: a CUDA cache schedule decodes
+ * a block's lossless tensors through two buffers of its largest blob,
+ * made at the first upload that needs them, shared by the blocks (what
+ * uploads need is the largest of these over the blocks uploaded, not
+ * their sum) and freed when the uploads end (laden_sched_start, before
+ * it makes the slots; laden_sched_ready; laden_sched_stop).  0 for a
+ * block without lossless tensors, any other schedule, before the load,
+ * or a bad block.  The cache engine counts it in an activation's device
  * memory, so that the uploads stay within its budget. */
 LADEN_API uint64_t laden_sched_block_upload_bytes(laden_sched_t *sched,
                                                   uint32_t block);

@@ -495,6 +495,7 @@ _SIGNATURES = {
     "laden_sched_block_ram_bytes": (c_uint64, [p, c_uint32]),
     "laden_sched_block_device_bytes": (c_uint64, [p, c_uint32]),
     "laden_sched_block_workspace_bytes": (c_uint64, [p, c_uint32]),
+    "laden_sched_block_upload_bytes": (c_uint64, [p, c_uint32]),
     "laden_sched_block_state": (status_t, [p, c_uint32, P(c_int32),
                                            P(c_uint64), P(c_uint32)]),
     "laden_sched_tensor_layout": (status_t, [p, c_uint32, c_uint32,

@@ -453,21 +453,29 @@ out:
     return s;
 }
 
-/* Device memory the uploads of the blocks res[] makes resident take
- * beside them until the schedule is ready (laden_sched_block_upload_bytes:
- * a CUDA cache schedule's lossless upload buffers). */
-static uint64_t upload_bytes(const model *m, const uint8_t *res)
+/* The most device memory model m holds while it makes the blocks res[]
+ * resident, given `want` once it runs: the uploads' buffers
+ * (laden_sched_block_upload_bytes: a CUDA cache schedule's lossless
+ * upload buffers) lie beside the device copies until the uploads end,
+ * which is before the slots are made (laden_sched_start frees them).
+ * *buffers: the buffers' bytes. */
+static uint64_t peak_bytes(const model *m, const uint8_t *res, uint64_t want,
+                           uint64_t *buffers)
 {
     laden_sched_t *sc = m->sched;
     uint32_t nb = laden_sched_block_count(sc);
-    uint64_t most = 0;
+    uint64_t up = 0, copies = 0;
     for (uint32_t i = 0; i < nb; i++) {
-        uint64_t n = res[i] && !laden_sched_is_resident(sc, i)
-                         ? laden_sched_block_upload_bytes(sc, i)
-                         : 0;
-        most = n > most ? n : most;
+        if (!res[i])
+            continue;
+        copies += laden_sched_block_device_bytes(sc, i);
+        uint64_t n = laden_sched_is_resident(sc, i)
+                         ? 0
+                         : laden_sched_block_upload_bytes(sc, i);
+        up = n > up ? n : up;
     }
-    return most;
+    *buffers = up;
+    return up && copies + up > want ? copies + up : want;
 }
 
 /* Gives model id's schedule exactly the device copies in res[] and its
@@ -631,12 +639,12 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
     int32_t chosen = 0;
     if ((s = choose(c, m, mode, lookahead, avail, res, &want, &chosen)))
         goto out;
-    /* The uploads' buffers are there beside the blocks until ready: the
-     * budget holds them too, by evicting more or keeping fewer blocks
-     * resident (the planner again, with less room), or none (streaming
-     * every block uploads nothing but the fixed ones). */
-    uint64_t up = upload_bytes(m, res);
-    if (up && want + up > avail) {
+    /* The uploads' buffers lie beside the device copies while they run:
+     * the budget holds them too, by evicting more or keeping fewer blocks
+     * resident (the planner again, with the buffers' room less), or none
+     * (streaming every block uploads only the fixed ones). */
+    uint64_t up, peak = peak_bytes(m, res, want, &up);
+    if (peak > avail) {
         s = choose(c, m, mode, lookahead, avail > up ? avail - up : 0, res,
                    &want, &chosen);
         if (s == LADEN_E_BUDGET && mode != LADEN_CACHE_RESIDENT) {
@@ -644,15 +652,21 @@ laden_status laden_cache_activate(laden_cache_t *c, uint32_t id,
             s = choose(c, m, LADEN_CACHE_STREAMING, lookahead, avail, res,
                        &want, &chosen);
         }
-        if (s) {
+        if (s == LADEN_E_BUDGET)
             laden__error_prefix("leaving %s for the lossless upload buffers",
                                 laden__bytes(up).s);
+        if (s)
             goto out;
-        }
-        up = upload_bytes(m, res);
+        peak = peak_bytes(m, res, want, &up);
     }
-    if ((s = laden_cache_acquire(c, id, want + up, ev, cap, out_n)))
+    if ((s = laden_cache_acquire(c, id, peak, ev, cap, out_n))) {
+        if (s == LADEN_E_BUDGET && peak > want)
+            laden__error_prefix("model '%.200s' with its lossless upload "
+                                "buffers (%s beside its device copies while "
+                                "they upload)",
+                                m->key, laden__bytes(peak - want).s);
         goto out;
+    }
     act.mode = chosen;
     act.evicted_models = *out_n;
     if (laden_sched_vbar(m->sched)) /* first for its VRAM context too */

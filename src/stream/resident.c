@@ -59,14 +59,6 @@ static laden_status get_scratch(laden_sched_t *sc)
     return LADEN_OK;
 }
 
-uint64_t laden_sched_block_upload_bytes(laden_sched_t *sc, uint32_t block)
-{
-    if (!sc || block >= sc->layout.nb || !sc->cache.on || !sc->cuda ||
-        !sc->layout.laid_out || sc->cache.scratch[0])
-        return 0;
-    return sc->layout.b[block].has_ll ? 2 * sc->layout.max_blob : 0;
-}
-
 /* Block b's lossless tensor r into its place in the device copy: decoded
  * from the host copy on the CPU device; on CUDA copied into the next
  * upload buffer on the copy stream (once the decode that last read it is

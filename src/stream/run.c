@@ -636,8 +636,13 @@ laden_status laden__sched_stop(laden_sched_t *sc)
 {
     if (!sc)
         return laden__fail(LADEN_E_INVAL, "laden_sched_stop: NULL schedule");
-    if (!sc->run.started)
+    if (!sc->run.started) {
+        /* The upload buffers a failed activation may have left (started,
+         * they went at the start). */
+        if (sc->cache.on)
+            laden__sched_free_scratch(sc);
         return LADEN_OK;
+    }
     if (sc->capture.on)
         return laden__fail(LADEN_E_STATE, "laden_sched_stop: a capture is "
                            "in progress (end it first)");
