@@ -277,14 +277,14 @@ typedef struct pool {
 } pool;
 
 /* Job k's turn to read its `bytes`: the jobs before it started theirs
- * and the reads in flight leave room (see CHUNK).  false when the run
- * stops meanwhile. */
+ * and the reads in flight leave room (see CHUNK; a job in memory reads
+ * nothing and waits for none).  false when the run stops meanwhile. */
 static bool read_turn(pool *p, uint32_t k, uint64_t bytes)
 {
     pthread_mutex_lock(&p->mu);
     while (!atomic_load(&p->stop) &&
            (p->turn != k ||
-            (p->reading && p->inflight + bytes > p->depth)))
+            (bytes && p->reading && p->inflight + bytes > p->depth)))
         pthread_cond_wait(&p->cv, &p->mu);
     bool go = !atomic_load(&p->stop);
     if (go) {
