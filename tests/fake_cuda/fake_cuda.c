@@ -32,8 +32,12 @@
  *    copy and decode streams run on every CI run.  A kernel whose memory
  *    is not the stream's device's (or mapped pinned memory), or was freed
  *    before it ran, aborts.
- * VMM entry points are not emulated (they fail): run only the tests that
- * do not use VRAM contexts (see the Makefile's test-fake-cuda).
+ *  - Streams in no order a device would not take: a wait of a stream for
+ *    an event is queued in it, and a host wait runs all queued work, the
+ *    newest streams first, or (FAKE_CUDA_OLDEST_FIRST) the oldest first,
+ *    or (FAKE_CUDA_WAITED_ONLY) only what it waits for (see run_all).
+ * VMM entry points are not emulated (they fail): the tests that use VRAM
+ * contexts skip (see the Makefile's test-fake-cuda).
  * Failures on demand, while the variable is set in the environment:
  * FAKE_CUDA_FAIL_D2H (cuMemcpyDtoHAsync), FAKE_CUDA_FAIL_EVENT_SYNC
  * (cuEventSynchronize and cuEventQuery), FAKE_CUDA_NO_KERNELS
