@@ -1422,6 +1422,13 @@ laden_status laden_io_stats(laden_io_t *io, laden_io_stats_t *out)
     return LADEN_OK;
 }
 
+/* compress.c: the bytes the pool reads at once (its threads' chunks). */
+uint64_t laden__io_depth_bytes(laden_io_t *io);
+uint64_t laden__io_depth_bytes(laden_io_t *io)
+{
+    return io ? (uint64_t)io->nthreads * io->chunk : 0; /* set at create */
+}
+
 uint64_t laden__io_misplaced_bytes(laden_io_t *io)
 {
     pthread_mutex_lock(&io->mu);

@@ -250,16 +250,18 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out)
 
 /* ---- the pool: tensors read and encoded on many threads ---------------- */
 
+/* io.c: the bytes a reader pool reads at once (its threads' chunks). */
+uint64_t laden__io_depth_bytes(laden_io_t *io);
+
 /* Reads at once: the workers read in job order (the file's, as the
  * blocks list it) and encode the rest of the time; a read starts once the
  * ones before it started and the bytes in flight leave room for it in
- * what the reader pool reads at once (its threads' 16 MiB chunks), or
- * none is in flight.  Sixteen whole tensors read at once, wherever they
+ * what the reader pool reads at once (laden__io_depth_bytes), or none is
+ * in flight.  Sixteen whole tensors read at once, wherever they
  * lay, sent the drive sixteen scattered streams: a cold load took twice
  * cat's time on the H200.  Two at a time kept the reads in file order
  * but left most of the pool idle (a 34 MB tensor is three chunks), and
  * a cold load read at 0.65 x cat's rate. */
-enum { CHUNK = 16u << 20 };
 
 typedef struct pool {
     laden_io_t *io;
@@ -277,7 +279,7 @@ typedef struct pool {
 } pool;
 
 /* Job k's turn to read its `bytes`: the jobs before it started theirs
- * and the reads in flight leave room (see CHUNK; a job in memory reads
+ * and the reads in flight leave room (see above; a job in memory reads
  * nothing and waits for none).  false when the run stops meanwhile. */
 static bool read_turn(pool *p, uint32_t k, uint64_t bytes)
 {
@@ -417,10 +419,8 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
     if (!n)
         return LADEN_OK;
     pool p = {.io = io, .jobs = jobs, .n = n};
-    laden_io_stats_t ios;
-    p.depth = (uint64_t)CHUNK *
-              (io && !laden_io_stats(io, &ios) && ios.threads ? ios.threads
-                                                              : 4u);
+    p.depth = laden__io_depth_bytes(io); /* 0 without a pool: one read at
+                                            a time */
     uint32_t nt = cores();
     nt = nt > 16 ? 16 : nt;
     nt = nt > n ? n : nt;
