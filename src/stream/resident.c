@@ -446,12 +446,15 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
      * ranges ascend). */
     uint64_t need = 0;
     int64_t last = -1;
-    bool decodes = false; /* the upload buffers are charged too */
+    uint64_t up = 0; /* the upload buffers are charged too, once made */
     for (uint32_t i = 0; i < sc->layout.nb; i++) {
         blk *b = &sc->layout.b[i];
         if (!want[i] || b->resident || !b->dev_bytes)
             continue;
-        decodes |= b->has_ll && sc->cuda && !sc->cache.scratch[0];
+        uint64_t u = sc->cache.scratch[0]
+                         ? 0
+                         : laden_sched_block_upload_bytes(sc, i);
+        up = u > up ? u : up;
         int64_t p0 = (int64_t)(b->voff / page);
         int64_t p1 = (int64_t)((b->voff + b->dev_bytes - 1) / page);
         for (int64_t p = p0 > last ? p0 : last + 1; p <= p1 && p < got; p++)
@@ -461,7 +464,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
             last = p1;
     }
     free(state);
-    need += decodes ? 2 * sc->layout.max_blob : 0;
+    need += up;
     return need ? laden_vram_make_room(sc->cache.vram, need) : LADEN_OK;
 }
 
