@@ -1205,6 +1205,28 @@ static void read_back(laden_dev_stream_t *rd, void *out, laden_devptr_t p,
     }
 }
 
+/* Block b of a pairs schedule (n<b> as stored, w<b> coded; v: every
+ * block's values, n elements in each w<b>): both tensors read back where
+ * the block runs (w<b> decoded at enter when the block streams, in its
+ * device copy when it is resident) and compared with v. */
+static void check_pair(laden_sched_t *sc, laden_dev_stream_t *rd, void *got,
+                       const uint16_t *v, uint32_t b, uint64_t n)
+{
+    const uint64_t per = NOISE + n;
+    for (uint32_t k = 0; k < 2; k++) {
+        uint64_t bytes = 2 * (k ? n : NOISE), at;
+        laden_devptr_t p;
+        if (k && !laden_sched_is_resident(sc, b)) {
+            CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
+            CHECK_EQ(at, bytes);
+        } else {
+            CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+        }
+        read_back(rd, got, p, bytes);
+        CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
+    }
+}
+
 /* A schedule of NB blocks on `tier` (with `flags`), block b holding n<b>
  * and w<b>, marked lossless with dir's lossless cache (none: NULL),
  * loaded. */
@@ -1286,18 +1308,8 @@ static void disk_from_cache(int32_t dev)
             CHECK_OK(laden_sched_enter(sc, b, 0));
             CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 0); /* raw */
             CHECK_EQ(laden_sched_tensor_lossless(sc, b, 1), 1);
-            for (uint32_t k = 0; k < 2; k++) {
-                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
-                laden_devptr_t p;
-                if (k) { /* decoded at enter */
-                    CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
-                    CHECK_EQ(at, bytes);
-                } else {
-                    CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
-                }
-                read_back(rd, got, p, bytes);
-                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
-            }
+            CHECK(!laden_sched_is_resident(sc, b)); /* decoded at enter */
+            check_pair(sc, rd, got, v, b, N);
             CHECK_OK(laden_sched_exit(sc, b, 0));
         }
         if (disk && decodes) {
@@ -1483,19 +1495,10 @@ static void cache_schedule(int32_t dev)
         }
         for (uint32_t b = 0; b < NB; b++) {
             CHECK_OK(laden_sched_enter(sc, b, 0));
-            for (uint32_t k = 0; k < 2; k++) {
-                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
-                laden_devptr_t p;
-                if (k && b == 2) { /* streamed: decoded at enter */
-                    CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
-                    CHECK_EQ(at, bytes);
-                } else { /* resident: decoded in its device copy */
-                    CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
-                }
-                read_back(rd, got, p, bytes);
-                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) ==
-                      0);
-            }
+            /* block 2 streams: decoded at enter; the others in their
+             * device copies */
+            CHECK_EQ(laden_sched_is_resident(sc, b), b != 2);
+            check_pair(sc, rd, got, v, b, N);
             CHECK_OK(laden_sched_exit(sc, b, 0));
         }
         CHECK_OK(laden_sched_synchronize(sc));
@@ -1581,14 +1584,10 @@ static void cache_uploads_in_turn(int32_t dev)
         CHECK_OK(laden_sched_set_resident(sc, b, 1));
     }
     CHECK_OK(laden_sched_ready(sc, 0));
-    for (uint32_t b = 0; b < NB; b++)
-        for (uint32_t k = 0; k < 2; k++) {
-            uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE);
-            laden_devptr_t p;
-            CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
-            read_back(rd, got, p, bytes);
-            CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) == 0);
-        }
+    for (uint32_t b = 0; b < NB; b++) {
+        CHECK(laden_sched_is_resident(sc, b));
+        check_pair(sc, rd, got, v, b, N);
+    }
     laden_sched_destroy(sc);
     laden_st_close(st);
     laden_dev_stream_destroy(rd);
@@ -1680,18 +1679,7 @@ static void engine_upload_buffers(int32_t dev)
             CHECK_EQ(ss.resident_bytes, total);
         for (uint32_t b = 0; b < NB; b++) {
             CHECK_OK(laden_sched_enter(sc[0], b, 0));
-            for (uint32_t k = 0; k < 2; k++) {
-                uint64_t bytes = 2 * (k ? (uint64_t)N : NOISE), at;
-                laden_devptr_t p;
-                if (k && !laden_sched_is_resident(sc[0], b)) /* decoded
-                                                                 at enter */
-                    CHECK_OK(laden_sched_expanded_at(sc[0], b, k, &p, &at));
-                else
-                    CHECK_OK(laden_sched_tensor_ptr(sc[0], b, k, &p));
-                read_back(rd, got, p, bytes);
-                CHECK(memcmp(got, v + b * per + (k ? NOISE : 0), bytes) ==
-                      0);
-            }
+            check_pair(sc[0], rd, got, v, b, N);
             CHECK_OK(laden_sched_exit(sc[0], b, 0));
         }
         CHECK_OK(laden_cache_deactivate(c, id[0], 0));
