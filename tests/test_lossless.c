@@ -1652,6 +1652,15 @@ static void engine_upload_buffers(int32_t dev)
             CHECK_OK(laden_cache_info(c, id[1], &other));
             CHECK_EQ(other.vram_bytes, total);
         }
+        if (tight && dev >= 0) { /* its blocks fit, not with the buffers */
+            CHECK_STATUS(laden_cache_activate(c, id[0], LADEN_CACHE_RESIDENT,
+                                              1, 0, ev, 4, &n, &act),
+                         LADEN_E_BUDGET);
+            CHECK_CONTAINS(laden_last_error(), "lossless upload buffers");
+            laden_cache_info_t self;
+            CHECK_OK(laden_cache_info(c, id[0], &self));
+            CHECK(!self.in_use && self.vram_bytes == 0); /* as it was */
+        }
         CHECK_OK(laden_cache_activate(c, id[0],
                                       tight ? LADEN_CACHE_AUTO
                                             : LADEN_CACHE_RESIDENT,
