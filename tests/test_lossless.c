@@ -1228,12 +1228,13 @@ static void check_pair(laden_sched_t *sc, laden_dev_stream_t *rd, void *got,
 }
 
 /* A schedule of NB blocks on `tier` (with `flags`), block b holding n<b>
- * and w<b>, marked lossless with dir's lossless cache (none: NULL),
- * loaded. */
-static laden_sched_t *pairs_loaded(const char *path, const char *dir,
+ * then w<b> (w<b> first when w_first), marked lossless with dir's
+ * lossless cache (none: NULL), not loaded. */
+static laden_sched_t *pairs_marked(const char *path, const char *dir,
                                    int32_t dev, laden_io_t *io,
                                    laden_tier tier, uint32_t nb,
-                                   uint32_t flags, laden_st_t **st)
+                                   uint32_t flags, bool w_first,
+                                   laden_st_t **st)
 {
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, st));
@@ -1245,7 +1246,8 @@ static laden_sched_t *pairs_loaded(const char *path, const char *dir,
         for (int w = 0; w < 2; w++) {
             char name[16];
             size_t at;
-            snprintf(name, sizeof name, "%c%u", w ? 'w' : 'n', b);
+            snprintf(name, sizeof name, "%c%u", (w != w_first) ? 'w' : 'n',
+                     b);
             CHECK_OK(laden_st_find(*st, name, &at));
             CHECK_OK(laden_sched_add_tensor(sc, blk, *st, at,
                                             LADEN_DTYPE_BF16, &k));
@@ -1256,6 +1258,17 @@ static laden_sched_t *pairs_loaded(const char *path, const char *dir,
         CHECK_OK(laden_sched_use_lossless_cache(sc, dir));
     CHECK_OK(laden_sched_mark_lossless(sc, &marked));
     CHECK_EQ(marked, 2 * nb);
+    return sc;
+}
+
+/* The same (n<b> first), loaded. */
+static laden_sched_t *pairs_loaded(const char *path, const char *dir,
+                                   int32_t dev, laden_io_t *io,
+                                   laden_tier tier, uint32_t nb,
+                                   uint32_t flags, laden_st_t **st)
+{
+    laden_sched_t *sc =
+        pairs_marked(path, dir, dev, io, tier, nb, flags, false, st);
     CHECK_OK(laden_sched_load(sc));
     return sc;
 }
@@ -1598,6 +1611,94 @@ static void cache_uploads_in_turn(int32_t dev)
 TEST(lossless_cache_uploads_take_their_buffers_in_turn)
 {
     test_on_every_device(cache_uploads_in_turn);
+}
+
+/* A whole load encodes its RAM-tier tensors on the pool's threads and
+ * puts each block's blobs into the block's home once its last tensor is
+ * encoded, while later blocks are read (compress.c's settle_block); the
+ * loader then reads only what stays as stored (the noise) into the same
+ * home, in place on CUDA (the shift the encoders mapped the home with is
+ * the one the layout counts).  Every value as stored where the block
+ * runs and by laden_sched_tensor_value.  Stopped by the progress callback once all is encoded, the
+ * load fails typed and what it made is freed (ASan). */
+static void whole_load_places_blocks(int32_t dev)
+{
+    enum { NB = 6, N = 65536 };
+    const uint64_t per = NOISE + (uint64_t)N;
+    uint16_t *v = pairs_values(NB, N);
+    char *path = write_pairs("ll-settle.safetensors", NB, N, v);
+    int decodes = dev == LADEN_DEVICE_CPU || cuda_decoder();
+    laden_dev_stream_t *rd = NULL;
+    if (dev >= 0)
+        CHECK_OK(laden_dev_stream_wrap(dev, 0, &rd));
+    uint16_t *got = malloc(2 * per);
+    laden_io_t *io;
+    laden_st_t *st;
+    CHECK_OK(laden_io_create(NULL, &io));
+    laden_sched_t *sc =
+        pairs_marked(path, NULL, dev, io, LADEN_TIER_RAM, NB, 0, true, &st);
+    uint64_t misplaced = laden__io_misplaced_bytes(io); /* the samples */
+    CHECK_OK(laden_sched_load(sc));
+    if (dev >= 0)
+        CHECK_EQ(laden__io_misplaced_bytes(io) - misplaced, 0);
+    laden_sched_stats_t ss;
+    CHECK_OK(laden_sched_stats(sc, &ss));
+    CHECK_EQ(ss.lossless_raw_bytes, 2u * N * NB);
+    /* The noise twice: by its encoder, which finds that it does not code
+     * small enough, and by the loader. */
+    CHECK_EQ(ss.load_read_bytes, 2 * per * NB + 2u * NOISE * NB);
+    for (uint32_t b = 0; b < NB; b++) {
+        CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 1);
+        CHECK_EQ(laden_sched_tensor_lossless(sc, b, 1), 0); /* noise */
+        CHECK(laden_sched_block_bytes(sc, b) < 2 * per * 3 / 4);
+        for (uint32_t k = 0; k < 2; k++) {
+            uint64_t bytes = 2 * (k ? NOISE : (uint64_t)N);
+            memset(got, 0, bytes);
+            CHECK_OK(laden_sched_tensor_value(sc, b, k, LADEN_DTYPE_BF16,
+                                              got, bytes));
+            CHECK(memcmp(got, v + b * per + (k ? 0 : NOISE), bytes) == 0);
+        }
+    }
+    for (uint32_t b = 0; decodes && b < NB; b++) { /* where it runs */
+        CHECK_OK(b ? LADEN_OK : laden_sched_start(sc, 1));
+        CHECK_OK(laden_sched_enter(sc, b, 0));
+        for (uint32_t k = 0; k < 2; k++) {
+            uint64_t bytes = 2 * (k ? NOISE : (uint64_t)N), at;
+            laden_devptr_t p;
+            if (k) {
+                CHECK_OK(laden_sched_tensor_ptr(sc, b, k, &p));
+            } else {
+                CHECK_OK(laden_sched_expanded_at(sc, b, k, &p, &at));
+                CHECK_EQ(at, bytes);
+            }
+            read_back(rd, got, p, bytes);
+            CHECK(memcmp(got, v + b * per + (k ? 0 : NOISE), bytes) == 0);
+        }
+        CHECK_OK(laden_sched_exit(sc, b, 0));
+    }
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    /* Stopped after the last block was encoded and put in its home. */
+    sc = pairs_marked(path, NULL, dev, io, LADEN_TIER_RAM, NB, 0, true, &st);
+    stop_after = 1;
+    seen_done = seen_total = 0;
+    CHECK_OK(laden_sched_set_progress(sc, on_progress, NULL));
+    CHECK_STATUS(laden_sched_load(sc), LADEN_E_STATE);
+    CHECK(strstr(laden_last_error(), "while compressing"));
+    CHECK_EQ(seen_total, 2 * per * NB);
+    CHECK_STATUS(laden_sched_start(sc, 0), LADEN_E_STATE);
+    stop_after = 0;
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    laden_io_destroy(io);
+    laden_dev_stream_destroy(rd);
+    free(got);
+    free(v);
+}
+
+TEST(lossless_whole_load_puts_each_block_in_its_home_as_encoded)
+{
+    test_on_every_device(whole_load_places_blocks);
 }
 
 /* The cache engine keeps an activation's lossless upload buffers within

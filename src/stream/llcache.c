@@ -401,8 +401,9 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
                       (b1 == b0 || raw + 2 * jobs[b1].nelem <= BATCH_BYTES);
              b1++)
             raw += 2 * jobs[b1].nelem;
-        s = laden__ll_run(w->io, jobs + b0, b1 - b0, w->progress, w->arg,
-                          w->done, w->total, "laden_lossless_cache_write");
+        s = laden__ll_run(w->io, jobs + b0, b1 - b0, NULL, w->progress,
+                          w->arg, w->done, w->total,
+                          "laden_lossless_cache_write");
         w->done += raw;
         for (uint32_t k = b0; k < b1; k++) {
             ll_job *j = &jobs[k];

@@ -153,6 +153,8 @@ static laden_status start_tensor(laden_sched_t *sc, const tref *r, char *to,
                                  tread *c)
 {
     laden_io_req_t **req = &c->req;
+    if (r->in_home) /* encoded there (compress.c's settle_block) */
+        return LADEN_OK;
     if (r->host && r->src == r->dst && r->src_bytes >= COPY_ON_POOL) {
         c->copy = true; /* a blob: many, large, on the pool's threads */
         return laden_io_submit_copy(sc->layout.io, r->host, r->src_bytes, to,
@@ -398,7 +400,7 @@ static uint64_t home_len(uint64_t bytes)
  * read (CUDA's RAM tier), never run in place. */
 static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
 {
-    return sc->cache.on || b->shared ? 0 : b->read_shift;
+    return sc->cache.on || b->shared || !sc->cuda ? 0 : b->read_shift;
 }
 
 /* Block b's host copy, in a mapping of its own: a cache schedule's, or
@@ -406,7 +408,7 @@ static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
  * MiB up it is aligned to huge pages and asks for them (MADV_HUGEPAGE):
  * the reads then fault a 2 MiB page at a time instead of 4 KiB, and
  * pinning walks 512 times fewer pages. */
-static laden_status map_home(laden_sched_t *sc, blk *b)
+laden_status laden__sched_map_home(laden_sched_t *sc, blk *b)
 {
     uint64_t shift = home_shift(sc, b);
     uint64_t len = home_len(b->bytes + shift);
@@ -496,7 +498,7 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
 {
     blk *b = &sc->layout.b[i];
     laden_status s;
-    if (b->bytes && ((s = map_home(sc, b)) ||
+    if (b->bytes && ((s = laden__sched_map_home(sc, b)) ||
                      (s = read_block_host(sc, b, b->ram)) ||
                      (s = laden__sched_check_cached(sc, b)))) {
         unmap_home(sc, b);
@@ -801,15 +803,21 @@ static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
                                (unsigned)(b - sc->layout.b),
                                laden__bytes(len).s, laden__bytes(budget).s,
                                laden__bytes(*homes_bytes).s);
-        laden_status s = b->shared ? LADEN_OK : map_home(sc, b);
+        /* A home the encoders mapped already (compress.c's
+         * settle_block) counts as any other. */
+        laden_status s = b->shared || b->ram ? LADEN_OK
+                                             : laden__sched_map_home(sc, b);
         if (!s)
             *homes_bytes += len;
         return s;
     }
     if (b->shared) /* in the segment (share.c) */
         return LADEN_OK;
-    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place */
-        laden_status s = laden_host_alloc(sc->layout.host, b->bytes, &b->ram);
+    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place
+                                        (or a home the encoders mapped) */
+        laden_status s = b->ram ? LADEN_OK
+                                : laden_host_alloc(sc->layout.host, b->bytes,
+                                                   &b->ram);
         if (!s)
             b->region = (laden_devptr_t)(uintptr_t)b->ram;
         return s;

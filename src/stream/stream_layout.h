@@ -80,6 +80,9 @@ typedef struct tref {
      * then). */
     laden_io_file_t *cfile;
     bool ll_unchecked;
+    /* Compressed at load and copied into its block's home by the encoder
+     * (compress.c's settle_block): the load has nothing to put there. */
+    bool in_home;
     /* Marked: its blob's size as estimated from samples of the file at
      * the mark (0: expected to stay as stored), what the plan counts for
      * the RAM tier (laden_plan_input's ram_block_bytes). */
@@ -107,7 +110,8 @@ static inline uint64_t laden__sched_place(const tref *r, uint64_t end)
  * read straight into a slot: from the file, in the file's dtype. */
 static inline bool laden__sched_as_stored(const tref *r)
 {
-    return !r->host && r->src == r->dst && !r->rope_heads && !r->pieces;
+    return !r->host && !r->in_home && r->src == r->dst && !r->rope_heads &&
+           !r->pieces;
 }
 
 

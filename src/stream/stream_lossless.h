@@ -25,6 +25,7 @@ typedef struct ll_job {
     laden_dtype dtype;
     const char *name;
     void *owner; /* the caller's (compress.c: the tref) */
+    uint32_t group; /* consecutive jobs of one group settle together */
     void *blob;
     uint64_t size, cached;
     laden_lossless_info info;
@@ -32,13 +33,25 @@ typedef struct ll_job {
     char msg[320];
 } ll_job;
 
+/* What becomes of a group's blobs once the group's jobs have all ended:
+ * called with them (jobs[0..n), every s LADEN_OK) by the worker that
+ * ended the last, while the others read and encode later groups; it
+ * takes the blobs it keeps (job.blob set to NULL).  A failure becomes
+ * the last job's and stops the run. */
+typedef struct ll_settle {
+    laden_status (*fn)(void *arg, ll_job *jobs, uint32_t n);
+    void *arg;
+} ll_settle;
+
 /* Runs jobs[0..n) on up to 16 threads (the cores there are), reading in
  * job order, as many bytes at once as the reader pool reads (at least a
- * tensor), while the others encode.  progress,
- * when set, hears (base + bytes done, total) every 50 ms from this thread
- * and may stop the run (LADEN_E_STATE naming `what`).  Every job's s is
- * set; the first failure is returned. */
+ * tensor), while the others encode.  settle, when set, hears each group
+ * whose jobs all succeeded.  progress, when set, hears (base + bytes
+ * done, total) every 50 ms from this thread and may stop the run
+ * (LADEN_E_STATE naming `what`).  Every job's s is set; the first failure
+ * is returned. */
 laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
+                           const ll_settle *settle,
                            laden_sched_progress_fn progress, void *arg,
                            uint64_t base, uint64_t total, const char *what);
 
