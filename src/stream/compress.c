@@ -683,7 +683,7 @@ static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n)
         return LADEN_OK;
     pack(b);
     b->read_shift = laden__sched_read_shift(b);
-    laden_status s = laden__sched_map_home(sc, b);
+    laden_status s = laden__sched_host_memory(sc, b);
     if (s) {
         laden__error_prefix("block %u", (unsigned)jobs[0].group);
         return s;

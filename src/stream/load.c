@@ -400,7 +400,7 @@ static uint64_t home_len(uint64_t bytes)
  * read (CUDA's RAM tier), never run in place. */
 static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
 {
-    return sc->cache.on || b->shared || !sc->cuda ? 0 : b->read_shift;
+    return sc->cache.on || b->shared ? 0 : b->read_shift;
 }
 
 /* Block b's host copy, in a mapping of its own: a cache schedule's, or
@@ -408,7 +408,7 @@ static uint64_t home_shift(const laden_sched_t *sc, const blk *b)
  * MiB up it is aligned to huge pages and asks for them (MADV_HUGEPAGE):
  * the reads then fault a 2 MiB page at a time instead of 4 KiB, and
  * pinning walks 512 times fewer pages. */
-laden_status laden__sched_map_home(laden_sched_t *sc, blk *b)
+static laden_status map_home(laden_sched_t *sc, blk *b)
 {
     uint64_t shift = home_shift(sc, b);
     uint64_t len = home_len(b->bytes + shift);
@@ -498,7 +498,7 @@ static laden_status fill_block(laden_sched_t *sc, uint32_t i)
 {
     blk *b = &sc->layout.b[i];
     laden_status s;
-    if (b->bytes && ((s = laden__sched_map_home(sc, b)) ||
+    if (b->bytes && ((s = map_home(sc, b)) ||
                      (s = read_block_host(sc, b, b->ram)) ||
                      (s = laden__sched_check_cached(sc, b)))) {
         unmap_home(sc, b);
@@ -782,20 +782,36 @@ static laden_status finish_oldest(loader *l, laden_status s)
     return s ? s : progress(l, f, last);
 }
 
-/* Block b's memory in the host, before any read: its home (a cache
+/* Where block b's bytes are kept in the host: its home (a cache
  * schedule's host copy, or a RAM-tier block of a CUDA schedule, pinned
- * once read: pin_home), within the RAM budget, or on the CPU device its
- * place in the arena, where it runs.  Mapped, not touched: the reads make
- * the pages, in parallel. */
+ * once read: pin_home), or on the CPU device its place in the arena,
+ * where it runs; nothing for a block in a shared segment, or whose
+ * memory is made already (the encoders': compress.c's settle_block).
+ * Mapped, not touched: the reads make the pages, in parallel. */
+laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b)
+{
+    if (b->ram || b->shared)
+        return LADEN_OK;
+    if (sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda))
+        return map_home(sc, b);
+    if (b->tier != LADEN_TIER_RAM)
+        return LADEN_OK;
+    laden_status s = laden_host_alloc(sc->layout.host, b->bytes, &b->ram);
+    if (!s)
+        b->region = (laden_devptr_t)(uintptr_t)b->ram;
+    return s;
+}
+
+/* The same, before the loader reads block b: a home within the RAM
+ * budget (a shared block is in the segment, in 4 KiB pages (share.c), as
+ * an attacher counts it too). */
 static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
+    uint64_t len = 0;
     if (sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
-        /* A shared block is in the segment, in 4 KiB pages (share.c), as
-         * an attacher counts it too. */
-        uint64_t budget = sc->cfg.ram_budget_bytes,
-                 len = b->shared ? b->ram_len
-                                 : home_len(b->bytes + home_shift(sc, b));
+        uint64_t budget = sc->cfg.ram_budget_bytes;
+        len = b->shared ? b->ram_len : home_len(b->bytes + home_shift(sc, b));
         if (!sc->cache.on && budget && *homes_bytes + len > budget)
             return laden__fail(LADEN_E_BUDGET,
                                "block %u (%s) does not fit "
@@ -803,26 +819,11 @@ static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
                                (unsigned)(b - sc->layout.b),
                                laden__bytes(len).s, laden__bytes(budget).s,
                                laden__bytes(*homes_bytes).s);
-        /* A home the encoders mapped already (compress.c's
-         * settle_block) counts as any other. */
-        laden_status s = b->shared || b->ram ? LADEN_OK
-                                             : laden__sched_map_home(sc, b);
-        if (!s)
-            *homes_bytes += len;
-        return s;
     }
-    if (b->shared) /* in the segment (share.c) */
-        return LADEN_OK;
-    if (b->tier == LADEN_TIER_RAM) { /* CPU device: the arena, run in place
-                                        (or a home the encoders mapped) */
-        laden_status s = b->ram ? LADEN_OK
-                                : laden_host_alloc(sc->layout.host, b->bytes,
-                                                   &b->ram);
-        if (!s)
-            b->region = (laden_devptr_t)(uintptr_t)b->ram;
-        return s;
-    }
-    return LADEN_OK;
+    laden_status s = laden__sched_host_memory(sc, b);
+    if (!s)
+        *homes_bytes += len;
+    return s;
 }
 
 /* Where piece [t0, ...) of block b is read to: its block's host memory

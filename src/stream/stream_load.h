@@ -86,10 +86,10 @@ laden_status laden__sched_load_prepare(laden_sched_t *sc);
 /* Pins RAM-tier block b's host copy in place (CUDA streaming
  * schedules).  In parts.c: share.c, below load.c, calls it too. */
 laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b);
-/* Maps block b's home (its host copy in a mapping of its own), by its
- * packed bytes and read shift; for the CPU device too, where the block
- * runs in place there.  Mapped, not touched. */
-laden_status laden__sched_map_home(laden_sched_t *sc, blk *b);
+/* Block b's host memory made, where its kind of block keeps it (a home
+ * by its packed bytes and read shift, or the CPU device's arena), if it
+ * has none yet; mapped, not touched. */
+laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b);
 /* A background load's failure, as the error of the call that meets it. */
 laden_status laden__sched_load_failure(laden_sched_t *sc);
 laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block,
