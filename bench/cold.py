@@ -34,8 +34,15 @@ which also drops Python's and torch's own pages: a cold machine).  Warm:
 the files read once before.  With --repeat N the methods run N times,
 interleaved, and the median counts.  Prints tables; asserts nothing.
 
+With --read-limit RATE (root) this process and every method's run in a
+cgroup that holds reads from the drive of --dir to RATE bytes/s (e.g.
+600M): on a machine whose cores are few for its drive, the ratio of
+drive to cores of a larger one (the H200's 1.9 GB/s drive against 16
+encoding threads at 5 GB/s is about 0.4; two cores encode at 1.5 GB/s).
+
     python bench/cold.py [--device cuda|cpu] [--repeat 3] [--drop-all]
                           [--skip llama] [--methods "NAME|NAME"]
+                          [--read-limit 600M]
 """
 
 from __future__ import annotations
@@ -223,6 +230,9 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--skip", default="", help="synth, llama")
+    ap.add_argument("--read-limit", default=None,
+                    help="hold reads from the drive to this rate (root): "
+                         "e.g. 600M")
     ap.add_argument("--methods", default="",
                     help="only these methods (exact names separated by "
                          "'|'; cat and dd always run)")
@@ -286,9 +296,13 @@ def main() -> int:
         keep = set(a.methods.split("|")) | {"cat", "dd iflag=direct"}
         methods = {k: [m for m in v if m in keep]
                    for k, v in methods.items()}
-    if a.drop_all and os.geteuid() != 0:
-        print("--drop-all needs root", file=sys.stderr)
+    if (a.drop_all or a.read_limit) and os.geteuid() != 0:
+        print("--drop-all and --read-limit need root", file=sys.stderr)
         return 2
+    if a.read_limit:
+        d = limit_reads(a.dir, _rate(a.read_limit))
+        print(f"reads from the drive of {a.dir} held to "
+              f"{_rate(a.read_limit) / 1e9:.2f} GB/s ({d})", flush=True)
     cache_files = {}
     for model, path in models.items():  # laden compress, once
         if any("lossless cache" in m for m in methods[model]):
@@ -320,6 +334,40 @@ def main() -> int:
 
 
 
+def _rate(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    t = text.strip().upper().rstrip("B")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1:] in units else int(t)
+
+
+def limit_reads(path: str, bps: int) -> str:
+    """This process (and the methods' processes after it) in a cgroup
+    holding reads from path's drive to bps bytes/s: cgroup v1's blkio
+    throttle, or v2's io.max.  Returns the cgroup's directory."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    sysdev = os.path.realpath(f"/sys/dev/block/{dev}")
+    if os.path.exists(os.path.join(sysdev, "partition")):  # its disk
+        with open(os.path.join(os.path.dirname(sysdev), "dev")) as f:
+            dev = f.read().strip()
+
+    def put(p: str, text: str) -> None:
+        with open(p, "w") as f:
+            f.write(text)
+
+    if os.path.isdir("/sys/fs/cgroup/blkio"):
+        d = "/sys/fs/cgroup/blkio/laden-cold"
+        os.makedirs(d, exist_ok=True)
+        put(os.path.join(d, "blkio.throttle.read_bps_device"), f"{dev} {bps}")
+    else:
+        put("/sys/fs/cgroup/cgroup.subtree_control", "+io")
+        d = "/sys/fs/cgroup/laden-cold"
+        os.makedirs(d, exist_ok=True)
+        put(os.path.join(d, "io.max"), f"{dev} rbps={bps}")
+    put(os.path.join(d, "cgroup.procs"), str(os.getpid()))
+    return d
+
+
 def report(a, models, methods, runs, gpu, done: int) -> None:
     """The tables, medians of the `done` repeats so far (printed after
     each, so a run cut short still leaves its last tables)."""
@@ -330,7 +378,9 @@ def report(a, models, methods, runs, gpu, done: int) -> None:
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}  "
           f"torch {torch.__version__}  {os.cpu_count()} cores  "
           f"median of {done} of {max(1, a.repeat)}; cold = "
-          f"{'drop_caches' if a.drop_all else 'the files dropped'}")
+          f"{'drop_caches' if a.drop_all else 'the files dropped'}"
+          + (f"; drive held to {_rate(a.read_limit) / 1e9:.2f} GB/s"
+             if a.read_limit else ""))
     for model, path in models.items():
         size = sum(os.path.getsize(p) for p in files_of(path))
         print(f"\n{model}: {path} ({size / 1e9:.2f} GB)")
