@@ -1227,18 +1227,16 @@ static void check_pair(laden_sched_t *sc, laden_dev_stream_t *rd, void *got,
     }
 }
 
-/* A schedule of NB blocks on `tier` (with `flags`), block b holding n<b>
- * then w<b> (w<b> first when w_first), marked lossless with dir's
- * lossless cache (none: NULL), not loaded. */
+/* A schedule (cfg) of NB blocks on `tier`, block b holding n<b> then
+ * w<b> (w<b> first when w_first), marked lossless with dir's lossless
+ * cache (none: NULL), not loaded. */
 static laden_sched_t *pairs_marked(const char *path, const char *dir,
-                                   int32_t dev, laden_io_t *io,
-                                   laden_tier tier, uint32_t nb,
-                                   uint32_t flags, bool w_first,
+                                   laden_sched_config cfg, laden_tier tier,
+                                   uint32_t nb, bool w_first,
                                    laden_st_t **st)
 {
     laden_sched_t *sc;
     CHECK_OK(laden_st_open(path, st));
-    laden_sched_config cfg = {.device = dev, .io = io, .flags = flags};
     CHECK_OK(laden_sched_create(&cfg, *st, &sc));
     for (uint32_t b = 0; b < nb; b++) {
         uint32_t blk, k;
@@ -1267,8 +1265,8 @@ static laden_sched_t *pairs_loaded(const char *path, const char *dir,
                                    laden_tier tier, uint32_t nb,
                                    uint32_t flags, laden_st_t **st)
 {
-    laden_sched_t *sc =
-        pairs_marked(path, dir, dev, io, tier, nb, flags, false, st);
+    laden_sched_config cfg = {.device = dev, .io = io, .flags = flags};
+    laden_sched_t *sc = pairs_marked(path, dir, cfg, tier, nb, false, st);
     CHECK_OK(laden_sched_load(sc));
     return sc;
 }
@@ -1635,8 +1633,9 @@ static void whole_load_places_blocks(int32_t dev)
     laden_io_t *io;
     laden_st_t *st;
     CHECK_OK(laden_io_create(NULL, &io));
+    laden_sched_config cfg = {.device = dev, .io = io};
     laden_sched_t *sc =
-        pairs_marked(path, NULL, dev, io, LADEN_TIER_RAM, NB, 0, true, &st);
+        pairs_marked(path, NULL, cfg, LADEN_TIER_RAM, NB, true, &st);
     uint64_t misplaced = laden__io_misplaced_bytes(io); /* the samples */
     CHECK_OK(laden_sched_load(sc));
     if (dev >= 0)
@@ -1679,7 +1678,7 @@ static void whole_load_places_blocks(int32_t dev)
     laden_sched_destroy(sc);
     laden_st_close(st);
     /* Stopped after the last block was encoded and put in its home. */
-    sc = pairs_marked(path, NULL, dev, io, LADEN_TIER_RAM, NB, 0, true, &st);
+    sc = pairs_marked(path, NULL, cfg, LADEN_TIER_RAM, NB, true, &st);
     stop_after = 1;
     seen_done = seen_total = 0;
     CHECK_OK(laden_sched_set_progress(sc, on_progress, NULL));
@@ -1688,6 +1687,33 @@ static void whole_load_places_blocks(int32_t dev)
     CHECK_EQ(seen_total, 2 * per * NB);
     CHECK_STATUS(laden_sched_start(sc, 0), LADEN_E_STATE);
     stop_after = 0;
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    /* A RAM budget the homes do not fit: refused as a budget, naming a
+     * block (on the CPU device, the arena's budget), not as a stop. */
+    laden_sched_config small = cfg;
+    small.ram_budget_bytes = 2 * per * 2; /* about three blocks coded */
+    sc = pairs_marked(path, NULL, small, LADEN_TIER_RAM, NB, true, &st);
+    CHECK_STATUS(laden_sched_load(sc), LADEN_E_BUDGET);
+    CHECK(strstr(laden_last_error(), "budget"));
+    CHECK(!strstr(laden_last_error(), "cancelled"));
+    laden_sched_destroy(sc);
+    laden_st_close(st);
+    /* Asked to share its host copy: a block its encoders put into a home
+     * of this process's stays in it (never a segment the loader would
+     * not fill), every value as stored. */
+    setenv("LADEN_SHM_DIR", test_shm_dir(), 1);
+    (void)mkdir(test_shm_dir(), 0700);
+    sc = pairs_marked(path, NULL, cfg, LADEN_TIER_RAM, NB, true, &st);
+    CHECK_OK(laden_sched_share(sc, "ll-settle"));
+    CHECK_OK(laden_sched_load(sc));
+    for (uint32_t b = 0; b < NB; b++) {
+        CHECK_EQ(laden_sched_tensor_lossless(sc, b, 0), 1);
+        memset(got, 0, 2 * (uint64_t)N);
+        CHECK_OK(laden_sched_tensor_value(sc, b, 0, LADEN_DTYPE_BF16, got,
+                                          2 * (uint64_t)N));
+        CHECK(memcmp(got, v + b * per + NOISE, 2 * (uint64_t)N) == 0);
+    }
     laden_sched_destroy(sc);
     laden_st_close(st);
     laden_io_destroy(io);

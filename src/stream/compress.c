@@ -271,7 +271,8 @@ typedef struct pool {
     uint32_t *first;         /* the first job of its group, */
     atomic_uint *left;       /* at first[k]: the group's jobs not ended */
     atomic_uint next, finished;
-    atomic_bool stop;          /* the progress callback asked to stop */
+    atomic_bool stop;          /* the run stops: */
+    atomic_bool cancelled;     /* the progress callback asked it */
     atomic_uint_fast64_t done; /* bytes read and encoded */
     uint64_t depth;            /* bytes the reader pool reads at once */
     pthread_mutex_t mu;        /* guards what follows */
@@ -473,6 +474,7 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
     atomic_init(&p.next, 0);
     atomic_init(&p.finished, 0);
     atomic_init(&p.stop, false);
+    atomic_init(&p.cancelled, false);
     atomic_init(&p.done, 0);
     pthread_mutex_init(&p.mu, NULL);
     pthread_cond_init(&p.cv, NULL);
@@ -485,8 +487,10 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
     while (atomic_load(&p.finished) < n && !atomic_load(&p.stop)) {
         struct timespec ts = {0, 50 * 1000 * 1000};
         nanosleep(&ts, NULL);
-        if (progress && progress(arg, base + atomic_load(&p.done), total))
+        if (progress && progress(arg, base + atomic_load(&p.done), total)) {
+            atomic_store(&p.cancelled, true);
             stop_all(&p);
+        }
     }
     for (uint32_t t = 0; t < started; t++)
         pthread_join(th[t], NULL);
@@ -498,16 +502,16 @@ laden_status laden__ll_run(laden_io_t *io, ll_job *jobs, uint32_t n,
     pthread_mutex_destroy(&p.mu);
     free(p.first);
     free(p.left);
-    bool stopped = atomic_load(&p.stop) ||
-                   (progress && progress(arg, base + atomic_load(&p.done),
-                                         total));
-    if (stopped)
-        return laden__fail(LADEN_E_STATE, "%s was cancelled by its progress "
-                                          "callback (while compressing)",
-                           what);
+    /* A job's own failure first (a settle's too, which stopped the
+     * run), then the callback's stop, then the jobs it left. */
     for (uint32_t k = 0; k < n; k++)
         if (jobs[k].s && jobs[k].s != LADEN_E_STATE)
             return laden__fail(jobs[k].s, "compressing %s", jobs[k].msg);
+    if (atomic_load(&p.cancelled) ||
+        (progress && progress(arg, base + atomic_load(&p.done), total)))
+        return laden__fail(LADEN_E_STATE, "%s was cancelled by its progress "
+                                          "callback (while compressing)",
+                           what);
     for (uint32_t k = 0; k < n; k++)
         if (jobs[k].s)
             return laden__fail(jobs[k].s, "compressing %s", jobs[k].msg);
@@ -656,9 +660,15 @@ laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
  * 0.6 GB/s), and a whole load held every blob beside its copy.  Only
  * this block's tensors and home are touched (one worker settles a
  * block); load.c lays out the same packing again. */
+typedef struct settling {
+    laden_sched_t *sc;
+    atomic_uint_fast64_t homes; /* the homes' bytes mapped so far */
+} settling;
+
 static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n)
 {
-    laden_sched_t *sc = arg;
+    settling *st = arg;
+    laden_sched_t *sc = st->sc;
     blk *b = &sc->layout.b[jobs[0].group];
     bool coded = false;
     for (uint32_t k = 0; k < n; k++) {
@@ -683,8 +693,14 @@ static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n)
         return LADEN_OK;
     pack(b);
     b->read_shift = laden__sched_read_shift(b);
-    laden_status s = laden__sched_host_memory(sc, b);
-    if (s) {
+    /* The RAM budget, as the loader counts it (its check, with every
+     * home, comes after; this one refuses before the homes exceed it). */
+    uint64_t len = laden__sched_home_bytes(sc, b),
+             taken = atomic_fetch_add(&st->homes, len);
+    laden_status s = laden__sched_home_budget(sc, b, taken);
+    if (s)
+        return s;
+    if ((s = laden__sched_host_memory(sc, b))) {
         laden__error_prefix("block %u", (unsigned)jobs[0].group);
         return s;
     }
@@ -742,7 +758,9 @@ laden_status laden__sched_compress(laden_sched_t *sc)
                                  .owner = r, .group = i};
             total += 2 * r->nelem;
         }
-    ll_settle settle = {.fn = settle_block, .arg = sc};
+    settling st = {.sc = sc};
+    atomic_init(&st.homes, 0);
+    ll_settle settle = {.fn = settle_block, .arg = &st};
     s = laden__ll_run(sc->layout.io, jobs, n, &settle, sc->load.progress,
                       sc->load.progress_arg, 0, total, "the load");
     for (uint32_t k = 0; k < n; k++) { /* read, whatever came of it */

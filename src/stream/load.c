@@ -802,27 +802,36 @@ laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b)
     return s;
 }
 
+uint64_t laden__sched_home_bytes(const laden_sched_t *sc, const blk *b)
+{
+    if (!sc->cache.on && !(b->tier == LADEN_TIER_RAM && sc->cuda))
+        return 0;
+    return b->shared ? b->ram_len : home_len(b->bytes + home_shift(sc, b));
+}
+
+laden_status laden__sched_home_budget(const laden_sched_t *sc,
+                                      const blk *b, uint64_t taken)
+{
+    uint64_t budget = sc->cfg.ram_budget_bytes,
+             len = laden__sched_home_bytes(sc, b);
+    if (sc->cache.on || !budget || taken + len <= budget)
+        return LADEN_OK;
+    return laden__fail(LADEN_E_BUDGET,
+                       "block %u (%s) does not fit the %s RAM budget (%s "
+                       "taken)",
+                       (unsigned)(b - sc->layout.b), laden__bytes(len).s,
+                       laden__bytes(budget).s, laden__bytes(taken).s);
+}
+
 /* The same, before the loader reads block b: a home within the RAM
  * budget (a shared block is in the segment, in 4 KiB pages (share.c), as
  * an attacher counts it too). */
 static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
-    uint64_t len = 0;
-    if (sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda)) {
-        uint64_t budget = sc->cfg.ram_budget_bytes;
-        len = b->shared ? b->ram_len : home_len(b->bytes + home_shift(sc, b));
-        if (!sc->cache.on && budget && *homes_bytes + len > budget)
-            return laden__fail(LADEN_E_BUDGET,
-                               "block %u (%s) does not fit "
-                               "the %s RAM budget (%s taken)",
-                               (unsigned)(b - sc->layout.b),
-                               laden__bytes(len).s, laden__bytes(budget).s,
-                               laden__bytes(*homes_bytes).s);
-    }
-    laden_status s = laden__sched_host_memory(sc, b);
-    if (!s)
-        *homes_bytes += len;
+    laden_status s = laden__sched_home_budget(sc, b, *homes_bytes);
+    if (!s && !(s = laden__sched_host_memory(sc, b)))
+        *homes_bytes += laden__sched_home_bytes(sc, b);
     return s;
 }
 

@@ -81,8 +81,10 @@ static bool shareable(const laden_sched_t *sc, const blk *b)
     if (b->tier != LADEN_TIER_RAM && (sc->cuda || b->tier != LADEN_TIER_GPU))
         return false;
     for (uint32_t k = 0; k < b->nt; k++)
-        if (b->t[k].host)
-            return false; /* bytes from this process's memory */
+        if (b->t[k].host || b->t[k].in_home)
+            return false; /* bytes from this process's memory, or encoded
+                             by it into the block's home already
+                             (compress.c's settle_block) */
     return true;
 }
 
