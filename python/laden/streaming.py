@@ -663,15 +663,21 @@ def _attach(model, state: _Stream) -> None:
     second thread's forward, or release() from another thread, is refused
     at once instead of interleaving with it.  Streamed blocks refuse to run
     outside install_offload: disk blocks have no copy in memory, RAM blocks
-    on CUDA none on the device."""
+    on CUDA none on the device.  So do blocks that keep weights compact
+    (lossless, fp8, GGUF): their weights exist as the model computes with
+    them only once their block's enter expanded them; outside, the module
+    holds the codes or meta (and PyTorch computes with a meta weight
+    without a word: garbage)."""
     _unmark_released(model)
     state.name = f"model {type(model).__name__}"
     _wrap_root(model, state)
     o = state.live("attach")
     for b in state.blocks:
-        if lib.laden_sched_is_streamed(o.h, b.c_block):
+        streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
+        compact = [t for t in b.tensors if t.store != "plain"]
+        if streamed or compact:
             state.hooks.append(b.module.register_forward_pre_hook(
-                _needs_offload(state, b)))
+                _needs_offload(state, b, None if streamed else compact)))
         elif state.awaiting:
             state.hooks.append(b.module.register_forward_pre_hook(
                 _awaits(state, b.c_block)))
@@ -835,12 +841,21 @@ def _unwrap_root(state: _Stream) -> None:
         model.__dict__.pop("forward", None)
 
 
-def _needs_offload(state: _Stream, b: BlockInfo):
+def _needs_offload(state: _Stream, b: BlockInfo, compact=None):
     """A streamed block runs only under install_offload: its weights reach
-    the device (or, on disk, memory) only through its slot."""
-    where = ("on the disk tier: its weights are read from the checkpoint"
-             if b.tier == _lib.TIER_DISK else "streamed from host RAM: its "
-             "weights are copied to the device")
+    the device (or, on disk, memory) only through its slot.  A block that
+    keeps `compact` tensors (not streamed) likewise: they are expanded by
+    its enter."""
+    if compact:
+        kinds = sorted({t.store for t in compact})
+        where = (f"keeping {len(compact)} weight(s) compact "
+                 f"('{compact[0].names[0]}', stored as {', '.join(kinds)}): "
+                 "they are expanded")
+    else:
+        where = ("on the disk tier: its weights are read from the "
+                 "checkpoint" if b.tier == _lib.TIER_DISK else
+                 "streamed from host RAM: its weights are copied to the "
+                 "device")
 
     def pre(mod, args):
         if state.handle is None:

@@ -746,3 +746,31 @@ def test_model_cache_adapters_on_lossless_weights(tmp_path):
                 assert torch.equal(m(ids).logits, base)  # left as it was
         cache.clear()
     assert torch.equal(out["lossless"], out[None])
+
+
+def test_compact_block_refuses_to_run_without_install_offload(tmp_path):
+    """On the CPU device a RAM-tier block runs in place, without
+    install_offload, but one keeping weights lossless holds meta where
+    they would be (they exist only expanded, at its enter), and PyTorch
+    computes a Linear with a meta weight into garbage without a word: the
+    block refuses by name instead; under install_offload the outputs are
+    the model's."""
+    import laden
+    from test_shared import Net
+
+    torch.manual_seed(0)
+    ref = Net(d=64, h=256).to(torch.bfloat16).eval()
+    path = str(tmp_path / "bf16.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        m = Net(d=64, h=256).to(torch.bfloat16).eval()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cpu",
+                      compression="lossless")
+    with torch.no_grad(), pytest.raises(laden.StateError,
+                                        match="install_offload"):
+        m(x)
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    laden.release(m, h)

@@ -519,3 +519,27 @@ def test_relative_shm_dir_and_chdir(tmp_path, monkeypatch):
     laden.release(m)
     laden.release(m2)
     assert segments(base / "segs") == []  # the last user removed it
+
+
+def test_lossless_blocks_stay_private(tmp_path, shm_dir):
+    """shared=True with compression="lossless": the blocks encoded at load
+    are this process's (their encoders put them into its own memory), so
+    they stay out of the segment, and every output is the model's."""
+    torch.manual_seed(0)
+    ref = Net(d=64, h=256).to(torch.bfloat16).eval()
+    path = str(tmp_path / "bf16.safetensors")
+    laden.save_file(ref.state_dict(), path)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(x)
+    with torch.device("meta"):
+        m = Net(d=64, h=256).to(torch.bfloat16).eval()
+    rep = laden.stream_load(m, path, offload_prefixes=["blocks."],
+                            device="cpu", shared=True,
+                            compression="lossless")
+    coded, raw = rep.lossless
+    assert raw > 0 and coded < raw, rep.lossless
+    h = laden.install_offload(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    laden.release(m, h)
