@@ -60,7 +60,8 @@ test-tsan:
 	cmake --build build-tsan -j$(JOBS) --target laden_tests
 	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/laden_tests vram_threads dev_many_threads host_ io_ trace_threads stream_trace \
 	  stream_guard stream_background grads_large stream_shared_copy_waits \
-	  lossless_tensors lossless_compression lossless_threads lossless_whole
+	  lossless_tensors lossless_compression lossless_threads lossless_whole \
+	  lossless_cache_file_of
 	$(MAKE) build/fake_cuda/libcuda.so.1
 	TSAN_OPTIONS=halt_on_error=1 $(FAKE_CUDA) ./build-tsan/laden_tests \
 	  stream_two_devices stream_shared_copy_two_devices dev_threads_on_several \

@@ -662,18 +662,21 @@ static laden_sched_t *blocks_of(const char *path, laden_st_t **st,
 static char *write_tensors(const char *file, uint32_t nb, uint64_t n,
                            const uint16_t *v)
 {
-    char hdr[1024];
-    int at = snprintf(hdr, sizeof hdr, "{");
+    size_t cap = 64 + 128 * (size_t)nb;
+    char *hdr = malloc(cap);
+    CHECK(hdr);
+    int at = snprintf(hdr, cap, "{");
     for (uint32_t b = 0; b < nb; b++)
-        at += snprintf(hdr + at, sizeof hdr - (size_t)at,
+        at += snprintf(hdr + at, cap - (size_t)at,
                        "%s\"t%u\":{\"dtype\":\"BF16\",\"shape\":[%llu],"
                        "\"data_offsets\":[%llu,%llu]}", b ? "," : "", b,
                        (unsigned long long)n,
                        (unsigned long long)(2 * n * b),
                        (unsigned long long)(2 * n * (b + 1)));
-    snprintf(hdr + at, sizeof hdr - (size_t)at, "}");
+    snprintf(hdr + at, cap - (size_t)at, "}");
     char *path = test_path(file);
     test_write_st(path, hdr, v, 2 * n * nb);
+    free(hdr);
     return path;
 }
 
@@ -961,6 +964,42 @@ static laden_status load_cached(const char *path, const char *dir,
     laden_sched_destroy(sc);
     laden_st_close(st);
     return s;
+}
+
+/* A cache file of more tensors than a batch holds (BATCH_JOBS, 512):
+ * each batch's blobs are written in the file's order by whichever encoder
+ * ends the one the file waits for (llcache.c's in_order), while the others
+ * encode; the index lists them in order, each blob at a 4 KiB multiple
+ * after the one before, and a load reads every value back. */
+TEST(lossless_cache_file_of_many_tensors_is_written_in_order)
+{
+    enum { NB = 1100, N = 4096 };
+    uint16_t *v = values(LADEN_DTYPE_BF16, WEIGHTS, (uint64_t)NB * N);
+    char *path = write_tensors("llc-many.safetensors", NB, N, v);
+    char *dir = test_path("llc-many-dir");
+    laden_lossless_cache_stats cs;
+    CHECK_OK(laden_lossless_cache_write(path, dir, NULL, NULL, &cs));
+    CHECK_EQ(cs.tensors, NB);
+    CHECK_EQ(cs.coded, NB);
+    char cpath[4096];
+    CHECK_OK(laden_lossless_cache_path(path, dir, cpath, sizeof cpath));
+    uint64_t end = 4096, sum = 0;
+    for (uint32_t k = 0; k < NB; k++) {
+        uint64_t src = index_field(cpath, k, 0),
+                 off = index_field(cpath, k, 24),
+                 bytes = index_field(cpath, k, 32);
+        CHECK_EQ(src, index_field(cpath, 0, 0) + (uint64_t)k * 2 * N);
+        CHECK_EQ(off, (end + 4095) & ~4095ull);
+        end = off + bytes;
+        sum += bytes;
+    }
+    CHECK_EQ(sum, cs.coded_bytes);
+    laden_sched_stats_t ss;
+    uint32_t found = 0, stale = 9;
+    CHECK_OK(load_cached(path, dir, NB, N, v, &ss, &found, &stale));
+    CHECK_EQ(found, 1);
+    CHECK_EQ(ss.lossless_cache_bytes, cs.coded_bytes);
+    free(v);
 }
 
 /* laden_lossless_cache_write encodes a checkpoint once; a load given its

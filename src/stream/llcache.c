@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,8 +28,9 @@
 #define MAGIC "LDLCACHE"
 #define VERSION 1u
 #define SUM_HEAD (1ull << 20) /* the checkpoint file's bytes summed */
-/* Written a batch of tensors at a time: the blobs of at most this many
- * raw bytes are held at once. */
+/* Encoded a batch of tensors at a time, each blob written as soon as the
+ * ones before it are (in_order): the blobs of at most this many raw bytes
+ * are held at once. */
 #define BATCH_BYTES (2ull << 30)
 #define BATCH_JOBS 512u
 
@@ -367,6 +369,112 @@ typedef struct writer {
     laden_lossless_cache_stats st;
 } writer;
 
+/* A batch's blobs written into the file in job order as the pool ends
+ * them (ll_settle, each job a group of its own), by whichever worker
+ * ends the job the file waits for, while the others read and encode.
+ * Written after the whole batch was encoded, the writes waited for the
+ * encoders and the next batch's reads for the writes. */
+typedef struct in_order {
+    pthread_mutex_t mu; /* guards ended, next, writing, s */
+    ll_job *jobs;       /* the batch's */
+    uint8_t *ended;     /* job k ended (and succeeded) */
+    uint32_t n, next;   /* the job written next */
+    bool writing;       /* a worker writes */
+    laden_status s;     /* a write failed: nothing more is written */
+    /* The writer's own (one at a time): */
+    writer *w;
+    int fd;
+    const char *path;
+    uint8_t *index; /* the batch's first entry */
+    uint64_t at;    /* where the next blob goes */
+} in_order;
+
+/* Job k's index entry, and its blob written at o->at and freed. */
+static laden_status put_job(in_order *o, uint32_t k)
+{
+    ll_job *j = &o->jobs[k];
+    uint8_t *e = o->index + (uint64_t)k * LADEN_LLC_ENTRY;
+    laden_status s = LADEN_OK;
+    laden__put64(e, j->off);
+    laden__put64(e + 8, j->nelem);
+    laden__put32(e + 16, (uint32_t)j->dtype);
+    laden__put32(e + 20, j->blob ? 0 : 1);
+    o->w->st.tensors++;
+    o->w->st.raw_bytes += 2 * j->nelem;
+    if (j->blob) {
+        laden__put64(e + 24, o->at);
+        laden__put64(e + 32, j->size);
+        s = write_all(o->fd, o->path, j->blob, j->size, o->at);
+        o->at = laden__llc_aligned(o->at + j->size);
+        o->w->st.coded++;
+        o->w->st.coded_raw_bytes += 2 * j->nelem;
+        o->w->st.coded_bytes += j->size;
+    }
+    free(j->blob);
+    j->blob = NULL;
+    return s;
+}
+
+static laden_status write_in_order(void *arg, ll_job *job, uint32_t n)
+{
+    in_order *o = arg;
+    (void)n; /* 1: a group a job */
+    pthread_mutex_lock(&o->mu);
+    o->ended[job - o->jobs] = 1;
+    if (o->writing || o->s) { /* the writer takes it, or none will */
+        pthread_mutex_unlock(&o->mu);
+        return LADEN_OK;
+    }
+    o->writing = true;
+    laden_status s = LADEN_OK;
+    while (!s && o->next < o->n && o->ended[o->next]) {
+        uint32_t k = o->next;
+        pthread_mutex_unlock(&o->mu);
+        s = put_job(o, k);
+        pthread_mutex_lock(&o->mu);
+        o->next++;
+    }
+    o->s = s;
+    o->writing = false;
+    pthread_mutex_unlock(&o->mu);
+    return s;
+}
+
+/* Reads, encodes and writes jobs[0..n) (a batch) in order; o's writer
+ * fields set.  The blobs not written (a failure) are freed here. */
+static laden_status run_batch(in_order *o, ll_job *jobs, uint32_t n,
+                              uint64_t raw)
+{
+    writer *w = o->w;
+    o->jobs = jobs;
+    o->n = n;
+    o->next = 0;
+    o->writing = false;
+    o->s = LADEN_OK;
+    if (!(o->ended = calloc(n ? n : 1, 1)))
+        return laden__fail(LADEN_E_NOMEM, "out of memory");
+    pthread_mutex_init(&o->mu, NULL);
+    for (uint32_t k = 0; k < n; k++)
+        jobs[k].group = k;
+    ll_settle settle = {.fn = write_in_order, .arg = o};
+    laden_status s = laden__ll_run(w->io, jobs, n, &settle, w->progress,
+                                   w->arg, w->done, w->total,
+                                   "laden_lossless_cache_write");
+    w->done += raw;
+    if (!s && o->next != n) /* every job ended: the last writer wrote all */
+        s = laden__fail(LADEN_E_STATE, "the lossless cache writer left %u "
+                                       "of %u blobs unwritten",
+                        n - o->next, n);
+    for (uint32_t k = 0; k < n; k++) {
+        free(jobs[k].blob);
+        jobs[k].blob = NULL;
+    }
+    pthread_mutex_destroy(&o->mu);
+    free(o->ended);
+    o->ended = NULL;
+    return s;
+}
+
 /* Encodes the BF16/F16 tensors of file `fi` of st and writes them to
  * fd, the file at `path` (a file of its own), which it closes. */
 static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
@@ -395,37 +503,17 @@ static laden_status write_file(writer *w, const laden_st_t *st, size_t fi,
     if (!s && !(index = calloc(n ? n : 1, LADEN_LLC_ENTRY)))
         s = laden__fail(LADEN_E_NOMEM, "out of memory");
     uint64_t at = LADEN_LLC_ALIGN, file_bytes = 0;
+    in_order o = {.w = w, .fd = fd, .path = path};
     for (uint32_t b0 = 0, b1; !s && b0 < n; b0 = b1) {
         uint64_t raw = 0;
         for (b1 = b0; b1 < n && b1 - b0 < BATCH_JOBS &&
                       (b1 == b0 || raw + 2 * jobs[b1].nelem <= BATCH_BYTES);
              b1++)
             raw += 2 * jobs[b1].nelem;
-        s = laden__ll_run(w->io, jobs + b0, b1 - b0, NULL, w->progress,
-                          w->arg, w->done, w->total,
-                          "laden_lossless_cache_write");
-        w->done += raw;
-        for (uint32_t k = b0; k < b1; k++) {
-            ll_job *j = &jobs[k];
-            uint8_t *e = index + (uint64_t)k * LADEN_LLC_ENTRY;
-            laden__put64(e, j->off);
-            laden__put64(e + 8, j->nelem);
-            laden__put32(e + 16, (uint32_t)j->dtype);
-            laden__put32(e + 20, j->blob ? 0 : 1);
-            w->st.tensors++;
-            w->st.raw_bytes += 2 * j->nelem;
-            if (!s && j->blob) {
-                laden__put64(e + 24, at);
-                laden__put64(e + 32, j->size);
-                s = write_all(fd, path, j->blob, j->size, at);
-                at = laden__llc_aligned(at + j->size);
-                w->st.coded++;
-                w->st.coded_raw_bytes += 2 * j->nelem;
-                w->st.coded_bytes += j->size;
-            }
-            free(j->blob);
-            j->blob = NULL;
-        }
+        o.index = index + (uint64_t)b0 * LADEN_LLC_ENTRY;
+        o.at = at;
+        s = run_batch(&o, jobs + b0, b1 - b0, raw);
+        at = o.at;
     }
     uint8_t head[LADEN_LLC_HEAD] = {0};
     if (!s && !(s = identity(f, id))) {
