@@ -664,7 +664,8 @@ def _attach(model, state: _Stream) -> None:
     at once instead of interleaving with it.  Streamed blocks refuse to run
     outside install_offload: disk blocks have no copy in memory, RAM blocks
     on CUDA none on the device.  So do blocks that keep weights compact
-    (lossless, fp8, GGUF): their weights exist as the model computes with
+    (lossless, fp8, GGUF; not bf16 storage, whose modules hold its
+    values): their weights exist as the model computes with
     them only once their block's enter expanded them; outside, the module
     holds the codes or meta (and PyTorch computes with a meta weight
     without a word: garbage)."""
@@ -674,7 +675,9 @@ def _attach(model, state: _Stream) -> None:
     o = state.live("attach")
     for b in state.blocks:
         streamed = lib.laden_sched_is_streamed(o.h, b.c_block)
-        compact = [t for t in b.tensors if t.store != "plain"]
+        # bf16 storage ("c16") is bound to its true values (bf16), which
+        # a block whose ops promote computes with as its enter would.
+        compact = [t for t in b.tensors if t.store not in ("plain", "c16")]
         if streamed or compact:
             state.hooks.append(b.module.register_forward_pre_hook(
                 _needs_offload(state, b, None if streamed else compact)))

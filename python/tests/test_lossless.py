@@ -774,3 +774,45 @@ def test_compact_block_refuses_to_run_without_install_offload(tmp_path):
     with torch.no_grad():
         assert torch.equal(m(x), ref(x))
     laden.release(m, h)
+
+
+def test_bf16_storage_block_runs_without_install_offload(tmp_path):
+    """bf16 storage is not refused so: its modules hold the stored bf16
+    values, which a block whose ops promote computes with as its enter's
+    expansion would (the same output with and without install_offload)."""
+    import torch.nn as nn
+
+    import laden
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64))
+
+        def forward(self, x):
+            return x * self.weight
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Scale() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "m.safetensors")
+    laden.save_file(Net().state_dict(), path)
+    with torch.device("meta"):
+        m = Net()
+    laden.stream_load(m, path, offload_prefixes=["blocks."], device="cpu",
+                      storage_dtype="bf16", compute_dtype=torch.float32)
+    assert {t.store for t in m._laden_stream.tensors} == {"c16"}
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        bare = m(x)
+        h = laden.install_offload(m)
+        assert torch.equal(m(x), bare)
+    laden.release(m, h)

@@ -405,7 +405,8 @@ static void settle_after(pool *p, uint32_t k)
     for (uint32_t i = g; i < end; i++)
         if (p->jobs[i].s)
             return; /* the run fails: the caller frees what is left */
-    laden_status s = p->settle->fn(p->settle->arg, p->jobs + g, end - g);
+    laden_status s =
+        p->settle->fn(p->settle->arg, p->jobs + g, end - g, &p->stop);
     if (s) {
         ll_job *j = &p->jobs[k];
         j->s = s;
@@ -665,8 +666,10 @@ typedef struct settling {
     atomic_uint_fast64_t homes; /* the homes' bytes mapped so far */
 } settling;
 
-static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n)
+static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n,
+                                 const atomic_bool *stop)
 {
+    (void)stop; /* one block's copies: short */
     settling *st = arg;
     laden_sched_t *sc = st->sc;
     blk *b = &sc->layout.b[jobs[0].group];

@@ -415,7 +415,8 @@ static laden_status put_job(in_order *o, uint32_t k)
     return s;
 }
 
-static laden_status write_in_order(void *arg, ll_job *job, uint32_t n)
+static laden_status write_in_order(void *arg, ll_job *job, uint32_t n,
+                                   const atomic_bool *stop)
 {
     in_order *o = arg;
     (void)n; /* 1: a group a job */
@@ -427,7 +428,9 @@ static laden_status write_in_order(void *arg, ll_job *job, uint32_t n)
     }
     o->writing = true;
     laden_status s = LADEN_OK;
-    while (!s && o->next < o->n && o->ended[o->next]) {
+    /* A stopped run (a cancel) writes no more: the file is removed. */
+    while (!s && !atomic_load(stop) && o->next < o->n &&
+           o->ended[o->next]) {
         uint32_t k = o->next;
         pthread_mutex_unlock(&o->mu);
         s = put_job(o, k);

@@ -6,6 +6,7 @@
 #ifndef LADEN_STREAM_LOSSLESS_H
 #define LADEN_STREAM_LOSSLESS_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -36,10 +37,12 @@ typedef struct ll_job {
 /* What becomes of a group's blobs once the group's jobs have all ended:
  * called with them (jobs[0..n), every s LADEN_OK) by the worker that
  * ended the last, while the others read and encode later groups; it
- * takes the blobs it keeps (job.blob set to NULL).  A failure becomes
- * the last job's and stops the run. */
+ * takes the blobs it keeps (job.blob set to NULL).  *stop turns true
+ * when the run stops (a cancel, a failure): long work ends there.  A
+ * failure becomes the last job's and stops the run. */
 typedef struct ll_settle {
-    laden_status (*fn)(void *arg, ll_job *jobs, uint32_t n);
+    laden_status (*fn)(void *arg, ll_job *jobs, uint32_t n,
+                       const atomic_bool *stop);
     void *arg;
 } ll_settle;
 
