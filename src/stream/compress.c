@@ -654,16 +654,17 @@ laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
  * that encoded the block's last: each blob kept becomes its tensor's,
  * the others are kept as stored.  On a whole load (not a cache's, which
  * fills each block's home when the block is asked for) the block is
- * packed and its home mapped here, and the blobs copied into it and
- * freed: while the drive reads the blocks after it, which a cold load
- * waits for anyway.  Copied after every block was encoded, 1.6 GB of
+ * packed and given its host memory here (st->place, load.c's), and the
+ * blobs copied into it and freed: while the drive reads the blocks after
+ * it, which a cold load waits for anyway.  Copied after every block was encoded, 1.6 GB of
  * blobs took 0.8 s of a 5.0 s cold load on the 2-core VM (a drive at
  * 0.6 GB/s), and a whole load held every blob beside its copy.  Only
  * this block's tensors and home are touched (one worker settles a
  * block); load.c lays out the same packing again. */
 typedef struct settling {
     laden_sched_t *sc;
-    atomic_uint_fast64_t homes; /* the homes' bytes mapped so far */
+    laden_sched_place_fn place; /* NULL: the blobs are only adopted */
+    _Atomic uint64_t homes;     /* the homes' bytes given so far */
 } settling;
 
 static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n,
@@ -692,21 +693,13 @@ static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n,
         j->blob = NULL;
         coded = true;
     }
-    if (!coded || sc->cache.on)
+    if (!coded || !st->place)
         return LADEN_OK;
     pack(b);
     b->read_shift = laden__sched_read_shift(b);
-    /* The RAM budget, as the loader counts it (its check, with every
-     * home, comes after; this one refuses before the homes exceed it). */
-    uint64_t len = laden__sched_home_bytes(sc, b),
-             taken = atomic_fetch_add(&st->homes, len);
-    laden_status s = laden__sched_home_budget(sc, b, taken);
+    laden_status s = st->place(sc, b, &st->homes);
     if (s)
         return s;
-    if ((s = laden__sched_host_memory(sc, b))) {
-        laden__error_prefix("block %u", (unsigned)jobs[0].group);
-        return s;
-    }
     for (uint32_t k = 0; k < n; k++) {
         tref *r = jobs[k].owner;
         if (!r->ll)
@@ -718,7 +711,8 @@ static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n,
     return LADEN_OK;
 }
 
-laden_status laden__sched_compress(laden_sched_t *sc)
+laden_status laden__sched_compress(laden_sched_t *sc,
+                                   laden_sched_place_fn place)
 {
     uint32_t n = 0, cached = 0;
     laden_status s = LADEN_OK;
@@ -761,7 +755,7 @@ laden_status laden__sched_compress(laden_sched_t *sc)
                                  .owner = r, .group = i};
             total += 2 * r->nelem;
         }
-    settling st = {.sc = sc};
+    settling st = {.sc = sc, .place = place};
     atomic_init(&st.homes, 0);
     ll_settle settle = {.fn = settle_block, .arg = &st};
     s = laden__ll_run(sc->layout.io, jobs, n, &settle, sc->load.progress,

@@ -534,7 +534,7 @@ laden_status laden__sched_load_block(laden_sched_t *sc, uint32_t block)
                            "(laden_sched_load)");
     /* Marked tensors are encoded first, all of them (the layout needs
      * their sizes); each block's blobs are freed once it holds them. */
-    if ((!sc->layout.laid_out && (s = laden__sched_compress(sc))) ||
+    if ((!sc->layout.laid_out && (s = laden__sched_compress(sc, NULL))) ||
         (s = layout(sc))) {
         laden__sched_free_all(sc);
         sc->broken = true;
@@ -788,7 +788,7 @@ static laden_status finish_oldest(loader *l, laden_status s)
  * where it runs; nothing for a block in a shared segment, or whose
  * memory is made already (the encoders': compress.c's settle_block).
  * Mapped, not touched: the reads make the pages, in parallel. */
-laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b)
+static laden_status block_host_memory(laden_sched_t *sc, blk *b)
 {
     if (b->ram || b->shared)
         return LADEN_OK;
@@ -802,18 +802,23 @@ laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b)
     return s;
 }
 
-uint64_t laden__sched_home_bytes(const laden_sched_t *sc, const blk *b)
+/* What block b's host memory counts against the RAM budget: its home's
+ * length (whole pages), 0 where it is not a home of a whole load's
+ * budget (the CPU device's arena has its own). */
+static uint64_t home_bytes(const laden_sched_t *sc, const blk *b)
 {
     if (!sc->cache.on && !(b->tier == LADEN_TIER_RAM && sc->cuda))
         return 0;
     return b->shared ? b->ram_len : home_len(b->bytes + home_shift(sc, b));
 }
 
-laden_status laden__sched_home_budget(const laden_sched_t *sc,
-                                      const blk *b, uint64_t taken)
+/* LADEN_E_BUDGET naming block b if its home does not fit the RAM budget
+ * beside `taken` bytes of homes (a cache schedule's budget is its
+ * engine's). */
+static laden_status home_budget(const laden_sched_t *sc, const blk *b,
+                                uint64_t taken)
 {
-    uint64_t budget = sc->cfg.ram_budget_bytes,
-             len = laden__sched_home_bytes(sc, b);
+    uint64_t budget = sc->cfg.ram_budget_bytes, len = home_bytes(sc, b);
     if (sc->cache.on || !budget || taken + len <= budget)
         return LADEN_OK;
     return laden__fail(LADEN_E_BUDGET,
@@ -829,9 +834,24 @@ laden_status laden__sched_home_budget(const laden_sched_t *sc,
 static laden_status host_memory(loader *l, blk *b, uint64_t *homes_bytes)
 {
     laden_sched_t *sc = l->sc;
-    laden_status s = laden__sched_home_budget(sc, b, *homes_bytes);
-    if (!s && !(s = laden__sched_host_memory(sc, b)))
-        *homes_bytes += laden__sched_home_bytes(sc, b);
+    laden_status s = home_budget(sc, b, *homes_bytes);
+    if (!s && !(s = block_host_memory(sc, b)))
+        *homes_bytes += home_bytes(sc, b);
+    return s;
+}
+
+/* A block encoded at load (laden__sched_compress's place, on the
+ * encoder that ended it): its host memory made now, where the loader
+ * would make it, within the RAM budget as the loader counts it (the
+ * loader's own check, with every home, comes after; this one refuses
+ * before the homes exceed it). */
+static laden_status place_encoded(laden_sched_t *sc, blk *b,
+                                  _Atomic uint64_t *taken)
+{
+    uint64_t len = home_bytes(sc, b);
+    laden_status s = home_budget(sc, b, atomic_fetch_add(taken, len));
+    if (!s && (s = block_host_memory(sc, b)))
+        laden__error_prefix("block %u", (unsigned)(b - sc->layout.b));
     return s;
 }
 
@@ -1032,7 +1052,9 @@ static laden_status begin(laden_sched_t *sc)
 {
     laden_status s;
     sc->load.trace_t0 = LADEN__TRACING() ? laden__now_ns() : 0;
-    if ((!sc->layout.laid_out && (s = laden__sched_compress(sc))) ||
+    if ((!sc->layout.laid_out &&
+         (s = laden__sched_compress(sc, sc->cache.on ? NULL
+                                                     : place_encoded))) ||
         (s = layout(sc)) || (s = laden__sched_share_open(sc)) ||
         (!sc->cache.on && (s = place_device_blocks(sc))) ||
         (s = loader_new(sc)))

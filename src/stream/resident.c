@@ -413,6 +413,15 @@ laden_status laden__sched_use_vram(laden_sched_t *sc, laden_vram_t *vram)
     return use_vram_cache(sc, vram);
 }
 
+uint64_t laden__sched_block_upload_bytes(const laden_sched_t *sc,
+                                         uint32_t block)
+{
+    if (!sc || block >= sc->layout.nb || !sc->cache.on || !sc->cuda ||
+        !sc->layout.laid_out)
+        return 0;
+    return sc->layout.b[block].has_ll ? 2 * sc->layout.max_blob : 0;
+}
+
 laden_status laden__sched_reserve_vram(laden_sched_t *sc,
                                        const uint8_t *want, uint32_t n)
 {
@@ -453,7 +462,7 @@ laden_status laden__sched_reserve_vram(laden_sched_t *sc,
             continue;
         uint64_t u = sc->cache.scratch[0]
                          ? 0
-                         : laden_sched_block_upload_bytes(sc, i);
+                         : laden__sched_block_upload_bytes(sc, i);
         up = u > up ? u : up;
         int64_t p0 = (int64_t)(b->voff / page);
         int64_t p1 = (int64_t)((b->voff + b->dev_bytes - 1) / page);

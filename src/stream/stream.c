@@ -94,10 +94,7 @@ uint64_t laden_sched_block_workspace_bytes(laden_sched_t *sc, uint32_t block)
 
 uint64_t laden_sched_block_upload_bytes(laden_sched_t *sc, uint32_t block)
 {
-    if (!sc || block >= sc->layout.nb || !sc->cache.on || !sc->cuda ||
-        !sc->layout.laid_out)
-        return 0;
-    return sc->layout.b[block].has_ll ? 2 * sc->layout.max_blob : 0;
+    return laden__sched_block_upload_bytes(sc, block);
 }
 
 uint64_t laden_sched_block_ram_bytes(laden_sched_t *sc, uint32_t block)

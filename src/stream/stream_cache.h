@@ -46,6 +46,10 @@ typedef struct sched_cache {
 
 #include "stream_internal.h"
 
+/* The device bytes of the two upload buffers a cache schedule's block
+ * needs to be made resident (laden_sched_block_upload_bytes). */
+uint64_t laden__sched_block_upload_bytes(const laden_sched_t *sc,
+                                         uint32_t block);
 laden_status laden__sched_set_resident(laden_sched_t *sc, uint32_t block,
                                        int on);
 laden_status laden__sched_take_resident(laden_sched_t *sc, uint32_t block,

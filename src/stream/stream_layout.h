@@ -347,10 +347,20 @@ laden_status laden__sched_mark_lossless(laden_sched_t *sc, uint32_t *out);
  * laden__sched_llc_free (destroy). */
 laden_status laden__sched_use_llc(laden_sched_t *sc, const char *dir);
 void laden__sched_llc_free(laden_sched_t *sc);
-/* Before the layout is fixed: the marked tensors of RAM-tier blocks read,
- * encoded (on several threads) and kept as host tensors holding their
- * blobs, the blocks packed again at their new sizes. */
-laden_status laden__sched_compress(laden_sched_t *sc);
+/* Where a block encoded at load is put (load.c's, handed down so that
+ * compress.c calls nothing above it): block b, packed at its coded
+ * sizes, given its host memory within the RAM budget, beside `taken`
+ * bytes of homes given so far (which it adds its own to). */
+typedef laden_status (*laden_sched_place_fn)(laden_sched_t *sc, blk *b,
+                                              _Atomic uint64_t *taken);
+/* Before the layout is fixed: the marked tensors of RAM-tier blocks read
+ * and encoded (on several threads), the blocks packed again at their new
+ * sizes.  With `place`, each block's blobs go into its host memory as
+ * soon as its last tensor is encoded; without, they are kept as host
+ * tensors holding their blobs (a cache schedule's, copied when each
+ * block is asked for). */
+laden_status laden__sched_compress(laden_sched_t *sc,
+                                   laden_sched_place_fn place);
 /* The blobs, once the load copied them (and at destroy). */
 void laden__sched_compress_free(laden_sched_t *sc);
 /* Tensor r's blob freed, if it holds one of the schedule's (its bytes are

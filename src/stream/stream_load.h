@@ -86,19 +86,6 @@ laden_status laden__sched_load_prepare(laden_sched_t *sc);
 /* Pins RAM-tier block b's host copy in place (CUDA streaming
  * schedules).  In parts.c: share.c, below load.c, calls it too. */
 laden_status laden__sched_pin_home(laden_sched_t *sc, blk *b);
-/* Block b's host memory made, where its kind of block keeps it (a home
- * by its packed bytes and read shift, or the CPU device's arena), if it
- * has none yet; mapped, not touched. */
-laden_status laden__sched_host_memory(laden_sched_t *sc, blk *b);
-/* What block b's host memory counts against the RAM budget: its home's
- * length (whole pages), 0 where it is not a home of a whole load's
- * budget (the CPU device's arena has its own). */
-uint64_t laden__sched_home_bytes(const laden_sched_t *sc, const blk *b);
-/* LADEN_E_BUDGET naming block b if its home does not fit the RAM budget
- * beside `taken` bytes of homes (a cache schedule's budget is its
- * engine's). */
-laden_status laden__sched_home_budget(const laden_sched_t *sc,
-                                      const blk *b, uint64_t taken);
 /* A background load's failure, as the error of the call that meets it. */
 laden_status laden__sched_load_failure(laden_sched_t *sc);
 laden_status laden__sched_reread(laden_sched_t *sc, uint32_t block,
