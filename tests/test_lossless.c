@@ -1656,8 +1656,11 @@ TEST(lossless_cache_uploads_take_their_buffers_in_turn)
  * loader then reads only what stays as stored (the noise) into the same
  * home, in place on CUDA (the shift the encoders mapped the home with is
  * the one the layout counts).  Every value as stored where the block
- * runs and by laden_sched_tensor_value.  Stopped by the progress callback once all is encoded, the
- * load fails typed and what it made is freed (ASan). */
+ * runs and by laden_sched_tensor_value.  Stopped by the progress
+ * callback once all is encoded, the load fails typed and what it made is
+ * freed (ASan); over a RAM budget the homes do not fit it fails as a
+ * budget (not as a stop); asked to share its host copy, the settled
+ * blocks stay private and every value is right. */
 static void whole_load_places_blocks(int32_t dev)
 {
     enum { NB = 6, N = 65536 };

@@ -650,23 +650,23 @@ laden_status laden__sched_check_cached(laden_sched_t *sc, blk *b)
                                       : laden__sched_check_blobs(sc, b, b->ram);
 }
 
-/* A block's encoded tensors (the pool's group: ll_settle), on the worker
- * that encoded the block's last: each blob kept becomes its tensor's,
- * the others are kept as stored.  On a whole load (not a cache's, which
- * fills each block's home when the block is asked for) the block is
- * packed and given its host memory here (st->place, load.c's), and the
- * blobs copied into it and freed: while the drive reads the blocks after
- * it, which a cold load waits for anyway.  Copied after every block was encoded, 1.6 GB of
- * blobs took 0.8 s of a 5.0 s cold load on the 2-core VM (a drive at
- * 0.6 GB/s), and a whole load held every blob beside its copy.  Only
- * this block's tensors and home are touched (one worker settles a
- * block); load.c lays out the same packing again. */
 typedef struct settling {
     laden_sched_t *sc;
     laden_sched_place_fn place; /* NULL: the blobs are only adopted */
     _Atomic uint64_t homes;     /* the homes' bytes given so far */
 } settling;
 
+/* A block's encoded tensors (the pool's group: ll_settle), on the worker
+ * that encoded the block's last: each blob kept becomes its tensor's,
+ * the others are kept as stored.  On a whole load (not a cache's, which
+ * fills each block's home when the block is asked for) the block is
+ * packed and given its host memory here (st->place, load.c's), and the
+ * blobs copied into it and freed: while the drive reads the blocks after
+ * it, which a cold load waits for anyway.  Copied after every block was
+ * encoded, 1.6 GB of blobs took 0.8 s of a 5.0 s cold load on the 2-core
+ * VM (a drive at 0.6 GB/s), and a whole load held every blob beside its
+ * copy.  Only this block's tensors and home are touched (one worker
+ * settles a block); load.c lays out the same packing again. */
 static laden_status settle_block(void *arg, ll_job *jobs, uint32_t n,
                                  const atomic_bool *stop)
 {
