@@ -133,7 +133,8 @@ fi
 if want cold; then
   # Issue 35's table: fresh processes, cold (drop_caches as root) and warm.
   log "bench/cold.py"
-  python3 bench/cold.py --drop-all ${COLD_ARGS:-} 2>&1 | tee "$OUT/cold.log"
+  # eval: COLD_ARGS may quote method names, which hold spaces
+  eval "python3 bench/cold.py --drop-all ${COLD_ARGS:-}" 2>&1 | tee "$OUT/cold.log"
 fi
 if want moe; then
   log "bench/moe.py (a Qwen3-MoE-shaped model under a quarter of its size)"
