@@ -782,6 +782,14 @@ static laden_status finish_oldest(loader *l, laden_status s)
     return s ? s : progress(l, f, last);
 }
 
+/* Whether block b's host copy is a home of its own (map_home): a cache
+ * schedule's, or a CUDA schedule's RAM tier; else the CPU device's arena
+ * or none. */
+static bool own_home(const laden_sched_t *sc, const blk *b)
+{
+    return sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda);
+}
+
 /* Where block b's bytes are kept in the host: its home (a cache
  * schedule's host copy, or a RAM-tier block of a CUDA schedule, pinned
  * once read: pin_home), or on the CPU device its place in the arena,
@@ -792,7 +800,7 @@ static laden_status block_host_memory(laden_sched_t *sc, blk *b)
 {
     if (b->ram || b->shared)
         return LADEN_OK;
-    if (sc->cache.on || (b->tier == LADEN_TIER_RAM && sc->cuda))
+    if (own_home(sc, b))
         return map_home(sc, b);
     if (b->tier != LADEN_TIER_RAM)
         return LADEN_OK;
@@ -807,7 +815,7 @@ static laden_status block_host_memory(laden_sched_t *sc, blk *b)
  * budget (the CPU device's arena has its own). */
 static uint64_t home_bytes(const laden_sched_t *sc, const blk *b)
 {
-    if (!sc->cache.on && !(b->tier == LADEN_TIER_RAM && sc->cuda))
+    if (!own_home(sc, b))
         return 0;
     return b->shared ? b->ram_len : home_len(b->bytes + home_shift(sc, b));
 }
